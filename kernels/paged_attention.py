@@ -1,0 +1,82 @@
+"""Attention over a paged KV cache: the torch reference (CPU path) and the dispatch the model calls.
+
+Cache layout per layer: K and V tensors [num_blocks, block_size, num_kv_heads, head_dim]. A sequence's
+token at position p lives in slot block_table[p // block_size] * block_size + p % block_size.
+A step's tokens are laid out prefills first (each sequence's new tokens one after another), then one
+token per decoding sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor           # [num_tokens] long: cache slot each new token's K/V goes to
+    prefill_query_lens: list[int]        # new tokens of each prefilling sequence
+    prefill_context_lens: list[int]      # its tokens in cache after this step (cached prefix + new)
+    prefill_block_tables: list[torch.Tensor]  # [blocks] long each
+    decode_block_tables: torch.Tensor    # [num_decodes, max_blocks] long (padded with 0)
+    decode_context_lens: torch.Tensor    # [num_decodes] long, including the new token
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.prefill_query_lens)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new tokens' K/V [T, kv_heads, head_dim] at their slots."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return block_table[..., positions // block_size] * block_size + positions % block_size
+
+
+def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+    """One sequence's new tokens q [n, heads, d] attend causally to its cached context (prefix + themselves)."""
+    n = q.shape[0]
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    slots = _slots(block_table, torch.arange(context_len, device=q.device), block_size)
+    k = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)
+    v = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)
+    qt = q.transpose(0, 1)
+    if n == context_len:
+        out = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # new query i sits at absolute position context_len - n + i
+        q_pos = torch.arange(context_len - n, context_len, device=q.device)
+        mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence q [B, heads, d] over its cached context; returns [B, heads, d]."""
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    max_len = int(context_lens.max())
+    positions = torch.arange(max_len, device=q.device)
+    slots = _slots(block_tables, positions, block_size)  # [B, max_len]
+    k = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(1, 2)  # [B, kv_heads, L, d]
+    v = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(1, 2)
+    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[:, :, 0, :]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write this step's K/V [T, kv_heads, d] into the cache, then attend; q [T, heads, d] -> [T, heads, d]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    start = 0
+    for n, ctx, table in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
+        out[start:start + n] = prefill_attention_ref(q[start:start + n], k_cache, v_cache, table, ctx, scale)
+        start += n
+    if start < q.shape[0]:
+        out[start:] = decode_attention_ref(q[start:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    return out

@@ -1,0 +1,78 @@
+"""`kvpilot` command line: `generate` (offline, one prompt) and `serve` (the HTTP server).
+
+Engine flags come from EngineConfig (one flag per field), so they mean the same everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvpilot.server.config import EngineConfig, add_model_args
+
+
+def _engine_config(ns: argparse.Namespace) -> EngineConfig:
+    values = {k: getattr(ns, k) for k in EngineConfig.model_fields if getattr(ns, k, None) is not None}
+    return EngineConfig(**values)
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    config = _engine_config(ns)
+    from kvpilot.server.engine.llm_engine import LLMEngine
+    from kvpilot.server.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=config.seed)
+    prompt = ns.prompt
+    if not ns.raw and engine.tokenizer.chat_template:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    engine.add_request(prompt, params)
+    finish = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.outputs[0].text_delta)
+            sys.stdout.flush()
+            finish = out.outputs[0].finish_reason
+    sys.stdout.write("\n")
+    print(f"[finish_reason={finish}]", file=sys.stderr)
+    return 0
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    try:
+        from kvpilot.server.api.app import run_server
+    except ImportError:
+        print("kvpilot serve: the HTTP server is not built yet (issue #5)", file=sys.stderr)
+        return 1
+    return run_server(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
+    add_model_args(gen, EngineConfig)
+    gen.set_defaults(func=_generate)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_model_args(serve, EngineConfig)
+    serve.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvpilot: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The engine's one configuration model, shared by the CLI, the offline `LLM`, the server and the operator.
+
+This module must stay importable without torch: the operator renders engine args from it.
+Field names follow vLLM's where vLLM has one, so `--max-num-seqs` means the same thing in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as "512MiB", "2G" or "1048576"."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?)?b?\s*", str(value), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a size: {value!r} (use e.g. 536870912, 512MiB or 2GiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes the engine. One flag per field: `--max-num-seqs 8` sets max_num_seqs."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = Field("smollm2-135m", description="Bundled model name or path to a GGUF file.")
+    served_model_name: str | None = Field(None, description="Name in the API and in metrics (default: the model's).")
+    max_model_len: int | None = Field(None, ge=16, description="Longest prompt + output in tokens (default: the model's context, capped by the KV cache).")
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine step.")
+    max_num_batched_tokens: int = Field(2048, ge=16, description="Token budget of one engine step (prefill chunks + decodes).")
+    block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts over several steps.")
+    kv_cache_memory: int = Field(1 << 30, ge=1 << 20, description="Bytes of KV cache on CPU (e.g. 1GiB).")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache (CUDA).")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
+    seed: int = Field(0, description="Seed of the engine's default random generator.")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores).")
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks the model is split over.")
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> int:
+        return parse_size(v)
+
+    @model_validator(mode="after")
+    def _budget_fits(self) -> "EngineConfig":
+        if self.max_model_len is not None and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("max_num_batched_tokens must be >= max_model_len when chunked prefill is off")
+        return self
+
+    def to_cli_args(self, include_defaults: bool = False) -> list[str]:
+        """The flags that reproduce this config (only non-defaults unless asked)."""
+        return model_to_args(self, include_defaults)
+
+    @classmethod
+    def from_cli_args(cls, argv: list[str]) -> "EngineConfig":
+        parser = argparse.ArgumentParser(prog="kvpilot", add_help=False)
+        add_model_args(parser, cls)
+        return cls(**{k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None})
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_model_args(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """One flag per field of `model`; unset flags parse as None so the model's defaults apply."""
+    for name, field in model.model_fields.items():
+        default = field.default
+        help_text = f"{field.description} (default: {default})"
+        if isinstance(default, bool):
+            parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(_flag(name), dest=name, default=None, help=help_text)
+
+
+def model_to_args(config: BaseModel, include_defaults: bool = False) -> list[str]:
+    args: list[str] = []
+    for name, field in type(config).model_fields.items():
+        value = getattr(config, name)
+        if value is None or (not include_defaults and value == field.default):
+            continue
+        if isinstance(value, bool):
+            args.append(_flag(name) if value else "--no-" + name.replace("_", "-"))
+        else:
+            args += [_flag(name), str(value)]
+    return args

@@ -1,0 +1,149 @@
+"""KV-cache block bookkeeping with prefix caching. Pure Python: no tensors.
+
+A full block's key is hash(parent key, its token ids, extra key); identical prefixes share blocks by
+reference count. A block whose count drops to zero stays cached (its hash remains findable) and sits
+in the free queue, in least-recently-freed order; it is evicted only when a fresh block is needed.
+Usage counts blocks held by live sequences: evictable cached blocks count as free.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvpilot.server.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def block_hash(parent: int | None, token_ids: tuple[int, ...], extra: object = None) -> int:
+    return hash((parent, token_ids, extra))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError("the KV cache must hold at least one block")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}   # block hash -> block id
+        # Counters for metrics (tokens).
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # --- queries -----------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (0–1)."""
+        return 1.0 - len(self.free) / len(self.blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- prefix cache -----------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding seq's leading full blocks (at least one token is always left to
+        compute, so the last prompt token's logits exist). Records queried and hit tokens."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
+        tokens = seq.token_ids()
+        usable = (len(tokens) - 1) // self.block_size
+        hits: list[int] = []
+        parent = None
+        for i in range(usable):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = block_hash(parent, chunk)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:  # re-check: hashes can collide
+                break
+            hits.append(block_id)
+            parent = h
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += len(hits) * self.block_size
+        return hits
+
+    # --- allocation -------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        have = len(seq.block_table) + len(cached)
+        need = self.blocks_needed(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens) - have
+        reusable = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # they leave the free queue
+        return need + reusable <= len(self.free)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        """Take the cached prefix blocks (first admission only) and enough fresh blocks for
+        num_new_tokens more tokens. All or nothing: returns False and changes nothing if short."""
+        if not self.can_allocate(seq, num_new_tokens, cached):
+            return False
+        parent = None
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(block.hash)
+            parent = block.hash
+        if cached:
+            seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_size
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        for _ in range(need):
+            seq.block_table.append(self._take_fresh())
+        return True
+
+    def _take_fresh(self) -> int:
+        block_id, _ = self.free.popitem(last=False)  # least recently freed first
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict it from the prefix cache
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """After a step: register seq's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = num_computed_tokens // self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), full):
+            chunk = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
+            h = block_hash(parent, chunk)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash, block.token_ids = h, chunk
+                self.cached.setdefault(h, block.block_id)  # an identical block computed alongside keeps the first
+            seq.block_hashes.append(h)
+            parent = h
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release seq's blocks. Tail blocks are freed first so they are evicted before the shared prefix."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise AssertionError(f"block {block_id} freed twice")
+            if block.ref_count == 0:
+                if block.hash is None or self.cached.get(block.hash) != block_id:
+                    block.hash, block.token_ids = None, ()
+                    self.free[block_id] = None
+                    self.free.move_to_end(block_id, last=False)  # uncached blocks are reused first
+                else:
+                    self.free[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []

@@ -1,0 +1,117 @@
+"""Scheduling policy: which sequences run in the next step, and how many tokens each computes.
+
+Each step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running
+sequences go first (decodes and unfinished prefill chunks), then waiting ones in arrival order.
+When blocks run out, the newest running sequence is preempted by recompute: its blocks are freed and
+it returns to the front of the waiting queue. Nothing is dropped or duplicated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvpilot.server.engine.block_manager import BlockManager
+from kvpilot.server.engine.sequence import Sequence, Status
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool = True):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        needed = self.bm.blocks_needed(seq.num_tokens + 1)
+        if needed > self.bm.num_blocks:
+            raise ValueError(f"prompt of {seq.num_tokens} tokens cannot fit in a KV cache of {self.bm.num_blocks} blocks of {self.bm.block_size}")
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate(seq, n):
+                victim = self.running.pop()  # the newest running sequence
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            break
+
+        # Waiting sequences are admitted only when nothing had to be preempted this step.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            seq = self.waiting[0]
+            cached = self.bm.match_prefix(seq) if not seq.block_table else []
+            n = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
+            if n > budget:
+                if not self.chunked:
+                    break
+                n = budget
+            if not self.bm.allocate(seq, n, cached):
+                self.bm.prefix_queries -= seq.num_tokens   # not admitted: this look-up does not count
+                self.bm.prefix_hits -= len(cached) * self.bm.block_size
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free_seq(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End seq (stop, length or abort) wherever it is and free its blocks at once."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.bm.free_seq(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.monotonic()

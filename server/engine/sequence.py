@@ -1,0 +1,73 @@
+"""One generation stream's state: tokens, KV blocks, progress, timing. Pure data, no tensors."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpilot.server.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int                            # which of the request's n outputs this is
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, cached blocks
+    num_computed_tokens: int = 0          # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0            # of the prompt, found in the prefix cache at admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Output text state (maintained by the engine's output processor).
+    text: str = ""
+    emitted_text_len: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # entry j: the token at j + 1
+    cumulative_logprob: float = 0.0
+    # Timing for metrics (time.monotonic seconds).
+    arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    detokenizer: Any = None
+    generator: Any = None                 # torch.Generator when the request is seeded
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

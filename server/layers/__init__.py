@@ -1,0 +1,1 @@
+"""Small building blocks of the model, one class per file."""

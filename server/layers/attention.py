@@ -1,0 +1,27 @@
+import torch
+from torch import nn
+
+from kvpilot.kernels.paged_attention import AttentionMetadata, paged_attention
+from kvpilot.server.layers.rotary import RotaryEmbedding
+
+
+class PagedSelfAttention(nn.Module):
+    """GQA self-attention whose K/V live in the paged cache (fused QKV projection)."""
+
+    def __init__(self, qkv: torch.Tensor, o: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.qkv = nn.Parameter(qkv, requires_grad=False)
+        self.o = nn.Parameter(o, requires_grad=False)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rotary = rotary
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = (x @ self.qkv.T).split([q_size, kv_size, kv_size], dim=-1)
+        q = self.rotary(positions, q.view(t, self.num_heads, self.head_dim))
+        k = self.rotary(positions, k.view(t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return out.reshape(t, q_size) @ self.o.T

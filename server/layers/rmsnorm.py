@@ -1,0 +1,17 @@
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 (as transformers does) and cast back."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)

@@ -1,0 +1,79 @@
+"""The Llama family (Llama 2/3, SmolLM, Qwen-less GQA models) over a paged KV cache."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpilot.kernels.paged_attention import AttentionMetadata
+from kvpilot.server.gguf_loader import GGUFFile, LlamaConfig, unpermute_rope_rows
+from kvpilot.server.layers.attention import PagedSelfAttention
+from kvpilot.server.layers.mlp import SwiGLU
+from kvpilot.server.layers.rmsnorm import RMSNorm
+from kvpilot.server.layers.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: PagedSelfAttention, mlp: SwiGLU, attn_norm: RMSNorm, mlp_norm: RMSNorm):
+        super().__init__()
+        self.attn, self.mlp, self.attn_norm, self.mlp_norm = attn, mlp, attn_norm, mlp_norm
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.attn(self.attn_norm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: torch.Tensor | None):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Parameter(embed, requires_grad=False)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        # A tied head reads the embedding matrix itself: no second copy in memory.
+        self.lm_head = nn.Parameter(lm_head, requires_grad=False) if lm_head is not None else None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed if self.lm_head is None else self.lm_head
+        return (hidden @ head.T).float()
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, dtype: torch.dtype, device: torch.device, progress: Callable[[int], None] | None = None) -> "LlamaModel":
+        c = gguf.llama_config()
+
+        def w(name: str) -> torch.Tensor:
+            t = gguf.tensor(name, dtype=torch.float32)
+            if progress:
+                progress(1)
+            return t
+
+        def to(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta).to(device)
+        layers = []
+        for i in range(c.num_layers):
+            p = f"blk.{i}."
+            q = unpermute_rope_rows(w(p + "attn_q.weight"), c.num_heads)
+            k = unpermute_rope_rows(w(p + "attn_k.weight"), c.num_kv_heads)
+            attn = PagedSelfAttention(to(torch.cat([q, k, w(p + "attn_v.weight")])), to(w(p + "attn_output.weight")),
+                                      c.num_heads, c.num_kv_heads, c.head_dim, rotary)
+            mlp = SwiGLU(to(torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")])), to(w(p + "ffn_down.weight")))
+            layers.append(DecoderLayer(attn, mlp, RMSNorm(to(w(p + "attn_norm.weight")), c.rms_norm_eps),
+                                       RMSNorm(to(w(p + "ffn_norm.weight")), c.rms_norm_eps)))
+        embed = to(w("token_embd.weight"))
+        head = None if c.tie_word_embeddings else to(w("output.weight"))
+        return cls(c, embed, layers, RMSNorm(to(w("output_norm.weight")), c.rms_norm_eps), head)
+
+    @staticmethod
+    def num_weight_tensors(gguf: GGUFFile) -> int:
+        return len(list(gguf.tensor_names()))

@@ -1,0 +1,33 @@
+"""Shared fixtures. Thread settings come first: torch must see them at import (see server/threads.py)."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import stdlib_operator_guard  # noqa: E402,F401  (records the stdlib `operator` before anything else)
+import pytest  # noqa: E402
+
+from oracle import hf_oracle_session  # noqa: E402,F401  (fixture)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stdlib_operator_stays_stdlib():
+    yield
+    stdlib_operator_guard.check()
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    from kvpilot.server.model_files import resolve_model_path
+
+    return resolve_model_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gguf_file(model_path):
+    from kvpilot.server.gguf_loader import GGUFFile
+
+    return GGUFFile(model_path)
