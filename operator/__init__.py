@@ -1,0 +1,1 @@
+"""kvpilot operator: the InferenceService CRD, reconciliation and autoscaling (kopf). torch-free."""

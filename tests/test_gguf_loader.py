@@ -1,0 +1,114 @@
+"""GGUF loading: dequantization bit-equal to the `gguf` package, the Q/K row permutation, clear errors."""
+
+import numpy as np
+import pytest
+import torch
+
+from gguf_factory import write_gguf
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
+
+
+def reference(gguf_file, name: str) -> np.ndarray:
+    import gguf
+
+    t = gguf_file.tensors[name]
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_dequantize_bit_equal_to_gguf(tmp_path, kind):
+    from kvpilot.server.gguf_loader import GGUFFile
+
+    rng = np.random.default_rng(0)
+    data = (rng.standard_normal((7, 96)) * 3).astype(np.float32)  # odd row count, several 32-blocks per row
+    f = GGUFFile(write_gguf(tmp_path / "t.gguf", {"w": (data, kind)}))
+    ours = f.tensor("w", torch.float32).numpy()
+    ref = reference(f, "w")
+    assert ours.shape == ref.shape == data.shape
+    assert np.array_equal(ours.view(np.uint32), ref.astype(np.float32).view(np.uint32)), f"{kind}: not bit-equal"
+    if kind != "F32":  # a real lossy round trip, not a copy of the input
+        assert not np.array_equal(ours, data)
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight", "blk.0.attn_norm.weight"])
+def test_bundled_model_tensors_bit_equal(gguf_file, name):
+    ours = gguf_file.tensor(name, torch.float32).numpy()
+    assert np.array_equal(ours.view(np.uint32), reference(gguf_file, name).astype(np.float32).view(np.uint32))
+
+
+def test_bundled_model_types(gguf_file):
+    from collections import Counter
+
+    kinds = Counter(t.tensor_type.name for t in gguf_file.tensors.values())
+    assert kinds == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+
+
+def test_qk_unpermute_matches_transformers(gguf_file, hf_oracle_session):
+    """Our un-permuted Q/K rows equal the q_proj/k_proj weights transformers loads from the same file."""
+    from kvpilot.server.gguf_loader import unpermute_rope_rows
+
+    c = gguf_file.llama_config()
+    hf = hf_oracle_session.model.model.layers
+    for layer in (0, c.num_layers - 1):
+        q = unpermute_rope_rows(gguf_file.tensor(f"blk.{layer}.attn_q.weight"), c.num_heads)
+        k = unpermute_rope_rows(gguf_file.tensor(f"blk.{layer}.attn_k.weight"), c.num_kv_heads)
+        assert torch.equal(q, hf[layer].self_attn.q_proj.weight.detach())
+        assert torch.equal(k, hf[layer].self_attn.k_proj.weight.detach())
+        # The stored layout really is permuted: loading it as is would be wrong.
+        assert not torch.equal(gguf_file.tensor(f"blk.{layer}.attn_q.weight"), q)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    from kvpilot.server.gguf_loader import unpermute_rope_rows
+
+    heads, head_dim, cols = 3, 8, 5
+    w = torch.randn(heads * head_dim, cols)
+    # llama.cpp's converter: per head, rows (first half, second half) -> interleaved pairs.
+    permuted = w.reshape(heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(w.shape)
+    assert torch.equal(unpermute_rope_rows(permuted, heads), w)
+
+
+def test_llama_config_of_bundled_model(gguf_file):
+    c = gguf_file.llama_config()
+    assert (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 1536, 9, 3, 64)
+    assert (c.vocab_size, c.max_position, c.rope_theta, c.tie_word_embeddings) == (49152, 8192, 100000.0, True)
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    from kvpilot.server.model_files import ModelNotFoundError, resolve_model_path
+
+    with pytest.raises(ModelNotFoundError, match="neither a bundled model"):
+        resolve_model_path(str(tmp_path / "nope.gguf"))
+
+
+def test_not_a_gguf_file(tmp_path):
+    from kvpilot.server.gguf_loader import GGUFError, GGUFFile
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not gguf at all" * 10)
+    with pytest.raises(GGUFError, match="not a readable GGUF"):
+        GGUFFile(bad)
+
+
+def test_unsupported_architecture(tmp_path):
+    from kvpilot.server.gguf_loader import GGUFError, GGUFFile
+
+    f = GGUFFile(write_gguf(tmp_path / "m.gguf", {"w": (np.ones((2, 32), np.float32), "F32")}, arch="mamba"))
+    with pytest.raises(GGUFError, match="architecture 'mamba' is not supported"):
+        f.llama_config()
+
+
+def test_unsupported_tensor_type(tmp_path):
+    from kvpilot.server.gguf_loader import GGUFError, GGUFFile
+
+    f = GGUFFile(write_gguf(tmp_path / "m.gguf", {"w": (np.ones((2, 256), np.float32), "Q5_0")}))
+    with pytest.raises(GGUFError, match="type Q5_0, which is not supported"):
+        f.tensor("w")
+
+
+def test_missing_tensor(gguf_file):
+    from kvpilot.server.gguf_loader import GGUFError
+
+    with pytest.raises(GGUFError, match="'output.weight' is missing"):
+        gguf_file.tensor("output.weight")
