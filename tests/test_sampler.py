@@ -1,0 +1,157 @@
+"""Sampler: exact masks on hand-built logits, penalties, seeds, stop strings, n, validation."""
+
+import math
+
+import pytest
+import torch
+
+from kvpilot.server.engine.sampler import Sampler, apply_penalties, filter_logits, mask_min_tokens
+from kvpilot.server.engine.sampling_params import SamplingParams
+from kvpilot.server.engine.sequence import Sequence
+
+NEG = float("-inf")
+
+
+def kept(logits: torch.Tensor) -> list[int]:
+    return torch.nonzero(logits > NEG).flatten().tolist()
+
+
+def test_top_k_mask_exact():
+    x = torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0])
+    assert kept(filter_logits(x, 2, 1.0, 0.0)) == [1, 3]
+    assert kept(filter_logits(x, 0, 1.0, 0.0)) == [0, 1, 2, 3, 4]
+
+
+def test_top_p_mask_exact():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    x = probs.log()
+    assert kept(filter_logits(x, 0, 0.5, 0.0)) == [0]        # 0.5 already reaches 0.5
+    assert kept(filter_logits(x, 0, 0.6, 0.0)) == [0, 1]
+    assert kept(filter_logits(x, 0, 0.81, 0.0)) == [0, 1, 2]
+    assert kept(filter_logits(x, 0, 0.01, 0.0)) == [0]       # the top token always stays
+
+
+def test_min_p_mask_exact():
+    x = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert kept(filter_logits(x, 0, 1.0, 0.5)) == [0, 1]     # keep p >= 0.25
+    assert kept(filter_logits(x, 0, 1.0, 0.2)) == [0, 1, 2]  # keep p >= 0.1
+
+
+def seq(prompt, output=(), **params):
+    s = Sequence(0, "r", 0, list(prompt), SamplingParams(**params))
+    s.output_token_ids = list(output)
+    return s
+
+
+def test_penalties_exact():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 1.0, 0.5]])
+    s = seq([0], [1, 2, 2], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    out = apply_penalties(logits.clone(), [s])
+    # token 0 (prompt): 2/2 = 1; token 1 (out x1): -2*2 - 0.5 - 0.25; token 2 (out x2): 1/2 - 1.0 - 0.25
+    assert torch.allclose(out, torch.tensor([[1.0, -4.75, -0.75, 1.0, 0.5]]))
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.zeros(1, 6)
+    s = seq([0], [4], min_tokens=3, stop_token_ids=[5])
+    mask_min_tokens(logits, [s], eos_token_id=2)
+    assert logits[0, 2] == NEG and logits[0, 5] == NEG and kept(logits[0]) == [0, 1, 3, 4]
+
+
+def test_greedy_and_temperature_zero():
+    sampler = Sampler(eos_token_id=None)
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
+    assert sampler(logits, [seq([0], temperature=0), seq([0], temperature=0)]).token_ids == [1, 0]
+
+
+def test_seeded_sampling_reproducible_and_follows_distribution():
+    logits = torch.tensor([[0.0, math.log(3.0), NEG]])  # probs 0.25, 0.75, 0
+    sampler = Sampler(eos_token_id=None)
+
+    def draw(seed, n=400):
+        s = seq([0], temperature=1.0, seed=seed)
+        s.generator = torch.Generator().manual_seed(seed)
+        return [sampler(logits, [s]).token_ids[0] for _ in range(n)]
+
+    a, b, c = draw(7), draw(7), draw(8)
+    assert a == b and a != c
+    assert 2 not in a
+    assert 0.65 < a.count(1) / len(a) < 0.85
+
+
+def test_logprobs_top_n():
+    sampler = Sampler(eos_token_id=None)
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
+    r = sampler(logits, [seq([0], temperature=0, logprobs=2)])
+    ref = torch.log_softmax(logits[0], -1)
+    assert r.logprobs[0] == pytest.approx({2: float(ref[2]), 1: float(ref[1])})
+    assert r.sampled_logprobs[0] == pytest.approx(float(ref[2]))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"min_p": 2.0}, "min_p"), ({"top_k": -5}, "top_k"),
+    ({"logprobs": 21}, "logprobs"), ({"stop": [""]}, "stop"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"presence_penalty": 3.0}, "presence_penalty"),
+])
+def test_invalid_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+# --- engine-level behaviour (real model) -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm():
+    from kvpilot.server import LLM
+
+    return LLM(num_threads=1, show_progress=False)
+
+
+def test_stop_string_across_tokens(llm):
+    prompt = "The capital of France is"
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    tok = llm.get_tokenizer()
+    # A stop string that spans a token boundary: the tail of one token + the head of the next.
+    pieces = [tok.decode([t]) for t in full.token_ids]
+    i = next(k for k in range(2, len(pieces) - 1) if len(pieces[k]) >= 2 and len(pieces[k + 1]) >= 2)
+    stop = pieces[i][-2:] + pieces[i + 1][:2]
+    expected = full.text[: full.text.index(stop)]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.text == expected and out.finish_reason == "stop" and out.stop_reason == stop
+    kept_ = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True))[0].outputs[0]
+    assert kept_.text == expected + stop
+
+
+def test_stop_token_ids_and_eos(llm):
+    full = llm.generate("1, 2, 3,", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    target = full.token_ids[3]
+    out = llm.generate("1, 2, 3,", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[target]))[0].outputs[0]
+    assert out.token_ids == full.token_ids[: full.token_ids.index(target) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, max_tokens=200))[0].outputs[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] == 2 and "<|im_end|>" not in chat.text
+
+
+def test_n_and_seed(llm):
+    p = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=123, ignore_eos=True)
+    a = llm.generate("Tell me a story", p)[0]
+    b = llm.generate("Tell me a story", p)[0]
+    assert [o.index for o in a.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+    assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in a.outputs)
+
+
+def test_min_tokens_and_max_tokens(llm):
+    out = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(temperature=0, min_tokens=40, max_tokens=40))[0].outputs[0]
+    assert len(out.token_ids) == 40 and 2 not in out.token_ids and out.finish_reason == "length"
+
+
+def test_prompt_too_long_and_empty(llm):
+    with pytest.raises(ValueError, match="maximum context"):
+        llm.generate([5] * 9000, SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", SamplingParams())
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([10**6], SamplingParams())
