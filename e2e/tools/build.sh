@@ -47,7 +47,17 @@ build_helm() {
   rm -rf "$d" && mv "$d.tmp" "$d"
 }
 
-targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(etcd kwok helm k8s)
+build_prometheus() {
+  local pkg=github.com/prometheus/common/version
+  local ld="-s -w -X $pkg.Version=$PROMETHEUS_VERSION -X $pkg.Branch=release -X $pkg.Revision=$PROMETHEUS_MODULE_VERSION"
+  local d="$bindir/prometheus-$PROMETHEUS_VERSION"
+  built "prometheus-$PROMETHEUS_VERSION/prometheus" && return
+  mkdir -p "$d.tmp"
+  (cd "$here/prometheus" && go build -trimpath -ldflags "$ld" -o "$d.tmp/prometheus" github.com/prometheus/prometheus/cmd/prometheus)
+  rm -rf "$d" && mv "$d.tmp" "$d"
+}
+
+targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(etcd kwok helm prometheus k8s)
 for t in "${targets[@]}"; do
   start=$(date +%s)
   "build_$t"

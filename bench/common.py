@@ -1,0 +1,54 @@
+"""Shared benchmark helpers: busy-machine guard, workload, machine peak, result table."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import sys
+import time
+
+
+def refuse_if_busy(max_load: float = 0.8, force: bool = False) -> None:
+    """Numbers from a busy machine are noise: refuse (and say so) unless forced."""
+    load1 = os.getloadavg()[0]
+    if load1 > max_load and not force:
+        sys.exit(f"bench: refusing to run, the 1-minute load average is {load1:.2f} (> {max_load}); "
+                 "wait for the machine to be idle or pass --force")
+
+
+def offline_workload(n: int = 64, seed: int = 0, vocab: int = 49152, prompt=(32, 512), output=(32, 256)):
+    """nano-vllm's protocol scaled down: random token prompts and output lengths, fixed seed."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(*prompt))] for _ in range(n)]
+    outputs = [rng.randint(*output) for _ in range(n)]
+    return prompts, outputs
+
+
+def matmul_peak_gflops(threads: int, size: int = 1024, reps: int = 20) -> float:
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        a @ b
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * size**3 * reps / (time.perf_counter() - t) / 1e9
+
+
+def machine() -> str:
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor()
+    return f"{os.cpu_count()} cores, {cpu}, Python {platform.python_version()}"
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    line = "| " + " | ".join(c.ljust(widths[c]) for c in cols) + " |"
+    sep = "|" + "|".join("-" * (widths[c] + 2) for c in cols) + "|"
+    body = ["| " + " | ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols) + " |" for r in rows]
+    return "\n".join([line, sep, *body])
