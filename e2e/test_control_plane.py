@@ -236,5 +236,7 @@ def test_teardown_leaves_no_process_or_port(tmp_path):
             alive = False
         assert not alive, f"{name} (pid {pid}) still running"
     for name, port in ports.items():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))  # free again
+        assert not port_open("127.0.0.1", port), f"{name} still listens on {port}"
+        with socket.socket() as s:  # and nobody holds it (TIME_WAIT leftovers are fine, hence SO_REUSEADDR)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))

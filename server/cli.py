@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvpilot.server.config import EngineConfig, add_model_args
+from kvpilot.server.config import EngineConfig, ServerConfig, add_model_args
 
 
 def _engine_config(ns: argparse.Namespace) -> EngineConfig:
@@ -39,11 +39,11 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    try:
-        from kvpilot.server.api.app import run_server
-    except ImportError:
-        print("kvpilot serve: the HTTP server is not built yet (issue #5)", file=sys.stderr)
-        return 1
+    from kvpilot.server.threads import configure_threads
+
+    configure_threads(ns.num_threads)  # before torch and the server load
+    from kvpilot.server.api.app import run_server
+
     return run_server(ns)
 
 
@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_model_args(serve, EngineConfig)
+    add_model_args(serve, ServerConfig)
     serve.set_defaults(func=_serve)
     return parser
 

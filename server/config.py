@@ -94,3 +94,16 @@ def model_to_args(config: BaseModel, include_defaults: bool = False) -> list[str
         else:
             args += [_flag(name), str(value)]
     return args
+
+
+class ServerConfig(BaseModel):
+    """HTTP-server settings of `kvpilot serve` (engine settings stay in EngineConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 = any free port).")
+    api_key: str | None = Field(None, description="Require `Authorization: Bearer <key>` (or env KVPILOT_API_KEY).")
+    max_waiting_requests: int = Field(256, ge=1, description="Requests allowed to wait; beyond it, 429 with Retry-After.")
+    shutdown_grace_seconds: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")

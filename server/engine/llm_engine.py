@@ -105,13 +105,13 @@ class LLMEngine:
         self.requests[request_id] = _Request(request_id, text, ids, seqs)
         return request_id
 
-    def abort_request(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return False
-        for seq in req.seqs:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at once (its blocks are freed); returns its final output, or None if unknown."""
+        if request_id not in self.requests:
+            return None
+        for seq in self.requests[request_id].seqs:
             self.scheduler.finish(seq, "abort")
-        return True
+        return self._request_output(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

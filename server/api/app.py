@@ -1,0 +1,227 @@
+"""The FastAPI app (OpenAI routes, health, metrics, tokenize) and `kvpilot serve` with our own SIGTERM drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from kvpilot.server.api import errors
+from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from kvpilot.server.api.errors import APIError, param_of
+from kvpilot.server.api.metrics import EngineMetrics
+from kvpilot.server.api.openai_serving import OpenAIServing
+from kvpilot.server.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvpilot.server.config import EngineConfig, ServerConfig
+
+log = logging.getLogger("kvpilot.server")
+VERSION = "0.1.0"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    serving: OpenAIServing
+    metrics: EngineMetrics
+    config: ServerConfig
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="kvpilot", version=VERSION)
+    app.state.kv = state
+    errors.install(app)
+    serving = state.serving
+
+    @app.exception_handler(QueueFullError)
+    async def _full(request: Request, e: QueueFullError):
+        return errors.error_response(429, f"server overloaded: {e}; retry later", code="queue_full", headers={"Retry-After": "1"})
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, e: EngineDeadError):
+        return errors.error_response(503, str(e), code="engine_unavailable")
+
+    @app.exception_handler(ValueError)
+    async def _value(request: Request, e: ValueError):
+        return errors.error_response(400, str(e), param_of(e))
+
+    async def authorized(request: Request) -> None:
+        key = state.config.api_key
+        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key")
+
+    async def accepting() -> None:
+        if state.draining:
+            raise APIError(503, "server is shutting down", code="draining", headers={"Connection": "close"})
+        if not state.engine.alive:
+            raise EngineDeadError("the engine is not running")
+
+    def respond(result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def check_capacity(jobs: int) -> None:
+        e = state.engine
+        if e.num_waiting() + jobs > e.max_waiting_requests:
+            raise QueueFullError(f"{e.num_waiting()} requests are already waiting (limit {e.max_waiting_requests})")
+
+    guarded = [Depends(authorized), Depends(accepting)]
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(req: CompletionRequest):
+        serving.check_model(req.model)
+        params = req.params()
+        prompts = req.prompts()
+        check_capacity(len(prompts))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return respond(await serving.completions(prompts, params, req.stream, include_usage))
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat(req: ChatCompletionRequest):
+        serving.check_model(req.model)
+        params = req.params()
+        check_capacity(1)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        messages = [m.as_template_dict() for m in req.messages]
+        return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, include_usage, req.top_logprobs or 0))
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": int(state.started),
+                                             "owned_by": "kvpilot", "max_model_len": serving.max_model_len}]}
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(req: TokenizeRequest):
+        serving.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
+        text = req.prompt if req.prompt is not None else serving.chat_prompt([m.as_template_dict() for m in req.messages], req.add_generation_prompt)
+        ids = serving.tokenizer.encode(text)
+        return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(req: DetokenizeRequest):
+        serving.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < serving.tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {serving.tokenizer.vocab_size}), got {bad[:5]}", "tokens")
+        return {"prompt": serving.tokenizer.decode(req.tokens)}
+
+    @app.get("/version", dependencies=[Depends(authorized)])
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/health")
+    async def health():
+        if not state.engine.alive:
+            return errors.error_response(503, "engine loop is not running", code="engine_unavailable")
+        return PlainTextResponse("ok")
+
+    @app.get("/ready")
+    async def ready():
+        if state.draining:
+            return errors.error_response(503, "draining", code="draining")
+        if not state.engine.alive:
+            return errors.error_response(503, "engine loop is not running", code="engine_unavailable")
+        return PlainTextResponse("ready")
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_progress: bool = True) -> ServerState:
+    from kvpilot.server.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config, show_progress=show_progress)
+    async_engine = AsyncEngine(engine, server_config.max_waiting_requests)
+    metrics = EngineMetrics(engine, engine.served_model_name, pending=lambda: async_engine._pending)
+    async_engine.on_step = lambda _engine, outputs, _dt: metrics.observe(outputs)
+    serving = OpenAIServing(async_engine, engine.tokenizer, engine.served_model_name, engine.max_model_len)
+    return ServerState(async_engine.start(), serving, metrics, server_config)
+
+
+def run_server(ns) -> int:
+    """`kvpilot serve`: load, serve until SIGTERM/SIGINT, drain, exit 0."""
+    import uvicorn
+
+    engine_config = EngineConfig(**{k: getattr(ns, k) for k in EngineConfig.model_fields if getattr(ns, k, None) is not None})
+    server_values = {k: getattr(ns, k) for k in ServerConfig.model_fields if getattr(ns, k, None) is not None}
+    server_values.setdefault("api_key", os.environ.get("KVPILOT_API_KEY") or None)
+    server_config = ServerConfig(**server_values)
+    logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    state = create_state(engine_config, server_config)
+    app = build_app(state)
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="warning",
+                            timeout_graceful_shutdown=5, access_log=False, lifespan="off")
+    server = DrainingServer(config, state)
+    server.run()
+    state.engine.stop()
+    return 0
+
+
+class DrainingServer:
+    """uvicorn, but SIGTERM/SIGINT first drains: /ready turns 503 and new requests get 503 at once,
+    in-flight requests get up to shutdown_grace_seconds to finish, then the server exits.
+    (uvicorn's own handler would stop accepting connections at once.)"""
+
+    def __init__(self, config, state: ServerState):
+        import uvicorn
+
+        drain = self._drain_requested
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):  # called by uvicorn's signal capture
+                drain(sig)
+
+        self.state = state
+        self.server = _Server(config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._signals = 0
+
+    def _drain_requested(self, sig) -> None:
+        self._signals += 1
+        if self._signals > 1:  # a second signal: stop now
+            self.server.should_exit = True
+        if self._loop and self._stop:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    def run(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        serve = asyncio.create_task(self.server.serve())
+        while not self.server.started and not serve.done():
+            await asyncio.sleep(0.05)
+        if self.server.started:
+            sock = self.server.servers[0].sockets[0].getsockname() if self.server.servers else None
+            host, port = (sock[0], sock[1]) if sock else (self.server.config.host, self.server.config.port)
+            print(f"kvpilot: serving {self.state.serving.model_name} — ready at http://{host}:{port}", file=sys.stderr, flush=True)
+        waiter = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({serve, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if self._stop.is_set() and not serve.done():
+            self.state.draining = True
+            grace = self.state.config.shutdown_grace_seconds
+            log.info("shutdown requested: draining %d in-flight requests (grace %.0fs)", self.state.engine.num_in_flight(), grace)
+            deadline = time.monotonic() + grace
+            while self.state.engine.num_in_flight() and time.monotonic() < deadline and not self.server.should_exit:
+                await asyncio.sleep(0.1)
+            self.server.should_exit = True
+            await serve
+        waiter.cancel()

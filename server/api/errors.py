@@ -1,0 +1,63 @@
+"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def sse_error(status: int, message: str, param: str | None = None) -> str:
+    return f"data: {json.dumps(error_body(status, message, param))}\n\n"
+
+
+def param_of(error: ValueError) -> str | None:
+    """Our ValueErrors start with the offending field's name (SamplingParams.validate)."""
+    param = getattr(error, "param", None)
+    if param:
+        return param
+    first = str(error).split(" ", 1)[0]
+    return first if first.isidentifier() else None
+
+
+def install(app) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None, "invalid_json")
+        if first.get("type") == "extra_forbidden":
+            return error_response(400, f"unknown parameter '{'.'.join(loc)}'", ".".join(loc) or None, "unknown_parameter")
+        parts = [f"{'.'.join(str(x) for x in err.get('loc', []) if x != 'body') or 'body'}: {err.get('msg')}" for err in errs[:5]]
+        return error_response(400, "; ".join(parts), ".".join(loc) or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        message = {404: f"no route {request.method} {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return error_response(e.status_code, message, headers=getattr(e, "headers", None))

@@ -1,0 +1,90 @@
+"""Prometheus metrics of the engine (names and meanings: shared/DESIGN.md §4), labelled model_name.
+
+Gauges and the engine's own monotonic counters (prefix cache, preemptions) are read at scrape time,
+so they are never stale; per-request histograms and counters are recorded as outputs arrive.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvpilot.server.engine.llm_engine import LLMEngine
+from kvpilot.server.engine.outputs import RequestOutput
+
+disable_created_metrics()  # no *_created series: they double the output and nothing here reads them
+P = "kvpilot:"
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine: LLMEngine, model_name: str, pending: callable):
+        self.engine, self.model_name, self.pending = engine, model_name, pending
+
+    def collect(self):
+        s = self.engine.stats()
+        labels = [self.model_name]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("kv_cache_usage_perc", "KV-cache blocks held by live requests, 0-1 (evictable prefix-cache blocks count as free).", s.kv_cache_usage)
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting + self.pending())
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        yield counter("num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.", s.num_preemptions)
+
+
+class EngineMetrics:
+    def __init__(self, engine: LLMEngine, model_name: str, pending: callable = lambda: 0):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(engine, model_name, pending))
+        kw = dict(labelnames=["model_name"], registry=self.registry)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", **kw).labels(model_name)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", **kw).labels(model_name)
+        self.success = Counter(P + "request_success", "Finished requests by finish reason.",
+                               labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive output tokens.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
+        self._seen: dict[str, tuple[int, float]] = {}  # request id -> (output tokens so far, time of last token)
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """Called from the engine thread with each step's outputs (and aborted requests)."""
+        now = time.monotonic()
+        for out in outputs:
+            total = sum(len(o.token_ids) for o in out.outputs)
+            prev = self._seen.get(out.request_id)
+            m = out.metrics
+            if prev is None:
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                if m and m.scheduled_time is not None:
+                    self.queue_time.observe(m.scheduled_time - m.arrival_time)
+                if m and m.first_token_time is not None and total:
+                    self.ttft.observe(m.first_token_time - m.arrival_time)
+                prev = (0, m.first_token_time if m and m.first_token_time else now)
+            elif total > prev[0]:
+                new = total - prev[0]
+                gap = (now - prev[1]) / new
+                for _ in range(new):
+                    self.itl.observe(gap)
+            self.generation_tokens.inc(total - prev[0])
+            self._seen[out.request_id] = (total, now if total > prev[0] else prev[1])
+            if out.finished:
+                self._seen.pop(out.request_id, None)
+                for o in out.outputs:
+                    self.success.labels(self.model_name, o.finish_reason or "abort").inc()
+                if m:
+                    self.e2e.observe((m.finish_time or now) - m.arrival_time)

@@ -1,0 +1,256 @@
+"""Completions and chat completions over the AsyncEngine: request -> engine streams -> OpenAI JSON / SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from kvpilot.server.api.errors import APIError, sse_error
+from kvpilot.server.engine.outputs import RequestOutput
+from kvpilot.server.engine.sampling_params import SamplingParams
+from kvpilot.server.tokenizer import GGUFTokenizer
+
+log = logging.getLogger("kvpilot.requests")
+
+
+@dataclass
+class RequestLog:
+    """One structured line per request; never the prompt text."""
+
+    request_id: str
+    endpoint: str
+    arrival: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    first_token: float | None = None
+    status: str = "ok"
+
+    def emit(self) -> None:
+        now = time.monotonic()
+        log.info(json.dumps({"request_id": self.request_id, "endpoint": self.endpoint, "status": self.status,
+                             "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                             "ttft_s": round(self.first_token - self.arrival, 4) if self.first_token else None,
+                             "total_s": round(now - self.arrival, 4)}))
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer: GGUFTokenizer, model_name: str, max_model_len: int):
+        self.engine, self.tokenizer, self.model_name, self.max_model_len = engine, tokenizer, model_name, max_model_len
+
+    # --- shared -------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(400, f"model '{model}' does not exist; this server serves '{self.model_name}'", "model", "model_not_found")
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """Tokenize and check lengths before anything is streamed, so errors are plain 400s."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)}", "prompt", "context_length_exceeded")
+        if params.max_tokens is None:
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} and max_tokens is {params.max_tokens}",
+                           "max_tokens", "context_length_exceeded")
+        return ids, params
+
+    async def _merged(self, jobs: list[tuple[str, list[int], SamplingParams]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run several engine requests at once and yield (job index, output) as they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, rid: str, ids: list[int], params: SamplingParams):
+            try:
+                async for out in self.engine.generate(ids, params, rid):
+                    await queue.put((i, out))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, rid, ids, p)) for i, (rid, ids, p) in enumerate(jobs)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()  # client gone or error: abort the engine requests still running
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # --- completions ----------------------------------------------------------------------------
+    def completion_logprobs(self, entries: list[dict[int, float]], token_ids: list[int], offset: int = 0) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(token_ids, entries):
+            text = self._token_text(tid)
+            tokens.append(text)
+            token_lps.append(entry[tid])
+            tops.append({self._token_text(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, entries: list[dict[int, float]], token_ids: list[int], top_n: int) -> dict:
+        content = []
+        for tid, entry in zip(token_ids, entries):
+            text = self._token_text(tid)
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+            content.append({"token": text, "logprob": entry[tid], "bytes": list(self.tokenizer.token_bytes(tid)),
+                            "top_logprobs": [{"token": self._token_text(t), "logprob": lp, "bytes": list(self.tokenizer.token_bytes(t))} for t, lp in top]})
+        return {"content": content}
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+    def _jobs(self, prompts: list[str | list[int]], params: SamplingParams, rid: str) -> list[tuple[str, list[int], SamplingParams]]:
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            ids, p = self.prepare(prompt, SamplingParams(**{f: getattr(params, f) for f in params.__slots__}))
+            jobs.append((f"{rid}-{i}", ids, p))
+        return jobs
+
+    async def completions(self, prompts: list[str | list[int]], params: SamplingParams, stream: bool, include_usage: bool) -> dict | AsyncIterator[str]:
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        jobs = self._jobs(prompts, params, rid)
+        created = int(time.time())
+        rlog = RequestLog(rid, "completions", prompt_tokens=sum(len(j[1]) for j in jobs))
+        n = params.n
+
+        def choice(i: int, out: RequestOutput, o, text: str, token_ids: list[int], logprobs) -> dict:
+            return {"index": i * n + o.index, "text": text,
+                    "logprobs": self.completion_logprobs(logprobs, token_ids) if logprobs is not None else None,
+                    "finish_reason": o.finish_reason if out.finished or o.finish_reason else None, "stop_reason": o.stop_reason}
+
+        if not stream:
+            finals: dict[int, RequestOutput] = {}
+            try:
+                async for i, out in self._merged(jobs):
+                    rlog.first_token = rlog.first_token or time.monotonic()
+                    if out.finished:
+                        finals[i] = out
+            except BaseException:
+                rlog.status = "error"
+                raise
+            finally:
+                rlog.output_tokens = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
+                rlog.emit()
+            choices = [choice(i, finals[i], o, o.text, o.token_ids, o.logprobs) for i in sorted(finals) for o in finals[i].outputs]
+            return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
+
+        async def sse() -> AsyncIterator[str]:
+            sent_tokens: dict[tuple[int, int], int] = {}
+            try:
+                async for i, out in self._merged(jobs):
+                    rlog.first_token = rlog.first_token or time.monotonic()
+                    for o in out.outputs:
+                        k = (i, o.index)
+                        start = sent_tokens.get(k, 0)
+                        if not o.text_delta and not o.finish_reason and start == len(o.token_ids):
+                            continue
+                        sent_tokens[k] = len(o.token_ids)
+                        lp = o.logprobs[start:] if o.logprobs is not None else None
+                        chunk = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                                 "choices": [choice(i, out, o, o.text_delta, o.token_ids[start:], lp)]}
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                rlog.output_tokens = sum(sent_tokens.values())
+                if include_usage:
+                    yield f"data: {json.dumps({'id': rid, 'object': 'text_completion', 'created': created, 'model': self.model_name, 'choices': [], 'usage': self._usage(rlog.prompt_tokens, rlog.output_tokens)})}\n\n"
+                yield "data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                rlog.status = "client_disconnected"
+                raise
+            except (QueueFullError, EngineDeadError, ValueError) as e:  # after the 200 went out: report in-stream
+                rlog.status = "error"
+                yield sse_error(429 if isinstance(e, QueueFullError) else 503 if isinstance(e, EngineDeadError) else 400, str(e))
+                yield "data: [DONE]\n\n"
+            finally:
+                rlog.output_tokens = sum(sent_tokens.values())
+                rlog.emit()
+
+        return sse()
+
+    # --- chat ----------------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # template errors (e.g. raise_exception for a bad role order) are the client's
+            raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
+
+    async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams, stream: bool,
+                   include_usage: bool, top_logprobs: int) -> dict | AsyncIterator[str]:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = self._jobs([self.chat_prompt(messages, add_generation_prompt)], params, rid)
+        created = int(time.time())
+        rlog = RequestLog(rid, "chat.completions", prompt_tokens=len(jobs[0][1]))
+
+        if not stream:
+            final = None
+            try:
+                async for _, out in self._merged(jobs):
+                    rlog.first_token = rlog.first_token or time.monotonic()
+                    if out.finished:
+                        final = out
+            except BaseException:
+                rlog.status = "error"
+                raise
+            finally:
+                rlog.output_tokens = sum(len(o.token_ids) for o in final.outputs) if final else 0
+                rlog.emit()
+            choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                        "logprobs": self.chat_logprobs(o.logprobs, o.token_ids, top_logprobs) if o.logprobs is not None else None,
+                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in final.outputs]
+            return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                    "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
+
+        async def sse() -> AsyncIterator[str]:
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+            sent_tokens: dict[int, int] = {}
+            try:
+                for i in range(params.n):  # the role comes first, as OpenAI sends it
+                    yield f"data: {json.dumps({**base, 'choices': [{'index': i, 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None, 'finish_reason': None}]})}\n\n"
+                async for _, out in self._merged(jobs):
+                    rlog.first_token = rlog.first_token or time.monotonic()
+                    for o in out.outputs:
+                        start = sent_tokens.get(o.index, 0)
+                        if not o.text_delta and not o.finish_reason and start == len(o.token_ids):
+                            continue
+                        sent_tokens[o.index] = len(o.token_ids)
+                        lp = self.chat_logprobs(o.logprobs[start:], o.token_ids[start:], top_logprobs) if o.logprobs is not None else None
+                        delta = {"content": o.text_delta} if o.text_delta or not o.finish_reason else {}
+                        yield f"data: {json.dumps({**base, 'choices': [{'index': o.index, 'delta': delta, 'logprobs': lp, 'finish_reason': o.finish_reason, 'stop_reason': o.stop_reason}]})}\n\n"
+                rlog.output_tokens = sum(sent_tokens.values())
+                if include_usage:
+                    yield f"data: {json.dumps({**base, 'choices': [], 'usage': self._usage(rlog.prompt_tokens, rlog.output_tokens)})}\n\n"
+                yield "data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                rlog.status = "client_disconnected"
+                raise
+            except (QueueFullError, EngineDeadError, ValueError) as e:  # after the 200 went out: report in-stream
+                rlog.status = "error"
+                yield sse_error(429 if isinstance(e, QueueFullError) else 503 if isinstance(e, EngineDeadError) else 400, str(e))
+                yield "data: [DONE]\n\n"
+            finally:
+                rlog.output_tokens = sum(sent_tokens.values())
+                rlog.emit()
+
+        return sse()
