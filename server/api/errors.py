@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -11,6 +12,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
           429: "rate_limit_error", 503: "service_unavailable_error"}
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|.*\[.*\])$")
 
 
 class APIError(Exception):
@@ -49,7 +53,8 @@ def install(app) -> None:
     async def _validation(request: Request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
+        # pydantic adds union-branch tags (`str`, `list[int]`, …) to locations: they are not field names
+        loc = [str(x) for x in first.get("loc", []) if x != "body" and not _TYPE_TAG.match(str(x))]
         if first.get("type") == "json_invalid":
             return error_response(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None, "invalid_json")
         if first.get("type") == "extra_forbidden":

@@ -1,0 +1,250 @@
+"""The HTTP server, driven by real clients (the official `openai` client and httpx) on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_harness import ServerProcess, metrics
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    s = ServerProcess("--max-num-seqs", "8", "--max-waiting-requests", "16", "--kv-cache-memory", "256MiB",
+                      "--max-model-len", "2048", log_path=log).wait_ready()
+    yield s
+    assert s.terminate() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+def test_chat_and_completion_basic(client):
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.completion_tokens <= 16 and chat.usage.prompt_tokens > 10
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert comp.choices[0].text.strip().startswith("Paris")
+    assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == 8
+
+
+def test_models_endpoint(client):
+    (m,) = client.models.list().data
+    assert m.id == MODEL
+
+
+def test_streamed_text_equals_non_streamed(client):
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=24, temperature=0.8, seed=42)
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage is not None and chunks[-1].choices == []
+    comp_kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0.7, seed=7)
+    text = client.completions.create(**comp_kw).choices[0].text
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **comp_kw)) == text
+
+
+def test_seed_reproducible_and_n(client):
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=1234, n=2, extra_body={"ignore_eos": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text
+    assert sorted(c.index for c in a.choices) == [0, 1]
+    assert a.usage.completion_tokens == 2 * 12
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=1.0, n=2, seed=3)
+    assert len(chat.choices) == 2
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
+    assert " 6" in full
+    cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 6"])
+    assert cut.choices[0].text == full[: full.index(" 6")] and cut.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4 and all(len(t) >= 3 for t in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs)
+    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(x.top_logprobs) == 2 for x in content)
+
+
+def test_greedy_http_equals_offline_llm(client):
+    from kvpilot.server import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def add(a, b):", "Water boils at"]
+    llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="64MiB")
+    offline = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    http = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+            for p in prompts]
+    assert http == offline
+
+
+def test_tokenize_detokenize_version(server):
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert r["tokens"] and r["count"] == len(r["tokens"])
+    assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
+    chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()
+    assert chat["tokens"][0] == 1  # <|im_start|> from the template, not a prepended BOS
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+@pytest.mark.parametrize("path,body,status,param,needle", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "top_p"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 400, "model", "does not exist"),
+    ("/v1/completions", {"prompt": "hello " * 3000}, 400, "prompt", "maximum context length"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "maximum context length"),
+    ("/v1/completions", {"prompt": 42}, 400, "prompt", "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+    ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate", "unknown parameter"),
+    ("/v1/completions", {"prompt": []}, 400, None, "empty"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "role"),
+    ("/detokenize", {"tokens": [10**7]}, 400, "tokens", "token ids"),
+])
+def test_bad_input_is_a_clear_400(server, path, body, status, param, needle):
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+    if param:
+        assert err["param"] == param
+
+
+def test_malformed_json_404_405(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"]
+
+
+def test_metrics_are_true(server, client):
+    before = metrics(server.url)
+    prompts = ["Count to five:", "The sky is", "Cats are"]
+    total_prompt = 0
+    for p in prompts:
+        r = client.completions.create(model=MODEL, prompt=p, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+        total_prompt += r.usage.prompt_tokens
+    client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=30, temperature=0, stop=[","])
+    after = metrics(server.url)
+
+    def d(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    p = "kvpilot:"
+    assert d(p + "request_success_total{finished_reason=length}") == 3
+    assert d(p + "request_success_total{finished_reason=stop}") == 1
+    assert d(p + "generation_tokens_total") >= 21
+    assert d(p + "prompt_tokens_total") == total_prompt + len(__import__("httpx").post(server.url + "/tokenize", json={"prompt": "1, 2, 3,"}).json()["tokens"])
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert d(p + h + "_count") == 4, h
+        assert d(p + h + "_sum") > 0 or h == "request_queue_time_seconds"
+    assert d(p + "inter_token_latency_seconds_count") >= 3 * 6
+    assert after[p + "num_requests_running"] == 0 and after[p + "num_requests_waiting"] == 0
+    assert d(p + "prefix_cache_queries_total") > 0
+    assert after[p + "kv_cache_usage_perc"] == 0.0
+
+
+def test_kv_usage_rises_while_requests_hold_blocks_and_returns(server):
+    seen = []
+    body = {"prompt": "Write a long essay about rivers.", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        for i, line in enumerate(r.iter_lines()):
+            if i % 10 == 0:
+                m = metrics(server.url)
+                seen.append((m["kvpilot:kv_cache_usage_perc"], m["kvpilot:num_requests_running"]))
+    assert max(u for u, _ in seen) > 0 and max(n for _, n in seen) == 1
+    end = metrics(server.url)
+    assert end["kvpilot:kv_cache_usage_perc"] == 0.0 and end["kvpilot:num_requests_running"] == 0
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    before = metrics(server.url)
+    body = {"prompt": "Tell me everything about the ocean.", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 10:
+                break  # leave mid-stream
+    assert metrics(server.url)["kvpilot:kv_cache_usage_perc"] >= 0  # the server is still there
+
+    def freed():
+        m = metrics(server.url)
+        return m["kvpilot:num_requests_running"] == 0 and m["kvpilot:kv_cache_usage_perc"] == 0.0
+
+    deadline = time.monotonic() + 20
+    while not freed() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert freed()
+    after = metrics(server.url)
+    assert after.get("kvpilot:request_success_total{finished_reason=abort}", 0) - before.get("kvpilot:request_success_total{finished_reason=abort}", 0) == 1
+    assert after["kvpilot:generation_tokens_total"] - before["kvpilot:generation_tokens_total"] < 1500
+
+
+def test_health_answers_fast_while_engine_is_saturated(server):
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def load():
+        with httpx.Client(timeout=120) as c:
+            while not stop.is_set():
+                r = c.post(server.url + "/v1/completions", json={"prompt": "Describe a city. " * 40, "max_tokens": 40, "ignore_eos": True})
+                if r.status_code >= 500:
+                    errors.append(r.text)
+
+    threads = [threading.Thread(target=load) for _ in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(3)
+        worst = 0.0
+        for _ in range(10):
+            t0 = time.monotonic()
+            assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.3)
+        assert metrics(server.url)["kvpilot:num_requests_running"] >= 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    print(f"worst /health latency under load: {worst * 1000:.0f} ms")
+    assert worst < 2.0 and not errors
+
+
+def test_request_log_lines_have_no_prompt(server):
+    secret = "zebra-unicorn-prompt-text"
+    httpx.post(server.url + "/v1/completions", json={"prompt": secret, "max_tokens": 2}, timeout=60)
+    time.sleep(0.5)
+    lines = [json.loads(l.split("kvpilot.requests: ", 1)[1]) for l in server.log().splitlines() if "kvpilot.requests: " in l]
+    assert lines and {"request_id", "prompt_tokens", "output_tokens", "ttft_s", "total_s", "status"} <= set(lines[-1])
+    assert secret not in server.log()

@@ -1,0 +1,113 @@
+"""Server behaviour under overload, with an API key, on SIGTERM, and under schema fuzzing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_harness import ServerProcess, metrics
+
+
+def test_overload_gets_429_with_retry_after_and_server_survives(tmp_path):
+    s = ServerProcess("--max-num-seqs", "4", "--max-waiting-requests", "16", "--kv-cache-memory", "128MiB",
+                      log_path=tmp_path / "log").wait_ready()
+    try:
+        async def burst():
+            limits = httpx.Limits(max_connections=200)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+                body = {"prompt": "Write a haiku about load.", "max_tokens": 16, "ignore_eos": True}
+                return await asyncio.gather(*(c.post(s.url + "/v1/completions", json=body) for _ in range(200)), return_exceptions=True)
+
+        results = asyncio.run(burst())
+        codes = [r.status_code if isinstance(r, httpx.Response) else repr(r) for r in results]
+        rejected = [r for r in results if isinstance(r, httpx.Response) and r.status_code == 429]
+        assert all(c in (200, 429) for c in codes), sorted(set(map(str, codes)))
+        assert rejected and sum(c == 200 for c in codes) >= 16
+        assert all(r.headers.get("retry-after") == "1" and r.json()["error"]["code"] == "queue_full" for r in rejected)
+        assert httpx.get(s.url + "/health").status_code == 200
+        m = metrics(s.url)
+        assert m["kvpilot:num_requests_waiting"] == 0 and m["kvpilot:kv_cache_usage_perc"] == 0.0
+        assert m["kvpilot:request_success_total{finished_reason=length}"] == sum(c == 200 for c in codes)
+    finally:
+        assert s.terminate() == 0
+
+
+def test_api_key(tmp_path):
+    s = ServerProcess("--kv-cache-memory", "64MiB", env={"KVPILOT_API_KEY": "sekret-key-123"}, log_path=tmp_path / "log").wait_ready()
+    try:
+        body = {"prompt": "hi", "max_tokens": 2}
+        r = httpx.post(s.url + "/v1/completions", json=body)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret-key-123"}).status_code == 200
+        assert httpx.get(s.url + "/v1/models").status_code == 401
+        for open_path in ("/health", "/ready", "/metrics"):
+            assert httpx.get(s.url + open_path).status_code == 200
+    finally:
+        s.terminate()
+    assert "sekret-key-123" not in s.log()
+
+
+def test_sigterm_drains_in_flight_then_exits_zero(tmp_path):
+    s = ServerProcess("--kv-cache-memory", "64MiB", "--shutdown-grace-seconds", "30", log_path=tmp_path / "log").wait_ready()
+    result: dict = {}
+
+    def long_request():
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Tell a story", "max_tokens": 80, "ignore_eos": True}, timeout=60)
+        result["status"], result["body"] = r.status_code, r.json()
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 20
+    while metrics(s.url)["kvpilot:num_requests_running"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    s.proc.send_signal(__import__("signal").SIGTERM)
+    time.sleep(0.3)
+    ready = httpx.get(s.url + "/ready")
+    new = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert ready.status_code == 503 and new.status_code == 503 and new.json()["error"]["code"] == "draining"
+    assert s.proc.wait(40) == 0
+    t.join(10)
+    assert result["status"] == 200 and result["body"]["usage"]["completion_tokens"] == 80  # finished, not cut
+
+
+def test_schema_fuzzing_finds_no_5xx(tmp_path):
+    """schemathesis drives the app's own OpenAPI schema (~50 examples per operation, max_tokens capped)."""
+    import schemathesis
+    from hypothesis import HealthCheck, settings
+
+    s = ServerProcess("--kv-cache-memory", "64MiB", "--max-model-len", "512", log_path=tmp_path / "log").wait_ready()
+    try:
+        schema = schemathesis.openapi.from_url(s.url + "/openapi.json")
+        failures: list[str] = []
+        start = time.monotonic()
+        for op in schema.get_all_operations():
+            operation = op.ok()
+            if operation.path in ("/metrics",):
+                continue
+
+            @settings(max_examples=40 if operation.method.upper() == "POST" else 5, deadline=None,
+                      suppress_health_check=list(HealthCheck))
+            def run(case):
+                if isinstance(case.body, dict) and operation.path.startswith("/v1/"):
+                    # keep each case cheap: bounded output, one choice (the limits themselves have their own tests)
+                    case.body["max_tokens"] = 8
+                    case.body.pop("max_completion_tokens", None)
+                    case.body["n"] = 1
+                response = case.call(timeout=60)
+                if response.status_code >= 500:
+                    failures.append(f"{operation.method} {operation.path} -> {response.status_code}: {response.text[:300]} body={case.body!r}"[:800])
+
+            operation.as_strategy()  # fails early if the operation cannot be generated
+            from hypothesis import given
+
+            given(case=operation.as_strategy())(run)()
+            assert time.monotonic() - start < 180, "fuzzing exceeded its time budget"
+        assert not failures, "\n".join(failures[:5])
+        assert httpx.get(s.url + "/health").status_code == 200
+    finally:
+        s.terminate()
