@@ -1,0 +1,1 @@
+"""Pure functions: InferenceService spec -> Kubernetes manifests (dicts). No API calls here."""

@@ -1,0 +1,136 @@
+"""Engine-specific container builders: image, command, args, probe paths. One function per engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpilot.operator.crd_types import InferenceServiceSpec
+from kvpilot.server.config import EngineConfig
+
+PORT = 8000
+MODEL_DIR = "/models"
+DEFAULT_IMAGES = {
+    "kvpilot": "kvpilot/engine:0.1.0",
+    "vllm": "vllm/vllm-openai:v0.11.0",
+    "sglang": "lmsysorg/sglang:v0.5.3",
+}
+SHUTDOWN_GRACE_SECONDS = 30
+
+
+@dataclass(slots=True)
+class EngineContainer:
+    image: str
+    command: list[str]
+    args: list[str]
+    ready_path: str
+    health_path: str
+    env: list[dict] = field(default_factory=list)
+
+
+def model_argument(spec: InferenceServiceSpec) -> str:
+    """What the engine is told to load: a bundled name, a path under /models, or a hub repo."""
+    src = spec.model.source
+    if src.startswith("pvc://"):
+        return f"{MODEL_DIR}/pvc/{src.split('/', 3)[3]}"
+    if src.startswith("https://"):
+        return f"{MODEL_DIR}/download/{src.rsplit('/', 1)[-1]}"
+    if src.startswith("hf://"):
+        parts = src[len("hf://"):].split("/", 2)
+        if len(parts) == 3 and spec.engine == "kvpilot":  # a GGUF file inside the repo, downloaded first
+            return f"{MODEL_DIR}/download/{parts[2].rsplit('/', 1)[-1]}"
+        return "/".join(parts[:2])
+    return src
+
+
+def served_name(spec: InferenceServiceSpec, name: str) -> str:
+    return spec.model.served_name or name
+
+
+def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
+    s = spec.engine_settings
+    values = {"model": model_argument(spec), "served_model_name": served_name(spec, name),
+              "tensor_parallel_size": s.tensor_parallel_size}
+    for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
+              "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory", "dtype"):
+        v = getattr(s, f)
+        if v is not None:
+            values[f] = v
+    if spec.resources.cpu_only:
+        values["device"] = "cpu"
+    # EngineConfig validates here, in the operator, so a bad combination is a status condition, not a crash loop.
+    engine_args = EngineConfig(**values).to_cli_args()
+    args = ["serve", "--host", "$(POD_IP)", "--port", str(PORT), "--shutdown-grace-seconds", str(SHUTDOWN_GRACE_SECONDS), *engine_args]
+    return EngineContainer(spec.image or DEFAULT_IMAGES["kvpilot"], ["kvpilot"], args, "/ready", "/health")
+
+
+def vllm_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
+    s = spec.engine_settings
+    args = ["--model", model_argument(spec), "--served-model-name", served_name(spec, name), "--host", "$(POD_IP)",
+            "--port", str(PORT), "--tensor-parallel-size", str(s.tensor_parallel_size)]
+    flags = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+             "block_size": "--block-size", "gpu_memory_utilization": "--gpu-memory-utilization", "dtype": "--dtype"}
+    for f, flag in flags.items():
+        if getattr(s, f) is not None:
+            args += [flag, str(getattr(s, f))]
+    if s.enable_prefix_caching is not None:
+        args.append("--enable-prefix-caching" if s.enable_prefix_caching else "--no-enable-prefix-caching")
+    if s.enable_chunked_prefill is not None:
+        args.append("--enable-chunked-prefill" if s.enable_chunked_prefill else "--no-enable-chunked-prefill")
+    if s.quantization not in (None, "none"):
+        args += ["--quantization", s.quantization]
+    if s.speculative:
+        cfg = {"method": "ngram" if s.speculative.method == "ngram" else "draft_model",
+               "num_speculative_tokens": s.speculative.num_speculative_tokens}
+        if s.speculative.draft_model:
+            cfg["model"] = s.speculative.draft_model.removeprefix("hf://")
+        import json
+
+        args += ["--speculative-config", json.dumps(cfg, separators=(",", ":"))]
+    return EngineContainer(spec.image or DEFAULT_IMAGES["vllm"], ["vllm", "serve"], args, "/health", "/health")
+
+
+def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
+    s = spec.engine_settings
+    args = ["--model-path", model_argument(spec), "--served-model-name", served_name(spec, name), "--host", "$(POD_IP)",
+            "--port", str(PORT), "--tp-size", str(s.tensor_parallel_size),
+            "--enable-metrics"]  # SGLang exports no metrics without it, and the autoscaler needs them
+    flags = {"max_model_len": "--context-length", "max_num_seqs": "--max-running-requests",
+             "max_num_batched_tokens": "--chunked-prefill-size", "gpu_memory_utilization": "--mem-fraction-static", "dtype": "--dtype"}
+    for f, flag in flags.items():
+        if getattr(s, f) is not None:
+            args += [flag, str(getattr(s, f))]
+    if s.enable_prefix_caching is False:
+        args.append("--disable-radix-cache")
+    if s.quantization not in (None, "none"):
+        args += ["--quantization", s.quantization]
+    if s.speculative:
+        algo = "NGRAM" if s.speculative.method == "ngram" else "STANDALONE"
+        args += ["--speculative-algorithm", algo, "--speculative-num-draft-tokens", str(s.speculative.num_speculative_tokens)]
+        if s.speculative.draft_model:
+            args += ["--speculative-draft-model-path", s.speculative.draft_model.removeprefix("hf://")]
+    return EngineContainer(spec.image or DEFAULT_IMAGES["sglang"], ["python3", "-m", "sglang.launch_server"], args, "/health", "/health")
+
+
+def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
+    """Settings the chosen engine cannot honour yet: reported as Degraded instead of starting pods
+    that would fail or silently ignore them."""
+    s, problems = spec.engine_settings, []
+    if spec.engine == "kvpilot":
+        if s.quantization not in (None, "none"):
+            problems.append(f"engineSettings.quantization={s.quantization} is not implemented by the kvpilot engine yet (use engine vllm)")
+        if s.speculative:
+            problems.append("engineSettings.speculative is not implemented by the kvpilot engine yet (use engine vllm)")
+        if s.tensor_parallel_size > 1:
+            problems.append("engineSettings.tensorParallelSize > 1 is not implemented by the kvpilot engine yet (use engine vllm)")
+        if spec.model.source.startswith("hf://") and spec.model.source.count("/") < 4:
+            problems.append("the kvpilot engine loads GGUF files: give hf://org/repo/file.gguf")
+    return problems
+
+
+BUILDERS = {"kvpilot": kvpilot_container, "vllm": vllm_container, "sglang": sglang_container}
+
+
+def engine_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
+    c = BUILDERS[spec.engine](spec, name)
+    c.args += list(spec.extra_args)
+    return c

@@ -1,0 +1,148 @@
+"""InferenceService -> Deployment, Service, PodDisruptionBudget, PodMonitor. Pure functions of the spec."""
+
+from __future__ import annotations
+
+from kvpilot.operator.builders.engines import MODEL_DIR, PORT, SHUTDOWN_GRACE_SECONDS, engine_container
+from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, VERSION, InferenceServiceSpec
+
+ENGINE_LABEL = f"{GROUP}/engine"
+DOWNLOADER_IMAGE = "curlimages/curl:8.11.1"
+HF_DOWNLOADER_IMAGE = "python:3.12-slim"
+STARTUP_BUDGET_SECONDS = 1800  # model download + load on a cold node
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {ISVC_LABEL: name}
+
+
+def common_labels(name: str, spec: InferenceServiceSpec | None = None) -> dict[str, str]:
+    labels = {**selector_labels(name), MANAGED_BY[0]: MANAGED_BY[1], "app.kubernetes.io/name": "kvpilot-engine",
+              "app.kubernetes.io/instance": name}
+    if spec is not None:
+        labels[ENGINE_LABEL] = spec.engine
+    return labels
+
+
+def owner_reference(name: str, uid: str) -> dict:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": name, "uid": uid, "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
+    return {"name": name, "namespace": namespace, "labels": common_labels(name, spec), "ownerReferences": [owner_reference(name, uid)]}
+
+
+def desired_replicas(spec: InferenceServiceSpec) -> int:
+    return spec.replicas if spec.replicas is not None else spec.min_replicas
+
+
+def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:
+    """Volumes, mounts and init containers that put the model file where the engine reads it."""
+    src = spec.model.source
+    if src.startswith("pvc://"):
+        claim = src.split("/", 3)[2]
+        return ([{"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+                [{"name": "model", "mountPath": f"{MODEL_DIR}/pvc", "readOnly": True}], [])
+    if src.startswith("https://") or (src.startswith("hf://") and src.count("/") >= 4 and spec.engine == "kvpilot"):
+        filename = src.rsplit("/", 1)[-1]
+        if src.startswith("https://"):
+            init = {"name": "download-model", "image": DOWNLOADER_IMAGE,
+                    "args": ["-fL", "--retry", "5", "-o", f"{MODEL_DIR}/download/{filename}", src]}
+        else:
+            repo, path = "/".join(src[5:].split("/", 2)[:2]), src[5:].split("/", 2)[2]
+            init = {"name": "download-model", "image": HF_DOWNLOADER_IMAGE, "command": ["sh", "-c"],
+                    "args": [f"pip install -q huggingface_hub && python -c \"from huggingface_hub import hf_hub_download as d; "
+                             f"import shutil; shutil.copy(d('{repo}', '{path}'), '{MODEL_DIR}/download/{filename}')\""]}
+        init["volumeMounts"] = [{"name": "model", "mountPath": f"{MODEL_DIR}/download"}]
+        return ([{"name": "model", "emptyDir": {}}], [{"name": "model", "mountPath": f"{MODEL_DIR}/download"}], [init])
+    return [], [], []
+
+
+def _resources(spec: InferenceServiceSpec) -> dict:
+    r = spec.resources
+    limits: dict[str, str] = {}
+    requests: dict[str, str] = {}
+    if not r.cpu_only:
+        limits[r.gpu_resource] = str(spec.engine_settings.tensor_parallel_size)
+    if r.cpu:
+        limits["cpu"] = requests["cpu"] = r.cpu
+    if r.memory:
+        limits["memory"] = requests["memory"] = r.memory
+    out = {"limits": limits}
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
+    c = engine_container(spec, name)
+    volumes, mounts, inits = _model_volumes(spec)
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}, *c.env,
+           *({"name": e.name, "value": e.value} for e in spec.env)]
+    container = {
+        "name": "engine", "image": c.image, "command": c.command, "args": c.args, "env": env,
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "resources": _resources(spec),
+        "startupProbe": {"httpGet": {"path": c.health_path, "port": "http"}, "periodSeconds": 5,
+                         "failureThreshold": STARTUP_BUDGET_SECONDS // 5},
+        "readinessProbe": {"httpGet": {"path": c.ready_path, "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": c.health_path, "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+        "volumeMounts": [*mounts, {"name": "shm", "mountPath": "/dev/shm"}],
+    }
+    node_selector = dict(spec.resources.node_selector)
+    if spec.resources.gpu_product and not spec.resources.cpu_only:
+        node_selector["nvidia.com/gpu.product"] = spec.resources.gpu_product
+    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.resources.tolerations]
+    if not spec.resources.cpu_only:
+        tolerations.append({"key": spec.resources.gpu_resource, "operator": "Exists", "effect": "NoSchedule"})
+    pod_labels = {**spec.pod_labels, **common_labels(name, spec)}
+    pod_annotations = {**spec.pod_annotations, "prometheus.io/scrape": "true", "prometheus.io/port": str(PORT), "prometheus.io/path": "/metrics"}
+    pod_spec = {
+        "containers": [container],
+        "volumes": [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}],
+        "terminationGracePeriodSeconds": SHUTDOWN_GRACE_SECONDS + 15,  # the engine drains in-flight requests first
+        "enableServiceLinks": False,
+    }
+    if inits:
+        pod_spec["initContainers"] = inits
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, namespace, uid, spec),
+        "spec": {
+            "replicas": desired_replicas(spec),
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec},
+        },
+    }
+
+
+def service(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, namespace, uid, spec),
+            "spec": {"selector": selector_labels(name), "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def pod_disruption_budget(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(name, namespace, uid, spec),
+            "spec": {"selector": {"matchLabels": selector_labels(name)}, "maxUnavailable": 1}}
+
+
+def pod_monitor(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": _meta(name, namespace, uid, spec),
+            "spec": {"selector": {"matchLabels": selector_labels(name)},
+                     "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}]}}
+
+
+def endpoint_url(name: str, namespace: str) -> str:
+    return f"http://{name}.{namespace}.svc:{PORT}/v1"
+
+
+def render(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, with_pod_monitor: bool = False) -> list[dict]:
+    """Every object an InferenceService owns, in apply order."""
+    objs = [deployment(name, namespace, uid, spec), service(name, namespace, uid, spec), pod_disruption_budget(name, namespace, uid, spec)]
+    if with_pod_monitor:
+        objs.append(pod_monitor(name, namespace, uid, spec))
+    return objs

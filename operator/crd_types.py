@@ -1,0 +1,180 @@
+"""The InferenceService API (serving.kvpilot.dev/v1alpha1): spec and status as pydantic models.
+
+This file is the single source of truth: crds/ (and the chart's copy) is generated from it by
+`make crds` (kvpilot.operator.crd_gen), and a test fails when the YAML is stale. Fields are camelCase
+in the API (aliases); every field is documented; CEL rules validate in the API server. Strings and
+lists that CEL reads carry maxLength/maxItems so rule costs stay within the API server's budget.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP, VERSION, KIND, PLURAL = "serving.kvpilot.dev", "v1alpha1", "InferenceService", "inferenceservices"
+ISVC_LABEL = f"{GROUP}/inferenceservice"     # on every object we create, and every engine pod
+MANAGED_BY = ("app.kubernetes.io/managed-by", "kvpilot")
+MODEL_SOURCE_PATTERN = r"^(https://\S+\.gguf|hf://[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+(/\S+)?|pvc://[a-z0-9][a-z0-9.-]*/\S+|[a-z0-9][a-z0-9.-]*)$"
+
+
+def cel(rule: str, message: str, field_path: str | None = None) -> dict:
+    r = {"rule": rule, "message": message}
+    if field_path:
+        r["fieldPath"] = field_path
+    return r
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class ModelSpec(_Model):
+    """Which model to serve."""
+
+    source: str = Field(max_length=512, pattern=MODEL_SOURCE_PATTERN, description=(
+        "Where the weights come from: a bundled model name (e.g. smollm2-135m), an https:// URL of a .gguf "
+        "file, hf://org/repo[/file] (Hugging Face), or pvc://claim/path (a file on a PersistentVolumeClaim)."))
+    served_name: str | None = Field(None, max_length=128, description="Model name in the OpenAI API and in metrics (default: the InferenceService name).")
+
+
+class SpeculativeSpec(_Model):
+    """Speculative decoding: a proposer drafts tokens that the model verifies in one pass."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              json_schema_extra={"x-kubernetes-validations": [
+                                  cel("self.method != 'draft' || has(self.draftModel)", "method 'draft' needs draftModel", ".draftModel")]})
+    method: Literal["ngram", "draft"] = Field("ngram", description="ngram: prompt lookup; draft: a small draft model sharing the tokenizer.")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Tokens proposed per step.")
+    draft_model: str | None = Field(None, max_length=512, pattern=MODEL_SOURCE_PATTERN, description="Draft model source (method draft only).")
+
+
+class EngineSettings(_Model):
+    """Engine settings; each maps to the engine's own flag (for kvpilot: kvpilot.server.config.EngineConfig)."""
+
+    max_model_len: int | None = Field(None, ge=16, description="Longest prompt + output in tokens (default: the model's).")
+    max_num_seqs: int | None = Field(None, ge=1, le=4096, description="Most sequences batched in one step.")
+    max_num_batched_tokens: int | None = Field(None, ge=16, description="Token budget of one step.")
+    block_size: int | None = Field(None, ge=1, le=256, description="Tokens per KV-cache block.")
+    enable_prefix_caching: bool | None = Field(None, description="Reuse KV blocks of identical prompt prefixes.")
+    enable_chunked_prefill: bool | None = Field(None, description="Split long prompts over several steps.")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="Fraction of GPU memory for weights and KV cache.")
+    kv_cache_memory: str | None = Field(None, max_length=32, pattern=r"^\d+(\.\d+)?([KMG]i?)?B?$", description="KV-cache size for CPU engines, e.g. 1GiB.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(None, description="Compute dtype.")
+    quantization: Literal["none", "int8", "int4", "fp8", "awq", "gptq"] | None = Field(None, description="Weight quantization.")
+    tensor_parallel_size: int = Field(1, ge=1, le=16, description="Ranks the model is split over; also the GPUs per pod.")
+    speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (off when absent).")
+
+
+class Toleration(_Model):
+    key: str | None = Field(None, max_length=253, description="Taint key.")
+    operator: Literal["Exists", "Equal"] | None = Field(None, description="Exists or Equal.")
+    value: str | None = Field(None, max_length=253, description="Taint value (with Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(None, description="Taint effect.")
+    toleration_seconds: int | None = Field(None, description="For NoExecute: how long the pod stays bound.")
+
+
+class ResourceSpec(_Model):
+    """Where and with what the engine pods run. GPUs per pod = engine.tensorParallelSize."""
+
+    gpu_product: str | None = Field(None, max_length=128, description="Required GPU model, matched on the node label nvidia.com/gpu.product.")
+    gpu_resource: str = Field("nvidia.com/gpu", max_length=128, description="Extended resource name of a GPU.")
+    cpu_only: bool = Field(False, description="Run without GPUs (the kvpilot engine's CPU path; for tests and demos).")
+    cpu: str | None = Field(None, max_length=32, description="CPU request and limit, e.g. '4'.")
+    memory: str | None = Field(None, max_length=32, description="Memory request and limit, e.g. 16Gi.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Extra node labels pods must match.")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Taints the pods tolerate.")
+
+
+class AutoscalingSpec(_Model):
+    """Scaling on the engines' KV-cache utilization and queue depth, read from Prometheus."""
+
+    enabled: bool = Field(True, description="Off: spec.replicas is honoured as set.")
+    target_kv_cache_utilization: float = Field(0.7, gt=0, le=1, description="Mean KV-cache utilization per ready pod to aim for (0-1).")
+    target_queue_depth: float = Field(4.0, gt=0, description="Mean waiting requests per ready pod to aim for.")
+    tolerance: float = Field(0.1, ge=0, lt=1, description="No change while every signal is within this fraction of its target.")
+    interval_seconds: int = Field(15, ge=1, le=600, description="How often to evaluate.")
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600, description="Scale down only to the highest recommendation of this window.")
+    metrics_stale_after_seconds: int | None = Field(None, ge=1, description="A sample older than this is stale (default 3 x interval).")
+
+
+class InferenceServiceSpec(_Model):
+    """An LLM served by engine pods, autoscaled on KV-cache utilization and queue depth."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", json_schema_extra={
+        "x-kubernetes-validations": [
+            cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas", ".minReplicas"),
+            cel("!has(self.replicas) || (self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)",
+                "replicas must be within [minReplicas, maxReplicas]", ".replicas"),
+            cel("self.engine == 'kvpilot' || !has(self.resources) || !self.resources.cpuOnly",
+                "resources.cpuOnly is only possible with engine kvpilot", ".resources.cpuOnly"),
+        ]})
+    model: ModelSpec = Field(description="The model to serve.")
+    engine: Literal["kvpilot", "vllm", "sglang"] = Field("kvpilot", description="Inference engine: kvpilot (bundled), vllm or sglang.")
+    image: str | None = Field(None, max_length=512, description="Engine image (default per engine).")
+    engine_settings: EngineSettings = Field(default_factory=EngineSettings, description="Engine settings.")
+    resources: ResourceSpec = Field(default_factory=ResourceSpec, description="GPUs, CPU/memory and placement.")
+    replicas: int | None = Field(None, ge=0, description="Desired pods; written by the autoscaler (scale subresource) when autoscaling is on.")
+    min_replicas: int = Field(1, ge=0, description="Fewest pods. Must be >= 1 until scale-to-zero exists.",
+                              json_schema_extra={"x-kubernetes-validations": [cel("self >= 1", "minReplicas: 0 (scale to zero) is not supported yet; use 1 or more")]})
+    max_replicas: int = Field(3, ge=1, le=1000, description="Most pods.")
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Autoscaling on engine metrics.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables of the engine container.")
+    extra_args: list[str] = Field(default_factory=list, max_length=64, description="Extra engine command-line arguments (appended).")
+    pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations of the engine pods.")
+    pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels of the engine pods.")
+
+
+class EnvVar(_Model):
+    name: str = Field(max_length=256, description="Variable name.")
+    value: str = Field("", max_length=4096, description="Value.")
+
+
+InferenceServiceSpec.model_rebuild()
+
+
+# --- status -------------------------------------------------------------------------------------
+
+class Condition(_Model):
+    type: str = Field(description="Ready, Progressing, Degraded or ScalingActive.")
+    status: Literal["True", "False", "Unknown"] = Field(description="Condition status.")
+    reason: str = Field("", description="CamelCase reason.")
+    message: str = Field("", description="Human-readable details.")
+    last_transition_time: str | None = Field(None, description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(None, description="Generation this condition was computed for.")
+
+
+class MetricsSnapshot(_Model):
+    kv_cache_utilization: str | None = Field(None, description="Mean KV-cache utilization of ready pods (0-1), as last seen.")
+    queue_depth: str | None = Field(None, description="Mean waiting requests per ready pod, as last seen.")
+    pods: int | None = Field(None, description="Pods the metrics came from.")
+    time: str | None = Field(None, description="When they were read (RFC 3339).")
+
+
+class ScalingEvent(_Model):
+    time: str = Field(description="When (RFC 3339).")
+    from_replicas: int = Field(alias="from", description="Replicas before.")
+    to_replicas: int = Field(alias="to", description="Replicas after.")
+    reason: str = Field(description="Why, with the numbers behind it.")
+
+
+class InferenceServiceStatus(_Model):
+    observed_generation: int | None = Field(None, description="The spec generation last reconciled.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded, ScalingActive.")
+    replicas: int | None = Field(None, description="Pods that exist (scale subresource status).")
+    ready_replicas: int | None = Field(None, description="Pods that are ready.")
+    updated_replicas: int | None = Field(None, description="Pods running the current spec.")
+    desired_replicas: int | None = Field(None, description="What the autoscaler (or spec.replicas) asks for.")
+    selector: str | None = Field(None, description="Label selector of the pods (scale subresource).")
+    endpoint: str | None = Field(None, description="In-cluster OpenAI API base URL.")
+    last_metrics: MetricsSnapshot | None = Field(None, description="Engine metrics last seen by the autoscaler.")
+    last_scale_time: str | None = Field(None, description="When replicas last changed (RFC 3339).")
+    scaling_history: list[ScalingEvent] = Field(default_factory=list, description="The last few scaling decisions, newest last.")
+
+
+class InferenceService(_Model):
+    api_version: str = Field(f"{GROUP}/{VERSION}")
+    kind: str = Field(KIND)
+    spec: InferenceServiceSpec
+    status: InferenceServiceStatus | None = None

@@ -1,0 +1,107 @@
+"""Thin Kubernetes access for the operator: server-side apply, get/list, status patches, Events."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
+
+from kvpilot.operator.crd_types import GROUP, KIND, PLURAL, VERSION
+
+FIELD_MANAGER = "kvpilot-operator"
+log = logging.getLogger("kvpilot.operator")
+
+
+def load_config() -> None:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config(os.environ.get("KUBECONFIG"))
+
+
+class Kube:
+    def __init__(self, api_client: client.ApiClient | None = None):
+        self.api_client = api_client or client.ApiClient()
+        self.dyn = DynamicClient(self.api_client)
+        self.core = client.CoreV1Api(self.api_client)
+        self.custom = client.CustomObjectsApi(self.api_client)
+        self._discovery = threading.Lock()  # the dynamic client's discovery cache is not thread-safe
+        self._resources: dict[tuple[str, str], object] = {}
+        self._absent: dict[tuple[str, str], float] = {}
+
+    def _resource(self, api_version: str, kind: str):
+        key = (api_version, kind)
+        with self._discovery:
+            if key not in self._resources:
+                self._resources[key] = self.dyn.resources.get(api_version=api_version, kind=kind)
+            return self._resources[key]
+
+    def has_kind(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves this kind (e.g. PodMonitor when prometheus-operator is installed)."""
+        key = (api_version, kind)
+        with self._discovery:
+            if key in self._resources:
+                return True
+            checked = self._absent.get(key)
+            if checked is not None and time.monotonic() - checked < 60:  # re-ask now and then: it may get installed
+                return False
+            try:
+                self.dyn.resources.invalidate_cache()
+                self._resources[key] = self.dyn.resources.get(api_version=api_version, kind=kind)
+                return True
+            except ResourceNotFoundError:
+                self._absent[key] = time.monotonic()
+                return False
+
+    def apply(self, obj: dict) -> dict:
+        meta = obj["metadata"]
+        res = self._resource(obj["apiVersion"], obj["kind"])
+        return res.server_side_apply(body=obj, name=meta["name"], namespace=meta.get("namespace"),
+                                     field_manager=FIELD_MANAGER, force_conflicts=True).to_dict()
+
+    def get(self, api_version: str, kind: str, name: str, namespace: str) -> dict | None:
+        try:
+            return self._resource(api_version, kind).get(name=name, namespace=namespace).to_dict()
+        except NotFoundError:
+            return None
+
+    def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict]:
+        return self._resource(api_version, kind).get(namespace=namespace, label_selector=label_selector).to_dict().get("items", [])
+
+    def get_isvc(self, name: str, namespace: str) -> dict | None:
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def patch_isvc_status(self, name: str, namespace: str, status: dict) -> None:
+        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
+
+    def scale_isvc(self, name: str, namespace: str, replicas: int) -> None:
+        """Through the scale subresource: the operator is the one writer of spec.replicas."""
+        self.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL, name, {"spec": {"replicas": replicas}})
+
+    def event(self, obj: dict, type_: str, reason: str, message: str) -> None:
+        meta = obj["metadata"]
+        now = datetime.now(timezone.utc)
+        body = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(name=f"{meta['name']}.{uuid.uuid4().hex[:12]}", namespace=meta["namespace"]),
+            involved_object=client.V1ObjectReference(api_version=obj.get("apiVersion", f"{GROUP}/{VERSION}"), kind=obj.get("kind", KIND),
+                                                     name=meta["name"], namespace=meta["namespace"], uid=meta.get("uid")),
+            type=type_, reason=reason, message=message[:1024], first_timestamp=now, last_timestamp=now, count=1,
+            source=client.V1EventSource(component=FIELD_MANAGER), reporting_component=FIELD_MANAGER,
+            reporting_instance=os.environ.get("HOSTNAME", "local"))
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body)
+        except ApiException as e:  # an Event is best effort: never fail a reconcile over it
+            log.warning("could not record event %s/%s: %s", reason, meta["name"], e.reason)

@@ -1,0 +1,72 @@
+"""Pure status computation: conditions and replica counts from what the cluster reports."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from kvpilot.operator.crd_types import Condition, InferenceServiceStatus
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_condition(conditions: list[Condition], type_: str, status: str, reason: str, message: str, generation: int | None, now: str) -> list[Condition]:
+    """Replace one condition; lastTransitionTime moves only when the status flips."""
+    old = next((c for c in conditions if c.type == type_), None)
+    since = old.last_transition_time if old is not None and old.status == status and old.last_transition_time else now
+    new = Condition(type=type_, status=status, reason=reason, message=message, last_transition_time=since, observed_generation=generation)
+    return [c for c in conditions if c.type != type_] + [new]
+
+
+def pod_problems(pods: list[dict]) -> list[tuple[str, str]]:
+    """(reason, message) for pods that cannot run, in the cluster's own words."""
+    problems = []
+    for pod in pods:
+        if pod.get("metadata", {}).get("deletionTimestamp"):
+            continue
+        name = pod["metadata"]["name"]
+        for c in pod.get("status", {}).get("conditions", []) or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                problems.append(("Unschedulable", f"pod {name}: {c.get('message', 'cannot be scheduled')}"))
+        for cs in pod.get("status", {}).get("containerStatuses", []) or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError", "InvalidImageName"):
+                problems.append((waiting["reason"], f"pod {name} container {cs.get('name')}: {waiting.get('message', waiting['reason'])}"))
+    return problems
+
+
+def compute_status(prev: InferenceServiceStatus | None, generation: int, desired: int, selector: str, endpoint: str,
+                   deployment: dict | None, pods: list[dict], spec_problems: list[tuple[str, str]], now: datetime | None = None) -> InferenceServiceStatus:
+    now = now or datetime.now(timezone.utc)
+    stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    status = (prev or InferenceServiceStatus()).model_copy(deep=True)
+    status.observed_generation = generation
+    status.selector = selector
+    status.endpoint = endpoint
+    dstat = (deployment or {}).get("status", {}) or {}
+    status.replicas = dstat.get("replicas", 0)
+    status.ready_replicas = dstat.get("readyReplicas", 0)
+    status.updated_replicas = dstat.get("updatedReplicas", 0)
+    if status.desired_replicas is None or not spec_problems:
+        status.desired_replicas = desired
+    conds = status.conditions
+    problems = spec_problems + pod_problems(pods)
+    if problems:
+        reason = problems[0][0]
+        conds = set_condition(conds, "Degraded", "True", reason, "; ".join(m for _, m in problems)[:1000], generation, stamp)
+    else:
+        conds = set_condition(conds, "Degraded", "False", "AsExpected", "", generation, stamp)
+    ready, updated = status.ready_replicas or 0, status.updated_replicas or 0
+    if spec_problems:
+        conds = set_condition(conds, "Progressing", "False", spec_problems[0][0], "spec cannot be rolled out", generation, stamp)
+    elif deployment is None or updated < desired or ready < desired or (status.replicas or 0) > desired:
+        conds = set_condition(conds, "Progressing", "True", "RollingOut", f"{updated}/{desired} pods updated, {ready}/{desired} ready", generation, stamp)
+    else:
+        conds = set_condition(conds, "Progressing", "False", "Stable", f"{ready}/{desired} pods ready", generation, stamp)
+    if ready >= 1:
+        conds = set_condition(conds, "Ready", "True", "Serving", f"{ready}/{desired} pods ready", generation, stamp)
+    else:
+        reason = problems[0][0] if problems else "NoReadyPods"
+        conds = set_condition(conds, "Ready", "False", reason, f"0/{desired} pods ready", generation, stamp)
+    status.conditions = conds
+    return status
