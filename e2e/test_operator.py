@@ -1,0 +1,211 @@
+"""The operator on the real control plane: chart install, CRD validation, reconcile, status, drift,
+rollout, deletion, crash recovery, bad specs, namespaces, least-privilege RBAC."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e.operator_proc import OperatorProcess, service_account_kubeconfig
+from e2e.waiting import wait_until
+
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parents[1]
+CHART_NS = "kvpilot-system"
+ISVC = "serving.kvpilot.dev/inferenceservice"
+
+
+def kget(cluster, *args):
+    r = cluster.kubectl("get", *args, "-o", "json", check=False)
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def isvc(name, **spec):
+    body = {"model": {"source": "smollm2-135m"}, "maxReplicas": 3, **spec}
+    return json.dumps({"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name}, "spec": body})
+
+
+def condition(obj, type_):
+    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def mark_engine_pods_ready(cluster, namespace, name):
+    """What the e2e pod runner does once an engine's /ready passes (here without a real engine)."""
+    for pod in kget(cluster, "pods", "-n", namespace, "-l", f"{ISVC}={name}")["items"]:
+        if pod["status"].get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp"):
+            cluster.kubectl("annotate", "pod", pod["metadata"]["name"], "-n", namespace, "serving.kvpilot.dev/engine-ready=true", "--overwrite")
+
+
+@pytest.fixture(scope="module")
+def chart(cluster):
+    cluster.kubectl("create", "namespace", CHART_NS, check=False)
+    cluster.helm("install", "kvpilot", str(ROOT / "charts" / "kvpilot"), "-n", CHART_NS, "--wait", "--timeout", "90s")
+    yield "kvpilot"
+    cluster.helm("uninstall", "kvpilot", "-n", CHART_NS, check=False)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, chart, tmp_path_factory):
+    """The operator, run locally with the chart's ServiceAccount identity."""
+    d = tmp_path_factory.mktemp("operator")
+    kubeconfig = service_account_kubeconfig(cluster, CHART_NS, "kvpilot", d / "kubeconfig")
+    op = OperatorProcess(kubeconfig, d / "operator.log")
+    yield op
+    op.stop()
+
+
+def test_chart_installs_crd_and_least_privilege_identity(cluster, chart):
+    crd = kget(cluster, "crd", "inferenceservices.serving.kvpilot.dev")
+    assert crd["metadata"]["annotations"]["kvpilot.dev/generated-by"].startswith("kvpilot.operator.crd_gen")
+    role = kget(cluster, "clusterrole", "kvpilot")
+    verbs = {v for rule in role["rules"] for v in rule["verbs"]}
+    assert "delete" not in verbs and "*" not in verbs and "update" not in verbs
+    dep = kget(cluster, "deployment", "kvpilot", "-n", CHART_NS)
+    sc = dep["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    cluster.kubectl("apply", "-f", str(ROOT / "crds"))  # kubectl apply of crds/ over the chart's copy: same object
+
+
+def test_invalid_objects_rejected_by_cel(cluster, namespace, chart):
+    cases = [({"minReplicas": 0}, "scale to zero"), ({"minReplicas": 3, "maxReplicas": 2}, "minReplicas must be <= maxReplicas"),
+             ({"replicas": 9}, "replicas must be within"), ({"engineSettings": {"tensorParallelSize": 0}}, "tensorParallelSize"),
+             ({"engineSettings": {"speculative": {"method": "draft"}}}, "needs draftModel"),
+             ({"model": {"source": "ftp://nope"}}, "source")]
+    for spec, message in cases:
+        body = json.loads(isvc("bad"))
+        body["spec"].update(spec)
+        r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body), check=False)
+        assert r.returncode != 0 and message in r.stderr, (spec, r.stderr)
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "crds" / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_apply(cluster, namespace, chart, example):
+    cluster.kubectl("apply", "-n", namespace, "-f", str(example))
+    name = yaml.safe_load(example.read_text())["metadata"]["name"]
+    assert kget(cluster, "kvis", name, "-n", namespace)["spec"]["model"]["source"]
+
+
+def test_reconcile_status_rollout_drift_and_delete(cluster, namespace, operator):
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc("chat", minReplicas=2, engineSettings={"maxNumSeqs": 4},
+                                                                 resources={"gpuProduct": "NVIDIA-A100-SXM4-80GB"}))
+    dep = wait_until(lambda: kget(cluster, "deployment", "chat", "-n", namespace), timeout=30, what="Deployment created")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and dep["spec"]["replicas"] == 2
+    assert "--max-num-seqs" in c["args"] and c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    wait_until(lambda: kget(cluster, "service", "chat", "-n", namespace) and kget(cluster, "pdb", "chat", "-n", namespace), what="Service and PDB")
+    owner = dep["metadata"]["ownerReferences"][0]
+    assert owner["kind"] == "InferenceService" and owner["controller"] is True
+    # kwok runs the pods on GPU nodes, not Ready until the engine says so
+    pods = wait_until(lambda: [p for p in kget(cluster, "pods", "-n", namespace, "-l", f"{ISVC}=chat")["items"] if p["status"].get("phase") == "Running"]
+                      if len(kget(cluster, "pods", "-n", namespace, "-l", f"{ISVC}=chat")["items"]) == 2 else None, timeout=30, what="2 Running pods")
+    assert all(p["spec"]["nodeName"].startswith("gpu-node-") for p in pods)
+    assert condition(kget(cluster, "kvis", "chat", "-n", namespace), "Ready").get("status") == "False"
+    mark_engine_pods_ready(cluster, namespace, "chat")
+    obj = wait_until(lambda: (lambda o: o if condition(o, "Ready").get("status") == "True" and o["status"].get("readyReplicas") == 2 else None)(
+        kget(cluster, "kvis", "chat", "-n", namespace)), timeout=30, what="Ready=True with 2 ready replicas")
+    assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+    assert obj["status"]["selector"] == f"{ISVC}=chat" and obj["status"]["endpoint"].startswith("http://chat.")
+    assert not any(k.startswith("kopf") for k in obj["status"])  # kopf keeps its progress in annotations
+    assert any(k.startswith("kopf.serving.kvpilot.dev") for k in obj["metadata"].get("annotations", {}))
+    printed = cluster.kubectl("get", "kvis", "chat", "-n", namespace).stdout.split("\n")[0].split()
+    assert printed[:6] == ["NAME", "READY", "REPLICAS", "DESIRED", "KV", "QUEUE"]
+
+    # a spec change rolls the Deployment
+    old_template = dep["spec"]["template"]
+    cluster.kubectl("patch", "kvis", "chat", "-n", namespace, "--type=merge", "-p", json.dumps({"spec": {"extraArgs": ["--seed", "5"]}}))
+    new = wait_until(lambda: (lambda d: d if d["spec"]["template"] != old_template else None)(kget(cluster, "deployment", "chat", "-n", namespace)),
+                     timeout=30, what="rolled template")
+    assert new["spec"]["template"]["spec"]["containers"][0]["args"][-2:] == ["--seed", "5"]
+    wait_until(lambda: len(kget(cluster, "replicasets", "-n", namespace, "-l", f"{ISVC}=chat")["items"]) == 2, timeout=30, what="new ReplicaSet")
+
+    # drift: a hand edit is undone, a deleted Deployment comes back
+    cluster.kubectl("scale", "deployment", "chat", "-n", namespace, "--replicas=5")
+    wait_until(lambda: kget(cluster, "deployment", "chat", "-n", namespace)["spec"]["replicas"] == 2, timeout=30, what="replicas drift undone")
+    uid = kget(cluster, "deployment", "chat", "-n", namespace)["metadata"]["uid"]
+    cluster.kubectl("delete", "deployment", "chat", "-n", namespace, "--wait=false")
+    wait_until(lambda: (kget(cluster, "deployment", "chat", "-n", namespace) or {}).get("metadata", {}).get("uid") not in (None, uid),
+               timeout=30, what="Deployment recreated")
+    cluster.kubectl("delete", "service", "chat", "-n", namespace, "--wait=false")
+    wait_until(lambda: kget(cluster, "service", "chat", "-n", namespace), timeout=30, what="Service recreated")
+
+    events = kget(cluster, "events", "-n", namespace, "--field-selector", "involvedObject.kind=InferenceService,involvedObject.name=chat")["items"]
+    assert {"RollingOut", "Ready"} <= {e["reason"] for e in events}
+
+    # deleting the InferenceService removes everything it owns (garbage collector)
+    cluster.kubectl("delete", "kvis", "chat", "-n", namespace)
+    for kind in ("deployment", "service", "pdb"):
+        wait_until(lambda: kget(cluster, kind, "chat", "-n", namespace) is None, timeout=60, what=f"{kind} deleted")
+    wait_until(lambda: not kget(cluster, "pods", "-n", namespace, "-l", f"{ISVC}=chat")["items"], timeout=60, what="pods gone")
+
+
+def test_bad_spec_gives_degraded_and_event(cluster, namespace, operator):
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc("typo", model={"source": "smollm3-9000b"}))
+    obj = wait_until(lambda: (lambda o: o if condition(o, "Degraded").get("status") == "True" else None)(kget(cluster, "kvis", "typo", "-n", namespace)),
+                     timeout=30, what="Degraded")
+    assert condition(obj, "Degraded")["reason"] == "UnknownModel" and "smollm3-9000b" in condition(obj, "Degraded")["message"]
+    assert kget(cluster, "deployment", "typo", "-n", namespace) is None
+    events = wait_until(lambda: [e for e in kget(cluster, "events", "-n", namespace)["items"] if e["reason"] == "UnknownModel"], timeout=20, what="Event")
+    assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "typo"
+    # unschedulable: the scheduler's words end up in the condition
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc("nogpu", resources={"gpuProduct": "NVIDIA-H200"}))
+    obj = wait_until(lambda: (lambda o: o if condition(o, "Degraded").get("reason") == "Unschedulable" else None)(kget(cluster, "kvis", "nogpu", "-n", namespace)),
+                     timeout=40, what="Degraded/Unschedulable")
+    assert "node(s) didn't match" in condition(obj, "Degraded")["message"] or "affinity" in condition(obj, "Degraded")["message"]
+    assert operator.proc.poll() is None  # no crash
+
+
+def test_namespaces_do_not_interfere(cluster, operator):
+    for ns in ("team-a", "team-b"):
+        cluster.kubectl("create", "namespace", ns, check=False)
+        cluster.kubectl("apply", "-n", ns, "-f", "-", input=isvc("same-name", minReplicas=1 if ns == "team-a" else 2))
+    for ns, n in (("team-a", 1), ("team-b", 2)):
+        wait_until(lambda: (kget(cluster, "deployment", "same-name", "-n", ns) or {}).get("spec", {}).get("replicas") == n, timeout=30, what=f"{ns} deployment")
+    cluster.kubectl("delete", "kvis", "same-name", "-n", "team-a")
+    wait_until(lambda: kget(cluster, "deployment", "same-name", "-n", "team-a") is None, timeout=60, what="team-a cleaned")
+    assert kget(cluster, "deployment", "same-name", "-n", "team-b")["spec"]["replicas"] == 2
+    for ns in ("team-a", "team-b"):
+        cluster.kubectl("delete", "namespace", ns, "--wait=false")
+
+
+def test_crash_mid_reconcile_then_restart_converges(cluster, namespace, chart, operator, tmp_path):
+    operator.stop()  # one operator at a time
+    kubeconfig = service_account_kubeconfig(cluster, CHART_NS, "kvpilot", tmp_path / "kubeconfig")
+    crashing = OperatorProcess(kubeconfig, tmp_path / "crash.log", env={"KVPILOT_TEST_FAULT_POINT": "after-deployment"})
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc("crashy"))
+    assert crashing.proc.wait(60) == 17, crashing.log()[-2000:]
+    assert kget(cluster, "deployment", "crashy", "-n", namespace) is not None
+    assert kget(cluster, "service", "crashy", "-n", namespace) is None  # it died between the two
+    restarted = OperatorProcess(kubeconfig, tmp_path / "restart.log")
+    try:
+        wait_until(lambda: kget(cluster, "service", "crashy", "-n", namespace), timeout=40, what="converged after restart")
+        wait_until(lambda: kget(cluster, "kvis", "crashy", "-n", namespace)["status"].get("observedGeneration") == 1, timeout=30, what="status")
+        assert len(kget(cluster, "deployments", "-n", namespace, "-l", f"{ISVC}=crashy")["items"]) == 1
+        assert len(kget(cluster, "replicasets", "-n", namespace, "-l", f"{ISVC}=crashy")["items"]) == 1
+        assert len(kget(cluster, "services", "-n", namespace, "-l", f"{ISVC}=crashy")["items"]) == 1
+    finally:
+        restarted.stop()
+
+
+def test_rbac_missing_rule_fails_visibly(cluster, namespace, chart, tmp_path):
+    role = kget(cluster, "clusterrole", "kvpilot")
+    original = json.loads(json.dumps(role))
+    role["rules"] = [r for r in role["rules"] if "services" not in r["resources"]]
+    for k in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+        role["metadata"].pop(k, None)
+    cluster.kubectl("replace", "-f", "-", input=json.dumps(role))
+    op = OperatorProcess(service_account_kubeconfig(cluster, CHART_NS, "kvpilot", tmp_path / "kc"), tmp_path / "op.log")
+    try:
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc("norbac"))
+        obj = wait_until(lambda: (lambda o: o if condition(o, "Degraded").get("reason") == "ApplyFailed" else None)(kget(cluster, "kvis", "norbac", "-n", namespace)),
+                         timeout=40, what="Degraded/ApplyFailed")
+        assert "Forbidden" in condition(obj, "Degraded")["message"] or "forbidden" in condition(obj, "Degraded")["message"]
+        assert kget(cluster, "service", "norbac", "-n", namespace) is None
+    finally:
+        op.stop()
+        for k in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+            original["metadata"].pop(k, None)
+        cluster.kubectl("replace", "-f", "-", input=json.dumps(original))

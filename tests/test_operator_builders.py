@@ -1,0 +1,155 @@
+"""Pure builders: InferenceService spec -> manifests, for every engine and option; CRD freshness; status."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvpilot.operator.builders.engines import unsupported_settings
+from kvpilot.operator.builders.manifests import deployment, pod_disruption_budget, render, service
+from kvpilot.operator.crd_types import ISVC_LABEL, InferenceServiceSpec
+from kvpilot.operator.status import compute_status
+from kvpilot.server.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def spec(**kw) -> InferenceServiceSpec:
+    base = {"model": {"source": "smollm2-135m"}}
+    base.update(kw)
+    return InferenceServiceSpec.model_validate(base)
+
+
+def container(dep: dict) -> dict:
+    return dep["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_kvpilot_args_round_trip_into_engine_config():
+    s = spec(engineSettings={"maxModelLen": 2048, "maxNumSeqs": 8, "enablePrefixCaching": False, "kvCacheMemory": "512MiB", "blockSize": 32},
+             resources={"cpuOnly": True}, extraArgs=["--seed", "7"])
+    c = container(deployment("svc", "ns", "uid-1", s))
+    assert c["command"] == ["kvpilot"] and c["args"][:3] == ["serve", "--host", "$(POD_IP)"]
+    engine_args = c["args"][c["args"].index("--shutdown-grace-seconds") + 2:]
+    cfg = EngineConfig.from_cli_args(engine_args)
+    assert (cfg.max_model_len, cfg.max_num_seqs, cfg.enable_prefix_caching, cfg.kv_cache_memory, cfg.block_size) == (2048, 8, False, 512 * 2**20, 32)
+    assert cfg.served_model_name == "svc" and cfg.model == "smollm2-135m" and cfg.device == "cpu" and cfg.seed == 7
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+
+
+def test_gpu_requests_probes_labels_owner():
+    s = spec(engineSettings={"tensorParallelSize": 1}, resources={"gpuProduct": "NVIDIA-A100-SXM4-80GB", "cpu": "4", "memory": "16Gi"},
+             podLabels={"team": "a"}, podAnnotations={"x": "y"}, env=[{"name": "FOO", "value": "bar"}])
+    d = deployment("svc", "ns", "uid-1", s)
+    c, pod = container(d), d["spec"]["template"]
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": "1", "cpu": "4", "memory": "16Gi"}
+    assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready" and c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600  # sized for model load
+    assert pod["metadata"]["labels"][ISVC_LABEL] == "svc" and pod["metadata"]["labels"]["team"] == "a"
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true" and pod["metadata"]["annotations"]["x"] == "y"
+    assert {"name": "FOO", "value": "bar"} in c["env"]
+    assert any(e["name"] == "POD_IP" and e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP" for e in c["env"])
+    assert d["metadata"]["ownerReferences"] == [{"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService", "name": "svc",
+                                                 "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}]
+    assert d["spec"]["selector"]["matchLabels"] == {ISVC_LABEL: "svc"}
+    assert pod["spec"]["terminationGracePeriodSeconds"] > 30
+
+
+def test_vllm_builder():
+    s = spec(model={"source": "hf://meta-llama/Llama-3.1-8B-Instruct"}, engine="vllm",
+             engineSettings={"tensorParallelSize": 4, "maxModelLen": 8192, "quantization": "awq", "enablePrefixCaching": True,
+                             "speculative": {"method": "ngram", "numSpeculativeTokens": 3}})
+    c = container(deployment("llama", "ns", "u", s))
+    a = c["args"]
+    assert c["command"] == ["vllm", "serve"] and c["image"].startswith("vllm/")
+    assert a[a.index("--model") + 1] == "meta-llama/Llama-3.1-8B-Instruct" and a[a.index("--tensor-parallel-size") + 1] == "4"
+    assert a[a.index("--max-model-len") + 1] == "8192" and "--enable-prefix-caching" in a and a[a.index("--quantization") + 1] == "awq"
+    assert '"method":"ngram"' in a[a.index("--speculative-config") + 1]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_sglang_always_gets_enable_metrics():
+    s = spec(model={"source": "hf://Qwen/Qwen2.5-7B-Instruct"}, engine="sglang", engineSettings={"tensorParallelSize": 2, "maxNumSeqs": 64})
+    a = container(deployment("q", "ns", "u", s))["args"]
+    assert "--enable-metrics" in a and a[a.index("--tp-size") + 1] == "2" and a[a.index("--max-running-requests") + 1] == "64"
+
+
+def test_model_sources_become_volumes():
+    pvc = deployment("m", "ns", "u", spec(model={"source": "pvc://models/llama/model.gguf"}))
+    assert pvc["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == "models"
+    assert "--model" in container(pvc)["args"] and "/models/pvc/llama/model.gguf" in container(pvc)["args"]
+    url = deployment("m", "ns", "u", spec(model={"source": "https://example.com/x/tiny.gguf"}))
+    init = url["spec"]["template"]["spec"]["initContainers"][0]
+    assert "https://example.com/x/tiny.gguf" in init["args"] and "/models/download/tiny.gguf" in container(url)["args"]
+
+
+def test_service_and_pdb():
+    s = spec()
+    svc, pdb = service("a", "ns", "u", s), pod_disruption_budget("a", "ns", "u", s)
+    assert svc["spec"]["selector"] == {ISVC_LABEL: "a"} and svc["spec"]["ports"][0]["port"] == 8000
+    assert pdb["spec"]["maxUnavailable"] == 1
+    kinds = [o["kind"] for o in render("a", "ns", "u", s, with_pod_monitor=True)]
+    assert kinds == ["Deployment", "Service", "PodDisruptionBudget", "PodMonitor"]
+
+
+def test_replicas_follow_spec_or_min():
+    assert deployment("a", "n", "u", spec(minReplicas=2, maxReplicas=5))["spec"]["replicas"] == 2
+    assert deployment("a", "n", "u", spec(minReplicas=1, maxReplicas=5, replicas=4))["spec"]["replicas"] == 4
+
+
+def test_unsupported_settings_for_kvpilot():
+    assert unsupported_settings(spec()) == []
+    problems = unsupported_settings(spec(engineSettings={"quantization": "int8", "tensorParallelSize": 2, "speculative": {"method": "ngram"}}))
+    assert len(problems) == 3 and all("not implemented by the kvpilot engine" in p for p in problems)
+
+
+def test_spec_model_rejects_bad_values():
+    from pydantic import ValidationError
+
+    for bad in ({"model": {"source": "ftp://x"}}, {"model": {"source": "m"}, "engine": "tgi"},
+                {"model": {"source": "m"}, "engineSettings": {"tensorParallelSize": 0}}, {"model": {"source": "m"}, "bogus": 1}):
+        with pytest.raises(ValidationError):
+            InferenceServiceSpec.model_validate(bad)
+
+
+def test_crds_are_fresh():
+    from kvpilot.operator.crd_gen import OUTPUTS, render as render_crd
+
+    text = render_crd()
+    for path in OUTPUTS:
+        assert path.read_text() == text, f"{path} is stale: run make crds"
+    crd = yaml.safe_load(text)
+    v = crd["spec"]["versions"][0]
+    assert v["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas", "labelSelectorPath": ".status.selector"}
+    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Ready", "Replicas", "Desired", "KV", "Queue", "Age"]
+    assert "kvis" in crd["spec"]["names"]["shortNames"]
+    props = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert all(p.get("description") for p in props.values())
+    assert props["model"]["properties"]["source"]["maxLength"] == 512
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "crds" / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_are_valid_specs(path):
+    obj = yaml.safe_load(path.read_text())
+    s = InferenceServiceSpec.model_validate(obj["spec"])
+    assert render(obj["metadata"]["name"], "default", "u", s)
+
+
+def test_status_conditions():
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    dep = {"status": {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2}}
+    st = compute_status(None, 3, 2, "sel", "http://x", dep, [], [], now)
+    conds = {c.type: c for c in st.conditions}
+    assert conds["Ready"].status == "True" and conds["Progressing"].status == "True" and conds["Degraded"].status == "False"
+    assert st.observed_generation == 3 and st.ready_replicas == 1
+    pending = {"metadata": {"name": "p1"}, "status": {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                                                      "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]}}
+    st2 = compute_status(st, 3, 2, "sel", "http://x", dep, [pending], [], now)
+    deg = next(c for c in st2.conditions if c.type == "Degraded")
+    assert deg.status == "True" and deg.reason == "Unschedulable" and "Insufficient nvidia.com/gpu" in deg.message
+    ready_since = next(c for c in st.conditions if c.type == "Ready").last_transition_time
+    assert next(c for c in st2.conditions if c.type == "Ready").last_transition_time == ready_since
