@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint ('' to disable)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level.lower() != "debug":  # kopf logs every handler run at INFO (the autoscaler timer runs each second)
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     os.environ["KVPILOT_PROMETHEUS_URL"] = args.prometheus_url
 
     import kopf

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import kopf
 
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, MANAGED_BY, PLURAL, VERSION
+from kvpilot.operator.autoscaler.loop import AutoscalerState, evaluate
+from kvpilot.operator.autoscaler.promql import PrometheusSource
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.reconcile import reconcile
 
 log = logging.getLogger("kvpilot.operator")
 _kube: Kube | None = None
+_autoscalers: dict[str, AutoscalerState] = {}
 
 
 def kube() -> Kube:
@@ -58,3 +63,18 @@ def on_owned_object(body, meta, namespace, **_) -> None:
 @kopf.on.event("", "v1", "pods", labels={ISVC_LABEL: kopf.PRESENT})
 def on_engine_pod(meta, namespace, **_) -> None:
     _reconcile_owner(namespace, meta.get("labels", {}).get(ISVC_LABEL))
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=1.0, initial_delay=1.0)
+def autoscale(body, meta, **_) -> None:
+    """Runs every second; evaluates each InferenceService at its own spec.autoscaling.intervalSeconds."""
+    if meta.get("deletionTimestamp"):
+        return
+    state = _autoscalers.setdefault(meta["uid"], AutoscalerState())
+    source = PrometheusSource(os.environ.get("KVPILOT_PROMETHEUS_URL", "http://127.0.0.1:9090"))
+    evaluate(kube(), source, dict(body), state, time.time())
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def forget(meta, **_) -> None:
+    _autoscalers.pop(meta["uid"], None)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections import defaultdict
 
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic.exceptions import DynamicApiError
@@ -18,6 +20,16 @@ from kvpilot.server.model_files import BUNDLED
 
 log = logging.getLogger("kvpilot.operator")
 FAULT_ENV = "KVPILOT_TEST_FAULT_POINT"  # test-only: crash the operator at a named point of a reconcile
+
+
+_locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+_locks_guard = threading.Lock()
+
+
+def isvc_lock(namespace: str, name: str) -> threading.Lock:
+    """Reconcile and the autoscaler both write status: one at a time per InferenceService, each from a fresh read."""
+    with _locks_guard:
+        return _locks[(namespace, name)]
 
 
 def fault_point(name: str) -> None:
@@ -43,6 +55,15 @@ def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str,
 
 
 def reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
+    meta = body["metadata"]
+    with isvc_lock(meta["namespace"], meta["name"]):
+        fresh = kube.get_isvc(meta["name"], meta["namespace"])
+        if fresh is None or fresh["metadata"].get("deletionTimestamp"):
+            return InferenceServiceStatus()
+        return _reconcile(kube, fresh)
+
+
+def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
     meta = body["metadata"]
     name, namespace, uid, generation = meta["name"], meta["namespace"], meta["uid"], meta.get("generation", 1)
     prev_raw = body.get("status") or {}

@@ -1,0 +1,188 @@
+"""Test infrastructure (not product): runs the engine container of each kvpilot engine pod that kwok
+reports Running, as a local process bound to the pod's loopback IP.
+
+It expands `$(VAR)` references from the container's env (downward-API POD_IP included), runs the
+command with 1 torch thread under `nice`, sets serving.kvpilot.dev/engine-ready=true once the
+engine's /ready answers (kwok's Stage then marks the pod Ready), clears it when the engine stops
+answering, and stops the process (SIGTERM: the engine drains) when the pod goes away.
+
+    python -m e2e.pod_runner --kubeconfig PATH [--log-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from e2e.cluster import ENGINE_LABEL, ENGINE_READY_ANNOTATION, TOKEN, _insecure
+from e2e.net import require_loopback
+
+ENGINE_KIND_LABEL = "serving.kvpilot.dev/engine"
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes $(VAR) expansion: known variables are replaced, unknown ones stay as written."""
+    return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), value)
+
+
+def container_env(container: dict, pod: dict) -> dict[str, str]:
+    env = {}
+    for e in container.get("env", []) or []:
+        if "value" in e:
+            env[e["name"]] = expand(e["value"], env)
+        elif (e.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            env[e["name"]] = pod["status"]["podIP"]
+        elif (e.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            env[e["name"]] = pod["metadata"]["name"]
+    return env
+
+
+def engine_argv(pod: dict) -> tuple[list[str], dict[str, str]]:
+    container = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+    env = container_env(container, pod)
+    argv = [expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
+    if argv and argv[0] == "kvpilot":  # the venv's console script stands in for the image's
+        argv[0] = str(Path(sys.executable).parent / "kvpilot")
+    if "--num-threads" not in argv:
+        argv += ["--num-threads", "1"]
+    return argv, env
+
+
+@dataclass
+class Engine:
+    pod: str
+    namespace: str
+    ip: str
+    port: int
+    proc: subprocess.Popen
+    ready: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+class PodRunner:
+    def __init__(self, server: str, log_dir: Path, token: str = TOKEN, poll: float = 0.5):
+        self.server, self.token, self.poll = server, token, poll
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.engines: dict[str, Engine] = {}  # pod uid -> engine
+        self._stop = threading.Event()
+        self._http = httpx.Client(verify=_insecure(), headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        self.events: list[tuple[float, str, str]] = []  # (time, pod, what) for reports
+
+    def _pods(self) -> list[dict]:
+        r = self._http.get(f"{self.server}/api/v1/pods", params={"labelSelector": f"{ENGINE_LABEL},{ENGINE_KIND_LABEL}=kvpilot"})
+        r.raise_for_status()
+        return r.json()["items"]
+
+    def _annotate(self, pod: dict, ready: bool) -> None:
+        patch = {"metadata": {"annotations": {ENGINE_READY_ANNOTATION: "true" if ready else None}}}
+        m = pod["metadata"]
+        self._http.patch(f"{self.server}/api/v1/namespaces/{m['namespace']}/pods/{m['name']}", content=json.dumps(patch),
+                         headers={"Content-Type": "application/merge-patch+json"})
+
+    def step(self) -> None:
+        pods = {p["metadata"]["uid"]: p for p in self._pods()}
+        for uid, eng in list(self.engines.items()):
+            pod = pods.get(uid)
+            if pod is None or pod["metadata"].get("deletionTimestamp"):
+                self._stop_engine(uid)
+        for uid, pod in pods.items():
+            if pod["metadata"].get("deletionTimestamp") or pod["status"].get("phase") != "Running" or not pod["status"].get("podIP"):
+                continue
+            eng = self.engines.get(uid)
+            if eng is None:
+                self._start_engine(uid, pod)
+                continue
+            if eng.proc.poll() is not None:  # the engine died: not ready, restart it
+                self.events.append((time.time(), pod["metadata"]["name"], f"exited {eng.proc.returncode}"))
+                if eng.ready:
+                    self._annotate(pod, False)
+                del self.engines[uid]
+                continue
+            ok = self._ready(eng)
+            annotated = (pod["metadata"].get("annotations") or {}).get(ENGINE_READY_ANNOTATION) == "true"
+            if ok != annotated:
+                self._annotate(pod, ok)
+                self.events.append((time.time(), pod["metadata"]["name"], "ready" if ok else "not ready"))
+            eng.ready = ok
+
+    def _ready(self, eng: Engine) -> bool:
+        try:
+            return httpx.get(f"http://{eng.ip}:{eng.port}/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _start_engine(self, uid: str, pod: dict) -> None:
+        ip = require_loopback(pod["status"]["podIP"])
+        argv, env = engine_argv(pod)
+        port = int(argv[argv.index("--port") + 1]) if "--port" in argv else 8000
+        name = pod["metadata"]["name"]
+        log = open(self.log_dir / f"{pod['metadata']['namespace']}_{name}.log", "ab")
+        proc_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+        proc = subprocess.Popen(["nice", "-n", "5", *argv], stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True)
+        self.engines[uid] = Engine(name, pod["metadata"]["namespace"], ip, port, proc)
+        self.events.append((time.time(), name, f"started on {ip}:{port}"))
+
+    def _stop_engine(self, uid: str) -> None:
+        eng = self.engines.pop(uid)
+        if eng.proc.poll() is None:
+            os.killpg(eng.proc.pid, signal.SIGTERM)  # the engine drains, then exits
+            try:
+                eng.proc.wait(40)
+            except subprocess.TimeoutExpired:
+                os.killpg(eng.proc.pid, signal.SIGKILL)
+                eng.proc.wait()
+        self.events.append((time.time(), eng.pod, "stopped"))
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except httpx.HTTPError:
+                pass  # the apiserver blinked: try again next round
+            self._stop.wait(self.poll)
+
+    def start(self) -> "PodRunner":
+        self._thread = threading.Thread(target=self.run, name="pod-runner", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if getattr(self, "_thread", None):
+            self._thread.join(10)
+        for uid in list(self.engines):
+            self._stop_engine(uid)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m e2e.pod_runner")
+    ap.add_argument("--kubeconfig", required=True)
+    ap.add_argument("--log-dir", default="pod-runner-logs")
+    args = ap.parse_args(argv)
+    cfg = json.loads(Path(args.kubeconfig).read_text())
+    runner = PodRunner(cfg["clusters"][0]["cluster"]["server"], Path(args.log_dir), cfg["users"][0]["user"]["token"])
+    signal.signal(signal.SIGTERM, lambda *_: runner._stop.set())
+    try:
+        runner.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        runner.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

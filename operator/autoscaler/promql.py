@@ -1,0 +1,69 @@
+"""Per-pod engine metrics from Prometheus's HTTP API, with each engine's metric names.
+
+Series are matched on the labels Prometheus's pod discovery adds (namespace, inferenceservice);
+the sample timestamps come back too (`timestamp()`), so the decision can tell stale from fresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+from kvpilot.operator.autoscaler.decision import PodSample
+
+# signal -> PromQL selector template per engine; alternatives joined with `or` (vLLM renamed its KV metric)
+ENGINE_METRICS: dict[str, dict[str, list[str]]] = {
+    "kvpilot": {"kv": ["kvpilot:kv_cache_usage_perc"], "queue": ["kvpilot:num_requests_waiting"]},
+    "vllm": {"kv": ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"], "queue": ["vllm:num_requests_waiting"]},
+    "sglang": {"kv": ["sglang:token_usage"], "queue": ["sglang:num_queue_reqs"]},
+}
+
+
+class MetricsUnavailable(RuntimeError):
+    pass
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def signal_query(engine: str, signal: str, namespace: str, isvc: str) -> str:
+    labels = f'namespace="{_escape(namespace)}",inferenceservice="{_escape(isvc)}"'
+    parts = [f"{name}{{{labels}}}" for name in ENGINE_METRICS[engine][signal]]
+    return "max by (pod) (" + " or ".join(parts) + ")"
+
+
+def timestamp_query(engine: str, signal: str, namespace: str, isvc: str) -> str:
+    labels = f'namespace="{_escape(namespace)}",inferenceservice="{_escape(isvc)}"'
+    parts = [f"timestamp({name}{{{labels}}})" for name in ENGINE_METRICS[engine][signal]]
+    return "max by (pod) (" + " or ".join(parts) + ")"
+
+
+@dataclass
+class PrometheusSource:
+    url: str
+    timeout: float = 5.0
+
+    def _query(self, promql: str) -> dict[str, float]:
+        try:
+            r = httpx.get(self.url.rstrip("/") + "/api/v1/query", params={"query": promql}, timeout=self.timeout)
+        except httpx.HTTPError as e:
+            raise MetricsUnavailable(f"Prometheus at {self.url} unreachable: {type(e).__name__}") from e
+        if r.status_code != 200:
+            raise MetricsUnavailable(f"Prometheus answered {r.status_code}: {r.text[:200]}")
+        body = r.json()
+        if body.get("status") != "success":
+            raise MetricsUnavailable(f"Prometheus query failed: {body.get('error', body)}")
+        return {item["metric"].get("pod", ""): float(item["value"][1]) for item in body["data"]["result"]}
+
+    def pod_samples(self, engine: str, namespace: str, isvc: str) -> list[PodSample]:
+        kv = self._query(signal_query(engine, "kv", namespace, isvc))
+        queue = self._query(signal_query(engine, "queue", namespace, isvc))
+        kv_ts = self._query(timestamp_query(engine, "kv", namespace, isvc))
+        queue_ts = self._query(timestamp_query(engine, "queue", namespace, isvc))
+        out = []
+        for pod in sorted(set(kv) | set(queue)):
+            ts = min(t for t in (kv_ts.get(pod), queue_ts.get(pod)) if t is not None) if (pod in kv_ts or pod in queue_ts) else 0.0
+            out.append(PodSample(pod, kv.get(pod), queue.get(pod), ts))
+        return out

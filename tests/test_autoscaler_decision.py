@@ -1,0 +1,141 @@
+"""The scaling decision over scripted metric timelines (tables) and random ones (hypothesis)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpilot.operator.autoscaler.decision import Decision, PodSample, Policy, Recommendation, decide, max_step_up
+
+POLICY = Policy(min_replicas=1, max_replicas=10, target_kv_cache_utilization=0.7, target_queue_depth=4, tolerance=0.1,
+                scale_down_window=300, stale_after=45)
+
+
+def pods(n):
+    return [f"p{i}" for i in range(n)]
+
+
+def samples(n, kv, queue, t):
+    return [PodSample(f"p{i}", kv, queue, t) for i in range(n)]
+
+
+class Loop:
+    """Replays a timeline through decide(), carrying history and replicas like the operator does."""
+
+    def __init__(self, replicas=1, policy=POLICY):
+        self.replicas, self.policy, self.history, self.changes = replicas, policy, [], []
+
+    def step(self, t, kv, queue, starting=0, ready=None, error=None, sample_time=None) -> Decision:
+        ready = self.replicas - starting if ready is None else ready
+        d = decide(t, self.replicas, pods(ready), starting, samples(ready, kv, queue, t if sample_time is None else sample_time),
+                   self.policy, self.history, error)
+        self.history = d.history
+        if d.desired != self.replicas:
+            self.changes.append((t, self.replicas, d.desired))
+            self.replicas = d.desired
+        return d
+
+
+def test_steady_load_holds():
+    loop = Loop(replicas=3)
+    for t in range(0, 900, 15):
+        loop.step(t, kv=0.7, queue=4.0)
+    assert loop.changes == [] and loop.replicas == 3
+
+
+def test_noise_within_tolerance_does_not_flap():
+    loop = Loop(replicas=3)
+    for i, t in enumerate(range(0, 900, 15)):
+        wiggle = 0.06 if i % 2 else -0.06
+        loop.step(t, kv=0.7 * (1 + wiggle), queue=4.0 * (1 - wiggle))
+    assert loop.changes == []
+
+
+def test_burst_scales_up_within_one_interval_bounded():
+    loop = Loop(replicas=2)
+    d = loop.step(0, kv=0.95, queue=40.0)  # wants ceil(2 * 10) = 20
+    assert d.desired == 6 and "scale up 2 -> 6" in d.reason and "wants 20" in d.reason  # max(+4, x2) = 6
+    assert d.scaling_active and d.active_reason == "ValidMetrics"
+    loop2 = Loop(replicas=8)
+    assert loop2.step(0, kv=0.9, queue=40.0).desired == 10  # x2 = 16, clamped to max 10
+
+
+def test_starting_pods_are_counted():
+    loop = Loop(replicas=1)
+    assert loop.step(0, kv=0.9, queue=12.0).desired == 3
+    d = loop.step(15, kv=0.95, queue=20.0, starting=2)  # 1 ready + 2 starting: the queue grows on the one ready pod
+    assert d.desired == 3 and "still starting" in d.reason
+    d = loop.step(30, kv=0.95, queue=7.0, starting=0)  # now 3 serve: ratio judged on them
+    assert d.desired == 6
+
+
+def test_scale_down_waits_for_the_window_and_takes_its_highest():
+    loop = Loop(replicas=6)
+    loop.step(0, kv=0.7, queue=4.0)
+    for t in range(15, 300, 15):
+        d = loop.step(t, kv=0.1, queue=0.0 if t != 150 else 2.0)  # one blip wants 3 at t=150
+        assert d.desired == 6, (t, d.reason)
+    d = loop.step(300, kv=0.1, queue=0.0)
+    assert d.desired == 6  # the t=0 recommendation (6) is still inside the window
+    d = loop.step(315, kv=0.1, queue=0.0)
+    assert d.desired == 3 and "highest recommendation" in d.reason  # the blip at t=150 is the window's highest
+    for t in range(330, 465, 15):
+        loop.step(t, kv=0.1, queue=0.0)
+    assert loop.replicas == 3
+    loop.step(465, kv=0.1, queue=0.0)
+    assert loop.replicas == 1
+
+
+def test_stale_or_missing_metrics_never_scale_down():
+    loop = Loop(replicas=4)
+    loop.history = [Recommendation(t, 1) for t in range(-400, 0, 15)]
+    d = loop.step(0, kv=0.0, queue=0.0, sample_time=-100)  # stale
+    assert d.desired == 4 and not d.scaling_active and d.active_reason == "MetricsStale"
+    d = decide(0, 4, pods(4), 0, [], POLICY, loop.history)  # missing
+    assert d.desired == 4 and d.active_reason == "MetricsMissing"
+    d = decide(0, 4, pods(4), 0, samples(2, 0.0, 0.0, 0), POLICY, loop.history)  # partial: two pods silent
+    assert d.desired == 4 and d.active_reason == "PartialMetrics"
+    d = loop.step(0, kv=0.0, queue=0.0, error="connection refused")  # Prometheus down
+    assert d.desired == 4 and not d.scaling_active and d.active_reason == "MetricsUnavailable" and "connection refused" in d.reason
+
+
+def test_partial_metrics_may_still_scale_up():
+    d = decide(0, 2, pods(2), 0, samples(1, 0.99, 30.0, 0), POLICY, [])
+    assert d.desired > 2 and d.active_reason == "PartialMetrics"
+
+
+def test_min_max_respected_and_no_ready_pod_holds():
+    d = decide(0, 1, pods(1), 0, samples(1, 0.0, 0.0, 0), Policy(2, 5, 0.7, 4), [])
+    assert d.desired == 2  # below min: clamped up at once
+    d = decide(0, 9, pods(9), 0, samples(9, 0.7, 4.0, 0), Policy(1, 5, 0.7, 4), [])
+    assert d.desired == 5
+    d = decide(0, 2, [], 2, [], POLICY, [])
+    assert d.desired == 2 and d.active_reason == "NoReadyPods" and not d.scaling_active
+
+
+def test_kv_signal_alone_drives_scaling():
+    d = decide(0, 2, pods(2), 0, samples(2, 1.0, 0.0, 0), POLICY, [])
+    assert d.desired == 3  # ceil(2 * 1.0 / 0.7)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1), st.floats(0, 50), st.integers(0, 3), st.booleans()), min_size=1, max_size=60),
+       st.integers(1, 4), st.integers(4, 12))
+def test_random_timelines_keep_invariants(timeline, lo, hi):
+    policy = Policy(lo, hi, 0.7, 4, 0.1, 120, 45)
+    loop = Loop(replicas=lo, policy=policy)
+    for i, (kv, queue, starting, metrics_ok) in enumerate(timeline):
+        t = i * 15.0
+        before = loop.replicas
+        starting = min(starting, before)
+        ready = before - starting
+        d = decide(t, before, pods(ready), starting, samples(ready, kv, queue, t) if metrics_ok else [], policy, loop.history)
+        loop.history = d.history
+        assert lo <= d.desired <= hi
+        if d.desired > before:
+            assert d.desired <= max_step_up(before) and starting == 0 and ready > 0
+        if d.desired < before:
+            assert metrics_ok and ready > 0 and d.scaling_active
+            assert any(r.time <= t - policy.scale_down_window for r in d.history)  # a whole window was seen
+            assert all(r.replicas <= d.desired for r in d.history if r.time > t - policy.scale_down_window)
+        loop.replicas = d.desired
