@@ -40,8 +40,9 @@ cluster-up: setup tools
 cluster-down:
 	$(BIN)/python -m e2e.cluster down
 
-demo:
-	@echo "make demo: not built yet (the autoscaling demo is issue #7)"; exit 1
+# Local control plane + Prometheus + operator + real engines + load: watch it scale up and down.
+demo: setup tools
+	$(BIN)/python -m e2e.demo $(ARGS)
 
 # The CRD is generated from operator/crd_types.py into crds/ and the chart (tests fail when stale).
 crds: setup
