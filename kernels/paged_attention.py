@@ -57,13 +57,17 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence q [B, heads, d] over its cached context; returns [B, heads, d]."""
+    """One query token per sequence q [B, heads, d] over its cached context; returns [B, heads, d].
+
+    Whole blocks are gathered (rows of block_size x kv_heads x head_dim contiguous values): on CPU
+    that copy runs at memcpy speed, several times faster than gathering token by token."""
+    batch = q.shape[0]
     block_size, kv_heads, head_dim = k_cache.shape[1:]
-    max_len = int(context_lens.max())
-    positions = torch.arange(max_len, device=q.device)
-    slots = _slots(block_tables, positions, block_size)  # [B, max_len]
-    k = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(1, 2)  # [B, kv_heads, L, d]
-    v = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(1, 2)
+    max_blocks = -(-int(context_lens.max()) // block_size)
+    tables = block_tables[:, :max_blocks]
+    k = k_cache[tables].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, L, d]
+    v = v_cache[tables].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+    positions = torch.arange(max_blocks * block_size, device=q.device)
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[:, :, 0, :]

@@ -63,3 +63,8 @@ for t in "${targets[@]}"; do
   "build_$t"
   echo "built $t in $(( $(date +%s) - start ))s -> $bindir" >&2
 done
+# Once every binary is in place the ~5 GB Go build cache serves nothing (the binaries are the cache);
+# keep the module cache so a version bump does not download everything again.
+if [ -z "${KVPILOT_KEEP_GO_BUILD_CACHE:-}" ] && [ -d "$GOCACHE" ]; then
+  go clean -cache && echo "trimmed the Go build cache ($GOCACHE)" >&2
+fi

@@ -128,66 +128,72 @@ class OpenAIServing:
             jobs.append((f"{rid}-{i}", ids, p))
         return jobs
 
+    async def _collect(self, jobs, rlog: RequestLog) -> dict[int, RequestOutput]:
+        """Non-streaming: run every job to the end; the final output of each."""
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in self._merged(jobs):
+                rlog.first_token = rlog.first_token or time.monotonic()
+                if out.finished:
+                    finals[i] = out
+        except BaseException:
+            rlog.status = "error"
+            raise
+        finally:
+            rlog.output_tokens = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
+            rlog.emit()
+        return finals
+
+    async def _sse(self, jobs, rlog: RequestLog, render, base: dict, include_usage: bool, preamble: list[dict] = ()) -> AsyncIterator[str]:
+        """Streaming: one chunk per choice with news (text, tokens or the finish), then usage and [DONE].
+        render(job index, output, choice, first new token index) -> chunk body."""
+        sent: dict[tuple[int, int], int] = {}
+        try:
+            for chunk in preamble:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            async for i, out in self._merged(jobs):
+                rlog.first_token = rlog.first_token or time.monotonic()
+                for o in out.outputs:
+                    start = sent.get((i, o.index), 0)
+                    if not o.text_delta and not o.finish_reason and start == len(o.token_ids):
+                        continue
+                    sent[(i, o.index)] = len(o.token_ids)
+                    yield f"data: {json.dumps(render(i, out, o, start))}\n\n"
+            if include_usage:
+                yield f"data: {json.dumps({**base, 'choices': [], 'usage': self._usage(rlog.prompt_tokens, sum(sent.values()))})}\n\n"
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            rlog.status = "client_disconnected"
+            raise
+        except (QueueFullError, EngineDeadError, ValueError) as e:  # after the 200 went out: report in-stream
+            rlog.status = "error"
+            yield sse_error(429 if isinstance(e, QueueFullError) else 503 if isinstance(e, EngineDeadError) else 400, str(e))
+            yield "data: [DONE]\n\n"
+        finally:
+            rlog.output_tokens = sum(sent.values())
+            rlog.emit()
+
     async def completions(self, prompts: list[str | list[int]], params: SamplingParams, stream: bool, include_usage: bool) -> dict | AsyncIterator[str]:
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs = self._jobs(prompts, params, rid)
-        created = int(time.time())
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         rlog = RequestLog(rid, "completions", prompt_tokens=sum(len(j[1]) for j in jobs))
         n = params.n
 
-        def choice(i: int, out: RequestOutput, o, text: str, token_ids: list[int], logprobs) -> dict:
+        def choice(i: int, o, text: str, token_ids: list[int], logprobs) -> dict:
             return {"index": i * n + o.index, "text": text,
                     "logprobs": self.completion_logprobs(logprobs, token_ids) if logprobs is not None else None,
-                    "finish_reason": o.finish_reason if out.finished or o.finish_reason else None, "stop_reason": o.stop_reason}
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
 
-        if not stream:
-            finals: dict[int, RequestOutput] = {}
-            try:
-                async for i, out in self._merged(jobs):
-                    rlog.first_token = rlog.first_token or time.monotonic()
-                    if out.finished:
-                        finals[i] = out
-            except BaseException:
-                rlog.status = "error"
-                raise
-            finally:
-                rlog.output_tokens = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
-                rlog.emit()
-            choices = [choice(i, finals[i], o, o.text, o.token_ids, o.logprobs) for i in sorted(finals) for o in finals[i].outputs]
-            return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                    "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
+        if stream:
+            def render(i, out, o, start):
+                lp = o.logprobs[start:] if o.logprobs is not None else None
+                return {**base, "choices": [choice(i, o, o.text_delta, o.token_ids[start:], lp)]}
 
-        async def sse() -> AsyncIterator[str]:
-            sent_tokens: dict[tuple[int, int], int] = {}
-            try:
-                async for i, out in self._merged(jobs):
-                    rlog.first_token = rlog.first_token or time.monotonic()
-                    for o in out.outputs:
-                        k = (i, o.index)
-                        start = sent_tokens.get(k, 0)
-                        if not o.text_delta and not o.finish_reason and start == len(o.token_ids):
-                            continue
-                        sent_tokens[k] = len(o.token_ids)
-                        lp = o.logprobs[start:] if o.logprobs is not None else None
-                        chunk = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                                 "choices": [choice(i, out, o, o.text_delta, o.token_ids[start:], lp)]}
-                        yield f"data: {json.dumps(chunk)}\n\n"
-                rlog.output_tokens = sum(sent_tokens.values())
-                if include_usage:
-                    yield f"data: {json.dumps({'id': rid, 'object': 'text_completion', 'created': created, 'model': self.model_name, 'choices': [], 'usage': self._usage(rlog.prompt_tokens, rlog.output_tokens)})}\n\n"
-                yield "data: [DONE]\n\n"
-            except asyncio.CancelledError:
-                rlog.status = "client_disconnected"
-                raise
-            except (QueueFullError, EngineDeadError, ValueError) as e:  # after the 200 went out: report in-stream
-                rlog.status = "error"
-                yield sse_error(429 if isinstance(e, QueueFullError) else 503 if isinstance(e, EngineDeadError) else 400, str(e))
-                yield "data: [DONE]\n\n"
-            finally:
-                rlog.output_tokens = sum(sent_tokens.values())
-                rlog.emit()
-
-        return sse()
+            return self._sse(jobs, rlog, render, base, include_usage)
+        finals = await self._collect(jobs, rlog)
+        choices = [choice(i, o, o.text, o.token_ids, o.logprobs) for i in sorted(finals) for o in finals[i].outputs]
+        return {**base, "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
 
     # --- chat ----------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
@@ -203,54 +209,23 @@ class OpenAIServing:
         created = int(time.time())
         rlog = RequestLog(rid, "chat.completions", prompt_tokens=len(jobs[0][1]))
 
-        if not stream:
-            final = None
-            try:
-                async for _, out in self._merged(jobs):
-                    rlog.first_token = rlog.first_token or time.monotonic()
-                    if out.finished:
-                        final = out
-            except BaseException:
-                rlog.status = "error"
-                raise
-            finally:
-                rlog.output_tokens = sum(len(o.token_ids) for o in final.outputs) if final else 0
-                rlog.emit()
-            choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                        "logprobs": self.chat_logprobs(o.logprobs, o.token_ids, top_logprobs) if o.logprobs is not None else None,
-                        "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in final.outputs]
-            return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                    "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
+        def logprobs(o, start: int = 0):
+            return self.chat_logprobs(o.logprobs[start:], o.token_ids[start:], top_logprobs) if o.logprobs is not None else None
 
-        async def sse() -> AsyncIterator[str]:
+        if stream:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-            sent_tokens: dict[int, int] = {}
-            try:
-                for i in range(params.n):  # the role comes first, as OpenAI sends it
-                    yield f"data: {json.dumps({**base, 'choices': [{'index': i, 'delta': {'role': 'assistant', 'content': ''}, 'logprobs': None, 'finish_reason': None}]})}\n\n"
-                async for _, out in self._merged(jobs):
-                    rlog.first_token = rlog.first_token or time.monotonic()
-                    for o in out.outputs:
-                        start = sent_tokens.get(o.index, 0)
-                        if not o.text_delta and not o.finish_reason and start == len(o.token_ids):
-                            continue
-                        sent_tokens[o.index] = len(o.token_ids)
-                        lp = self.chat_logprobs(o.logprobs[start:], o.token_ids[start:], top_logprobs) if o.logprobs is not None else None
-                        delta = {"content": o.text_delta} if o.text_delta or not o.finish_reason else {}
-                        yield f"data: {json.dumps({**base, 'choices': [{'index': o.index, 'delta': delta, 'logprobs': lp, 'finish_reason': o.finish_reason, 'stop_reason': o.stop_reason}]})}\n\n"
-                rlog.output_tokens = sum(sent_tokens.values())
-                if include_usage:
-                    yield f"data: {json.dumps({**base, 'choices': [], 'usage': self._usage(rlog.prompt_tokens, rlog.output_tokens)})}\n\n"
-                yield "data: [DONE]\n\n"
-            except asyncio.CancelledError:
-                rlog.status = "client_disconnected"
-                raise
-            except (QueueFullError, EngineDeadError, ValueError) as e:  # after the 200 went out: report in-stream
-                rlog.status = "error"
-                yield sse_error(429 if isinstance(e, QueueFullError) else 503 if isinstance(e, EngineDeadError) else 400, str(e))
-                yield "data: [DONE]\n\n"
-            finally:
-                rlog.output_tokens = sum(sent_tokens.values())
-                rlog.emit()
+            # the role comes first, as OpenAI sends it
+            preamble = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+                        for i in range(params.n)]
 
-        return sse()
+            def render(i, out, o, start):
+                delta = {"content": o.text_delta} if o.text_delta or not o.finish_reason else {}
+                return {**base, "choices": [{"index": o.index, "delta": delta, "logprobs": logprobs(o, start),
+                                             "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]}
+
+            return self._sse(jobs, rlog, render, base, include_usage, preamble)
+        final = (await self._collect(jobs, rlog))[0]
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text}, "logprobs": logprobs(o),
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in final.outputs]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}

@@ -3,7 +3,10 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE in the half-split layout (pairs are (i, i + d/2)), cos/sin precomputed per position."""
+    """RoPE in the half-split layout (pairs are (i, i + d/2)), cos/sin precomputed per position.
+
+    One instance is shared by every layer; the cos/sin rows of a step's positions are gathered once
+    and reused by all layers (they see the same positions tensor)."""
 
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
@@ -11,10 +14,15 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_position, d/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def _rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._step is None or self._step[0] is not positions:
+            self._step = (positions, self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype))
+        return self._step[1], self._step[2]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, d] rotated by each token's position."""
-        cos = self.cos[positions][:, None, :].to(x.dtype)
-        sin = self.sin[positions][:, None, :].to(x.dtype)
+        cos, sin = self._rows(positions, x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

