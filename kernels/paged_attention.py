@@ -82,5 +82,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[start:start + n] = prefill_attention_ref(q[start:start + n], k_cache, v_cache, table, ctx, scale)
         start += n
     if start < q.shape[0]:
-        out[start:] = decode_attention_ref(q[start:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        out[start:] = decode_attention(q[start:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    return out
+
+
+DECODE_GROUP = 4  # sequences per padded decode-attention call on CPU
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Decode attention, CPU path: sequences sorted by context length and taken in small groups, so
+    each group is padded only to its own longest context (mixed lengths otherwise pad, gather and
+    attend over up to twice the tokens)."""
+    n = q.shape[0]
+    if n <= DECODE_GROUP:
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    order = torch.argsort(context_lens)
+    out = torch.empty_like(q)
+    for i in range(0, n, DECODE_GROUP):
+        idx = order[i:i + DECODE_GROUP]
+        out[idx] = decode_attention_ref(q[idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale)
     return out

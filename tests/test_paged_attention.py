@@ -1,0 +1,63 @@
+"""Paged attention (CPU path) against a naive per-sequence attention over contiguous K/V."""
+
+import pytest
+import torch
+
+from kvpilot.kernels.paged_attention import AttentionMetadata, decode_attention, paged_attention, prefill_attention_ref
+
+
+def naive(q, k, v, scale, offset):
+    """q [n, h, d], k/v [L, kvh, d]; query i sits at position offset + i (causal)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    L = k.shape[0]
+    mask = torch.arange(L)[None, :] <= (offset + torch.arange(q.shape[0]))[:, None]
+    s = s.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
+
+
+def paged(k_seq, v_seq, block_size, num_blocks, gen):
+    """Scatter contiguous per-sequence K/V into a shuffled paged cache; returns caches and tables."""
+    kvh, d = k_seq[0].shape[1:]
+    kc, vc = torch.zeros(num_blocks, block_size, kvh, d), torch.zeros(num_blocks, block_size, kvh, d)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for k, v in zip(k_seq, v_seq):
+        blocks = [free.pop() for _ in range(-(-k.shape[0] // block_size))]
+        for p in range(k.shape[0]):
+            kc[blocks[p // block_size], p % block_size] = k[p]
+            vc[blocks[p // block_size], p % block_size] = v[p]
+        tables.append(blocks)
+    return kc, vc, tables
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 80, 5), (6, 1, 16, 32)])
+def test_decode_matches_naive(heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 100 + block_size)
+    lens = torch.randint(1, 90, (11,), generator=gen).tolist()  # ragged, more than one decode group
+    ks = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lens]
+    vs = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lens]
+    kc, vc, tables = paged(ks, vs, block_size, sum(-(-n // block_size) for n in lens) + 20, gen)
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    out = decode_attention(q, kc, vc, bt, torch.tensor(lens), head_dim ** -0.5)
+    for i, n in enumerate(lens):
+        ref = naive(q[i:i + 1], ks[i], vs[i], head_dim ** -0.5, n - 1)
+        torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_with_cached_prefix_and_write_path():
+    gen = torch.Generator().manual_seed(7)
+    heads, kvh, d, bs = 6, 2, 32, 4
+    total, new = 23, 9  # 14 cached tokens, 9 new ones
+    k, v = torch.randn(total, kvh, d, generator=gen), torch.randn(total, kvh, d, generator=gen)
+    kc, vc, (table,) = paged([k[: total - new]], [v[: total - new]], bs, 50, gen)
+    table += [b for b in range(50) if b not in table][: -(-total // bs) - len(table)]
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(total - new, total)])
+    q = torch.randn(new, heads, d, generator=gen)
+    meta = AttentionMetadata(slots, [new], [total], [torch.tensor(table)], torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    out = paged_attention(q, k[total - new:], v[total - new:], kc, vc, meta, d ** -0.5)
+    torch.testing.assert_close(out, naive(q, k, v, d ** -0.5, total - new), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(prefill_attention_ref(q, kc, vc, torch.tensor(table), total, d ** -0.5), out)
