@@ -174,7 +174,7 @@ def test_namespaces_do_not_interfere(cluster, operator):
 def test_crash_mid_reconcile_then_restart_converges(cluster, namespace, chart, operator, tmp_path):
     operator.stop()  # one operator at a time
     kubeconfig = service_account_kubeconfig(cluster, CHART_NS, "kvpilot", tmp_path / "kubeconfig")
-    crashing = OperatorProcess(kubeconfig, tmp_path / "crash.log", env={"KVPILOT_TEST_FAULT_POINT": "after-deployment"})
+    crashing = OperatorProcess(kubeconfig, tmp_path / "crash.log", env={"KVPILOT_TEST_FAULT_POINT": f"after-deployment@{namespace}/crashy"})
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc("crashy"))
     assert crashing.proc.wait(60) == 17, crashing.log()[-2000:]
     assert kget(cluster, "deployment", "crashy", "-n", namespace) is not None

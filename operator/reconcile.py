@@ -19,7 +19,7 @@ from kvpilot.operator.status import compute_status
 from kvpilot.server.model_files import BUNDLED
 
 log = logging.getLogger("kvpilot.operator")
-FAULT_ENV = "KVPILOT_TEST_FAULT_POINT"  # test-only: crash the operator at a named point of a reconcile
+FAULT_ENV = "KVPILOT_TEST_FAULT_POINT"  # test-only: "point" or "point@namespace/name": crash there
 
 
 _locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
@@ -32,9 +32,10 @@ def isvc_lock(namespace: str, name: str) -> threading.Lock:
         return _locks[(namespace, name)]
 
 
-def fault_point(name: str) -> None:
-    if os.environ.get(FAULT_ENV) == name:
-        log.error("test fault point %r reached: exiting", name)
+def fault_point(name: str, namespace: str, isvc: str) -> None:
+    want = os.environ.get(FAULT_ENV)
+    if want in (name, f"{name}@{namespace}/{isvc}"):
+        log.error("test fault point %r reached for %s/%s: exiting", name, namespace, isvc)
         os._exit(17)
 
 
@@ -77,7 +78,7 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
                 applied = kube.apply(obj)
                 if obj["kind"] == "Deployment":
                     deployment = applied
-                    fault_point("after-deployment")
+                    fault_point("after-deployment", namespace, name)
         except (ApiException, DynamicApiError) as e:
             reason = getattr(e, "reason", None) or type(e).__name__
             problems.append(("ApplyFailed", f"{reason}: {getattr(e, 'body', None) or e}"[:500]))
