@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_level.lower() != "debug":  # kopf logs every handler run at INFO (the autoscaler timer runs each second)
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     os.environ["KVPILOT_PROMETHEUS_URL"] = args.prometheus_url
+    os.environ["KVPILOT_WATCH_NAMESPACES"] = ",".join(args.namespace)
 
     import kopf
 

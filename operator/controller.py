@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import kopf
@@ -16,7 +17,6 @@ from kvpilot.operator.reconcile import reconcile
 
 log = logging.getLogger("kvpilot.operator")
 _kube: Kube | None = None
-_autoscalers: dict[str, AutoscalerState] = {}
 
 
 def kube() -> Kube:
@@ -65,16 +65,57 @@ def on_engine_pod(meta, namespace, **_) -> None:
     _reconcile_owner(namespace, meta.get("labels", {}).get(ISVC_LABEL))
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=1.0, initial_delay=1.0)
-def autoscale(body, meta, **_) -> None:
-    """Runs every second; evaluates each InferenceService at its own spec.autoscaling.intervalSeconds."""
-    if meta.get("deletionTimestamp"):
-        return
-    state = _autoscalers.setdefault(meta["uid"], AutoscalerState())
-    source = PrometheusSource(os.environ.get("KVPILOT_PROMETHEUS_URL", "http://127.0.0.1:9090"))
-    evaluate(kube(), source, dict(body), state, time.time())
+class AutoscalerLoop:
+    """Evaluates every InferenceService at its own spec.autoscaling.intervalSeconds.
+
+    One loop for all objects rather than a kopf timer per object: kopf guards timers with a
+    finalizer, so deleting an InferenceService would then hang whenever the operator is down."""
+
+    def __init__(self, namespaces: list[str]):
+        self.namespaces = namespaces
+        self.states: dict[str, AutoscalerState] = {}
+        self.stop = threading.Event()
+
+    def _objects(self) -> list[dict]:
+        api = kube().custom
+        if not self.namespaces:
+            return api.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+        return [o for ns in self.namespaces for o in api.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]]
+
+    def run(self) -> None:
+        source = PrometheusSource(os.environ.get("KVPILOT_PROMETHEUS_URL", "http://127.0.0.1:9090"))
+        while not self.stop.wait(1.0):
+            try:
+                objects = self._objects()
+            except Exception as e:  # noqa: BLE001 - the API server blinked: try again next second
+                log.warning("autoscaler: cannot list InferenceServices: %s", e)
+                continue
+            live = set()
+            for body in objects:
+                uid = body["metadata"]["uid"]
+                live.add(uid)
+                if body["metadata"].get("deletionTimestamp"):
+                    continue
+                try:
+                    evaluate(kube(), source, body, self.states.setdefault(uid, AutoscalerState()), time.time())
+                except Exception:  # noqa: BLE001 - one bad object must not stop the others
+                    log.exception("autoscaler: %s/%s", body["metadata"]["namespace"], body["metadata"]["name"])
+            for uid in set(self.states) - live:
+                del self.states[uid]
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-def forget(meta, **_) -> None:
-    _autoscalers.pop(meta["uid"], None)
+_loop: AutoscalerLoop | None = None
+
+
+@kopf.on.startup()
+def start_autoscaler(**_) -> None:
+    global _loop
+    namespaces = [n for n in os.environ.get("KVPILOT_WATCH_NAMESPACES", "").split(",") if n]
+    _loop = AutoscalerLoop(namespaces)
+    threading.Thread(target=_loop.run, name="autoscaler", daemon=True).start()
+
+
+@kopf.on.cleanup()
+def stop_autoscaler(**_) -> None:
+    if _loop is not None:
+        _loop.stop.set()
