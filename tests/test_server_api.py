@@ -165,7 +165,7 @@ def test_metrics_are_true(server, client):
     assert d(p + "request_success_total{finished_reason=length}") == 3
     assert d(p + "request_success_total{finished_reason=stop}") == 1
     assert d(p + "generation_tokens_total") >= 21
-    assert d(p + "prompt_tokens_total") == total_prompt + len(__import__("httpx").post(server.url + "/tokenize", json={"prompt": "1, 2, 3,"}).json()["tokens"])
+    assert d(p + "prompt_tokens_total") == total_prompt + len(httpx.post(server.url + "/tokenize", json={"prompt": "1, 2, 3,"}).json()["tokens"])
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert d(p + h + "_count") == 4, h
         assert d(p + h + "_sum") > 0 or h == "request_queue_time_seconds"
@@ -195,7 +195,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         for i, _ in enumerate(r.iter_lines()):
             if i > 10:
                 break  # leave mid-stream
-    assert metrics(server.url)["kvpilot:kv_cache_usage_perc"] >= 0  # the server is still there
+    assert httpx.get(server.url + "/health").status_code == 200  # the server is still there
 
     def freed():
         m = metrics(server.url)

@@ -28,33 +28,21 @@ build_k8s() {
   rm -rf "$d" && mv "$d.tmp" "$d"
 }
 
-build_one() {  # name version package binary
+build_one() {  # module-dir version package binary [extra ldflags]
   local d="$bindir/$1-$2"
   built "$1-$2/$4" && return
   mkdir -p "$d.tmp"
-  (cd "$here/$1" && go build -trimpath -ldflags "-s -w" -o "$d.tmp/$4" "$3")
+  (cd "$here/$1" && go build -trimpath -ldflags "-s -w ${5:-}" -o "$d.tmp/$4" "$3")
   rm -rf "$d" && mv "$d.tmp" "$d"
 }
 
 build_etcd() { build_one etcd "$ETCD_VERSION" go.etcd.io/etcd/server/v3 etcd; }
 build_kwok() { build_one kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok kwok; }
-build_helm() {
-  local ld="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
-  local d="$bindir/helm-$HELM_VERSION"
-  built "helm-$HELM_VERSION/helm" && return
-  mkdir -p "$d.tmp"
-  (cd "$here/helm" && go build -trimpath -ldflags "$ld" -o "$d.tmp/helm" helm.sh/helm/v3/cmd/helm)
-  rm -rf "$d" && mv "$d.tmp" "$d"
-}
-
+build_helm() { build_one helm "$HELM_VERSION" helm.sh/helm/v3/cmd/helm helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"; }
 build_prometheus() {
   local pkg=github.com/prometheus/common/version
-  local ld="-s -w -X $pkg.Version=$PROMETHEUS_VERSION -X $pkg.Branch=release -X $pkg.Revision=$PROMETHEUS_MODULE_VERSION"
-  local d="$bindir/prometheus-$PROMETHEUS_VERSION"
-  built "prometheus-$PROMETHEUS_VERSION/prometheus" && return
-  mkdir -p "$d.tmp"
-  (cd "$here/prometheus" && go build -trimpath -ldflags "$ld" -o "$d.tmp/prometheus" github.com/prometheus/prometheus/cmd/prometheus)
-  rm -rf "$d" && mv "$d.tmp" "$d"
+  build_one prometheus "$PROMETHEUS_VERSION" github.com/prometheus/prometheus/cmd/prometheus prometheus \
+    "-X $pkg.Version=$PROMETHEUS_VERSION -X $pkg.Branch=release -X $pkg.Revision=$PROMETHEUS_MODULE_VERSION"
 }
 
 targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(etcd kwok helm prometheus k8s)

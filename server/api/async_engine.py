@@ -35,7 +35,6 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     params: SamplingParams
-    error: BaseException | None = None
 
 
 @dataclass

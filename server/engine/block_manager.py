@@ -89,7 +89,6 @@ class BlockManager:
         num_new_tokens more tokens. All or nothing: returns False and changes nothing if short."""
         if not self.can_allocate(seq, num_new_tokens, cached):
             return False
-        parent = None
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -97,7 +96,6 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)
-            parent = block.hash
         if cached:
             seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_size
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)

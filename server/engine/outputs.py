@@ -15,7 +15,6 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     text_delta: str = ""                 # text new since the previous output of this request
-    num_new_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -74,6 +74,3 @@ class LlamaModel(nn.Module):
         head = None if c.tie_word_embeddings else to(w("output.weight"))
         return cls(c, embed, layers, RMSNorm(to(w("output_norm.weight")), c.rms_norm_eps), head)
 
-    @staticmethod
-    def num_weight_tensors(gguf: GGUFFile) -> int:
-        return len(list(gguf.tensor_names()))
