@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpilot.server.engine.sampler import Sampler, apply_penalties, filter_logits, mask_min_tokens
 from kvpilot.server.engine.sampling_params import SamplingParams
@@ -93,6 +95,8 @@ def test_logprobs_top_n():
     ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"min_p": 2.0}, "min_p"), ({"top_k": -5}, "top_k"),
     ({"logprobs": 21}, "logprobs"), ({"stop": [""]}, "stop"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"presence_penalty": 3.0}, "presence_penalty"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"), ({"min_p": float("nan")}, "min_p"),
 ])
 def test_invalid_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -155,3 +159,20 @@ def test_prompt_too_long_and_empty(llm):
         llm.generate("", SamplingParams())
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([10**6], SamplingParams())
+
+
+extreme_unit = st.one_of(st.just(5e-324), st.just(2.225073858507203e-309), st.just(1e-45), st.just(1 - 1e-9),
+                         st.floats(min_value=0, max_value=1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(temperature=st.one_of(st.just(1e-300), st.just(5e-324), st.just(1e300), st.floats(min_value=0, max_value=1e6)),
+       top_p=extreme_unit.filter(lambda v: v > 0), min_p=extreme_unit, top_k=st.integers(-1, 40),
+       scale=st.sampled_from([1.0, 1e4, 1e30]), seed=st.integers(0, 2**31))
+def test_any_valid_params_sample_a_real_token(temperature, top_p, min_p, top_k, scale, seed):
+    """Extreme but valid values (denormal top_p, tiny temperature, huge logits) never give NaN probabilities."""
+    params = dict(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
+    logits = torch.randn(2, 32, generator=torch.Generator().manual_seed(seed)) * scale
+    logits[1, 3] = NEG  # a masked entry, as min_tokens leaves it
+    r = Sampler(eos_token_id=3)(logits, [seq([0], **params), seq([0], **params)])
+    assert all(0 <= t < 32 for t in r.token_ids) and r.token_ids[1] != 3

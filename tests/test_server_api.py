@@ -140,6 +140,23 @@ def test_bad_input_is_a_clear_400(server, path, body, status, param, needle):
         assert err["param"] == param
 
 
+@pytest.mark.parametrize("raw", [b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": NaN}',
+                                 b'{"prompt": "x", "temperature": Infinity}'])
+def test_non_finite_numbers_are_a_400(server, raw):
+    """Python's JSON parser accepts NaN/Infinity; they must not reach the sampler."""
+    r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+@pytest.mark.parametrize("extreme", [{"top_p": 2.225073858507203e-309}, {"temperature": 1e-300}, {"temperature": 1e300},
+                                     {"min_p": 1.0, "top_k": 1}, {"temperature": 5e-324, "top_p": 5e-324}])
+def test_extreme_valid_sampling_values_still_generate(server, extreme):
+    """Found by the schema fuzzer: a denormal top_p once made the probabilities NaN and took the engine down."""
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True, **extreme}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_malformed_json_404_405(server):
     r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

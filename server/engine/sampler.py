@@ -47,7 +47,11 @@ def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_id: in
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Top-k, then top-p (nucleus), then min-p, on one row of temperature-scaled logits."""
+    """Top-k, then top-p (nucleus), then min-p, on one row of temperature-scaled logits.
+
+    The most likely token always survives every filter, so the row never becomes all -inf (a top_p or
+    min_p that rounds to 0 or 1 in float32 would otherwise turn the softmax into NaN).
+    """
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -56,10 +60,12 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass strictly before it already reaches top_p (the top one always stays).
         drop = (probs.cumsum(-1) - probs) >= top_p
+        drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if min_p > 0.0:
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+        keep = (probs >= min_p * probs.max()) | (logits == logits.max())
+        logits = logits.masked_fill(~keep, float("-inf"))
     return logits
 
 
@@ -81,7 +87,11 @@ class Sampler:
             p = seq.params
             if p.greedy:
                 continue
-            row_logits = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
+            # Shift so the best logit is 0 before dividing (a small temperature cannot overflow it to
+            # +inf) and keep masked entries -inf (a huge temperature would give -inf/inf = NaN).
+            shifted = logits[row] - logits[row].max()
+            scaled = (shifted / p.temperature).masked_fill(shifted == float("-inf"), float("-inf"))
+            row_logits = filter_logits(scaled, p.top_k, p.top_p, p.min_p)
             probs = row_logits.softmax(-1)
             generator = seq.generator or self.default_generator
             token_ids[row] = int(torch.multinomial(probs, 1, generator=generator))

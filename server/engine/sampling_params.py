@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16          # None: up to the model's max length
     min_tokens: int = 0
-    temperature: float = 1.0             # 0 = greedy
+    temperature: float = 1.0             # 0 (or < 1e-5) = greedy
     top_k: int = 0                       # 0 or -1 = off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -43,8 +46,8 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.temperature < 0:
-            bad("temperature", "must be >= 0")
+        if not 0 <= self.temperature < float("inf"):  # also rejects NaN (JSON parsers accept it)
+            bad("temperature", "must be a finite number >= 0")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad("top_k", "must be -1, 0 (off) or a positive integer")
         if not 0 < self.top_p <= 1:
@@ -68,7 +71,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As in vLLM: below 1e-5 sampling is argmax in all but name, and dividing float32 logits by a
+        # temperature that underflows float32 would give 0/0.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
