@@ -10,8 +10,10 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: setup test serve bench cluster-up cluster-down demo crds tools
 
-# Idempotent: the stamp is remade only when the package metadata or pins change.
+# Idempotent: the stamp is remade only when the package metadata or pins change. The C++ CPU kernel
+# is compiled into the cache here (about a minute, once per source/torch/CPU), not on first request.
 setup: $(VENV)/.setup-stamp
+	@$(BIN)/python -m kvpilot.kernels.cpu_extension >/dev/null
 $(VENV)/.setup-stamp: pyproject.toml setup.py constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt -e '.[engine,operator,test]'

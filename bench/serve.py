@@ -26,14 +26,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import machine, refuse_if_busy, table  # noqa: E402
+from kvpilot.server.cache import cache_root  # noqa: E402
 
 LLAMA_VERSION = "11434.0.0"
 WORDS = ("river mountain light ocean city forest engine quiet bright story morning winter market garden "
          "signal window distant careful history science music people simple network").split()
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvpilot"
 
 
 def llama_server_binary() -> Path:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from e2e.net import free_port, require_loopback
+from kvpilot.server.cache import cache_root
 
 HERE = Path(__file__).resolve().parent
 TOKEN = "kvpilot-e2e-admin-token"  # local, loopback-only cluster: a fixed admin token is fine
@@ -31,10 +32,6 @@ ENGINE_LABEL = "serving.kvpilot.dev/inferenceservice"
 ENGINE_READY_ANNOTATION = "serving.kvpilot.dev/engine-ready"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 POD_CIDR = "127.1.0.0/16"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvpilot"
 
 
 def versions() -> dict[str, str]:

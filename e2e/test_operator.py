@@ -4,7 +4,6 @@ rollout, deletion, crash recovery, bad specs, namespaces, least-privilege RBAC."
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest

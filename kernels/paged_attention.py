@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvpilot.kernels import cpu_extension
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -39,20 +41,26 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
     return block_table[..., positions // block_size] * block_size + positions % block_size
 
 
-def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
-    """One sequence's new tokens q [n, heads, d] attend causally to its cached context (prefix + themselves)."""
+def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+    """One sequence's new tokens q/k/v [n, heads, d] attend causally to its cached prefix and themselves.
+
+    Only the prefix (positions before this step's tokens) is gathered from the cache; the new tokens'
+    K/V are used as computed, so a plain prefill copies nothing."""
     n = q.shape[0]
-    block_size, kv_heads, head_dim = k_cache.shape[1:]
-    slots = _slots(block_table, torch.arange(context_len, device=q.device), block_size)
-    k = k_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)
-    v = v_cache.view(-1, kv_heads, head_dim)[slots].transpose(0, 1)
-    qt = q.transpose(0, 1)
-    if n == context_len:
-        out = F.scaled_dot_product_attention(qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # new query i sits at absolute position context_len - n + i
-        q_pos = torch.arange(context_len - n, context_len, device=q.device)
+    prefix = context_len - n
+    if prefix:
+        block_size, kv_heads, head_dim = k_cache.shape[1:]
+        slots = _slots(block_table, torch.arange(prefix, device=q.device), block_size)
+        k = torch.cat([k_cache.view(-1, kv_heads, head_dim)[slots], k])
+        v = torch.cat([v_cache.view(-1, kv_heads, head_dim)[slots], v])
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if not prefix:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # new query i sits at absolute position prefix + i
+        q_pos = torch.arange(prefix, context_len, device=q.device)
         mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
 
@@ -79,20 +87,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     out = torch.empty_like(q)
     start = 0
     for n, ctx, table in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
-        out[start:start + n] = prefill_attention_ref(q[start:start + n], k_cache, v_cache, table, ctx, scale)
+        rows = slice(start, start + n)
+        out[rows] = prefill_attention_ref(q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx, scale)
         start += n
     if start < q.shape[0]:
         out[start:] = decode_attention(q[start:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     return out
 
 
-DECODE_GROUP = 4  # sequences per padded decode-attention call on CPU
+DECODE_GROUP = 4  # sequences per padded decode-attention call on the torch path
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Decode attention, CPU path: sequences sorted by context length and taken in small groups, so
-    each group is padded only to its own longest context (mixed lengths otherwise pad, gather and
-    attend over up to twice the tokens)."""
+    """Decode attention. CPU: the C++ kernel that reads the cache in place (kernels/csrc), when it
+    could be built. Otherwise the torch path, with sequences sorted by context length and taken in
+    small groups, so each group is padded only to its own longest context."""
+    if q.device.type == "cpu":
+        ext = cpu_extension.load()
+        if ext is not None:
+            return ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return decode_attention_grouped(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def decode_attention_grouped(q, k_cache, v_cache, block_tables, context_lens, scale):
     n = q.shape[0]
     if n <= DECODE_GROUP:
         return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from kvpilot.server.cache import cache_root
 
 # Fixed before the first run: varied lengths, languages, code, chat-formatted and plain text.
 ORACLE_PROMPTS = [
@@ -29,11 +29,6 @@ ORACLE_PROMPTS = [
 ]
 ORACLE_STEPS = 64
 TOPK = 5
-
-
-def cache_root() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "kvpilot"
 
 
 @dataclass

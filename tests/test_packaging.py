@@ -39,6 +39,11 @@ def test_wheel_has_every_module(wheel):
     assert len(source_modules()) > 20  # the walk found the real tree
 
 
+def test_wheel_has_kernel_sources(wheel):
+    """The CPU attention kernel is compiled from its source at setup time, also from an installed wheel."""
+    assert "kvpilot/kernels/csrc/paged_attention_cpu.cpp" in wheel.namelist()
+
+
 def test_wheel_has_no_top_level_operator(wheel):
     tops = {n.split("/")[0] for n in wheel.namelist()}
     assert "operator" not in tops and "operator.py" not in tops

@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from kvpilot.kernels.paged_attention import AttentionMetadata, decode_attention, paged_attention, prefill_attention_ref
+from kvpilot.kernels import cpu_extension
+from kvpilot.kernels.paged_attention import AttentionMetadata, decode_attention_grouped, paged_attention, prefill_attention_ref
+
+
+def cpp_decode(*args):
+    """The C++ kernel; require() fails loudly when it cannot be built (the engine would only warn)."""
+    return cpu_extension.require().paged_decode_attention(*args)
+
+
+DECODERS = {"cpp": cpp_decode, "torch": decode_attention_grouped}
 
 
 def naive(q, k, v, scale, offset):
@@ -32,17 +41,19 @@ def paged(k_seq, v_seq, block_size, num_blocks, gen):
     return kc, vc, tables
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 80, 5), (6, 1, 16, 32)])
-def test_decode_matches_naive(heads, kv_heads, head_dim, block_size):
-    gen = torch.Generator().manual_seed(heads * 100 + block_size)
-    lens = torch.randint(1, 90, (11,), generator=gen).tolist()  # ragged, more than one decode group
+@pytest.mark.parametrize("impl", DECODERS)
+@pytest.mark.parametrize("batch", [11, 1])  # the C++ kernel splits KV heads across threads for tiny batches
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 80, 5), (6, 1, 16, 32), (3, 1, 7, 3)])
+def test_decode_matches_naive(impl, batch, heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 100 + block_size + batch)
+    lens = torch.randint(1, 90, (batch,), generator=gen).tolist()  # ragged, more than one decode group
     ks = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lens]
     vs = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lens]
     kc, vc, tables = paged(ks, vs, block_size, sum(-(-n // block_size) for n in lens) + 20, gen)
     width = max(map(len, tables))
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     q = torch.randn(len(lens), heads, head_dim, generator=gen)
-    out = decode_attention(q, kc, vc, bt, torch.tensor(lens), head_dim ** -0.5)
+    out = DECODERS[impl](q, kc, vc, bt, torch.tensor(lens), head_dim ** -0.5)
     for i, n in enumerate(lens):
         ref = naive(q[i:i + 1], ks[i], vs[i], head_dim ** -0.5, n - 1)
         torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)
@@ -60,4 +71,32 @@ def test_prefill_with_cached_prefix_and_write_path():
     meta = AttentionMetadata(slots, [new], [total], [torch.tensor(table)], torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
     out = paged_attention(q, k[total - new:], v[total - new:], kc, vc, meta, d ** -0.5)
     torch.testing.assert_close(out, naive(q, k, v, d ** -0.5, total - new), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(prefill_attention_ref(q, kc, vc, torch.tensor(table), total, d ** -0.5), out)
+    torch.testing.assert_close(prefill_attention_ref(q, k[total - new:], v[total - new:], kc, vc, torch.tensor(table), total, d ** -0.5), out)
+
+
+def test_prefill_without_prefix_uses_new_kv_and_fills_cache():
+    gen = torch.Generator().manual_seed(3)
+    heads, kvh, d, bs, n = 4, 2, 16, 4, 10
+    k, v, q = torch.randn(n, kvh, d, generator=gen), torch.randn(n, kvh, d, generator=gen), torch.randn(n, heads, d, generator=gen)
+    kc, vc = torch.zeros(8, bs, kvh, d), torch.zeros(8, bs, kvh, d)
+    table = [5, 2, 7]
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+    meta = AttentionMetadata(slots, [n], [n], [torch.tensor(table)], torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    out = paged_attention(q, k, v, kc, vc, meta, d ** -0.5)
+    torch.testing.assert_close(out, naive(q, k, v, d ** -0.5, 0), atol=1e-5, rtol=1e-5)
+    assert torch.equal(kc.view(-1, kvh, d)[slots], k) and torch.equal(vc.view(-1, kvh, d)[slots], v)
+
+
+def test_cpp_decode_reads_a_bfloat16_cache():
+    gen = torch.Generator().manual_seed(5)
+    lens = [1, 17, 40]
+    ks = [torch.randn(n, 2, 32, generator=gen).bfloat16() for n in lens]
+    vs = [torch.randn(n, 2, 32, generator=gen).bfloat16() for n in lens]
+    kc, vc, tables = paged([k.float() for k in ks], [v.float() for v in vs], 8, 12, gen)
+    bt = torch.tensor([t + [0] * (5 - len(t)) for t in tables])
+    q = torch.randn(3, 6, 32, generator=gen)
+    out = cpp_decode(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), bt, torch.tensor(lens), 32 ** -0.5)
+    assert out.dtype == torch.bfloat16
+    for i, n in enumerate(lens):
+        ref = naive(q[i:i + 1].bfloat16().float(), ks[i].float(), vs[i].float(), 32 ** -0.5, n - 1)
+        torch.testing.assert_close(out[i:i + 1].float(), ref, atol=2e-2, rtol=2e-2)

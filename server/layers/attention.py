@@ -1,27 +1,29 @@
 import torch
 from torch import nn
 
+from kvpilot.kernels.linear import LinearWeight, linear, linear_add
 from kvpilot.kernels.paged_attention import AttentionMetadata, paged_attention
 from kvpilot.server.layers.rotary import RotaryEmbedding
 
 
 class PagedSelfAttention(nn.Module):
-    """GQA self-attention whose K/V live in the paged cache (fused QKV projection)."""
+    """GQA self-attention whose K/V live in the paged cache (fused QKV projection; the output
+    projection adds the residual)."""
 
     def __init__(self, qkv: torch.Tensor, o: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.qkv = nn.Parameter(qkv, requires_grad=False)
-        self.o = nn.Parameter(o, requires_grad=False)
+        self.qkv, self.o = LinearWeight.create(qkv), LinearWeight.create(o)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rotary = rotary
         self.scale = head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = (x @ self.qkv.T).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = linear(x, self.qkv).split([q_size, kv_size, kv_size], dim=-1)
         q = self.rotary(positions, q.view(t, self.num_heads, self.head_dim))
         k = self.rotary(positions, k.view(t, self.num_kv_heads, self.head_dim))
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return out.reshape(t, q_size) @ self.o.T
+        return linear_add(out.reshape(t, q_size), self.o, residual)

@@ -1,16 +1,15 @@
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kvpilot.kernels.linear import LinearWeight, linear_add, linear_mul, linear_silu
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """residual + down(silu(gate(x)) * up(x)); the SiLU, the product and the add ride on the matmuls."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor):
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
         super().__init__()
-        self.gate_up = nn.Parameter(gate_up, requires_grad=False)
-        self.down = nn.Parameter(down, requires_grad=False)
+        self.gate, self.up, self.down = LinearWeight.create(gate), LinearWeight.create(up), LinearWeight.create(down)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = (x @ self.gate_up.T).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.down.T
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return linear_add(linear_mul(x, self.up, linear_silu(x, self.gate)), self.down, residual)
