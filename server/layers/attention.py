@@ -21,9 +21,11 @@ class PagedSelfAttention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = linear(x, self.qkv).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.rotary(positions, q.view(t, self.num_heads, self.head_dim))
-        k = self.rotary(positions, k.view(t, self.num_kv_heads, self.head_dim))
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        qkv = linear(x, self.qkv)
+        self.rotary.rotate_qkv_(qkv, positions, self.num_heads + self.num_kv_heads)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return linear_add(out.reshape(t, q_size), self.o, residual)

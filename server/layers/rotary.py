@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from kvpilot.kernels import cpu_extension
+
 
 class RotaryEmbedding(nn.Module):
     """RoPE in the half-split layout (pairs are (i, i + d/2)), cos/sin precomputed per position.
@@ -26,3 +28,13 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._rows(positions, x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def rotate_qkv_(self, qkv: torch.Tensor, positions: torch.Tensor, rot_heads: int) -> None:
+        """Rotate, in place, the first rot_heads heads (queries, then keys) of each row of a fused QKV
+        projection output [T, (heads + 2 * kv_heads) * d]. CPU float32: one C++ pass."""
+        ext = cpu_extension.load() if qkv.device.type == "cpu" and qkv.dtype == torch.float32 else None
+        if ext is not None:
+            ext.rotary_inplace(qkv, positions, self.cos, self.sin, rot_heads, self.cos.shape[1] * 2)
+            return
+        x = qkv[:, :rot_heads * self.cos.shape[1] * 2].view(qkv.shape[0], rot_heads, -1)
+        x.copy_(self(positions, x))
