@@ -14,8 +14,12 @@ import os
 import sys
 import time
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(__file__))
+
+from kvpilot.server.threads import OPENMP_ENV  # noqa: E402
+
+# Before torch loads: kvpilot and HF run in this process under the engine's OpenMP settings.
+os.environ.update({k: os.environ.get(k, v) for k, v in OPENMP_ENV.items()})
 
 from common import machine, matmul_peak_gflops, offline_workload, refuse_if_busy, table  # noqa: E402
 

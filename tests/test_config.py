@@ -63,7 +63,7 @@ def test_lazy_exports():
 
 def test_thread_settings_applied_before_torch():
     code = ("from kvpilot.server.threads import configure_threads; configure_threads(1); import os, torch; "
-            "print(os.environ['OMP_WAIT_POLICY'], torch.get_num_threads())")
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("OMP_")}
+            "print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'], torch.get_num_threads())")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("OMP_", "GOMP_"))}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert r.stdout.split() == ["PASSIVE", "1"], r.stderr[-500:]
+    assert r.stdout.split() == ["PASSIVE", "20000", "1"], r.stderr[-500:]
