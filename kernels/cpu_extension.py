@@ -37,6 +37,7 @@ def build_dir() -> Path:
     return cache_root() / "kernels" / f"cpu-{key.hexdigest()[:16]}"
 
 
+@lru_cache(maxsize=1)
 def require():
     """The compiled module; builds it on first use (about a minute on 2 cores)."""
     from torch.utils import cpp_extension
@@ -44,7 +45,8 @@ def require():
     path = build_dir()
     path.mkdir(parents=True, exist_ok=True)
     venv_bin = os.path.dirname(sys.executable)  # pip's ninja, when the venv is not activated
-    os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     os.environ.setdefault("MAX_JOBS", "2")
     if not list(path.glob("*.so")):
         log.warning("compiling kvpilot's CPU attention kernel into %s (one-off)", path)

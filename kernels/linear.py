@@ -25,7 +25,6 @@ class LinearWeight:
     """One projection's weight: dense [out, in] (reference / CUDA path) or oneDNN-packed (CPU path)."""
     dense: torch.Tensor | None
     packed: torch.Tensor | None
-    out_features: int
 
     @classmethod
     def create(cls, weight: torch.Tensor, use_onednn: bool | None = None) -> "LinearWeight":
@@ -33,8 +32,8 @@ class LinearWeight:
             use_onednn = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available()
         if use_onednn:
             # The packed copy is all the CPU path reads; keeping the dense one too would double the memory.
-            return cls(None, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), weight.shape[0])
-        return cls(weight.contiguous(), None, weight.shape[0])
+            return cls(None, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None))
+        return cls(weight.contiguous(), None)
 
 
 def _pointwise(x: torch.Tensor, w: LinearWeight, attr: str) -> torch.Tensor:
@@ -61,4 +60,4 @@ def linear_add(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor) -> torc
     """(x @ W.T) + residual"""
     if w.packed is not None:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w.packed, None, "add")
-    return torch.addmm(residual, x, w.dense.T) if x.dim() == 2 else F.linear(x, w.dense) + residual
+    return F.linear(x, w.dense) + residual

@@ -7,12 +7,13 @@ from kvpilot.kernels import cpu_extension
 from kvpilot.server.layers.rotary import RotaryEmbedding
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # float32: the C++ pass; others: the torch path
 @pytest.mark.parametrize("heads,kv_heads,d,tokens", [(9, 3, 64, 1), (9, 3, 64, 37), (4, 4, 32, 5)])
-def test_cpp_rotary_matches_torch(heads, kv_heads, d, tokens):
+def test_rotary_on_fused_qkv_matches_torch_formula(dtype, heads, kv_heads, d, tokens):
     cpu_extension.require()  # fails loudly if the kernel cannot be built: the engine would silently fall back
     rope = RotaryEmbedding(d, 2048, 10000.0)
     gen = torch.Generator().manual_seed(tokens)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen, dtype=dtype)
     positions = torch.randint(0, 2048, (tokens,), generator=gen)
     want = qkv.clone()
     for first, n in ((0, heads), (heads, kv_heads)):

@@ -79,6 +79,19 @@ inline void axpy(float a, const T* v, float* acc, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += a * static_cast<float>(v[i]);
 }
 
+// Token t's row (all KV heads) in a sequence's paged cache. At a block's first token the next block
+// is prefetched, so it streams in while this one is used.
+template <typename T>
+inline const T* token_row(const T* cache, const int64_t* table, int64_t t, int64_t ctx, int64_t block_size, int64_t row) {
+  const int64_t off = t % block_size;
+  if (off == 0 && t + block_size < ctx) {
+    const char* next = reinterpret_cast<const char*>(cache + table[t / block_size + 1] * block_size * row);
+    const int64_t bytes = block_size * row * static_cast<int64_t>(sizeof(T));
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(next + c);
+  }
+  return cache + (table[t / block_size] * block_size + off) * row;
+}
+
 template <typename T, typename QT>
 void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* ctx_lens,
                  QT* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t W, float scale) {
@@ -89,7 +102,6 @@ void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t*
   // KV heads are split across items instead, so a single stream still uses every core.
   const int64_t splits = B >= 2 * at::get_num_threads() ? 1 : KVH;
   const int64_t heads_per_item = KVH / splits;
-  const int64_t block_bytes = block_size * row * static_cast<int64_t>(sizeof(T));
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), acc(H * D), scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -98,34 +110,16 @@ void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t*
       const int64_t* table = tables + b * W;
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t i = 0; i < D; ++i) qf[h * D + i] = static_cast<float>(q[(b * H + h0 + h) * D + i]) * scale;
-      scores.assign(nh * ctx, 0.f);
+      scores.resize(nh * ctx);  // every entry is written below
       for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t blk = table[t / block_size], off = t % block_size;
-        if (off == 0 && t + block_size < ctx) {  // next block: start fetching it while this one is used
-          const char* next = reinterpret_cast<const char*>(k_cache + table[t / block_size + 1] * block_size * row);
-          for (int64_t c = 0; c < block_bytes; c += 64) __builtin_prefetch(next + c);
-        }
-        const T* krow = k_cache + (blk * block_size + off) * row;
-        for (int64_t kvh = kv0; kvh < kv1; ++kvh)
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = (kvh - kv0) * group + g;
-            scores[h * ctx + t] = dot(qf.data() + h * D, krow + kvh * D, D);
-          }
+        const T* krow = token_row(k_cache, table, t, ctx, block_size, row);
+        for (int64_t h = 0; h < nh; ++h) scores[h * ctx + t] = dot(qf.data() + h * D, krow + (kv0 + h / group) * D, D);
       }
       for (int64_t h = 0; h < nh; ++h) softmax_inplace(scores.data() + h * ctx, ctx);
       std::fill(acc.begin(), acc.begin() + nh * D, 0.f);
       for (int64_t t = 0; t < ctx; ++t) {
-        const int64_t blk = table[t / block_size], off = t % block_size;
-        if (off == 0 && t + block_size < ctx) {
-          const char* next = reinterpret_cast<const char*>(v_cache + table[t / block_size + 1] * block_size * row);
-          for (int64_t c = 0; c < block_bytes; c += 64) __builtin_prefetch(next + c);
-        }
-        const T* vrow = v_cache + (blk * block_size + off) * row;
-        for (int64_t kvh = kv0; kvh < kv1; ++kvh)
-          for (int64_t g = 0; g < group; ++g) {
-            const int64_t h = (kvh - kv0) * group + g;
-            axpy(scores[h * ctx + t], vrow + kvh * D, acc.data() + h * D, D);
-          }
+        const T* vrow = token_row(v_cache, table, t, ctx, block_size, row);
+        for (int64_t h = 0; h < nh; ++h) axpy(scores[h * ctx + t], vrow + (kv0 + h / group) * D, acc.data() + h * D, D);
       }
       for (int64_t h = 0; h < nh; ++h)
         for (int64_t i = 0; i < D; ++i) out[(b * H + h0 + h) * D + i] = static_cast<QT>(acc[h * D + i]);

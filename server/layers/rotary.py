@@ -12,6 +12,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
+        self.head_dim = head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_position, d/2]
@@ -34,7 +35,7 @@ class RotaryEmbedding(nn.Module):
         projection output [T, (heads + 2 * kv_heads) * d]. CPU float32: one C++ pass."""
         ext = cpu_extension.load() if qkv.device.type == "cpu" and qkv.dtype == torch.float32 else None
         if ext is not None:
-            ext.rotary_inplace(qkv, positions, self.cos, self.sin, rot_heads, self.cos.shape[1] * 2)
+            ext.rotary_inplace(qkv, positions, self.cos, self.sin, rot_heads, self.head_dim)
             return
-        x = qkv[:, :rot_heads * self.cos.shape[1] * 2].view(qkv.shape[0], rot_heads, -1)
+        x = qkv[:, :rot_heads * self.head_dim].view(qkv.shape[0], rot_heads, self.head_dim)
         x.copy_(self(positions, x))
