@@ -146,12 +146,12 @@ def build_app(state: ServerState) -> FastAPI:
 def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_progress: bool = True) -> ServerState:
     from kvpilot.server.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(engine_config, show_progress=show_progress)
-    async_engine = AsyncEngine(engine, server_config.max_waiting_requests)
+    async_engine = AsyncEngine.launch(lambda: LLMEngine(engine_config, show_progress=show_progress), server_config.max_waiting_requests)
+    engine = async_engine.engine
     metrics = EngineMetrics(engine, engine.served_model_name, pending=lambda: async_engine._pending)
     async_engine.on_step = lambda _engine, outputs, _dt: metrics.observe(outputs)
     serving = OpenAIServing(async_engine, engine.tokenizer, engine.served_model_name, engine.max_model_len)
-    return ServerState(async_engine.start(), serving, metrics, server_config)
+    return ServerState(async_engine, serving, metrics, server_config)
 
 
 def run_server(ns) -> int:

@@ -1,8 +1,8 @@
 """Runs the synchronous engine in its own thread; the asyncio side submits, streams and aborts.
 
-The engine thread owns the LLMEngine: every change to it (add, abort) is a command queued to that
-thread, so there is no lock around the model. Outputs go back to each request's asyncio.Queue via
-loop.call_soon_threadsafe.
+The engine thread owns the LLMEngine: it builds it (see AsyncEngine.launch for why) and every change
+to it (add, abort) is a command queued to that thread, so there is no lock around the model. Outputs
+go back to each request's asyncio.Queue via loop.call_soon_threadsafe, one wake-up per step.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class _Stream:
 
 @dataclass
 class AsyncEngine:
-    engine: LLMEngine
+    engine: LLMEngine | None = None        # set by launch(), in the engine thread
     max_waiting_requests: int = 256
     on_step: Callable[[LLMEngine, list[RequestOutput], float], None] | None = None  # metrics hook, engine thread
     _commands: "queue.SimpleQueue[tuple]" = field(default_factory=queue.SimpleQueue)
@@ -52,9 +52,37 @@ class AsyncEngine:
     heartbeat: float = field(default_factory=time.monotonic)
     fatal: BaseException | None = None
 
-    def start(self) -> "AsyncEngine":
-        self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
+    @classmethod
+    def launch(cls, build_engine: Callable[[], LLMEngine], max_waiting_requests: int = 256) -> "AsyncEngine":
+        """Start the engine thread, build the engine in it and return once it is loaded (load errors
+        are raised here).
+
+        The engine is built in the thread that steps it, and torch runs on no other thread: GNU
+        OpenMP keeps a worker team per thread that opens parallel regions, and once it manages more
+        threads than there are CPUs its workers stop spinning between regions (libgomp's "throttled"
+        spin count: zero under OMP_WAIT_POLICY=PASSIVE). A model loaded on the main thread and
+        stepped on this one left four OpenMP threads on two cores, and each of the ~250 parallel
+        regions of a step paid a sleep and a wake-up: 100k context switches for 32 requests, serving
+        at 170-190 output tok/s where the same engine steps at 270-290 (bench/RESULTS.md)."""
+        self = cls(max_waiting_requests=max_waiting_requests)
+        loaded = threading.Event()
+        failure: list[BaseException] = []
+
+        def main() -> None:
+            try:
+                self.engine = build_engine()
+            except BaseException as e:
+                failure.append(e)
+                return
+            finally:
+                loaded.set()
+            self._run()
+
+        self._thread = threading.Thread(target=main, name="kvpilot-engine", daemon=True)
         self._thread.start()
+        loaded.wait()
+        if failure:
+            raise failure[0]
         return self
 
     def stop(self, timeout: float = 10) -> None:
@@ -117,15 +145,13 @@ class AsyncEngine:
                     continue
                 t = time.monotonic()
                 outputs = self.engine.step()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                self._deliver_all([(out.request_id, out) for out in outputs])
                 if self.on_step:
                     self.on_step(self.engine, outputs, time.monotonic() - t)
         except BaseException as e:  # the engine died: fail every open request, /health turns 503
             log.exception("engine loop crashed")
             self.fatal = e
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"engine failed: {e}"))
+            self._deliver_all([(rid, EngineDeadError(f"engine failed: {e}")) for rid in list(self._streams)])
 
     def _drain_commands(self) -> None:
         while True:
@@ -149,6 +175,20 @@ class AsyncEngine:
                     self.on_step(self.engine, [out], 0.0)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand a step's outputs to their streams with one wake-up per event loop, not one per request:
+        each wake-up is a write to the loop's self-pipe and a turn of the GIL between the two threads."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
