@@ -42,11 +42,14 @@ def paged(k_seq, v_seq, block_size, num_blocks, gen):
 
 
 @pytest.mark.parametrize("impl", DECODERS)
-@pytest.mark.parametrize("batch", [11, 1])  # the C++ kernel splits KV heads across threads for tiny batches
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 1), (8, 2, 80, 5), (6, 1, 16, 32), (3, 1, 7, 3)])
+@pytest.mark.parametrize("batch", [11, 1])  # C++: work items are (sequence, KV head), dealt to threads by length
+# head_dim 64 and 128 take the C++ kernel's AVX-512 path (16-token score blocks with a ragged tail), the others its generic one
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 1), (8, 2, 80, 5),
+                                                                 (6, 1, 16, 32), (3, 1, 7, 3)])
 def test_decode_matches_naive(impl, batch, heads, kv_heads, head_dim, block_size):
     gen = torch.Generator().manual_seed(heads * 100 + block_size + batch)
     lens = torch.randint(1, 90, (batch,), generator=gen).tolist()  # ragged, more than one decode group
+    lens[0] = 300  # many blocks: the next-block prefetch, several full 16-token score blocks
     ks = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lens]
     vs = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lens]
     kc, vc, tables = paged(ks, vs, block_size, sum(-(-n // block_size) for n in lens) + 20, gen)
@@ -87,16 +90,17 @@ def test_prefill_without_prefix_uses_new_kv_and_fills_cache():
     assert torch.equal(kc.view(-1, kvh, d)[slots], k) and torch.equal(vc.view(-1, kvh, d)[slots], v)
 
 
-def test_cpp_decode_reads_a_bfloat16_cache():
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_cpp_decode_reads_a_bfloat16_cache(head_dim):
     gen = torch.Generator().manual_seed(5)
     lens = [1, 17, 40]
-    ks = [torch.randn(n, 2, 32, generator=gen).bfloat16() for n in lens]
-    vs = [torch.randn(n, 2, 32, generator=gen).bfloat16() for n in lens]
+    ks = [torch.randn(n, 2, head_dim, generator=gen).bfloat16() for n in lens]
+    vs = [torch.randn(n, 2, head_dim, generator=gen).bfloat16() for n in lens]
     kc, vc, tables = paged([k.float() for k in ks], [v.float() for v in vs], 8, 12, gen)
     bt = torch.tensor([t + [0] * (5 - len(t)) for t in tables])
-    q = torch.randn(3, 6, 32, generator=gen)
-    out = cpp_decode(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), bt, torch.tensor(lens), 32 ** -0.5)
+    q = torch.randn(3, 6, head_dim, generator=gen)
+    out = cpp_decode(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), bt, torch.tensor(lens), head_dim ** -0.5)
     assert out.dtype == torch.bfloat16
     for i, n in enumerate(lens):
-        ref = naive(q[i:i + 1].bfloat16().float(), ks[i].float(), vs[i].float(), 32 ** -0.5, n - 1)
+        ref = naive(q[i:i + 1].bfloat16().float(), ks[i].float(), vs[i].float(), head_dim ** -0.5, n - 1)
         torch.testing.assert_close(out[i:i + 1].float(), ref, atol=2e-2, rtol=2e-2)

@@ -1,9 +1,11 @@
 // Decode attention on CPU reading the paged KV cache in place.
 //
 // The torch reference gathers every sequence's blocks into a padded tensor and hands it to SDPA: the
-// cache is read, written and read again. Here each work item walks its sequence's block table
-// directly, so K and V are each read once, and every K/V row fetched serves all the query heads that
-// share it (GQA).
+// cache is read, written and read again. Here each work item (a sequence and one KV head) walks the
+// sequence's block table directly, so K and V come from memory once, and every K/V row fetched serves
+// all the query heads that share it (GQA). With AVX-512 and head_dim 64 or 128 the walk keeps the
+// query and the accumulators in registers and sums 16 tokens' dot products in one shuffle tree;
+// microbenchmark (B=16, contexts 200-450, 30 layers): 17.8 -> 10.8 ms per step-equivalent.
 //
 // Layouts (float32 or bfloat16 cache, float32 math):
 //   q            [B, H, D]          out [B, H, D] (same dtype as q)
@@ -17,6 +19,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -55,41 +61,156 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-inline void softmax_inplace(float* s, int64_t n) {
-  float part[kLanes];
-  std::fill(part, part + kLanes, -INFINITY);
-  int64_t t = 0;
-  for (; t + kLanes <= n; t += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) part[j] = std::max(part[j], s[t + j]);
-  float m = *std::max_element(part, part + kLanes);
-  for (; t < n; ++t) m = std::max(m, s[t]);
-  for (t = 0; t < n; ++t) s[t] = exp_nonpositive(s[t] - m);
-  std::fill(part, part + kLanes, 0.f);
-  for (t = 0; t + kLanes <= n; t += kLanes)
-    for (int64_t j = 0; j < kLanes; ++j) part[j] += s[t + j];
-  float sum = 0.f;
-  for (; t < n; ++t) sum += s[t];
-  for (int64_t j = 0; j < kLanes; ++j) sum += part[j];
-  const float inv = 1.f / sum;
-  for (t = 0; t < n; ++t) s[t] *= inv;
-}
-
 template <typename T>
 inline void axpy(float a, const T* v, float* acc, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += a * static_cast<float>(v[i]);
 }
 
-// Token t's row (all KV heads) in a sequence's paged cache. At a block's first token the next block
-// is prefetched, so it streams in while this one is used.
-template <typename T>
-inline const T* token_row(const T* cache, const int64_t* table, int64_t t, int64_t ctx, int64_t block_size, int64_t row) {
-  const int64_t off = t % block_size;
-  if (off == 0 && t + block_size < ctx) {
-    const char* next = reinterpret_cast<const char*>(cache + table[t / block_size + 1] * block_size * row);
-    const int64_t bytes = block_size * row * static_cast<int64_t>(sizeof(T));
-    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(next + c);
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp_nonpositive on 16 lanes (same reduction and polynomial; scalef applies the 2^n exactly).
+inline __m512 exp16_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.98756915e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819994e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657981e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666672e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.00000000e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX512F__)
+// Lane t of the result = the sum of the 16 lanes of v[t]: a transpose-and-add tree, 45 instructions
+// for 16 dot products where one horizontal sum each costs about 8.
+inline __m512 reduce16(const __m512* v) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of v[4i..4i+3]
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
-  return cache + (table[t / block_size] * block_size + off) * row;
+  // Add the four 128-bit lanes: lanes (0, 2) + (1, 3), then the two halves.
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+#endif
+
+// softmax in place over n scores (max-subtracted, so every exp argument is <= 0).
+inline void softmax_inplace(float* s, int64_t n) {
+  float m = -INFINITY;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (; t + 16 <= n; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + t));
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; t < n; ++t) m = std::max(m, s[t]);
+  float sum = 0.f;
+  t = 0;
+#if defined(__AVX512F__)
+  __m512 vs = _mm512_setzero_ps();
+  const __m512 vmax = _mm512_set1_ps(m);
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax));
+    _mm512_storeu_ps(s + t, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+#endif
+  for (; t < n; ++t) {
+    s[t] = exp_nonpositive(s[t] - m);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+  for (t = 0; t < n; ++t) s[t] *= inv;
+}
+
+// Visit the rows of one KV head of a sequence, block by block: fn(t, pointer to its D values). At each
+// block the same head's rows of the next block are prefetched, so they stream in while this one is used.
+template <typename T, typename Fn>
+inline void for_each_row(const T* cache, const int64_t* table, int64_t ctx, int64_t block_size, int64_t row, int64_t head_off,
+                         int64_t D, Fn fn) {
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, ++blk) {
+    const T* base = cache + table[blk] * block_size * row + head_off;
+    if (t0 + block_size < ctx) {
+      const char* next = reinterpret_cast<const char*>(cache + table[blk + 1] * block_size * row + head_off);
+      for (int64_t r = 0; r < block_size; ++r)
+        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(next + r * row * static_cast<int64_t>(sizeof(T)) + c);
+    }
+    const int64_t n = std::min(block_size, ctx - t0);
+    for (int64_t r = 0; r < n; ++r) fn(t0 + r, base + r * row);
+  }
+}
+
+#if defined(__AVX512F__)
+// One KV head's query group over a sequence, head_dim = 16 * C known at compile time, so the query
+// and the output accumulators live in registers across the whole walk (the generic path reloads and
+// stores its accumulators every token, a store-to-load chain per row). The query heads take turns
+// over the rows: the first pass brings them in from memory, the others find them in L2.
+template <int C, typename T>
+void attend_group_avx512(const float* qf, int64_t group, const T* k_cache, const T* v_cache, const int64_t* table,
+                         int64_t ctx, int64_t block_size, int64_t row, int64_t head_off, float* scores, float* acc) {
+  constexpr int64_t D = C * 16;
+  for (int64_t j = 0; j < group; ++j) {
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qf + j * D + c * 16);
+    float* s = scores + j * ctx;
+    __m512 part[16];  // 16 tokens' lane-wise products, summed across lanes together (reduce16)
+    for_each_row(k_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* k) {
+      __m512 a = _mm512_mul_ps(qv[0], load16(k));
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + c * 16), a);
+      part[t % 16] = a;
+      if (t % 16 == 15) _mm512_storeu_ps(s + t - 15, reduce16(part));
+    });
+    if (const int64_t tail = ctx % 16) {
+      for (int64_t i = tail; i < 16; ++i) part[i] = _mm512_setzero_ps();
+      const __m512 r = reduce16(part);
+      _mm512_mask_storeu_ps(s + ctx - tail, static_cast<__mmask16>((1u << tail) - 1), r);
+    }
+    softmax_inplace(s, ctx);
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    __m512 av[C];
+    for (int c = 0; c < C; ++c) av[c] = _mm512_setzero_ps();
+    const float* s = scores + j * ctx;
+    for_each_row(v_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* v) {
+      const __m512 pt = _mm512_set1_ps(s[t]);
+      for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(pt, load16(v + c * 16), av[c]);
+    });
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + c * 16, av[c]);
+  }
+}
+#endif
+
+// The same for any head_dim, one token row at a time for all the group's query heads.
+template <typename T>
+void attend_group(const float* qf, int64_t group, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
+                  int64_t block_size, int64_t row, int64_t head_off, int64_t D, float* scores, float* acc) {
+#if defined(__AVX512F__)
+  if (D == 64) return attend_group_avx512<4>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
+  if (D == 128) return attend_group_avx512<8>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
+#endif
+  for_each_row(k_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* k) {
+    for (int64_t j = 0; j < group; ++j) scores[j * ctx + t] = dot(qf + j * D, k, D);
+  });
+  for (int64_t j = 0; j < group; ++j) softmax_inplace(scores + j * ctx, ctx);
+  std::fill(acc, acc + group * D, 0.f);
+  for_each_row(v_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* v) {
+    for (int64_t j = 0; j < group; ++j) axpy(scores[j * ctx + t], v, acc + j * D, D);
+  });
 }
 
 template <typename T, typename QT>
@@ -97,32 +218,31 @@ void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t*
                  QT* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t W, float scale) {
   const int64_t group = H / KVH;
   const int64_t row = KVH * D;  // elements of one token (all KV heads) in a block
-  // A work item is one sequence with all its KV heads, so every cache block is read front to back as
-  // one contiguous stream (the prefetcher's best case); with fewer sequences than threads x 2 the
-  // KV heads are split across items instead, so a single stream still uses every core.
-  const int64_t splits = B >= 2 * at::get_num_threads() ? 1 : KVH;
-  const int64_t heads_per_item = KVH / splits;
-  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(H * D), acc(H * D), scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / splits, kv0 = (item % splits) * heads_per_item, kv1 = kv0 + heads_per_item;
-      const int64_t ctx = ctx_lens[b], h0 = kv0 * group, nh = (kv1 - kv0) * group;
+  // A work item is one (sequence, KV head) with the query heads that share it: each K/V row fetched
+  // serves the whole group, and one head's rows of a block are a few contiguous cache lines per token.
+  // Items differ in cost by context length, so they are dealt to the threads longest first, each to
+  // the least loaded thread (a static split of the item range left one thread with the long contexts).
+  const int64_t items = B * KVH, threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  std::vector<int64_t> order(items), owner(items), load(threads, 0);
+  for (int64_t i = 0; i < items; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ctx_lens[a / KVH] > ctx_lens[b / KVH]; });
+  for (int64_t i : order) {
+    const int64_t th = std::min_element(load.begin(), load.end()) - load.begin();
+    owner[i] = th;
+    load[th] += ctx_lens[i / KVH] + 16;  // + fixed per-item work
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * D), acc(group * D), scores;
+    for (int64_t item = 0; item < items; ++item) {
+      if (owner[item] < begin || owner[item] >= end) continue;
+      const int64_t b = item / KVH, g = item % KVH, ctx = ctx_lens[b], h0 = g * group;
       const int64_t* table = tables + b * W;
-      for (int64_t h = 0; h < nh; ++h)
-        for (int64_t i = 0; i < D; ++i) qf[h * D + i] = static_cast<float>(q[(b * H + h0 + h) * D + i]) * scale;
-      scores.resize(nh * ctx);  // every entry is written below
-      for (int64_t t = 0; t < ctx; ++t) {
-        const T* krow = token_row(k_cache, table, t, ctx, block_size, row);
-        for (int64_t h = 0; h < nh; ++h) scores[h * ctx + t] = dot(qf.data() + h * D, krow + (kv0 + h / group) * D, D);
-      }
-      for (int64_t h = 0; h < nh; ++h) softmax_inplace(scores.data() + h * ctx, ctx);
-      std::fill(acc.begin(), acc.begin() + nh * D, 0.f);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const T* vrow = token_row(v_cache, table, t, ctx, block_size, row);
-        for (int64_t h = 0; h < nh; ++h) axpy(scores[h * ctx + t], vrow + (kv0 + h / group) * D, acc.data() + h * D, D);
-      }
-      for (int64_t h = 0; h < nh; ++h)
-        for (int64_t i = 0; i < D; ++i) out[(b * H + h0 + h) * D + i] = static_cast<QT>(acc[h * D + i]);
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t i = 0; i < D; ++i) qf[j * D + i] = static_cast<float>(q[(b * H + h0 + j) * D + i]) * scale;
+      scores.resize(group * ctx);  // every entry is written below
+      attend_group(qf.data(), group, k_cache, v_cache, table, ctx, block_size, row, g * D, D, scores.data(), acc.data());
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t i = 0; i < D; ++i) out[(b * H + h0 + j) * D + i] = static_cast<QT>(acc[j * D + i]);
     }
   });
 }
