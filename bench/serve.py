@@ -65,7 +65,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
-                return {"error": r.status_code}
+                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -73,7 +73,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     stamps.append(time.perf_counter())
     except httpx.HTTPError as e:
-        return {"error": type(e).__name__}
+        return {"error": f"{type(e).__name__}: {e}"}
     if not stamps:
         return {"error": "no tokens"}
     return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": max_tokens, "end": stamps[-1]}
@@ -81,7 +81,10 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
 
 async def level(url: str, model: str, reqs, concurrency: int) -> dict:
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    # A fresh connection per request: llama-server closes idle keep-alive connections after 5 s, and a
+    # request sent on one it just closed failed as "Server disconnected" (counted against it).
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         async def guarded(p, m):
             async with sem:
                 return await one(client, url, model, p, m)
@@ -90,6 +93,9 @@ async def level(url: str, model: str, reqs, concurrency: int) -> dict:
         results = await asyncio.gather(*(guarded(p, m) for p, m in reqs))
         wall = time.perf_counter() - t0
     ok = [r for r in results if "error" not in r]
+    for r in results:
+        if "error" in r:
+            print(f"  error from {url}: {r['error']}", file=sys.stderr, flush=True)
     ttft = [r["ttft"] for r in ok]
     itl = [x for r in ok for x in r["itl"]]
 

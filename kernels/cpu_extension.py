@@ -17,7 +17,7 @@ from pathlib import Path
 
 log = logging.getLogger("kvpilot.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]  # -fopenmp: ATen's parallel_for is inline OpenMP (it binds to torch's libgomp at load)
 
 
@@ -33,7 +33,7 @@ def build_dir() -> Path:
 
     from kvpilot.server.cache import cache_root
 
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode() + " ".join(CFLAGS).encode())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + torch.__version__.encode() + _cpu_flags().encode() + " ".join(CFLAGS).encode())
     return cache_root() / "kernels" / f"cpu-{key.hexdigest()[:16]}"
 
 
@@ -50,7 +50,7 @@ def require():
     os.environ.setdefault("MAX_JOBS", "2")
     if not list(path.glob("*.so")):
         log.warning("compiling kvpilot's CPU attention kernel into %s (one-off)", path)
-    return cpp_extension.load("kvpilot_cpu_kernels", [str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(path), verbose=False)
+    return cpp_extension.load("kvpilot_cpu_kernels", [str(src) for src in SOURCES], extra_cflags=CFLAGS, build_directory=str(path), verbose=False)
 
 
 @lru_cache(maxsize=1)

@@ -81,9 +81,14 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out[:, :, 0, :]
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write this step's K/V [T, kv_heads, d] into the cache, then attend; q [T, heads, d] -> [T, heads, d]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
+    """Write this step's K/V [T, kv_heads, d] into the cache (unless the caller already did), then
+    attend; q [T, heads, d] -> [T, heads, d]."""
+    if not kv_stored:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if not meta.prefill_query_lens:  # a decode-only step: no output buffer to assemble
+        return decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     out = torch.empty_like(q)
     start = 0
     for n, ctx, table in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):

@@ -1,4 +1,4 @@
-"""RoPE: the in-place C++ pass over a fused QKV output against the torch formula."""
+"""RoPE (the in-place C++ pass over a fused QKV output, alone and with the cache store) and RMSNorm against torch formulas."""
 
 import pytest
 import torch
@@ -29,3 +29,37 @@ def test_cpp_rotary_rejects_out_of_range_positions():
     rope = RotaryEmbedding(16, 8, 10000.0)
     with pytest.raises(RuntimeError, match="position out of range"):
         rope.rotate_qkv_(torch.zeros(1, 48), torch.tensor([8]), 2)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 37])
+def test_rotary_and_cache_store_in_one_pass_equals_rotate_then_write(tokens):
+    from kvpilot.kernels.paged_attention import write_kv
+
+    heads, kv_heads, d, block_size, blocks = 9, 3, 64, 16, 8
+    rope = RotaryEmbedding(d, 2048, 10000.0)
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
+    positions = torch.randint(0, 2048, (tokens,), generator=gen)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    caches = [torch.randn(blocks, block_size, kv_heads, d, generator=gen) for _ in range(2)]
+    want_qkv, want_k, want_v = qkv.clone(), caches[0].clone(), caches[1].clone()
+    rope.rotate_qkv_(want_qkv, positions, heads + kv_heads)
+    _, k, v = want_qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    write_kv(want_k, want_v, k.reshape(tokens, kv_heads, d), v.reshape(tokens, kv_heads, d), slots)
+    got_qkv, got_k, got_v = qkv.clone(), caches[0].clone(), caches[1].clone()
+    assert rope.rotate_qkv_and_store_(got_qkv, positions, heads, kv_heads, got_k, got_v, slots)
+    assert torch.equal(got_qkv, want_qkv) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        rope.rotate_qkv_and_store_(qkv.clone(), positions, heads, kv_heads, got_k, got_v, slots + blocks * block_size)
+    assert not rope.rotate_qkv_and_store_(qkv.clone(), positions, heads, kv_heads, got_k.bfloat16(), got_v.bfloat16(), slots)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 576), (16, 576), (300, 576), (5, 37)])
+def test_cpp_rms_norm_matches_the_formula(rows, width):
+    from kvpilot.server.layers.rmsnorm import RMSNorm
+
+    cpu_extension.require()
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, width, generator=gen) * 3, torch.randn(width, generator=gen)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(RMSNorm(w, 1e-5)(x), want, atol=1e-6, rtol=1e-5)

@@ -276,40 +276,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-// RoPE (half-split pairs (i, i + D/2)) applied in place to the first `rot_heads` heads of each row of
-// the fused QKV projection output qkv [T, >= rot_heads * D]: the query heads and the key heads, which
-// come first. One pass instead of the ~8 elementwise ops per tensor of the torch formulation.
-void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                    int64_t rot_heads, int64_t head_dim) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.scalar_type() == torch::kFloat, "qkv: float32 rows");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat, "cos/sin");
-  TORCH_CHECK(cos.size(1) * 2 == head_dim && qkv.size(1) >= rot_heads * head_dim, "shapes");
-  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.size(0) == qkv.size(0), "positions");
-  positions = positions.contiguous();
-  float* base = qkv.data_ptr<float>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const float* c = cos.data_ptr<float>();
-  const float* sn = sin.data_ptr<float>();
-  const int64_t half = head_dim / 2, stride = qkv.stride(0), max_pos = cos.size(0);
-  for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range");
-  at::parallel_for(0, qkv.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* ct = c + pos[t] * half;
-      const float* st = sn + pos[t] * half;
-      for (int64_t h = 0; h < rot_heads; ++h) {
-        float* x1 = base + t * stride + h * head_dim;
-        float* x2 = x1 + half;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          x1[i] = a * ct[i] - b * st[i];
-          x2[i] = b * ct[i] + a * st[i];
-        }
-      }
-    }
-  });
-}
+// kernels/csrc/layers_cpu.cpp
+void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads,
+                    int64_t head_dim);
+void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
   m.def("rotary_inplace", &rotary_inplace, "RoPE in place on the query and key heads of a fused QKV output (CPU)");
+  m.def("rotary_store_kv", &rotary_store_kv, "RoPE in place on a fused QKV output, then its K and V rows into the paged cache (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
 }

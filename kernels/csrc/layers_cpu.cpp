@@ -1,0 +1,114 @@
+// Per-layer elementwise work on CPU, float32: RoPE on the fused QKV projection output (optionally
+// storing the step's K and V into the paged cache in the same pass) and RMSNorm. Each replaces a chain
+// of small torch ops (8 for RoPE, 2 index_copy_ for the cache write, ~7 for RMSNorm) that a decode
+// step runs 30 times per layer kind.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+void check_rope_args(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                     const torch::Tensor& sin, int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.scalar_type() == torch::kFloat, "qkv: float32 rows");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat, "cos/sin");
+  TORCH_CHECK(cos.size(1) * 2 == head_dim && qkv.size(1) >= heads * head_dim, "shapes");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.size(0) == qkv.size(0), "positions");
+}
+
+// Rotate heads [0, heads) of row t (half-split pairs (i, i + D/2)).
+inline void rotate_row(float* x, int64_t heads, int64_t head_dim, const float* ct, const float* st) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* x1 = x + h * head_dim;
+    float* x2 = x1 + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x1[i], b = x2[i];
+      x1[i] = a * ct[i] - b * st[i];
+      x2[i] = b * ct[i] + a * st[i];
+    }
+  }
+}
+
+template <typename Fn>
+void rope_rows(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+               int64_t head_dim, Fn after_row) {
+  positions = positions.contiguous();
+  float* base = qkv.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* c = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  const int64_t half = head_dim / 2, stride = qkv.stride(0), max_pos = cos.size(0);
+  for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of range");
+  at::parallel_for(0, qkv.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      rotate_row(base + t * stride, heads, head_dim, c + pos[t] * half, sn + pos[t] * half);
+      after_row(t, base + t * stride);
+    }
+  });
+}
+
+}  // namespace
+
+// RoPE applied in place to the first `rot_heads` heads of each row of qkv [T, >= rot_heads * D]: the
+// query heads and the key heads, which come first.
+void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads,
+                    int64_t head_dim) {
+  check_rope_args(qkv, positions, cos, sin, rot_heads, head_dim);
+  rope_rows(qkv, positions, cos, sin, rot_heads, head_dim, [](int64_t, float*) {});
+}
+
+// The same for qkv = [q heads | k heads | v heads] rows, then each row's (rotated) K and its V stored
+// at its cache slot: k/v cache [num_blocks, block_size, kv_heads, D] float32, slots [T] int64.
+void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  check_rope_args(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(), "cache: contiguous float32");
+  TORCH_CHECK(k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim, "cache shape");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.size(0) == qkv.size(0), "slots");
+  slots = slots.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1), kv = num_kv_heads * head_dim, q = num_heads * head_dim;
+  for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot out of range");
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  rope_rows(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim, [&](int64_t t, float* row) {
+    std::memcpy(kc + slot[t] * kv, row + q, kv * sizeof(float));
+    std::memcpy(vc + slot[t] * kv, row + q + kv, kv * sizeof(float));
+  });
+}
+
+// weight * (x / sqrt(mean(x^2) + eps)) over the last dim of float32 rows, the order of operations of
+// the transformers formula. The sum of squares goes into 16 independent partial sums so it vectorizes.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat, "float32 only");
+  TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "weight must match the last dim");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  auto out = torch::empty_like(x);
+  const int64_t n = weight.size(0), rows = x.numel() / n;
+  const float* src = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = src + r * n;
+      float part[16] = {};
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16)
+        for (int64_t j = 0; j < 16; ++j) part[j] += xr[i + j] * xr[i + j];
+      float ss = 0.f;
+      for (; i < n; ++i) ss += xr[i] * xr[i];
+      for (int64_t j = 0; j < 16; ++j) ss += part[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+      float* yr = dst + r * n;
+      for (int64_t i = 0; i < n; ++i) yr[i] = w[i] * (xr[i] * inv);
+    }
+  });
+  return out;
+}
