@@ -49,7 +49,7 @@ def require():
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     os.environ.setdefault("MAX_JOBS", "2")
     if not list(path.glob("*.so")):
-        log.warning("compiling kvpilot's CPU attention kernel into %s (one-off)", path)
+        log.warning("compiling kvpilot's CPU kernels into %s (one-off)", path)
     return cpp_extension.load("kvpilot_cpu_kernels", [str(src) for src in SOURCES], extra_cflags=CFLAGS, build_directory=str(path), verbose=False)
 
 
@@ -57,7 +57,7 @@ def require():
 def load():
     """The compiled module, or None (logged once) when it cannot be built here."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
-        log.warning("no C++ compiler: CPU decode attention uses the torch reference path")
+        log.warning("no C++ compiler: attention, RoPE and RMSNorm use the torch reference path")
         return None
     try:
         return require()
