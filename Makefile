@@ -10,8 +10,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: setup test serve bench cluster-up cluster-down demo crds tools
 
-# Idempotent: the stamp is remade only when the package metadata or pins change. The C++ CPU kernel
-# is compiled into the cache here (about a minute, once per source/torch/CPU), not on first request.
+# Idempotent: the stamp is remade only when the package metadata or pins change. The C++ CPU kernels
+# are compiled into the cache here (about a minute, once per source/torch/CPU), not on first request.
 setup: $(VENV)/.setup-stamp
 	@$(BIN)/python -m kvpilot.kernels.cpu_extension >/dev/null
 $(VENV)/.setup-stamp: pyproject.toml setup.py constraints.txt

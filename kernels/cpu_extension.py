@@ -1,6 +1,6 @@
 """Builds (once, into the cache) and loads kvpilot's C++ CPU kernels; `python -m` builds them ahead.
 
-The build is keyed by the source, torch's version and this CPU's ISA flags (it is compiled with
+The build is keyed by the sources, torch's version and this CPU's ISA flags (it is compiled with
 -march=native), so a warm start only loads the .so. When no compiler is available the engine logs
 it and stays on the torch reference path; `require()` (used by tests and `make setup`) fails instead.
 """

@@ -11,7 +11,9 @@ import sys
 # decode step has ~250 of them (projections, attention, RoPE): 20-30% of a step at batch 16. So a
 # short bounded spin comes first (GNU OpenMP's unit; 20k pause instructions is well under a
 # millisecond): a busy engine's workers stay awake between ops, an idle engine's go to sleep at once.
-# bench/RESULTS.md has the measurement. Benchmarks give their peers the same environment.
+# The spin only holds while libgomp manages no more threads than CPUs, hence torch on one thread only
+# (AsyncEngine.launch). bench/RESULTS.md has the measurements; bench/offline.py runs HF under these
+# settings too, bench/serve.py gives llama-server its own runtime's defaults.
 OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
 
 

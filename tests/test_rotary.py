@@ -20,7 +20,7 @@ def test_rotary_on_fused_qkv_matches_torch_formula(dtype, heads, kv_heads, d, to
         cols = slice(first * d, (first + n) * d)
         want[:, cols] = rope(positions, qkv[:, cols].reshape(tokens, n, d)).reshape(tokens, n * d)
     got = qkv.clone()
-    rope.rotate_qkv_(got, positions, heads + kv_heads)
+    assert not rope.rotate_qkv_(got, positions, heads, kv_heads)  # nothing to store
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert torch.equal(got[:, (heads + kv_heads) * d:], qkv[:, (heads + kv_heads) * d:])  # V untouched
 
@@ -28,7 +28,7 @@ def test_rotary_on_fused_qkv_matches_torch_formula(dtype, heads, kv_heads, d, to
 def test_cpp_rotary_rejects_out_of_range_positions():
     rope = RotaryEmbedding(16, 8, 10000.0)
     with pytest.raises(RuntimeError, match="position out of range"):
-        rope.rotate_qkv_(torch.zeros(1, 48), torch.tensor([8]), 2)
+        rope.rotate_qkv_(torch.zeros(1, 48), torch.tensor([8]), 1, 1)
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 37])
@@ -43,15 +43,15 @@ def test_rotary_and_cache_store_in_one_pass_equals_rotate_then_write(tokens):
     slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
     caches = [torch.randn(blocks, block_size, kv_heads, d, generator=gen) for _ in range(2)]
     want_qkv, want_k, want_v = qkv.clone(), caches[0].clone(), caches[1].clone()
-    rope.rotate_qkv_(want_qkv, positions, heads + kv_heads)
+    rope.rotate_qkv_(want_qkv, positions, heads, kv_heads)
     _, k, v = want_qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     write_kv(want_k, want_v, k.reshape(tokens, kv_heads, d), v.reshape(tokens, kv_heads, d), slots)
     got_qkv, got_k, got_v = qkv.clone(), caches[0].clone(), caches[1].clone()
-    assert rope.rotate_qkv_and_store_(got_qkv, positions, heads, kv_heads, got_k, got_v, slots)
+    assert rope.rotate_qkv_(got_qkv, positions, heads, kv_heads, (got_k, got_v, slots))
     assert torch.equal(got_qkv, want_qkv) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        rope.rotate_qkv_and_store_(qkv.clone(), positions, heads, kv_heads, got_k, got_v, slots + blocks * block_size)
-    assert not rope.rotate_qkv_and_store_(qkv.clone(), positions, heads, kv_heads, got_k.bfloat16(), got_v.bfloat16(), slots)
+        rope.rotate_qkv_(qkv.clone(), positions, heads, kv_heads, (got_k, got_v, slots + blocks * block_size))
+    assert not rope.rotate_qkv_(qkv.clone(), positions, heads, kv_heads, (got_k.bfloat16(), got_v.bfloat16(), slots))  # bf16 cache: caller writes
 
 
 @pytest.mark.parametrize("rows,width", [(1, 576), (16, 576), (300, 576), (5, 37)])

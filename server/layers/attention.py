@@ -22,9 +22,7 @@ class PagedSelfAttention(nn.Module):
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = linear(x, self.qkv)
-        stored = self.rotary.rotate_qkv_and_store_(qkv, positions, self.num_heads, self.num_kv_heads, *kv_cache, meta.slot_mapping)
-        if not stored:
-            self.rotary.rotate_qkv_(qkv, positions, self.num_heads + self.num_kv_heads)
+        stored = self.rotary.rotate_qkv_(qkv, positions, self.num_heads, self.num_kv_heads, (*kv_cache, meta.slot_mapping))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)

@@ -30,24 +30,20 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
-    def rotate_qkv_and_store_(self, qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
-                              k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> bool:
-        """CPU float32 with the C++ kernels: rotate the queries and keys of a fused QKV output in place
-        and store each row's K and V at its cache slot, in one pass. Returns False (nothing done) elsewhere."""
-        if not (qkv.device.type == "cpu" and qkv.dtype == torch.float32 and k_cache.dtype == torch.float32):
-            return False
-        ext = cpu_extension.load()
-        if ext is None:
-            return False
-        ext.rotary_store_kv(qkv, positions, self.cos, self.sin, num_heads, num_kv_heads, self.head_dim, k_cache, v_cache, slots)
-        return True
-
-    def rotate_qkv_(self, qkv: torch.Tensor, positions: torch.Tensor, rot_heads: int) -> None:
-        """Rotate, in place, the first rot_heads heads (queries, then keys) of each row of a fused QKV
-        projection output [T, (heads + 2 * kv_heads) * d]. CPU float32: one C++ pass."""
+    def rotate_qkv_(self, qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int,
+                    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
+        """Rotate, in place, the query and key heads of each row of a fused QKV projection output
+        [T, (heads + 2 * kv_heads) * d]. With store = (k_cache, v_cache, slots), on CPU float32 with
+        the C++ kernels, each row's K and V are also written to its cache slot in the same pass.
+        Returns whether they were (if not, the caller writes them)."""
+        rot_heads = num_heads + num_kv_heads
         ext = cpu_extension.load() if qkv.device.type == "cpu" and qkv.dtype == torch.float32 else None
+        if ext is not None and store is not None and store[0].dtype == torch.float32:
+            ext.rotary_store_kv(qkv, positions, self.cos, self.sin, num_heads, num_kv_heads, self.head_dim, *store)
+            return True
         if ext is not None:
             ext.rotary_inplace(qkv, positions, self.cos, self.sin, rot_heads, self.head_dim)
-            return
+            return False
         x = qkv[:, :rot_heads * self.head_dim].view(qkv.shape[0], rot_heads, self.head_dim)
         x.copy_(self(positions, x))
+        return False
