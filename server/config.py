@@ -44,12 +44,19 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores).")
-    tensor_parallel_size: int = Field(1, ge=1, description="Ranks the model is split over.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks the model is split over (only 1 until tensor parallelism exists).")
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
     def _size(cls, v: Any) -> int:
         return parse_size(v)
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _single_rank(cls, v: int) -> int:
+        if v > 1:  # refused, not ignored: a user asking for N ranks must not get one silently
+            raise ValueError(f"tensor_parallel_size={v}: the kvpilot engine does not implement tensor parallelism yet; use 1")
+        return v
 
     @model_validator(mode="after")
     def _budget_fits(self) -> "EngineConfig":
@@ -107,3 +114,11 @@ class ServerConfig(BaseModel):
     max_waiting_requests: int = Field(256, ge=1, description="Requests allowed to wait; beyond it, 429 with Retry-After.")
     shutdown_grace_seconds: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    max_request_body_bytes: int = Field(4 << 20, ge=1024, description="Largest request body (e.g. 4MiB); larger ones get 413.")
+    request_header_timeout_seconds: float = Field(10.0, gt=0, description="A connection that has not sent a whole request line and headers in this time is closed.")
+    request_body_timeout_seconds: float = Field(30.0, gt=0, description="A request body not received in full in this time gets 408.")
+
+    @field_validator("max_request_body_bytes", mode="before")
+    @classmethod
+    def _body_size(cls, v: Any) -> int:
+        return parse_size(v)

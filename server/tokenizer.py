@@ -61,6 +61,8 @@ class GGUFTokenizer:
             t.encode("utf-8") if i in self.special_ids or not set(t) <= alphabet else bytes(inverse[c] for c in t)
             for i, t in enumerate(tokens)
         ]
+        # No token stands for more bytes (hence characters) of text than this: bounds a text's token count from below.
+        self.max_token_bytes = max(len(b) for b in self._token_bytes)
 
     def encode(self, text: str) -> list[int]:
         ids = self._tk.encode(text, add_special_tokens=False).ids

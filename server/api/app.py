@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import sys
@@ -10,13 +11,15 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from kvpilot.server.api import errors
-from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTooLargeError, ServerShutdownError
 from kvpilot.server.api.errors import APIError, param_of
+from kvpilot.server.api.http_limits import BodyLimitMiddleware, protocol_with_header_timeout
 from kvpilot.server.api.metrics import EngineMetrics
-from kvpilot.server.api.openai_serving import OpenAIServing
+from kvpilot.server.api.openai_serving import ClientDisconnected, OpenAIServing
 from kvpilot.server.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvpilot.server.config import EngineConfig, ServerConfig
 
@@ -35,10 +38,33 @@ class ServerState:
     started: float = field(default_factory=time.time)
 
 
+class EventStream(StreamingResponse):
+    """Server-sent events whose engine requests are released however the response ends, even when
+    the client left before the first byte (the body generator is then never started)."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns once the client has closed the connection (the body has already been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="kvpilot", version=VERSION)
+    # The schema and its UI are served by our own routes below, behind the API key when one is set.
+    app = FastAPI(title="kvpilot", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kv = state
     errors.install(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_request_body_bytes, timeout=state.config.request_body_timeout_seconds)
     serving = state.serving
 
     @app.exception_handler(QueueFullError)
@@ -49,13 +75,22 @@ def build_app(state: ServerState) -> FastAPI:
     async def _dead(request: Request, e: EngineDeadError):
         return errors.error_response(503, str(e), code="engine_unavailable")
 
+    @app.exception_handler(RequestTooLargeError)
+    async def _too_large(request: Request, e: RequestTooLargeError):
+        return errors.error_response(400, str(e), "n", "request_too_large")
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, e: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it: the connection is closed
+
     @app.exception_handler(ValueError)
     async def _value(request: Request, e: ValueError):
         return errors.error_response(400, str(e), param_of(e))
 
     async def authorized(request: Request) -> None:
         key = state.config.api_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+        # compare_digest: the time taken must not tell how much of a guessed key was right
+        if key and not hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {key}".encode()):
             raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key")
 
     async def accepting() -> None:
@@ -67,32 +102,34 @@ def build_app(state: ServerState) -> FastAPI:
     def respond(result):
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
-
-    def check_capacity(jobs: int) -> None:
-        e = state.engine
-        if e.num_waiting() + jobs > e.max_waiting_requests:
-            raise QueueFullError(f"{e.num_waiting()} requests are already waiting (limit {e.max_waiting_requests})")
+        return EventStream(result.events, on_close=lambda: state.engine.release(result.job_ids))
 
     guarded = [Depends(authorized), Depends(accepting)]
 
     @app.post("/v1/completions", dependencies=guarded)
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         serving.check_model(req.model)
         params = req.params()
         prompts = req.prompts()
-        check_capacity(len(prompts))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return respond(await serving.completions(prompts, params, req.stream, include_usage))
+        return respond(await serving.completions(prompts, params, req.stream, include_usage, lambda: wait_for_disconnect(request)))
 
     @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat(req: ChatCompletionRequest):
+    async def chat(req: ChatCompletionRequest, request: Request):
         serving.check_model(req.model)
         params = req.params()
-        check_capacity(1)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         messages = [m.as_template_dict() for m in req.messages]
-        return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, include_usage, req.top_logprobs or 0))
+        return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, include_usage, req.top_logprobs or 0,
+                                          lambda: wait_for_disconnect(request)))
+
+    @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
+    async def openapi():
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=[Depends(authorized)], include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="kvpilot API")
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
@@ -104,8 +141,11 @@ def build_app(state: ServerState) -> FastAPI:
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
-        text = req.prompt if req.prompt is not None else serving.chat_prompt([m.as_template_dict() for m in req.messages], req.add_generation_prompt)
-        ids = serving.tokenizer.encode(text)
+        def tokenize_text() -> list[int]:  # off the event loop: a long text takes a while
+            text = req.prompt if req.prompt is not None else serving.chat_prompt([m.as_template_dict() for m in req.messages], req.add_generation_prompt)
+            return serving.tokenizer.encode(text)
+
+        ids = await asyncio.to_thread(tokenize_text)
         return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
 
     @app.post("/detokenize", dependencies=[Depends(authorized)])
@@ -166,7 +206,9 @@ def run_server(ns) -> int:
     state = create_state(engine_config, server_config)
     app = build_app(state)
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="warning",
-                            timeout_graceful_shutdown=5, access_log=False, lifespan="off")
+                            timeout_graceful_shutdown=5, access_log=False, lifespan="off",
+                            http=protocol_with_header_timeout(server_config.request_header_timeout_seconds),
+                            timeout_keep_alive=int(server_config.request_header_timeout_seconds))
     server = DrainingServer(config, state)
     server.run()
     state.engine.stop()
@@ -222,6 +264,12 @@ class DrainingServer:
             deadline = time.monotonic() + grace
             while self.state.engine.num_in_flight() and time.monotonic() < deadline and not self.server.should_exit:
                 await asyncio.sleep(0.1)
+            if self.state.engine.num_in_flight():  # grace is over: streams still open end with an error event and [DONE]
+                log.warning("shutdown grace over: ending %d open requests", self.state.engine.num_in_flight())
+                self.state.engine.close_all(ServerShutdownError("the server is shutting down and this request did not finish in time"))
+                flush_deadline = time.monotonic() + 2
+                while self.state.engine.num_in_flight() and time.monotonic() < flush_deadline:
+                    await asyncio.sleep(0.05)
             self.server.should_exit = True
             await serve
         waiter.cancel()

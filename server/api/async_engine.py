@@ -26,8 +26,20 @@ class QueueFullError(RuntimeError):
     """The bounded waiting queue is full (HTTP 429)."""
 
 
+class RequestTooLargeError(ValueError):
+    """A request needs more sequences than the whole waiting queue holds (HTTP 400: retrying cannot help)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (HTTP 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (HTTP 500); the engine itself goes on."""
+
+
+class ServerShutdownError(RuntimeError):
+    """The server stopped before the request finished (its shutdown grace ran out)."""
 
 
 @dataclass(slots=True)
@@ -102,24 +114,39 @@ class AsyncEngine:
         return len(self._streams)
 
     # --- asyncio side -----------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Submit and stream outputs; closing the iterator early (client gone) aborts the request."""
+    def submit(self, jobs: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """Admit a request's jobs (request id, prompt ids, params) all or none, before any response
+        byte is sent; each of a job's n sequences counts against max_waiting_requests.
+        Call from the event loop; then read each job with stream() (or release() them)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
+        units = sum(p.n for _, _, p in jobs)
+        if units > self.max_waiting_requests:
+            raise RequestTooLargeError(f"this request needs {units} sequences (prompts x n) but at most {self.max_waiting_requests} "
+                                       f"can wait (the server's max_waiting_requests)")
         with self._lock:
-            if self.num_waiting() >= self.max_waiting_requests:
-                raise QueueFullError(f"{self.num_waiting()} requests are already waiting (limit {self.max_waiting_requests})")
-            self._pending += 1
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params)
-        self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt, params))
+            if self.num_waiting() + units > self.max_waiting_requests:
+                raise QueueFullError(f"{self.num_waiting()} sequences are already waiting and this request adds {units} "
+                                     f"(limit {self.max_waiting_requests})")
+            self._pending += units
+        loop = asyncio.get_running_loop()
+        for request_id, ids, params in jobs:
+            self._streams[request_id] = _Stream(loop, asyncio.Queue(), params)
+            self._commands.put(("add", request_id, ids, params))
         self._wake.set()
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a submitted job; closing the iterator early (client gone) aborts it."""
+        stream = self._streams[request_id]
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailedError(item.error)
                 yield item
                 if item.finished:
                     finished = True
@@ -128,6 +155,17 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def release(self, request_ids: list[str]) -> None:
+        """Abort the jobs among these that are still open (e.g. a response that never started)."""
+        for rid in request_ids:
+            if self._streams.pop(rid, None) is not None:
+                self.abort(rid)
+
+    def close_all(self, error: BaseException) -> None:
+        """End every open stream with this error (the server is stopping); the engine aborts them."""
+        for rid, stream in list(self._streams.items()):
+            stream.queue.put_nowait(error)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -144,11 +182,15 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 t = time.monotonic()
-                outputs = self.engine.step()
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # noqa: BLE001 - a bug outside the model step: fail what is open, go on
+                    log.exception("engine step failed outside the model: failing the open requests")
+                    outputs = [self.engine.fail_request(rid, f"engine step failed ({type(e).__name__}: {e})") for rid in list(self.engine.requests)]
                 self._deliver_all([(out.request_id, out) for out in outputs])
                 if self.on_step:
                     self.on_step(self.engine, outputs, time.monotonic() - t)
-        except BaseException as e:  # the engine died: fail every open request, /health turns 503
+        except BaseException as e:  # the engine cannot go on: fail every open request, /health turns 503
             log.exception("engine loop crashed")
             self.fatal = e
             self._deliver_all([(rid, EngineDeadError(f"engine failed: {e}")) for rid in list(self._streams)])
@@ -162,7 +204,7 @@ class AsyncEngine:
             if cmd[0] == "add":
                 _, rid, prompt, params = cmd
                 with self._lock:
-                    self._pending -= 1
+                    self._pending -= params.n
                 if rid not in self._streams:  # the client left before the engine saw it
                     continue
                 try:

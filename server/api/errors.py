@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 from fastapi import Request
@@ -11,7 +12,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-          429: "rate_limit_error", 503: "service_unavailable_error"}
+          408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+          503: "service_unavailable_error"}
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|.*\[.*\])$")
@@ -33,6 +35,23 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 def sse_error(status: int, message: str, param: str | None = None) -> str:
     return f"data: {json.dumps(error_body(status, message, param))}\n\n"
+
+
+def status_of(error: BaseException) -> int:
+    """The HTTP status that an exception raised while serving a request stands for."""
+    from kvpilot.server.api.async_engine import EngineDeadError, QueueFullError, RequestFailedError, ServerShutdownError
+
+    if isinstance(error, APIError):
+        return error.status
+    if isinstance(error, QueueFullError):
+        return 429
+    if isinstance(error, (EngineDeadError, ServerShutdownError)):
+        return 503
+    if isinstance(error, ValueError):
+        return 400
+    if isinstance(error, RequestFailedError):
+        return 500
+    return 500
 
 
 def param_of(error: ValueError) -> str | None:
@@ -61,6 +80,12 @@ def install(app) -> None:
             return error_response(400, f"unknown parameter '{'.'.join(loc)}'", ".".join(loc) or None, "unknown_parameter")
         parts = [f"{'.'.join(str(x) for x in err.get('loc', []) if x != 'body') or 'body'}: {err.get('msg')}" for err in errs[:5]]
         return error_response(400, "; ".join(parts), ".".join(loc) or None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        # Anything not mapped above is our bug, not the client's: logged with its trace, answered as JSON.
+        logging.getLogger("kvpilot.server").exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error ({type(e).__name__}); the server logged the details", code="internal_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):

@@ -8,10 +8,10 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from kvpilot.server.api.errors import APIError, sse_error
+from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShutdownError
+from kvpilot.server.api.errors import APIError, sse_error, status_of
 from kvpilot.server.engine.outputs import RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.tokenizer import GGUFTokenizer
@@ -39,6 +39,18 @@ class RequestLog:
                              "total_s": round(now - self.arrival, 4)}))
 
 
+@dataclass(slots=True)
+class EventSource:
+    """A streaming answer: its SSE lines, and the engine requests to release when the response ends."""
+
+    events: AsyncIterator[str]
+    job_ids: list[str]
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before a non-streaming response was ready."""
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: GGUFTokenizer, model_name: str, max_model_len: int):
         self.engine, self.tokenizer, self.model_name, self.max_model_len = engine, tokenizer, model_name, max_model_len
@@ -49,8 +61,17 @@ class OpenAIServing:
             raise APIError(400, f"model '{model}' does not exist; this server serves '{self.model_name}'", "model", "model_not_found")
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
-        """Tokenize and check lengths before anything is streamed, so errors are plain 400s."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        """Tokenize and check lengths before anything is streamed, so errors are plain 400s.
+        Runs in a worker thread (see jobs()): a long prompt must not stall the event loop."""
+        if isinstance(prompt, str):
+            # Every token covers at most max_token_bytes bytes: a prompt that long cannot fit, so it is
+            # refused without tokenizing it (megabytes of text would take seconds).
+            if len(prompt) > self.max_model_len * self.tokenizer.max_token_bytes:
+                raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                                    f"({len(prompt)} characters) is far longer", "prompt", "context_length_exceeded")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
         if not ids:
             raise APIError(400, "prompt must not be empty", "prompt")
         if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
@@ -65,20 +86,28 @@ class OpenAIServing:
                            "max_tokens", "context_length_exceeded")
         return ids, params
 
+    async def jobs(self, prompts: list[str | list[int]], params: SamplingParams, rid: str) -> list[tuple[str, list[int], SamplingParams]]:
+        """(engine request id, prompt ids, params) per prompt, tokenized off the event loop."""
+        def build():
+            return [(f"{rid}-{i}", *self.prepare(prompt, SamplingParams(**{f: getattr(params, f) for f in params.__slots__})))
+                    for i, prompt in enumerate(prompts)]
+
+        return await asyncio.to_thread(build)
+
     async def _merged(self, jobs: list[tuple[str, list[int], SamplingParams]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run several engine requests at once and yield (job index, output) as they come."""
+        """Read several submitted engine requests at once and yield (job index, output) as they come."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, rid: str, ids: list[int], params: SamplingParams):
+        async def pump(i: int, rid: str):
             try:
-                async for out in self.engine.generate(ids, params, rid):
+                async for out in self.engine.stream(rid):
                     await queue.put((i, out))
             except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
                 await queue.put((i, e))
             finally:
                 await queue.put((i, None))
 
-        tasks = [asyncio.create_task(pump(i, rid, ids, p)) for i, (rid, ids, p) in enumerate(jobs)]
+        tasks = [asyncio.create_task(pump(i, rid)) for i, (rid, _, _) in enumerate(jobs)]
         remaining = len(tasks)
         try:
             while remaining:
@@ -93,12 +122,14 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()  # client gone or error: abort the engine requests still running
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.engine.release([rid for rid, _, _ in jobs])
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
     # --- completions ----------------------------------------------------------------------------
-    def completion_logprobs(self, entries: list[dict[int, float]], token_ids: list[int], offset: int = 0) -> dict:
+    def completion_logprobs(self, entries: list[dict[int, float]], token_ids: list[int], offset: int = 0) -> tuple[dict, int]:
+        """The legacy logprobs object, text offsets counted from `offset`; and the offset after it."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, entry in zip(token_ids, entries):
             text = self._token_text(tid)
@@ -107,7 +138,7 @@ class OpenAIServing:
             tops.append({self._token_text(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
     def chat_logprobs(self, entries: list[dict[int, float]], token_ids: list[int], top_n: int) -> dict:
         content = []
@@ -121,25 +152,33 @@ class OpenAIServing:
     def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
-    def _jobs(self, prompts: list[str | list[int]], params: SamplingParams, rid: str) -> list[tuple[str, list[int], SamplingParams]]:
-        jobs = []
-        for i, prompt in enumerate(prompts):
-            ids, p = self.prepare(prompt, SamplingParams(**{f: getattr(params, f) for f in params.__slots__}))
-            jobs.append((f"{rid}-{i}", ids, p))
-        return jobs
-
-    async def _collect(self, jobs, rlog: RequestLog) -> dict[int, RequestOutput]:
-        """Non-streaming: run every job to the end; the final output of each."""
+    async def _collect(self, jobs, rlog: RequestLog, disconnected: Callable[[], Awaitable[None]]) -> dict[int, RequestOutput]:
+        """Non-streaming: run every job to the end (the final output of each), unless the client
+        leaves first: then the jobs are aborted and ClientDisconnected is raised."""
         finals: dict[int, RequestOutput] = {}
-        try:
+
+        async def gather() -> None:
             async for i, out in self._merged(jobs):
                 rlog.first_token = rlog.first_token or time.monotonic()
                 if out.finished:
                     finals[i] = out
+
+        work, watch = asyncio.ensure_future(gather()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                rlog.status = "client_disconnected"
+                raise ClientDisconnected()
+            work.result()
+        except ClientDisconnected:
+            raise
         except BaseException:
             rlog.status = "error"
             raise
         finally:
+            for t in (work, watch):
+                t.cancel()
+            await asyncio.gather(work, watch, return_exceptions=True)
             rlog.output_tokens = sum(len(o.token_ids) for f in finals.values() for o in f.outputs)
             rlog.emit()
         return finals
@@ -165,33 +204,37 @@ class OpenAIServing:
         except asyncio.CancelledError:
             rlog.status = "client_disconnected"
             raise
-        except (QueueFullError, EngineDeadError, ValueError) as e:  # after the 200 went out: report in-stream
+        except (EngineDeadError, RequestFailedError, ServerShutdownError, ValueError) as e:  # after the 200 went out: report in-stream
             rlog.status = "error"
-            yield sse_error(429 if isinstance(e, QueueFullError) else 503 if isinstance(e, EngineDeadError) else 400, str(e))
+            yield sse_error(status_of(e), str(e))
             yield "data: [DONE]\n\n"
         finally:
             rlog.output_tokens = sum(sent.values())
             rlog.emit()
 
-    async def completions(self, prompts: list[str | list[int]], params: SamplingParams, stream: bool, include_usage: bool) -> dict | AsyncIterator[str]:
+    async def completions(self, prompts: list[str | list[int]], params: SamplingParams, stream: bool, include_usage: bool,
+                          disconnected: Callable[[], Awaitable[None]]) -> dict | EventSource:
         rid = f"cmpl-{uuid.uuid4().hex}"
-        jobs = self._jobs(prompts, params, rid)
+        jobs = await self.jobs(prompts, params, rid)
+        self.engine.submit(jobs)  # admission: a 429 or 400 here is a plain HTTP error, before any byte of a stream
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         rlog = RequestLog(rid, "completions", prompt_tokens=sum(len(j[1]) for j in jobs))
         n = params.n
+        offsets: dict[tuple[int, int], int] = {}  # streamed text_offset goes on from chunk to chunk
 
         def choice(i: int, o, text: str, token_ids: list[int], logprobs) -> dict:
-            return {"index": i * n + o.index, "text": text,
-                    "logprobs": self.completion_logprobs(logprobs, token_ids) if logprobs is not None else None,
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+            lp = None
+            if logprobs is not None:
+                lp, offsets[(i, o.index)] = self.completion_logprobs(logprobs, token_ids, offsets.get((i, o.index), 0))
+            return {"index": i * n + o.index, "text": text, "logprobs": lp, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
 
         if stream:
             def render(i, out, o, start):
                 lp = o.logprobs[start:] if o.logprobs is not None else None
                 return {**base, "choices": [choice(i, o, o.text_delta, o.token_ids[start:], lp)]}
 
-            return self._sse(jobs, rlog, render, base, include_usage)
-        finals = await self._collect(jobs, rlog)
+            return EventSource(self._sse(jobs, rlog, render, base, include_usage), [j[0] for j in jobs])
+        finals = await self._collect(jobs, rlog, disconnected)
         choices = [choice(i, o, o.text, o.token_ids, o.logprobs) for i in sorted(finals) for o in finals[i].outputs]
         return {**base, "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
 
@@ -203,9 +246,11 @@ class OpenAIServing:
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
 
     async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams, stream: bool,
-                   include_usage: bool, top_logprobs: int) -> dict | AsyncIterator[str]:
+                   include_usage: bool, top_logprobs: int, disconnected: Callable[[], Awaitable[None]]) -> dict | EventSource:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = self._jobs([self.chat_prompt(messages, add_generation_prompt)], params, rid)
+        prompt = await asyncio.to_thread(self.chat_prompt, messages, add_generation_prompt)
+        jobs = await self.jobs([prompt], params, rid)
+        self.engine.submit(jobs)
         created = int(time.time())
         rlog = RequestLog(rid, "chat.completions", prompt_tokens=len(jobs[0][1]))
 
@@ -223,8 +268,8 @@ class OpenAIServing:
                 return {**base, "choices": [{"index": o.index, "delta": delta, "logprobs": logprobs(o, start),
                                              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]}
 
-            return self._sse(jobs, rlog, render, base, include_usage, preamble)
-        final = (await self._collect(jobs, rlog))[0]
+            return EventSource(self._sse(jobs, rlog, render, base, include_usage, preamble), [j[0] for j in jobs])
+        final = (await self._collect(jobs, rlog, disconnected))[0]
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text}, "logprobs": logprobs(o),
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in final.outputs]
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,

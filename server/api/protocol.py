@@ -6,11 +6,24 @@ implement are declared so that setting them gets a 400 that says so by name.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
-from kvpilot.server.engine.sampling_params import SamplingParams
+from kvpilot.server.engine.sampling_params import MAX_STOP_TOKEN_IDS, SEED_RANGE, SamplingParams
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON can spell lone UTF-16 surrogates ("\\ud800"); they are not text and no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains an invalid character (a lone surrogate) at position {e.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+TokenId = StrictInt  # true/false are JSON booleans, not token ids
 
 
 class UnsupportedParameter(ValueError):
@@ -32,8 +45,8 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=16)
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool = False
@@ -45,7 +58,7 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # OpenAI fields we do not implement: a 400 names them when set
@@ -73,9 +86,9 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = 16
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
 
@@ -100,14 +113,14 @@ class CompletionRequest(_SamplingFields):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content if isinstance(self.content, str) or self.content is None else "".join(p.text for p in self.content)
@@ -124,7 +137,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     # not implemented: tools and structured output
     tools: list[Any] | None = None
@@ -152,7 +165,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
 
@@ -160,4 +173,4 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

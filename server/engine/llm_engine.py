@@ -118,19 +118,58 @@ class LLMEngine:
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduled step. A failure is contained to the request that caused it: a row that cannot
+        be sampled fails its request, and when the model step itself raises (out of memory, a kernel
+        error) the batch is re-run one request at a time so that only the failing ones end."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        try:
+            return self._run_batch(batch)
+        except Exception as e:  # noqa: BLE001 - isolated below
+            log.warning("engine step of %d sequences failed (%s: %s): re-running it request by request", len(batch.seqs), type(e).__name__, e)
+            self.runner.recover()
+        outputs = []
+        for part in batch.split_by_request():
+            try:
+                outputs += self._run_batch(part)
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                log.exception("request %s failed in the engine step", part.seqs[0].request_id)
+                self.runner.recover()
+                outputs.append(self.fail_request(part.seqs[0].request_id, f"the engine could not run this request ({type(e).__name__}: {e})"))
+        return outputs
+
+    def _run_batch(self, batch) -> list[RequestOutput]:
         sampled, result = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens)
         now = time.monotonic()
         touched: dict[str, None] = {}
+        failed: dict[str, str] = {}
         for i, seq in enumerate(sampled):
-            self._append_token(seq, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i], now)
+            if seq.request_id in failed or seq.is_finished:
+                continue
+            if i in result.errors:
+                failed[seq.request_id] = result.errors[i]
+                continue
+            try:
+                self._append_token(seq, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i], now)
+            except Exception as e:  # noqa: BLE001 - e.g. a detokenizer error: this request only
+                log.exception("request %s: output processing failed", seq.request_id)
+                failed[seq.request_id] = f"output processing failed ({type(e).__name__}: {e})"
+                continue
             touched[seq.request_id] = None
-        return [self._request_output(rid) for rid in touched]
+        outputs = [self._request_output(rid) for rid in touched if rid not in failed]
+        return outputs + [self.fail_request(rid, why) for rid, why in failed.items()]
+
+    def fail_request(self, request_id: str, message: str) -> RequestOutput:
+        """End every sequence of a request with finish_reason "error" (blocks freed); its final output."""
+        for seq in self.requests[request_id].seqs:
+            if not seq.is_finished:
+                seq.error = message
+                self.scheduler.finish(seq, "error")
+        return self._request_output(request_id)
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, sampled_lp: float, now: float) -> None:
         p = seq.params
@@ -197,7 +236,8 @@ class LLMEngine:
         prompt_lp = ([None] + list(first.prompt_logprobs)) if first.params.prompt_logprobs is not None else None
         if finished:
             del self.requests[request_id]
-        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outputs, finished, prompt_lp, metrics, first.num_cached_tokens)
+        error = next((s.error for s in req.seqs if s.error), None)
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outputs, finished, prompt_lp, metrics, first.num_cached_tokens, error)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

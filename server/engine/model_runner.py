@@ -71,9 +71,14 @@ class ModelRunner:
             return max(0, int(total * self.config.gpu_memory_utilization) - used)
         return self.config.kv_cache_memory
 
+    def recover(self) -> None:
+        """After a failed step: give cached allocator blocks back so that the retry has room."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
-        g.manual_seed(seed)
+        g.manual_seed(seed % 2**64)  # seed + choice index may leave the 64-bit range
         return g
 
     def prepare(self, batch: ScheduledBatch):

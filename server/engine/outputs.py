@@ -37,3 +37,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = field(default=0)
+    error: str | None = None             # set when the request failed in the engine (it is also finished)

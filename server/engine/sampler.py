@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,6 +14,7 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]   # per sequence: {token id: logprob} (sampled + top-n)
     sampled_logprobs: list[float]
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why no token could be sampled for it
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -83,9 +84,15 @@ class Sampler:
         mask_min_tokens(logits, seqs, self.eos_token_id)
 
         token_ids = logits.argmax(-1).tolist()  # greedy rows keep this
+        # A row with no finite logit left (every token banned, or a model that produced NaN/inf) has
+        # nothing to sample: that request fails alone, the rest of the batch goes on.
+        errors: dict[int, str] = {}
+        unusable = ~torch.isfinite(logits).any(-1) | torch.isnan(logits).any(-1) | (logits == float("inf")).any(-1)
+        for row in torch.nonzero(unusable).flatten().tolist():
+            errors[row] = "no token can be sampled: every token is excluded by the request's parameters, or the model produced non-finite scores"
         for row, seq in enumerate(seqs):
             p = seq.params
-            if p.greedy:
+            if p.greedy or row in errors:
                 continue
             # Shift so the best logit is 0 before dividing (a small temperature cannot overflow it to
             # +inf) and keep masked entries -inf (a huge temperature would give -inf/inf = NaN).
@@ -94,13 +101,16 @@ class Sampler:
             row_logits = filter_logits(scaled, p.top_k, p.top_p, p.min_p)
             probs = row_logits.softmax(-1)
             generator = seq.generator or self.default_generator
-            token_ids[row] = int(torch.multinomial(probs, 1, generator=generator))
+            try:
+                token_ids[row] = int(torch.multinomial(probs, 1, generator=generator))
+            except RuntimeError as e:  # probabilities that are not a distribution: this row only
+                errors[row] = f"sampling failed: {e}"
 
         logprobs: list[dict[int, float] | None] = [None] * len(seqs)
         sampled: list[float] = [0.0] * len(seqs)
         if raw_logprobs is not None:
             for row, seq in enumerate(seqs):
-                if seq.params.logprobs is None:
+                if seq.params.logprobs is None or row in errors:
                     continue
                 entry = {token_ids[row]: float(raw_logprobs[row, token_ids[row]])}
                 if seq.params.logprobs:
@@ -109,4 +119,4 @@ class Sampler:
                         entry.setdefault(tid, lp)
                 logprobs[row] = entry
                 sampled[row] = entry[token_ids[row]]
-        return SampleResult(token_ids, logprobs, sampled)
+        return SampleResult(token_ids, logprobs, sampled, errors)

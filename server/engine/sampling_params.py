@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# Bounds that keep every step's arithmetic finite and its cost bounded (a request must never be able
+# to turn a row of logits into NaN, or make the output processor scan an unbounded list).
+REPETITION_PENALTY_RANGE = (0.01, 2.0)   # logits are divided/multiplied by it: 1e-300 overflowed to inf
+MAX_STOP_TOKEN_IDS = 256
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+SEED_RANGE = (-(2**63), 2**64 - 1)       # what torch.Generator.manual_seed takes
 
 
 @dataclass(slots=True)
@@ -58,16 +65,19 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 2:
-            bad("repetition_penalty", "must be in (0, 2]")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            bad("repetition_penalty", f"must be in [{lo}, {hi}]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20]")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
             bad("prompt_logprobs", "must be an integer in [0, 20]")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must hold non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must hold token ids >= 0")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
+            bad("stop", f"must hold at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(type(t) is not int or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
+        if self.seed is not None and (type(self.seed) is not int or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            bad("seed", f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
 
     @property
     def greedy(self) -> bool:

@@ -29,6 +29,15 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         return bool(self.seqs)
 
+    def split_by_request(self) -> list["ScheduledBatch"]:
+        """The same work as one batch per request (to find which request makes a step fail)."""
+        parts: dict[str, ScheduledBatch] = {}
+        for seq, n in zip(self.seqs, self.num_new_tokens):
+            part = parts.setdefault(seq.request_id, ScheduledBatch())
+            part.seqs.append(seq)
+            part.num_new_tokens.append(n)
+        return list(parts.values())
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool = True):

@@ -30,7 +30,8 @@ class Sequence:
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
     num_cached_tokens: int = 0            # of the prompt, found in the prefix cache at admission
     num_preemptions: int = 0
-    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
+    error: str | None = None              # why it failed (finish_reason "error")
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # Output text state (maintained by the engine's output processor).
     text: str = ""
