@@ -45,6 +45,9 @@ def test_api_key(tmp_path):
         assert httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret-key-123"}).status_code == 200
         assert httpx.get(s.url + "/v1/models").status_code == 401
+        for schema_path in ("/openapi.json", "/docs"):  # the API's map is behind the key too
+            assert httpx.get(s.url + schema_path).status_code == 401
+            assert httpx.get(s.url + schema_path, headers={"Authorization": "Bearer sekret-key-123"}).status_code == 200
         for open_path in ("/health", "/ready", "/metrics"):
             assert httpx.get(s.url + open_path).status_code == 200
     finally:

@@ -1,0 +1,308 @@
+"""No request can take the engine down: the attacker's and the careless client's probes (issue #11).
+
+Engine-level tests drive LLMEngine directly (the real model, one thread); server-level ones a real
+`kvpilot serve` on loopback with small limits so that each limit is reached quickly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server_harness import ServerProcess, metrics
+
+KEY = {"Authorization": "Bearer probe-key"}
+
+
+# --- engine --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine():
+    from kvpilot.server.config import EngineConfig
+    from kvpilot.server.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(num_threads=1, kv_cache_memory="64MiB", max_num_seqs=8), show_progress=False)
+
+
+def run_to_end(engine, max_steps: int = 500) -> dict:
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert not engine.has_unfinished_requests(), "requests did not end"
+    return finals
+
+
+def test_probe_parameters_are_refused_by_name():
+    from kvpilot.server.engine.sampling_params import SamplingParams
+
+    with pytest.raises(ValueError, match="^repetition_penalty"):
+        SamplingParams(repetition_penalty=1e-300)
+    with pytest.raises(ValueError, match="^stop_token_ids"):
+        SamplingParams(stop_token_ids=list(range(49152)), min_tokens=1, max_tokens=3)
+    with pytest.raises(ValueError, match="^seed"):
+        SamplingParams(seed=2**70)
+
+
+def test_a_row_with_nothing_to_sample_fails_alone():
+    from kvpilot.server.engine.sampler import Sampler
+    from kvpilot.server.engine.sampling_params import SamplingParams
+    from kvpilot.server.engine.sequence import Sequence
+
+    logits = torch.tensor([[1.0, 2.0, 0.5], [1.0, 2.0, 0.5], [float("nan"), 1.0, 0.0]])
+    banned = SamplingParams(temperature=1.0, stop_token_ids=[0, 1], min_tokens=1, max_tokens=4)  # with EOS 2: every token banned
+    seqs = [Sequence(0, "ok", 0, [1], SamplingParams(temperature=1.0, seed=1)), Sequence(1, "banned", 0, [1], banned),
+            Sequence(2, "nan", 0, [1], SamplingParams(temperature=0))]
+    result = Sampler(eos_token_id=2, default_generator=torch.Generator().manual_seed(0))(logits, seqs)
+    assert set(result.errors) == {1, 2} and "no token can be sampled" in result.errors[1]
+    assert result.token_ids[0] in (0, 1, 2)
+
+
+def test_a_failing_model_step_fails_only_the_request_that_breaks_it(engine, monkeypatch):
+    from kvpilot.server.engine.sampling_params import SamplingParams
+
+    runner = engine.runner
+    real = runner.execute
+
+    def execute(batch):  # an out-of-memory error whenever the poisoned request is in the batch
+        if any(s.request_id == "poison" for s in batch.seqs):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(batch)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for rid in ("a", "poison", "b"):
+        engine.add_request("The sky is", params, request_id=rid)
+    finals = run_to_end(engine)
+    assert finals["poison"].error and "OutOfMemoryError" in finals["poison"].error
+    assert finals["poison"].outputs[0].finish_reason == "error"
+    for rid in ("a", "b"):
+        assert finals[rid].error is None and len(finals[rid].outputs[0].token_ids) == 4
+    assert engine.block_manager.usage() == 0.0
+
+
+extreme = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 1e-6, 1e-5, 1e-3, 1.0, 50.0, 1e30]),
+    "top_p": st.sampled_from([1e-38, 1e-7, 0.5, 1.0]),
+    "top_k": st.sampled_from([-1, 0, 1, 5, 10**9]),
+    "min_p": st.sampled_from([0.0, 1e-38, 0.5, 1.0]),
+    "repetition_penalty": st.sampled_from([0.01, 0.5, 1.0, 2.0]),
+    "presence_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
+    "frequency_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
+    "min_tokens": st.integers(0, 3),
+    "stop_token_ids": st.sampled_from([[], [2], list(range(256)), list(range(49152 - 256, 49152))]),
+    "seed": st.sampled_from([None, 0, -(2**63), 2**64 - 1]),
+    "logprobs": st.sampled_from([None, 0, 20]),
+    "n": st.integers(1, 3),
+})
+
+
+@pytest.mark.timeout(240)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(kw=extreme)
+def test_property_extreme_sampling_never_kills_the_engine(engine, kw):
+    from kvpilot.server.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=3, **kw)
+    rid = engine.add_request("hello hello hello", params)
+    finals = run_to_end(engine)
+    out = finals[rid]
+    assert all(o.finish_reason in ("stop", "length", "error") for o in out.outputs)
+    assert (out.error is not None) == any(o.finish_reason == "error" for o in out.outputs)
+    assert engine.block_manager.usage() == 0.0
+    # and the engine still serves an ordinary request
+    ok = engine.add_request("The capital of France is", SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    assert run_to_end(engine)[ok].outputs[0].finish_reason == "length"
+
+
+# --- server --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("hardening") / "server.log"
+    s = ServerProcess("--max-num-seqs", "2", "--max-waiting-requests", "4", "--kv-cache-memory", "128MiB", "--max-model-len", "1024",
+                      "--max-request-body-bytes", "1MiB", "--request-header-timeout-seconds", "1", "--request-body-timeout-seconds", "1",
+                      env={"KVPILOT_API_KEY": "probe-key"}, log_path=log).wait_ready()
+    yield s
+    assert s.terminate() == 0
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, headers=KEY, timeout=kw.pop("timeout", 60), **kw)
+
+
+def test_probe_requests_leave_the_engine_alive(server):
+    probes = [{"prompt": "hello hello hello", "max_tokens": 3, "temperature": 1, "repetition_penalty": 1e-300},
+              {"prompt": "hello hello hello", "max_tokens": 3, "temperature": 1, "min_tokens": 1, "stop_token_ids": list(range(49152))}]
+    for body in probes:
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] in ("repetition_penalty", "stop_token_ids")
+    r = post(server, "/v1/completions", {"prompt": "hello hello hello", "max_tokens": 3, "temperature": 1, "repetition_penalty": 0.01})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x\ud800y", "max_tokens": 1}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 1}, "messages.0.content"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "seed": 10**30}, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 25}, "top_logprobs"),
+    ("/v1/completions", {"prompt": [True, False], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop_token_ids": [True]}, "stop_token_ids.0"),
+    ("/detokenize", {"tokens": [True]}, "tokens.0"),
+])
+def test_bad_values_are_a_400_naming_the_field(server, path, body, param):
+    r = httpx.post(server.url + path, content=json.dumps(body), headers={**KEY, "content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+def test_big_body_is_413_and_health_keeps_answering(server):
+    done = threading.Event()
+    result = {}
+
+    def send_10mb():
+        try:
+            result["r"] = post(server, "/v1/completions", {"prompt": "a " * (5 << 20), "max_tokens": 1}, timeout=60)
+        except httpx.HTTPError as e:  # the server may close before all 10 MB went out
+            result["e"] = e
+        done.set()
+
+    threading.Thread(target=send_10mb).start()
+    worst = 0.0
+    while not done.is_set():
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.05)
+    assert done.wait(30)
+    if "r" in result:
+        assert result["r"].status_code == 413 and result["r"].json()["error"]["code"] == "request_too_large"
+    assert worst < 5.0
+    # a text that cannot fit the context is refused without tokenizing it (under the body limit)
+    t0 = time.monotonic()
+    r = post(server, "/v1/completions", {"prompt": "word " * 200_000, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_stalled_headers_and_bodies_are_cut(server):
+    host, port = "127.0.0.1", server.port
+    # headers that never end: the connection is closed after the header timeout (1 s here)
+    socks = []
+    for _ in range(20):
+        s = socket.create_connection((host, port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        socks.append(s)
+    t0 = time.monotonic()
+    for s in socks:
+        assert s.recv(1024) == b""  # closed by the server
+        s.close()
+    assert time.monotonic() - t0 < 5
+    # a body that stops half-way: 408 after the body timeout
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer probe-key\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
+        reply = b""
+        while chunk := s.recv(4096):
+            reply += chunk
+        reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply
+
+
+def test_non_streaming_disconnect_aborts(server):
+    before = metrics(server.url)
+    body = {"prompt": "Tell me everything about the ocean.", "max_tokens": 800, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        post(server, "/v1/completions", body, timeout=1.5)  # the client gives up and closes the connection
+
+    def freed():
+        m = metrics(server.url)
+        return m["kvpilot:num_requests_running"] == 0 and m["kvpilot:kv_cache_usage_perc"] == 0.0
+
+    deadline = time.monotonic() + 20
+    while not freed() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = metrics(server.url)
+    key = "kvpilot:request_success_total{finished_reason=abort}"
+    assert freed() and after.get(key, 0) - before.get(key, 0) == 1
+    assert after["kvpilot:generation_tokens_total"] - before["kvpilot:generation_tokens_total"] < 800
+
+
+def test_overload_is_always_a_429_before_the_stream_starts(server):
+    async def burst():
+        async with httpx.AsyncClient(timeout=120, headers=KEY, limits=httpx.Limits(max_connections=100)) as c:
+            async def one():
+                body = {"prompt": "Write a haiku about load.", "max_tokens": 8, "ignore_eos": True, "stream": True}
+                async with c.stream("POST", server.url + "/v1/completions", json=body) as r:
+                    lines = [line async for line in r.aiter_lines() if line]
+                    return r.status_code, dict(r.headers), lines
+            return await asyncio.gather(*(one() for _ in range(40)))
+
+    results = asyncio.run(burst())
+    ok = [lines for code, _, lines in results if code == 200]
+    rejected = [(h, lines) for code, h, lines in results if code == 429]
+    assert len(ok) + len(rejected) == 40 and ok and rejected
+    assert all(lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines) for lines in ok)
+    assert all(h.get("retry-after") == "1" and "queue_full" in lines[0] for h, lines in rejected)
+
+
+def test_n_and_prompts_count_and_a_request_larger_than_the_queue_is_400(server):
+    r = post(server, "/v1/completions", {"prompt": ["a", "b", "c"], "max_tokens": 1, "n": 2})  # 6 sequences > 4
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large" and "at most 4" in err["message"]
+    r = post(server, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1, "n": 2})  # exactly the queue: admitted
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+
+
+def test_streamed_text_offset_is_cumulative(server):
+    body = {"prompt": "One, two, three,", "max_tokens": 8, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    full = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    offsets = []
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=KEY, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                lp = json.loads(line[6:])["choices"][0]["logprobs"]
+                offsets += lp["text_offset"] if lp else []
+    assert offsets == full["text_offset"] and offsets == sorted(offsets) and offsets[-1] > 0
+
+
+def test_tensor_parallel_is_refused_at_start(tmp_path):
+    s = ServerProcess("--tensor-parallel-size", "3", log_path=tmp_path / "log")
+    assert s.proc.wait(60) == 2
+    assert "tensor_parallel_size=3" in s.log() and "does not implement tensor parallelism" in s.log()
+
+
+def test_a_stream_cut_at_shutdown_ends_with_an_error_event_and_done(tmp_path):
+    s = ServerProcess("--kv-cache-memory", "64MiB", "--shutdown-grace-seconds", "1", log_path=tmp_path / "log").wait_ready()
+    lines = []
+    try:
+        body = {"prompt": "Tell a very long story", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) == 3:
+                    s.proc.send_signal(__import__("signal").SIGTERM)
+    finally:
+        code = s.terminate()
+    assert code == 0
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2][6:])["error"]
+    assert err["type"] == "service_unavailable_error" and "shutting down" in err["message"]
