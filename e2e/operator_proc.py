@@ -22,11 +22,16 @@ def service_account_kubeconfig(cluster: Cluster, namespace: str, sa: str, path: 
 
 
 class OperatorProcess:
-    def __init__(self, kubeconfig: Path, log_path: Path, env: dict | None = None, args: list[str] | None = None):
+    """lease_namespace: where its leader-election Lease lives (the chart's namespace for its ServiceAccount);
+    a short lease so that a test's next operator takes over quickly after one that was killed."""
+
+    def __init__(self, kubeconfig: Path, log_path: Path, env: dict | None = None, args: list[str] | None = None,
+                 lease_namespace: str = "default", lease_seconds: float = 4.0):
         self.log_path = log_path
         self._log = open(log_path, "ab")
         full_env = {**os.environ, "KUBECONFIG": str(kubeconfig), **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvpilot.operator", "--liveness", "", *(args or [])],
+        lease = ["--leader-election-namespace", lease_namespace, "--lease-duration-seconds", str(lease_seconds)]
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvpilot.operator", "--liveness", "", *lease, *(args or [])],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
 
     def log(self) -> str:

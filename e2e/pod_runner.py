@@ -49,9 +49,14 @@ def container_env(container: dict, pod: dict) -> dict[str, str]:
     return env
 
 
+# Paths inside the container (its emptyDir caches): the host process keeps its own, where the compiled
+# kernels already are.
+CONTAINER_PATH_ENV = ("HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR")
+
+
 def engine_argv(pod: dict) -> tuple[list[str], dict[str, str]]:
     container = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
-    env = container_env(container, pod)
+    env = {k: v for k, v in container_env(container, pod).items() if k not in CONTAINER_PATH_ENV}
     argv = [expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
     if argv and argv[0] == "kvpilot":  # the venv's console script stands in for the image's
         argv[0] = str(Path(sys.executable).parent / "kvpilot")

@@ -16,10 +16,19 @@ import httpx
 
 from e2e.cluster import binaries
 from e2e.net import free_port, require_loopback
+from kvpilot.operator.builders.manifests import METRICS_RELABELINGS
+
+
+def prometheus_relabel(rule: dict) -> dict:
+    """A PodMonitor relabeling (prometheus-operator's camelCase) as Prometheus's own relabel_config."""
+    names = {"sourceLabels": "source_labels", "targetLabel": "target_label"}
+    return {names.get(k, k): v for k, v in rule.items()}
 
 
 def pod_scrape_config(api_server: str, token: str, ca_file: str, interval: str) -> dict:
-    """The scrape job for engine pods (the same relabelling the Helm chart documents for real clusters)."""
+    """The scrape job for engine pods: discovery and address as prometheus-operator would derive them from
+    a PodMonitor, then the operator's own PodMonitor relabelings, so the autoscaler's queries are tested
+    against the labels its PodMonitor really produces."""
     return {
         "job_name": "kubernetes-pods", "scrape_interval": interval, "scrape_timeout": interval,
         "kubernetes_sd_configs": [{"role": "pod", "api_server": api_server,
@@ -31,9 +40,7 @@ def pod_scrape_config(api_server: str, token: str, ca_file: str, interval: str) 
             {"source_labels": ["__meta_kubernetes_pod_ip", "__meta_kubernetes_pod_annotation_prometheus_io_port"],
              "regex": r"(.+);(\d+)", "replacement": "$1:$2", "target_label": "__address__"},
             {"source_labels": ["__meta_kubernetes_pod_annotation_prometheus_io_path"], "regex": "(.+)", "target_label": "__metrics_path__"},
-            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-            {"source_labels": ["__meta_kubernetes_pod_label_serving_kvpilot_dev_inferenceservice"], "target_label": "inferenceservice"},
+            *map(prometheus_relabel, METRICS_RELABELINGS),
         ],
     }
 

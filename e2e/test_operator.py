@@ -52,7 +52,7 @@ def operator(cluster, chart, tmp_path_factory):
     """The operator, run locally with the chart's ServiceAccount identity."""
     d = tmp_path_factory.mktemp("operator")
     kubeconfig = service_account_kubeconfig(cluster, CHART_NS, "kvpilot", d / "kubeconfig")
-    op = OperatorProcess(kubeconfig, d / "operator.log")
+    op = OperatorProcess(kubeconfig, d / "operator.log", lease_namespace=CHART_NS)
     yield op
     op.stop()
 
@@ -173,12 +173,13 @@ def test_namespaces_do_not_interfere(cluster, operator):
 def test_crash_mid_reconcile_then_restart_converges(cluster, namespace, chart, operator, tmp_path):
     operator.stop()  # one operator at a time
     kubeconfig = service_account_kubeconfig(cluster, CHART_NS, "kvpilot", tmp_path / "kubeconfig")
-    crashing = OperatorProcess(kubeconfig, tmp_path / "crash.log", env={"KVPILOT_TEST_FAULT_POINT": f"after-deployment@{namespace}/crashy"})
+    crashing = OperatorProcess(kubeconfig, tmp_path / "crash.log", env={"KVPILOT_TEST_FAULT_POINT": f"after-deployment@{namespace}/crashy"},
+                               lease_namespace=CHART_NS)
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc("crashy"))
     assert crashing.proc.wait(60) == 17, crashing.log()[-2000:]
     assert kget(cluster, "deployment", "crashy", "-n", namespace) is not None
     assert kget(cluster, "service", "crashy", "-n", namespace) is None  # it died between the two
-    restarted = OperatorProcess(kubeconfig, tmp_path / "restart.log")
+    restarted = OperatorProcess(kubeconfig, tmp_path / "restart.log", lease_namespace=CHART_NS)  # takes over the dead one's lease
     try:
         wait_until(lambda: kget(cluster, "service", "crashy", "-n", namespace), timeout=40, what="converged after restart")
         wait_until(lambda: kget(cluster, "kvis", "crashy", "-n", namespace)["status"].get("observedGeneration") == 1, timeout=30, what="status")
@@ -196,7 +197,7 @@ def test_rbac_missing_rule_fails_visibly(cluster, namespace, chart, tmp_path):
     for k in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
         role["metadata"].pop(k, None)
     cluster.kubectl("replace", "-f", "-", input=json.dumps(role))
-    op = OperatorProcess(service_account_kubeconfig(cluster, CHART_NS, "kvpilot", tmp_path / "kc"), tmp_path / "op.log")
+    op = OperatorProcess(service_account_kubeconfig(cluster, CHART_NS, "kvpilot", tmp_path / "kc"), tmp_path / "op.log", lease_namespace=CHART_NS)
     try:
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc("norbac"))
         obj = wait_until(lambda: (lambda o: o if condition(o, "Degraded").get("reason") == "ApplyFailed" else None)(kget(cluster, "kvis", "norbac", "-n", namespace)),

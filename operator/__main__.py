@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+import threading
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,9 +15,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--namespace", action="append", default=[], help="watch only these namespaces (repeatable); default: all")
     ap.add_argument("--prometheus-url", default=os.environ.get("KVPILOT_PROMETHEUS_URL", "http://prometheus-server.monitoring.svc:9090"),
                     help="Prometheus HTTP API base URL for autoscaling")
-    ap.add_argument("--peering", default=None, help="kopf peering name for HA (needs kopf's peering CRD); default: standalone")
     ap.add_argument("--log-level", default=os.environ.get("KVPILOT_LOG_LEVEL", "info"))
-    ap.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint ('' to disable)")
+    ap.add_argument("--liveness", default="0.0.0.0:8080", help="host:port serving GET /healthz ('' to disable)")
+    ap.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=True,
+                    help="run handlers and autoscaler only while holding the Lease (default: on; replicas > 1 stand by)")
+    ap.add_argument("--leader-election-namespace", default=os.environ.get("POD_NAMESPACE", "default"), help="namespace of the Lease")
+    ap.add_argument("--lease-duration-seconds", type=float, default=15.0, help="how long a Lease is valid without renewal")
+    ap.add_argument("--lease-renew-deadline-seconds", type=float, default=None, help="step down when renewal has failed this long (default: 2/3 of the duration)")
+    ap.add_argument("--lease-retry-seconds", type=float, default=None, help="renew/retry period (default: 1/7 of the duration)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level.lower() != "debug":  # kopf logs every handler run at INFO (the autoscaler timer runs each second)
@@ -25,15 +31,52 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["KVPILOT_WATCH_NAMESPACES"] = ",".join(args.namespace)
 
     import kopf
+    from kubernetes import client
 
     from kvpilot.operator import controller  # noqa: F401  (registers the handlers)
-    from kvpilot.operator.kube import load_config
+    from kvpilot.operator.kube import load_config, set_identity
+    from kvpilot.operator.leader import LeaderElector, default_identity
 
     load_config()
-    kwargs = dict(clusterwide=not args.namespace, namespaces=args.namespace or None,
-                  standalone=args.peering is None, peering_name=args.peering, liveness_endpoint=args.liveness or None)
-    asyncio.run(kopf.operator(**{k: v for k, v in kwargs.items() if v is not None}))
+    identity = set_identity(default_identity())
+    if args.liveness:
+        serve_liveness(args.liveness)
+    elector = None
+    if args.leader_election:
+        d = args.lease_duration_seconds
+        elector = LeaderElector(client.CoordinationV1Api(), args.leader_election_namespace, identity, lease_seconds=d,
+                                renew_deadline_seconds=args.lease_renew_deadline_seconds or d * 2 / 3,
+                                retry_seconds=args.lease_retry_seconds or max(0.5, d / 7))
+        elector.acquire()
+        # Losing the lease means another replica may lead now: stop at once, without another write.
+        elector.keep_leading(on_lost=lambda: os._exit(3), stop=threading.Event())
+    try:
+        scope = {"namespaces": args.namespace} if args.namespace else {"clusterwide": True}
+        asyncio.run(kopf.operator(standalone=True, **scope))
+    finally:
+        if elector is not None:
+            elector.release()
     return 0
+
+
+def serve_liveness(address: str) -> None:
+    """GET /healthz answers 200 while the process runs, leading or standing by (kopf's own endpoint
+    exists only once kopf runs, i.e. only on the leader)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Healthz(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's naming
+            ok = self.path == "/healthz"
+            self.send_response(200 if ok else 404)
+            self.end_headers()
+            self.wfile.write(b"ok" if ok else b"not found")
+
+        def log_message(self, *args):  # probes every few seconds: not worth a log line
+            pass
+
+    host, _, port = address.rpartition(":")
+    server = ThreadingHTTPServer((host or "0.0.0.0", int(port)), Healthz)
+    threading.Thread(target=server.serve_forever, name="liveness", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
+
+from kvpilot.server.model_source import DOT_SEGMENT_PATTERN, MODEL_SOURCE_PATTERN, parse_model_source
 
 GROUP, VERSION, KIND, PLURAL = "serving.kvpilot.dev", "v1alpha1", "InferenceService", "inferenceservices"
 ISVC_LABEL = f"{GROUP}/inferenceservice"     # on every object we create, and every engine pod
 MANAGED_BY = ("app.kubernetes.io/managed-by", "kvpilot")
-MODEL_SOURCE_PATTERN = r"^(https://\S+\.gguf|hf://[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+(/\S+)?|pvc://[a-z0-9][a-z0-9.-]*/\S+|[a-z0-9][a-z0-9.-]*)$"
+# Set by the operator on every engine container: a user's env entry must not replace them.
+RESERVED_ENV = ("POD_IP", "KVPILOT_API_KEY", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "HOME")
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict:
@@ -26,6 +29,20 @@ def cel(rule: str, message: str, field_path: str | None = None) -> dict:
     return r
 
 
+_NO_DOT_SEGMENTS = cel(f"!self.matches('{DOT_SEGMENT_PATTERN}')", "path segments '.' and '..' are not allowed")
+
+
+def _source_field(default, description: str):
+    return Field(default, max_length=512, pattern=MODEL_SOURCE_PATTERN, description=description,
+                 json_schema_extra={"x-kubernetes-validations": [_NO_DOT_SEGMENTS]})
+
+
+def _check_source(v: str | None) -> str | None:
+    if v is not None:
+        parse_model_source(v)  # the same grammar as the CRD's pattern and CEL rule, with a clear message
+    return v
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
@@ -33,10 +50,12 @@ class _Model(BaseModel):
 class ModelSpec(_Model):
     """Which model to serve."""
 
-    source: str = Field(max_length=512, pattern=MODEL_SOURCE_PATTERN, description=(
+    source: str = _source_field(..., (
         "Where the weights come from: a bundled model name (e.g. smollm2-135m), an https:// URL of a .gguf "
-        "file, hf://org/repo[/file] (Hugging Face), or pvc://claim/path (a file on a PersistentVolumeClaim)."))
+        "file, hf://org/repo[/file] (Hugging Face), or pvc://claim/path (a file on a PersistentVolumeClaim). "
+        "Path segments use letters, digits and ._+- only; '.' and '..' segments are refused."))
     served_name: str | None = Field(None, max_length=128, description="Model name in the OpenAI API and in metrics (default: the InferenceService name).")
+    _valid_source = field_validator("source")(_check_source)
 
 
 class SpeculativeSpec(_Model):
@@ -47,7 +66,8 @@ class SpeculativeSpec(_Model):
                                   cel("self.method != 'draft' || has(self.draftModel)", "method 'draft' needs draftModel", ".draftModel")]})
     method: Literal["ngram", "draft"] = Field("ngram", description="ngram: prompt lookup; draft: a small draft model sharing the tokenizer.")
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Tokens proposed per step.")
-    draft_model: str | None = Field(None, max_length=512, pattern=MODEL_SOURCE_PATTERN, description="Draft model source (method draft only).")
+    draft_model: str | None = _source_field(None, "Draft model source (method draft only), in model.source's grammar.")
+    _valid_draft = field_validator("draft_model")(_check_source)
 
 
 class EngineSettings(_Model):
@@ -121,14 +141,31 @@ class InferenceServiceSpec(_Model):
     max_replicas: int = Field(3, ge=1, le=1000, description="Most pods.")
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Autoscaling on engine metrics.")
     env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables of the engine container.")
+    api_key_secret_ref: SecretKeyRef | None = Field(None, description=(
+        "The API key the engine requires (Authorization: Bearer), read from a Secret into KVPILOT_API_KEY; absent = no key."))
     extra_args: list[str] = Field(default_factory=list, max_length=64, description="Extra engine command-line arguments (appended).")
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations of the engine pods.")
     pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels of the engine pods.")
 
 
 class EnvVar(_Model):
-    name: str = Field(max_length=256, description="Variable name.")
+    name: str = Field(max_length=256, description=f"Variable name (not one the operator sets: {', '.join(RESERVED_ENV)}).",
+                      json_schema_extra={"x-kubernetes-validations": [
+                          cel(f"!({' || '.join(repr(n) + ' == self' for n in RESERVED_ENV)})".replace("'", '"'),
+                              f"is set by the operator and cannot be overridden ({', '.join(RESERVED_ENV)})")]})
     value: str = Field("", max_length=4096, description="Value.")
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if v in RESERVED_ENV:
+            raise ValueError(f"env {v} is set by the operator and cannot be overridden (reserved: {', '.join(RESERVED_ENV)})")
+        return v
+
+
+class SecretKeyRef(_Model):
+    name: str = Field(max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", description="Secret name (same namespace).")
+    key: str = Field(max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key in the Secret.")
 
 
 InferenceServiceSpec.model_rebuild()

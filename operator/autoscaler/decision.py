@@ -13,6 +13,9 @@ import math
 from dataclasses import dataclass, field
 
 
+CLOCK_SKEW_SECONDS = 60.0  # a sample stamped further in the future than this is not believed
+
+
 @dataclass(frozen=True, slots=True)
 class PodSample:
     pod: str
@@ -79,6 +82,11 @@ def decide(now: float, current: int, ready_pods: list[str], starting: int, sampl
         why = reason if clamped == current else f"{reason}; clamped {current} -> {clamped} to [{policy.min_replicas}, {policy.max_replicas}]"
         return Decision(clamped, why, active, active_reason, keep, **kw)
 
+    if not metrics_error:  # a source that let a bad number through still never moves replicas
+        bad = [s.pod for s in samples if not math.isfinite(s.timestamp) or s.timestamp > now + CLOCK_SKEW_SECONDS or any(
+            v is not None and not (math.isfinite(v) and v >= 0) for v in (s.kv_cache_utilization, s.queue_depth))]
+        if bad:
+            metrics_error = f"invalid (negative, non-finite or future-dated) samples from {', '.join(bad)}"
     if metrics_error:
         return hold(f"holding at {current}: metrics unavailable ({metrics_error})", "MetricsUnavailable")
     if not ready_pods:

@@ -29,6 +29,12 @@ def _is_ready(pod: dict) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("status", {}).get("conditions", []) or [])
 
 
+def live_pods(pods: list[dict]) -> list[dict]:
+    """Pods that serve or will: not being deleted, and not over (Failed, e.g. evicted, or Succeeded), which
+    would otherwise count as "starting" for ever and block every scale-up."""
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp") and (p.get("status") or {}).get("phase") not in ("Failed", "Succeeded")]
+
+
 def policy_of(spec: InferenceServiceSpec) -> Policy:
     a = spec.autoscaling
     return Policy(spec.min_replicas, spec.max_replicas, a.target_kv_cache_utilization, a.target_queue_depth, a.tolerance,
@@ -48,7 +54,7 @@ def evaluate(kube: Kube, source: PrometheusSource, body: dict, state: Autoscaler
         return None
     state.last_eval = now
     selector = ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
-    pods = [p for p in kube.list("v1", "Pod", namespace, selector) if not p["metadata"].get("deletionTimestamp")]
+    pods = live_pods(kube.list("v1", "Pod", namespace, selector))
     ready = [p["metadata"]["name"] for p in pods if _is_ready(p)]
     starting = len(pods) - len(ready)
     current = spec.replicas if spec.replicas is not None else spec.min_replicas

@@ -6,11 +6,13 @@ the sample timestamps come back too (`timestamp()`), so the decision can tell st
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import httpx
 
-from kvpilot.operator.autoscaler.decision import PodSample
+from kvpilot.operator.autoscaler.decision import CLOCK_SKEW_SECONDS, PodSample
 
 # signal -> PromQL selector template per engine; alternatives joined with `or` (vLLM renamed its KV metric)
 ENGINE_METRICS: dict[str, dict[str, list[str]]] = {
@@ -46,22 +48,47 @@ class PrometheusSource:
     timeout: float = 5.0
 
     def _query(self, promql: str) -> dict[str, float]:
+        """{pod: value} of an instant vector. Anything else Prometheus might answer (an error page, a
+        scalar, a value that is not a number) is MetricsUnavailable, never an exception that stops the loop."""
         try:
             r = httpx.get(self.url.rstrip("/") + "/api/v1/query", params={"query": promql}, timeout=self.timeout)
         except httpx.HTTPError as e:
             raise MetricsUnavailable(f"Prometheus at {self.url} unreachable: {type(e).__name__}") from e
         if r.status_code != 200:
             raise MetricsUnavailable(f"Prometheus answered {r.status_code}: {r.text[:200]}")
-        body = r.json()
-        if body.get("status") != "success":
-            raise MetricsUnavailable(f"Prometheus query failed: {body.get('error', body)}")
-        return {item["metric"].get("pod", ""): float(item["value"][1]) for item in body["data"]["result"]}
+        try:
+            body = r.json()
+        except ValueError:
+            raise MetricsUnavailable(f"Prometheus answered something that is not JSON: {r.text[:100]!r}") from None
+        if not isinstance(body, dict) or body.get("status") != "success":
+            raise MetricsUnavailable(f"Prometheus query failed: {body.get('error', body) if isinstance(body, dict) else body!r}"[:300])
+        data = body.get("data")
+        if not isinstance(data, dict) or data.get("resultType") != "vector" or not isinstance(data.get("result"), list):
+            raise MetricsUnavailable(f"Prometheus answered no instant vector: {str(data)[:200]}")
+        out = {}
+        for item in data["result"]:
+            try:
+                pod, value = str(item["metric"].get("pod", "")), float(item["value"][1])
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+                raise MetricsUnavailable(f"Prometheus answered a malformed sample: {str(item)[:200]}") from None
+            if not math.isfinite(value):
+                raise MetricsUnavailable(f"pod {pod} reports a non-finite value ({value}) for {promql}")
+            out[pod] = value
+        return out
 
     def pod_samples(self, engine: str, namespace: str, isvc: str) -> list[PodSample]:
         kv = self._query(signal_query(engine, "kv", namespace, isvc))
         queue = self._query(signal_query(engine, "queue", namespace, isvc))
         kv_ts = self._query(timestamp_query(engine, "kv", namespace, isvc))
         queue_ts = self._query(timestamp_query(engine, "queue", namespace, isvc))
+        now = time.time()
+        for what, values in (("KV-cache utilization", kv), ("queue depth", queue)):
+            negative = {p: v for p, v in values.items() if v < 0}
+            if negative:
+                raise MetricsUnavailable(f"negative {what} reported: {negative}")
+        future = {p: t for p, t in (kv_ts | queue_ts).items() if t > now + CLOCK_SKEW_SECONDS}
+        if future:
+            raise MetricsUnavailable(f"samples stamped in the future (more than {CLOCK_SKEW_SECONDS:g} s ahead): {sorted(future)}")
         out = []
         for pod in sorted(set(kv) | set(queue)):
             ts = min(t for t in (kv_ts.get(pod), queue_ts.get(pod)) if t is not None) if (pod in kv_ts or pod in queue_ts) else 0.0

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvpilot.operator.crd_types import InferenceServiceSpec
 from kvpilot.server.config import EngineConfig
+from kvpilot.server.model_source import parse_model_source
 
 PORT = 8000
 MODEL_DIR = "/models"
@@ -29,17 +30,12 @@ class EngineContainer:
 
 def model_argument(spec: InferenceServiceSpec) -> str:
     """What the engine is told to load: a bundled name, a path under /models, or a hub repo."""
-    src = spec.model.source
-    if src.startswith("pvc://"):
-        return f"{MODEL_DIR}/pvc/{src.split('/', 3)[3]}"
-    if src.startswith("https://"):
-        return f"{MODEL_DIR}/download/{src.rsplit('/', 1)[-1]}"
-    if src.startswith("hf://"):
-        parts = src[len("hf://"):].split("/", 2)
-        if len(parts) == 3 and spec.engine == "kvpilot":  # a GGUF file inside the repo, downloaded first
-            return f"{MODEL_DIR}/download/{parts[2].rsplit('/', 1)[-1]}"
-        return "/".join(parts[:2])
-    return src
+    src = parse_model_source(spec.model.source)
+    if src.kind == "pvc":
+        return f"{MODEL_DIR}/pvc/{src.path}"
+    if src.is_single_file and (src.kind == "https" or spec.engine == "kvpilot"):  # downloaded first by the init container
+        return f"{MODEL_DIR}/download/{src.filename}"
+    return src.name  # a bundled name, or the hub repo org/repo that vLLM/SGLang fetch themselves
 
 
 def served_name(spec: InferenceServiceSpec, name: str) -> str:
@@ -122,7 +118,8 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
             problems.append("engineSettings.speculative is not implemented by the kvpilot engine yet (use engine vllm)")
         if s.tensor_parallel_size > 1:
             problems.append("engineSettings.tensorParallelSize > 1 is not implemented by the kvpilot engine yet (use engine vllm)")
-        if spec.model.source.startswith("hf://") and spec.model.source.count("/") < 4:
+        src = parse_model_source(spec.model.source)
+        if src.kind == "hf" and not src.path:
             problems.append("the kvpilot engine loads GGUF files: give hf://org/repo/file.gguf")
     return problems
 

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from kvpilot.operator.builders.engines import MODEL_DIR, PORT, SHUTDOWN_GRACE_SECONDS, engine_container
+from kvpilot.operator.builders.engines import DEFAULT_IMAGES, MODEL_DIR, PORT, SHUTDOWN_GRACE_SECONDS, engine_container
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, VERSION, InferenceServiceSpec
+from kvpilot.server.model_source import parse_model_source
 
 ENGINE_LABEL = f"{GROUP}/engine"
-DOWNLOADER_IMAGE = "curlimages/curl:8.11.1"
-HF_DOWNLOADER_IMAGE = "python:3.12-slim"
 STARTUP_BUDGET_SECONDS = 1800  # model download + load on a cold node
+DOWNLOAD_TIMEOUT_SECONDS = 1500
+CACHE_DIR = "/cache"           # emptyDir: kernel and Triton caches, HOME (the root filesystem is read-only)
+RUN_AS = 65532                 # the engine image's user (Dockerfile.engine)
+POD_SECURITY_CONTEXT = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                        "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+                              "capabilities": {"drop": ["ALL"]}}
+CACHE_ENV = [{"name": "HOME", "value": CACHE_DIR}, {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+             {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"}]
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -37,24 +45,26 @@ def desired_replicas(spec: InferenceServiceSpec) -> int:
 
 def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:
     """Volumes, mounts and init containers that put the model file where the engine reads it."""
-    src = spec.model.source
-    if src.startswith("pvc://"):
-        claim = src.split("/", 3)[2]
-        return ([{"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+    src = parse_model_source(spec.model.source)
+    if src.kind == "pvc":
+        return ([{"name": "model", "persistentVolumeClaim": {"claimName": src.name, "readOnly": True}}],
                 [{"name": "model", "mountPath": f"{MODEL_DIR}/pvc", "readOnly": True}], [])
-    if src.startswith("https://") or (src.startswith("hf://") and src.count("/") >= 4 and spec.engine == "kvpilot"):
-        filename = src.rsplit("/", 1)[-1]
-        if src.startswith("https://"):
-            init = {"name": "download-model", "image": DOWNLOADER_IMAGE,
-                    "args": ["-fL", "--retry", "5", "-o", f"{MODEL_DIR}/download/{filename}", src]}
-        else:
-            repo, path = "/".join(src[5:].split("/", 2)[:2]), src[5:].split("/", 2)[2]
-            init = {"name": "download-model", "image": HF_DOWNLOADER_IMAGE, "command": ["sh", "-c"],
-                    "args": [f"pip install -q huggingface_hub && python -c \"from huggingface_hub import hf_hub_download as d; "
-                             f"import shutil; shutil.copy(d('{repo}', '{path}'), '{MODEL_DIR}/download/{filename}')\""]}
-        init["volumeMounts"] = [{"name": "model", "mountPath": f"{MODEL_DIR}/download"}]
-        return ([{"name": "model", "emptyDir": {}}], [{"name": "model", "mountPath": f"{MODEL_DIR}/download"}], [init])
+    if src.is_single_file and (src.kind == "https" or spec.engine == "kvpilot"):
+        mount = {"name": "model", "mountPath": f"{MODEL_DIR}/download"}
+        # The kvpilot engine image downloads it: arguments as a list (no shell), as the same non-root user.
+        init = {"name": "download-model", "image": DEFAULT_IMAGES["kvpilot"] if spec.engine != "kvpilot" else (spec.image or DEFAULT_IMAGES["kvpilot"]),
+                "command": ["kvpilot", "fetch-model"],
+                "args": [src.raw, f"{MODEL_DIR}/download/{src.filename}", "--timeout", str(DOWNLOAD_TIMEOUT_SECONDS)],
+                "env": [*CACHE_ENV, *_hf_token_env(spec)],
+                "securityContext": CONTAINER_SECURITY_CONTEXT,
+                "volumeMounts": [mount, {"name": "cache", "mountPath": CACHE_DIR}]}
+        return [{"name": "model", "emptyDir": {}}], [mount], [init]
     return [], [], []
+
+
+def _hf_token_env(spec: InferenceServiceSpec) -> list[dict]:
+    """HF_TOKEN and HF_ENDPOINT from the user's env reach the download too (gated or mirrored hub files)."""
+    return [{"name": e.name, "value": e.value} for e in spec.env if e.name in ("HF_TOKEN", "HF_ENDPOINT")]
 
 
 def _resources(spec: InferenceServiceSpec) -> dict:
@@ -76,9 +86,13 @@ def _resources(spec: InferenceServiceSpec) -> dict:
 def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
     c = engine_container(spec, name)
     volumes, mounts, inits = _model_volumes(spec)
-    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-           {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}, *c.env,
-           *({"name": e.name, "value": e.value} for e in spec.env)]
+    # The user's entries come first: the names the operator sets last are reserved (the spec refuses them),
+    # and Kubernetes lets a later entry of the same name win.
+    env = [*({"name": e.name, "value": e.value} for e in spec.env),
+           {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}, *c.env, *CACHE_ENV,
+           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    if spec.api_key_secret_ref is not None:
+        env.append({"name": "KVPILOT_API_KEY", "valueFrom": {"secretKeyRef": {"name": spec.api_key_secret_ref.name, "key": spec.api_key_secret_ref.key}}})
     container = {
         "name": "engine", "image": c.image, "command": c.command, "args": c.args, "env": env,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
@@ -87,7 +101,9 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) 
                          "failureThreshold": STARTUP_BUDGET_SECONDS // 5},
         "readinessProbe": {"httpGet": {"path": c.ready_path, "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": c.health_path, "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
-        "volumeMounts": [*mounts, {"name": "shm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [*mounts, {"name": "shm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": CACHE_DIR},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
     node_selector = dict(spec.resources.node_selector)
     if spec.resources.gpu_product and not spec.resources.cpu_only:
@@ -99,9 +115,12 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) 
     pod_annotations = {**spec.pod_annotations, "prometheus.io/scrape": "true", "prometheus.io/port": str(PORT), "prometheus.io/path": "/metrics"}
     pod_spec = {
         "containers": [container],
-        "volumes": [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}}],
+        "volumes": [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
+                    {"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}],
         "terminationGracePeriodSeconds": SHUTDOWN_GRACE_SECONDS + 15,  # the engine drains in-flight requests first
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # the engine never talks to the API server
+        "securityContext": POD_SECURITY_CONTEXT,
     }
     if inits:
         pod_spec["initContainers"] = inits
@@ -130,10 +149,19 @@ def pod_disruption_budget(name: str, namespace: str, uid: str, spec: InferenceSe
             "spec": {"selector": {"matchLabels": selector_labels(name)}, "maxUnavailable": 1}}
 
 
+# The labels the autoscaler's PromQL selects on (operator/autoscaler/promql.py): namespace, pod and
+# inferenceservice. The chart's PodMonitor and the e2e Prometheus use these same rules.
+METRICS_RELABELINGS = [
+    {"sourceLabels": [f"__meta_kubernetes_pod_label_{ISVC_LABEL.replace('.', '_').replace('/', '_').replace('-', '_')}"], "targetLabel": "inferenceservice"},
+    {"sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": "namespace"},
+    {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "pod"},
+]
+
+
 def pod_monitor(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": _meta(name, namespace, uid, spec),
             "spec": {"selector": {"matchLabels": selector_labels(name)},
-                     "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}]}}
+                     "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s", "relabelings": METRICS_RELABELINGS}]}}
 
 
 def endpoint_url(name: str, namespace: str) -> str:
