@@ -68,3 +68,15 @@ def metrics(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
+
+
+def wait_until_freed(url: str, timeout: float = 20) -> bool:
+    """Whether, within timeout, no request runs and no KV block is held (e.g. after an abort)."""
+    def freed():
+        m = metrics(url)
+        return m["kvpilot:num_requests_running"] == 0 and m["kvpilot:kv_cache_usage_perc"] == 0.0
+
+    deadline = time.monotonic() + timeout
+    while not freed() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return freed()

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_harness import ServerProcess, metrics
+from server_harness import ServerProcess, metrics, wait_until_freed
 
 KEY = {"Authorization": "Bearer probe-key"}
 
@@ -230,17 +230,10 @@ def test_non_streaming_disconnect_aborts(server):
     body = {"prompt": "Tell me everything about the ocean.", "max_tokens": 800, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         post(server, "/v1/completions", body, timeout=1.5)  # the client gives up and closes the connection
-
-    def freed():
-        m = metrics(server.url)
-        return m["kvpilot:num_requests_running"] == 0 and m["kvpilot:kv_cache_usage_perc"] == 0.0
-
-    deadline = time.monotonic() + 20
-    while not freed() and time.monotonic() < deadline:
-        time.sleep(0.2)
+    freed = wait_until_freed(server.url)
     after = metrics(server.url)
     key = "kvpilot:request_success_total{finished_reason=abort}"
-    assert freed() and after.get(key, 0) - before.get(key, 0) == 1
+    assert freed and after.get(key, 0) - before.get(key, 0) == 1
     assert after["kvpilot:generation_tokens_total"] - before["kvpilot:generation_tokens_total"] < 800
 
 
@@ -306,3 +299,22 @@ def test_a_stream_cut_at_shutdown_ends_with_an_error_event_and_done(tmp_path):
     assert lines[-1] == "data: [DONE]"
     err = json.loads(lines[-2][6:])["error"]
     assert err["type"] == "service_unavailable_error" and "shutting down" in err["message"]
+
+
+def test_an_unexpected_exception_is_a_json_500():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from kvpilot.server.api import errors
+
+    app = FastAPI()
+    errors.install(app)
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("a bug")
+
+    r = TestClient(app, raise_server_exceptions=False).get("/boom")
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"] == {"message": "internal error (RuntimeError); the server logged the details", "type": "server_error",
+                                 "param": None, "code": "internal_error"}

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import ServerProcess, metrics
+from server_harness import ServerProcess, metrics, wait_until_freed
 
 MODEL = "smollm2-135m"
 
@@ -213,15 +213,8 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
             if i > 10:
                 break  # leave mid-stream
     assert httpx.get(server.url + "/health").status_code == 200  # the server is still there
-
-    def freed():
-        m = metrics(server.url)
-        return m["kvpilot:num_requests_running"] == 0 and m["kvpilot:kv_cache_usage_perc"] == 0.0
-
-    deadline = time.monotonic() + 20
-    while not freed() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert freed()
+    freed = wait_until_freed(server.url)
+    assert freed
     after = metrics(server.url)
     assert after.get("kvpilot:request_success_total{finished_reason=abort}", 0) - before.get("kvpilot:request_success_total{finished_reason=abort}", 0) == 1
     assert after["kvpilot:generation_tokens_total"] - before["kvpilot:generation_tokens_total"] < 1500
