@@ -18,7 +18,7 @@ _HOST = r"[A-Za-z0-9][A-Za-z0-9.-]*(:[0-9]{1,5})?"
 # The one grammar, written so that the API server (OpenAPI pattern, RE2) and pydantic check the same.
 MODEL_SOURCE_PATTERN = (rf"^({_NAME}|https://{_HOST}(/{_SEG})*/{_SEG}\.gguf|hf://{_SEG}/{_SEG}(/{_SEG})*|pvc://{_NAME}(/{_SEG})+)$")
 # `.` and `..` segments match _SEG too; they are refused by this second rule (CEL in the CRD).
-DOT_SEGMENT_PATTERN = r"(^|/)\.\.?(/|$)"
+DOT_SEGMENT_PATTERN = r"(^|/)[.][.]?(/|$)"  # no backslashes: the CRD spells it inside a CEL string
 
 
 class InvalidModelSource(ValueError):
