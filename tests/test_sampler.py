@@ -176,3 +176,28 @@ def test_any_valid_params_sample_a_real_token(temperature, top_p, min_p, top_k, 
     logits[1, 3] = NEG  # a masked entry, as min_tokens leaves it
     r = Sampler(eos_token_id=3)(logits, [seq([0], **params), seq([0], **params)])
     assert all(0 <= t < 32 for t in r.token_ids) and r.token_ids[1] != 3
+
+
+def test_seeded_request_is_identical_alone_and_inside_a_batch(llm):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, repetition_penalty=1.1, seed=2024, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(["Once upon a time"], seeded)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, presence_penalty=0.5) for t, m in ((1.0, 30), (0.0, 12), (0.7, 40))]
+    prompts = ["Once upon a time", "The weather today", "List three fruits:", "In 1492,"]
+    batched = llm.generate(prompts, [seeded, *others])
+    assert batched[0].outputs[0].token_ids == alone and len(alone) == 24
+
+
+def test_batched_processing_equals_row_by_row():
+    """Rows with different parameters in one batch get exactly what each would get alone."""
+    from kvpilot.server.engine.sampler import processed_logits
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    rows = [seq([1, 2], [3, 3, 4], temperature=0.7, top_k=5, repetition_penalty=1.5),
+            seq([5], [], temperature=1.3, top_p=0.6, min_tokens=2, stop_token_ids=[7], max_tokens=8),
+            seq([9], [9, 9], temperature=0.0, frequency_penalty=1.0),
+            seq([0], [1], temperature=2.0, min_p=0.2, presence_penalty=-1.0)]
+    together = processed_logits(logits.clone(), rows, eos_token_id=3)
+    for i, s in enumerate(rows):
+        alone = processed_logits(logits[i:i + 1].clone(), [s], eos_token_id=3)
+        assert torch.equal(together[0][i], alone[0][0]) and torch.equal(together[1][i], alone[1][0])
