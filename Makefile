@@ -28,6 +28,7 @@ tools:
 test:
 	$(PHASE) setup $(MAKE) --no-print-directory setup
 	$(PHASE) tools $(MAKE) --no-print-directory tools
+	$(PHASE) lint $(BIN)/ruff check .
 	$(PHASE) pytest $(BIN)/python -m pytest
 
 serve: setup

@@ -48,7 +48,7 @@ def matmul_peak_gflops(threads: int, size: int = 1024, reps: int = 20) -> float:
 
 def machine() -> str:
     try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor()
     return f"{os.cpu_count()} cores, {cpu}, Python {platform.python_version()}"

@@ -105,7 +105,7 @@ class Cluster:
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
 
     # --- lifecycle ------------------------------------------------------------------------------
-    def up(self, nodes: int = 3, gpus_per_node: int = 4, gpu_product: str = "NVIDIA-A100-SXM4-80GB", timeout: float = 120) -> "Cluster":
+    def up(self, nodes: int = 3, gpus_per_node: int = 4, gpu_product: str = "NVIDIA-A100-SXM4-80GB", timeout: float = 120) -> Cluster:
         bins = binaries()
         if (self.state_dir / "state.json").exists():
             Cluster.load(self.name, self.state_dir).down()
@@ -163,7 +163,7 @@ class Cluster:
 
     def down(self, keep_logs: bool = True) -> None:
         """Stop every component (process groups: nothing survives) and remove the data."""
-        for name, pid in reversed(list(self.pids.items())):
+        for _name, pid in reversed(list(self.pids.items())):
             _kill_group(pid)
         self.pids = {}
         if self.state_dir.exists():
@@ -173,7 +173,7 @@ class Cluster:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
     @classmethod
-    def load(cls, name: str = "default", state_dir: Path | None = None) -> "Cluster":
+    def load(cls, name: str = "default", state_dir: Path | None = None) -> Cluster:
         c = cls(name, state_dir)
         state = json.loads((c.state_dir / "state.json").read_text())
         c.ports, c.pids = state["ports"], state["pids"]

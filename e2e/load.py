@@ -89,7 +89,7 @@ class LoadGenerator:
                 with self._lock:
                     self.statuses[code] += 1
 
-    def start(self) -> "LoadGenerator":
+    def start(self) -> LoadGenerator:
         self.started = time.monotonic()
         self._threads = [threading.Thread(target=self._refresh, daemon=True)] + \
                         [threading.Thread(target=self._client, daemon=True) for _ in range(self.clients)]

@@ -99,7 +99,7 @@ class PodRunner:
 
     def step(self) -> None:
         pods = {p["metadata"]["uid"]: p for p in self._pods()}
-        for uid, eng in list(self.engines.items()):
+        for uid in list(self.engines):
             pod = pods.get(uid)
             if pod is None or pod["metadata"].get("deletionTimestamp"):
                 self._stop_engine(uid)
@@ -159,7 +159,7 @@ class PodRunner:
                 pass  # the apiserver blinked: try again next round
             self._stop.wait(self.poll)
 
-    def start(self) -> "PodRunner":
+    def start(self) -> PodRunner:
         self._thread = threading.Thread(target=self.run, name="pod-runner", daemon=True)
         self._thread.start()
         return self

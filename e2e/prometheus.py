@@ -57,18 +57,18 @@ class Prometheus:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def add_kubernetes_pods(self, api_server: str, token: str, ca_file: str) -> "Prometheus":
+    def add_kubernetes_pods(self, api_server: str, token: str, ca_file: str) -> Prometheus:
         self.jobs.append(pod_scrape_config(require_loopback(api_server), token, ca_file, self.scrape_interval))
         return self
 
-    def add_static(self, job: str, targets: list[str], labels: dict[str, str] | None = None) -> "Prometheus":
+    def add_static(self, job: str, targets: list[str], labels: dict[str, str] | None = None) -> Prometheus:
         for t in targets:
             require_loopback(t)
         self.jobs.append({"job_name": job, "scrape_interval": self.scrape_interval, "scrape_timeout": self.scrape_interval,
                           "static_configs": [{"targets": targets, "labels": labels or {}}]})
         return self
 
-    def start(self, timeout: float = 30) -> "Prometheus":
+    def start(self, timeout: float = 30) -> Prometheus:
         binary = binaries()["prometheus"]  # ToolMissing says how to build it
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()

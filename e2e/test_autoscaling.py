@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
-
-from pathlib import Path
 
 from e2e.cluster import TOKEN, _insecure
 from e2e.conftest import start_prometheus
@@ -82,7 +81,7 @@ def test_scale_up_under_load_and_back_down(cluster, namespace, stack):
     assert set(load.statuses) <= {200, 429}, load.statuses  # never a 5xx or a connection error under load
     served = {e: httpx.get(e + "/metrics").text for e in endpoints}
     for e, text in served.items():
-        gen = [l for l in text.splitlines() if l.startswith("kvpilot:generation_tokens_total")]
+        gen = [line for line in text.splitlines() if line.startswith("kvpilot:generation_tokens_total")]
         assert gen and float(gen[0].split()[-1]) > 0, f"{e} generated nothing"
 
     # Prometheus down: metrics unavailable -> hold at 2 (never scale down on missing data)

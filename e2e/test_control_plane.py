@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from e2e.cluster import Cluster, TOKEN, versions
+from e2e.cluster import TOKEN, Cluster, versions
 from e2e.conftest import start_prometheus
 from e2e.net import NotLoopbackError, port_open, require_loopback
 from e2e.waiting import wait_until

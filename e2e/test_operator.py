@@ -160,7 +160,7 @@ def test_reconcile_status_rollout_drift_and_delete(cluster, namespace, operator)
     # deleting the InferenceService removes everything it owns (garbage collector)
     cluster.kubectl("delete", "kvis", "chat", "-n", namespace)
     for kind in ("deployment", "service", "pdb"):
-        wait_until(lambda: kget(cluster, kind, "chat", "-n", namespace) is None, timeout=60, what=f"{kind} deleted")
+        wait_until(lambda kind=kind: kget(cluster, kind, "chat", "-n", namespace) is None, timeout=60, what=f"{kind} deleted")
     wait_until(lambda: not kget(cluster, "pods", "-n", namespace, "-l", f"{ISVC}=chat")["items"], timeout=60, what="pods gone")
 
 
@@ -191,7 +191,7 @@ def test_namespaces_do_not_interfere(cluster, operator):
         cluster.kubectl("create", "namespace", ns, check=False)
         cluster.kubectl("apply", "-n", ns, "-f", "-", input=isvc("same-name", minReplicas=1 if ns == "team-a" else 2))
     for ns, n in (("team-a", 1), ("team-b", 2)):
-        wait_until(lambda: (kget(cluster, "deployment", "same-name", "-n", ns) or {}).get("spec", {}).get("replicas") == n, timeout=30, what=f"{ns} deployment")
+        wait_until(lambda ns=ns, n=n: (kget(cluster, "deployment", "same-name", "-n", ns) or {}).get("spec", {}).get("replicas") == n, timeout=30, what=f"{ns} deployment")
     cluster.kubectl("delete", "kvis", "same-name", "-n", "team-a")
     wait_until(lambda: kget(cluster, "deployment", "same-name", "-n", "team-a") is None, timeout=60, what="team-a cleaned")
     assert kget(cluster, "deployment", "same-name", "-n", "team-b")["spec"]["replicas"] == 2

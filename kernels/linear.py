@@ -27,7 +27,7 @@ class LinearWeight:
     packed: torch.Tensor | None
 
     @classmethod
-    def create(cls, weight: torch.Tensor, use_onednn: bool | None = None) -> "LinearWeight":
+    def create(cls, weight: torch.Tensor, use_onednn: bool | None = None) -> LinearWeight:
         if use_onednn is None:
             use_onednn = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available()
         if use_onednn:

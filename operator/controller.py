@@ -9,9 +9,9 @@ import time
 
 import kopf
 
-from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, MANAGED_BY, PLURAL, VERSION
 from kvpilot.operator.autoscaler.loop import AutoscalerState, evaluate
 from kvpilot.operator.autoscaler.promql import PrometheusSource
+from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, MANAGED_BY, PLURAL, VERSION
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.reconcile import reconcile
 

@@ -7,7 +7,7 @@ import os
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
@@ -101,7 +101,7 @@ class Kube:
 
     def event(self, obj: dict, type_: str, reason: str, message: str) -> None:
         meta = obj["metadata"]
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         body = client.CoreV1Event(
             metadata=client.V1ObjectMeta(name=f"{meta['name']}.{uuid.uuid4().hex[:12]}", namespace=meta["namespace"]),
             involved_object=client.V1ObjectReference(api_version=obj.get("apiVersion", f"{GROUP}/{VERSION}"), kind=obj.get("kind", KIND),

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from kvpilot.operator.crd_types import Condition, InferenceServiceStatus
 
+
 def now_rfc3339() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def set_condition(conditions: list[Condition], type_: str, status: str, reason: str, message: str, generation: int | None, now: str) -> list[Condition]:
@@ -37,7 +38,7 @@ def pod_problems(pods: list[dict]) -> list[tuple[str, str]]:
 
 def compute_status(prev: InferenceServiceStatus | None, generation: int, desired: int, selector: str, endpoint: str,
                    deployment: dict | None, pods: list[dict], spec_problems: list[tuple[str, str]], now: datetime | None = None) -> InferenceServiceStatus:
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
     status = (prev or InferenceServiceStatus()).model_copy(deep=True)
     status.observed_generation = generation

@@ -59,7 +59,7 @@ class EngineConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _budget_fits(self) -> "EngineConfig":
+    def _budget_fits(self) -> EngineConfig:
         if self.max_model_len is not None and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens must be >= max_model_len when chunked prefill is off")
         return self
@@ -69,7 +69,7 @@ class EngineConfig(BaseModel):
         return model_to_args(self, include_defaults)
 
     @classmethod
-    def from_cli_args(cls, argv: list[str]) -> "EngineConfig":
+    def from_cli_args(cls, argv: list[str]) -> EngineConfig:
         parser = argparse.ArgumentParser(prog="kvpilot", add_help=False)
         add_model_args(parser, cls)
         return cls(**{k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None})

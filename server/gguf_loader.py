@@ -6,9 +6,10 @@ GGUF stores `attn_q`/`attn_k` rows permuted for llama.cpp's interleaved RoPE; we
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch

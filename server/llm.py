@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Any
 
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.llm_engine import LLMEngine

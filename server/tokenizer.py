@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import codecs
+from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Iterable
+from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 

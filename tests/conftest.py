@@ -7,9 +7,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import stdlib_operator_guard  # noqa: E402,F401  (records the stdlib `operator` before anything else)
 import pytest  # noqa: E402
 
+import stdlib_operator_guard  # noqa: E402,F401  (records the stdlib `operator` before anything else)
 from oracle import hf_oracle_session  # noqa: E402,F401  (fixture)
 
 

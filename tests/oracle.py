@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from kvpilot.server.cache import cache_root
 
 # Fixed before the first run: varied lengths, languages, code, chat-formatted and plain text.

@@ -31,7 +31,7 @@ class ServerProcess:
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
-    def wait_ready(self, timeout: float = 120) -> "ServerProcess":
+    def wait_ready(self, timeout: float = 120) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -63,7 +63,7 @@ def test_shared_prefix_hits_cache_and_keeps_outputs(hf_oracle_session):
 
     prefix = ("You are a meticulous assistant. Read the following background carefully before answering. "
               "The Rhine is a river that rises in the Swiss Alps and flows through Germany and the Netherlands "
-              "into the North Sea. It has been an important trade route since Roman times. ") 
+              "into the North Sea. It has been an important trade route since Roman times. ")
     prompts = [prefix + q for q in ("Question: where does the Rhine rise?", "Question: where does it end?",
                                      "Question: why was it important?")]
     oracle = hf_oracle_session.run(prompts, 32)

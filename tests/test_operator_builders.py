@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -117,7 +117,8 @@ def test_spec_model_rejects_bad_values():
 
 
 def test_crds_are_fresh():
-    from kvpilot.operator.crd_gen import OUTPUTS, render as render_crd
+    from kvpilot.operator.crd_gen import OUTPUTS
+    from kvpilot.operator.crd_gen import render as render_crd
 
     text = render_crd()
     for path in OUTPUTS:
@@ -140,7 +141,7 @@ def test_examples_are_valid_specs(path):
 
 
 def test_status_conditions():
-    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    now = datetime(2026, 1, 1, tzinfo=UTC)
     dep = {"status": {"replicas": 2, "readyReplicas": 1, "updatedReplicas": 2}}
     st = compute_status(None, 3, 2, "sel", "http://x", dep, [], [], now)
     conds = {c.type: c for c in st.conditions}

@@ -196,7 +196,7 @@ def test_kv_usage_rises_while_requests_hold_blocks_and_returns(server):
     seen = []
     body = {"prompt": "Write a long essay about rivers.", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
-        for i, line in enumerate(r.iter_lines()):
+        for i, _line in enumerate(r.iter_lines()):
             if i % 10 == 0:
                 m = metrics(server.url)
                 seen.append((m["kvpilot:kv_cache_usage_perc"], m["kvpilot:num_requests_running"]))
@@ -255,6 +255,6 @@ def test_request_log_lines_have_no_prompt(server):
     secret = "zebra-unicorn-prompt-text"
     httpx.post(server.url + "/v1/completions", json={"prompt": secret, "max_tokens": 2}, timeout=60)
     time.sleep(0.5)
-    lines = [json.loads(l.split("kvpilot.requests: ", 1)[1]) for l in server.log().splitlines() if "kvpilot.requests: " in l]
+    lines = [json.loads(line.split("kvpilot.requests: ", 1)[1]) for line in server.log().splitlines() if "kvpilot.requests: " in line]
     assert lines and {"request_id", "prompt_tokens", "output_tokens", "ttft_s", "total_s", "status"} <= set(lines[-1])
     assert secret not in server.log()

@@ -7,7 +7,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from server_harness import ServerProcess, metrics
 
@@ -78,10 +77,27 @@ def test_sigterm_drains_in_flight_then_exits_zero(tmp_path):
     assert result["status"] == 200 and result["body"]["usage"]["completion_tokens"] == 80  # finished, not cut
 
 
+def fuzz_operation(operation, failures: list[str]) -> None:
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=40 if operation.method.upper() == "POST" else 5, deadline=None, suppress_health_check=list(HealthCheck))
+    def run(case):
+        if isinstance(case.body, dict) and operation.path.startswith("/v1/"):
+            # keep each case cheap: bounded output, one choice (the limits themselves have their own tests)
+            case.body["max_tokens"] = 8
+            case.body.pop("max_completion_tokens", None)
+            case.body["n"] = 1
+        response = case.call(timeout=60)
+        if response.status_code >= 500:
+            failures.append(f"{operation.method} {operation.path} -> {response.status_code}: {response.text[:300]} body={case.body!r}"[:800])
+
+    operation.as_strategy()  # fails early if the operation cannot be generated
+    given(case=operation.as_strategy())(run)()
+
+
 def test_schema_fuzzing_finds_no_5xx(tmp_path):
     """schemathesis drives the app's own OpenAPI schema (~50 examples per operation, max_tokens capped)."""
     import schemathesis
-    from hypothesis import HealthCheck, settings
 
     s = ServerProcess("--kv-cache-memory", "64MiB", "--max-model-len", "512", log_path=tmp_path / "log").wait_ready()
     try:
@@ -92,23 +108,7 @@ def test_schema_fuzzing_finds_no_5xx(tmp_path):
             operation = op.ok()
             if operation.path in ("/metrics",):
                 continue
-
-            @settings(max_examples=40 if operation.method.upper() == "POST" else 5, deadline=None,
-                      suppress_health_check=list(HealthCheck))
-            def run(case):
-                if isinstance(case.body, dict) and operation.path.startswith("/v1/"):
-                    # keep each case cheap: bounded output, one choice (the limits themselves have their own tests)
-                    case.body["max_tokens"] = 8
-                    case.body.pop("max_completion_tokens", None)
-                    case.body["n"] = 1
-                response = case.call(timeout=60)
-                if response.status_code >= 500:
-                    failures.append(f"{operation.method} {operation.path} -> {response.status_code}: {response.text[:300]} body={case.body!r}"[:800])
-
-            operation.as_strategy()  # fails early if the operation cannot be generated
-            from hypothesis import given
-
-            given(case=operation.as_strategy())(run)()
+            fuzz_operation(operation, failures)
             assert time.monotonic() - start < 180, "fuzzing exceeded its time budget"
         assert not failures, "\n".join(failures[:5])
         assert httpx.get(s.url + "/health").status_code == 200

@@ -94,9 +94,7 @@ def test_skip_special_tokens_in_stream(tok):
 @settings(max_examples=60, deadline=None)
 @given(st.text(min_size=1, max_size=40))
 def test_any_text_roundtrips_and_streams_cleanly(tok, text):
-    from kvpilot.server.tokenizer import IncrementalDetokenizer
-
-    from kvpilot.server.tokenizer import _byte_alphabet
+    from kvpilot.server.tokenizer import IncrementalDetokenizer, _byte_alphabet
 
     # This vocabulary has no token for a few bytes (e.g. 0xF1, lead byte of planes 4-7): text using
     # them cannot be represented by any tokenizer of this model, HF's included.

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-
 CLOCK_SKEW_SECONDS = 60.0  # a sample stamped further in the future than this is not believed
 
 

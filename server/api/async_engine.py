@@ -12,8 +12,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
 
 from kvpilot.server.engine.llm_engine import LLMEngine
 from kvpilot.server.engine.outputs import RequestOutput
@@ -54,7 +54,7 @@ class AsyncEngine:
     engine: LLMEngine | None = None        # set by launch(), in the engine thread
     max_waiting_requests: int = 256
     on_step: Callable[[LLMEngine, list[RequestOutput], float], None] | None = None  # metrics hook, engine thread
-    _commands: "queue.SimpleQueue[tuple]" = field(default_factory=queue.SimpleQueue)
+    _commands: queue.SimpleQueue[tuple] = field(default_factory=queue.SimpleQueue)
     _streams: dict[str, _Stream] = field(default_factory=dict)
     _wake: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -65,7 +65,7 @@ class AsyncEngine:
     fatal: BaseException | None = None
 
     @classmethod
-    def launch(cls, build_engine: Callable[[], LLMEngine], max_waiting_requests: int = 256) -> "AsyncEngine":
+    def launch(cls, build_engine: Callable[[], LLMEngine], max_waiting_requests: int = 256) -> AsyncEngine:
         """Start the engine thread, build the engine in it and return once it is loaded (load errors
         are raised here).
 
@@ -164,7 +164,7 @@ class AsyncEngine:
 
     def close_all(self, error: BaseException) -> None:
         """End every open stream with this error (the server is stopping); the engine aborts them."""
-        for rid, stream in list(self._streams.items()):
+        for _rid, stream in list(self._streams.items()):
             stream.queue.put_nowait(error)
 
     def abort(self, request_id: str) -> None:

@@ -7,8 +7,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShutdownError
 from kvpilot.server.api.errors import APIError, sse_error, status_of

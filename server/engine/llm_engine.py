@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
-from kvpilot.server.engine.sequence import Sequence, Status
+from kvpilot.server.engine.sequence import Sequence
 from kvpilot.server.model_files import default_served_name, resolve_model_path
 from kvpilot.server.threads import configure_threads
 

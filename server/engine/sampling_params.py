@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # Bounds that keep every step's arithmetic finite and its cost bounded (a request must never be able
 # to turn a row of logits into NaN, or make the output processor scan an unbounded list).

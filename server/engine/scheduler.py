@@ -29,7 +29,7 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         return bool(self.seqs)
 
-    def split_by_request(self) -> list["ScheduledBatch"]:
+    def split_by_request(self) -> list[ScheduledBatch]:
         """The same work as one batch per request (to find which request makes a step fail)."""
         parts: dict[str, ScheduledBatch] = {}
         for seq, n in zip(self.seqs, self.num_new_tokens):

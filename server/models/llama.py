@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,7 @@ class LlamaModel(nn.Module):
         return linear(hidden, self.lm_head).float()
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile, dtype: torch.dtype, device: torch.device, progress: Callable[[int], None] | None = None) -> "LlamaModel":
+    def from_gguf(cls, gguf: GGUFFile, dtype: torch.dtype, device: torch.device, progress: Callable[[int], None] | None = None) -> LlamaModel:
         c = gguf.llama_config()
 
         def w(name: str) -> torch.Tensor:
