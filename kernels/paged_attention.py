@@ -29,6 +29,14 @@ class AttentionMetadata:
     def num_prefill_tokens(self) -> int:
         return sum(self.prefill_query_lens)
 
+    @classmethod
+    def from_input(cls, inp) -> AttentionMetadata:
+        """From a step's ModelInput (kvpilot.server.engine.model_io): prefills first, then decodes; the
+        block tables are views of its one padded tensor (no per-sequence upload)."""
+        p = inp.num_prefills
+        return cls(inp.slot_mapping, inp.query_lens, inp.context_lens, [inp.block_tables[i] for i in range(p)],
+                   inp.block_tables[p:], inp.seq_lens[p:])
+
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new tokens' K/V [T, kv_heads, head_dim] at their slots."""

@@ -57,6 +57,7 @@ def test_probe_parameters_are_refused_by_name():
 
 
 def test_a_row_with_nothing_to_sample_fails_alone():
+    from kvpilot.server.engine.model_io import SamplingTensors
     from kvpilot.server.engine.sampler import Sampler
     from kvpilot.server.engine.sampling_params import SamplingParams
     from kvpilot.server.engine.sequence import Sequence
@@ -65,7 +66,7 @@ def test_a_row_with_nothing_to_sample_fails_alone():
     banned = SamplingParams(temperature=1.0, stop_token_ids=[0, 1], min_tokens=1, max_tokens=4)  # with EOS 2: every token banned
     seqs = [Sequence(0, "ok", 0, [1], SamplingParams(temperature=1.0, seed=1)), Sequence(1, "banned", 0, [1], banned),
             Sequence(2, "nan", 0, [1], SamplingParams(temperature=0))]
-    result = Sampler(eos_token_id=2, default_generator=torch.Generator().manual_seed(0))(logits, seqs)
+    result = Sampler(torch.Generator().manual_seed(0))(logits, SamplingTensors.build(seqs, 2, torch.float32, torch.device("cpu")))
     assert set(result.errors) == {1, 2} and "no token can be sampled" in result.errors[1]
     assert result.token_ids[0] in (0, 1, 2)
 
@@ -76,15 +77,18 @@ def test_a_failing_model_step_fails_only_the_request_that_breaks_it(engine, monk
     runner = engine.runner
     real = runner.execute
 
-    def execute(batch):  # an out-of-memory error whenever the poisoned request is in the batch
-        if any(s.request_id == "poison" for s in batch.seqs):
+    poison_token = 9999  # only the poisoned request's prompt holds it
+
+    def execute(model_input):  # an out-of-memory error whenever the poisoned request is in the step
+        if poison_token in model_input.input_ids.tolist():
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(batch)
+        return real(model_input)
 
     monkeypatch.setattr(runner, "execute", execute)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    for rid in ("a", "poison", "b"):
-        engine.add_request("The sky is", params, request_id=rid)
+    engine.add_request("The sky is", params, request_id="a")
+    engine.add_request([poison_token, 504, 6376], params, request_id="poison")
+    engine.add_request("The sky is", params, request_id="b")
     finals = run_to_end(engine)
     assert finals["poison"].error and "OutOfMemoryError" in finals["poison"].error
     assert finals["poison"].outputs[0].finish_reason == "error"

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.server.engine.sampler import Sampler, apply_penalties, filter_logits, mask_min_tokens
+from kvpilot.server.engine.model_io import SamplingTensors
+from kvpilot.server.engine.sampler import Sampler, apply_penalties, filter_logits, processed_logits
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.sequence import Sequence
 
@@ -39,6 +40,14 @@ def test_min_p_mask_exact():
     assert kept(filter_logits(x, 0, 1.0, 0.2)) == [0, 1, 2]  # keep p >= 0.1
 
 
+def tensors(seqs, eos_token_id=None) -> SamplingTensors:
+    return SamplingTensors.build(seqs, eos_token_id, torch.float32, torch.device("cpu"))
+
+
+def sample(logits, seqs, eos_token_id=None):
+    return Sampler()(logits, tensors(seqs, eos_token_id))
+
+
 def seq(prompt, output=(), **params):
     s = Sequence(0, "r", 0, list(prompt), SamplingParams(**params))
     s.output_token_ids = list(output)
@@ -48,7 +57,7 @@ def seq(prompt, output=(), **params):
 def test_penalties_exact():
     logits = torch.tensor([[2.0, -2.0, 1.0, 1.0, 0.5]])
     s = seq([0], [1, 2, 2], repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    out = apply_penalties(logits.clone(), [s])
+    out = apply_penalties(logits.clone(), tensors([s]).penalties)
     # token 0 (prompt): 2/2 = 1; token 1 (out x1): -2*2 - 0.5 - 0.25; token 2 (out x2): 1/2 - 1.0 - 0.25
     assert torch.allclose(out, torch.tensor([[1.0, -4.75, -0.75, 1.0, 0.5]]))
 
@@ -56,24 +65,22 @@ def test_penalties_exact():
 def test_min_tokens_masks_eos_and_stop_ids():
     logits = torch.zeros(1, 6)
     s = seq([0], [4], min_tokens=3, stop_token_ids=[5])
-    mask_min_tokens(logits, [s], eos_token_id=2)
+    logits, _ = processed_logits(logits, tensors([s], eos_token_id=2))
     assert logits[0, 2] == NEG and logits[0, 5] == NEG and kept(logits[0]) == [0, 1, 3, 4]
 
 
 def test_greedy_and_temperature_zero():
-    sampler = Sampler(eos_token_id=None)
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
-    assert sampler(logits, [seq([0], temperature=0), seq([0], temperature=0)]).token_ids == [1, 0]
+    assert sample(logits, [seq([0], temperature=0), seq([0], temperature=0)]).token_ids == [1, 0]
 
 
 def test_seeded_sampling_reproducible_and_follows_distribution():
     logits = torch.tensor([[0.0, math.log(3.0), NEG]])  # probs 0.25, 0.75, 0
-    sampler = Sampler(eos_token_id=None)
 
     def draw(seed, n=400):
         s = seq([0], temperature=1.0, seed=seed)
         s.generator = torch.Generator().manual_seed(seed)
-        return [sampler(logits, [s]).token_ids[0] for _ in range(n)]
+        return [sample(logits, [s]).token_ids[0] for _ in range(n)]
 
     a, b, c = draw(7), draw(7), draw(8)
     assert a == b and a != c
@@ -82,9 +89,8 @@ def test_seeded_sampling_reproducible_and_follows_distribution():
 
 
 def test_logprobs_top_n():
-    sampler = Sampler(eos_token_id=None)
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
-    r = sampler(logits, [seq([0], temperature=0, logprobs=2)])
+    r = sample(logits, [seq([0], temperature=0, logprobs=2)])
     ref = torch.log_softmax(logits[0], -1)
     assert r.logprobs[0] == pytest.approx({2: float(ref[2]), 1: float(ref[1])})
     assert r.sampled_logprobs[0] == pytest.approx(float(ref[2]))
@@ -174,7 +180,7 @@ def test_any_valid_params_sample_a_real_token(temperature, top_p, min_p, top_k, 
     params = dict(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
     logits = torch.randn(2, 32, generator=torch.Generator().manual_seed(seed)) * scale
     logits[1, 3] = NEG  # a masked entry, as min_tokens leaves it
-    r = Sampler(eos_token_id=3)(logits, [seq([0], **params), seq([0], **params)])
+    r = sample(logits, [seq([0], **params), seq([0], **params)], eos_token_id=3)
     assert all(0 <= t < 32 for t in r.token_ids) and r.token_ids[1] != 3
 
 
@@ -189,15 +195,13 @@ def test_seeded_request_is_identical_alone_and_inside_a_batch(llm):
 
 def test_batched_processing_equals_row_by_row():
     """Rows with different parameters in one batch get exactly what each would get alone."""
-    from kvpilot.server.engine.sampler import processed_logits
-
     torch.manual_seed(0)
     logits = torch.randn(4, 50) * 3
     rows = [seq([1, 2], [3, 3, 4], temperature=0.7, top_k=5, repetition_penalty=1.5),
             seq([5], [], temperature=1.3, top_p=0.6, min_tokens=2, stop_token_ids=[7], max_tokens=8),
             seq([9], [9, 9], temperature=0.0, frequency_penalty=1.0),
             seq([0], [1], temperature=2.0, min_p=0.2, presence_penalty=-1.0)]
-    together = processed_logits(logits.clone(), rows, eos_token_id=3)
+    together = processed_logits(logits.clone(), tensors(rows, eos_token_id=3))
     for i, s in enumerate(rows):
-        alone = processed_logits(logits[i:i + 1].clone(), [s], eos_token_id=3)
+        alone = processed_logits(logits[i:i + 1].clone(), tensors([s], eos_token_id=3))
         assert torch.equal(together[0][i], alone[0][0]) and torch.equal(together[1][i], alone[1][0])

@@ -56,11 +56,12 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # --- prefix cache -----------------------------------------------------------------------
-    def match_prefix(self, seq: Sequence) -> list[int]:
+    def match_prefix(self, seq: Sequence) -> list[int] | None:
         """Cached blocks holding seq's leading full blocks (at least one token is always left to
-        compute, so the last prompt token's logits exist). Records queried and hit tokens."""
+        compute, so the last prompt token's logits exist); None when there is no look-up to make.
+        The look-up counts (prefix_queries/hits) once allocate() admits seq with it."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return []  # prompt logprobs need every prompt position computed
+            return None  # prompt logprobs need every prompt position computed
         tokens = seq.token_ids()
         usable = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
@@ -73,8 +74,6 @@ class BlockManager:
                 break
             hits.append(block_id)
             parent = h
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += len(hits) * self.block_size
         return hits
 
     # --- allocation -------------------------------------------------------------------------
@@ -84,11 +83,16 @@ class BlockManager:
         reusable = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # they leave the free queue
         return need + reusable <= len(self.free)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
-        """Take the cached prefix blocks (first admission only) and enough fresh blocks for
-        num_new_tokens more tokens. All or nothing: returns False and changes nothing if short."""
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
+        """Take the cached prefix blocks that match_prefix found (first admission only) and enough
+        fresh blocks for num_new_tokens more tokens. All or nothing: returns False and changes nothing
+        (counters included) if short."""
+        looked_up, cached = cached is not None, cached or []
         if not self.can_allocate(seq, num_new_tokens, cached):
             return False
+        if looked_up:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += len(cached) * self.block_size
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:

@@ -84,15 +84,13 @@ class Scheduler:
         # Waiting sequences are admitted only when nothing had to be preempted this step.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
-            cached = self.bm.match_prefix(seq) if not seq.block_table else []
-            n = seq.num_tokens - seq.num_computed_tokens - len(cached) * self.bm.block_size
+            cached = self.bm.match_prefix(seq) if not seq.block_table else None
+            n = seq.num_tokens - seq.num_computed_tokens - len(cached or ()) * self.bm.block_size
             if n > budget:
                 if not self.chunked:
                     break
                 n = budget
             if not self.bm.allocate(seq, n, cached):
-                self.bm.prefix_queries -= seq.num_tokens   # not admitted: this look-up does not count
-                self.bm.prefix_hits -= len(cached) * self.bm.block_size
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -103,6 +101,12 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def update(self, batch: ScheduledBatch) -> None:
+        """After the batch ran: its tokens' K/V are in the cache, and full blocks join the prefix cache."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free_seq(seq)

@@ -1,0 +1,182 @@
+"""The step boundary: one ModelInput in, one ModelOutput out.
+
+`InputBuilder` turns a scheduled batch into tensors once per step, on the CPU side; the device side
+(`ModelRunner.execute`) sees nothing else: no Sequence, detokenizer or request object, so a
+tensor-parallel rank other than 0 can run a step from a ModelInput alone. Sequences are laid out
+prefills first (any number of query rows each: a prompt chunk, or a verification step's k + 1 rows),
+then one-row decodes. The builder also returns a StepPlan (rank 0 only) saying which sequence each
+sampled or prompt-logprob row belongs to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpilot.server.engine.scheduler import ScheduledBatch
+from kvpilot.server.engine.sequence import Sequence
+
+
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor: on CUDA staged in pinned memory and copied without blocking."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as one [rows, longest] tensor (padding points at column 0) and its validity mask."""
+    width = max((len(r) for r in rows), default=0)
+    ids = upload([r + [0] * (width - len(r)) for r in rows], torch.long, device).reshape(len(rows), width)
+    valid = upload([[True] * len(r) + [False] * (width - len(r)) for r in rows], torch.bool, device).reshape(len(rows), width)
+    return ids, valid
+
+
+@dataclass(slots=True)
+class Penalties:
+    """Repetition/frequency/presence penalties of the sampled rows that have any."""
+
+    rows: torch.Tensor             # [P] long: which sampled rows
+    repetition: torch.Tensor       # [P, 1]
+    frequency: torch.Tensor        # [P, 1]
+    presence: torch.Tensor         # [P, 1]
+    output_ids: torch.Tensor       # [P, L] long, padded; output_valid marks the real entries
+    output_valid: torch.Tensor
+    prompt_ids: torch.Tensor       # [P, L'] long, padded
+    prompt_valid: torch.Tensor
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Every sampling parameter of a step's sampled rows, as tensors (host lists only where the host acts)."""
+
+    temperature: torch.Tensor      # [S, 1] (1.0 on greedy rows: they take the argmax)
+    top_k: torch.Tensor            # [S] long, <= 0: off
+    top_p: torch.Tensor            # [S]
+    min_p: torch.Tensor            # [S]
+    random_rows: list[int]         # rows that draw at random (the rest are greedy)
+    generators: list[torch.Generator | None]  # per random row: its request's generator (seeded) or None
+    penalties: Penalties | None
+    banned_rows: torch.Tensor      # [N] long: (row, token) pairs that min_tokens bans this step
+    banned_tokens: torch.Tensor    # [N] long
+    top_logprobs: list[int | None]  # per row: None (no logprobs) or how many top entries
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], eos_token_id: int | None, dtype: torch.dtype, device: torch.device) -> SamplingTensors:
+        params = [s.params for s in seqs]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        pen = [i for i, p in enumerate(params) if p.has_penalties]
+        penalties = None
+        if pen:
+            col = lambda values: upload(values, dtype, device).unsqueeze(1)  # noqa: E731
+            out_ids, out_valid = _padded([seqs[i].output_token_ids for i in pen], device)
+            prompt_ids, prompt_valid = _padded([seqs[i].prompt_token_ids for i in pen], device)
+            penalties = Penalties(upload(pen, torch.long, device), col([params[i].repetition_penalty for i in pen]),
+                                  col([params[i].frequency_penalty for i in pen]), col([params[i].presence_penalty for i in pen]),
+                                  out_ids, out_valid, prompt_ids, prompt_valid)
+        banned_rows, banned_tokens = [], []
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if len(seq.output_token_ids) < p.min_tokens:  # until min_tokens are out, EOS and stop ids cannot be sampled
+                banned = list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])
+                banned_rows += [row] * len(banned)
+                banned_tokens += banned
+        return cls(upload([1.0 if p.greedy else p.temperature for p in params], dtype, device).unsqueeze(1),
+                   upload([p.top_k for p in params], torch.long, device), upload([p.top_p for p in params], dtype, device),
+                   upload([p.min_p for p in params], dtype, device), random_rows, [seqs[i].generator for i in random_rows], penalties,
+                   upload(banned_rows, torch.long, device), upload(banned_tokens, torch.long, device), [p.logprobs for p in params])
+
+
+@dataclass(slots=True)
+class PromptLogprobRows:
+    """Rows of this step's hidden states whose next-token logprobs are a prompt's (prompt_logprobs)."""
+
+    first_row: int
+    target_ids: list[int]          # the prompt token that follows each row
+    top_k: int
+
+
+@dataclass(slots=True)
+class ModelInput:
+    input_ids: torch.Tensor        # [T] long
+    positions: torch.Tensor        # [T] long
+    slot_mapping: torch.Tensor     # [T] long: the KV-cache slot of each row's K/V
+    query_start_loc: torch.Tensor  # [B + 1] long: sequence i's rows are query_start_loc[i]:query_start_loc[i + 1]
+    seq_lens: torch.Tensor         # [B] long: tokens in the cache after this step
+    block_tables: torch.Tensor     # [B, max blocks] long, padded with 0
+    logits_indices: torch.Tensor   # [S] long: rows whose logits are sampled
+    num_prefills: int              # the first num_prefills sequences have several query rows (or a whole prompt)
+    query_lens: list[int]          # host copies of the prefills' query and context lengths (the CPU attention loop)
+    context_lens: list[int]
+    prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
+    sampling: SamplingTensors | None = None
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Rank 0's key to a step: the sequence of each sampled row and each prompt-logprob span."""
+
+    sampled: list[Sequence]
+    prompt_logprobs: list[tuple[Sequence, int]]  # with the prompt position of the span's first row
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    token_ids: list[list[int]]                       # per sampled row: the tokens to append (one, or several when speculating)
+    logprobs: list[list[dict[int, float]] | None]    # per sampled row, per token: {token id: logprob}
+    errors: dict[int, str] = field(default_factory=dict)  # sampled row -> why it could not be sampled
+    prompt_logprobs: list[list[dict[int, float]]] = field(default_factory=list)  # per PromptLogprobRows
+
+
+class InputBuilder:
+    def __init__(self, block_size: int, eos_token_id: int | None, device: torch.device):
+        self.block_size, self.eos_token_id, self.device = block_size, eos_token_id, device
+
+    def build(self, batch: ScheduledBatch) -> tuple[ModelInput, StepPlan]:
+        bs = self.block_size
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        plan = StepPlan([], [])
+        prompt_lp: list[PromptLogprobRows] = []
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            start = seq.num_computed_tokens
+            row0 = len(ids)
+            ids += seq.tokens_slice(start, start + n)
+            pos = range(start, start + n)
+            positions += pos
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in pos]
+            starts.append(len(ids))
+            seq_lens.append(start + n)
+            tables.append(table)
+            if n > 1:
+                query_lens.append(n)
+                context_lens.append(start + n)
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                count = min(start + n, seq.num_prompt_tokens - 1) - start
+                prompt_lp.append(PromptLogprobRows(row0, seq.prompt_token_ids[start + 1:start + 1 + count], seq.params.prompt_logprobs))
+                plan.prompt_logprobs.append((seq, start))
+            if start + n == seq.num_tokens:
+                sample_rows.append(len(ids) - 1)
+                plan.sampled.append(seq)
+        width = max((len(t) for t in tables), default=0)
+        dev = self.device
+        inp = ModelInput(
+            input_ids=upload(ids, torch.long, dev), positions=upload(positions, torch.long, dev), slot_mapping=upload(slots, torch.long, dev),
+            query_start_loc=upload(starts, torch.long, dev), seq_lens=upload(seq_lens, torch.long, dev),
+            block_tables=upload([t + [0] * (width - len(t)) for t in tables], torch.long, dev).reshape(len(tables), width),
+            logits_indices=upload(sample_rows, torch.long, dev), num_prefills=len(query_lens), query_lens=query_lens,
+            context_lens=context_lens, prompt_logprobs=prompt_lp,
+            sampling=SamplingTensors.build(plan.sampled, self.eos_token_id, torch.float32, dev) if plan.sampled else None)
+        return inp, plan
