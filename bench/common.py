@@ -30,13 +30,13 @@ def matmul_peak_gflops(threads: int, size: int = 1024, reps: int = 20) -> float:
     packed weight (the path the engine uses on CPU), so "of peak" is never flattered by a slow BLAS."""
     import torch
 
-    from kvpilot.kernels.linear import LinearWeight, linear
+    from kvpilot.kernels.linear import make_linear
 
     torch.set_num_threads(threads)
     a, b = torch.randn(size, size), torch.randn(size, size)
-    packed = LinearWeight.create(b.T.contiguous())
+    packed = make_linear(b.T.contiguous())
     best = 0.0
-    for fn in (lambda: a @ b, lambda: linear(a, packed)):
+    for fn in (lambda: a @ b, lambda: packed(a)):
         for _ in range(3):
             fn()
         t = time.perf_counter()

@@ -10,54 +10,59 @@ into the matmul's output pass instead of another trip over the activations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-@dataclass(slots=True)
-class LinearWeight:
-    """One projection's weight: dense [out, in] (reference / CUDA path) or oneDNN-packed (CPU path)."""
-    dense: torch.Tensor | None
-    packed: torch.Tensor | None
+class Linear(nn.Module):
+    """y = x @ W.T, with the fused forms the layers use. The weight is a registered buffer (seen by
+    .to() and state_dict()): dense [out, in], or oneDNN's packed layout on CPU (then `packed`)."""
 
-    @classmethod
-    def create(cls, weight: torch.Tensor, use_onednn: bool | None = None) -> LinearWeight:
-        if use_onednn is None:
-            use_onednn = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available()
-        if use_onednn:
-            # The packed copy is all the CPU path reads; keeping the dense one too would double the memory.
-            return cls(None, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None))
-        return cls(weight.contiguous(), None)
+    def __init__(self, weight: torch.Tensor, packed: bool):
+        super().__init__()
+        self.packed = packed
+        self.register_buffer("weight", weight)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _pointwise(x, self.weight, "none") if self.packed else F.linear(x, self.weight)
 
-def _pointwise(x: torch.Tensor, w: LinearWeight, attr: str) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w.packed, None, attr, [], "")
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ W.T)"""
+        return _pointwise(x, self.weight, "swish") if self.packed else F.silu(F.linear(x, self.weight))
 
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """(x @ W.T) * other"""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, None, "mul")
+        return F.linear(x, self.weight) * other
 
-def linear(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-    return _pointwise(x, w, "none") if w.packed is not None else F.linear(x, w.dense)
-
-
-def linear_silu(x: torch.Tensor, w: LinearWeight) -> torch.Tensor:
-    """silu(x @ W.T)"""
-    return _pointwise(x, w, "swish") if w.packed is not None else F.silu(F.linear(x, w.dense))
-
-
-def linear_mul(x: torch.Tensor, w: LinearWeight, other: torch.Tensor) -> torch.Tensor:
-    """(x @ W.T) * other"""
-    if w.packed is not None:
-        return torch.ops.mkldnn._linear_pointwise.binary(x, other, w.packed, None, "mul")
-    return F.linear(x, w.dense) * other
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """(x @ W.T) + residual"""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, None, "add")
+        return F.linear(x, self.weight) + residual
 
 
-def linear_add(x: torch.Tensor, w: LinearWeight, residual: torch.Tensor) -> torch.Tensor:
-    """(x @ W.T) + residual"""
-    if w.packed is not None:
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, w.packed, None, "add")
-    return F.linear(x, w.dense) + residual
+def make_linear(weight: torch.Tensor, quantization: str | None = None, shard: object | None = None, use_onednn: bool | None = None) -> Linear:
+    """The one factory the model loader calls for every projection: (raw weight [out, in], quantization,
+    shard) -> a Linear. Quantized and sharded weights are the quantization and tensor-parallel issues'
+    to add here; asking for them now is an error, not a silent dense layer."""
+    if quantization not in (None, "none"):
+        raise NotImplementedError(f"quantization {quantization!r} is not implemented yet")
+    if shard is not None:
+        raise NotImplementedError("sharded (tensor-parallel) projections are not implemented yet")
+    if use_onednn is None:
+        use_onednn = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available()
+    if use_onednn:
+        # The packed copy is all the CPU path reads; keeping the dense one too would double the memory.
+        return Linear(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), packed=True)
+    return Linear(weight.contiguous(), packed=False)
+
+
+def _pointwise(x: torch.Tensor, packed: torch.Tensor, attr: str) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, attr, [], "")

@@ -1,4 +1,4 @@
-"""Attention over a paged KV cache: the torch reference (CPU path) and the dispatch the model calls.
+"""Attention over a paged KV cache: the torch references; kernels/ops.py picks the decode kernel.
 
 Cache layout per layer: K and V tensors [num_blocks, block_size, num_kv_heads, head_dim]. A sequence's
 token at position p lives in slot block_table[p // block_size] * block_size + p % block_size.
@@ -12,8 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from kvpilot.kernels import cpu_extension
 
 
 @dataclass(slots=True)
@@ -90,13 +88,15 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, kv_stored: bool = False, decode=None) -> torch.Tensor:
     """Write this step's K/V [T, kv_heads, d] into the cache (unless the caller already did), then
-    attend; q [T, heads, d] -> [T, heads, d]."""
+    attend; q [T, heads, d] -> [T, heads, d]. decode(q, k_cache, v_cache, block_tables, context_lens,
+    scale) is the decode kernel (default: the torch reference)."""
+    decode = decode or decode_attention_grouped
     if not kv_stored:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if not meta.prefill_query_lens:  # a decode-only step: no output buffer to assemble
-        return decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     out = torch.empty_like(q)
     start = 0
     for n, ctx, table in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
@@ -104,25 +104,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         out[rows] = prefill_attention_ref(q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx, scale)
         start += n
     if start < q.shape[0]:
-        out[start:] = decode_attention(q[start:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        out[start:] = decode(q[start:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     return out
 
 
 DECODE_GROUP = 4  # sequences per padded decode-attention call on the torch path
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Decode attention. CPU: the C++ kernel that reads the cache in place (kernels/csrc), when it
-    could be built. Otherwise the torch path, with sequences sorted by context length and taken in
-    small groups, so each group is padded only to its own longest context."""
-    if q.device.type == "cpu":
-        ext = cpu_extension.load()
-        if ext is not None:
-            return ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return decode_attention_grouped(q, k_cache, v_cache, block_tables, context_lens, scale)
-
-
 def decode_attention_grouped(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """The torch decode path: sequences sorted by context length and taken in small groups, so each
+    group is padded only to its own longest context."""
     n = q.shape[0]
     if n <= DECODE_GROUP:
         return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)

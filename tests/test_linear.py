@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels.linear import LinearWeight, linear, linear_add, linear_mul, linear_silu, onednn_available
+from kvpilot.kernels.linear import make_linear, onednn_available
 
 
 def test_onednn_is_available_here():
@@ -20,20 +20,29 @@ def test_projections_match_torch(use_onednn, dtype, tol, rows):
     w = (torch.randn(48, 40, generator=gen) * 0.1).to(dtype)
     x = torch.randn(rows, 40, generator=gen).to(dtype)
     other = torch.randn(rows, 48, generator=gen).to(dtype)
-    lw = LinearWeight.create(w, use_onednn=use_onednn)
-    assert (lw.packed is not None) == use_onednn and (lw.dense is None) == use_onednn
+    lw = make_linear(w, use_onednn=use_onednn)
+    assert lw.packed == use_onednn and [n for n, _ in lw.named_buffers()] == ["weight"]
     ref = (x.float() @ w.float().T)
 
     def close(got, want):
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
-    close(linear(x, lw), ref)
-    close(linear_silu(x, lw), F.silu(ref))
-    close(linear_mul(x, lw, other), ref * other.float())
-    close(linear_add(x, lw, other), ref + other.float())
+    close(lw(x), ref)
+    close(lw.silu(x), F.silu(ref))
+    close(lw.mul(x, other), ref * other.float())
+    close(lw.add(x, other), ref + other.float())
 
 
 def test_default_choice_follows_device_and_dtype():
-    assert LinearWeight.create(torch.randn(4, 4)).packed is not None
-    assert LinearWeight.create(torch.randn(4, 4, dtype=torch.float64)).dense is not None  # oneDNN: fp32/bf16 only
+    assert make_linear(torch.randn(4, 4)).packed
+    assert not make_linear(torch.randn(4, 4, dtype=torch.float64)).packed  # oneDNN: fp32/bf16 only
+
+
+def test_weights_are_buffers_and_missing_features_fail_loudly():
+    lin = make_linear(torch.randn(8, 4, dtype=torch.float64))
+    assert torch.equal(lin.state_dict()["weight"], lin.weight) and lin.to(torch.float32).weight.dtype == torch.float32
+    with pytest.raises(NotImplementedError, match="int4"):
+        make_linear(torch.randn(4, 4), quantization="int4")
+    with pytest.raises(NotImplementedError, match="sharded"):
+        make_linear(torch.randn(4, 4), shard=(0, 3))

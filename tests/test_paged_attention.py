@@ -104,3 +104,29 @@ def test_cpp_decode_reads_a_bfloat16_cache(head_dim):
     for i, n in enumerate(lens):
         ref = naive(q[i:i + 1].bfloat16().float(), ks[i].float(), vs[i].float(), head_dim ** -0.5, n - 1)
         torch.testing.assert_close(out[i:i + 1].float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_dispatch_table_ops_agree_on_a_mixed_step():
+    """The CPU table (C++ decode kernel) and the reference table give the same attention for a step
+    with a prefill over a cached prefix and several decodes, through the one op name layers call."""
+    from kvpilot.kernels.ops import REFERENCE, ops_for
+
+    cpu = ops_for(torch.device("cpu"))
+    assert cpu.name == "cpu-c++" and REFERENCE.name == "reference"
+    gen = torch.Generator().manual_seed(11)
+    heads, kvh, d, bs = 6, 2, 64, 16
+    lens = [40, 7, 23, 64]  # sequence 0 prefills its last 9 tokens; the others decode one each
+    ks = [torch.randn(n, kvh, d, generator=gen) for n in lens]
+    vs = [torch.randn(n, kvh, d, generator=gen) for n in lens]
+    kc, vc, tables = paged(ks, vs, bs, 40, gen)
+    new = [9, 1, 1, 1]
+    slots = torch.tensor([tables[i][p // bs] * bs + p % bs for i, n in enumerate(lens) for p in range(n - new[i], n)])
+    k = torch.cat([ks[i][n - new[i]:] for i, n in enumerate(lens)])
+    v = torch.cat([vs[i][n - new[i]:] for i, n in enumerate(lens)])
+    q = torch.randn(len(k), heads, d, generator=gen)
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    meta = AttentionMetadata(slots, [9], [40], [bt[0]], bt[1:], torch.tensor(lens[1:]))
+    outs = [ops.paged_attention(q, k, v, kc.clone(), vc.clone(), meta, d ** -0.5) for ops in (cpu, REFERENCE)]
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[0][:9], naive(q[:9], ks[0], vs[0], d ** -0.5, 31), atol=1e-5, rtol=1e-5)

@@ -4,13 +4,21 @@ import pytest
 import torch
 
 from kvpilot.kernels import cpu_extension
+from kvpilot.kernels.ops import REFERENCE, ops_for
 from kvpilot.server.layers.rotary import RotaryEmbedding
+
+CPU = ops_for(torch.device("cpu"))
+
+
+def rotate_(rope: RotaryEmbedding, qkv, positions, heads, kv_heads, store=None, ops=CPU) -> bool:
+    return ops.rotary_qkv_(qkv, rope.rope(positions, qkv.dtype), heads, kv_heads, rope.head_dim, store)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # float32: the C++ pass; others: the torch path
 @pytest.mark.parametrize("heads,kv_heads,d,tokens", [(9, 3, 64, 1), (9, 3, 64, 37), (4, 4, 32, 5)])
 def test_rotary_on_fused_qkv_matches_torch_formula(dtype, heads, kv_heads, d, tokens):
     cpu_extension.require()  # fails loudly if the kernel cannot be built: the engine would silently fall back
+    assert CPU.name == "cpu-c++"
     rope = RotaryEmbedding(d, 2048, 10000.0)
     gen = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen, dtype=dtype)
@@ -20,15 +28,18 @@ def test_rotary_on_fused_qkv_matches_torch_formula(dtype, heads, kv_heads, d, to
         cols = slice(first * d, (first + n) * d)
         want[:, cols] = rope(positions, qkv[:, cols].reshape(tokens, n, d)).reshape(tokens, n * d)
     got = qkv.clone()
-    assert not rope.rotate_qkv_(got, positions, heads, kv_heads)  # nothing to store
+    assert not rotate_(rope, got, positions, heads, kv_heads)  # nothing to store
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    ref = qkv.clone()
+    assert not rotate_(rope, ref, positions, heads, kv_heads, ops=REFERENCE)
+    torch.testing.assert_close(ref, want, atol=1e-6, rtol=1e-5)
     assert torch.equal(got[:, (heads + kv_heads) * d:], qkv[:, (heads + kv_heads) * d:])  # V untouched
 
 
 def test_cpp_rotary_rejects_out_of_range_positions():
     rope = RotaryEmbedding(16, 8, 10000.0)
     with pytest.raises(RuntimeError, match="position out of range"):
-        rope.rotate_qkv_(torch.zeros(1, 48), torch.tensor([8]), 1, 1)
+        rotate_(rope, torch.zeros(1, 48), torch.tensor([8]), 1, 1)
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 37])
@@ -43,15 +54,15 @@ def test_rotary_and_cache_store_in_one_pass_equals_rotate_then_write(tokens):
     slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
     caches = [torch.randn(blocks, block_size, kv_heads, d, generator=gen) for _ in range(2)]
     want_qkv, want_k, want_v = qkv.clone(), caches[0].clone(), caches[1].clone()
-    rope.rotate_qkv_(want_qkv, positions, heads, kv_heads)
+    rotate_(rope, want_qkv, positions, heads, kv_heads)
     _, k, v = want_qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     write_kv(want_k, want_v, k.reshape(tokens, kv_heads, d), v.reshape(tokens, kv_heads, d), slots)
     got_qkv, got_k, got_v = qkv.clone(), caches[0].clone(), caches[1].clone()
-    assert rope.rotate_qkv_(got_qkv, positions, heads, kv_heads, (got_k, got_v, slots))
+    assert rotate_(rope, got_qkv, positions, heads, kv_heads, (got_k, got_v, slots))
     assert torch.equal(got_qkv, want_qkv) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        rope.rotate_qkv_(qkv.clone(), positions, heads, kv_heads, (got_k, got_v, slots + blocks * block_size))
-    assert not rope.rotate_qkv_(qkv.clone(), positions, heads, kv_heads, (got_k.bfloat16(), got_v.bfloat16(), slots))  # bf16 cache: caller writes
+        rotate_(rope, qkv.clone(), positions, heads, kv_heads, (got_k, got_v, slots + blocks * block_size))
+    assert not rotate_(rope, qkv.clone(), positions, heads, kv_heads, (got_k.bfloat16(), got_v.bfloat16(), slots))  # bf16 cache: caller writes
 
 
 @pytest.mark.parametrize("rows,width", [(1, 576), (16, 576), (300, 576), (5, 37)])
@@ -62,4 +73,5 @@ def test_cpp_rms_norm_matches_the_formula(rows, width):
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, width, generator=gen) * 3, torch.randn(width, generator=gen)
     want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-    torch.testing.assert_close(RMSNorm(w, 1e-5)(x), want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(RMSNorm(w, 1e-5, CPU)(x), want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(RMSNorm(w, 1e-5, REFERENCE)(x), want, atol=1e-6, rtol=1e-5)

@@ -1,15 +1,15 @@
 import torch
 from torch import nn
 
-from kvpilot.kernels.linear import LinearWeight, linear_add, linear_mul, linear_silu
+from kvpilot.kernels.linear import Linear
 
 
 class SwiGLU(nn.Module):
     """residual + down(silu(gate(x)) * up(x)); the SiLU, the product and the add ride on the matmuls."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+    def __init__(self, gate: Linear, up: Linear, down: Linear):
         super().__init__()
-        self.gate, self.up, self.down = LinearWeight.create(gate), LinearWeight.create(up), LinearWeight.create(down)
+        self.gate, self.up, self.down = gate, up, down
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return linear_add(linear_mul(x, self.up, linear_silu(x, self.gate)), self.down, residual)
+        return self.down.add(self.up.mul(x, self.gate.silu(x)), residual)

@@ -1,0 +1,107 @@
+"""The kernel dispatch layer: every op the model calls, each with a torch reference and per-device
+implementations, chosen here and nowhere else.
+
+`ops_for(device)` resolves the table once, when the model is built; layers keep the `Ops` they were
+given and call its fields by name (they never look at the device or load an extension themselves).
+CPU: the C++ kernels of kernels/csrc (each falls back to the reference for dtypes it does not
+cover); anything else: the torch references (CUDA's Triton kernels are the GPU issue's to register).
+Projections are made by `kernels.linear.make_linear`, which picks their weight format the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property, partial
+
+import torch
+import torch.nn.functional as F
+
+from kvpilot.kernels import cpu_extension
+from kvpilot.kernels.paged_attention import decode_attention_grouped, paged_attention
+
+
+class Rope:
+    """RoPE of one forward pass, made once and passed to every layer: the positions, the model's whole
+    cos/sin tables [max_position, d/2] (what the C++ pass reads) and, gathered on first use and then
+    shared by all layers, the rows for these positions [T, 1, d/2] in the compute dtype (what the
+    reference reads)."""
+
+    def __init__(self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, dtype: torch.dtype):
+        self.positions, self.cos_table, self.sin_table, self.dtype = positions, cos_table, sin_table, dtype
+
+    @cached_property
+    def cos(self) -> torch.Tensor:
+        return self.cos_table[self.positions][:, None, :].to(self.dtype)
+
+    @cached_property
+    def sin(self) -> torch.Tensor:
+        return self.sin_table[self.positions][:, None, :].to(self.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d] rotated, half-split layout (pairs (i, i + d/2))."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+# --- torch references -----------------------------------------------------------------------------
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight, computed in float32 (as transformers does) and cast back."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # bit-identical to the formula below
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotary_qkv_ref_(qkv: torch.Tensor, rope: Rope, num_heads: int, num_kv_heads: int, head_dim: int,
+                    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
+    """Rotate, in place, the query and key heads of a fused QKV output [T, (heads + 2 kv_heads) * d].
+    Returns whether the K/V rows were also stored in the cache (never here: the caller writes them)."""
+    rot = num_heads + num_kv_heads
+    x = qkv[:, :rot * head_dim].view(qkv.shape[0], rot, head_dim)
+    x.copy_(apply_rope(x, rope.cos, rope.sin))
+    return False
+
+
+# --- CPU: the C++ kernels -------------------------------------------------------------------------
+
+def _cpu_ops(ext) -> Ops:
+    def rms_norm(x, weight, eps):
+        if x.dtype == torch.float32:  # one C++ pass instead of ~7 small ops
+            return ext.rms_norm(x, weight, eps)
+        return rms_norm_ref(x, weight, eps)
+
+    def rotary_qkv_(qkv, rope, num_heads, num_kv_heads, head_dim, store=None):
+        if qkv.dtype != torch.float32:
+            return rotary_qkv_ref_(qkv, rope, num_heads, num_kv_heads, head_dim, store)
+        if store is not None and store[0].dtype == torch.float32:  # rotate and write K/V to the cache in one pass
+            ext.rotary_store_kv(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads, num_kv_heads, head_dim, *store)
+            return True
+        ext.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads + num_kv_heads, head_dim)
+        return False
+
+    return Ops("cpu-c++", rms_norm, rotary_qkv_, partial(paged_attention, decode=ext.paged_decode_attention))
+
+
+@dataclass(frozen=True, slots=True)
+class Ops:
+    name: str
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rotary_qkv_: Callable[..., bool]          # (qkv, rope, heads, kv_heads, head_dim, store=(k_cache, v_cache, slots)) -> stored?
+    paged_attention: Callable[..., torch.Tensor]  # (q, k, v, k_cache, v_cache, meta, scale, kv_stored=False)
+
+
+REFERENCE = Ops("reference", rms_norm_ref, rotary_qkv_ref_, partial(paged_attention, decode=decode_attention_grouped))
+
+
+def ops_for(device: torch.device) -> Ops:
+    if device.type == "cpu":
+        ext = cpu_extension.load()  # None (logged) when it cannot be built: the references serve
+        if ext is not None:
+            return _cpu_ops(ext)
+    return REFERENCE
+
