@@ -58,6 +58,8 @@ class SamplingTensors:
     min_p: torch.Tensor            # [S]
     random_rows: list[int]         # rows that draw at random (the rest are greedy)
     generators: list[torch.Generator | None]  # per random row: its request's generator (seeded) or None
+    use_top_k_p: bool              # some random row filters by top-k or top-p (the one sort of a step)
+    use_min_p: bool                # some random row filters by min-p
     penalties: Penalties | None
     banned_rows: torch.Tensor      # [N] long: (row, token) pairs that min_tokens bans this step
     banned_tokens: torch.Tensor    # [N] long
@@ -67,6 +69,8 @@ class SamplingTensors:
     def build(cls, seqs: list[Sequence], eos_token_id: int | None, dtype: torch.dtype, device: torch.device) -> SamplingTensors:
         params = [s.params for s in seqs]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        use_top_k_p = any(params[i].top_k > 0 or params[i].top_p < 1 for i in random_rows)
+        use_min_p = any(params[i].min_p > 0 for i in random_rows)
         pen = [i for i, p in enumerate(params) if p.has_penalties]
         penalties = None
         if pen:
@@ -85,7 +89,8 @@ class SamplingTensors:
                 banned_tokens += banned
         return cls(upload([1.0 if p.greedy else p.temperature for p in params], dtype, device).unsqueeze(1),
                    upload([p.top_k for p in params], torch.long, device), upload([p.top_p for p in params], dtype, device),
-                   upload([p.min_p for p in params], dtype, device), random_rows, [seqs[i].generator for i in random_rows], penalties,
+                   upload([p.min_p for p in params], dtype, device), random_rows, [seqs[i].generator for i in random_rows],
+                   use_top_k_p, use_min_p, penalties,
                    upload(banned_rows, torch.long, device), upload(banned_tokens, torch.long, device), [p.logprobs for p in params])
 
 

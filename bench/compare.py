@@ -1,0 +1,113 @@
+"""This checkout's engine against an earlier commit's, interleaved, on this machine (speed-regression check).
+
+    .venv/bin/python bench/compare.py --baseline REV [--rounds 2] [--repeats 3] [--force]
+
+The baseline is exported from git into the cache and imported as `kvpilot` through a PYTHONPATH
+overlay (each run prints which tree it loaded). Offline: each side runs its own bench/offline.py
+(--skip-hf) in a fresh process, alternating sides and starting sides in turn, `--rounds` times.
+Serving: both servers run side by side; at 16 clients each repetition sends the same fresh prompts
+to both, in a rotating order (bench/serve.py's client). Reported: each side's figures and new/old.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import machine, refuse_if_busy, table  # noqa: E402
+from serve import combine, level, wait_ready, workload  # noqa: E402
+
+from kvpilot.server.cache import cache_root  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def export_baseline(rev: str) -> tuple[str, Path, Path]:
+    """(commit, its tree, a PYTHONPATH entry whose kvpilot/ namespace holds that tree's folders)."""
+    commit = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    tree = cache_root() / "bench" / f"baseline-{commit[:12]}"
+    if not (tree / "server").is_dir():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    overlay = tree.parent / f"overlay-{commit[:12]}"
+    (overlay / "kvpilot").mkdir(parents=True, exist_ok=True)
+    for folder in ("server", "kernels", "operator"):
+        link = overlay / "kvpilot" / folder
+        if not link.exists():
+            link.symlink_to(tree / folder)
+    return commit, tree, overlay
+
+
+def offline_once(script: Path, env: dict) -> tuple[float, float]:
+    out = subprocess.run([sys.executable, str(script), "--skip-hf", "--force"], capture_output=True, text=True, env=env, check=True).stdout
+    row = next(line for line in out.splitlines() if line.startswith("| kvpilot"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    return float(cells[1]), float(re.match(r"[\d.]+", cells[5]).group())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", required=True, help="git revision to compare against")
+    ap.add_argument("--rounds", type=int, default=2, help="offline runs per side")
+    ap.add_argument("--repeats", type=int, default=3, help="serving repetitions at 16 clients")
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+    refuse_if_busy(force=args.force)
+    commit, tree, overlay = export_baseline(args.baseline)
+    old_env = {**os.environ, "PYTHONPATH": str(overlay)}
+    new_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for name, env in (("baseline", old_env), ("this checkout", new_env)):
+        where = subprocess.run([sys.executable, "-c", "import kvpilot.server.engine.llm_engine as m; print(m.__file__)"],
+                               capture_output=True, text=True, env=env, check=True).stdout.strip()
+        print(f"{name}: kvpilot from {where}", file=sys.stderr)
+    sides = {"old": (tree / "bench" / "offline.py", old_env), "new": (ROOT / "bench" / "offline.py", new_env)}
+    offline: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
+    for r in range(args.rounds):
+        for side in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
+            offline[side].append(offline_once(*sides[side]))
+            print(f"offline round {r} {side}: {offline[side][-1]}", file=sys.stderr, flush=True)
+
+    kv = ["serve", "--host", "127.0.0.1", "--num-threads", "2", "--max-num-seqs", "16", "--max-waiting-requests", "1000"]
+    servers = {"old": ([sys.executable, "-m", "kvpilot.server.cli", *kv, "--port", "18190"], "http://127.0.0.1:18190", old_env),
+               "new": ([sys.executable, "-m", "kvpilot.server.cli", *kv, "--port", "18191"], "http://127.0.0.1:18191", new_env)}
+    procs, runs = {}, {"old": [], "new": []}
+    try:
+        for side, (cmd, url, env) in servers.items():
+            procs[side] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+            wait_ready(url, "/ready", procs[side])
+            asyncio.run(level(url, "smollm2-135m", workload(2, 99), 2))  # warm-up
+        for rep in range(args.repeats):
+            reqs = workload(32, seed=16000 + rep)
+            for side in (["old", "new"] if rep % 2 == 0 else ["new", "old"]):
+                runs[side].append(asyncio.run(level(servers[side][1], "smollm2-135m", reqs, 16)))
+                print(f"serve rep {rep} {side}: {runs[side][-1]['tok/s']:.1f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        for p in procs.values():
+            p.terminate()
+            p.wait(30)
+    serve = {side: combine(r) for side, r in runs.items()}
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    rows = []
+    for side, label in (("old", f"baseline {commit[:9]}"), ("new", "this checkout")):
+        rows.append({"engine": label, "offline tok/s": f"{mean([t for t, _ in offline[side]]):.1f}",
+                     "single-stream tok/s": f"{mean([s for _, s in offline[side]]):.1f}",
+                     "serve 16 clients tok/s": f"{serve[side]['tok/s']:.1f}", "errors": serve[side]["errors"]})
+    rows.append({"engine": "new / old", "offline tok/s": f"{mean([t for t, _ in offline['new']]) / mean([t for t, _ in offline['old']]):.3f}x",
+                 "single-stream tok/s": f"{mean([s for _, s in offline['new']]) / mean([s for _, s in offline['old']]):.3f}x",
+                 "serve 16 clients tok/s": f"{serve['new']['tok/s'] / serve['old']['tok/s']:.3f}x"})
+    print(f"machine: {machine()}")
+    print(f"offline runs per side: {args.rounds} (each: {[f'{t:.1f}' for t, _ in offline['old']]} old, {[f'{t:.1f}' for t, _ in offline['new']]} new)")
+    print(table(rows, ["engine", "offline tok/s", "single-stream tok/s", "serve 16 clients tok/s", "errors"]))
+
+
+if __name__ == "__main__":
+    main()
