@@ -209,3 +209,31 @@ def test_batched_processing_equals_row_by_row():
         assert torch.equal(together[0][i], alone[0][0])
         if i in random_rows:
             assert torch.equal(together[1][random_rows.index(i)], alone[1][0])
+
+
+def test_several_tokens_appended_at_once_stop_at_the_first_stop(llm):
+    """What speculative decoding will do: a run of tokens appended in one step ends the sequence at the
+    first token that stops it (a stop token id here, max_tokens next), and nothing after it is kept."""
+    from kvpilot.server.engine.output_processor import OutputProcessor, Request
+    from kvpilot.server.engine.scheduler import Scheduler
+
+    engine = llm.engine
+    tok = llm.get_tokenizer()
+    ids = tok.encode("one two three four five six")
+    out = OutputProcessor(Scheduler(engine.block_manager, 4, 64), tok.eos_token_id, 512)
+
+    def run(params, tokens):
+        s = Sequence(0, "r", 0, [1, 2], params)
+        s.detokenizer = engine._detokenizer(tok, True)
+        out.requests["r"] = Request("r", None, [1, 2], [s])
+        out.scheduler.add(s)
+        out.append(s, tokens, None, 0.0)
+        return out.request_output("r").outputs[0]
+
+    stopped = run(SamplingParams(max_tokens=10, stop_token_ids=[ids[2]]), ids)
+    assert stopped.token_ids == ids[:3] and stopped.finish_reason == "stop" and stopped.stop_reason == ids[2]
+    assert stopped.text == tok.decode(ids[:3])
+    capped = run(SamplingParams(max_tokens=2), ids)
+    assert capped.token_ids == ids[:2] and capped.finish_reason == "length"
+    whole = run(SamplingParams(max_tokens=10, stop=[" four"]), ids)
+    assert whole.finish_reason == "stop" and whole.text == "one two three" and len(whole.token_ids) <= 4
