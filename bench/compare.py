@@ -6,7 +6,8 @@ The baseline is exported from git into the cache and imported as `kvpilot` throu
 overlay (each run prints which tree it loaded). Offline: each side runs its own bench/offline.py
 (--skip-hf) in a fresh process, alternating sides and starting sides in turn, `--rounds` times.
 Serving: both servers run side by side; at 16 clients each repetition sends the same fresh prompts
-to both, in a rotating order (bench/serve.py's client). Reported: each side's figures and new/old.
+to both, in a rotating order (bench/serve.py's client). Reported: each side's figures (offline: the
+median over rounds; serving: all repetitions' tokens over their wall time) and new/old.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +59,7 @@ def offline_once(script: Path, env: dict) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", required=True, help="git revision to compare against")
-    ap.add_argument("--rounds", type=int, default=2, help="offline runs per side")
+    ap.add_argument("--rounds", type=int, default=3, help="offline runs per side")
     ap.add_argument("--repeats", type=int, default=3, help="serving repetitions at 16 clients")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
@@ -95,17 +97,20 @@ def main() -> None:
             p.terminate()
             p.wait(30)
     serve = {side: combine(r) for side, r in runs.items()}
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    # Medians: on a shared VM a single run can lose half its speed to a neighbour (seen: 121 then 70
+    # tok/s for the same code within minutes); the median of rounds is what one side typically does.
+    middle = statistics.median
     rows = []
     for side, label in (("old", f"baseline {commit[:9]}"), ("new", "this checkout")):
-        rows.append({"engine": label, "offline tok/s": f"{mean([t for t, _ in offline[side]]):.1f}",
-                     "single-stream tok/s": f"{mean([s for _, s in offline[side]]):.1f}",
+        rows.append({"engine": label, "offline tok/s": f"{middle([t for t, _ in offline[side]]):.1f}",
+                     "single-stream tok/s": f"{middle([s for _, s in offline[side]]):.1f}",
                      "serve 16 clients tok/s": f"{serve[side]['tok/s']:.1f}", "errors": serve[side]["errors"]})
-    rows.append({"engine": "new / old", "offline tok/s": f"{mean([t for t, _ in offline['new']]) / mean([t for t, _ in offline['old']]):.3f}x",
-                 "single-stream tok/s": f"{mean([s for _, s in offline['new']]) / mean([s for _, s in offline['old']]):.3f}x",
+    rows.append({"engine": "new / old", "offline tok/s": f"{middle([t for t, _ in offline['new']]) / middle([t for t, _ in offline['old']]):.3f}x",
+                 "single-stream tok/s": f"{middle([s for _, s in offline['new']]) / middle([s for _, s in offline['old']]):.3f}x",
                  "serve 16 clients tok/s": f"{serve['new']['tok/s'] / serve['old']['tok/s']:.3f}x"})
     print(f"machine: {machine()}")
-    print(f"offline runs per side: {args.rounds} (each: {[f'{t:.1f}' for t, _ in offline['old']]} old, {[f'{t:.1f}' for t, _ in offline['new']]} new)")
+    for side in ("old", "new"):
+        print(f"offline runs, {side}: tok/s {[f'{t:.1f}' for t, _ in offline[side]]}, single stream {[f'{x:.1f}' for _, x in offline[side]]}")
     print(table(rows, ["engine", "offline tok/s", "single-stream tok/s", "serve 16 clients tok/s", "errors"]))
 
 
