@@ -10,7 +10,7 @@ sampled or prompt-logprob row belongs to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -117,6 +117,11 @@ class ModelInput:
     context_lens: list[int]
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
     sampling: SamplingTensors | None = None
+
+    def for_worker(self) -> ModelInput:
+        """What a rank other than 0 needs: everything but sampling (rank 0 samples; the generators
+        of seeded requests stay there)."""
+        return replace(self, sampling=None)
 
 
 @dataclass(slots=True)
