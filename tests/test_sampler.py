@@ -93,7 +93,7 @@ def test_logprobs_top_n():
     r = sample(logits, [seq([0], temperature=0, logprobs=2)])
     ref = torch.log_softmax(logits[0], -1)
     assert r.logprobs[0] == pytest.approx({2: float(ref[2]), 1: float(ref[1])})
-    assert r.sampled_logprobs[0] == pytest.approx(float(ref[2]))
+    assert r.logprobs[0][r.token_ids[0]] == pytest.approx(float(ref[2])) and r.token_ids[0] == 2
 
 
 @pytest.mark.parametrize("kwargs,field", [

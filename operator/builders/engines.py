@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvpilot.operator.crd_types import InferenceServiceSpec
 from kvpilot.server.config import EngineConfig
-from kvpilot.server.model_source import parse_model_source
+from kvpilot.server.model_source import ModelSource, parse_model_source
 
 PORT = 8000
 MODEL_DIR = "/models"
@@ -28,12 +28,19 @@ class EngineContainer:
     env: list[dict] = field(default_factory=list)
 
 
+def downloaded_file(spec: InferenceServiceSpec) -> ModelSource | None:
+    """The source that an init container downloads before the engine starts: an https:// file, or an
+    hf:// file for the kvpilot engine (vLLM and SGLang fetch hub repos themselves); None otherwise."""
+    src = parse_model_source(spec.model.source)
+    return src if src.is_single_file and (src.kind == "https" or spec.engine == "kvpilot") else None
+
+
 def model_argument(spec: InferenceServiceSpec) -> str:
     """What the engine is told to load: a bundled name, a path under /models, or a hub repo."""
     src = parse_model_source(spec.model.source)
     if src.kind == "pvc":
         return f"{MODEL_DIR}/pvc/{src.path}"
-    if src.is_single_file and (src.kind == "https" or spec.engine == "kvpilot"):  # downloaded first by the init container
+    if downloaded_file(spec) is not None:
         return f"{MODEL_DIR}/download/{src.filename}"
     return src.name  # a bundled name, or the hub repo org/repo that vLLM/SGLang fetch themselves
 

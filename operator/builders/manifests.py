@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.operator.builders.engines import DEFAULT_IMAGES, MODEL_DIR, PORT, SHUTDOWN_GRACE_SECONDS, engine_container
+from kvpilot.operator.builders.engines import DEFAULT_IMAGES, MODEL_DIR, PORT, SHUTDOWN_GRACE_SECONDS, downloaded_file, engine_container
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, VERSION, InferenceServiceSpec
 from kvpilot.server.model_source import parse_model_source
 
@@ -49,10 +49,10 @@ def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], 
     if src.kind == "pvc":
         return ([{"name": "model", "persistentVolumeClaim": {"claimName": src.name, "readOnly": True}}],
                 [{"name": "model", "mountPath": f"{MODEL_DIR}/pvc", "readOnly": True}], [])
-    if src.is_single_file and (src.kind == "https" or spec.engine == "kvpilot"):
+    if downloaded_file(spec) is not None:
         mount = {"name": "model", "mountPath": f"{MODEL_DIR}/download"}
         # The kvpilot engine image downloads it: arguments as a list (no shell), as the same non-root user.
-        init = {"name": "download-model", "image": DEFAULT_IMAGES["kvpilot"] if spec.engine != "kvpilot" else (spec.image or DEFAULT_IMAGES["kvpilot"]),
+        init = {"name": "download-model", "image": spec.image if spec.engine == "kvpilot" and spec.image else DEFAULT_IMAGES["kvpilot"],
                 "command": ["kvpilot", "fetch-model"],
                 "args": [src.raw, f"{MODEL_DIR}/download/{src.filename}", "--timeout", str(DOWNLOAD_TIMEOUT_SECONDS)],
                 "env": [*CACHE_ENV, *_hf_token_env(spec)],

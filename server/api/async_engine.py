@@ -46,7 +46,6 @@ class ServerShutdownError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    params: SamplingParams
 
 
 @dataclass
@@ -131,7 +130,7 @@ class AsyncEngine:
             self._pending += units
         loop = asyncio.get_running_loop()
         for request_id, ids, params in jobs:
-            self._streams[request_id] = _Stream(loop, asyncio.Queue(), params)
+            self._streams[request_id] = _Stream(loop, asyncio.Queue())
             self._commands.put(("add", request_id, ids, params))
         self._wake.set()
 

@@ -39,7 +39,7 @@ def sse_error(status: int, message: str, param: str | None = None) -> str:
 
 def status_of(error: BaseException) -> int:
     """The HTTP status that an exception raised while serving a request stands for."""
-    from kvpilot.server.api.async_engine import EngineDeadError, QueueFullError, RequestFailedError, ServerShutdownError
+    from kvpilot.server.api.async_engine import EngineDeadError, QueueFullError, ServerShutdownError
 
     if isinstance(error, APIError):
         return error.status
@@ -49,9 +49,7 @@ def status_of(error: BaseException) -> int:
         return 503
     if isinstance(error, ValueError):
         return 400
-    if isinstance(error, RequestFailedError):
-        return 500
-    return 500
+    return 500  # RequestFailedError and anything unforeseen: the server's failure
 
 
 def param_of(error: ValueError) -> str | None:

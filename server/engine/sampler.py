@@ -24,7 +24,6 @@ NEG_INF = float("-inf")
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]   # per sequence: {token id: logprob} (sampled + top-n)
-    sampled_logprobs: list[float]
     errors: dict[int, str] = field(default_factory=dict)  # row -> why no token could be sampled for it
 
 
@@ -101,8 +100,7 @@ class Sampler:
         self.default_generator = default_generator  # for random rows of unseeded requests
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SampleResult:
-        want_logprobs = [n is not None for n in t.top_logprobs]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in t.top_logprobs) else None
         penalised, filtered = processed_logits(logits, t)
         # One pass gives the greedy tokens and, from the row maxima, the rows with nothing to sample
         # (every token banned: max -inf; a model that produced NaN/inf: max NaN/inf): such a request
@@ -136,7 +134,6 @@ class Sampler:
         errors = {i: "no token can be sampled: every token is excluded by the request's parameters, or the model produced non-finite scores"
                   for i, bad in enumerate(host[b:2 * b]) if bad}
         logprobs: list[dict[int, float] | None] = [None] * b
-        sampled = [0.0] * b
         if raw_logprobs is not None:
             chosen = host[2 * b:3 * b]
             values, indices = host[3 * b:3 * b + b * top_n], host[3 * b + b * top_n:]
@@ -147,5 +144,4 @@ class Sampler:
                 for j in range(n):
                     entry.setdefault(int(indices[row * top_n + j]), values[row * top_n + j])
                 logprobs[row] = entry
-                sampled[row] = chosen[row]
-        return SampleResult(token_ids, logprobs, sampled, errors)
+        return SampleResult(token_ids, logprobs, errors)
