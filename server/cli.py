@@ -1,4 +1,5 @@
-"""`kvpilot` command line: `generate` (offline, one prompt) and `serve` (the HTTP server).
+"""`kvpilot` command line: `generate` (offline, one prompt), `serve` (the HTTP server), `fetch-model`
+and `make-draft` (a layer-truncated copy of a GGUF, a draft model for speculative decoding).
 
 Engine flags come from EngineConfig (one flag per field), so they mean the same everywhere.
 """
@@ -56,6 +57,15 @@ def _fetch_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _make_draft(ns: argparse.Namespace) -> int:
+    from kvpilot.server.gguf_loader import write_truncated
+    from kvpilot.server.model_files import resolve_model_path
+
+    path = write_truncated(resolve_model_path(ns.model), ns.dest, ns.layers)
+    print(f"wrote {path} ({ns.layers} layers of {ns.model})", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("dest", help="the file to write (written as DEST.part, then renamed)")
     fetch.add_argument("--timeout", type=float, default=1800, help="seconds for the whole download (default: 1800)")
     fetch.set_defaults(func=_fetch_model)
+    draft = sub.add_parser("make-draft", help="write a draft model for speculative decoding: the first LAYERS blocks of a GGUF")
+    draft.add_argument("model", help="bundled model name or GGUF path")
+    draft.add_argument("dest", help="the GGUF file to write")
+    draft.add_argument("--layers", type=int, required=True, help="decoder blocks to keep")
+    draft.set_defaults(func=_make_draft)
     return parser
 
 

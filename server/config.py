@@ -45,6 +45,16 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores).")
     tensor_parallel_size: int = Field(1, ge=1, description="Ranks the model is split over (only 1 until tensor parallelism exists).")
+    speculative_method: Literal["ngram", "draft"] | None = Field(
+        None, description="Speculative decoding: ngram (prompt lookup) or draft (a small model given by --speculative-model); off when unset.")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per sequence and step.")
+    speculative_model: str | None = Field(None, description="Draft model (bundled name or GGUF path) sharing the target's tokenizer; method draft only.")
+    prompt_lookup_max: int = Field(4, ge=1, le=32, description="ngram: longest suffix of the sequence looked up in its earlier tokens.")
+    prompt_lookup_min: int = Field(2, ge=1, le=32, description="ngram: shortest suffix looked up.")
+    speculative_disable_batch_size: int = Field(
+        4, ge=0, description="Steps with more running sequences than this do not speculate (0: never switched off by batch size).")
+    speculative_min_acceptance: float = Field(
+        0.2, ge=0, le=1, description="A sequence whose recent draft tokens are accepted less often than this pauses speculation for 16 steps (0: never).")
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
@@ -62,6 +72,17 @@ class EngineConfig(BaseModel):
     def _budget_fits(self) -> EngineConfig:
         if self.max_model_len is not None and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens must be >= max_model_len when chunked prefill is off")
+        return self
+
+    @model_validator(mode="after")
+    def _speculation_consistent(self) -> EngineConfig:
+        # Refused, never ignored: a draft model without method draft (or the reverse) is a mistake.
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise ValueError("speculative_method=draft needs speculative_model (a GGUF sharing the model's tokenizer)")
+        if self.speculative_model and self.speculative_method != "draft":
+            raise ValueError("speculative_model is only used with speculative_method=draft")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
         return self
 
     def to_cli_args(self, include_defaults: bool = False) -> list[str]:

@@ -141,3 +141,34 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     rows = w.shape[0]
     head_dim = rows // n_heads
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def write_truncated(src: str | Path, dest: str | Path, num_layers: int) -> Path:
+    """A copy of a llama GGUF keeping only its first num_layers decoder blocks (tensors byte for byte,
+    metadata as is but the block count): a draft model for speculative decoding that shares the
+    tokenizer by construction."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    reader = GGUFFile(src)._reader
+    arch = _field_value(reader.fields["general.architecture"])
+    total = _field_value(reader.fields[f"{arch}.block_count"])
+    if not 1 <= num_layers <= total:
+        raise GGUFError(f"num_layers must be in [1, {total}], got {num_layers}")
+    writer = GGUFWriter(str(dest), arch)
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = num_layers if name == f"{arch}.block_count" else _field_value(f)
+        if f.types[0] == GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, GGUFValueType.ARRAY, sub_type=f.types[-1])
+        else:
+            writer.add_key_value(name, value, f.types[0])
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= num_layers:
+            continue
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dest)

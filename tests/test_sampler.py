@@ -71,7 +71,7 @@ def test_min_tokens_masks_eos_and_stop_ids():
 
 def test_greedy_and_temperature_zero():
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
-    assert sample(logits, [seq([0], temperature=0), seq([0], temperature=0)]).token_ids == [1, 0]
+    assert sample(logits, [seq([0], temperature=0), seq([0], temperature=0)]).token_ids == [[1], [0]]
 
 
 def test_seeded_sampling_reproducible_and_follows_distribution():
@@ -80,7 +80,7 @@ def test_seeded_sampling_reproducible_and_follows_distribution():
     def draw(seed, n=400):
         s = seq([0], temperature=1.0, seed=seed)
         s.generator = torch.Generator().manual_seed(seed)
-        return [sample(logits, [s]).token_ids[0] for _ in range(n)]
+        return [sample(logits, [s]).token_ids[0][0] for _ in range(n)]
 
     a, b, c = draw(7), draw(7), draw(8)
     assert a == b and a != c
@@ -92,8 +92,8 @@ def test_logprobs_top_n():
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
     r = sample(logits, [seq([0], temperature=0, logprobs=2)])
     ref = torch.log_softmax(logits[0], -1)
-    assert r.logprobs[0] == pytest.approx({2: float(ref[2]), 1: float(ref[1])})
-    assert r.logprobs[0][r.token_ids[0]] == pytest.approx(float(ref[2])) and r.token_ids[0] == 2
+    assert r.logprobs[0][0] == pytest.approx({2: float(ref[2]), 1: float(ref[1])})
+    assert r.logprobs[0][0][r.token_ids[0][0]] == pytest.approx(float(ref[2])) and r.token_ids[0] == [2]
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -181,7 +181,7 @@ def test_any_valid_params_sample_a_real_token(temperature, top_p, min_p, top_k, 
     logits = torch.randn(2, 32, generator=torch.Generator().manual_seed(seed)) * scale
     logits[1, 3] = NEG  # a masked entry, as min_tokens leaves it
     r = sample(logits, [seq([0], **params), seq([0], **params)], eos_token_id=3)
-    assert all(0 <= t < 32 for t in r.token_ids) and r.token_ids[1] != 3
+    assert all(0 <= t < 32 for [t] in r.token_ids) and r.token_ids[1] != [3]
 
 
 def test_seeded_request_is_identical_alone_and_inside_a_batch(llm):

@@ -133,6 +133,19 @@ class BlockManager:
             seq.block_hashes.append(h)
             parent = h
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past the first num_tokens tokens (reserved for proposed tokens that
+        were rejected: never full of computed tokens, so never in the prefix cache)."""
+        keep = self.blocks_needed(num_tokens)
+        for block_id in seq.block_table[keep:]:
+            block = self.blocks[block_id]
+            if block.ref_count != 1 or block.hash is not None:
+                raise AssertionError(f"block {block_id} trimmed while shared or cached")
+            block.ref_count = 0
+            self.free[block_id] = None
+            self.free.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+
     def free_seq(self, seq: Sequence) -> None:
         """Release seq's blocks. Tail blocks are freed first so they are evicted before the shared prefix."""
         for block_id in reversed(seq.block_table):

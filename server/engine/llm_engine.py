@@ -39,6 +39,7 @@ class LLMEngine:
         from kvpilot.server.engine.model_io import InputBuilder
         from kvpilot.server.engine.model_runner import ModelRunner
         from kvpilot.server.engine.scheduler import Scheduler
+        from kvpilot.server.engine.spec_decode import DraftModelProposer, NgramProposer
         from kvpilot.server.gguf_loader import GGUFFile
         from kvpilot.server.tokenizer import GGUFTokenizer, IncrementalDetokenizer
 
@@ -49,7 +50,8 @@ class LLMEngine:
         self.model_config = gguf.llama_config()
         self.tokenizer = GGUFTokenizer(gguf)
         self._detokenizer = IncrementalDetokenizer
-        self.runner = ModelRunner(config, gguf, show_progress=show_progress)
+        draft = _draft_gguf(config, gguf) if config.speculative_method == "draft" else None
+        self.runner = ModelRunner(config, gguf, show_progress=show_progress, draft_gguf=draft)
         capacity = self.runner.num_blocks * config.block_size
         self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position, capacity)
         if config.max_model_len and config.max_model_len > self.max_model_len:
@@ -59,6 +61,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill)
         self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_id, self.runner.device)
         self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_id, self.max_model_len)
+        self.proposer = None
+        if config.speculative_method == "ngram":
+            self.proposer = NgramProposer(config, self.max_model_len)
+        elif config.speculative_method == "draft":
+            self.proposer = DraftModelProposer(config, self.max_model_len, self.runner, self.inputs, self.tokenizer.eos_token_id)
         self.requests = self.output.requests
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -115,6 +122,8 @@ class LLMEngine:
         """One scheduled step. A failure is contained to the request that caused it: a row that cannot
         be sampled fails its request, and when the model step itself raises (out of memory, a kernel
         error) the batch is re-run one request at a time so that only the failing ones end."""
+        if self.proposer:
+            self.proposer.plan(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -134,11 +143,15 @@ class LLMEngine:
         return outputs
 
     def _run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        model_input, plan = self.inputs.build(batch)
+        draft_probs = self.proposer.propose(batch) if self.proposer else None
+        model_input, plan = self.inputs.build(batch, draft_probs)
         out = self.runner.execute(model_input)
         for (seq, first_pos), entries in zip(plan.prompt_logprobs, out.prompt_logprobs):
             self.output.record_prompt_logprobs(seq, first_pos, entries)
-        self.scheduler.update(batch)
+        # A proposal of k with a accepted adds a + 1 tokens: the K/V of the k - a rejected ones does not count.
+        verified = [(seq, len(seq.spec_token_ids), 0 if i in out.errors else len(out.token_ids[i]) - 1)
+                    for i, seq in enumerate(plan.sampled) if seq.spec_token_ids]
+        self.scheduler.update(batch, {seq.seq_id: proposed - accepted for seq, proposed, accepted in verified})
         now = time.monotonic()
         touched: dict[str, None] = {}
         failed: dict[str, str] = {}
@@ -155,6 +168,10 @@ class LLMEngine:
                 failed[seq.request_id] = f"output processing failed ({type(e).__name__}: {e})"
                 continue
             touched[seq.request_id] = None
+        if verified:
+            for seq, _, _ in verified:
+                self.scheduler.end_speculation(seq)
+            self.proposer.verified(verified)
         outputs = [self.output.request_output(rid) for rid in touched if rid not in failed]
         return outputs + [self.fail_request(rid, why) for rid, why in failed.items()]
 
@@ -166,3 +183,14 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage(), bm.num_blocks, bm.num_free_blocks,
                            bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions)
+
+
+def _draft_gguf(config: EngineConfig, target):
+    """The draft model's GGUF, refused unless it shares the target's vocabulary token for token
+    (verification compares token ids)."""
+    from kvpilot.server.gguf_loader import GGUFFile
+
+    draft = GGUFFile(resolve_model_path(config.speculative_model))
+    if draft.get("tokenizer.ggml.tokens") != target.get("tokenizer.ggml.tokens"):
+        raise ValueError(f"speculative_model {config.speculative_model!r} does not share the model's tokenizer (its vocabulary differs)")
+    return draft

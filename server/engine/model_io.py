@@ -50,7 +50,11 @@ class Penalties:
 
 @dataclass(slots=True)
 class SamplingTensors:
-    """Every sampling parameter of a step's sampled rows, as tensors (host lists only where the host acts)."""
+    """Every sampling parameter of a step's sampled rows, as tensors (host lists only where the host acts).
+
+    A sequence has one sampled row, or k + 1 when it carries k proposed tokens (speculative decoding):
+    row j is sampled as if the first j proposed tokens were already output (penalties, min_tokens),
+    and is checked against proposed token j (the last row has none: it gives the bonus token)."""
 
     temperature: torch.Tensor      # [S, 1] (1.0 on greedy rows: they take the argmax)
     top_k: torch.Tensor            # [S] long, <= 0: off
@@ -64,10 +68,19 @@ class SamplingTensors:
     banned_rows: torch.Tensor      # [N] long: (row, token) pairs that min_tokens bans this step
     banned_tokens: torch.Tensor    # [N] long
     top_logprobs: list[int | None]  # per row: None (no logprobs) or how many top entries
+    row_counts: list[int]          # per sampled sequence: its rows (1, or k + 1 with a proposal)
+    draft_token_ids: torch.Tensor | None = None  # [S] long: the proposed token each row checks (-1: none); None: no proposals
+    draft_probs: torch.Tensor | None = None      # [len(random_rows), V]: the proposer's distribution for it (None: n-gram, a certain proposal)
 
     @classmethod
-    def build(cls, seqs: list[Sequence], eos_token_id: int | None, dtype: torch.dtype, device: torch.device) -> SamplingTensors:
-        params = [s.params for s in seqs]
+    def build(cls, seqs: list[Sequence], eos_token_id: int | None, dtype: torch.dtype, device: torch.device,
+              draft_probs: dict[int, torch.Tensor] | None = None, proposing: bool = False) -> SamplingTensors:
+        """draft_probs: seq_id -> [k, V] distributions a draft model drew the proposal of a random-sampling
+        sequence from. proposing: the rows of a draft model's proposal step instead: one per sequence,
+        after its proposed tokens so far, checking nothing."""
+        rows = [(seq, j) for seq in seqs for j in ([len(seq.spec_token_ids)] if proposing else range(len(seq.spec_token_ids) + 1))]
+        params = [seq.params for seq, _ in rows]
+        history = [seq.output_token_ids + seq.spec_token_ids[:j] for seq, j in rows]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         use_top_k_p = any(params[i].top_k > 0 or params[i].top_p < 1 for i in random_rows)
         use_min_p = any(params[i].min_p > 0 for i in random_rows)
@@ -75,23 +88,31 @@ class SamplingTensors:
         penalties = None
         if pen:
             col = lambda values: upload(values, dtype, device).unsqueeze(1)  # noqa: E731
-            out_ids, out_valid = _padded([seqs[i].output_token_ids for i in pen], device)
-            prompt_ids, prompt_valid = _padded([seqs[i].prompt_token_ids for i in pen], device)
+            out_ids, out_valid = _padded([history[i] for i in pen], device)
+            prompt_ids, prompt_valid = _padded([rows[i][0].prompt_token_ids for i in pen], device)
             penalties = Penalties(upload(pen, torch.long, device), col([params[i].repetition_penalty for i in pen]),
                                   col([params[i].frequency_penalty for i in pen]), col([params[i].presence_penalty for i in pen]),
                                   out_ids, out_valid, prompt_ids, prompt_valid)
         banned_rows, banned_tokens = [], []
-        for row, seq in enumerate(seqs):
-            p = seq.params
-            if len(seq.output_token_ids) < p.min_tokens:  # until min_tokens are out, EOS and stop ids cannot be sampled
+        for row, p in enumerate(params):
+            if len(history[row]) < p.min_tokens:  # until min_tokens are out, EOS and stop ids cannot be sampled
                 banned = list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])
                 banned_rows += [row] * len(banned)
                 banned_tokens += banned
+        drafts = [seq.spec_token_ids[j] if j < len(seq.spec_token_ids) and not proposing else -1 for seq, j in rows]
+        draft_token_ids = upload(drafts, torch.long, device) if any(d >= 0 for d in drafts) else None
+        q = None
+        if draft_probs and random_rows:
+            vocab = next(iter(draft_probs.values())).shape[-1]
+            none = torch.zeros(vocab, dtype=dtype, device=device)
+            q = torch.stack([draft_probs[rows[i][0].seq_id][rows[i][1]] if drafts[i] >= 0 and rows[i][0].seq_id in draft_probs else none
+                             for i in random_rows]).to(dtype)
         return cls(upload([1.0 if p.greedy else p.temperature for p in params], dtype, device).unsqueeze(1),
                    upload([p.top_k for p in params], torch.long, device), upload([p.top_p for p in params], dtype, device),
-                   upload([p.min_p for p in params], dtype, device), random_rows, [seqs[i].generator for i in random_rows],
+                   upload([p.min_p for p in params], dtype, device), random_rows, [rows[i][0].generator for i in random_rows],
                    use_top_k_p, use_min_p, penalties,
-                   upload(banned_rows, torch.long, device), upload(banned_tokens, torch.long, device), [p.logprobs for p in params])
+                   upload(banned_rows, torch.long, device), upload(banned_tokens, torch.long, device), [p.logprobs for p in params],
+                   [1 if proposing else len(seq.spec_token_ids) + 1 for seq in seqs], draft_token_ids, q)
 
 
 @dataclass(slots=True)
@@ -144,7 +165,8 @@ class InputBuilder:
     def __init__(self, block_size: int, eos_token_id: int | None, device: torch.device):
         self.block_size, self.eos_token_id, self.device = block_size, eos_token_id, device
 
-    def build(self, batch: ScheduledBatch) -> tuple[ModelInput, StepPlan]:
+    def build(self, batch: ScheduledBatch, draft_probs: dict[int, torch.Tensor] | None = None) -> tuple[ModelInput, StepPlan]:
+        """draft_probs: what a draft model proposed from (see SamplingTensors.build)."""
         bs = self.block_size
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1)
         ids: list[int] = []
@@ -177,7 +199,12 @@ class InputBuilder:
                 count = min(start + n, seq.num_prompt_tokens - 1) - start
                 prompt_lp.append(PromptLogprobRows(row0, seq.prompt_token_ids[start + 1:start + 1 + count], seq.params.prompt_logprobs))
                 plan.prompt_logprobs.append((seq, start))
-            if start + n == seq.num_tokens:
+            if seq.num_spec_tokens:  # a verification: k + 1 rows, each one sampled
+                if len(seq.spec_token_ids) != seq.num_spec_tokens or start + n != seq.num_tokens + seq.num_spec_tokens:
+                    raise AssertionError(f"sequence {seq.seq_id}: the proposal does not match the tokens scheduled")
+                sample_rows += range(len(ids) - 1 - seq.num_spec_tokens, len(ids))
+                plan.sampled.append(seq)
+            elif start + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 plan.sampled.append(seq)
         width = max((len(t) for t in tables), default=0)
@@ -188,5 +215,19 @@ class InputBuilder:
             block_tables=upload([t + [0] * (width - len(t)) for t in tables], torch.long, dev).reshape(len(tables), width),
             logits_indices=upload(sample_rows, torch.long, dev), num_prefills=len(query_lens), query_lens=query_lens,
             context_lens=context_lens, prompt_logprobs=prompt_lp,
-            sampling=SamplingTensors.build(plan.sampled, self.eos_token_id, torch.float32, dev) if plan.sampled else None)
+            sampling=SamplingTensors.build(plan.sampled, self.eos_token_id, torch.float32, dev, draft_probs) if plan.sampled else None)
         return inp, plan
+
+    def build_decode(self, seqs: list[Sequence], positions: list[int]) -> ModelInput:
+        """A decode-only step over given positions (a draft model's proposal steps): one row per
+        sequence, the token at that position (proposed tokens included), all rows' logits wanted."""
+        bs = self.block_size
+        ids = [seq.tokens_slice(p, p + 1)[0] for seq, p in zip(seqs, positions)]
+        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        width = max(len(seq.block_table) for seq in seqs)
+        dev = self.device
+        return ModelInput(
+            input_ids=upload(ids, torch.long, dev), positions=upload(positions, torch.long, dev), slot_mapping=upload(slots, torch.long, dev),
+            query_start_loc=upload(list(range(len(seqs) + 1)), torch.long, dev), seq_lens=upload([p + 1 for p in positions], torch.long, dev),
+            block_tables=upload([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.long, dev).reshape(len(seqs), width),
+            logits_indices=upload(list(range(len(seqs))), torch.long, dev), num_prefills=0, query_lens=[], context_lens=[])

@@ -33,35 +33,52 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, gguf: GGUFFile, show_progress: bool = True):
+    """The model, and with speculative decoding's draft method the draft model too. The draft's KV
+    cache shares the target's block tables (the same block ids index both caches, so the block
+    manager needs no second account) and is carved from the same memory budget: a block costs the
+    target's bytes plus the draft's."""
+
+    def __init__(self, config: EngineConfig, gguf: GGUFFile, show_progress: bool = True, draft_gguf: GGUFFile | None = None):
         self.config = config
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
-        total = sum(1 for _ in gguf.tensor_names())
-        bar = None
-        if show_progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, desc=f"loading {gguf.path.name}", unit="tensor", leave=False)
-        with torch.inference_mode():
-            self.model = LlamaModel.from_gguf(gguf, self.dtype, self.device, progress=bar.update if bar else None)
-        if bar:
-            bar.close()
-        c = self.model.config
+        self.model = self._load(gguf, show_progress)
+        self.draft = self._load(draft_gguf, show_progress) if draft_gguf else None
         self.block_size = config.block_size
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        self.bytes_per_block = 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * elem
+        self.bytes_per_block = sum(self._block_bytes(m) for m in (self.model, self.draft) if m)
         self.num_blocks = self._kv_cache_bytes() // self.bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than one KV block ({self.bytes_per_block} bytes)")
-        shape = (self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-                          for _ in range(c.num_layers)]
+        self.kv_caches = self._kv_caches(self.model)
+        self.draft_kv_caches = self._kv_caches(self.draft) if self.draft else None
+        c = self.model.config
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
         log.info("model %s on %s/%s, KV cache: %d blocks of %d tokens (%.0f MiB)", c.name, self.device, self.dtype,
                  self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20)
+
+    def _load(self, gguf: GGUFFile, show_progress: bool) -> LlamaModel:
+        bar = None
+        if show_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(1 for _ in gguf.tensor_names()), desc=f"loading {gguf.path.name}", unit="tensor", leave=False)
+        with torch.inference_mode():
+            model = LlamaModel.from_gguf(gguf, self.dtype, self.device, progress=bar.update if bar else None)
+        if bar:
+            bar.close()
+        return model
+
+    def _block_bytes(self, model: LlamaModel) -> int:
+        c = model.config
+        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _kv_caches(self, model: LlamaModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = model.config
+        shape = (self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(c.num_layers)]
 
     def _kv_cache_bytes(self) -> int:
         if self.device.type == "cuda":
@@ -82,15 +99,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> ModelOutput:
-        """The one device call of a step: forward, prompt logprobs, sampling."""
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, AttentionMetadata.from_input(inp))
+        """The one device call of a step: forward, prompt logprobs, sampling (verifying proposed tokens).
+        A draft model runs the same rows, so that its cache holds every token the target's does."""
+        meta = AttentionMetadata.from_input(inp)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
+        if self.draft is not None:
+            self.draft(inp.input_ids, inp.positions, self.draft_kv_caches, meta)
         prompt_logprobs = [self._prompt_logprobs(hidden[r.first_row:r.first_row + len(r.target_ids)], r) for r in inp.prompt_logprobs]
         if inp.sampling is None:
             return ModelOutput([], [], prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inp.logits_indices])
         result = self.sampler(logits, inp.sampling)
-        return ModelOutput([[t] for t in result.token_ids], [None if lp is None else [lp] for lp in result.logprobs],
-                           result.errors, prompt_logprobs)
+        return ModelOutput(result.token_ids, result.logprobs, result.errors, prompt_logprobs)
+
+    @torch.inference_mode()
+    def draft_propose(self, inp: ModelInput) -> tuple[list[int], torch.Tensor | None]:
+        """One decode step of the draft model (it writes its own cache) and its draw per row."""
+        hidden = self.draft(inp.input_ids, inp.positions, self.draft_kv_caches, AttentionMetadata.from_input(inp))
+        return self.sampler.propose(self.draft.compute_logits(hidden[inp.logits_indices]), inp.sampling)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptLogprobRows) -> list[dict[int, float]]:
         """Logprob of each next prompt token (plus the top-n) at these rows."""

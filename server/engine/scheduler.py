@@ -66,8 +66,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            pending = seq.num_tokens - seq.num_computed_tokens
+            n = min(pending + seq.num_spec_tokens, budget)
+            if seq.num_spec_tokens > n - pending:  # the budget cuts the proposal short
+                keep = max(0, n - pending)
+                seq.set_spec(seq.spec_token_ids[:keep], keep)
             while not self.bm.allocate(seq, n):
+                if seq.num_spec_tokens:  # a proposal never costs another sequence its blocks
+                    n -= seq.num_spec_tokens
+                    seq.set_spec(None)
+                    continue
                 victim = self.running.pop()  # the newest running sequence
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -102,13 +110,22 @@ class Scheduler:
             budget -= n
         return batch
 
-    def update(self, batch: ScheduledBatch) -> None:
-        """After the batch ran: its tokens' K/V are in the cache, and full blocks join the prefix cache."""
+    def update(self, batch: ScheduledBatch, rejected: dict[int, int] | None = None) -> None:
+        """After the batch ran: its tokens' K/V are in the cache, and full blocks join the prefix cache.
+        rejected: seq_id -> proposed tokens the verification rejected (their K/V does not count)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - (rejected or {}).get(seq.seq_id, 0)
             self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
 
+    def end_speculation(self, seq: Sequence) -> None:
+        """After a verified proposal was appended: forget it and give back the blocks that only
+        rejected tokens used."""
+        seq.set_spec(None)
+        if not seq.is_finished:
+            self.bm.trim(seq, seq.num_tokens)
+
     def _preempt(self, seq: Sequence) -> None:
+        seq.set_spec(None)
         self.bm.free_seq(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
@@ -125,6 +142,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
+        seq.set_spec(None)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()

@@ -47,6 +47,13 @@ class Sequence:
     finish_time: float | None = None
     detokenizer: Any = None
     generator: Any = None                 # torch.Generator when the request is seeded
+    # Speculative decoding: this step's proposal (verified in the step, then cleared) and the
+    # proposer's recent acceptance, for its per-sequence off-switch.
+    num_spec_tokens: int = 0              # tokens proposed (reserved) for this step
+    spec_token_ids: list[int] = field(default_factory=list)  # the proposed tokens themselves, once known
+    spec_recent_proposed: int = 0
+    spec_recent_accepted: int = 0
+    spec_paused_steps: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -60,10 +67,17 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output + this step's proposed tokens (which a verification
+        step computes, and whose accepted part joins the output after it)."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        return (self.prompt_token_ids + self.output_token_ids + self.spec_token_ids)[start:end]
+
+    def set_spec(self, token_ids: list[int] | None, count: int | None = None) -> None:
+        """This step's proposal: known tokens, or (a draft model's, filled in later) a count reserved."""
+        self.spec_token_ids = list(token_ids or [])
+        self.num_spec_tokens = len(self.spec_token_ids) if count is None else count
 
     @property
     def is_finished(self) -> bool:

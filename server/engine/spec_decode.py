@@ -1,0 +1,168 @@
+"""Speculative decoding: who proposes tokens, when it pays to, and what it achieved.
+
+A step with speculation: before scheduling, the proposer's `plan` gives each decoding sequence a
+proposal (n-gram: the tokens themselves; draft model: how many, drawn after scheduling has reserved
+their KV slots, by `propose`). The target verifies a sequence's k proposed tokens in one pass of
+k + 1 query rows (the sampler's exact acceptance rule), the accepted ones plus one more token join
+the output, and the scheduler gives back the slots of the rejected ones.
+
+The off-switch, so speculation costs little where it cannot pay: no proposals in steps with more
+running sequences than `speculative_disable_batch_size` (a bigger batch already fills the hardware
+that verification would use), and a sequence whose recent proposals were mostly rejected
+(accepted share below `speculative_min_acceptance` over at least PAUSE_WINDOW proposed tokens)
+pauses for PAUSE_STEPS steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvpilot.server.config import EngineConfig
+from kvpilot.server.engine.model_io import InputBuilder, SamplingTensors
+from kvpilot.server.engine.scheduler import ScheduledBatch
+from kvpilot.server.engine.sequence import Sequence
+
+PAUSE_WINDOW = 8   # proposed tokens a sequence's acceptance is judged over
+PAUSE_STEPS = 16   # steps a sequence with low acceptance goes without proposals
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Monotonic counters, exported as vLLM's spec_decode metrics under the kvpilot: prefix."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0               # proposals verified
+    num_draft_tokens: int = 0         # tokens proposed
+    num_accepted_tokens: int = 0      # of them, accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: proposals whose token i was accepted
+    num_steps: int = 0                # engine steps with at least one decoding sequence
+    num_spec_steps: int = 0           # of them, steps that verified at least one proposal
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_speculative_tokens
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+
+class Proposer:
+    """What both methods share: which sequences get a proposal this step, how long, and the off-switch."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int):
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.disable_batch_size = config.speculative_disable_batch_size
+        self.min_acceptance = config.speculative_min_acceptance
+        self.stats = SpecDecodeStats(self.k)
+
+    def plan(self, running: list[Sequence]) -> None:
+        """Give each decoding sequence its proposal for the coming step (or none)."""
+        decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
+        if decoding:
+            self.stats.num_steps += 1
+        too_many = self.disable_batch_size and len(running) > self.disable_batch_size
+        for seq in running:
+            seq.set_spec(None)
+        if too_many:
+            return
+        for seq in decoding:
+            if seq.spec_paused_steps:
+                seq.spec_paused_steps -= 1
+                continue
+            # Room: every position stays inside the context, and no more tokens than max_tokens can take
+            # (a proposal of k ends in k + 1 new tokens).
+            room = min(self.k, self.max_model_len - seq.num_tokens - 1)
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+            if room > 0:
+                self.plan_sequence(seq, room)
+
+    def plan_sequence(self, seq: Sequence, room: int) -> None:
+        raise NotImplementedError
+
+    def propose(self, batch: ScheduledBatch) -> dict[int, torch.Tensor] | None:
+        """After scheduling: fill in proposals that need the reserved KV slots; returns the
+        proposal distributions of random-sampling sequences (seq_id -> [k, V]) when not certain."""
+        return None
+
+    def verified(self, results: list[tuple[Sequence, int, int]]) -> None:
+        """After a step's verifications, (sequence, tokens proposed, tokens accepted) each: count
+        them, and pause the sequences whose proposals keep failing."""
+        self.stats.num_spec_steps += bool(results)
+        for seq, proposed, accepted in results:
+            self.stats.record(proposed, accepted)
+            seq.spec_recent_proposed += proposed
+            seq.spec_recent_accepted += accepted
+            if seq.spec_recent_proposed >= PAUSE_WINDOW:
+                if seq.spec_recent_accepted < self.min_acceptance * seq.spec_recent_proposed:
+                    seq.spec_paused_steps = PAUSE_STEPS
+                seq.spec_recent_proposed = seq.spec_recent_accepted = 0
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: the sequence's last n tokens (n from prompt_lookup_max down to prompt_lookup_min)
+    are looked up in its earlier tokens (prompt and output); the tokens that followed their most
+    recent earlier occurrence are the proposal. Free to make, and right whenever the output copies
+    its context: quoting, editing, code that repeats identifiers."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int):
+        super().__init__(config, max_model_len)
+        self.n_max, self.n_min = config.prompt_lookup_max, config.prompt_lookup_min
+
+    def plan_sequence(self, seq: Sequence, room: int) -> None:
+        proposal = ngram_lookup(seq.token_ids(), self.n_min, self.n_max, room)
+        if proposal:
+            seq.set_spec(proposal)
+
+
+def ngram_lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of the longest suffix of
+    tokens (n_max down to n_min tokens long) that occurred before."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(n_max, len(arr) - 1), n_min - 1, -1):
+        suffix = arr[-n:]
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # every earlier n-gram (not the suffix itself)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start:start + k].tolist()
+    return []
+
+
+class DraftModelProposer(Proposer):
+    """A small model sharing the tokenizer drafts k tokens one decode step at a time (all proposing
+    sequences batched), each drawn with the request's own sampling parameters, so that verification
+    can compare the two distributions. Its cache is filled by running every target step's rows too
+    (ModelRunner.execute), so proposing needs only the k new rows."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int, runner, inputs: InputBuilder, eos_token_id: int | None):
+        super().__init__(config, max_model_len)
+        self.runner, self.inputs, self.eos_token_id = runner, inputs, eos_token_id
+
+    def plan_sequence(self, seq: Sequence, room: int) -> None:
+        seq.set_spec(None, room)  # the tokens come in propose(), once the slots are reserved
+
+    def propose(self, batch: ScheduledBatch) -> dict[int, torch.Tensor] | None:
+        seqs = [s for s in batch.seqs if s.num_spec_tokens]
+        for seq in seqs:
+            seq.spec_token_ids = []  # a re-run of a failed step proposes again
+        probs: dict[int, list[torch.Tensor]] = {}
+        for i in range(max((s.num_spec_tokens for s in seqs), default=0)):
+            active = [s for s in seqs if s.num_spec_tokens > i]
+            inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active])
+            # Each row drawn as the target will judge it: with the proposed tokens so far counted as output.
+            inp.sampling = SamplingTensors.build(active, self.eos_token_id, torch.float32, self.runner.device, proposing=True)
+            tokens, q = self.runner.draft_propose(inp)
+            for j, seq in enumerate(active):
+                seq.spec_token_ids.append(tokens[j])
+            if q is not None:
+                for j, row in enumerate(inp.sampling.random_rows):
+                    probs.setdefault(active[row].seq_id, []).append(q[j])
+        return {sid: torch.stack(rows) for sid, rows in probs.items()} or None
