@@ -27,13 +27,16 @@ def container(dep: dict) -> dict:
     return dep["spec"]["template"]["spec"]["containers"][0]
 
 
+def engine_args(c: dict) -> list[str]:
+    return c["args"][c["args"].index("--shutdown-grace-seconds") + 2:]
+
+
 def test_kvpilot_args_round_trip_into_engine_config():
     s = spec(engineSettings={"maxModelLen": 2048, "maxNumSeqs": 8, "enablePrefixCaching": False, "kvCacheMemory": "512MiB", "blockSize": 32},
              resources={"cpuOnly": True}, extraArgs=["--seed", "7"])
     c = container(deployment("svc", "ns", "uid-1", s))
     assert c["command"] == ["kvpilot"] and c["args"][:3] == ["serve", "--host", "$(POD_IP)"]
-    engine_args = c["args"][c["args"].index("--shutdown-grace-seconds") + 2:]
-    cfg = EngineConfig.from_cli_args(engine_args)
+    cfg = EngineConfig.from_cli_args(engine_args(c))
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.enable_prefix_caching, cfg.kv_cache_memory, cfg.block_size) == (2048, 8, False, 512 * 2**20, 32)
     assert cfg.served_model_name == "svc" and cfg.model == "smollm2-135m" and cfg.device == "cpu" and cfg.seed == 7
     assert "nvidia.com/gpu" not in c["resources"]["limits"]
@@ -104,7 +107,29 @@ def test_replicas_follow_spec_or_min():
 def test_unsupported_settings_for_kvpilot():
     assert unsupported_settings(spec()) == []
     problems = unsupported_settings(spec(engineSettings={"quantization": "int8", "tensorParallelSize": 2, "speculative": {"method": "ngram"}}))
-    assert len(problems) == 3 and all("not implemented by the kvpilot engine" in p for p in problems)
+    assert len(problems) == 2 and all("not implemented by the kvpilot engine" in p for p in problems)
+    assert unsupported_settings(spec(engineSettings={"speculative": {"method": "ngram", "draftModel": "hf://o/r/d.gguf"}})) == [
+        "engineSettings.speculative.draftModel is only used with method draft"]
+    assert "hf://o/r" in unsupported_settings(spec(engineSettings={"speculative": {"method": "draft", "draftModel": "hf://o/r"}}))[0]
+
+
+def test_kvpilot_speculative_settings_become_engine_flags_and_the_draft_is_fetched():
+    ngram = container(deployment("m", "ns", "u", spec(engineSettings={"speculative": {"method": "ngram", "numSpeculativeTokens": 3}})))
+    config = EngineConfig.from_cli_args(engine_args(ngram))
+    assert config.speculative_method == "ngram" and config.num_speculative_tokens == 3 and config.speculative_model is None
+    d = deployment("m", "ns", "u", spec(model={"source": "hf://org/repo/big.gguf"},
+                                        engineSettings={"speculative": {"method": "draft", "draftModel": "hf://org/repo/small.gguf"}}))
+    pod = d["spec"]["template"]["spec"]
+    config = EngineConfig.from_cli_args(engine_args(container(d)))
+    assert (config.model, config.speculative_method, config.speculative_model) == (
+        "/models/download/big.gguf", "draft", "/models/draft/download/small.gguf")
+    inits = {i["name"]: i for i in pod["initContainers"]}
+    assert inits["download-draft-model"]["args"][:2] == ["hf://org/repo/small.gguf", "/models/draft/download/small.gguf"]
+    assert inits["download-model"]["args"][:2] == ["hf://org/repo/big.gguf", "/models/download/big.gguf"]
+    mounts = {m["name"]: m["mountPath"] for m in container(d)["volumeMounts"]}
+    assert mounts["draft-model"] == "/models/draft/download" and {"name": "draft-model", "emptyDir": {}} in pod["volumes"]
+    on_pvc = container(deployment("m", "ns", "u", spec(engineSettings={"speculative": {"method": "draft", "draftModel": "pvc://drafts/d.gguf"}})))
+    assert on_pvc["args"][on_pvc["args"].index("--speculative-model") + 1] == "/models/draft/pvc/d.gguf"
 
 
 def test_spec_model_rejects_bad_values():

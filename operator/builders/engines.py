@@ -28,21 +28,43 @@ class EngineContainer:
     env: list[dict] = field(default_factory=list)
 
 
-def downloaded_file(spec: InferenceServiceSpec) -> ModelSource | None:
-    """The source that an init container downloads before the engine starts: an https:// file, or an
-    hf:// file for the kvpilot engine (vLLM and SGLang fetch hub repos themselves); None otherwise."""
-    src = parse_model_source(spec.model.source)
-    return src if src.is_single_file and (src.kind == "https" or spec.engine == "kvpilot") else None
+@dataclass(frozen=True, slots=True)
+class ModelFiles:
+    """One model the pod needs (the served model, or a draft model for speculative decoding): its
+    source, the volume that holds it and where that volume is mounted."""
+
+    source: str
+    volume: str
+    directory: str
+
+    def downloaded(self, engine: str) -> ModelSource | None:
+        """The source an init container downloads before the engine starts: an https:// file, or an
+        hf:// file for the kvpilot engine (vLLM and SGLang fetch hub repos themselves); None otherwise."""
+        src = parse_model_source(self.source)
+        return src if src.is_single_file and (src.kind == "https" or engine == "kvpilot") else None
+
+    def argument(self, engine: str) -> str:
+        """What the engine is told to load: a bundled name, a path under the mount, or a hub repo."""
+        src = parse_model_source(self.source)
+        if src.kind == "pvc":
+            return f"{self.directory}/pvc/{src.path}"
+        if self.downloaded(engine) is not None:
+            return f"{self.directory}/download/{src.filename}"
+        return src.name  # a bundled name, or the hub repo org/repo that vLLM/SGLang fetch themselves
+
+
+def model_files(spec: InferenceServiceSpec) -> list[ModelFiles]:
+    """The served model, then (kvpilot engine, speculative method draft) the draft model, which is
+    fetched and mounted the same way."""
+    files = [ModelFiles(spec.model.source, "model", MODEL_DIR)]
+    spec_settings = spec.engine_settings.speculative
+    if spec.engine == "kvpilot" and spec_settings and spec_settings.draft_model:
+        files.append(ModelFiles(spec_settings.draft_model, "draft-model", f"{MODEL_DIR}/draft"))
+    return files
 
 
 def model_argument(spec: InferenceServiceSpec) -> str:
-    """What the engine is told to load: a bundled name, a path under /models, or a hub repo."""
-    src = parse_model_source(spec.model.source)
-    if src.kind == "pvc":
-        return f"{MODEL_DIR}/pvc/{src.path}"
-    if downloaded_file(spec) is not None:
-        return f"{MODEL_DIR}/download/{src.filename}"
-    return src.name  # a bundled name, or the hub repo org/repo that vLLM/SGLang fetch themselves
+    return model_files(spec)[0].argument(spec.engine)
 
 
 def served_name(spec: InferenceServiceSpec, name: str) -> str:
@@ -58,6 +80,10 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         v = getattr(s, f)
         if v is not None:
             values[f] = v
+    if s.speculative:
+        values |= {"speculative_method": s.speculative.method, "num_speculative_tokens": s.speculative.num_speculative_tokens}
+        if s.speculative.method == "draft":
+            values["speculative_model"] = model_files(spec)[1].argument(spec.engine)
     if spec.resources.cpu_only:
         values["device"] = "cpu"
     # EngineConfig validates here, in the operator, so a bad combination is a status condition, not a crash loop.
@@ -121,13 +147,14 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
     if spec.engine == "kvpilot":
         if s.quantization not in (None, "none"):
             problems.append(f"engineSettings.quantization={s.quantization} is not implemented by the kvpilot engine yet (use engine vllm)")
-        if s.speculative:
-            problems.append("engineSettings.speculative is not implemented by the kvpilot engine yet (use engine vllm)")
+        if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:
+            problems.append("engineSettings.speculative.draftModel is only used with method draft")
         if s.tensor_parallel_size > 1:
             problems.append("engineSettings.tensorParallelSize > 1 is not implemented by the kvpilot engine yet (use engine vllm)")
-        src = parse_model_source(spec.model.source)
-        if src.kind == "hf" and not src.path:
-            problems.append("the kvpilot engine loads GGUF files: give hf://org/repo/file.gguf")
+        for files in model_files(spec):
+            src = parse_model_source(files.source)
+            if src.kind == "hf" and not src.path:
+                problems.append(f"the kvpilot engine loads GGUF files: give hf://org/repo/file.gguf ({files.volume} source {files.source})")
     return problems
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpilot.operator.builders.engines import DEFAULT_IMAGES, MODEL_DIR, PORT, SHUTDOWN_GRACE_SECONDS, downloaded_file, engine_container
+from kvpilot.operator.builders.engines import DEFAULT_IMAGES, PORT, SHUTDOWN_GRACE_SECONDS, engine_container, model_files
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, VERSION, InferenceServiceSpec
 from kvpilot.server.model_source import parse_model_source
 
@@ -44,22 +44,26 @@ def desired_replicas(spec: InferenceServiceSpec) -> int:
 
 
 def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:
-    """Volumes, mounts and init containers that put the model file where the engine reads it."""
-    src = parse_model_source(spec.model.source)
-    if src.kind == "pvc":
-        return ([{"name": "model", "persistentVolumeClaim": {"claimName": src.name, "readOnly": True}}],
-                [{"name": "model", "mountPath": f"{MODEL_DIR}/pvc", "readOnly": True}], [])
-    if downloaded_file(spec) is not None:
-        mount = {"name": "model", "mountPath": f"{MODEL_DIR}/download"}
-        # The kvpilot engine image downloads it: arguments as a list (no shell), as the same non-root user.
-        init = {"name": "download-model", "image": spec.image if spec.engine == "kvpilot" and spec.image else DEFAULT_IMAGES["kvpilot"],
-                "command": ["kvpilot", "fetch-model"],
-                "args": [src.raw, f"{MODEL_DIR}/download/{src.filename}", "--timeout", str(DOWNLOAD_TIMEOUT_SECONDS)],
-                "env": [*CACHE_ENV, *_hf_token_env(spec)],
-                "securityContext": CONTAINER_SECURITY_CONTEXT,
-                "volumeMounts": [mount, {"name": "cache", "mountPath": CACHE_DIR}]}
-        return [{"name": "model", "emptyDir": {}}], [mount], [init]
-    return [], [], []
+    """Volumes, mounts and init containers that put each model file (the served model, a draft
+    model) where the engine reads it."""
+    volumes, mounts, inits = [], [], []
+    for files in model_files(spec):
+        src = parse_model_source(files.source)
+        if src.kind == "pvc":
+            volumes.append({"name": files.volume, "persistentVolumeClaim": {"claimName": src.name, "readOnly": True}})
+            mounts.append({"name": files.volume, "mountPath": f"{files.directory}/pvc", "readOnly": True})
+        elif files.downloaded(spec.engine) is not None:
+            mount = {"name": files.volume, "mountPath": f"{files.directory}/download"}
+            # The kvpilot engine image downloads it: arguments as a list (no shell), as the same non-root user.
+            inits.append({"name": f"download-{files.volume}", "image": spec.image if spec.engine == "kvpilot" and spec.image else DEFAULT_IMAGES["kvpilot"],
+                          "command": ["kvpilot", "fetch-model"],
+                          "args": [src.raw, files.argument(spec.engine), "--timeout", str(DOWNLOAD_TIMEOUT_SECONDS)],
+                          "env": [*CACHE_ENV, *_hf_token_env(spec)],
+                          "securityContext": CONTAINER_SECURITY_CONTEXT,
+                          "volumeMounts": [mount, {"name": "cache", "mountPath": CACHE_DIR}]})
+            volumes.append({"name": files.volume, "emptyDir": {}})
+            mounts.append(mount)
+    return volumes, mounts, inits
 
 
 def _hf_token_env(spec: InferenceServiceSpec) -> list[dict]:

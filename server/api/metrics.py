@@ -43,6 +43,16 @@ class _EngineCollector:
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.", s.num_preemptions)
+        if self.engine.proposer is not None:  # vLLM's speculative-decoding counters, under our prefix
+            spec = self.engine.proposer.stats
+            yield counter("spec_decode_num_drafts", "Proposals verified (one per sequence and step that speculated).", spec.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Tokens proposed.", spec.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens)
+            per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos", "Proposals whose token at this position was accepted.",
+                                          labels=["model_name", "position"])
+            for position, count in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric([self.model_name, str(position)], count)
+            yield per_pos
 
 
 class EngineMetrics:
