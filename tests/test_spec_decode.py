@@ -1,0 +1,294 @@
+"""Speculative decoding: the verification rule on hand-built distributions, then the engine with both
+proposers on the bundled model (greedy output identical to plain decoding, sampling distribution
+unchanged), its bookkeeping (KV slots given back, metrics) and its off-switch.
+
+Correctness tests force speculation on (no batch-size or acceptance off-switch)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from kvpilot.server.config import EngineConfig
+from kvpilot.server.engine.model_io import SamplingTensors
+from kvpilot.server.engine.sampler import Sampler
+from kvpilot.server.engine.sampling_params import SamplingParams
+from kvpilot.server.engine.sequence import Sequence
+from kvpilot.server.engine.spec_decode import ngram_lookup
+
+FORCED = dict(speculative_disable_batch_size=0, speculative_min_acceptance=0.0)
+NEG = float("-inf")
+
+
+# --- the verification rule ------------------------------------------------------------------
+
+def proposing(prompt, proposal, seq_id=0, **params) -> Sequence:
+    s = Sequence(seq_id, f"r{seq_id}", 0, list(prompt), SamplingParams(**params))
+    s.set_spec(proposal)
+    return s
+
+
+def verify(logits, seqs, draft_probs=None, generator=None):
+    t = SamplingTensors.build(seqs, None, torch.float32, torch.device("cpu"), draft_probs)
+    return Sampler(generator or torch.Generator().manual_seed(0))(logits, t)
+
+
+def test_greedy_verification_all_accepted_first_rejected_and_bonus():
+    logits = torch.tensor([[0.0, 5.0, 0.0, 0.0], [0.0, 0.0, 5.0, 0.0], [0.0, 0.0, 0.0, 5.0]])  # argmaxes 1, 2, 3
+    all_ok = verify(logits, [proposing([0], [1, 2], temperature=0)])
+    assert all_ok.token_ids == [[1, 2, 3]]  # both accepted, plus the bonus token from the last row
+    first_wrong = verify(logits, [proposing([0], [3, 2], temperature=0)])
+    assert first_wrong.token_ids == [[1]]  # rejected at once: the target's own token replaces it
+    second_wrong = verify(logits, [proposing([0], [1, 0], temperature=0, logprobs=0)])
+    assert second_wrong.token_ids == [[1, 2]]
+    lp = torch.log_softmax(logits, -1)
+    assert second_wrong.logprobs == [[pytest.approx({1: float(lp[0, 1])}), pytest.approx({2: float(lp[1, 2])})]]  # the target's logprobs
+
+
+def test_a_batch_mixes_proposals_of_different_lengths_with_plain_rows():
+    rows = torch.full((6, 5), 0.0)
+    for r, best in enumerate([4, 3, 2, 1, 0, 2]):
+        rows[r, best] = 9.0
+    seqs = [proposing([0], [4, 3], 0, temperature=0), proposing([0], [], 1, temperature=0), proposing([0], [1], 2, temperature=0)]
+    # rows: seq 0 -> 0, 1, 2; seq 1 -> 3; seq 2 -> 4, 5
+    assert verify(rows, seqs).token_ids == [[4, 3, 2], [1], [0]]
+
+
+def test_certain_proposal_is_accepted_with_probability_p_and_the_residual_excludes_it():
+    """An n-gram proposal (q one-hot at d): accept with probability p(d), else draw from p without d."""
+    logits = torch.log(torch.tensor([[0.3, 0.5, 0.2], [1 / 3, 1 / 3, 1 / 3]]))
+    g = torch.Generator().manual_seed(1)
+    firsts = Counter(verify(logits, [proposing([0], [0], temperature=1.0)], generator=g).token_ids[0][0] for _ in range(4000))
+    assert abs(firsts[0] / 4000 - 0.3) < 0.03 and abs(firsts[1] / 4000 - 0.5) < 0.03 and abs(firsts[2] / 4000 - 0.2) < 0.03
+    never = torch.log(torch.tensor([[0.0, 0.6, 0.4], [1 / 3, 1 / 3, 1 / 3]]))
+    outs = [verify(never, [proposing([0], [0], temperature=1.0)], generator=g).token_ids[0] for _ in range(300)]
+    assert all(len(o) == 1 and o[0] != 0 for o in outs)  # p(d) = 0: always rejected, never resampled to d
+
+
+@pytest.mark.parametrize("p,q", [([0.25, 0.25, 0.5], [0.5, 0.5, 0.0]), ([0.1, 0.6, 0.3], [0.7, 0.1, 0.2]), ([0.5, 0.5, 0.0], [0.5, 0.5, 0.0])])
+def test_draft_proposals_verified_by_rejection_sampling_give_the_target_distribution(p, q):
+    """Draw d ~ q, verify against p: the first token is distributed as p, whatever q is."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.log(torch.tensor([p, [1 / 3] * 3]))
+    qt = torch.tensor(q)
+    n, counts, rejected = 6000, Counter(), 0
+    for d in torch.multinomial(qt, n, replacement=True, generator=g).tolist():
+        s = proposing([0], [d], temperature=1.0)
+        out = verify(logits, [s], {s.seq_id: qt[None, :]}, generator=g).token_ids[0]
+        counts[out[0]] += 1
+        rejected += len(out) == 1
+    for token, expected in enumerate(p):
+        assert abs(counts[token] / n - expected) < 0.025, (token, counts)
+    assert (rejected > 0) == (p != q)  # identical distributions never reject
+
+
+# --- n-gram lookup ----------------------------------------------------------------------------
+
+def test_ngram_lookup_takes_the_longest_suffix_and_its_most_recent_occurrence():
+    assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 1, 3, 2) == [7, 5]  # most recent "1 2 3"
+    assert ngram_lookup([4, 2, 3, 8, 1, 2, 3], 2, 3, 3) == [8, 1, 2]  # "1 2 3" unseen, "2 3" seen
+    assert ngram_lookup([1, 2, 3, 4], 1, 3, 3) == []
+    assert ngram_lookup([5, 6, 5], 1, 2, 4) == [6, 5]  # the continuation may run into the suffix itself
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+COPY_PROMPTS = [
+    "Repeat this sentence twice: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n\ndef add3(a, b, c):\n    return add(add(a, b), c)\n\ndef add4(a, b, c, d):\n    return",
+    "<|im_start|>user\nList the days of the week, Monday to Sunday, twice.<|im_end|>\n<|im_start|>assistant\n",
+    "The capital of France is",
+]
+
+
+@pytest.fixture(scope="module")
+def draft_path(tmp_path_factory, model_path):
+    from kvpilot.server.gguf_loader import write_truncated
+
+    return str(write_truncated(model_path, tmp_path_factory.mktemp("draft") / "draft4.gguf", 4))
+
+
+def make_engine(**kw):
+    from kvpilot.server.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(num_threads=1, **kw), show_progress=False)
+
+
+def run(engine, prompts, params):
+    """All requests to completion: (outputs in prompt order, streamed text per request)."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    done, streamed = {}, {i: "" for i in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed[out.request_id] += out.outputs[0].text_delta
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids], [streamed[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    outs, _ = run(make_engine(kv_cache_memory="64MiB"), COPY_PROMPTS, SamplingParams(temperature=0, max_tokens=48))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+SETTINGS = {
+    "batched": dict(kv_cache_memory="64MiB"),
+    # 64-token steps: prompts are prefilled in chunks, and verification rows share steps with them.
+    "chunked": dict(kv_cache_memory="64MiB", max_num_batched_tokens=64),
+    # 14 blocks of 16 tokens (K and V, 30 layers, 3 KV heads of 64 fp32) for 4 sequences of up to ~90
+    # tokens: sequences are preempted and recomputed.
+    "preempted": dict(kv_cache_memory=14 * (2 * 30 * 16 * 3 * 64 * 4), block_size=16),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, plain_greedy, draft_path):
+    kw = dict(SETTINGS[setting], speculative_method=method, **FORCED)
+    if method == "draft":
+        kw["speculative_model"] = draft_path
+        if setting == "preempted":  # a block now also holds the draft's 4 layers
+            kw["kv_cache_memory"] = kw["kv_cache_memory"] * 34 // 30
+    engine = make_engine(**kw)
+    outs, streamed = run(engine, COPY_PROMPTS, SamplingParams(temperature=0, max_tokens=48))
+    assert [o.outputs[0].token_ids for o in outs] == plain_greedy
+    assert streamed == [o.outputs[0].text for o in outs]  # multi-token deltas stream the same text
+    stats = engine.proposer.stats
+    assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0
+    if setting == "preempted":
+        assert engine.scheduler.num_preemptions > 0
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # every slot reserved for a proposal came back
+    if method == "ngram":
+        assert stats.accepted_per_pos[1] > 0  # runs of several accepted tokens happened
+
+
+def test_a_truncated_draft_is_accepted_sometimes_and_rejections_are_resampled(draft_path):
+    engine = make_engine(kv_cache_memory="64MiB", speculative_method="draft", speculative_model=draft_path, **FORCED)
+    run(engine, COPY_PROMPTS, SamplingParams(temperature=1.0, max_tokens=32, seed=3))
+    s = engine.proposer.stats
+    assert 0 < s.num_accepted_tokens / s.num_draft_tokens < 0.95
+    assert s.num_draft_tokens - s.num_accepted_tokens > 0  # rejected proposals: each drew from the residual max(0, p - q)
+
+
+def _chi_square_p_value(a: Counter, b: Counter) -> float:
+    """Two-sample chi-square test of homogeneity (categories seen in either sample)."""
+    keys = sorted(set(a) | set(b))
+    na, nb = sum(a.values()), sum(b.values())
+    stat = 0.0
+    for k in keys:
+        total = a[k] + b[k]
+        for count, n in ((a[k], na), (b[k], nb)):
+            expected = total * n / (na + nb)
+            stat += (count - expected) ** 2 / expected
+    df = len(keys) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampling_distribution_is_unchanged_by_speculation(method, draft_path):
+    """Temperature 1 (top-k 4 keeps the support small enough to test), 300 seeds each way: the tokens at
+    output positions 2 and 3 (the first comes from the prefill and is never speculated) are distributed
+    the same with and without speculation (chi-square homogeneity, p > 0.001 on this fixed seed set),
+    while rejections did happen."""
+    prompt = "one two three four one two three four one two three four one two three"
+    params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, seed=s) for s in range(300)]
+    kw = dict(kv_cache_memory="64MiB", max_num_seqs=64)
+    spec_kw = dict(kw, speculative_method=method, **FORCED)
+    if method == "draft":
+        spec_kw["speculative_model"] = draft_path
+    samples = {}
+    for name, engine_kw in (("plain", kw), ("spec", spec_kw)):
+        engine = make_engine(**engine_kw)
+        for i, p in enumerate(params):
+            engine.add_request(prompt, p, request_id=f"s{i}")
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        samples[name] = [o.outputs[0].token_ids for o in outs]
+        if name == "spec":
+            s = engine.proposer.stats
+            assert s.num_drafts > 100 and 0 < s.num_accepted_tokens < s.num_draft_tokens
+    for position in (1, 2):
+        a = Counter(ids[position] for ids in samples["plain"])
+        b = Counter(ids[position] for ids in samples["spec"])
+        assert _chi_square_p_value(a, b) > 1e-3, (position, a, b)
+
+
+def test_stops_inside_an_accepted_run_end_the_sequence_at_the_right_token(plain_greedy):
+    """EOS-like stops, stop strings, max_tokens and min_tokens falling inside a run of accepted tokens."""
+    engine = make_engine(kv_cache_memory="64MiB", speculative_method="ngram", **FORCED)
+    plain = make_engine(kv_cache_memory="64MiB")
+    full = plain_greedy[1]  # the code prompt: its output copies long runs of its context
+    tok = engine.tokenizer
+    cases = [SamplingParams(temperature=0, max_tokens=27),
+             SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[full[30]]),
+             SamplingParams(temperature=0, max_tokens=48, stop=[tok.decode(full[25:27]).strip()]),
+             SamplingParams(temperature=0, max_tokens=40, min_tokens=35, stop_token_ids=[full[20]]),
+             SamplingParams(temperature=0, max_tokens=30, n=2)]
+    for params in cases:
+        want = run(plain, COPY_PROMPTS[1:2], params)[0][0]
+        got = run(engine, COPY_PROMPTS[1:2], params)[0][0]
+        assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in got.outputs] == \
+               [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in want.outputs], params
+    assert engine.proposer.stats.accepted_per_pos[2] > 0
+
+
+def test_seeded_speculative_sampling_is_reproducible(draft_path):
+    params = SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, max_tokens=24, seed=11)
+    results = []
+    for _ in range(2):
+        engine = make_engine(kv_cache_memory="64MiB", speculative_method="draft", speculative_model=draft_path, **FORCED)
+        results.append([o.outputs[0].token_ids for o in run(engine, COPY_PROMPTS[:2], params)[0]])
+    assert results[0] == results[1] and all(len(r) == 24 for r in results[0])
+
+
+def test_spec_decode_metrics_are_exported(draft_path):
+    from kvpilot.server.api.metrics import EngineMetrics
+
+    engine = make_engine(kv_cache_memory="64MiB", speculative_method="ngram", **FORCED)
+    run(engine, COPY_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=32))
+    from prometheus_client import generate_latest
+
+    text = generate_latest(EngineMetrics(engine, "m").registry).decode()
+    s = engine.proposer.stats
+    assert f'kvpilot:spec_decode_num_drafts_total{{model_name="m"}} {float(s.num_drafts)}' in text
+    assert f'kvpilot:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(s.num_draft_tokens)}' in text
+    assert f'kvpilot:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(s.num_accepted_tokens)}' in text
+    assert f'kvpilot:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(s.accepted_per_pos[0])}' in text
+    assert s.num_accepted_tokens > 0
+    assert "spec_decode" not in generate_latest(EngineMetrics(make_engine(kv_cache_memory="16MiB"), "m").registry).decode()
+
+
+def test_off_switch_batch_size_and_low_acceptance():
+    from kvpilot.server.engine.spec_decode import PAUSE_STEPS
+
+    busy = make_engine(kv_cache_memory="64MiB", speculative_method="ngram", speculative_disable_batch_size=2)
+    run(busy, COPY_PROMPTS[:3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert busy.proposer.stats.num_drafts == 0  # three running sequences > 2: no step speculated
+    engine = make_engine(kv_cache_memory="64MiB", speculative_method="ngram", speculative_disable_batch_size=0, speculative_min_acceptance=1.0)
+    engine.add_request(COPY_PROMPTS[1], SamplingParams(temperature=0, max_tokens=48))
+    paused_steps = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        paused_steps += [s.spec_paused_steps for s in engine.scheduler.running if s.spec_paused_steps]
+    assert PAUSE_STEPS in paused_steps and PAUSE_STEPS - 1 in paused_steps  # acceptance below 100% paused it, and the pause counts down
+
+
+def test_bad_speculative_configs_are_refused(tmp_path, model_path):
+    with pytest.raises(ValueError, match="needs speculative_model"):
+        EngineConfig(speculative_method="draft")
+    with pytest.raises(ValueError, match="only used with speculative_method=draft"):
+        EngineConfig(speculative_method="ngram", speculative_model="x.gguf")
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        EngineConfig(speculative_method="ngram", prompt_lookup_min=5, prompt_lookup_max=3)
+    import numpy as np
+    from gguf_factory import write_gguf
+
+    other = write_gguf(tmp_path / "other.gguf", {"token_embd.weight": (np.zeros((4, 8), np.float32), "F32")},
+                       metadata={"llama.block_count": 1})
+    with pytest.raises(ValueError, match="does not share the model's tokenizer"):
+        make_engine(kv_cache_memory="16MiB", speculative_method="draft", speculative_model=str(other))
