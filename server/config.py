@@ -54,7 +54,8 @@ class EngineConfig(BaseModel):
     speculative_disable_batch_size: int = Field(
         4, ge=0, description="Steps with more running sequences than this do not speculate (0: never switched off by batch size).")
     speculative_min_acceptance: float = Field(
-        0.2, ge=0, le=1, description="A sequence whose recent draft tokens are accepted less often than this pauses speculation for 16 steps (0: never).")
+        0.05, ge=0, le=1, description="A sequence whose recent proposed tokens are accepted less often than this pauses speculation (16 steps, "
+                                      "doubling while it stays low; 0: never).")
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

@@ -278,6 +278,21 @@ def test_off_switch_batch_size_and_low_acceptance():
     assert PAUSE_STEPS in paused_steps and PAUSE_STEPS - 1 in paused_steps  # acceptance below 100% paused it, and the pause counts down
 
 
+def test_low_acceptance_pauses_double_while_it_stays_low_and_reset_after_a_good_window():
+    from kvpilot.server.engine.spec_decode import MAX_PAUSE_STEPS, PAUSE_STEPS, NgramProposer
+
+    proposer = NgramProposer(EngineConfig(speculative_method="ngram", speculative_min_acceptance=0.25), max_model_len=100)
+    s = proposing([0], [1, 2, 3, 4])
+    pauses = []
+    for accepted in (0, 1, 0, 0, 0, 0, 0, 0, 4, 4, 0, 0):  # windows of two proposals of 4
+        proposer.verified([(s, 4, accepted)])
+        pauses.append(s.spec_paused_steps)
+        s.spec_paused_steps = 0
+    assert pauses[1] == PAUSE_STEPS and pauses[3] == 2 * PAUSE_STEPS and pauses[5] == 4 * PAUSE_STEPS and pauses[7] == 8 * PAUSE_STEPS
+    assert pauses[9] == 0 and pauses[11] == PAUSE_STEPS  # 8 of 8 accepted reset the backoff
+    assert max(pauses) <= MAX_PAUSE_STEPS and proposer.stats.num_accepted_tokens == 9 and proposer.stats.num_draft_tokens == 48
+
+
 def test_bad_speculative_configs_are_refused(tmp_path, model_path):
     with pytest.raises(ValueError, match="needs speculative_model"):
         EngineConfig(speculative_method="draft")

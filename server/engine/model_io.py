@@ -3,8 +3,11 @@
 `InputBuilder` turns a scheduled batch into tensors once per step, on the CPU side; the device side
 (`ModelRunner.execute`) sees nothing else: no Sequence, detokenizer or request object, so a
 tensor-parallel rank other than 0 can run a step from a ModelInput alone. Sequences are laid out
-prefills first (any number of query rows each: a prompt chunk, or a verification step's k + 1 rows),
-then one-row decodes. The builder also returns a StepPlan (rank 0 only) saying which sequence each
+prefills first (any number of query rows each: a prompt or a chunk of one), then one-row decodes.
+A verification step's k + 1 rows (speculative decoding) are laid out as k + 1 decode rows of the
+same block table, row j attending to the cache up to its own position: every row's K/V is stored
+before attention runs, so this is exact, and it runs on the batched decode kernel instead of a
+per-sequence prefill. The builder also returns a StepPlan (rank 0 only) saying which sequence each
 sampled or prompt-logprob row belongs to.
 """
 
@@ -168,7 +171,7 @@ class InputBuilder:
     def build(self, batch: ScheduledBatch, draft_probs: dict[int, torch.Tensor] | None = None) -> tuple[ModelInput, StepPlan]:
         """draft_probs: what a draft model proposed from (see SamplingTensors.build)."""
         bs = self.block_size
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1)
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1 or batch.seqs[i].num_spec_tokens > 0)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -189,12 +192,17 @@ class InputBuilder:
             positions += pos
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in pos]
-            starts.append(len(ids))
-            seq_lens.append(start + n)
-            tables.append(table)
-            if n > 1:
-                query_lens.append(n)
-                context_lens.append(start + n)
+            if seq.num_spec_tokens:  # one decode row per position
+                starts += range(row0 + 1, len(ids) + 1)
+                seq_lens += [p + 1 for p in pos]
+                tables += [table] * n
+            else:
+                starts.append(len(ids))
+                seq_lens.append(start + n)
+                tables.append(table)
+                if n > 1:
+                    query_lens.append(n)
+                    context_lens.append(start + n)
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 count = min(start + n, seq.num_prompt_tokens - 1) - start
                 prompt_lp.append(PromptLogprobRows(row0, seq.prompt_token_ids[start + 1:start + 1 + count], seq.params.prompt_logprobs))

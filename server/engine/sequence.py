@@ -53,7 +53,8 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)  # the proposed tokens themselves, once known
     spec_recent_proposed: int = 0
     spec_recent_accepted: int = 0
-    spec_paused_steps: int = 0
+    spec_paused_steps: int = 0            # steps left without proposals
+    spec_pause_length: int = 0            # the last pause's length (0: the last window passed)
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,10 @@ The off-switch, so speculation costs little where it cannot pay: no proposals in
 running sequences than `speculative_disable_batch_size` (a bigger batch already fills the hardware
 that verification would use), and a sequence whose recent proposals were mostly rejected
 (accepted share below `speculative_min_acceptance` over at least PAUSE_WINDOW proposed tokens)
-pauses for PAUSE_STEPS steps.
+pauses for PAUSE_STEPS steps, twice as long after each further failing window (up to MAX_PAUSE_STEPS),
+back to PAUSE_STEPS after a window that passes. On this project's CPU a failed n-gram proposal of 4
+costs ~12% of a decode step (measured in bench/spec.py's workloads), so the default threshold is low
+(5%); a draft model's proposals cost far more, and its users may want a higher one.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from kvpilot.server.engine.scheduler import ScheduledBatch
 from kvpilot.server.engine.sequence import Sequence
 
 PAUSE_WINDOW = 8   # proposed tokens a sequence's acceptance is judged over
-PAUSE_STEPS = 16   # steps a sequence with low acceptance goes without proposals
+PAUSE_STEPS = 16   # steps a sequence with low acceptance goes without proposals (the first time)
+MAX_PAUSE_STEPS = 256
 
 
 @dataclass(slots=True)
@@ -102,7 +106,10 @@ class Proposer:
             seq.spec_recent_accepted += accepted
             if seq.spec_recent_proposed >= PAUSE_WINDOW:
                 if seq.spec_recent_accepted < self.min_acceptance * seq.spec_recent_proposed:
-                    seq.spec_paused_steps = PAUSE_STEPS
+                    seq.spec_pause_length = min(2 * seq.spec_pause_length, MAX_PAUSE_STEPS) if seq.spec_pause_length else PAUSE_STEPS
+                    seq.spec_paused_steps = seq.spec_pause_length
+                else:
+                    seq.spec_pause_length = 0
                 seq.spec_recent_proposed = seq.spec_recent_accepted = 0
 
 

@@ -1,0 +1,131 @@
+"""Speculative decoding: tok/s with and without it, same engine settings, one run, interleaved.
+
+    .venv/bin/python bench/spec.py [--force] [--rounds 3] [--draft-layers 8] [--threads N]
+
+Engines: plain decoding, n-gram prompt lookup, and a draft model (the bundled model cut to its first
+--draft-layers blocks by `kvpilot make-draft`; a truncated model is a weak draft, so this measures the
+machinery and its cost more than what a trained small draft would give). The default off-switch
+applies (speculative_disable_batch_size, speculative_min_acceptance), as a user would run it.
+
+Workloads, greedy (temperature 0), chat-formatted prompts:
+  copy    single stream: repeat or edit a given passage, code with repeated identifiers
+  chat    single stream: ordinary questions
+  16x     16 requests at once (copy + chat prompts), as 16 concurrent clients
+Per engine and workload: output tok/s (median over rounds), ratio to plain, the share of decode
+steps that verified a proposal, and the acceptance rate (accepted / proposed tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import machine, refuse_if_busy, table  # noqa: E402
+
+PASSAGE = ("The committee met on Tuesday to review the annual budget. After a long discussion, the members agreed "
+           "to increase funding for the public library by ten percent, to repair the bridge on Mill Street before "
+           "winter, and to postpone the new parking garage until the traffic study is complete.")
+CODE = '''def load_users(path):
+    users = []
+    with open(path) as handle:
+        for line in handle:
+            name, email, age = line.strip().split(",")
+            users.append({"name": name, "email": email, "age": int(age)})
+    return users
+'''
+COPY = [
+    f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+    f"Rewrite this text, replacing 'Tuesday' with 'Friday' and keeping everything else the same:\n\n{PASSAGE}",
+    f"Add a docstring to this function and return the whole function:\n\n```python\n{CODE}```",
+    f"Rename the variable 'users' to 'people' in this code and show the full result:\n\n```python\n{CODE}```",
+]
+CHAT = [
+    "What are three good habits for staying healthy?",
+    "Explain why the sky is blue in a short paragraph.",
+    "Give me a short story idea about a lighthouse keeper.",
+    "What is the difference between weather and climate?",
+]
+
+
+def engines(threads: int, draft_layers: int, workdir: Path) -> dict:
+    from kvpilot.server.config import EngineConfig
+    from kvpilot.server.engine.llm_engine import LLMEngine
+    from kvpilot.server.gguf_loader import write_truncated
+    from kvpilot.server.model_files import resolve_model_path
+
+    draft = write_truncated(resolve_model_path("smollm2-135m"), workdir / f"draft{draft_layers}.gguf", draft_layers)
+    base = dict(num_threads=threads, kv_cache_memory="512MiB")
+    return {"plain": LLMEngine(EngineConfig(**base), show_progress=False),
+            "ngram": LLMEngine(EngineConfig(**base, speculative_method="ngram"), show_progress=False),
+            f"draft ({draft_layers} layers)": LLMEngine(EngineConfig(**base, speculative_method="draft", speculative_model=str(draft)),
+                                                        show_progress=False)}
+
+
+def run(engine, prompts: list[str], concurrent: bool, max_tokens: int) -> tuple[int, float]:
+    """(output tokens, seconds): one prompt at a time, or all at once."""
+    from kvpilot.server.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    texts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    tokens, t = 0, time.perf_counter()
+    for group in ([texts] if concurrent else [[x] for x in texts]):
+        for x in group:
+            engine.add_request(x, params)
+        while engine.has_unfinished_requests():
+            tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    return tokens, time.perf_counter() - t
+
+
+def counters(engine) -> tuple[int, int, int, int]:
+    s = engine.proposer.stats if engine.proposer else None
+    return (s.num_steps, s.num_spec_steps, s.num_draft_tokens, s.num_accepted_tokens) if s else (0, 0, 0, 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+    refuse_if_busy(force=args.force)
+    workloads = {"copy": (COPY, False), "chat": (CHAT, False), "16x": ((COPY + CHAT) * 2, True)}
+    with tempfile.TemporaryDirectory() as tmp:
+        eng = engines(args.threads, args.draft_layers, Path(tmp))
+        for e in eng.values():
+            run(e, CHAT[:1], False, 8)  # warm-up
+        rates: dict[tuple[str, str], list[float]] = {}
+        spec: dict[tuple[str, str], list[int]] = {}
+        names = list(eng)
+        for r in range(args.rounds):
+            for w, (prompts, concurrent) in workloads.items():
+                for name in names[r % len(names):] + names[:r % len(names)]:  # a rotating order
+                    before = counters(eng[name])
+                    tokens, dt = run(eng[name], prompts, concurrent, args.max_tokens)
+                    rates.setdefault((name, w), []).append(tokens / dt)
+                    delta = [a - b for a, b in zip(counters(eng[name]), before)]
+                    spec[(name, w)] = [x + y for x, y in zip(spec.get((name, w), [0, 0, 0, 0]), delta)]
+    rows = []
+    for w in workloads:
+        plain = statistics.median(rates[("plain", w)])
+        for name in names:
+            tput = statistics.median(rates[(name, w)])
+            steps, spec_steps, drafted, accepted = spec[(name, w)]
+            rows.append({"workload": w, "engine": name, "output tok/s": f"{tput:.1f}", "vs plain": f"{tput / plain:.2f}x",
+                         "steps speculating": f"{spec_steps / steps:.0%}" if steps else "",
+                         "acceptance": f"{accepted / drafted:.0%} of {drafted}" if drafted else ""})
+    print(f"machine: {machine()}; threads {args.threads}; rounds {args.rounds} (median); max_tokens {args.max_tokens}")
+    print(table(rows, ["workload", "engine", "output tok/s", "vs plain", "steps speculating", "acceptance"]))
+
+
+if __name__ == "__main__":
+    main()
