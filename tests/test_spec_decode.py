@@ -301,6 +301,7 @@ def test_bad_speculative_configs_are_refused(tmp_path, model_path):
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig(speculative_method="ngram", prompt_lookup_min=5, prompt_lookup_max=3)
     import numpy as np
+
     from gguf_factory import write_gguf
 
     other = write_gguf(tmp_path / "other.gguf", {"token_embd.weight": (np.zeros((4, 8), np.float32), "F32")},

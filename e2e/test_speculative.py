@@ -1,0 +1,55 @@
+"""Speculative decoding through the operator: an InferenceService with engineSettings.speculative
+runs a real kvpilot engine (pod runner) that speculates, is Ready with no Degraded condition, and
+answers through its pod IP with its spec_decode metrics counting."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from e2e.cluster import TOKEN, _insecure
+from e2e.load import ready_endpoints
+from e2e.operator_proc import OperatorProcess
+from e2e.pod_runner import PodRunner
+from e2e.waiting import wait_until
+
+pytestmark = pytest.mark.cluster
+
+
+def condition(obj, type_):
+    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def test_ngram_speculation_runs_in_the_engine_pod(cluster, namespace, tmp_path):
+    cluster.kubectl("apply", "-f", str(Path(__file__).resolve().parents[1] / "crds"))
+    runner = PodRunner(cluster.server, tmp_path / "engines").start()
+    op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log")
+    try:
+        spec = {"model": {"source": "smollm2-135m"}, "resources": {"cpuOnly": True},
+                "engineSettings": {"maxNumSeqs": 4, "kvCacheMemory": "64MiB", "maxModelLen": 1024,
+                                   "speculative": {"method": "ngram", "numSpeculativeTokens": 4}}}
+        body = {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "spec"}, "spec": spec}
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+
+        def isvc():
+            r = cluster.kubectl("get", "kvis", "spec", "-n", namespace, "-o", "json", check=False)
+            return json.loads(r.stdout) if r.returncode == 0 else None
+
+        wait_until(lambda: condition(isvc(), "Ready").get("status") == "True", timeout=120, what="engine Ready (model load)")
+        assert condition(isvc(), "Degraded").get("status") != "True", condition(isvc(), "Degraded")
+        api = httpx.Client(verify=_insecure(), headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+        [endpoint] = ready_endpoints(api, cluster.server, namespace, "spec")
+        code = "def add(a, b):\n    return a + b\n\ndef add3(a, b, c):\n    return add(add(a, b), c)\n\ndef add4(a, b, c, d):\n    return"
+        r = httpx.post(f"{endpoint}/v1/completions", json={"model": "spec", "prompt": code, "max_tokens": 40, "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
+        metrics = httpx.get(f"{endpoint}/metrics", timeout=10).text
+        accepted = re.search(r'^kvpilot:spec_decode_num_accepted_tokens_total\{model_name="spec"\} (\S+)$', metrics, re.M)
+        drafts = re.search(r'^kvpilot:spec_decode_num_drafts_total\{model_name="spec"\} (\S+)$', metrics, re.M)
+        assert accepted and drafts and float(accepted.group(1)) > 0 and float(drafts.group(1)) > 0, metrics
+    finally:
+        op.stop()
+        runner.stop()
