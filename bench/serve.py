@@ -1,6 +1,6 @@
 """Online serving: kvpilot vs llama.cpp's llama-server, same GGUF, same requests, one run.
 
-    .venv/bin/python bench/serve.py [--force] [--levels 1,4,16] [--repeats 3]
+    .venv/bin/python bench/serve.py [--force] [--levels 1,4,16] [--repeats 3] [--speculative ngram] [--no-llama]
 
 Each server gets the same prompts (fixed seeds, 32–256 prompt tokens), the same max_tokens (64–128)
 with ignore_eos, streamed. The servers run side by side and each level is repeated, interleaved across
@@ -141,13 +141,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions of each level per server")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="also run kvpilot with bfloat16 weights")
+    ap.add_argument("--speculative", choices=["ngram"], help="also run kvpilot (fp32) with this speculative method (ratio rows vs plain fp32)")
+    ap.add_argument("--llama", action=argparse.BooleanOptionalAction, default=True, help="run llama-server (built on first use)")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
     from kvpilot.server.model_files import resolve_model_path
 
     gguf = resolve_model_path("smollm2-135m")
     levels = [int(x) for x in args.levels.split(",")]
-    llama = llama_server_binary()
     rows = []
     results: dict[str, dict[int, dict]] = {}
     kvpilot = [str(Path(sys.executable).parent / "kvpilot"), "serve", "--host", "127.0.0.1", "--port", "18180",
@@ -156,8 +157,11 @@ def main() -> None:
         "kvpilot (fp32)": (kvpilot, "http://127.0.0.1:18180", "/ready", "smollm2-135m"),
         **({"kvpilot (bf16)": ([*kvpilot[:5], "18182", *kvpilot[6:], "--dtype", "bfloat16"], "http://127.0.0.1:18182", "/ready", "smollm2-135m")}
            if args.bf16 else {}),
-        "llama-server (Q4_1)": ([str(llama), "-m", str(gguf), "-t", "2", "--parallel", "16", "-c", "12288", "--host", "127.0.0.1",
-                                 "--port", "18181", "--cont-batching"], "http://127.0.0.1:18181", "/health", "smollm2"),
+        **({f"kvpilot (fp32, {args.speculative})": ([*kvpilot[:5], "18183", *kvpilot[6:], "--speculative-method", args.speculative],
+                                                   "http://127.0.0.1:18183", "/ready", "smollm2-135m")} if args.speculative else {}),
+        **({"llama-server (Q4_1)": ([str(llama_server_binary()), "-m", str(gguf), "-t", "2", "--parallel", "16", "-c", "12288",
+                                     "--host", "127.0.0.1", "--port", "18181", "--cont-batching"], "http://127.0.0.1:18181", "/health", "smollm2")}
+           if args.llama else {}),
     }
     # All servers run side by side (an idle one uses no CPU) and the levels are run interleaved: for
     # each repetition every server gets the same fresh prompts, in a rotating order. This shared VM's
@@ -193,11 +197,13 @@ def main() -> None:
             rows.append({"server": name, "clients": c, "output tok/s": f"{r['tok/s']:.1f}",
                          "TTFT p50/p99 ms": f"{r['ttft_p50']:.0f} / {r['ttft_p99']:.0f}",
                          "ITL p50/p99 ms": f"{r['itl_p50']:.0f} / {r['itl_p99']:.0f}", "errors": r["errors"]})
-    llama_name = "llama-server (Q4_1)"
-    for name in (n for n in results if n != llama_name):
+    llama_name, plain_name = "llama-server (Q4_1)", "kvpilot (fp32)"
+    pairs = [(name, llama_name, f"{name.split(maxsplit=1)[1]}/llama") for name in results if name != llama_name and args.llama]
+    pairs += [(name, plain_name, f"{args.speculative}/plain") for name in results if args.speculative and name.endswith(f"{args.speculative})")]
+    for name, base, label in pairs:
         for c in levels:
-            a, b = results[name][c], results[llama_name][c]
-            rows.append({"server": f"ratio {name.split()[1]}/llama", "clients": c, "output tok/s": f"{a['tok/s'] / b['tok/s']:.2f}x",
+            a, b = results[name][c], results[base][c]
+            rows.append({"server": f"ratio {label}", "clients": c, "output tok/s": f"{a['tok/s'] / b['tok/s']:.2f}x",
                          "TTFT p50/p99 ms": f"{a['ttft_p50'] / b['ttft_p50']:.2f}x / {a['ttft_p99'] / b['ttft_p99']:.2f}x",
                          "ITL p50/p99 ms": f"{a['itl_p50'] / b['itl_p50']:.2f}x / {a['itl_p99'] / b['itl_p99']:.2f}x"})
     print(f"machine: {machine()}")

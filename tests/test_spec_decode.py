@@ -17,6 +17,7 @@ from kvpilot.server.engine.sampler import Sampler
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.sequence import Sequence
 from kvpilot.server.engine.spec_decode import ngram_lookup
+from oracle import ORACLE_PROMPTS
 
 FORCED = dict(speculative_disable_batch_size=0, speculative_min_acceptance=0.0)
 NEG = float("-inf")
@@ -128,9 +129,13 @@ def run(engine, prompts, params):
     return [done[i] for i in ids], [streamed[i] for i in ids]
 
 
+# The HF-oracle prompts (plain decoding equals HF on them: test_hf_equivalence.py) and the copy-heavy ones.
+GREEDY_PROMPTS = ORACLE_PROMPTS + COPY_PROMPTS[:3]
+
+
 @pytest.fixture(scope="module")
 def plain_greedy():
-    outs, _ = run(make_engine(kv_cache_memory="64MiB"), COPY_PROMPTS, SamplingParams(temperature=0, max_tokens=48))
+    outs, _ = run(make_engine(kv_cache_memory="64MiB"), GREEDY_PROMPTS, SamplingParams(temperature=0, max_tokens=40))
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -138,9 +143,9 @@ SETTINGS = {
     "batched": dict(kv_cache_memory="64MiB"),
     # 64-token steps: prompts are prefilled in chunks, and verification rows share steps with them.
     "chunked": dict(kv_cache_memory="64MiB", max_num_batched_tokens=64),
-    # 14 blocks of 16 tokens (K and V, 30 layers, 3 KV heads of 64 fp32) for 4 sequences of up to ~90
+    # 20 blocks of 16 tokens (K and V, 30 layers, 3 KV heads of 64 fp32) for 13 sequences of up to ~90
     # tokens: sequences are preempted and recomputed.
-    "preempted": dict(kv_cache_memory=14 * (2 * 30 * 16 * 3 * 64 * 4), block_size=16),
+    "preempted": dict(kv_cache_memory=20 * (2 * 30 * 16 * 3 * 64 * 4), block_size=16),
 }
 
 
@@ -153,7 +158,7 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
         if setting == "preempted":  # a block now also holds the draft's 4 layers
             kw["kv_cache_memory"] = kw["kv_cache_memory"] * 34 // 30
     engine = make_engine(**kw)
-    outs, streamed = run(engine, COPY_PROMPTS, SamplingParams(temperature=0, max_tokens=48))
+    outs, streamed = run(engine, GREEDY_PROMPTS, SamplingParams(temperature=0, max_tokens=40))
     assert [o.outputs[0].token_ids for o in outs] == plain_greedy
     assert streamed == [o.outputs[0].text for o in outs]  # multi-token deltas stream the same text
     stats = engine.proposer.stats
@@ -222,7 +227,7 @@ def test_stops_inside_an_accepted_run_end_the_sequence_at_the_right_token(plain_
     """EOS-like stops, stop strings, max_tokens and min_tokens falling inside a run of accepted tokens."""
     engine = make_engine(kv_cache_memory="64MiB", speculative_method="ngram", **FORCED)
     plain = make_engine(kv_cache_memory="64MiB")
-    full = plain_greedy[1]  # the code prompt: its output copies long runs of its context
+    full = plain_greedy[GREEDY_PROMPTS.index(COPY_PROMPTS[1])]  # the code prompt: its output copies long runs of its context
     tok = engine.tokenizer
     cases = [SamplingParams(temperature=0, max_tokens=27),
              SamplingParams(temperature=0, max_tokens=48, stop_token_ids=[full[30]]),
