@@ -46,6 +46,13 @@ def test_ngram_speculation_runs_in_the_engine_pod(cluster, namespace, tmp_path):
         code = "def add(a, b):\n    return a + b\n\ndef add3(a, b, c):\n    return add(add(a, b), c)\n\ndef add4(a, b, c, d):\n    return"
         r = httpx.post(f"{endpoint}/v1/completions", json={"model": "spec", "prompt": code, "max_tokens": 40, "temperature": 0}, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
+        # Streamed, the multi-token steps arrive as deltas that add up to the same text.
+        with httpx.stream("POST", f"{endpoint}/v1/completions", timeout=120,
+                          json={"model": "spec", "prompt": code, "max_tokens": 40, "temperature": 0, "stream": True}) as stream:
+            events = [line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        deltas = [json.loads(e)["choices"][0]["text"] for e in events[:-1] if json.loads(e)["choices"]]
+        assert "".join(deltas) == r.json()["choices"][0]["text"] and max(len(d) for d in deltas) > 0
         metrics = httpx.get(f"{endpoint}/metrics", timeout=10).text
         accepted = re.search(r'^kvpilot:spec_decode_num_accepted_tokens_total\{model_name="spec"\} (\S+)$', metrics, re.M)
         drafts = re.search(r'^kvpilot:spec_decode_num_drafts_total\{model_name="spec"\} (\S+)$', metrics, re.M)

@@ -173,6 +173,9 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
 
 def test_a_truncated_draft_is_accepted_sometimes_and_rejections_are_resampled(draft_path):
     engine = make_engine(kv_cache_memory="64MiB", speculative_method="draft", speculative_model=draft_path, **FORCED)
+    # The draft's cache is carved from the same budget: a block costs 30 target + 4 draft layers of K/V.
+    layer_block = 2 * 16 * 3 * 64 * 4
+    assert engine.runner.num_blocks == (64 << 20) // (34 * layer_block) and len(engine.runner.draft_kv_caches) == 4
     run(engine, COPY_PROMPTS, SamplingParams(temperature=1.0, max_tokens=32, seed=3))
     s = engine.proposer.stats
     assert 0 < s.num_accepted_tokens / s.num_draft_tokens < 0.95
