@@ -7,13 +7,20 @@ formulas, same fp32 operation order.
   Q4_1: 32 weights per 20-byte block: fp16 d, fp16 m, 16 bytes of codes; w = q·d + m
   Q8_0: 32 weights per 34-byte block: fp16 d, 32 int8 codes; w = q·d
 In a 4-bit block the low nibbles hold weights 0–15 and the high nibbles weights 16–31.
+K-quants (what `Q4_K_M`-style files mostly hold) use super-blocks of 256 weights:
+  Q4_K: 144 bytes: fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min) pairs, 128 bytes of 4-bit
+        codes; sub-block j of 32: w = q·(d·scale_j) − dmin·min_j
+  Q5_K: 176 bytes: as Q4_K plus 32 bytes holding each code's fifth bit
+  Q6_K: 210 bytes: 128 bytes of low 4 bits, 64 bytes of high 2 bits, sixteen int8 scales, fp16 d;
+        sub-block j of 16: w = (q − 32)·(d·scale_j)
 """
 
 from __future__ import annotations
 
 import torch
 
-QK = 32  # weights per block for all three formats
+QK = 32  # weights per block of Q4_0, Q4_1, Q8_0
+QK_K = 256  # weights per super-block of the K-quants
 
 
 def _blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
@@ -49,3 +56,53 @@ def dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:
     d = _f16(blocks[..., 0:2])
     q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)
     return (d * q).reshape(raw.shape[0], -1)
+
+
+def _bits(codes: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
+    """codes [..., groups, width] -> [..., groups * len(shifts), width]: each byte's fields at these shifts."""
+    shift = torch.tensor(shifts, dtype=torch.uint8).reshape(len(shifts), 1)
+    out = (codes.unsqueeze(-2) >> shift) & mask
+    return out.reshape(*codes.shape[:-2], -1, codes.shape[-1])
+
+
+def _k4_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes -> eight 6-bit scales and eight 6-bit mins (as float32)."""
+    s = packed.reshape(*packed.shape[:-1], 3, 4)
+    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    scales = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return scales.to(torch.float32), mins.to(torch.float32)
+
+
+def _k4_dequantize(raw: torch.Tensor, block_bytes: int, fifth_bit: bool) -> torch.Tensor:
+    rows = raw.shape[0]
+    blocks = _blocks(raw, block_bytes)
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    scales, mins = _k4_scales(blocks[..., 4:16])
+    d = (d * scales).unsqueeze(-1)        # [rows, blocks, 8, 1]
+    dm = (dmin * mins).unsqueeze(-1)
+    qs = blocks[..., block_bytes - 128:]
+    q = _bits(qs.reshape(rows, -1, 4, 32), [0, 4], 0x0F)  # [rows, blocks, 8, 32]
+    if fifth_bit:
+        qh = _bits(blocks[..., 16:48].reshape(rows, -1, 1, 32), list(range(8)), 0x01)
+        q = q | (qh << 4)
+    return (d * q.to(torch.float32) - dm).reshape(rows, -1)
+
+
+def dequantize_q4_k(raw: torch.Tensor) -> torch.Tensor:
+    return _k4_dequantize(raw, 144, fifth_bit=False)
+
+
+def dequantize_q5_k(raw: torch.Tensor) -> torch.Tensor:
+    return _k4_dequantize(raw, 176, fifth_bit=True)
+
+
+def dequantize_q6_k(raw: torch.Tensor) -> torch.Tensor:
+    rows = raw.shape[0]
+    blocks = _blocks(raw, 210)
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).to(torch.float32)
+    d = (_f16(blocks[..., 208:210]) * scales).unsqueeze(-1)  # [rows, blocks, 16, 1]
+    low = _bits(blocks[..., 0:128].reshape(rows, -1, 2, 64), [0, 4], 0x0F).reshape(rows, -1, 8, 32)
+    high = _bits(blocks[..., 128:192].reshape(rows, -1, 2, 32), [0, 2, 4, 6], 0x03)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(rows, -1, 16, 16).to(torch.float32)
+    return (d * q).reshape(rows, -1)

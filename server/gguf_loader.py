@@ -14,9 +14,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvpilot.kernels.gguf_dequant import dequantize_q4_0, dequantize_q4_1, dequantize_q8_0
+from kvpilot.kernels.gguf_dequant import (
+    dequantize_q4_0,
+    dequantize_q4_1,
+    dequantize_q4_k,
+    dequantize_q5_k,
+    dequantize_q6_k,
+    dequantize_q8_0,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+DEQUANTIZE = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1,
+              "Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k}  # GGML type name -> raw blocks to float32
 
 
 class GGUFError(ValueError):
@@ -124,12 +133,12 @@ class GGUFFile:
         elif kind == Q.BF16:
             raw = torch.from_numpy(np.array(data, copy=True).view(np.int16))
             out = raw.view(torch.bfloat16).reshape(shape)
-        elif kind in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+        elif kind.name in DEQUANTIZE:
             raw = torch.from_numpy(np.array(data, copy=True).view(np.uint8)).reshape(-1, data.shape[-1])
-            fn = {Q.Q4_0: dequantize_q4_0, Q.Q4_1: dequantize_q4_1, Q.Q8_0: dequantize_q8_0}[kind]
-            out = fn(raw).reshape(shape)
+            out = DEQUANTIZE[kind.name](raw).reshape(shape)
         else:
-            raise GGUFError(f"{self.path.name}: tensor {name!r} has type {kind.name}, which is not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1 are)")
+            raise GGUFError(f"{self.path.name}: tensor {name!r} has type {kind.name}, which is not supported "
+                            f"(F32, F16, BF16, {', '.join(DEQUANTIZE)} are)")
         return out.to(dtype)
 
     def tensor_names(self) -> Iterator[str]:

@@ -31,6 +31,36 @@ def test_dequantize_bit_equal_to_gguf(tmp_path, kind):
         assert not np.array_equal(ours, data)
 
 
+K_QUANTS = {"Q4_K": (144, [(0, 2), (2, 4)]), "Q5_K": (176, [(0, 2), (2, 4)]), "Q6_K": (210, [(208, 210)])}  # block bytes, fp16 fields
+
+
+@pytest.mark.parametrize("kind", list(K_QUANTS))
+def test_k_quants_dequantize_bit_equal_to_gguf(tmp_path, kind):
+    """The gguf package cannot quantize K-quants, so the blocks are random bytes with finite fp16 scales:
+    every code, scale and min bit pattern is exercised."""
+    import gguf
+
+    from kvpilot.server.gguf_loader import GGUFFile
+
+    block_bytes, halves = K_QUANTS[kind]
+    rng = np.random.default_rng(1)
+    rows, blocks = 5, 3  # 768 weights per row
+    raw = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
+    for lo, hi in halves:
+        raw[..., lo:hi] = (rng.standard_normal((rows, blocks, 1)) * 0.05).astype(np.float16).view(np.uint8)
+    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    w.add_tensor("w", raw.reshape(rows, -1), raw_dtype=gguf.GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(tmp_path / "k.gguf")
+    ours = f.tensor("w", torch.float32).numpy()
+    ref = reference(f, "w").astype(np.float32)
+    assert ours.shape == ref.shape == (rows, blocks * 256) and np.isfinite(ref).all() and np.abs(ref).max() > 0
+    assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32)), f"{kind}: not bit-equal"
+
+
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.3.ffn_down.weight", "token_embd.weight", "blk.0.attn_norm.weight"])
 def test_bundled_model_tensors_bit_equal(gguf_file, name):
     ours = gguf_file.tensor(name, torch.float32).numpy()
