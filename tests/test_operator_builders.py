@@ -132,6 +132,15 @@ def test_kvpilot_speculative_settings_become_engine_flags_and_the_draft_is_fetch
     assert on_pvc["args"][on_pvc["args"].index("--speculative-model") + 1] == "/models/draft/pvc/d.gguf"
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_each_engine_gets_only_quantization_values_it_takes(engine):
+    hub = {"source": "hf://Qwen/Qwen2.5-7B-Instruct"}
+    assert unsupported_settings(spec(model=hub, engine=engine, engineSettings={"quantization": "awq"})) == []
+    for value in ("int8", "int4"):
+        [problem] = unsupported_settings(spec(model=hub, engine=engine, engineSettings={"quantization": value}))
+        assert f"quantization={value} is not a {engine} quantization method" in problem and "awq" in problem
+
+
 def test_spec_model_rejects_bad_values():
     from pydantic import ValidationError
 

@@ -140,6 +140,12 @@ def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     return EngineContainer(spec.image or DEFAULT_IMAGES["sglang"], ["python3", "-m", "sglang.launch_server"], args, "/health", "/health")
 
 
+# engineSettings.quantization values each engine's own --quantization flag takes; the generic
+# weight-only int8/int4 are kvpilot's names (vLLM and SGLang have no such value: their pods would
+# crash-loop on an unknown choice, so it is a status condition instead).
+ENGINE_QUANTIZATION = {"vllm": {"fp8", "awq", "gptq"}, "sglang": {"fp8", "awq", "gptq"}}
+
+
 def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
     """Settings the chosen engine cannot honour yet: reported as Degraded instead of starting pods
     that would fail or silently ignore them."""
@@ -155,6 +161,9 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
             src = parse_model_source(files.source)
             if src.kind == "hf" and not src.path:
                 problems.append(f"the kvpilot engine loads GGUF files: give hf://org/repo/file.gguf ({files.volume} source {files.source})")
+    elif s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION[spec.engine]:
+        problems.append(f"engineSettings.quantization={s.quantization} is not a {spec.engine} quantization method "
+                        f"(it takes {', '.join(sorted(ENGINE_QUANTIZATION[spec.engine]))})")
     return problems
 
 
