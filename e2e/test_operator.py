@@ -96,7 +96,9 @@ def test_invalid_objects_rejected_by_cel(cluster, namespace, chart):
              ({"model": {"source": "ftp://nope"}}, "source"),
              ({"model": {"source": "pvc://claim/../../../etc/passwd"}}, "'..' are not allowed"),
              ({"model": {"source": 'hf://org/repo/x";curl${IFS}x|sh;echo${IFS}"\'.gguf'}}, "source"),
-             ({"env": [{"name": "POD_IP", "value": "1.2.3.4"}]}, "cannot be overridden")]
+             ({"env": [{"name": "POD_IP", "value": "1.2.3.4"}]}, "cannot be overridden"),
+             ({"env": [{"name": "HF_TOKEN", "value": "hf_x", "valueFrom": {"secretKeyRef": {"name": "hub", "key": "token"}}}]},
+              "give value or valueFrom, not both")]
     for spec, message in cases:
         body = json.loads(isvc("bad"))
         body["spec"].update(spec)

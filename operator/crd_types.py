@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvpilot.server.model_source import DOT_SEGMENT_PATTERN, MODEL_SOURCE_PATTERN, parse_model_source
@@ -148,12 +148,28 @@ class InferenceServiceSpec(_Model):
     pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels of the engine pods.")
 
 
+class EnvVarSource(_Model):
+    secret_key_ref: SecretKeyRef = Field(description="A key of a Secret in the same namespace.")
+
+
 class EnvVar(_Model):
+    """An environment variable: a value, or a Secret's key (for HF_TOKEN: then it is in neither the object nor the pod spec)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              json_schema_extra={"x-kubernetes-validations": [
+                                  cel("!(has(self.value) && self.value != '' && has(self.valueFrom))", "give value or valueFrom, not both")]})
     name: str = Field(max_length=256, description=f"Variable name (not one the operator sets: {', '.join(RESERVED_ENV)}).",
                       json_schema_extra={"x-kubernetes-validations": [
                           cel(f"!({' || '.join(repr(n) + ' == self' for n in RESERVED_ENV)})".replace("'", '"'),
                               f"is set by the operator and cannot be overridden ({', '.join(RESERVED_ENV)})")]})
     value: str = Field("", max_length=4096, description="Value.")
+    value_from: EnvVarSource | None = Field(None, description="Where the value comes from instead (a Secret's key).")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVar:
+        if self.value and self.value_from is not None:
+            raise ValueError(f"env {self.name}: give value or valueFrom, not both")
+        return self
 
     @field_validator("name")
     @classmethod

@@ -224,6 +224,21 @@ def test_downloads_run_fetch_model_without_a_shell_as_non_root():
     assert "initContainers" not in dep["spec"]["template"]["spec"] and "Qwen/Qwen3-0.6B" in container(dep)["args"]
 
 
+def test_hf_token_from_a_secret_reaches_the_download_and_engine_by_reference_only():
+    from pydantic import ValidationError
+
+    ref = {"secretKeyRef": {"name": "hub", "key": "token"}}
+    dep = deployment("m", "ns", "u", spec(model={"source": "hf://org/gated/model.gguf"},
+                                          env=[{"name": "HF_TOKEN", "valueFrom": ref}, {"name": "HF_ENDPOINT", "value": "https://mirror.example"}]))
+    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+    for env in (init["env"], container(dep)["env"]):
+        token = next(e for e in env if e["name"] == "HF_TOKEN")
+        assert token == {"name": "HF_TOKEN", "valueFrom": ref} and "value" not in token
+        assert {"name": "HF_ENDPOINT", "value": "https://mirror.example"} in env
+    with pytest.raises(ValidationError, match="give value or valueFrom, not both"):
+        spec(env=[{"name": "HF_TOKEN", "value": "hf_x", "valueFrom": ref}])
+
+
 def test_engine_pods_are_locked_down():
     dep = deployment("m", "ns", "u", spec(apiKeySecretRef={"name": "engine-key", "key": "token"}, env=[{"name": "FOO", "value": "1"}]))
     pod = dep["spec"]["template"]["spec"]

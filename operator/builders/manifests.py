@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvpilot.operator.builders.engines import DEFAULT_IMAGES, PORT, SHUTDOWN_GRACE_SECONDS, engine_container, model_files
-from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, VERSION, InferenceServiceSpec
+from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, VERSION, EnvVar, InferenceServiceSpec
 from kvpilot.server.model_source import parse_model_source
 
 ENGINE_LABEL = f"{GROUP}/engine"
@@ -66,9 +66,17 @@ def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], 
     return volumes, mounts, inits
 
 
+def _env_entry(e: EnvVar) -> dict:
+    """A user env entry as a container env entry: a value, or a reference to a Secret's key (never its value)."""
+    if e.value_from is not None:
+        ref = e.value_from.secret_key_ref
+        return {"name": e.name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+    return {"name": e.name, "value": e.value}
+
+
 def _hf_token_env(spec: InferenceServiceSpec) -> list[dict]:
     """HF_TOKEN and HF_ENDPOINT from the user's env reach the download too (gated or mirrored hub files)."""
-    return [{"name": e.name, "value": e.value} for e in spec.env if e.name in ("HF_TOKEN", "HF_ENDPOINT")]
+    return [_env_entry(e) for e in spec.env if e.name in ("HF_TOKEN", "HF_ENDPOINT")]
 
 
 def _resources(spec: InferenceServiceSpec) -> dict:
@@ -92,7 +100,7 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) 
     volumes, mounts, inits = _model_volumes(spec)
     # The user's entries come first: the names the operator sets last are reserved (the spec refuses them),
     # and Kubernetes lets a later entry of the same name win.
-    env = [*({"name": e.name, "value": e.value} for e in spec.env),
+    env = [*(_env_entry(e) for e in spec.env),
            {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}, *c.env, *CACHE_ENV,
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     if spec.api_key_secret_ref is not None:
