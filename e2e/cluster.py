@@ -2,7 +2,7 @@
 kube-controller-manager, kube-scheduler (built from k8s.io/kubernetes by e2e/tools/build.sh) and kwok
 for fake GPU nodes whose pods get loopback IPs.
 
-    python -m e2e.cluster up [--nodes 3] [--gpus 4]   # prints `export KUBECONFIG=…`
+    python -m e2e.cluster up [--nodes 3] [--gpus 4] [--no-addons]   # prints `export KUBECONFIG=…`
     python -m e2e.cluster down
 
 State (data, logs, kubeconfig, pids) lives in ${XDG_CACHE_HOME:-~/.cache}/kvpilot/cluster/<name>/.
@@ -216,10 +216,25 @@ class Cluster:
             parts.append(f"===== {f.name} (last 40 lines) =====\n" + "\n".join(f.read_text(errors="replace").splitlines()[-40:]))
         return "\n".join(parts)
 
-    def _start(self, name: str, argv: list) -> None:
+    def start_addons(self, scrape_interval: str = "5s") -> str:
+        """What `make cluster-up` adds for a user (the tests start their own): the CRDs, Prometheus
+        discovering engine pods through the apiserver, and the pod runner, which runs each engine pod
+        as a local `kvpilot serve` on its loopback pod IP. All stop with `down`. Returns Prometheus's URL."""
+        from e2e.prometheus import Prometheus
+
+        self.kubectl("apply", "-f", str(HERE.parent / "crds"))
+        prom = Prometheus(self.state_dir / "prometheus", scrape_interval)
+        prom.add_kubernetes_pods(self.server, TOKEN, str(self.state_dir / "certs" / "apiserver.crt")).start()
+        self.pids["prometheus"], self.ports["prometheus"] = prom._proc.pid, prom.port
+        self._save()
+        self._start("pod-runner", [sys.executable, "-m", "e2e.pod_runner", "--kubeconfig", self.kubeconfig,
+                                   "--log-dir", self.log_dir / "engines"], cwd=HERE.parent)  # as `make`: python -m from the repo root
+        return prom.url
+
+    def _start(self, name: str, argv: list, cwd: Path | None = None) -> None:
         log = open(self.log_dir / f"{name}.log", "ab")
         p = subprocess.Popen([str(a) for a in argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, cwd=self.state_dir)
+                             start_new_session=True, cwd=cwd or self.state_dir)
         self.pids[name] = p.pid
         self._procs = getattr(self, "_procs", {})
         self._procs[name] = p
@@ -319,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="default")
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--gpus", type=int, default=4)
+    ap.add_argument("--addons", action=argparse.BooleanOptionalAction, default=True,
+                    help="also apply the CRDs and start Prometheus and the pod runner (default; the tests start their own)")
     args = ap.parse_args(argv)
     if args.command == "up":
         t = time.monotonic()
@@ -328,6 +345,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"cluster-up: {e}", file=sys.stderr)
             return 1
         print(f"control plane up in {time.monotonic() - t:.1f}s: {args.nodes} GPU nodes x {args.gpus} nvidia.com/gpu")
+        if args.addons:
+            try:
+                prometheus = c.start_addons()
+            except BaseException:
+                c.down(keep_logs=True)
+                raise
+            print(f"CRDs applied; pod runner started (engine pods run as local processes on their pod IPs); prometheus at {prometheus}")
+            print(f"run the operator: .venv/bin/python -m kvpilot.operator --prometheus-url {prometheus} --no-leader-election")
         print(f"logs: {c.log_dir}")
         print(f"export KUBECONFIG={c.kubeconfig}")
         return 0

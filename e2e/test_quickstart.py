@@ -1,0 +1,68 @@
+"""The README's local quick start, step by step, as a user runs it: `python -m e2e.cluster up` (what
+`make cluster-up` runs) on its own cluster, the operator as a process, the CPU example applied with
+kubectl, Ready, a completion through the pod IP, the KV column filled from Prometheus, then `down`
+leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from e2e.cluster import kubectl_path
+from e2e.net import require_loopback
+from e2e.waiting import wait_until
+
+pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_local_quick_start(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))}
+    up = subprocess.run([sys.executable, "-m", "e2e.cluster", "up", "--name", "quickstart"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=180)
+    operator, pod_ip = None, "no pod"
+    try:
+        assert up.returncode == 0, up.stderr
+        kubeconfig = re.search(r"^export KUBECONFIG=(\S+)$", up.stdout, re.M).group(1)
+        prometheus = re.search(r"--prometheus-url (\S+)", up.stdout).group(1)
+        env["KUBECONFIG"] = kubeconfig
+
+        def kubectl(*args: str) -> str:
+            return subprocess.run([kubectl_path(), *args], env=env, capture_output=True, text=True, check=True, timeout=60).stdout
+
+        log = open(tmp_path / "operator.log", "wb")
+        operator = subprocess.Popen([sys.executable, "-m", "kvpilot.operator", "--prometheus-url", prometheus, "--no-leader-election",
+                                     "--liveness", ""], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+        kubectl("apply", "-f", str(ROOT / "crds" / "examples" / "smollm2-cpu.yaml"))
+        wait_until(lambda: json.loads(kubectl("get", "kvis", "smollm2", "-o", "json")).get("status", {}).get("readyReplicas") == 1,
+                   timeout=120, what="smollm2 Ready (model load)")
+        pod_ip = kubectl("get", "pods", "-l", "serving.kvpilot.dev/inferenceservice=smollm2", "-o", "jsonpath={.items[0].status.podIP}")
+        r = httpx.post(f"http://{require_loopback(pod_ip)}:8000/v1/completions", timeout=60,
+                       json={"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"], r.text
+        # the KV column (.status.lastMetrics.kvCacheUtilization) comes from Prometheus: scraped every 5 s,
+        # read at the autoscaler's interval
+        kv = wait_until(lambda: kubectl("get", "kvis", "smollm2", "-o", "jsonpath={.status.lastMetrics.kvCacheUtilization}"),
+                        timeout=90, what="KV column filled")
+        assert 0 <= float(kv) <= 1
+        assert kubectl("get", "kvis", "smollm2", "--no-headers").split()[:6] == ["smollm2", "1", "1", "1", kv,
+                                                                                    kubectl("get", "kvis", "smollm2", "-o", "jsonpath={.status.lastMetrics.queueDepth}")]
+    finally:
+        if operator is not None:
+            operator.terminate()
+            operator.wait(30)
+        down = subprocess.run([sys.executable, "-m", "e2e.cluster", "down", "--name", "quickstart"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    time.sleep(1)
+    for pattern in ("cluster/quickstart", f"--host {pod_ip} "):  # control plane, Prometheus, pod runner; the engine
+        left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        assert not left, f"processes matching {pattern!r} left after down: {left}"
