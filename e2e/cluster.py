@@ -351,8 +351,10 @@ def main(argv: list[str] | None = None) -> int:
             except BaseException:
                 c.down(keep_logs=True)
                 raise
-            print(f"CRDs applied; pod runner started (engine pods run as local processes on their pod IPs); prometheus at {prometheus}")
-            print(f"run the operator: .venv/bin/python -m kvpilot.operator --prometheus-url {prometheus} --no-leader-election")
+            print(f"CRDs applied; pod runner started (engine and operator pods run as local processes on their pod IPs); "
+                  f"prometheus at {prometheus}")
+            print(f"install the operator: {binaries()['helm']} install kvpilot charts/kvpilot -n kvpilot-system --create-namespace "
+                  f"--set prometheusUrl={prometheus} --wait")
         print(f"logs: {c.log_dir}")
         print(f"export KUBECONFIG={c.kubeconfig}")
         return 0

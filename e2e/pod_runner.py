@@ -1,5 +1,7 @@
 """Test infrastructure (not product): runs the engine container of each kvpilot engine pod that kwok
-reports Running, as a local process bound to the pod's loopback IP.
+reports Running, as a local process bound to the pod's loopback IP; with a kubeconfig, also the
+operator pods that the Helm chart creates (`python -m kvpilot.operator` with the pod's args, env and
+ServiceAccount: a token requested for it).
 
 It expands `$(VAR)` references from the container's env (downward-API POD_IP included), runs the
 command with 1 torch thread under `nice`, sets serving.kvpilot.dev/engine-ready=true once the
@@ -46,7 +48,19 @@ def container_env(container: dict, pod: dict) -> dict[str, str]:
             env[e["name"]] = pod["status"]["podIP"]
         elif (e.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
             env[e["name"]] = pod["metadata"]["name"]
+        elif (e.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
+            env[e["name"]] = pod["metadata"]["namespace"]
     return env
+
+
+OPERATOR_SELECTOR = "app.kubernetes.io/name=kvpilot-operator"  # the chart's operator pods
+
+
+def operator_argv(pod: dict) -> tuple[list[str], dict[str, str]]:
+    """The chart's operator container as a local process: its image's entry point is `python -m kvpilot.operator`."""
+    container = next(c for c in pod["spec"]["containers"] if c["name"] == "operator")
+    env = {k: v for k, v in container_env(container, pod).items() if k not in CONTAINER_PATH_ENV}
+    return [sys.executable, "-m", "kvpilot.operator", *(expand(a, env) for a in container.get("args") or [])], env
 
 
 # Paths inside the container (its emptyDir caches): the host process keeps its own, where the compiled
@@ -77,8 +91,11 @@ class Engine:
 
 
 class PodRunner:
-    def __init__(self, server: str, log_dir: Path, token: str = TOKEN, poll: float = 0.5):
-        self.server, self.token, self.poll = server, token, poll
+    """kubeconfig (the admin one): also run operator pods, each with its own ServiceAccount's kubeconfig."""
+
+    def __init__(self, server: str, log_dir: Path, token: str = TOKEN, poll: float = 0.5, kubeconfig: dict | None = None):
+        self.server, self.token, self.poll, self.kubeconfig = server, token, poll, kubeconfig
+        self.operators: dict[str, Engine] = {}  # pod uid -> operator process
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engines: dict[str, Engine] = {}  # pod uid -> engine
@@ -97,7 +114,38 @@ class PodRunner:
         self._http.patch(f"{self.server}/api/v1/namespaces/{m['namespace']}/pods/{m['name']}", content=json.dumps(patch),
                          headers={"Content-Type": "application/merge-patch+json"})
 
+    def _step_operators(self) -> None:
+        r = self._http.get(f"{self.server}/api/v1/pods", params={"labelSelector": OPERATOR_SELECTOR})
+        r.raise_for_status()
+        pods = {p["metadata"]["uid"]: p for p in r.json()["items"]}
+        for uid in list(self.operators):
+            pod = pods.get(uid)
+            if pod is None or pod["metadata"].get("deletionTimestamp") or self.operators[uid].proc.poll() is not None:
+                self._stop_process(self.operators.pop(uid))  # gone, or exited (then started again below)
+        for uid, pod in pods.items():
+            if uid not in self.operators and not pod["metadata"].get("deletionTimestamp") and pod["status"].get("phase") == "Running" \
+                    and pod["status"].get("podIP"):
+                self._start_operator(uid, pod)
+
+    def _start_operator(self, uid: str, pod: dict) -> None:
+        m = pod["metadata"]
+        sa = pod["spec"].get("serviceAccountName", "default")
+        r = self._http.post(f"{self.server}/api/v1/namespaces/{m['namespace']}/serviceaccounts/{sa}/token",
+                            json={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 86400}})
+        r.raise_for_status()
+        kubeconfig = self.log_dir / f"{m['namespace']}_{m['name']}.kubeconfig"
+        kubeconfig.write_text(json.dumps({**self.kubeconfig, "users": [{"name": "admin", "user": {"token": r.json()["status"]["token"]}}]}))
+        kubeconfig.chmod(0o600)
+        argv, env = operator_argv(pod)
+        log = open(self.log_dir / f"{m['namespace']}_{m['name']}.log", "ab")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env, "KUBECONFIG": str(kubeconfig)},
+                                start_new_session=True)
+        self.operators[uid] = Engine(m["name"], m["namespace"], require_loopback(pod["status"]["podIP"]), 8080, proc)
+        self.events.append((time.time(), m["name"], "operator started"))
+
     def step(self) -> None:
+        if self.kubeconfig is not None:
+            self._step_operators()
         pods = {p["metadata"]["uid"]: p for p in self._pods()}
         for uid in list(self.engines):
             pod = pods.get(uid)
@@ -141,7 +189,9 @@ class PodRunner:
         self.events.append((time.time(), name, f"started on {ip}:{port}"))
 
     def _stop_engine(self, uid: str) -> None:
-        eng = self.engines.pop(uid)
+        self._stop_process(self.engines.pop(uid))
+
+    def _stop_process(self, eng: Engine) -> None:
         if eng.proc.poll() is None:
             os.killpg(eng.proc.pid, signal.SIGTERM)  # the engine drains, then exits
             try:
@@ -170,6 +220,8 @@ class PodRunner:
             self._thread.join(10)
         for uid in list(self.engines):
             self._stop_engine(uid)
+        for uid in list(self.operators):
+            self._stop_process(self.operators.pop(uid))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", default="pod-runner-logs")
     args = ap.parse_args(argv)
     cfg = json.loads(Path(args.kubeconfig).read_text())
-    runner = PodRunner(cfg["clusters"][0]["cluster"]["server"], Path(args.log_dir), cfg["users"][0]["user"]["token"])
+    runner = PodRunner(cfg["clusters"][0]["cluster"]["server"], Path(args.log_dir), cfg["users"][0]["user"]["token"], kubeconfig=cfg)
     signal.signal(signal.SIGTERM, lambda *_: runner._stop.set())
     try:
         runner.run()

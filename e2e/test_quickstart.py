@@ -1,13 +1,14 @@
 """The README's local quick start, step by step, as a user runs it: `python -m e2e.cluster up` (what
-`make cluster-up` runs) on its own cluster, the operator as a process, the CPU example applied with
-kubectl, Ready, a completion through the pod IP, the KV column filled from Prometheus, then `down`
-leaving no process behind."""
+`make cluster-up` runs) on its own cluster, the chart installed with the helm line it prints (its
+operator pods run by the pod runner), the CPU example applied with kubectl, Ready, a completion
+through the pod IP, the KV column filled from Prometheus, then `down` leaving no process behind."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -28,19 +29,23 @@ def test_readme_local_quick_start(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))}
     up = subprocess.run([sys.executable, "-m", "e2e.cluster", "up", "--name", "quickstart"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=180)
-    operator, pod_ip = None, "no pod"
+    pod_ip = prometheus = "none yet"
     try:
         assert up.returncode == 0, up.stderr
         kubeconfig = re.search(r"^export KUBECONFIG=(\S+)$", up.stdout, re.M).group(1)
-        prometheus = re.search(r"--prometheus-url (\S+)", up.stdout).group(1)
+        helm_line = re.search(r"^install the operator: (.+)$", up.stdout, re.M).group(1)
+        prometheus = re.search(r"prometheusUrl=(\S+)", helm_line).group(1)
         env["KUBECONFIG"] = kubeconfig
 
         def kubectl(*args: str) -> str:
             return subprocess.run([kubectl_path(), *args], env=env, capture_output=True, text=True, check=True, timeout=60).stdout
 
-        log = open(tmp_path / "operator.log", "wb")
-        operator = subprocess.Popen([sys.executable, "-m", "kvpilot.operator", "--prometheus-url", prometheus, "--no-leader-election",
-                                     "--liveness", ""], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+        subprocess.run(shlex.split(helm_line), cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
+        pods = json.loads(kubectl("get", "pods", "-n", "kvpilot-system", "-o", "json"))["items"]
+        assert len(pods) == 2 and all(p["status"]["phase"] == "Running" for p in pods)
+        leader = wait_until(lambda: kubectl("get", "lease", "kvpilot-operator", "-n", "kvpilot-system",
+                                            "-o", "jsonpath={.spec.holderIdentity}"), timeout=30, what="an operator replica leads")
+        assert leader.split("_")[0] in {p["metadata"]["name"] for p in pods}
         kubectl("apply", "-f", str(ROOT / "crds" / "examples" / "smollm2-cpu.yaml"))
         wait_until(lambda: json.loads(kubectl("get", "kvis", "smollm2", "-o", "json")).get("status", {}).get("readyReplicas") == 1,
                    timeout=120, what="smollm2 Ready (model load)")
@@ -56,13 +61,11 @@ def test_readme_local_quick_start(tmp_path):
         assert kubectl("get", "kvis", "smollm2", "--no-headers").split()[:6] == ["smollm2", "1", "1", "1", kv,
                                                                                     kubectl("get", "kvis", "smollm2", "-o", "jsonpath={.status.lastMetrics.queueDepth}")]
     finally:
-        if operator is not None:
-            operator.terminate()
-            operator.wait(30)
         down = subprocess.run([sys.executable, "-m", "e2e.cluster", "down", "--name", "quickstart"], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr
     time.sleep(1)
-    for pattern in ("cluster/quickstart", f"--host {pod_ip} "):  # control plane, Prometheus, pod runner; the engine
+    # the control plane, Prometheus and the pod runner; the engine; the operators (this cluster's Prometheus in their args)
+    for pattern in ("cluster/quickstart", f"--host {pod_ip} ", f"kvpilot.operator --prometheus-url={prometheus}"):
         left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
         assert not left, f"processes matching {pattern!r} left after down: {left}"
