@@ -225,7 +225,7 @@ class Cluster:
         self.kubectl("apply", "-f", str(HERE.parent / "crds"))
         prom = Prometheus(self.state_dir / "prometheus", scrape_interval)
         prom.add_kubernetes_pods(self.server, TOKEN, str(self.state_dir / "certs" / "apiserver.crt")).start()
-        self.pids["prometheus"], self.ports["prometheus"] = prom._proc.pid, prom.port
+        self.pids["prometheus"], self.ports["prometheus"] = prom.pid, prom.port
         self._save()
         self._start("pod-runner", [sys.executable, "-m", "e2e.pod_runner", "--kubeconfig", self.kubeconfig,
                                    "--log-dir", self.log_dir / "engines"], cwd=HERE.parent)  # as `make`: python -m from the repo root

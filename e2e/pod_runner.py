@@ -80,7 +80,7 @@ def engine_argv(pod: dict) -> tuple[list[str], dict[str, str]]:
 
 
 @dataclass
-class Engine:
+class PodProcess:
     pod: str
     namespace: str
     ip: str
@@ -95,10 +95,10 @@ class PodRunner:
 
     def __init__(self, server: str, log_dir: Path, token: str = TOKEN, poll: float = 0.5, kubeconfig: dict | None = None):
         self.server, self.token, self.poll, self.kubeconfig = server, token, poll, kubeconfig
-        self.operators: dict[str, Engine] = {}  # pod uid -> operator process
+        self.operators: dict[str, PodProcess] = {}  # pod uid -> operator process
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.engines: dict[str, Engine] = {}  # pod uid -> engine
+        self.engines: dict[str, PodProcess] = {}  # pod uid -> engine
         self._stop = threading.Event()
         self._http = httpx.Client(verify=_insecure(), headers={"Authorization": f"Bearer {token}"}, timeout=10)
         self.events: list[tuple[float, str, str]] = []  # (time, pod, what) for reports
@@ -140,7 +140,7 @@ class PodRunner:
         log = open(self.log_dir / f"{m['namespace']}_{m['name']}.log", "ab")
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env, "KUBECONFIG": str(kubeconfig)},
                                 start_new_session=True)
-        self.operators[uid] = Engine(m["name"], m["namespace"], require_loopback(pod["status"]["podIP"]), 8080, proc)
+        self.operators[uid] = PodProcess(m["name"], m["namespace"], require_loopback(pod["status"]["podIP"]), 8080, proc)
         self.events.append((time.time(), m["name"], "operator started"))
 
     def step(self) -> None:
@@ -171,7 +171,7 @@ class PodRunner:
                 self.events.append((time.time(), pod["metadata"]["name"], "ready" if ok else "not ready"))
             eng.ready = ok
 
-    def _ready(self, eng: Engine) -> bool:
+    def _ready(self, eng: PodProcess) -> bool:
         try:
             return httpx.get(f"http://{eng.ip}:{eng.port}/ready", timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -185,13 +185,13 @@ class PodRunner:
         log = open(self.log_dir / f"{pod['metadata']['namespace']}_{name}.log", "ab")
         proc_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
         proc = subprocess.Popen(["nice", "-n", "5", *argv], stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True)
-        self.engines[uid] = Engine(name, pod["metadata"]["namespace"], ip, port, proc)
+        self.engines[uid] = PodProcess(name, pod["metadata"]["namespace"], ip, port, proc)
         self.events.append((time.time(), name, f"started on {ip}:{port}"))
 
     def _stop_engine(self, uid: str) -> None:
         self._stop_process(self.engines.pop(uid))
 
-    def _stop_process(self, eng: Engine) -> None:
+    def _stop_process(self, eng: PodProcess) -> None:
         if eng.proc.poll() is None:
             os.killpg(eng.proc.pid, signal.SIGTERM)  # the engine drains, then exits
             try:

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import torch
 
-QK = 32  # weights per block of Q4_0, Q4_1, Q8_0
-QK_K = 256  # weights per super-block of the K-quants
-
 
 def _blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
     rows = raw.shape[0]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvpilot.operator.builders.engines import DEFAULT_IMAGES, PORT, SHUTDOWN_GRACE_SECONDS, engine_container, model_files
-from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, VERSION, EnvVar, InferenceServiceSpec
+from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, VERSION, EnvVar, InferenceServiceSpec, SecretKeyRef
 from kvpilot.server.model_source import parse_model_source
 
 ENGINE_LABEL = f"{GROUP}/engine"
@@ -66,12 +66,14 @@ def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], 
     return volumes, mounts, inits
 
 
+def _secret_env(name: str, ref: SecretKeyRef) -> dict:
+    """An env entry read from a Secret's key (the value never appears in the pod spec)."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
 def _env_entry(e: EnvVar) -> dict:
-    """A user env entry as a container env entry: a value, or a reference to a Secret's key (never its value)."""
-    if e.value_from is not None:
-        ref = e.value_from.secret_key_ref
-        return {"name": e.name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
-    return {"name": e.name, "value": e.value}
+    """A user env entry as a container env entry: a value, or a reference to a Secret's key."""
+    return _secret_env(e.name, e.value_from.secret_key_ref) if e.value_from is not None else {"name": e.name, "value": e.value}
 
 
 def _hf_token_env(spec: InferenceServiceSpec) -> list[dict]:
@@ -104,7 +106,7 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) 
            {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}, *c.env, *CACHE_ENV,
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     if spec.api_key_secret_ref is not None:
-        env.append({"name": "KVPILOT_API_KEY", "valueFrom": {"secretKeyRef": {"name": spec.api_key_secret_ref.name, "key": spec.api_key_secret_ref.key}}})
+        env.append(_secret_env("KVPILOT_API_KEY", spec.api_key_secret_ref))
     container = {
         "name": "engine", "image": c.image, "command": c.command, "args": c.args, "env": env,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],

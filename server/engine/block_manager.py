@@ -142,8 +142,7 @@ class BlockManager:
             if block.ref_count != 1 or block.hash is not None:
                 raise AssertionError(f"block {block_id} trimmed while shared or cached")
             block.ref_count = 0
-            self.free[block_id] = None
-            self.free.move_to_end(block_id, last=False)
+            self._free_uncached(block_id)
         del seq.block_table[keep:]
 
     def free_seq(self, seq: Sequence) -> None:
@@ -156,9 +155,12 @@ class BlockManager:
             if block.ref_count == 0:
                 if block.hash is None or self.cached.get(block.hash) != block_id:
                     block.hash, block.token_ids = None, ()
-                    self.free[block_id] = None
-                    self.free.move_to_end(block_id, last=False)  # uncached blocks are reused first
+                    self._free_uncached(block_id)
                 else:
                     self.free[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
+
+    def _free_uncached(self, block_id: int) -> None:
+        self.free[block_id] = None
+        self.free.move_to_end(block_id, last=False)  # uncached blocks are reused first

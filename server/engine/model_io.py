@@ -37,6 +37,12 @@ def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, 
     return ids, valid
 
 
+def _block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables as one [rows, longest] tensor, padded with block 0 (never read: context lengths stop short)."""
+    width = max((len(t) for t in tables), default=0)
+    return upload([t + [0] * (width - len(t)) for t in tables], torch.long, device).reshape(len(tables), width)
+
+
 @dataclass(slots=True)
 class Penalties:
     """Repetition/frequency/presence penalties of the sampled rows that have any."""
@@ -83,7 +89,6 @@ class SamplingTensors:
         after its proposed tokens so far, checking nothing."""
         rows = [(seq, j) for seq in seqs for j in ([len(seq.spec_token_ids)] if proposing else range(len(seq.spec_token_ids) + 1))]
         params = [seq.params for seq, _ in rows]
-        history = [seq.output_token_ids + seq.spec_token_ids[:j] for seq, j in rows]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         use_top_k_p = any(params[i].top_k > 0 or params[i].top_p < 1 for i in random_rows)
         use_min_p = any(params[i].min_p > 0 for i in random_rows)
@@ -91,14 +96,15 @@ class SamplingTensors:
         penalties = None
         if pen:
             col = lambda values: upload(values, dtype, device).unsqueeze(1)  # noqa: E731
-            out_ids, out_valid = _padded([history[i] for i in pen], device)
+            # a row's output so far: the sequence's, then the proposed tokens before the row
+            out_ids, out_valid = _padded([rows[i][0].output_token_ids + rows[i][0].spec_token_ids[:rows[i][1]] for i in pen], device)
             prompt_ids, prompt_valid = _padded([rows[i][0].prompt_token_ids for i in pen], device)
             penalties = Penalties(upload(pen, torch.long, device), col([params[i].repetition_penalty for i in pen]),
                                   col([params[i].frequency_penalty for i in pen]), col([params[i].presence_penalty for i in pen]),
                                   out_ids, out_valid, prompt_ids, prompt_valid)
         banned_rows, banned_tokens = [], []
-        for row, p in enumerate(params):
-            if len(history[row]) < p.min_tokens:  # until min_tokens are out, EOS and stop ids cannot be sampled
+        for row, ((seq, j), p) in enumerate(zip(rows, params)):
+            if len(seq.output_token_ids) + j < p.min_tokens:  # until min_tokens are out, EOS and stop ids cannot be sampled
                 banned = list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])
                 banned_rows += [row] * len(banned)
                 banned_tokens += banned
@@ -192,36 +198,33 @@ class InputBuilder:
             positions += pos
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in pos]
-            if seq.num_spec_tokens:  # one decode row per position
+            if seq.num_spec_tokens:  # a verification: k + 1 decode rows (one per position), each one sampled
+                if len(seq.spec_token_ids) != seq.num_spec_tokens or start + n != seq.num_tokens + seq.num_spec_tokens:
+                    raise AssertionError(f"sequence {seq.seq_id}: the proposal does not match the tokens scheduled")
                 starts += range(row0 + 1, len(ids) + 1)
                 seq_lens += [p + 1 for p in pos]
                 tables += [table] * n
-            else:
-                starts.append(len(ids))
-                seq_lens.append(start + n)
-                tables.append(table)
-                if n > 1:
-                    query_lens.append(n)
-                    context_lens.append(start + n)
+                sample_rows += range(row0, len(ids))
+                plan.sampled.append(seq)
+                continue
+            starts.append(len(ids))
+            seq_lens.append(start + n)
+            tables.append(table)
+            if n > 1:
+                query_lens.append(n)
+                context_lens.append(start + n)
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 count = min(start + n, seq.num_prompt_tokens - 1) - start
                 prompt_lp.append(PromptLogprobRows(row0, seq.prompt_token_ids[start + 1:start + 1 + count], seq.params.prompt_logprobs))
                 plan.prompt_logprobs.append((seq, start))
-            if seq.num_spec_tokens:  # a verification: k + 1 rows, each one sampled
-                if len(seq.spec_token_ids) != seq.num_spec_tokens or start + n != seq.num_tokens + seq.num_spec_tokens:
-                    raise AssertionError(f"sequence {seq.seq_id}: the proposal does not match the tokens scheduled")
-                sample_rows += range(len(ids) - 1 - seq.num_spec_tokens, len(ids))
-                plan.sampled.append(seq)
-            elif start + n == seq.num_tokens:
+            if start + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 plan.sampled.append(seq)
-        width = max((len(t) for t in tables), default=0)
         dev = self.device
         inp = ModelInput(
             input_ids=upload(ids, torch.long, dev), positions=upload(positions, torch.long, dev), slot_mapping=upload(slots, torch.long, dev),
             query_start_loc=upload(starts, torch.long, dev), seq_lens=upload(seq_lens, torch.long, dev),
-            block_tables=upload([t + [0] * (width - len(t)) for t in tables], torch.long, dev).reshape(len(tables), width),
-            logits_indices=upload(sample_rows, torch.long, dev), num_prefills=len(query_lens), query_lens=query_lens,
+            block_tables=_block_tables(tables, dev), logits_indices=upload(sample_rows, torch.long, dev), num_prefills=len(query_lens), query_lens=query_lens,
             context_lens=context_lens, prompt_logprobs=prompt_lp,
             sampling=SamplingTensors.build(plan.sampled, self.eos_token_id, torch.float32, dev, draft_probs) if plan.sampled else None)
         return inp, plan
@@ -232,10 +235,8 @@ class InputBuilder:
         bs = self.block_size
         ids = [seq.tokens_slice(p, p + 1)[0] for seq, p in zip(seqs, positions)]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
-        width = max(len(seq.block_table) for seq in seqs)
         dev = self.device
         return ModelInput(
             input_ids=upload(ids, torch.long, dev), positions=upload(positions, torch.long, dev), slot_mapping=upload(slots, torch.long, dev),
             query_start_loc=upload(list(range(len(seqs) + 1)), torch.long, dev), seq_lens=upload([p + 1 for p in positions], torch.long, dev),
-            block_tables=upload([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], torch.long, dev).reshape(len(seqs), width),
-            logits_indices=upload(list(range(len(seqs))), torch.long, dev), num_prefills=0, query_lens=[], context_lens=[])
+            block_tables=_block_tables([s.block_table for s in seqs], dev), logits_indices=upload(list(range(len(seqs))), torch.long, dev), num_prefills=0, query_lens=[], context_lens=[])
