@@ -20,37 +20,42 @@ def onednn_available() -> bool:
 
 
 class Linear(nn.Module):
-    """y = x @ W.T, with the fused forms the layers use. The weight is a registered buffer (seen by
-    .to() and state_dict()): dense [out, in], or oneDNN's packed layout on CPU (then `packed`)."""
+    """y = x @ W.T (+ b), with the fused forms the layers use. The weight is a registered buffer (seen
+    by .to() and state_dict()): dense [out, in], or oneDNN's packed layout on CPU (then `packed`)."""
 
-    def __init__(self, weight: torch.Tensor, packed: bool):
+    def __init__(self, weight: torch.Tensor, packed: bool, bias: torch.Tensor | None = None):
         super().__init__()
         self.packed = packed
         self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _pointwise(x, self.weight, "none") if self.packed else F.linear(x, self.weight)
+        return self._pointwise(x, "none") if self.packed else F.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(x @ W.T)"""
-        return _pointwise(x, self.weight, "swish") if self.packed else F.silu(F.linear(x, self.weight))
+        """silu(x @ W.T + b)"""
+        return self._pointwise(x, "swish") if self.packed else F.silu(F.linear(x, self.weight, self.bias))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """(x @ W.T) * other"""
+        """(x @ W.T + b) * other"""
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, None, "mul")
-        return F.linear(x, self.weight) * other
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "mul")
+        return F.linear(x, self.weight, self.bias) * other
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """(x @ W.T) + residual"""
+        """(x @ W.T + b) + residual"""
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, None, "add")
-        return F.linear(x, self.weight) + residual
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        return F.linear(x, self.weight, self.bias) + residual
+
+    def _pointwise(self, x: torch.Tensor, attr: str) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, attr, [], "")
 
 
-def make_linear(weight: torch.Tensor, quantization: str | None = None, shard: object | None = None, use_onednn: bool | None = None) -> Linear:
-    """The one factory the model loader calls for every projection: (raw weight [out, in], quantization,
-    shard) -> a Linear. Quantized and sharded weights are the quantization and tensor-parallel issues'
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str | None = None, shard: object | None = None,
+                use_onednn: bool | None = None) -> Linear:
+    """The one factory the model loader calls for every projection: (raw weight [out, in], bias,
+    quantization, shard) -> a Linear. Quantized and sharded weights are the quantization and tensor-parallel issues'
     to add here; asking for them now is an error, not a silent dense layer."""
     if quantization not in (None, "none"):
         raise NotImplementedError(f"quantization {quantization!r} is not implemented yet")
@@ -60,9 +65,5 @@ def make_linear(weight: torch.Tensor, quantization: str | None = None, shard: ob
         use_onednn = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available()
     if use_onednn:
         # The packed copy is all the CPU path reads; keeping the dense one too would double the memory.
-        return Linear(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), packed=True)
-    return Linear(weight.contiguous(), packed=False)
-
-
-def _pointwise(x: torch.Tensor, packed: torch.Tensor, attr: str) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, attr, [], "")
+        return Linear(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), packed=True, bias=bias)
+    return Linear(weight.contiguous(), packed=False, bias=bias)

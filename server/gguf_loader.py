@@ -6,8 +6,7 @@ GGUF stores `attn_q`/`attn_k` rows permuted for llama.cpp's interleaved RoPE; we
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -22,30 +21,32 @@ from kvpilot.kernels.gguf_dequant import (
     dequantize_q6_k,
     dequantize_q8_0,
 )
+from kvpilot.server.models.config import ModelConfig, ModelFormatError, RopeScaling, gguf_family_for
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 DEQUANTIZE = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1,
               "Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k}  # GGML type name -> raw blocks to float32
 
+# GGUF tensor names -> the checkpoint (transformers) names the model code loads by.
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+                "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
+                "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3 RoPE scaling, read into ModelConfig.rope_scaling
 
-class GGUFError(ValueError):
+
+class GGUFError(ModelFormatError):
     pass
 
 
-@dataclass(slots=True)
-class LlamaConfig:
-    name: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_position: int
-    tie_word_embeddings: bool
+def checkpoint_name(gguf_name: str) -> str:
+    """The transformers name of a GGUF tensor (unchanged when it has none)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    return gguf_name
 
 
 def _field_value(field: Any) -> Any:
@@ -86,13 +87,10 @@ class GGUFFile:
     def architecture(self) -> str:
         return self.get("general.architecture", "")
 
-    def llama_config(self) -> LlamaConfig:
+    @cached_property
+    def config(self) -> ModelConfig:
         arch = self.architecture
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise GGUFError(f"{self.path.name}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-        scaling = self.get(f"{arch}.rope.scaling.type", "none")
-        if scaling not in ("none", None) or "rope_freqs.weight" in self.tensors:
-            raise GGUFError(f"{self.path.name}: RoPE scaling {scaling!r} is not supported yet")
+        family = gguf_family_for(arch, self.path.name)
 
         def need(key: str) -> Any:
             value = self.get(f"{arch}.{key}")
@@ -102,23 +100,63 @@ class GGUFFile:
 
         hidden, heads = need("embedding_length"), need("attention.head_count")
         tokens = self.get("tokenizer.ggml.tokens") or []
-        return LlamaConfig(
+        head_dim = self.get(f"{arch}.attention.key_length") or self.get(f"{arch}.rope.dimension_count") or hidden // heads
+        return ModelConfig(
             name=self.get("general.name", self.path.stem),
+            family=family,
             vocab_size=self.get(f"{arch}.vocab_size", len(tokens)),
             hidden_size=hidden,
             intermediate_size=need("feed_forward_length"),
             num_layers=need("block_count"),
             num_heads=heads,
             num_kv_heads=self.get(f"{arch}.attention.head_count_kv", heads),
-            head_dim=self.get(f"{arch}.rope.dimension_count", hidden // heads),
+            head_dim=head_dim,
             rope_theta=float(self.get(f"{arch}.rope.freq_base", 10000.0)),
             rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
             max_position=need("context_length"),
             tie_word_embeddings="output.weight" not in self.tensors,
+            rope_scaling=self._rope_scaling(arch),
+            attention_bias="blk.0.attn_output.bias" in self.tensors,
+            mlp_bias="blk.0.ffn_down.bias" in self.tensors,
+            sliding_window=self.get(f"{arch}.attention.sliding_window"),
         )
 
-    def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """One tensor dequantized to `dtype`, shaped [rows, cols] in PyTorch order ([out, in])."""
+    def _rope_scaling(self, arch: str) -> RopeScaling | None:
+        kind = self.get(f"{arch}.rope.scaling.type", "none")
+        if ROPE_FREQS in self.tensors:
+            if kind not in ("none", None):
+                raise GGUFError(f"{self.path.name}: both {ROPE_FREQS} and RoPE scaling {kind!r}")
+            return RopeScaling("factors", freq_factors=tuple(self.tensor(ROPE_FREQS).flatten().tolist()))
+        if kind in ("none", None):
+            return None
+        if kind == "linear":
+            return RopeScaling("linear", factor=float(self.get(f"{arch}.rope.scaling.factor")))
+        raise GGUFError(f"{self.path.name}: RoPE scaling {kind!r} is not supported (linear and Llama 3's rope_freqs are)")
+
+    def checkpoint_names(self) -> set[str]:
+        """The weights this file holds, by their transformers names (what the model code loads)."""
+        return {checkpoint_name(n) for n in self.tensors if n != ROPE_FREQS}
+
+    def load(self, name: str) -> torch.Tensor:
+        """A weight by its transformers name, in the layout transformers uses: float32 (or the file's
+        float type), Llama-family q/k rows back in half-split RoPE order."""
+        gguf_name = self._gguf_names[name] if name in self._gguf_names else name
+        t = self.tensor(gguf_name)
+        family = gguf_family_for(self.architecture, self.path.name)
+        if family.gguf_rope_interleaved and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            heads = self.get(f"{self.architecture}.attention.head_count")
+            if ".k_proj." in name:
+                heads = self.get(f"{self.architecture}.attention.head_count_kv", heads)
+            t = unpermute_rope_rows(t, heads)
+        return t
+
+    @cached_property
+    def _gguf_names(self) -> dict[str, str]:
+        return {checkpoint_name(n): n for n in self.tensors}
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor by its GGUF name, shaped [rows, cols] in PyTorch order ([out, in]): quantized types
+        dequantized to float32, float types as stored; then cast to `dtype` when given."""
         from gguf import GGMLQuantizationType as Q
 
         try:
@@ -139,10 +177,7 @@ class GGUFFile:
         else:
             raise GGUFError(f"{self.path.name}: tensor {name!r} has type {kind.name}, which is not supported "
                             f"(F32, F16, BF16, {', '.join(DEQUANTIZE)} are)")
-        return out.to(dtype)
-
-    def tensor_names(self) -> Iterator[str]:
-        return iter(self.tensors)
+        return out if dtype is None else out.to(dtype)
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Resolving a model name (bundled name or GGUF path) to a file on disk. torch-free."""
+"""Resolving a model name (bundled name, GGUF path or checkpoint directory) to a path on disk. torch-free."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def resolve_model_path(model: str) -> Path:
-    """The GGUF file for `model`: a bundled name or a path. Raises ModelNotFoundError with the fix."""
+    """The GGUF file or checkpoint directory (config.json, *.safetensors, tokenizer.json) for `model`:
+    a bundled name or a path. Raises ModelNotFoundError with the fix."""
     if model in BUNDLED:
         package, filename, requirement = BUNDLED[model]
         spec = importlib.util.find_spec(package)  # finds without importing the package
@@ -30,13 +31,17 @@ def resolve_model_path(model: str) -> Path:
             raise ModelNotFoundError(f"bundled model {model!r}: {path} is missing (reinstall {requirement})")
         return path
     path = Path(model).expanduser()
-    if path.is_file():
+    if path.is_file() or (path / "config.json").is_file():
         return path
     known = ", ".join(sorted(BUNDLED))
-    raise ModelNotFoundError(f"model {model!r} is neither a bundled model ({known}) nor an existing GGUF file")
+    hint = f" ({path} is a directory without config.json)" if path.is_dir() else ""
+    raise ModelNotFoundError(f"model {model!r} is neither a bundled model ({known}) nor an existing GGUF file or checkpoint directory{hint}")
 
 
 def default_served_name(model: str) -> str:
+    """The API's model name when none is given: the bundled name, a checkpoint directory's name
+    (Qwen3-0.6B), a GGUF file's name without .gguf."""
     if model in BUNDLED:
         return model
-    return Path(model).stem
+    path = Path(model.rstrip("/"))
+    return path.name if path.is_dir() else path.stem

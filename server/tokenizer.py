@@ -1,16 +1,21 @@
-"""Tokenizer built from GGUF metadata with the `tokenizers` library, plus chat template and streaming detokenization."""
+"""Tokenizers (from GGUF metadata or a checkpoint's tokenizer.json, through the `tokenizers` library), chat templates, streaming detokenization."""
 
 from __future__ import annotations
 
 import codecs
+import json
 from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as Tokenizer_
 
+from kvpilot.server.checkpoint import read_json
 from kvpilot.server.gguf_loader import GGUFError, GGUFFile
+from kvpilot.server.models.config import ModelFormatError
 
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
@@ -29,41 +34,108 @@ def _byte_alphabet() -> dict[int, str]:
     return chars
 
 
-class GGUFTokenizer:
-    """Byte-level BPE (GGUF `tokenizer.ggml.model == "gpt2"`). Never adds BOS unless the file asks for it."""
+# Pre-tokenizer regexes of the byte-level BPE families, by GGUF `tokenizer.ggml.pre` (the same
+# expressions their tokenizer.json files carry); GPT-2's own (ByteLevel's built-in) is the default.
+_CONTRACTIONS_WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_PUNCT_SPACES = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+PRE_TOKENIZER_REGEX = {
+    "llama-bpe": _CONTRACTIONS_WORDS + r"\p{N}{1,3}" + _PUNCT_SPACES,   # Llama 3
+    "qwen2": _CONTRACTIONS_WORDS + r"\p{N}" + _PUNCT_SPACES,           # Qwen2, Qwen2.5, Qwen3
+}
+GPT2_PRE_TOKENIZERS = ("default", "gpt2", "smollm")
 
-    def __init__(self, gguf: GGUFFile):
+
+class Tokenizer:
+    """A `tokenizers` tokenizer plus what generation needs: each token's bytes (for UTF-8-safe
+    streaming), special and end-of-sequence ids, BOS policy, chat template. Built from a GGUF's
+    metadata (`from_gguf`) or a checkpoint's tokenizer files (`from_checkpoint`)."""
+
+    def __init__(self, tk: Tokenizer_, tokens: list[str], token_bytes: list[bytes], special_ids: set[int], bos_token_id: int | None,
+                 eos_token_ids: list[int], add_bos: bool, chat_template: str | None):
+        self._tk = tk
+        self._tokens = tokens
+        self._token_bytes = token_bytes
+        self.vocab_size = len(tokens)
+        self.special_ids = special_ids
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))  # generation ends at any of them; the first is the template's eos_token
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        # No token stands for more bytes (hence characters) of text than this: bounds a text's token count from below.
+        self.max_token_bytes = max(len(b) for b in token_bytes)
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
+        """Byte-level BPE (GGUF `tokenizer.ggml.model == "gpt2"`). Never adds BOS unless the file asks for it."""
         kind = gguf.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise GGUFError(f"{gguf.path.name}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is)")
+        pre = gguf.get("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZER_REGEX and pre not in GPT2_PRE_TOKENIZERS:
+            raise GGUFError(f"{gguf.path.name}: pre-tokenizer {pre!r} is not supported "
+                            f"(supported: {', '.join([*GPT2_PRE_TOKENIZERS, *PRE_TOKENIZER_REGEX])})")
         tokens: list[str] = gguf.get("tokenizer.ggml.tokens")
         types: list[int] = gguf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = [tuple(m.split(" ", 1)) for m in gguf.get("tokenizer.ggml.merges") or []]
         alphabet = set(_byte_alphabet().values())
         vocab = {tok: i for i, tok in enumerate(tokens)}
-        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tk = Tokenizer_(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        if pre in PRE_TOKENIZER_REGEX:
+            tk.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(PRE_TOKENIZER_REGEX[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        else:
+            tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tk.decoder = decoders.ByteLevel()
         # Control tokens (<|im_start|>, …) are matched whole in text and are "special"; user-defined
         # ones are matched whole but are ordinary text. A control token spelled outside the byte
         # alphabet would be a mislabel in the file: it is left as a plain vocabulary entry.
         tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == CONTROL and set(t) <= alphabet])
         tk.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED])
-        self._tk = tk
-        self.vocab_size = len(tokens)
-        self.special_ids = {i for i, ty in enumerate(types) if ty == CONTROL}
-        self.bos_token_id = gguf.get("tokenizer.ggml.bos_token_id")
-        self.eos_token_id = gguf.get("tokenizer.ggml.eos_token_id")
-        self.add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", False))
-        self.chat_template: str | None = gguf.get("tokenizer.chat_template")
-        self._tokens = tokens
-        inverse = {c: b for b, c in _byte_alphabet().items()}
-        self._token_bytes = [
-            t.encode("utf-8") if i in self.special_ids or not set(t) <= alphabet else bytes(inverse[c] for c in t)
-            for i, t in enumerate(tokens)
-        ]
-        # No token stands for more bytes (hence characters) of text than this: bounds a text's token count from below.
-        self.max_token_bytes = max(len(b) for b in self._token_bytes)
+        special_ids = {i for i, ty in enumerate(types) if ty == CONTROL}
+        inverse = _inverse_byte_alphabet()
+        token_bytes = [t.encode("utf-8") if i in special_ids or not set(t) <= alphabet else bytes(inverse[c] for c in t) for i, t in enumerate(tokens)]
+        # End of generation: EOS, and the end-of-turn token where the file names one (Llama 3's <|eot_id|>).
+        eos = [i for i in (gguf.get("tokenizer.ggml.eos_token_id"), gguf.get("tokenizer.ggml.eot_token_id")) if i is not None]
+        return cls(tk, tokens, token_bytes, special_ids, gguf.get("tokenizer.ggml.bos_token_id"), eos,
+                   bool(gguf.get("tokenizer.ggml.add_bos_token", False)), gguf.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_checkpoint(cls, directory: Path, model_eos: int | list[int] | None = None) -> Tokenizer:
+        """tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json) of a
+        checkpoint directory; `model_eos` is config.json's eos_token_id, the last resort for EOS."""
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise ModelFormatError(f"{directory}: no tokenizer.json (a fast tokenizer file is needed; slow-tokenizer files alone are not loaded)")
+        try:
+            tk = Tokenizer_.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises a bare Exception on a bad file
+            raise ModelFormatError(f"{path}: not a readable tokenizer ({e})") from None
+        spec = read_json(path)
+        tk_config = read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").is_file() else {}
+        generation = read_json(directory / "generation_config.json") if (directory / "generation_config.json").is_file() else {}
+        vocab = tk.get_vocab(with_added_tokens=True)
+        tokens = [""] * (max(vocab.values()) + 1)
+        for token, i in vocab.items():
+            tokens[i] = token
+        added = {a["id"]: a for a in spec.get("added_tokens", [])}
+        special_ids = {i for i, a in added.items() if a.get("special")}
+        model = spec.get("model") or {}
+        byte_level = '"ByteLevel"' in json.dumps(spec.get("decoder"))
+        token_bytes = [_token_bytes(t, i in added, byte_level, bool(model.get("byte_fallback"))) for i, t in enumerate(tokens)]
+
+        def token_id(key: str) -> int | None:
+            value = tk_config.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            return vocab.get(value) if isinstance(value, str) else None
+
+        bos = token_id("bos_token")
+        eos = [token_id("eos_token")] + _as_list(generation.get("eos_token_id")) + (_as_list(model_eos) if token_id("eos_token") is None else [])
+        add_bos = tk_config.get("add_bos_token")
+        if add_bos is None:  # Llama 3 style: the tokenizer's post-processor adds BOS
+            add_bos = bos is not None and tk.encode("a", add_special_tokens=True).ids[:1] == [bos]
+        return cls(tk, tokens, token_bytes, special_ids, bos, [i for i in eos if i is not None], bool(add_bos), _chat_template(directory, tk_config))
 
     def encode(self, text: str) -> list[int]:
         ids = self._tk.encode(text, add_special_tokens=False).ids
@@ -75,10 +147,14 @@ class GGUFTokenizer:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
-        return self._token_bytes[token_id]
+        # A model's vocabulary may be padded past the tokenizer's: those ids stand for no text.
+        return self._token_bytes[token_id] if token_id < len(self._token_bytes) else b""
 
     def id_to_token(self, token_id: int) -> str:
         return self._tokens[token_id]
+
+    def vocabulary(self) -> list[str]:
+        return self._tokens
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not self.chat_template:
@@ -89,6 +165,42 @@ class GGUFTokenizer:
             bos_token=self._tokens[self.bos_token_id] if self.bos_token_id is not None else "",
             eos_token=self._tokens[self.eos_token_id] if self.eos_token_id is not None else "", **kwargs,
         )
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def _token_bytes(token: str, added: bool, byte_level: bool, byte_fallback: bool) -> bytes:
+    """The text bytes one vocabulary entry stands for."""
+    if added:  # added tokens are spelled as plain text in every tokenizer kind
+        return token.encode("utf-8")
+    if byte_level:
+        inverse = _inverse_byte_alphabet()
+        if all(c in inverse for c in token):
+            return bytes(inverse[c] for c in token)
+        return token.encode("utf-8")
+    if byte_fallback and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        return bytes([int(token[3:5], 16)])  # SentencePiece's byte tokens, <0x0A> = "\n"
+    return token.replace("\u2581", " ").encode("utf-8")  # SentencePiece marks spaces with ▁
+
+
+def _chat_template(directory: Path, tk_config: dict[str, Any]) -> str | None:
+    """chat_template.jinja (transformers 5), else tokenizer_config.json's chat_template (a string, or
+    named templates of which "default" is the chat one)."""
+    file = directory / "chat_template.jinja"
+    if file.is_file():
+        return file.read_text(encoding="utf-8")
+    template = tk_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+@lru_cache(maxsize=1)
+def _inverse_byte_alphabet() -> dict[str, int]:
+    return {c: b for b, c in _byte_alphabet().items()}
 
 
 @lru_cache(maxsize=8)
@@ -111,7 +223,7 @@ class IncrementalDetokenizer:
 
     __slots__ = ("_tokenizer", "_decoder", "_skip_special", "text")
 
-    def __init__(self, tokenizer: GGUFTokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._skip_special = skip_special_tokens

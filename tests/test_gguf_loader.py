@@ -78,7 +78,7 @@ def test_qk_unpermute_matches_transformers(gguf_file, hf_oracle_session):
     """Our un-permuted Q/K rows equal the q_proj/k_proj weights transformers loads from the same file."""
     from kvpilot.server.gguf_loader import unpermute_rope_rows
 
-    c = gguf_file.llama_config()
+    c = gguf_file.config
     hf = hf_oracle_session.model.model.layers
     for layer in (0, c.num_layers - 1):
         q = unpermute_rope_rows(gguf_file.tensor(f"blk.{layer}.attn_q.weight"), c.num_heads)
@@ -99,8 +99,8 @@ def test_unpermute_inverts_llama_cpp_permute():
     assert torch.equal(unpermute_rope_rows(permuted, heads), w)
 
 
-def test_llama_config_of_bundled_model(gguf_file):
-    c = gguf_file.llama_config()
+def test_model_config_of_bundled_model(gguf_file):
+    c = gguf_file.config
     assert (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 1536, 9, 3, 64)
     assert (c.vocab_size, c.max_position, c.rope_theta, c.tie_word_embeddings) == (49152, 8192, 100000.0, True)
 
@@ -122,11 +122,12 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    from kvpilot.server.gguf_loader import GGUFError, GGUFFile
+    from kvpilot.server.gguf_loader import GGUFFile
+    from kvpilot.server.models.config import ModelFormatError
 
     f = GGUFFile(write_gguf(tmp_path / "m.gguf", {"w": (np.ones((2, 32), np.float32), "F32")}, arch="mamba"))
-    with pytest.raises(GGUFError, match="architecture 'mamba' is not supported"):
-        f.llama_config()
+    with pytest.raises(ModelFormatError, match="architecture 'mamba' is not supported.*llama, qwen2, qwen3"):
+        _ = f.config
 
 
 def test_unsupported_tensor_type(tmp_path):

@@ -15,14 +15,16 @@ def test_onednn_is_available_here():
 @pytest.mark.parametrize("use_onednn", [True, False])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("rows", [0, 1, 7, 64])
-def test_projections_match_torch(use_onednn, dtype, tol, rows):
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_projections_match_torch(use_onednn, dtype, tol, rows, with_bias):
     gen = torch.Generator().manual_seed(rows)
     w = (torch.randn(48, 40, generator=gen) * 0.1).to(dtype)
     x = torch.randn(rows, 40, generator=gen).to(dtype)
     other = torch.randn(rows, 48, generator=gen).to(dtype)
-    lw = make_linear(w, use_onednn=use_onednn)
-    assert lw.packed == use_onednn and [n for n, _ in lw.named_buffers()] == ["weight"]
-    ref = (x.float() @ w.float().T)
+    bias = torch.randn(48, generator=gen).to(dtype) if with_bias else None
+    lw = make_linear(w, bias=bias, use_onednn=use_onednn)
+    assert lw.packed == use_onednn and [n for n, _ in lw.named_buffers()] == ["weight", "bias"][:1 + with_bias]
+    ref = (x.float() @ w.float().T) + (bias.float() if with_bias else 0)
 
     def close(got, want):
         assert got.dtype == dtype and got.shape == want.shape

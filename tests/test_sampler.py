@@ -40,12 +40,12 @@ def test_min_p_mask_exact():
     assert kept(filter_logits(x, 0, 1.0, 0.2)) == [0, 1, 2]  # keep p >= 0.1
 
 
-def tensors(seqs, eos_token_id=None) -> SamplingTensors:
-    return SamplingTensors.build(seqs, eos_token_id, torch.float32, torch.device("cpu"))
+def tensors(seqs, eos_token_ids=()) -> SamplingTensors:
+    return SamplingTensors.build(seqs, eos_token_ids, torch.float32, torch.device("cpu"))
 
 
-def sample(logits, seqs, eos_token_id=None):
-    return Sampler()(logits, tensors(seqs, eos_token_id))
+def sample(logits, seqs, eos_token_ids=()):
+    return Sampler()(logits, tensors(seqs, eos_token_ids))
 
 
 def seq(prompt, output=(), **params):
@@ -65,7 +65,7 @@ def test_penalties_exact():
 def test_min_tokens_masks_eos_and_stop_ids():
     logits = torch.zeros(1, 6)
     s = seq([0], [4], min_tokens=3, stop_token_ids=[5])
-    logits, _ = processed_logits(logits, tensors([s], eos_token_id=2))
+    logits, _ = processed_logits(logits, tensors([s], eos_token_ids=(2,)))
     assert logits[0, 2] == NEG and logits[0, 5] == NEG and kept(logits[0]) == [0, 1, 3, 4]
 
 
@@ -180,7 +180,7 @@ def test_any_valid_params_sample_a_real_token(temperature, top_p, min_p, top_k, 
     params = dict(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
     logits = torch.randn(2, 32, generator=torch.Generator().manual_seed(seed)) * scale
     logits[1, 3] = NEG  # a masked entry, as min_tokens leaves it
-    r = sample(logits, [seq([0], **params), seq([0], **params)], eos_token_id=3)
+    r = sample(logits, [seq([0], **params), seq([0], **params)], eos_token_ids=(3,))
     assert all(0 <= t < 32 for [t] in r.token_ids) and r.token_ids[1] != [3]
 
 
@@ -201,11 +201,11 @@ def test_batched_processing_equals_row_by_row():
             seq([5], [], temperature=1.3, top_p=0.6, min_tokens=2, stop_token_ids=[7], max_tokens=8),
             seq([9], [9, 9], temperature=0.0, frequency_penalty=1.0),
             seq([0], [1], temperature=2.0, min_p=0.2, presence_penalty=-1.0)]
-    together = processed_logits(logits.clone(), tensors(rows, eos_token_id=3))
+    together = processed_logits(logits.clone(), tensors(rows, eos_token_ids=(3,)))
     random_rows = tensors(rows).random_rows
     assert random_rows == [0, 1, 3]
     for i, s in enumerate(rows):
-        alone = processed_logits(logits[i:i + 1].clone(), tensors([s], eos_token_id=3))
+        alone = processed_logits(logits[i:i + 1].clone(), tensors([s], eos_token_ids=(3,)))
         assert torch.equal(together[0][i], alone[0][0])
         if i in random_rows:
             assert torch.equal(together[1][random_rows.index(i)], alone[1][0])
@@ -220,7 +220,7 @@ def test_several_tokens_appended_at_once_stop_at_the_first_stop(llm):
     engine = llm.engine
     tok = llm.get_tokenizer()
     ids = tok.encode("one two three four five six")
-    out = OutputProcessor(Scheduler(engine.block_manager, 4, 64), tok.eos_token_id, 512)
+    out = OutputProcessor(Scheduler(engine.block_manager, 4, 64), tok.eos_token_ids, 512)
 
     def run(params, tokens):
         s = Sequence(0, "r", 0, [1, 2], params)

@@ -21,9 +21,9 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok(gguf_file):
-    from kvpilot.server.tokenizer import GGUFTokenizer
+    from kvpilot.server.tokenizer import Tokenizer
 
-    return GGUFTokenizer(gguf_file)
+    return Tokenizer.from_gguf(gguf_file)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_never_prepends_bos(tok):
     assert tok.add_bos is False
     assert tok.bos_token_id == 1 and tok.id_to_token(1) == "<|im_start|>"
     assert tok.encode("hello")[0] != 1
-    assert tok.eos_token_id == 2 and tok.id_to_token(2) == "<|im_end|>"
+    assert tok.eos_token_ids == (2,) and tok.id_to_token(2) == "<|im_end|>"
 
 
 def test_special_tokens_are_single_ids(tok):

@@ -15,7 +15,7 @@ from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, Reques
 from kvpilot.server.api.errors import APIError, sse_error, status_of
 from kvpilot.server.engine.outputs import RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
-from kvpilot.server.tokenizer import GGUFTokenizer
+from kvpilot.server.tokenizer import Tokenizer
 
 log = logging.getLogger("kvpilot.requests")
 
@@ -53,7 +53,7 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer: GGUFTokenizer, model_name: str, max_model_len: int):
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int):
         self.engine, self.tokenizer, self.model_name, self.max_model_len = engine, tokenizer, model_name, max_model_len
 
     # --- shared -------------------------------------------------------------------------------

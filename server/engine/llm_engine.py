@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.output_processor import OutputProcessor, Request
@@ -40,32 +41,38 @@ class LLMEngine:
         from kvpilot.server.engine.model_runner import ModelRunner
         from kvpilot.server.engine.scheduler import Scheduler
         from kvpilot.server.engine.spec_decode import DraftModelProposer, NgramProposer
-        from kvpilot.server.gguf_loader import GGUFFile
-        from kvpilot.server.tokenizer import GGUFTokenizer, IncrementalDetokenizer
+        from kvpilot.server.tokenizer import IncrementalDetokenizer
 
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.served_model_name = config.served_model_name or default_served_name(config.model)
-        gguf = GGUFFile(self.model_path)
-        self.model_config = gguf.llama_config()
-        self.tokenizer = GGUFTokenizer(gguf)
+        weights, self.tokenizer = open_model(self.model_path)
+        self.model_config = weights.config
         self._detokenizer = IncrementalDetokenizer
-        draft = _draft_gguf(config, gguf) if config.speculative_method == "draft" else None
-        self.runner = ModelRunner(config, gguf, show_progress=show_progress, draft_gguf=draft)
+        window = self.model_config.sliding_window
+        if window and config.max_model_len and config.max_model_len > window:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window}: sliding-window attention is not "
+                             f"implemented, so contexts are limited to the window (where full attention is exact); use --max-model-len {window}")
+        draft = _draft_model(config, self.tokenizer) if config.speculative_method == "draft" else None
+        self.runner = ModelRunner(config, weights, weights.config, show_progress=show_progress, draft=draft)
         capacity = self.runner.num_blocks * config.block_size
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position, self.model_config.max_position, capacity)
+        limits = [self.model_config.max_position, capacity] + ([window] if window else [])
+        self.max_model_len = min(config.max_model_len or min(limits), *limits)
         if config.max_model_len and config.max_model_len > self.max_model_len:
             log.warning("max_model_len %d lowered to %d (model context / KV cache capacity)", config.max_model_len, self.max_model_len)
+        elif window and self.max_model_len == window:
+            log.warning("contexts limited to the model's sliding_window=%d (sliding-window attention is not implemented; within the window "
+                        "full attention is exact)", window)
         budget = config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill)
-        self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_id, self.runner.device)
-        self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_id, self.max_model_len)
+        self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device)
+        self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids, self.max_model_len)
         self.proposer = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config, self.max_model_len)
         elif config.speculative_method == "draft":
-            self.proposer = DraftModelProposer(config, self.max_model_len, self.runner, self.inputs, self.tokenizer.eos_token_id)
+            self.proposer = DraftModelProposer(config, self.max_model_len, self.runner, self.inputs, self.tokenizer.eos_token_ids)
         self.requests = self.output.requests
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -185,12 +192,23 @@ class LLMEngine:
                            bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions)
 
 
-def _draft_gguf(config: EngineConfig, target):
-    """The draft model's GGUF, refused unless it shares the target's vocabulary token for token
-    (verification compares token ids)."""
+def open_model(path: Path):
+    """A GGUF file or a checkpoint directory -> (its weights, with .config, the model's shape; its tokenizer)."""
+    from kvpilot.server.checkpoint import Checkpoint, is_checkpoint_dir
     from kvpilot.server.gguf_loader import GGUFFile
+    from kvpilot.server.tokenizer import Tokenizer
 
-    draft = GGUFFile(resolve_model_path(config.speculative_model))
-    if draft.get("tokenizer.ggml.tokens") != target.get("tokenizer.ggml.tokens"):
+    if is_checkpoint_dir(path):
+        checkpoint = Checkpoint(path)
+        return checkpoint, Tokenizer.from_checkpoint(path, checkpoint.hf_config.get("eos_token_id"))
+    gguf = GGUFFile(path)
+    return gguf, Tokenizer.from_gguf(gguf)
+
+
+def _draft_model(config: EngineConfig, tokenizer):
+    """The draft model's weights and shape, refused unless it shares the target's vocabulary token
+    for token (verification compares token ids)."""
+    weights, draft_tokenizer = open_model(resolve_model_path(config.speculative_model))
+    if draft_tokenizer.vocabulary() != tokenizer.vocabulary():
         raise ValueError(f"speculative_model {config.speculative_model!r} does not share the model's tokenizer (its vocabulary differs)")
-    return draft
+    return weights, weights.config

@@ -82,7 +82,7 @@ class SamplingTensors:
     draft_probs: torch.Tensor | None = None      # [len(random_rows), V]: the proposer's distribution for it (None: n-gram, a certain proposal)
 
     @classmethod
-    def build(cls, seqs: list[Sequence], eos_token_id: int | None, dtype: torch.dtype, device: torch.device,
+    def build(cls, seqs: list[Sequence], eos_token_ids: tuple[int, ...], dtype: torch.dtype, device: torch.device,
               draft_probs: dict[int, torch.Tensor] | None = None, proposing: bool = False) -> SamplingTensors:
         """draft_probs: seq_id -> [k, V] distributions a draft model drew the proposal of a random-sampling
         sequence from. proposing: the rows of a draft model's proposal step instead: one per sequence,
@@ -105,7 +105,7 @@ class SamplingTensors:
         banned_rows, banned_tokens = [], []
         for row, ((seq, j), p) in enumerate(zip(rows, params)):
             if len(seq.output_token_ids) + j < p.min_tokens:  # until min_tokens are out, EOS and stop ids cannot be sampled
-                banned = list(p.stop_token_ids) + ([eos_token_id] if eos_token_id is not None and not p.ignore_eos else [])
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
                 banned_rows += [row] * len(banned)
                 banned_tokens += banned
         drafts = [seq.spec_token_ids[j] if j < len(seq.spec_token_ids) and not proposing else -1 for seq, j in rows]
@@ -171,8 +171,8 @@ class ModelOutput:
 
 
 class InputBuilder:
-    def __init__(self, block_size: int, eos_token_id: int | None, device: torch.device):
-        self.block_size, self.eos_token_id, self.device = block_size, eos_token_id, device
+    def __init__(self, block_size: int, eos_token_ids: tuple[int, ...], device: torch.device):
+        self.block_size, self.eos_token_ids, self.device = block_size, eos_token_ids, device
 
     def build(self, batch: ScheduledBatch, draft_probs: dict[int, torch.Tensor] | None = None) -> tuple[ModelInput, StepPlan]:
         """draft_probs: what a draft model proposed from (see SamplingTensors.build)."""
@@ -226,7 +226,7 @@ class InputBuilder:
             query_start_loc=upload(starts, torch.long, dev), seq_lens=upload(seq_lens, torch.long, dev),
             block_tables=_block_tables(tables, dev), logits_indices=upload(sample_rows, torch.long, dev), num_prefills=len(query_lens), query_lens=query_lens,
             context_lens=context_lens, prompt_logprobs=prompt_lp,
-            sampling=SamplingTensors.build(plan.sampled, self.eos_token_id, torch.float32, dev, draft_probs) if plan.sampled else None)
+            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, dev, draft_probs) if plan.sampled else None)
         return inp, plan
 
     def build_decode(self, seqs: list[Sequence], positions: list[int]) -> ModelInput:

@@ -10,8 +10,8 @@ from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.model_io import ModelInput, ModelOutput, PromptLogprobRows
 from kvpilot.server.engine.sampler import Sampler
-from kvpilot.server.gguf_loader import GGUFFile
-from kvpilot.server.models.llama import LlamaModel
+from kvpilot.server.models.config import ModelConfig
+from kvpilot.server.models.decoder import DecoderModel, WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,13 @@ class ModelRunner:
     manager needs no second account) and is carved from the same memory budget: a block costs the
     target's bytes plus the draft's."""
 
-    def __init__(self, config: EngineConfig, gguf: GGUFFile, show_progress: bool = True, draft_gguf: GGUFFile | None = None):
+    def __init__(self, config: EngineConfig, weights: WeightSource, model_config: ModelConfig, show_progress: bool = True,
+                 draft: tuple[WeightSource, ModelConfig] | None = None):
         self.config = config
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
-        self.model = self._load(gguf, show_progress)
-        self.draft = self._load(draft_gguf, show_progress) if draft_gguf else None
+        self.model = self._load(weights, model_config, show_progress)
+        self.draft = self._load(*draft, show_progress) if draft else None
         self.block_size = config.block_size
         self.bytes_per_block = sum(self._block_bytes(m) for m in (self.model, self.draft) if m)
         self.num_blocks = self._kv_cache_bytes() // self.bytes_per_block
@@ -58,23 +59,23 @@ class ModelRunner:
         log.info("model %s on %s/%s, KV cache: %d blocks of %d tokens (%.0f MiB)", c.name, self.device, self.dtype,
                  self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20)
 
-    def _load(self, gguf: GGUFFile, show_progress: bool) -> LlamaModel:
+    def _load(self, weights: WeightSource, model_config: ModelConfig, show_progress: bool) -> DecoderModel:
         bar = None
         if show_progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=sum(1 for _ in gguf.tensor_names()), desc=f"loading {gguf.path.name}", unit="tensor", leave=False)
+            bar = tqdm(total=len(weights.checkpoint_names()), desc=f"loading {weights.path.name}", unit="tensor", leave=False)
         with torch.inference_mode():
-            model = LlamaModel.from_gguf(gguf, self.dtype, self.device, progress=bar.update if bar else None)
+            model = DecoderModel.load(weights, model_config, self.dtype, self.device, progress=bar.update if bar else None)
         if bar:
             bar.close()
         return model
 
-    def _block_bytes(self, model: LlamaModel) -> int:
+    def _block_bytes(self, model: DecoderModel) -> int:
         c = model.config
         return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.dtype).element_size()
 
-    def _kv_caches(self, model: LlamaModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _kv_caches(self, model: DecoderModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = model.config
         shape = (self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))

@@ -21,8 +21,8 @@ class Request:
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, eos_token_id: int | None, max_model_len: int):
-        self.scheduler, self.eos_token_id, self.max_model_len = scheduler, eos_token_id, max_model_len
+    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], max_model_len: int):
+        self.scheduler, self.eos_token_ids, self.max_model_len = scheduler, eos_token_ids, max_model_len
         self.requests: dict[str, Request] = {}
 
     def append(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None, now: float) -> None:
@@ -51,7 +51,7 @@ class OutputProcessor:
         seq.text = seq.detokenizer.text
         reason, stop_reason = None, None
         enough = len(seq.output_token_ids) >= p.min_tokens
-        if enough and not p.ignore_eos and token == self.eos_token_id:
+        if enough and not p.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         elif enough and token in p.stop_token_ids:
             reason, stop_reason = "stop", token

@@ -149,9 +149,9 @@ class DraftModelProposer(Proposer):
     can compare the two distributions. Its cache is filled by running every target step's rows too
     (ModelRunner.execute), so proposing needs only the k new rows."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int, runner, inputs: InputBuilder, eos_token_id: int | None):
+    def __init__(self, config: EngineConfig, max_model_len: int, runner, inputs: InputBuilder, eos_token_ids: tuple[int, ...]):
         super().__init__(config, max_model_len)
-        self.runner, self.inputs, self.eos_token_id = runner, inputs, eos_token_id
+        self.runner, self.inputs, self.eos_token_ids = runner, inputs, eos_token_ids
 
     def plan_sequence(self, seq: Sequence, room: int) -> None:
         seq.set_spec(None, room)  # the tokens come in propose(), once the slots are reserved
@@ -165,7 +165,7 @@ class DraftModelProposer(Proposer):
             active = [s for s in seqs if s.num_spec_tokens > i]
             inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active])
             # Each row drawn as the target will judge it: with the proposed tokens so far counted as output.
-            inp.sampling = SamplingTensors.build(active, self.eos_token_id, torch.float32, self.runner.device, proposing=True)
+            inp.sampling = SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.runner.device, proposing=True)
             tokens, q = self.runner.draft_propose(inp)
             for j, seq in enumerate(active):
                 seq.spec_token_ids.append(tokens[j])

@@ -4,15 +4,19 @@ from torch import nn
 from kvpilot.kernels.linear import Linear
 from kvpilot.kernels.ops import Ops, Rope
 from kvpilot.kernels.paged_attention import AttentionMetadata
+from kvpilot.server.layers.rmsnorm import RMSNorm
 
 
 class PagedSelfAttention(nn.Module):
     """GQA self-attention whose K/V live in the paged cache (fused QKV projection; the output
-    projection adds the residual)."""
+    projection adds the residual). qk_norms: per-head RMSNorms of queries and keys, applied before
+    RoPE (Qwen3)."""
 
-    def __init__(self, qkv: Linear, o: Linear, num_heads: int, num_kv_heads: int, head_dim: int, ops: Ops):
+    def __init__(self, qkv: Linear, o: Linear, num_heads: int, num_kv_heads: int, head_dim: int, ops: Ops,
+                 qk_norms: tuple[RMSNorm, RMSNorm] | None = None):
         super().__init__()
         self.qkv, self.o = qkv, o
+        self.q_norm, self.k_norm = qk_norms or (None, None)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.ops = ops
         self.scale = head_dim ** -0.5
@@ -22,6 +26,10 @@ class PagedSelfAttention(nn.Module):
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv(x)
+        if self.q_norm is not None:
+            q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], dim=-1)
+            q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(t, q_size))
+            k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(t, kv_size))
         stored = self.ops.rotary_qkv_(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, (*kv_cache, meta.slot_mapping))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)

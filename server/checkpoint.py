@@ -1,0 +1,98 @@
+"""Reads a Hugging Face checkpoint directory: config.json, one or many *.safetensors (with
+model.safetensors.index.json), memory-mapped and read one tensor at a time, so that loading never
+holds more than the model in its compute dtype plus one tensor.
+
+The tokenizer side (tokenizer.json, tokenizer_config.json, chat_template.jinja,
+generation_config.json) is read by kvpilot.server.tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpilot.server.models.config import ModelConfig, ModelFormatError, config_from_hf
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    return path.is_dir() and (path / CONFIG).is_file()
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ModelFormatError(f"{path}: expected a JSON object")
+    return value
+
+
+class Checkpoint:
+    """config.json and the safetensors files of one checkpoint directory."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not is_checkpoint_dir(self.path):
+            raise ModelFormatError(f"{self.path}: not a checkpoint directory (no {CONFIG})")
+        self.hf_config = read_json(self.path / CONFIG)
+        quantization = self.hf_config.get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+            raise ModelFormatError(f"{self.path / CONFIG}: pre-quantized checkpoints (quant_method {method!r}) are not loaded; "
+                                   "use a float checkpoint or a GGUF")
+        self.config: ModelConfig = config_from_hf(self.hf_config, self.path.name, str(self.path / CONFIG))
+        self._files = self._tensor_files()
+
+    def _tensor_files(self) -> dict[str, Path]:
+        """Tensor name -> the safetensors file that holds it."""
+        from safetensors import safe_open
+
+        index = self.path / INDEX
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ModelFormatError(f"{index}: no weight_map")
+            files = {name: self.path / file for name, file in weight_map.items()}
+            missing = sorted({str(f.name) for f in files.values() if not f.is_file()})
+            if missing:
+                raise ModelFormatError(f"{index} names shards that are missing: {', '.join(missing)}")
+            return files
+        shards = sorted(self.path.glob("*.safetensors"))
+        if not shards:
+            raise ModelFormatError(f"{self.path}: no *.safetensors files (other weight formats, such as PyTorch .bin, are not loaded)")
+        files: dict[str, Path] = {}
+        for shard in shards:
+            with safe_open(shard, framework="pt") as f:
+                files.update(dict.fromkeys(f.keys(), shard))
+        return files
+
+    @cached_property
+    def _handles(self) -> dict[Path, Any]:
+        from safetensors import safe_open
+
+        return {f: safe_open(f, framework="pt") for f in sorted(set(self._files.values()))}
+
+    def checkpoint_names(self) -> set[str]:
+        return set(self._files)
+
+    def load(self, name: str) -> torch.Tensor:
+        """One tensor as stored (fp32/fp16/bf16), read from its memory-mapped file."""
+        try:
+            file = self._files[name]
+        except KeyError:
+            raise ModelFormatError(f"{self.path}: tensor {name!r} is missing") from None
+        t = self._handles[file].get_tensor(name)
+        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ModelFormatError(f"{self.path}: tensor {name!r} has dtype {t.dtype} (float32, float16 and bfloat16 are loaded)")
+        return t
+
+    def close(self) -> None:
+        self.__dict__.pop("_handles", None)

@@ -1,0 +1,143 @@
+"""The model's shape: one description for every supported family, read from a GGUF's metadata or a
+checkpoint's config.json. torch-free.
+
+The families differ in a few facts, kept here as data rather than as branches in the model code:
+Qwen2 projects q/k/v with biases, Qwen3 RMS-normalises each query and key head before RoPE, Llama 3
+rescales RoPE frequencies, Mistral may declare a sliding window. Everything else is one decoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+class ModelFormatError(ValueError):
+    """A model file or checkpoint the engine cannot load, with the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    architecture: str          # the `architectures` entry of config.json
+    gguf_architecture: str     # `general.architecture` of the same family's GGUF files
+    qkv_bias: bool             # q/k/v projections always carry biases (Qwen2)
+    qk_norm: bool              # per-head RMSNorm of queries and keys before RoPE (Qwen3)
+    gguf_rope_interleaved: bool  # llama.cpp's converter permutes q/k rows for its interleaved RoPE (llama arch only)
+
+
+FAMILIES = {f.architecture: f for f in (
+    Family("LlamaForCausalLM", "llama", qkv_bias=False, qk_norm=False, gguf_rope_interleaved=True),
+    Family("MistralForCausalLM", "llama", qkv_bias=False, qk_norm=False, gguf_rope_interleaved=True),
+    Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, qk_norm=False, gguf_rope_interleaved=False),
+    Family("Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True, gguf_rope_interleaved=False),
+)}
+# Mistral's GGUFs say "llama": the GGUF architecture names the Llama family for both.
+GGUF_FAMILIES = {"llama": FAMILIES["LlamaForCausalLM"], "qwen2": FAMILIES["Qwen2ForCausalLM"], "qwen3": FAMILIES["Qwen3ForCausalLM"]}
+
+
+def family_for(architecture: str, source: str) -> Family:
+    family = FAMILIES.get(architecture)
+    if family is None:
+        raise ModelFormatError(f"{source}: architecture {architecture!r} is not supported (supported: {', '.join(FAMILIES)})")
+    return family
+
+
+def gguf_family_for(architecture: str, source: str) -> Family:
+    family = GGUF_FAMILIES.get(architecture)
+    if family is None:
+        raise ModelFormatError(f"{source}: GGUF architecture {architecture!r} is not supported (supported: {', '.join(GGUF_FAMILIES)})")
+    return family
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """RoPE frequency scaling. linear: every frequency divided by `factor` (positions stretched).
+    llama3: low frequencies divided by `factor`, high ones kept, the band between interpolated.
+    factors: the per-frequency divisors spelled out (how llama.cpp stores Llama 3's scaling)."""
+
+    kind: Literal["linear", "llama3", "factors"]
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+    freq_factors: tuple[float, ...] = ()  # "factors": each frequency divided by its own factor (a GGUF's rope_freqs tensor)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    family: Family
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False      # Llama's attention_bias: q/k/v and o projections carry biases
+    mlp_bias: bool = False            # Llama's mlp_bias: gate/up/down carry biases
+    sliding_window: int | None = None  # attention window in tokens (Mistral), None = full attention
+
+
+def rope_scaling_from_hf(params: dict[str, Any] | None, source: str) -> RopeScaling | None:
+    """A config.json's rope scaling (transformers 4's `rope_scaling` or 5's `rope_parameters`)."""
+    if not params:
+        return None
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", factor=float(params["factor"]))
+    if kind == "llama3":
+        return RopeScaling("llama3", factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                           high_freq_factor=float(params["high_freq_factor"]), original_max_position=int(params["original_max_position_embeddings"]))
+    raise ModelFormatError(f"{source}: RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
+
+
+def config_from_hf(hf: dict[str, Any], name: str, source: str) -> ModelConfig:
+    """ModelConfig from a parsed config.json."""
+    architectures = hf.get("architectures") or []
+    if len(architectures) != 1:
+        raise ModelFormatError(f"{source}: config.json must name exactly one architecture, got {architectures!r} "
+                               f"(supported: {', '.join(FAMILIES)})")
+    family = family_for(architectures[0], source)
+
+    def need(key: str) -> Any:
+        if hf.get(key) is None:
+            raise ModelFormatError(f"{source}: config.json has no {key!r}")
+        return hf[key]
+
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelFormatError(f"{source}: hidden_act {act!r} is not supported (silu is)")
+    rope = hf.get("rope_parameters") or {}
+    scaling = rope_scaling_from_hf(rope or hf.get("rope_scaling"), source)
+    heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    window = hf.get("sliding_window")
+    if family.architecture != "MistralForCausalLM" and not hf.get("use_sliding_window", False):
+        window = None  # Qwen configs carry a window that is off unless use_sliding_window is set
+    return ModelConfig(
+        name=name,
+        family=family,
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=need("intermediate_size"),
+        num_layers=need("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hidden // heads,
+        rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+        rms_norm_eps=float(need("rms_norm_eps")),
+        max_position=need("max_position_embeddings"),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_scaling=scaling,
+        attention_bias=bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        sliding_window=int(window) if window else None,
+    )

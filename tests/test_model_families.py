@@ -1,0 +1,225 @@
+"""HF checkpoints of the Llama, Mistral, Qwen2 and Qwen3 families (tiny random models written by
+transformers itself): kvpilot's greedy ids and prompt logprobs equal HF transformers' on the same
+checkpoint (vLLM's N-1 exact + top-5 rule; logprobs within 2e-4), one prompt at a time and batched;
+a GGUF of the same weights loads to the same outputs; the tokenizer files give HF's chat template."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from checkpoint_factory import CASES, build_checkpoint, save_tokenizer, write_family_gguf
+from oracle import ORACLE_PROMPTS, HFOracle, compare_greedy
+
+PROMPTS = ORACLE_PROMPTS[:5]
+STEPS = 16
+LOGPROB_BOUND = 2e-4  # fp32 both sides; only the summation order differs
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory, model_path):
+    return save_tokenizer(model_path, tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory, tokenizer_dir, model_path):
+    """name -> (checkpoint directory, GGUF of the same weights)."""
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for name, case in CASES.items():
+        directory = build_checkpoint(case, root / name, tokenizer_dir)
+        out[name] = (directory, write_family_gguf(directory, model_path, root / f"{name}.gguf"))
+    return out
+
+
+class CheckpointOracle(HFOracle):
+    """HF transformers on a checkpoint directory (not cached: a tiny model runs in a second)."""
+
+    def __init__(self, directory: Path):
+        super().__init__(directory)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        self._model = AutoModelForCausalLM.from_pretrained(str(directory), dtype="float32").eval()
+
+    def run(self, prompts=PROMPTS, steps=STEPS):
+        return [self._greedy(p, steps) for p in prompts]
+
+
+def llm(model: Path, **kw):
+    from kvpilot.server import LLM
+
+    return LLM(model=str(model), num_threads=1, show_progress=False, kv_cache_memory="32MiB", **kw)
+
+
+def greedy(engine, batched: bool):
+    from kvpilot.server import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
+    outs = engine.generate(PROMPTS, params) if batched else [engine.generate(p, params)[0] for p in PROMPTS]
+    tokens = [o.outputs[0].token_ids for o in outs]
+    topk = [[sorted(e, key=e.get, reverse=True)[:5] for e in o.outputs[0].logprobs] for o in outs]
+    return outs, tokens, topk
+
+
+def prompt_logprobs(engine, prompt_ids: list[list[int]]) -> list[list[float]]:
+    from kvpilot.server import SamplingParams
+
+    outs = engine.generate(prompt_ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    return [[entry[t] for entry, t in zip(o.prompt_logprobs[1:], ids[1:])] for o, ids in zip(outs, prompt_ids)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", list(CASES))
+def test_checkpoint_matches_transformers(checkpoints, family):
+    directory, _ = checkpoints[family]
+    oracle = CheckpointOracle(directory).run()
+    assert len({tuple(r.tokens) for r in oracle}) == len(oracle) and all(len(set(r.tokens)) > 3 for r in oracle)  # not a degenerate model
+    engine = llm(directory)
+    assert engine.engine.model_config.family.architecture == CASES[family].architecture
+    for batched in (False, True):
+        outs, tokens, topk = greedy(engine, batched)
+        assert [o.prompt_token_ids for o in outs] == [r.prompt_ids for r in oracle]
+        result = compare_greedy(tokens, topk, oracle)
+        print(f"{family} ({'batched' if batched else 'one at a time'}): {result}")
+        assert result["exact"] >= result["total"] - 1 and not result["violations"], result
+    ours = prompt_logprobs(engine, [r.prompt_ids for r in oracle])
+    worst = max(abs(a - b) for mine, r in zip(ours, oracle) for a, b in zip(mine, r.prompt_logprobs))
+    print(f"{family}: max |prompt logprob - HF| = {worst:.2e}")
+    assert worst < LOGPROB_BOUND
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", list(CASES))
+def test_gguf_of_the_same_weights_gives_the_same_outputs(checkpoints, family):
+    directory, gguf_path = checkpoints[family]
+    from_checkpoint, from_gguf = llm(directory), llm(gguf_path)
+    assert from_gguf.engine.model_config.family.gguf_architecture == from_checkpoint.engine.model_config.family.gguf_architecture
+    assert from_gguf.engine.model_config.rope_scaling is not None or CASES[family].config.get("rope_scaling") is None
+    _, tokens_ckpt, _ = greedy(from_checkpoint, batched=True)
+    _, tokens_gguf, _ = greedy(from_gguf, batched=True)
+    assert tokens_gguf == tokens_ckpt
+    ids = [from_gguf.engine.tokenizer.encode(p) for p in PROMPTS]
+    for a, b in zip(prompt_logprobs(from_checkpoint, ids), prompt_logprobs(from_gguf, ids)):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+
+
+def test_chat_template_and_stop_ids_from_the_tokenizer_files(checkpoints, tmp_path):
+    from transformers import AutoTokenizer
+
+    from kvpilot.server.tokenizer import Tokenizer
+
+    directory, _ = checkpoints["llama3"]
+    conversations = [[{"role": "user", "content": "Hi there"}],
+                     [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                      {"role": "user", "content": "And 3+3?"}]]
+    # chat_template.jinja (transformers 5), then the same template inside tokenizer_config.json (older checkpoints)
+    moved = tmp_path / "moved"
+    shutil.copytree(directory, moved)
+    template = (moved / "chat_template.jinja").read_text()
+    (moved / "chat_template.jinja").unlink()
+    tk_config = json.loads((moved / "tokenizer_config.json").read_text())
+    (moved / "tokenizer_config.json").write_text(json.dumps({**tk_config, "chat_template": template}))
+    for d in (directory, moved):
+        ours, hf = Tokenizer.from_checkpoint(d), AutoTokenizer.from_pretrained(str(d))
+        for messages in conversations:
+            for gen in (True, False):
+                assert ours.apply_chat_template(messages, add_generation_prompt=gen) == hf.apply_chat_template(
+                    messages, add_generation_prompt=gen, tokenize=False)
+        assert ours.encode("Hello, world! 12345") == hf("Hello, world! 12345").input_ids
+    # generation_config.json's eos list (Llama 3 stops on several ids), after the tokenizer's own EOS
+    assert Tokenizer.from_checkpoint(directory).eos_token_ids == (2, 0)
+    assert Tokenizer.from_checkpoint(checkpoints["qwen3"][0]).eos_token_ids == (2,)
+
+
+def test_generation_stops_at_any_eos_id(checkpoints, tmp_path):
+    """Every EOS id of generation_config.json ends a request (finish_reason stop), not only the first."""
+    from kvpilot.server import SamplingParams
+
+    directory, _ = checkpoints["llama3"]
+    free = llm(directory).generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))[0].outputs[0].token_ids
+    stops = tmp_path / "stops"
+    shutil.copytree(directory, stops)
+    (stops / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, free[2]]}))  # the model's own third token
+    out = llm(stops).generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=STEPS))[0].outputs[0]
+    assert free[2] not in free[:2] and out.token_ids == free[:3] and out.finish_reason == "stop"
+
+
+def test_sliding_window_limits_the_context(checkpoints):
+    directory, gguf_path = checkpoints["mistral"]
+    for model in (directory, gguf_path):
+        engine = llm(model)
+        assert engine.engine.model_config.sliding_window == 96 and engine.engine.max_model_len == 96
+    with pytest.raises(ValueError, match="sliding_window=96"):
+        llm(directory, max_model_len=200)
+
+
+def test_unsupported_or_incomplete_checkpoints_are_clear_errors(checkpoints, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from kvpilot.server.models.config import ModelFormatError
+
+    directory, _ = checkpoints["qwen3"]
+
+    def variant(name: str, edit) -> Path:
+        d = tmp_path / name
+        shutil.copytree(directory, d)
+        edit(d)
+        return d
+
+    def set_config(**changes):
+        def edit(d):
+            cfg = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**cfg, **changes}))
+        return edit
+
+    cases = [
+        (set_config(architectures=["GPT2LMHeadModel"]), "architecture 'GPT2LMHeadModel' is not supported.*LlamaForCausalLM, MistralForCausalLM, "
+                                                        "Qwen2ForCausalLM, Qwen3ForCausalLM"),
+        (set_config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "RoPE scaling 'yarn' is not supported"),
+        (set_config(quantization_config={"quant_method": "fp8"}), "pre-quantized checkpoints .quant_method 'fp8'"),
+        (lambda d: save_file({"model.layers.0.self_attn.o_proj.bias": torch.zeros(128)}, str(d / "extra.safetensors")),
+         "weights the model does not use.*o_proj.bias"),
+        (lambda d: (d / "tokenizer.json").unlink(), "no tokenizer.json"),
+        (lambda d: [f.unlink() for f in d.glob("*.safetensors")], r"no \*.safetensors"),
+    ]
+    for i, (edit, message) in enumerate(cases):
+        with pytest.raises(ModelFormatError, match=message):
+            llm(variant(f"v{i}", edit))
+
+
+def test_draft_checkpoint_for_speculative_decoding(checkpoints):
+    """A checkpoint directory serves as the draft model too (here: the GGUF of the same weights as
+    target, the checkpoint as draft): greedy output is unchanged and the draft's tokens are accepted."""
+    from kvpilot.server import SamplingParams
+
+    directory, gguf_path = checkpoints["qwen3"]
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm(gguf_path).generate(PROMPTS, params)]
+    spec = llm(gguf_path, speculative_method="draft", speculative_model=str(directory), num_speculative_tokens=3,
+               speculative_disable_batch_size=0)
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)] == plain
+    stats = spec.engine.proposer.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens  # the same model proposes what it verifies
+
+
+def test_serve_a_checkpoint_directory(checkpoints):
+    """`kvpilot serve --model DIR`: served under the directory's name, chat through its template."""
+    import httpx
+
+    from server_harness import ServerProcess
+
+    directory, _ = checkpoints["qwen2"]
+    server = ServerProcess("--model", str(directory), "--kv-cache-memory", "32MiB").wait_ready()
+    try:
+        models = httpx.get(server.url + "/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["qwen2"]
+        r = httpx.post(server.url + "/v1/chat/completions", json={"model": "qwen2", "messages": [{"role": "user", "content": "Hi"}],
+                                                                  "max_tokens": 5, "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+    finally:
+        assert server.terminate() == 0
