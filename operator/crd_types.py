@@ -52,7 +52,8 @@ class ModelSpec(_Model):
 
     source: str = _source_field(..., (
         "Where the weights come from: a bundled model name (e.g. smollm2-135m), an https:// URL of a .gguf "
-        "file, hf://org/repo[/file] (Hugging Face), or pvc://claim/path (a file on a PersistentVolumeClaim). "
+        "file, hf://org/repo (a whole Hugging Face checkpoint: config.json, *.safetensors, tokenizer files) or "
+        "hf://org/repo/file.gguf, or pvc://claim/path (a GGUF file or a checkpoint directory on a PersistentVolumeClaim). "
         "Path segments use letters, digits and ._+- only; '.' and '..' segments are refused."))
     served_name: str | None = Field(None, max_length=128, description="Model name in the OpenAI API and in metrics (default: the InferenceService name).")
     _valid_source = field_validator("source")(_check_source)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvpilot.server.config import EngineConfig, ServerConfig, add_model_args
+from kvpilot.server.config import EngineConfig, ServerConfig, add_model_args, parse_size
 
 
 def _engine_config(ns: argparse.Namespace) -> EngineConfig:
@@ -53,7 +53,7 @@ def _fetch_model(ns: argparse.Namespace) -> int:
 
     from kvpilot.server.fetch import fetch
 
-    fetch(ns.source, Path(ns.dest), timeout=ns.timeout)
+    fetch(ns.source, Path(ns.dest), timeout=ns.timeout, max_bytes=parse_size(ns.max_size))
     return 0
 
 
@@ -82,10 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve, EngineConfig)
     add_model_args(serve, ServerConfig)
     serve.set_defaults(func=_serve)
-    fetch = sub.add_parser("fetch-model", help="download a model file (https://…/file.gguf or hf://org/repo/file) to DEST")
+    fetch = sub.add_parser("fetch-model", help="download a model file (https://…/file.gguf, hf://org/repo/file) or a whole "
+                                               "checkpoint (hf://org/repo) to DEST; an interrupted download resumes when run again")
     fetch.add_argument("source")
-    fetch.add_argument("dest", help="the file to write (written as DEST.part, then renamed)")
+    fetch.add_argument("dest", help="the file to write, or for hf://org/repo the directory (files are written as NAME.part, then renamed)")
     fetch.add_argument("--timeout", type=float, default=1800, help="seconds for the whole download (default: 1800)")
+    fetch.add_argument("--max-size", default="256GiB", help="refuse sources larger than this (default: 256GiB)")
     fetch.set_defaults(func=_fetch_model)
     draft = sub.add_parser("make-draft", help="write a draft model for speculative decoding: the first LAYERS blocks of a GGUF")
     draft.add_argument("model", help="bundled model name or GGUF path")

@@ -35,12 +35,9 @@ class ModelSource:
 
     @property
     def filename(self) -> str:
-        """The downloaded file's name (https, and hf with a file)."""
-        return (self.url or self.path).rsplit("/", 1)[-1]
+        """The downloaded file's name (https, and hf with a file), or a whole hf repository's directory name."""
+        return (self.url or self.path or self.name).rsplit("/", 1)[-1]
 
-    @property
-    def is_single_file(self) -> bool:
-        return self.kind == "https" or (self.kind == "hf" and bool(self.path))
 
 
 def parse_model_source(source: str) -> ModelSource:

@@ -110,7 +110,22 @@ def test_unsupported_settings_for_kvpilot():
     assert len(problems) == 2 and all("not implemented by the kvpilot engine" in p for p in problems)
     assert unsupported_settings(spec(engineSettings={"speculative": {"method": "ngram", "draftModel": "hf://o/r/d.gguf"}})) == [
         "engineSettings.speculative.draftModel is only used with method draft"]
-    assert "hf://o/r" in unsupported_settings(spec(engineSettings={"speculative": {"method": "draft", "draftModel": "hf://o/r"}}))[0]
+
+
+
+def test_kvpilot_fetches_whole_hub_checkpoints_and_reads_checkpoint_directories_from_claims():
+    """hf://org/repo: the init container downloads the checkpoint into a directory named after the
+    repo and the engine loads that directory; pvc://claim/dir: the directory on the claim."""
+    d = deployment("m", "ns", "u", spec(model={"source": "hf://Qwen/Qwen3-0.6B"},
+                                        engineSettings={"speculative": {"method": "draft", "draftModel": "hf://Qwen/Qwen3-0.6B-draft"}}))
+    assert unsupported_settings(spec(model={"source": "hf://Qwen/Qwen3-0.6B"})) == []
+    inits = {i["name"]: i for i in d["spec"]["template"]["spec"]["initContainers"]}
+    assert inits["download-model"]["args"][:2] == ["hf://Qwen/Qwen3-0.6B", "/models/download/Qwen3-0.6B"]
+    assert inits["download-draft-model"]["args"][:2] == ["hf://Qwen/Qwen3-0.6B-draft", "/models/draft/download/Qwen3-0.6B-draft"]
+    config = EngineConfig.from_cli_args(engine_args(container(d)))
+    assert (config.model, config.speculative_model) == ("/models/download/Qwen3-0.6B", "/models/draft/download/Qwen3-0.6B-draft")
+    on_claim = EngineConfig.from_cli_args(engine_args(container(deployment("m", "ns", "u", spec(model={"source": "pvc://models/qwen3"})))))
+    assert on_claim.model == "/models/pvc/qwen3"
 
 
 def test_kvpilot_speculative_settings_become_engine_flags_and_the_draft_is_fetched():

@@ -38,13 +38,15 @@ class ModelFiles:
     directory: str
 
     def downloaded(self, engine: str) -> ModelSource | None:
-        """The source an init container downloads before the engine starts: an https:// file, or an
-        hf:// file for the kvpilot engine (vLLM and SGLang fetch hub repos themselves); None otherwise."""
+        """The source an init container downloads before the engine starts: an https:// file, or for
+        the kvpilot engine an hf:// file or whole checkpoint (vLLM and SGLang fetch hub repos
+        themselves); None otherwise."""
         src = parse_model_source(self.source)
-        return src if src.is_single_file and (src.kind == "https" or engine == "kvpilot") else None
+        return src if src.kind == "https" or (src.kind == "hf" and engine == "kvpilot") else None
 
     def argument(self, engine: str) -> str:
-        """What the engine is told to load: a bundled name, a path under the mount, or a hub repo."""
+        """What the engine is told to load: a bundled name, a path under the mount (a file, or a
+        checkpoint directory), or a hub repo."""
         src = parse_model_source(self.source)
         if src.kind == "pvc":
             return f"{self.directory}/pvc/{src.path}"
@@ -157,10 +159,6 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
             problems.append("engineSettings.speculative.draftModel is only used with method draft")
         if s.tensor_parallel_size > 1:
             problems.append("engineSettings.tensorParallelSize > 1 is not implemented by the kvpilot engine yet (use engine vllm)")
-        for files in model_files(spec):
-            src = parse_model_source(files.source)
-            if src.kind == "hf" and not src.path:
-                problems.append(f"the kvpilot engine loads GGUF files: give hf://org/repo/file.gguf ({files.volume} source {files.source})")
     elif s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION[spec.engine]:
         problems.append(f"engineSettings.quantization={s.quantization} is not a {spec.engine} quantization method "
                         f"(it takes {', '.join(sorted(ENGINE_QUANTIZATION[spec.engine]))})")
