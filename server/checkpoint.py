@@ -38,6 +38,8 @@ def read_json(path: Path) -> dict[str, Any]:
 class Checkpoint:
     """config.json and the safetensors files of one checkpoint directory."""
 
+    memory_mapped = True
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not is_checkpoint_dir(self.path):

@@ -65,7 +65,9 @@ def _field_value(field: Any) -> Any:
 
 
 class GGUFFile:
-    """Metadata and tensors of one GGUF file (memory-mapped; tensors are read on demand)."""
+    """Metadata and tensors of one GGUF file (memory-mapped; tensors are read on demand, as copies)."""
+
+    memory_mapped = False  # tensor() and load() return owned tensors
 
     def __init__(self, path: str | Path):
         from gguf import GGUFReader

@@ -1,1 +1,1 @@
-"""Model architectures (the Llama family for now)."""
+"""Model code: one decoder for the supported families (models/config.py lists them)."""

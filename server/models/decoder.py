@@ -26,6 +26,7 @@ class WeightSource(Protocol):
     """A GGUF file or a checkpoint directory, read by transformers tensor names."""
 
     path: Path
+    memory_mapped: bool  # load() returns views of a file mapping (not owned tensors)
 
     def checkpoint_names(self) -> set[str]: ...
 
@@ -106,7 +107,12 @@ class _WeightReader:
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self.available:
             raise ModelFormatError(f"{self.source.path}: weight {name!r} is missing")
-        t = self.source.load(name).to(device=self.device, dtype=self.dtype).contiguous()
+        loaded = self.source.load(name)
+        t = loaded.to(device=self.device, dtype=self.dtype).contiguous()
+        if self.source.memory_mapped and t.data_ptr() == loaded.data_ptr():
+            # An owned copy: a tensor that still shares the checkpoint's mapping would keep the whole
+            # file resident (and counted) for as long as the model lives.
+            t = t.clone()
         self.read.add(name)
         if self.progress:
             self.progress(1)
