@@ -3,8 +3,9 @@ reports Running, as a local process bound to the pod's loopback IP; with a kubec
 operator pods that the Helm chart creates (`python -m kvpilot.operator` with the pod's args, env and
 ServiceAccount: a token requested for it).
 
-It expands `$(VAR)` references from the container's env (downward-API POD_IP included), runs the
-command with 1 torch thread under `nice`, sets serving.kvpilot.dev/engine-ready=true once the
+It runs the pod's init containers first (model downloads: `kvpilot fetch-model`), with each emptyDir
+volume a host directory and paths under a volume mount moved there, expands `$(VAR)` references
+from the container's env (downward-API POD_IP included), runs the command with 1 torch thread under `nice`, sets serving.kvpilot.dev/engine-ready=true once the
 engine's /ready answers (kwok's Stage then marks the pod Ready), clears it when the engine stops
 answering, and stops the process (SIGTERM: the engine drains) when the pod goes away.
 
@@ -68,12 +69,24 @@ def operator_argv(pod: dict) -> tuple[list[str], dict[str, str]]:
 CONTAINER_PATH_ENV = ("HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR")
 
 
-def engine_argv(pod: dict) -> tuple[list[str], dict[str, str]]:
-    container = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+def container_argv(container: dict, pod: dict, volumes: dict[str, Path] | None = None) -> tuple[list[str], dict[str, str]]:
+    """A container's command line as a local process: $(VAR)s expanded, paths under its volume
+    mounts moved to the volumes' host directories (`volumes`: volume name -> directory)."""
     env = {k: v for k, v in container_env(container, pod).items() if k not in CONTAINER_PATH_ENV}
     argv = [expand(a, env) for a in (container.get("command") or []) + (container.get("args") or [])]
+    mounts = sorted(((m["mountPath"], volumes[m["name"]]) for m in container.get("volumeMounts") or [] if volumes and m["name"] in volumes),
+                    key=lambda m: -len(m[0]))
+    for i, arg in enumerate(argv):
+        mount = next(((path, host) for path, host in mounts if arg == path or arg.startswith(path + "/")), None)
+        if mount:
+            argv[i] = str(mount[1]) + arg[len(mount[0]):]
     if argv and argv[0] == "kvpilot":  # the venv's console script stands in for the image's
         argv[0] = str(Path(sys.executable).parent / "kvpilot")
+    return argv, env
+
+
+def engine_argv(pod: dict, volumes: dict[str, Path] | None = None) -> tuple[list[str], dict[str, str]]:
+    argv, env = container_argv(next(c for c in pod["spec"]["containers"] if c["name"] == "engine"), pod, volumes)
     if "--num-threads" not in argv:
         argv += ["--num-threads", "1"]
     return argv, env
@@ -99,6 +112,7 @@ class PodRunner:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engines: dict[str, PodProcess] = {}  # pod uid -> engine
+        self.init_backoff: dict[str, float] = {}  # pod uid -> when its failed init containers may run again
         self._stop = threading.Event()
         self._http = httpx.Client(verify=_insecure(), headers={"Authorization": f"Bearer {token}"}, timeout=10)
         self.events: list[tuple[float, str, str]] = []  # (time, pod, what) for reports
@@ -179,14 +193,42 @@ class PodRunner:
 
     def _start_engine(self, uid: str, pod: dict) -> None:
         ip = require_loopback(pod["status"]["podIP"])
-        argv, env = engine_argv(pod)
-        port = int(argv[argv.index("--port") + 1]) if "--port" in argv else 8000
         name = pod["metadata"]["name"]
-        log = open(self.log_dir / f"{pod['metadata']['namespace']}_{name}.log", "ab")
+        log_path = self.log_dir / f"{pod['metadata']['namespace']}_{name}.log"
+        volumes = self._volumes(uid, pod)
+        if not self._run_init_containers(uid, pod, volumes, log_path):
+            return
+        argv, env = engine_argv(pod, volumes)
+        port = int(argv[argv.index("--port") + 1]) if "--port" in argv else 8000
+        log = open(log_path, "ab")
         proc_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
         proc = subprocess.Popen(["nice", "-n", "5", *argv], stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True)
         self.engines[uid] = PodProcess(name, pod["metadata"]["namespace"], ip, port, proc)
         self.events.append((time.time(), name, f"started on {ip}:{port}"))
+
+    def _volumes(self, uid: str, pod: dict) -> dict[str, Path]:
+        """The pod's emptyDir volumes as host directories (kept for the pod's life, like the kubelet's)."""
+        volumes = {}
+        for v in pod["spec"].get("volumes") or []:
+            if "emptyDir" in v:
+                volumes[v["name"]] = self.log_dir / "volumes" / uid / v["name"]
+                volumes[v["name"]].mkdir(parents=True, exist_ok=True)
+        return volumes
+
+    def _run_init_containers(self, uid: str, pod: dict, volumes: dict[str, Path], log_path: Path) -> bool:
+        """Each init container in order, to completion (as the kubelet does before the main container);
+        one that fails is tried again after a back-off. Blocking: fine for loopback-sized downloads."""
+        if time.monotonic() < self.init_backoff.get(uid, 0):
+            return False
+        for c in pod["spec"].get("initContainers") or []:
+            argv, env = container_argv(c, pod, volumes)
+            with open(log_path, "ab") as log:
+                r = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, timeout=600)
+            self.events.append((time.time(), pod["metadata"]["name"], f"init container {c['name']} exited {r.returncode}"))
+            if r.returncode != 0:
+                self.init_backoff[uid] = time.monotonic() + 10
+                return False
+        return True
 
     def _stop_engine(self, uid: str) -> None:
         self._stop_process(self.engines.pop(uid))
