@@ -67,7 +67,6 @@ def condition(obj, type_):
 def test_hf_checkpoint_source_is_fetched_and_served(cluster, namespace, tmp_path):
     sys.path.insert(0, str(ROOT / "tests"))
     from checkpoint_factory import CASES, build_checkpoint, save_tokenizer
-
     from kvpilot.server.model_files import resolve_model_path
 
     checkpoint = build_checkpoint(CASES["qwen3"], tmp_path / "hub" / "tiny-qwen3", save_tokenizer(resolve_model_path("smollm2-135m"), tmp_path / "tok"))

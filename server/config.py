@@ -30,7 +30,7 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    model: str = Field("smollm2-135m", description="Bundled model name or path to a GGUF file.")
+    model: str = Field("smollm2-135m", description="Bundled model name, GGUF file, or Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json).")
     served_model_name: str | None = Field(None, description="Name in the API and in metrics (default: the model's).")
     max_model_len: int | None = Field(None, ge=16, description="Longest prompt + output in tokens (default: the model's context, capped by the KV cache).")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine step.")
@@ -48,7 +48,7 @@ class EngineConfig(BaseModel):
     speculative_method: Literal["ngram", "draft"] | None = Field(
         None, description="Speculative decoding: ngram (prompt lookup) or draft (a small model given by --speculative-model); off when unset.")
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per sequence and step.")
-    speculative_model: str | None = Field(None, description="Draft model (bundled name or GGUF path) sharing the target's tokenizer; method draft only.")
+    speculative_model: str | None = Field(None, description="Draft model (bundled name, GGUF file or checkpoint directory) sharing the target's tokenizer; method draft only.")
     prompt_lookup_max: int = Field(4, ge=1, le=32, description="ngram: longest suffix of the sequence looked up in its earlier tokens.")
     prompt_lookup_min: int = Field(2, ge=1, le=32, description="ngram: shortest suffix looked up.")
     speculative_disable_batch_size: int = Field(
@@ -79,7 +79,7 @@ class EngineConfig(BaseModel):
     def _speculation_consistent(self) -> EngineConfig:
         # Refused, never ignored: a draft model without method draft (or the reverse) is a mistake.
         if self.speculative_method == "draft" and not self.speculative_model:
-            raise ValueError("speculative_method=draft needs speculative_model (a GGUF sharing the model's tokenizer)")
+            raise ValueError("speculative_method=draft needs speculative_model (a model sharing the target's tokenizer)")
         if self.speculative_model and self.speculative_method != "draft":
             raise ValueError("speculative_model is only used with speculative_method=draft")
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -105,3 +105,33 @@ def test_any_text_roundtrips_and_streams_cleanly(tok, text):
     deltas = [d.add(t) for t in ids] + [d.flush()]
     assert "".join(deltas) == tok.decode(ids) == text
     assert all("\ufffd" not in x for x in deltas)
+
+
+def test_sentencepiece_style_checkpoint_tokenizer_streams_the_same_text(tmp_path):
+    """A Llama 2 / Mistral-style tokenizer.json (BPE over ▁-marked text with <0xNN> byte fallback, no
+    byte-level alphabet): each generated token's bytes, streamed, add up to what the tokenizer itself
+    decodes after a prompt token, multi-byte characters split over byte tokens included."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    from kvpilot.server.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "▁w", "ll", "llo", "▁hello", "▁world"]
+    merges = [("▁", "h"), ("▁", "w"), ("l", "l"), ("ll", "o"), ("▁h", "e"), ("▁he", "llo"), ("▁w", "o"), ("▁wo", "r"), ("▁wor", "l"), ("▁worl", "d")]
+    pieces += [a + b for a, b in merges if a + b not in pieces]
+    tk = HFTokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tk.add_special_tokens(["<s>", "</s>"])
+    tk.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true}')
+    tok = Tokenizer.from_checkpoint(tmp_path)
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.add_bos) == (1, (2,), True)
+    text = "hello world é日 hello"
+    ids = tok.encode(text)
+    assert ids[0] == 1 and ids[1:] == tk.encode(text, add_special_tokens=False).ids
+    assert any(3 <= i < 259 for i in ids)  # é and 日 went through byte fallback
+    d = IncrementalDetokenizer(tok)
+    streamed = "".join(d.add(t) for t in ids[2:]) + d.flush()
+    assert streamed == tk.decode(ids[1:])[len(tk.decode(ids[1:2])):]  # what follows the first word
+    assert streamed == " world é日 hello"
