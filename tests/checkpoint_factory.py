@@ -28,6 +28,7 @@ class Case:
     legacy_rope_fields: bool = False   # rewrite config.json the way transformers 4 wrote it (rope_theta + rope_scaling)
     max_shard_size: str | None = None  # shard the safetensors (with model.safetensors.index.json)
     generation_eos: list[int] = field(default_factory=list)
+    dtype: str = "float32"             # the stored weights' dtype (the engine computes in fp32 on CPU)
 
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, max_position_embeddings=512,
@@ -38,9 +39,9 @@ CASES = {c.name: c for c in (
          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64}, rope_theta=500000.0),
          legacy_rope_fields=True, max_shard_size="1MB", generation_eos=[2, 0]),
-    # Mistral: a sliding window (contexts are limited to it), tied head, GQA 4:1, head_dim 32.
+    # Mistral: a sliding window (contexts are limited to it), tied head, GQA 4:1, head_dim 32, bf16 weights.
     Case("mistral", "MistralForCausalLM", dict(COMMON, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
-         sliding_window=96, rope_theta=10000.0)),
+         sliding_window=96, rope_theta=10000.0), dtype="bfloat16"),
     # Qwen2: q/k/v biases, linear RoPE scaling, tied head.
     Case("qwen2", "Qwen2ForCausalLM", dict(COMMON, num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
          rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=1000000.0), legacy_rope_fields=True),
@@ -82,7 +83,7 @@ def build_checkpoint(case: Case, dest: Path, tokenizer_dir: Path, seed: int = 0)
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)
     kwargs = {"max_shard_size": case.max_shard_size} if case.max_shard_size else {}
-    model.save_pretrained(str(dest), **kwargs)
+    model.to(getattr(torch, case.dtype)).save_pretrained(str(dest), **kwargs)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, dest / f.name)
     if GGUF_ARCH[case.architecture] in QWEN_ARCHS:

@@ -15,6 +15,8 @@ def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: str
     for key, value in (metadata or {}).items():
         if isinstance(value, str):
             w.add_string(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
         elif isinstance(value, float):
             w.add_float32(key, value)
         else:

@@ -80,6 +80,11 @@ def test_checkpoint_matches_transformers(checkpoints, family):
     assert len({tuple(r.tokens) for r in oracle}) == len(oracle) and all(len(set(r.tokens)) > 3 for r in oracle)  # not a degenerate model
     engine = llm(directory)
     assert engine.engine.model_config.family.architecture == CASES[family].architecture
+    if CASES[family].dtype != "float32":  # stored in bf16, computed in fp32 (as HF's oracle does)
+        from safetensors import safe_open
+
+        with safe_open(str(next(directory.glob("*.safetensors"))), framework="pt") as f:
+            assert str(f.get_tensor(next(iter(f.keys()))).dtype) == f"torch.{CASES[family].dtype}"
     for batched in (False, True):
         outs, tokens, topk = greedy(engine, batched)
         assert [o.prompt_token_ids for o in outs] == [r.prompt_ids for r in oracle]

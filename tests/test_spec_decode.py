@@ -313,6 +313,6 @@ def test_bad_speculative_configs_are_refused(tmp_path, model_path):
     from gguf_factory import write_gguf
 
     other = write_gguf(tmp_path / "other.gguf", {"token_embd.weight": (np.zeros((4, 8), np.float32), "F32")},
-                       metadata={"llama.block_count": 1})
+                       metadata={"llama.block_count": 1, "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "c", "d"]})
     with pytest.raises(ValueError, match="does not share the model's tokenizer"):
         make_engine(kv_cache_memory="16MiB", speculative_method="draft", speculative_model=str(other))
