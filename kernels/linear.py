@@ -10,6 +10,8 @@ into the matmul's output pass instead of another trip over the activations.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,18 +54,50 @@ class Linear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, attr, [], "")
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str | None = None, shard: object | None = None,
+@dataclass(frozen=True, slots=True)
+class RowParallel:
+    """Tensor parallelism: this rank holds a slice of the weight's input columns (`make_linear` gets
+    that slice); the outputs of all ranks are summed."""
+
+    rank: int
+
+
+class RowParallelLinear(Linear):
+    """One rank's slice of a row-parallel projection: its partial product, summed over the ranks by
+    one all-reduce. The bias and the fused residual add ride on rank 0's part only, so that the sum
+    counts them once."""
+
+    def __init__(self, weight: torch.Tensor, packed: bool, bias: torch.Tensor | None, rank: int):
+        super().__init__(weight, packed, bias if rank == 0 else None)
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(super().forward(x))
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(super().add(x, residual) if self.rank == 0 else super().forward(x))
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.all_reduce(t)
+    return t
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str | None = None, shard: RowParallel | None = None,
                 use_onednn: bool | None = None) -> Linear:
-    """The one factory the model loader calls for every projection: (raw weight [out, in], bias,
-    quantization, shard) -> a Linear. Quantized and sharded weights are the quantization and tensor-parallel issues'
-    to add here; asking for them now is an error, not a silent dense layer."""
+    """The one factory the model loader calls for every projection: (raw weight [out, in] — this
+    rank's rows or columns under tensor parallelism —, bias, quantization, shard) -> a Linear.
+    Column-parallel projections need nothing here (a rank's rows are a smaller projection); `shard`
+    marks a row-parallel one. Quantized weights are the quantization issue's to add here; asking for
+    them now is an error, not a silent dense layer."""
     if quantization not in (None, "none"):
         raise NotImplementedError(f"quantization {quantization!r} is not implemented yet")
-    if shard is not None:
-        raise NotImplementedError("sharded (tensor-parallel) projections are not implemented yet")
     if use_onednn is None:
         use_onednn = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available()
-    if use_onednn:
-        # The packed copy is all the CPU path reads; keeping the dense one too would double the memory.
-        return Linear(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), packed=True, bias=bias)
-    return Linear(weight.contiguous(), packed=False, bias=bias)
+    # The packed copy is all the CPU path reads; keeping the dense one too would double the memory.
+    w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if use_onednn else weight.contiguous()
+    if shard is not None:
+        return RowParallelLinear(w, use_onednn, bias, shard.rank)
+    return Linear(w, packed=use_onednn, bias=bias)

@@ -104,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as e:
+        from kvpilot.server.engine.parallel import write_termination_message
+
         print(f"kvpilot: error: {e}", file=sys.stderr)
+        write_termination_message(f"kvpilot: error: {e}")  # what the pod's status shows (Kubernetes' termination message)
         return 2
     except FetchError as e:
         print(f"kvpilot: fetch failed: {e}", file=sys.stderr)

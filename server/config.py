@@ -44,7 +44,7 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores).")
-    tensor_parallel_size: int = Field(1, ge=1, description="Ranks the model is split over (only 1 until tensor parallelism exists).")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Ranks (processes; GPUs on CUDA) the model is split over; kv_cache_memory is per rank.")
     speculative_method: Literal["ngram", "draft"] | None = Field(
         None, description="Speculative decoding: ngram (prompt lookup) or draft (a small model given by --speculative-model); off when unset.")
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per sequence and step.")
@@ -62,13 +62,6 @@ class EngineConfig(BaseModel):
     def _size(cls, v: Any) -> int:
         return parse_size(v)
 
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _single_rank(cls, v: int) -> int:
-        if v > 1:  # refused, not ignored: a user asking for N ranks must not get one silently
-            raise ValueError(f"tensor_parallel_size={v}: the kvpilot engine does not implement tensor parallelism yet; use 1")
-        return v
-
     @model_validator(mode="after")
     def _budget_fits(self) -> EngineConfig:
         if self.max_model_len is not None and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -82,6 +75,8 @@ class EngineConfig(BaseModel):
             raise ValueError("speculative_method=draft needs speculative_model (a model sharing the target's tokenizer)")
         if self.speculative_model and self.speculative_method != "draft":
             raise ValueError("speculative_model is only used with speculative_method=draft")
+        if self.speculative_method == "draft" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_method=draft is not implemented with tensor_parallel_size > 1 (ngram is)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
         return self

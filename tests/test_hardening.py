@@ -280,12 +280,6 @@ def test_streamed_text_offset_is_cumulative(server):
     assert offsets == full["text_offset"] and offsets == sorted(offsets) and offsets[-1] > 0
 
 
-def test_tensor_parallel_is_refused_at_start(tmp_path):
-    s = ServerProcess("--tensor-parallel-size", "3", log_path=tmp_path / "log")
-    assert s.proc.wait(60) == 2
-    assert "tensor_parallel_size=3" in s.log() and "does not implement tensor parallelism" in s.log()
-
-
 def test_a_stream_cut_at_shutdown_ends_with_an_error_event_and_done(tmp_path):
     s = ServerProcess("--kv-cache-memory", "64MiB", "--shutdown-grace-seconds", "1", log_path=tmp_path / "log").wait_ready()
     lines = []

@@ -46,5 +46,25 @@ def test_weights_are_buffers_and_missing_features_fail_loudly():
     assert torch.equal(lin.state_dict()["weight"], lin.weight) and lin.to(torch.float32).weight.dtype == torch.float32
     with pytest.raises(NotImplementedError, match="int4"):
         make_linear(torch.randn(4, 4), quantization="int4")
-    with pytest.raises(NotImplementedError, match="sharded"):
-        make_linear(torch.randn(4, 4), shard=(0, 3))
+
+
+def test_row_parallel_projection_counts_bias_and_residual_on_rank_0_only(tmp_path):
+    """One rank's part of a row-parallel projection (a one-rank gloo group, so the all-reduce is the
+    identity): rank 0's part carries the bias and the residual, any other rank's neither."""
+    import torch.distributed as dist
+
+    from kvpilot.kernels.linear import RowParallel, RowParallelLinear
+
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
+    x, residual = torch.randn(3, 4, generator=gen), torch.randn(3, 6, generator=gen)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for use_onednn in (True, False):
+            first, other = (make_linear(w, bias=b, shard=RowParallel(rank), use_onednn=use_onednn) for rank in (0, 1))
+            assert isinstance(first, RowParallelLinear) and first.bias is not None and other.bias is None
+            torch.testing.assert_close(first.add(x, residual), x @ w.T + b + residual)
+            torch.testing.assert_close(other.add(x, residual), x @ w.T)
+            torch.testing.assert_close(first(x), x @ w.T + b)
+    finally:
+        dist.destroy_process_group()

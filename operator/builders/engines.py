@@ -157,8 +157,6 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
             problems.append(f"engineSettings.quantization={s.quantization} is not implemented by the kvpilot engine yet (use engine vllm)")
         if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:
             problems.append("engineSettings.speculative.draftModel is only used with method draft")
-        if s.tensor_parallel_size > 1:
-            problems.append("engineSettings.tensorParallelSize > 1 is not implemented by the kvpilot engine yet (use engine vllm)")
     elif s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION[spec.engine]:
         problems.append(f"engineSettings.quantization={s.quantization} is not a {spec.engine} quantization method "
                         f"(it takes {', '.join(sorted(ENGINE_QUANTIZATION[spec.engine]))})")

@@ -54,7 +54,16 @@ class LLMEngine:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window}: sliding-window attention is not "
                              f"implemented, so contexts are limited to the window (where full attention is exact); use --max-model-len {window}")
         draft = _draft_model(config, self.tokenizer) if config.speculative_method == "draft" else None
-        self.runner = ModelRunner(config, weights, weights.config, show_progress=show_progress, draft=draft)
+        self.workers = None
+        tp = None
+        if config.tensor_parallel_size > 1:
+            from kvpilot.server.engine.model_runner import resolve_device
+            from kvpilot.server.engine.parallel import TensorParallel, Workers, check_tensor_parallel
+
+            check_tensor_parallel(self.model_config, config.tensor_parallel_size)
+            tp = TensorParallel(0, config.tensor_parallel_size)
+            self.workers = Workers(config, self.model_path, resolve_device(config).type)
+        self.runner = ModelRunner(config, weights, weights.config, show_progress=show_progress, draft=draft, tp=tp, workers=self.workers)
         capacity = self.runner.num_blocks * config.block_size
         limits = [self.model_config.max_position, capacity] + ([window] if window else [])
         self.max_model_len = min(config.max_model_len or min(limits), *limits)
@@ -185,6 +194,11 @@ class LLMEngine:
     def fail_request(self, request_id: str, message: str) -> RequestOutput:
         """End every sequence of a request with finish_reason "error" (blocks freed); its final output."""
         return self.output.fail(request_id, message)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one rank)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -10,6 +10,7 @@ import torch
 from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.model_io import ModelInput, ModelOutput, PromptLogprobRows
+from kvpilot.server.engine.parallel import TensorParallel, Workers
 from kvpilot.server.engine.sampler import Sampler
 from kvpilot.server.models.config import ModelConfig
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
@@ -19,11 +20,11 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_device(config: EngineConfig) -> torch.device:
+def resolve_device(config: EngineConfig, tp: TensorParallel | None = None) -> torch.device:
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("device=cuda was asked for but no CUDA device is available")
-        return torch.device("cuda")
+        return torch.device("cuda", tp.rank % torch.cuda.device_count() if tp else 0)  # ranks share GPUs only when there are too few
     return torch.device("cpu")
 
 
@@ -47,12 +48,18 @@ class ModelRunner:
     """The model, and with speculative decoding's draft method the draft model too. The draft's KV
     cache shares the target's block tables (the same block ids index both caches, so the block
     manager needs no second account) and is carved from the same memory budget: a block costs the
-    target's bytes plus the draft's."""
+    target's bytes plus the draft's.
+
+    With tensor parallelism every rank has a ModelRunner holding its shard and the KV cache of its
+    heads (kv_cache_memory is per rank: every rank gets the same number of blocks). Rank 0's
+    (`workers` set) broadcasts each step's ModelInput before running it; the others run
+    `serve_steps`. Both run the same collective part of a step (`_forward`); rank 0 alone samples."""
 
     def __init__(self, config: EngineConfig, weights: WeightSource, model_config: ModelConfig, show_progress: bool = True,
-                 draft: tuple[WeightSource, ModelConfig] | None = None):
+                 draft: tuple[WeightSource, ModelConfig] | None = None, tp: TensorParallel | None = None, workers: Workers | None = None):
         self.config = config
-        self.device = resolve_device(config)
+        self.tp, self.workers = tp, workers
+        self.device = resolve_device(config, tp)
         self.dtype = resolve_dtype(config, self.device)
         self.model = self._load(weights, model_config, show_progress)
         self.draft = self._load(*draft, show_progress) if draft else None
@@ -78,18 +85,18 @@ class ModelRunner:
 
             bar = tqdm(total=len(weights.checkpoint_names()), desc=f"loading {weights.path.name}", unit="tensor", leave=False)
         with torch.inference_mode():
-            model = DecoderModel.load(weights, model_config, self.dtype, self.device, progress=bar.update if bar else None)
+            model = DecoderModel.load(weights, model_config, self.dtype, self.device, progress=bar.update if bar else None, tp=self.tp)
         if bar:
             bar.close()
         return model
 
     def _block_bytes(self, model: DecoderModel) -> int:
         c = model.config
-        return 2 * c.num_layers * self.block_size * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.block_size * model.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.dtype).element_size()
 
     def _kv_caches(self, model: DecoderModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = model.config
-        shape = (self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        shape = (self.num_blocks, self.block_size, model.num_kv_heads, c.head_dim)
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
                 for _ in range(c.num_layers)]
 
@@ -112,18 +119,54 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> ModelOutput:
-        """The one device call of a step: forward, prompt logprobs, sampling (verifying proposed tokens).
-        A draft model runs the same rows, so that its cache holds every token the target's does."""
+        """The one device call of a step: forward, prompt logprobs, sampling (verifying proposed tokens)."""
+        sampled = inp.sampling is not None
+        if self.workers is not None:
+            self.workers.broadcast(("execute", inp.for_worker(), sampled))
+        prompt_logits, logits = self._forward(inp, sampled)
+        prompt_logprobs = [self._prompt_logprobs(lg, r) for lg, r in zip(prompt_logits, inp.prompt_logprobs)]
+        if not sampled:
+            return ModelOutput([], [], prompt_logprobs=prompt_logprobs)
+        result = self.sampler(logits, inp.sampling)
+        return ModelOutput(result.token_ids, result.logprobs, result.errors, prompt_logprobs)
+
+    def _forward(self, inp: ModelInput, sampled: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The part of a step every rank runs alike (its all-reduces and gathers pair up across ranks):
+        the forward pass, then the logits of the prompt-logprob spans and of the sampled rows. A draft
+        model runs the same rows, so that its cache holds every token the target's does."""
         meta = AttentionMetadata.from_input(inp)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
         if self.draft is not None:
             self.draft(inp.input_ids, inp.positions, self.draft_kv_caches, meta)
-        prompt_logprobs = [self._prompt_logprobs(hidden[r.first_row:r.first_row + len(r.target_ids)], r) for r in inp.prompt_logprobs]
-        if inp.sampling is None:
-            return ModelOutput([], [], prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
-        result = self.sampler(logits, inp.sampling)
-        return ModelOutput(result.token_ids, result.logprobs, result.errors, prompt_logprobs)
+        prompt_logits = [self.model.compute_logits(hidden[r.first_row:r.first_row + len(r.target_ids)]) for r in inp.prompt_logprobs]
+        return prompt_logits, (self.model.compute_logits(hidden[inp.logits_indices]) if sampled else None)
+
+    def serve_steps(self) -> None:
+        """Ranks 1…N−1: run what rank 0 broadcasts until it says stop."""
+        import torch.distributed as dist
+
+        while True:
+            message: list = [None]
+            dist.broadcast_object_list(message, src=0)
+            kind, *args = message[0]
+            if kind == "execute":
+                with torch.inference_mode():
+                    self._forward(*args)
+            elif kind == "describe":
+                dist.gather_object(self.describe(), None, dst=0)
+            elif kind == "stop":
+                return
+
+    def describe(self) -> dict:
+        """What this rank holds: projection weight bytes, KV heads and KV cache bytes (tests, logs)."""
+        from kvpilot.kernels.linear import Linear
+
+        projections = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules() if isinstance(m, Linear))
+        return {"rank": self.tp.rank if self.tp else 0, "projection_bytes": projections, "kv_heads": self.model.num_kv_heads,
+                "kv_cache_bytes": sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)}
+
+    def describe_ranks(self) -> list[dict]:
+        return self.workers.describe(self.describe()) if self.workers is not None else [self.describe()]
 
     @torch.inference_mode()
     def draft_propose(self, inp: ModelInput) -> tuple[list[int], torch.Tensor | None]:
@@ -131,9 +174,9 @@ class ModelRunner:
         hidden = self.draft(inp.input_ids, inp.positions, self.draft_kv_caches, AttentionMetadata.from_input(inp))
         return self.sampler.propose(self.draft.compute_logits(hidden[inp.logits_indices]), inp.sampling)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptLogprobRows) -> list[dict[int, float]]:
+    def _prompt_logprobs(self, logits: torch.Tensor, rows: PromptLogprobRows) -> list[dict[int, float]]:
         """Logprob of each next prompt token (plus the top-n) at these rows."""
-        lps = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        lps = torch.log_softmax(logits, dim=-1)
         targets = torch.tensor(rows.target_ids, device=lps.device)
         chosen = lps.gather(1, targets[:, None])[:, 0].tolist()
         top = torch.topk(lps, rows.top_k) if rows.top_k else None

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.kernels.linear import make_linear
+from kvpilot.kernels.linear import RowParallel, make_linear
 from kvpilot.kernels.ops import ops_for
 from kvpilot.kernels.paged_attention import AttentionMetadata
+from kvpilot.server.engine.parallel import TensorParallel
 from kvpilot.server.layers.attention import PagedSelfAttention
 from kvpilot.server.layers.mlp import SwiGLU
 from kvpilot.server.layers.rmsnorm import RMSNorm
@@ -44,10 +45,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """With tensor parallelism (`tp`) this is one rank's shard: its query/KV heads and FFN columns
+    (the o and down projections all-reduce), and a slice of the vocabulary for the embedding (its
+    lookups all-reduced) and the LM head (its logits all-gathered)."""
+
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: torch.Tensor | None,
-                 rotary: RotaryEmbedding):
+                 rotary: RotaryEmbedding, num_kv_heads: int, tp: TensorParallel | None = None):
         super().__init__()
         self.config = config
+        self.num_kv_heads = num_kv_heads  # this rank's (all of them without tensor parallelism)
+        self.tp = tp
         self.embed = nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
@@ -57,39 +64,69 @@ class DecoderModel(nn.Module):
         self.lm_head = make_linear(embed if lm_head is None else lm_head)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed)
+        x = self._embed(input_ids)
         rope = self.rotary.rope(positions, x.dtype)  # once per forward, shared by every layer
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rope, kv, meta)
         return self.norm(x)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed)
+        import torch.distributed as dist
+
+        start = self.tp.rank * self.embed.shape[0]
+        local = input_ids - start
+        mine = (local >= 0) & (local < self.embed.shape[0])
+        x = F.embedding(torch.where(mine, local, 0), self.embed) * mine[:, None]
+        dist.all_reduce(x)  # each token's row comes from the one rank that holds it
+        return x
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            return logits
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(logits) for _ in range(self.tp.world_size)]
+        dist.all_gather(parts, logits.contiguous())
+        return torch.cat(parts, dim=-1)[:, :self.config.vocab_size]
 
     @classmethod
     def load(cls, source: WeightSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-             progress: Callable[[int], None] | None = None) -> DecoderModel:
+             progress: Callable[[int], None] | None = None, tp: TensorParallel | None = None) -> DecoderModel:
         c = config
-        w = _WeightReader(source, dtype, device, progress)
+        w = _WeightReader(source, dtype, device, progress, tp)
         ops = ops_for(device)
         norm = lambda name: RMSNorm(w(name), c.rms_norm_eps, ops)
+        heads = tp.split(c.num_heads) if tp else (0, c.num_heads)
+        kv_heads = tp.kv_heads(c.num_kv_heads) if tp else (0, c.num_kv_heads)
+        ffn = tp.split(c.intermediate_size) if tp else (0, c.intermediate_size)
+        q_rows, kv_rows = [h * c.head_dim for h in heads], [h * c.head_dim for h in kv_heads]
+        row_parallel = RowParallel(tp.rank) if tp else None
         layers = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            qkv_bias = torch.cat([w(a + f"{x}_proj.bias") for x in "qkv"]) if c.family.qkv_bias or c.attention_bias else None
+            qkv = torch.cat([w(a + "q_proj.weight", rows=q_rows), w(a + "k_proj.weight", rows=kv_rows), w(a + "v_proj.weight", rows=kv_rows)])
+            qkv_bias = None
+            if c.family.qkv_bias or c.attention_bias:
+                qkv_bias = torch.cat([w(a + "q_proj.bias", rows=q_rows), w(a + "k_proj.bias", rows=kv_rows), w(a + "v_proj.bias", rows=kv_rows)])
             attn = PagedSelfAttention(
-                make_linear(torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]), bias=qkv_bias),
-                make_linear(w(a + "o_proj.weight"), bias=w(a + "o_proj.bias") if c.attention_bias else None),
-                c.num_heads, c.num_kv_heads, c.head_dim, ops,
+                make_linear(qkv, bias=qkv_bias),
+                make_linear(w(a + "o_proj.weight", cols=q_rows), bias=w(a + "o_proj.bias") if c.attention_bias else None, shard=row_parallel),
+                heads[1] - heads[0], kv_heads[1] - kv_heads[0], c.head_dim, ops,
                 qk_norms=(norm(a + "q_norm.weight"), norm(a + "k_norm.weight")) if c.family.qk_norm else None)
-            mlp = SwiGLU(*(make_linear(w(m + f"{x}_proj.weight"), bias=w(m + f"{x}_proj.bias") if c.mlp_bias else None)
-                           for x in ("gate", "up", "down")))
+            bias = lambda name, rows=None: w(name, rows=rows) if c.mlp_bias else None
+            mlp = SwiGLU(make_linear(w(m + "gate_proj.weight", rows=ffn), bias=bias(m + "gate_proj.bias", ffn)),
+                         make_linear(w(m + "up_proj.weight", rows=ffn), bias=bias(m + "up_proj.bias", ffn)),
+                         make_linear(w(m + "down_proj.weight", cols=ffn), bias=bias(m + "down_proj.bias"), shard=row_parallel))
             layers.append(DecoderLayer(attn, mlp, norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")))
-        embed = w("model.embed_tokens.weight")
-        head = None if c.tie_word_embeddings else w("lm_head.weight")
+        vocab = tp.split(tp.padded_vocab(c.vocab_size)) if tp else None
+        embed = w("model.embed_tokens.weight", rows=vocab, pad_rows=True)
+        head = None if c.tie_word_embeddings else w("lm_head.weight", rows=vocab, pad_rows=True)
         rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling).to(device)
-        model = cls(c, embed, layers, norm("model.norm.weight"), head, rotary)
+        model = cls(c, embed, layers, norm("model.norm.weight"), head, rotary, kv_heads[1] - kv_heads[0], tp)
         w.check_all_read(ignored={"lm_head.weight"} if c.tie_word_embeddings else set())
         return model
 
@@ -99,19 +136,30 @@ class _WeightReader:
     second full copy of the model in host memory), and keeps count: a weight the model never read
     means a variant this code does not implement, an error rather than a silently different model."""
 
-    def __init__(self, source: WeightSource, dtype: torch.dtype, device: torch.device, progress: Callable[[int], None] | None):
-        self.source, self.dtype, self.device, self.progress = source, dtype, device, progress
+    def __init__(self, source: WeightSource, dtype: torch.dtype, device: torch.device, progress: Callable[[int], None] | None,
+                 tp: TensorParallel | None):
+        self.source, self.dtype, self.device, self.progress, self.tp = source, dtype, device, progress, tp
         self.available = source.checkpoint_names()
         self.read: set[str] = set()
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def __call__(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None, pad_rows: bool = False) -> torch.Tensor:
+        """The weight, or this rank's [start, end) of its rows / columns (rows past the end: zeros
+        when pad_rows, for a vocabulary padded to a multiple of the ranks)."""
         if name not in self.available:
             raise ModelFormatError(f"{self.source.path}: weight {name!r} is missing")
-        loaded = self.source.load(name)
+        full = self.source.load(name)
+        loaded = full
+        if rows is not None:
+            end = min(rows[1], full.shape[0]) if pad_rows else rows[1]
+            loaded = full[rows[0]:end]
+            if pad_rows and end - rows[0] < rows[1] - rows[0]:
+                loaded = torch.cat([loaded, full.new_zeros(rows[1] - max(end, rows[0]), *full.shape[1:])])
+        if cols is not None:
+            loaded = loaded[:, cols[0]:cols[1]]
         t = loaded.to(device=self.device, dtype=self.dtype).contiguous()
-        if self.source.memory_mapped and t.data_ptr() == loaded.data_ptr():
-            # An owned copy: a tensor that still shares the checkpoint's mapping would keep the whole
-            # file resident (and counted) for as long as the model lives.
+        if t.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() and (self.source.memory_mapped or t.numel() < full.numel()):
+            # An owned copy: a view would keep the whole memory-mapped file (or, for a shard, the
+            # whole tensor) resident for as long as the model lives.
             t = t.clone()
         self.read.add(name)
         if self.progress:

@@ -1,0 +1,195 @@
+"""Tensor parallelism: the model split over ranks that are processes (torch.distributed: gloo on CPU,
+NCCL on CUDA when there is a GPU per rank).
+
+Rank 0 is the engine: scheduler, block manager, tokenizer, HTTP server, sampling. It starts ranks
+1…N−1 (`Workers`), each of which loads its shard of the weights, allocates the KV cache of its heads
+and then runs every step from the `ModelInput` that rank 0 broadcasts — it holds no request state.
+Projections are split Megatron-style: q/k/v and gate/up by output rows (heads, FFN columns), o and
+down by input columns with one all-reduce each; the embedding and the LM head by vocabulary rows.
+
+Failure is loud, never a hang: a rank that dies makes rank 0 log it, write it to the container's
+termination message and exit non-zero (Kubernetes restarts the pod); a rank that fails while
+loading says which rank and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import threading
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from kvpilot.server.config import EngineConfig
+from kvpilot.server.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# Kubernetes mounts the container's terminationMessagePath here; its content becomes the
+# container's last-state message (what `kubectl describe` and the operator show).
+TERMINATION_LOG = Path(os.environ.get("KVPILOT_TERMINATION_LOG", "/dev/termination-log"))
+COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("KVPILOT_TP_TIMEOUT_SECONDS", "300")))
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """This process's place among the ranks, and the layout of the model's pieces over them."""
+
+    rank: int
+    world_size: int
+
+    def split(self, n: int) -> tuple[int, int]:
+        """This rank's [start, end) of n items split evenly (n is a multiple of the world size)."""
+        size = n // self.world_size
+        return self.rank * size, (self.rank + 1) * size
+
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """This rank's KV heads: its share when there are at least as many as ranks, else the one
+        KV head its query heads read (replicated on world_size / num_kv_heads ranks)."""
+        if num_kv_heads >= self.world_size:
+            return self.split(num_kv_heads)
+        head = self.rank * num_kv_heads // self.world_size
+        return head, head + 1
+
+    def padded_vocab(self, vocab_size: int) -> int:
+        return -(-vocab_size // self.world_size) * self.world_size
+
+
+def check_tensor_parallel(c: ModelConfig, n: int) -> None:
+    """Refuses a world size the model cannot be split over, naming the counts that decide it."""
+    problems = []
+    if c.num_heads % n:
+        problems.append(f"the {c.num_heads} query heads")
+    if c.num_kv_heads % n and n % c.num_kv_heads:
+        problems.append(f"the {c.num_kv_heads} KV heads (or be a multiple of them)")
+    if c.intermediate_size % n:
+        problems.append(f"the FFN width {c.intermediate_size}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={n} does not fit {c.name}: it must divide {', '.join(problems)} "
+                         f"(the model has {c.num_heads} query heads, {c.num_kv_heads} KV heads, FFN width {c.intermediate_size})")
+
+
+def write_termination_message(message: str) -> None:
+    """The fatal error for Kubernetes' termination message, where the kubelet provides the file."""
+    if TERMINATION_LOG.is_file():
+        try:
+            TERMINATION_LOG.write_text(message[-4000:])
+        except OSError:
+            pass
+
+
+def fatal(message: str) -> None:
+    """Log, leave the message for the pod status, and exit now (threads and collectives included)."""
+    log.critical(message)
+    print(f"kvpilot: fatal: {message}", file=sys.stderr, flush=True)
+    write_termination_message(message)
+    os._exit(70)
+
+
+def backend(device_type: str, world_size: int) -> str:
+    import torch
+
+    if device_type == "cuda" and torch.cuda.device_count() >= world_size:
+        return "nccl"
+    return "gloo"  # CPU, or several ranks sharing one GPU (NCCL needs a device per rank)
+
+
+class Workers:
+    """Rank 0's handle on ranks 1…N−1: starts them, joins the process group with them, sends each step."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, device_type: str):
+        import torch.distributed as dist
+
+        self.world_size = config.tensor_parallel_size
+        self._closing = False
+        store = Path(tempfile.mkdtemp(prefix="kvpilot-tp-")) / "store"
+        init_method = f"file://{store}"
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of rank 0's threads or torch state
+        self._errors = ctx.SimpleQueue()
+        self.procs = [ctx.Process(target=worker_main, name=f"kvpilot-tp-rank{rank}", daemon=True,
+                                  args=(rank, self.world_size, init_method, config.model_dump(), str(model_path), device_type, self._errors))
+                      for rank in range(1, self.world_size)]
+        for p in self.procs:
+            p.start()
+        threading.Thread(target=self._watch, name="kvpilot-tp-watchdog", daemon=True).start()
+        dist.init_process_group(backend(device_type, self.world_size), init_method=init_method, rank=0, world_size=self.world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+        import atexit
+
+        atexit.register(self.close)
+
+    def _watch(self) -> None:
+        from multiprocessing.connection import wait
+
+        ready = wait([p.sentinel for p in self.procs])
+        if self._closing:
+            return
+        dead = next(p for p in self.procs if p.sentinel in ready)
+        dead.join(5)  # its pipe closes just before it can be reaped
+        cause = self._errors.get() if not self._errors.empty() else f"exit code {dead.exitcode}"
+        fatal(f"tensor-parallel {dead.name.removeprefix('kvpilot-tp-')} stopped: {cause}")
+
+    def broadcast(self, message: Any) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([message], src=0)
+
+    def describe(self, own: dict) -> list[dict]:
+        """Every rank's description of what it holds (rank 0's first)."""
+        import torch.distributed as dist
+
+        self.broadcast(("describe",))
+        out: list[Any] = [None] * self.world_size
+        dist.gather_object(own, out, dst=0)
+        return out
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self.broadcast(("stop",))
+        except Exception:  # noqa: BLE001 - ranks already gone: nothing to tell
+            pass
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def worker_main(rank: int, world_size: int, init_method: str, config: dict, model_path: str, device_type: str, errors) -> None:
+    """Ranks 1…N−1: load this rank's shard, then run steps until rank 0 says stop."""
+    engine_config = EngineConfig(**config)
+    from kvpilot.server.threads import configure_threads
+
+    configure_threads(engine_config.num_threads)
+    try:
+        import torch.distributed as dist
+
+        from kvpilot.server.engine.llm_engine import open_model
+        from kvpilot.server.engine.model_runner import ModelRunner
+
+        dist.init_process_group(backend(device_type, world_size), init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+        weights, _ = open_model(Path(model_path))
+        runner = ModelRunner(engine_config, weights, weights.config, show_progress=False, tp=TensorParallel(rank, world_size))
+        del weights
+    except BaseException as e:
+        errors.put(f"failed at start-up: {type(e).__name__}: {e}")
+        traceback.print_exc()
+        sys.exit(1)
+    try:
+        runner.serve_steps()
+    except BaseException as e:  # rank 0 went away (connection closed) or a step failed here
+        errors.put(f"failed in a step: {type(e).__name__}: {e}")
+        sys.exit(1)
