@@ -113,6 +113,7 @@ class PodRunner:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engines: dict[str, PodProcess] = {}  # pod uid -> engine
         self.init_backoff: dict[str, float] = {}  # pod uid -> when its failed init containers may run again
+        self.restart_backoff: dict[str, tuple[float, float]] = {}  # pod uid -> (when its engine may start again, the delay)
         self._stop = threading.Event()
         self._http = httpx.Client(verify=_insecure(), headers={"Authorization": f"Bearer {token}"}, timeout=10)
         self.events: list[tuple[float, str, str]] = []  # (time, pod, what) for reports
@@ -172,11 +173,12 @@ class PodRunner:
             if eng is None:
                 self._start_engine(uid, pod)
                 continue
-            if eng.proc.poll() is not None:  # the engine died: not ready, restart it
+            if eng.proc.poll() is not None:  # the engine died: not ready, restarted after a back-off
                 self.events.append((time.time(), pod["metadata"]["name"], f"exited {eng.proc.returncode}"))
                 if eng.ready:
                     self._annotate(pod, False)
                 del self.engines[uid]
+                self._report_crash(uid, pod, eng.proc.returncode)
                 continue
             ok = self._ready(eng)
             annotated = (pod["metadata"].get("annotations") or {}).get(ENGINE_READY_ANNOTATION) == "true"
@@ -195,16 +197,42 @@ class PodRunner:
         ip = require_loopback(pod["status"]["podIP"])
         name = pod["metadata"]["name"]
         log_path = self.log_dir / f"{pod['metadata']['namespace']}_{name}.log"
+        if time.monotonic() < self.restart_backoff.get(uid, (0, 0))[0]:
+            return
         volumes = self._volumes(uid, pod)
         if not self._run_init_containers(uid, pod, volumes, log_path):
             return
         argv, env = engine_argv(pod, volumes)
         port = int(argv[argv.index("--port") + 1]) if "--port" in argv else 8000
         log = open(log_path, "ab")
-        proc_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+        termination_log = self._termination_log(uid)
+        termination_log.write_text("")
+        proc_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "KVPILOT_TERMINATION_LOG": str(termination_log)}
         proc = subprocess.Popen(["nice", "-n", "5", *argv], stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True)
         self.engines[uid] = PodProcess(name, pod["metadata"]["namespace"], ip, port, proc)
         self.events.append((time.time(), name, f"started on {ip}:{port}"))
+
+    def _termination_log(self, uid: str) -> Path:
+        """The engine container's terminationMessagePath, as the kubelet provides it (an empty file)."""
+        path = self.log_dir / "volumes" / uid / "termination-log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _report_crash(self, uid: str, pod: dict, exit_code: int) -> None:
+        """What the kubelet reports for a container that exited: its exit code and termination message
+        as the last state, CrashLoopBackOff while it waits to be restarted (10 s, doubling to 5 min)."""
+        _, delay = self.restart_backoff.get(uid, (0, 5))
+        delay = min(2 * delay, 300)
+        self.restart_backoff[uid] = (time.monotonic() + delay, delay)
+        restarts = sum(1 for _, p, what in self.events if p == pod["metadata"]["name"] and what.startswith("exited"))
+        message = self._termination_log(uid).read_text(errors="replace")[-4096:]
+        status = {"containerStatuses": [{
+            "name": "engine", "image": pod["spec"]["containers"][0].get("image", ""), "ready": False, "started": False, "restartCount": restarts,
+            "state": {"waiting": {"reason": "CrashLoopBackOff", "message": f"back-off {delay}s restarting failed container=engine"}},
+            "lastState": {"terminated": {"exitCode": exit_code, "reason": "Error", "message": message}}}]}
+        m = pod["metadata"]
+        self._http.patch(f"{self.server}/api/v1/namespaces/{m['namespace']}/pods/{m['name']}/status", content=json.dumps({"status": status}),
+                         headers={"Content-Type": "application/strategic-merge-patch+json"})
 
     def _volumes(self, uid: str, pod: dict) -> dict[str, Path]:
         """The pod's emptyDir volumes as host directories (kept for the pod's life, like the kubelet's)."""

@@ -32,7 +32,11 @@ def pod_problems(pods: list[dict]) -> list[tuple[str, str]]:
         for cs in pod.get("status", {}).get("containerStatuses", []) or []:
             waiting = (cs.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError", "InvalidImageName"):
-                problems.append((waiting["reason"], f"pod {name} container {cs.get('name')}: {waiting.get('message', waiting['reason'])}"))
+                # A crashed container's own last words (its termination message: the engine writes its
+                # fatal error there) say more than the kubelet's back-off notice.
+                terminated = (cs.get("lastState") or {}).get("terminated") or {}
+                why = terminated.get("message") or waiting.get("message", waiting["reason"])
+                problems.append((waiting["reason"], f"pod {name} container {cs.get('name')}: {why.strip()}"))
     return problems
 
 
