@@ -203,6 +203,12 @@ def test_status_conditions():
     assert deg.status == "True" and deg.reason == "Unschedulable" and "Insufficient nvidia.com/gpu" in deg.message
     ready_since = next(c for c in st.conditions if c.type == "Ready").last_transition_time
     assert next(c for c in st2.conditions if c.type == "Ready").last_transition_time == ready_since
+    # A crash-looping engine: its termination message (the engine's fatal error) is the reason shown.
+    crashed = {"metadata": {"name": "p2"}, "status": {"containerStatuses": [{"name": "engine", "state": {"waiting": {
+        "reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed container=engine"}}, "lastState": {"terminated": {
+            "exitCode": 2, "message": "kvpilot: error: tensor_parallel_size=2 does not fit the model\n"}}}]}}
+    deg = next(c for c in compute_status(st, 3, 2, "sel", "http://x", dep, [crashed], [], now).conditions if c.type == "Degraded")
+    assert deg.reason == "CrashLoopBackOff" and deg.message == "pod p2 container engine: kvpilot: error: tensor_parallel_size=2 does not fit the model"
 
 
 # --- hardening (issue #11) -------------------------------------------------------------------------
