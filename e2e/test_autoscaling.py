@@ -13,6 +13,7 @@ import pytest
 
 from e2e.cluster import TOKEN, _insecure
 from e2e.conftest import start_prometheus
+from e2e.isvc import condition
 from e2e.load import LoadGenerator, ready_endpoints
 from e2e.operator_proc import OperatorProcess
 from e2e.pod_runner import PodRunner
@@ -25,10 +26,6 @@ ISVC = "serving.kvpilot.dev/inferenceservice"
 def kget(cluster, *args):
     r = cluster.kubectl("get", *args, "-o", "json", check=False)
     return json.loads(r.stdout) if r.returncode == 0 else None
-
-
-def condition(obj, type_):
-    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from e2e.cluster import TOKEN, _insecure
+from e2e.isvc import apply_isvc, condition, get_isvc
 from e2e.load import ready_endpoints
 from e2e.operator_proc import OperatorProcess
 from e2e.pod_runner import PodRunner
@@ -59,10 +60,6 @@ class LoopbackHub:
         self.server.shutdown()
 
 
-def condition(obj, type_):
-    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
-
-
 @pytest.mark.timeout(300)
 def test_hf_checkpoint_source_is_fetched_and_served(cluster, namespace, tmp_path):
     sys.path.insert(0, str(ROOT / "tests"))
@@ -77,12 +74,8 @@ def test_hf_checkpoint_source_is_fetched_and_served(cluster, namespace, tmp_path
     try:
         spec = {"model": {"source": "hf://org/tiny-qwen3", "servedName": "tiny"}, "resources": {"cpuOnly": True},
                 "env": [{"name": "HF_ENDPOINT", "value": hub.url}], "engineSettings": {"kvCacheMemory": "32MiB", "maxModelLen": 256}}
-        body = {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "ckpt"}, "spec": spec}
-        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
-
-        def isvc():
-            r = cluster.kubectl("get", "kvis", "ckpt", "-n", namespace, "-o", "json", check=False)
-            return json.loads(r.stdout) if r.returncode == 0 else None
+        apply_isvc(cluster, namespace, "ckpt", spec)
+        isvc = lambda: get_isvc(cluster, namespace, "ckpt")
 
         wait_until(lambda: condition(isvc(), "Ready").get("status") == "True", timeout=180, what="download + engine Ready")
         assert condition(isvc(), "Degraded").get("status") != "True", condition(isvc(), "Degraded")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from e2e.isvc import condition
 from e2e.operator_proc import OperatorProcess, service_account_kubeconfig
 from e2e.waiting import wait_until
 
@@ -26,10 +27,6 @@ def kget(cluster, *args):
 def isvc(name, **spec):
     body = {"model": {"source": "smollm2-135m"}, "maxReplicas": 3, **spec}
     return json.dumps({"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name}, "spec": body})
-
-
-def condition(obj, type_):
-    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
 
 
 def mark_engine_pods_ready(cluster, namespace, name):

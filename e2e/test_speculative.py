@@ -12,16 +12,13 @@ import httpx
 import pytest
 
 from e2e.cluster import TOKEN, _insecure
+from e2e.isvc import apply_isvc, condition, get_isvc
 from e2e.load import ready_endpoints
 from e2e.operator_proc import OperatorProcess
 from e2e.pod_runner import PodRunner
 from e2e.waiting import wait_until
 
 pytestmark = pytest.mark.cluster
-
-
-def condition(obj, type_):
-    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
 
 
 def test_ngram_speculation_runs_in_the_engine_pod(cluster, namespace, tmp_path):
@@ -32,12 +29,8 @@ def test_ngram_speculation_runs_in_the_engine_pod(cluster, namespace, tmp_path):
         spec = {"model": {"source": "smollm2-135m"}, "resources": {"cpuOnly": True},
                 "engineSettings": {"maxNumSeqs": 4, "kvCacheMemory": "64MiB", "maxModelLen": 1024,
                                    "speculative": {"method": "ngram", "numSpeculativeTokens": 4}}}
-        body = {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "spec"}, "spec": spec}
-        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
-
-        def isvc():
-            r = cluster.kubectl("get", "kvis", "spec", "-n", namespace, "-o", "json", check=False)
-            return json.loads(r.stdout) if r.returncode == 0 else None
+        apply_isvc(cluster, namespace, "spec", spec)
+        isvc = lambda: get_isvc(cluster, namespace, "spec")
 
         wait_until(lambda: condition(isvc(), "Ready").get("status") == "True", timeout=120, what="engine Ready (model load)")
         assert condition(isvc(), "Degraded").get("status") != "True", condition(isvc(), "Degraded")

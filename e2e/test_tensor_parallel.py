@@ -13,16 +13,13 @@ import httpx
 import pytest
 
 from e2e.cluster import TOKEN, _insecure
+from e2e.isvc import apply_isvc, condition, get_isvc
 from e2e.load import ready_endpoints
 from e2e.operator_proc import OperatorProcess
 from e2e.pod_runner import PodRunner
 from e2e.waiting import wait_until
 
 pytestmark = pytest.mark.cluster
-
-
-def condition(obj, type_):
-    return next((c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == type_), {})
 
 
 @pytest.mark.timeout(300)
@@ -32,13 +29,9 @@ def test_three_ranks_serve_and_two_are_refused_in_the_status(cluster, namespace,
     op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log")
     try:
         for name, world in (("tp3", 3), ("tp2", 2)):
-            spec = {"model": {"source": "smollm2-135m"}, "engineSettings": {"tensorParallelSize": world, "kvCacheMemory": "32MiB", "maxModelLen": 512}}
-            body = {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name}, "spec": spec}
-            cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
-
-        def isvc(name):
-            r = cluster.kubectl("get", "kvis", name, "-n", namespace, "-o", "json", check=False)
-            return json.loads(r.stdout) if r.returncode == 0 else None
+            apply_isvc(cluster, namespace, name, {"model": {"source": "smollm2-135m"},
+                                                  "engineSettings": {"tensorParallelSize": world, "kvCacheMemory": "32MiB", "maxModelLen": 512}})
+        isvc = lambda name: get_isvc(cluster, namespace, name)
 
         wait_until(lambda: condition(isvc("tp3"), "Ready").get("status") == "True", timeout=180, what="3-rank engine Ready")
         assert condition(isvc("tp3"), "Degraded").get("status") != "True", condition(isvc("tp3"), "Degraded")

@@ -133,7 +133,7 @@ class Workers:
         dead = next(p for p in self.procs if p.sentinel in ready)
         dead.join(5)  # its pipe closes just before it can be reaped
         cause = self._errors.get() if not self._errors.empty() else f"exit code {dead.exitcode}"
-        fatal(f"tensor-parallel {dead.name.removeprefix('kvpilot-tp-')} stopped: {cause}")
+        fatal(f"tensor-parallel rank {self.procs.index(dead) + 1} of {self.world_size} stopped: {cause}")
 
     def broadcast(self, message: Any) -> None:
         import torch.distributed as dist
