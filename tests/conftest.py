@@ -31,3 +31,18 @@ def gguf_file(model_path):
     from kvpilot.server.gguf_loader import GGUFFile
 
     return GGUFFile(model_path)
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory, model_path):
+    """Tiny random models of each supported family (tests/checkpoint_factory.py): name -> (checkpoint
+    directory, GGUF of the same weights)."""
+    from checkpoint_factory import CASES, build_checkpoint, save_tokenizer, write_family_gguf
+
+    tokenizer_dir = save_tokenizer(model_path, tmp_path_factory.mktemp("tokenizer"))
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for name, case in CASES.items():
+        directory = build_checkpoint(case, root / name, tokenizer_dir)
+        out[name] = (directory, write_family_gguf(directory, model_path, root / f"{name}.gguf"))
+    return out

@@ -11,28 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint_factory import CASES, build_checkpoint, save_tokenizer, write_family_gguf
+from checkpoint_factory import CASES
 from oracle import ORACLE_PROMPTS, HFOracle, compare_greedy
 
 PROMPTS = ORACLE_PROMPTS[:5]
 STEPS = 16
 LOGPROB_BOUND = 2e-4  # fp32 both sides; only the summation order differs
-
-
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory, model_path):
-    return save_tokenizer(model_path, tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory, tokenizer_dir, model_path):
-    """name -> (checkpoint directory, GGUF of the same weights)."""
-    root = tmp_path_factory.mktemp("families")
-    out = {}
-    for name, case in CASES.items():
-        directory = build_checkpoint(case, root / name, tokenizer_dir)
-        out[name] = (directory, write_family_gguf(directory, model_path, root / f"{name}.gguf"))
-    return out
 
 
 class CheckpointOracle(HFOracle):
@@ -74,8 +58,8 @@ def prompt_logprobs(engine, prompt_ids: list[list[int]]) -> list[list[float]]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", list(CASES))
-def test_checkpoint_matches_transformers(checkpoints, family):
-    directory, _ = checkpoints[family]
+def test_checkpoint_matches_transformers(family_checkpoints, family):
+    directory, _ = family_checkpoints[family]
     oracle = CheckpointOracle(directory).run()
     assert len({tuple(r.tokens) for r in oracle}) == len(oracle) and all(len(set(r.tokens)) > 3 for r in oracle)  # not a degenerate model
     engine = llm(directory)
@@ -99,8 +83,8 @@ def test_checkpoint_matches_transformers(checkpoints, family):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", list(CASES))
-def test_gguf_of_the_same_weights_gives_the_same_outputs(checkpoints, family):
-    directory, gguf_path = checkpoints[family]
+def test_gguf_of_the_same_weights_gives_the_same_outputs(family_checkpoints, family):
+    directory, gguf_path = family_checkpoints[family]
     from_checkpoint, from_gguf = llm(directory), llm(gguf_path)
     assert from_gguf.engine.model_config.family.gguf_architecture == from_checkpoint.engine.model_config.family.gguf_architecture
     assert from_gguf.engine.model_config.rope_scaling is not None or CASES[family].config.get("rope_scaling") is None
@@ -112,12 +96,12 @@ def test_gguf_of_the_same_weights_gives_the_same_outputs(checkpoints, family):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
 
 
-def test_chat_template_and_stop_ids_from_the_tokenizer_files(checkpoints, tmp_path):
+def test_chat_template_and_stop_ids_from_the_tokenizer_files(family_checkpoints, tmp_path):
     from transformers import AutoTokenizer
 
     from kvpilot.server.tokenizer import Tokenizer
 
-    directory, _ = checkpoints["llama3"]
+    directory, _ = family_checkpoints["llama3"]
     conversations = [[{"role": "user", "content": "Hi there"}],
                      [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
                       {"role": "user", "content": "And 3+3?"}]]
@@ -137,14 +121,14 @@ def test_chat_template_and_stop_ids_from_the_tokenizer_files(checkpoints, tmp_pa
         assert ours.encode("Hello, world! 12345") == hf("Hello, world! 12345").input_ids
     # generation_config.json's eos list (Llama 3 stops on several ids), after the tokenizer's own EOS
     assert Tokenizer.from_checkpoint(directory).eos_token_ids == (2, 0)
-    assert Tokenizer.from_checkpoint(checkpoints["qwen3"][0]).eos_token_ids == (2,)
+    assert Tokenizer.from_checkpoint(family_checkpoints["qwen3"][0]).eos_token_ids == (2,)
 
 
-def test_generation_stops_at_any_eos_id(checkpoints, tmp_path):
+def test_generation_stops_at_any_eos_id(family_checkpoints, tmp_path):
     """Every EOS id of generation_config.json ends a request (finish_reason stop), not only the first."""
     from kvpilot.server import SamplingParams
 
-    directory, _ = checkpoints["llama3"]
+    directory, _ = family_checkpoints["llama3"]
     free = llm(directory).generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))[0].outputs[0].token_ids
     stops = tmp_path / "stops"
     shutil.copytree(directory, stops)
@@ -153,8 +137,8 @@ def test_generation_stops_at_any_eos_id(checkpoints, tmp_path):
     assert free[2] not in free[:2] and out.token_ids == free[:3] and out.finish_reason == "stop"
 
 
-def test_sliding_window_limits_the_context(checkpoints):
-    directory, gguf_path = checkpoints["mistral"]
+def test_sliding_window_limits_the_context(family_checkpoints):
+    directory, gguf_path = family_checkpoints["mistral"]
     for model in (directory, gguf_path):
         engine = llm(model)
         assert engine.engine.model_config.sliding_window == 96 and engine.engine.max_model_len == 96
@@ -162,13 +146,13 @@ def test_sliding_window_limits_the_context(checkpoints):
         llm(directory, max_model_len=200)
 
 
-def test_unsupported_or_incomplete_checkpoints_are_clear_errors(checkpoints, tmp_path):
+def test_unsupported_or_incomplete_checkpoints_are_clear_errors(family_checkpoints, tmp_path):
     import torch
     from safetensors.torch import save_file
 
     from kvpilot.server.models.config import ModelFormatError
 
-    directory, _ = checkpoints["qwen3"]
+    directory, _ = family_checkpoints["qwen3"]
 
     def variant(name: str, edit) -> Path:
         d = tmp_path / name
@@ -197,12 +181,12 @@ def test_unsupported_or_incomplete_checkpoints_are_clear_errors(checkpoints, tmp
             llm(variant(f"v{i}", edit))
 
 
-def test_draft_checkpoint_for_speculative_decoding(checkpoints):
+def test_draft_checkpoint_for_speculative_decoding(family_checkpoints):
     """A checkpoint directory serves as the draft model too (here: the GGUF of the same weights as
     target, the checkpoint as draft): greedy output is unchanged and the draft's tokens are accepted."""
     from kvpilot.server import SamplingParams
 
-    directory, gguf_path = checkpoints["qwen3"]
+    directory, gguf_path = family_checkpoints["qwen3"]
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in llm(gguf_path).generate(PROMPTS, params)]
     spec = llm(gguf_path, speculative_method="draft", speculative_model=str(directory), num_speculative_tokens=3,
@@ -212,13 +196,13 @@ def test_draft_checkpoint_for_speculative_decoding(checkpoints):
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens  # the same model proposes what it verifies
 
 
-def test_serve_a_checkpoint_directory(checkpoints):
+def test_serve_a_checkpoint_directory(family_checkpoints):
     """`kvpilot serve --model DIR`: served under the directory's name, chat through its template."""
     import httpx
 
     from server_harness import ServerProcess
 
-    directory, _ = checkpoints["qwen2"]
+    directory, _ = family_checkpoints["qwen2"]
     server = ServerProcess("--model", str(directory), "--kv-cache-memory", "32MiB").wait_ready()
     try:
         models = httpx.get(server.url + "/v1/models").json()
