@@ -62,11 +62,26 @@ def error(status: int, message: str, kind: str, headers: Mapping[str, str] | Non
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status, headers=dict(headers or {}))
 
 
+class GatewayMetrics:
+    """kvpilot_gateway_* series, in their own registry (served at /metrics)."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvpilot_gateway_requests", "Requests answered, by model and HTTP status.", ["model", "code"], registry=self.registry)
+        self.routed = Counter("kvpilot_gateway_routed_requests", "Requests sent to an engine pod; decision: affinity (the key's own pod), "
+                              "spill (the key's pod was over the load bound), retry (an earlier pod refused the connection).",
+                              ["model", "endpoint", "decision"], registry=self.registry)
+        self.in_flight = Gauge("kvpilot_gateway_in_flight_requests", "Requests being proxied, by engine pod.", ["model", "endpoint"],
+                               registry=self.registry)
+
+
 class Gateway:
     def __init__(self, source: EndpointSource, config: GatewayConfig = GatewayConfig()):
         self.source, self.config = source, config
         self.in_flight: Counter[str] = Counter()  # endpoint -> requests being proxied to it
-        self.routed: Counter[str] = Counter()     # endpoint -> requests sent to it (metrics, tests)
+        self.metrics = GatewayMetrics()
         self._rings: dict[tuple[str, ...], HashRing] = {}
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.read_timeout_seconds, connect=config.connect_timeout_seconds))
 
@@ -98,6 +113,11 @@ class Gateway:
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             return error(400, "the request body must be a JSON object with a 'model' string", "invalid_request_error")
         model = body["model"]
+        response = await self._route(request, raw, body, model)
+        self.metrics.requests.labels(model if self.source.endpoints(model) is not None else "unknown", str(response.status_code)).inc()
+        return response
+
+    async def _route(self, request: Request, raw: bytes, body: dict, model: str) -> Response:
         endpoints = self.source.endpoints(model)
         if endpoints is None:
             return error(404, f"the model '{model}' does not exist", "not_found_error")
@@ -107,8 +127,10 @@ class Gateway:
         key = prefix_key(request.url.path, body, self.config.prefix_chars)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
         left = list(endpoints)
-        for _ in range(min(self.config.max_attempts, len(endpoints))):
-            endpoint = choose(self.ring(left), key, self.in_flight)
+        for attempt in range(min(self.config.max_attempts, len(endpoints))):
+            ring = self.ring(left)
+            endpoint = choose(ring, key, self.in_flight)
+            decision = "retry" if attempt else "affinity" if endpoint == next(ring.candidates(key)) else "spill"
             self.in_flight[endpoint] += 1
             try:
                 upstream = await self.client.send(self.client.build_request(request.method, f"http://{endpoint}{request.url.path}",
@@ -120,19 +142,26 @@ class Gateway:
             except httpx.HTTPError as e:
                 self.in_flight[endpoint] -= 1
                 return error(502, f"the engine pod failed before answering ({type(e).__name__})", "bad_gateway")
-            self.routed[endpoint] += 1
-            return StreamingResponse(self._relay(upstream, endpoint), status_code=upstream.status_code,
+            self.metrics.routed.labels(model, endpoint, decision).inc()
+            self.metrics.in_flight.labels(model, endpoint).inc()
+            return StreamingResponse(self._relay(upstream, model, endpoint), status_code=upstream.status_code,
                                      headers={**{k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS},
                                               "x-kvpilot-endpoint": endpoint})
         return error(502, f"no ready replica of '{model}' accepted the connection", "bad_gateway", {"Retry-After": str(self.config.retry_after_seconds)})
 
-    async def _relay(self, upstream: httpx.Response, endpoint: str):
+    async def _relay(self, upstream: httpx.Response, model: str, endpoint: str):
         try:
             async for chunk in upstream.aiter_raw():
                 yield chunk
         finally:
             await upstream.aclose()
             self.in_flight[endpoint] -= 1
+            self.metrics.in_flight.labels(model, endpoint).dec()
+
+    async def prometheus(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kvpilot"} for m in self.source.models()]})
@@ -152,7 +181,8 @@ def build_app(source: EndpointSource, config: GatewayConfig = GatewayConfig()) -
     app = Starlette(routes=[Route("/v1/completions", gateway.proxy, methods=["POST"]),
                             Route("/v1/chat/completions", gateway.proxy, methods=["POST"]),
                             Route("/v1/models", gateway.models, methods=["GET"]),
-                            Route("/health", gateway.health, methods=["GET"])],
+                            Route("/health", gateway.health, methods=["GET"]),
+                            Route("/metrics", gateway.prometheus, methods=["GET"])],
                     lifespan=lifespan)
     app.state.gateway = gateway
     return app

@@ -1,0 +1,42 @@
+"""`kvpilot-gateway` (or `python -m kvpilot.operator.gateway`): the prefix-aware OpenAI proxy in
+front of the InferenceServices' engine pods."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvpilot.operator.gateway.proxy import GatewayConfig
+    from kvpilot.operator.gateway.routing import PREFIX_CHARS
+    from kvpilot.server.config import parse_size
+
+    ap = argparse.ArgumentParser(prog="kvpilot-gateway")
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--namespace", action="append", default=[], help="route to InferenceServices of these namespaces only (repeatable); default: all")
+    ap.add_argument("--refresh-seconds", type=float, default=1.0, help="how often the pod table is read from the API server")
+    ap.add_argument("--prefix-chars", type=int, default=PREFIX_CHARS, help="prompt characters that decide the route")
+    ap.add_argument("--max-request-body", default="4MiB", help="largest request body (then 413)")
+    ap.add_argument("--read-timeout-seconds", type=float, default=600.0, help="longest wait for an engine's next bytes")
+    ap.add_argument("--log-level", default=os.environ.get("KVPILOT_LOG_LEVEL", "info"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from kvpilot.operator.gateway.discovery import KubeEndpoints
+    from kvpilot.operator.gateway.proxy import build_app
+
+    source = KubeEndpoints(args.namespace, args.refresh_seconds)
+    config = GatewayConfig(max_body_bytes=parse_size(args.max_request_body), read_timeout_seconds=args.read_timeout_seconds,
+                           prefix_chars=args.prefix_chars)
+    uvicorn.run(build_app(source, config), host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
