@@ -122,6 +122,21 @@ def test_prefix_affinity_beats_round_robin(cluster, namespace, tmp_path):
         assert len(served_gw) >= 3  # the 8 prefixes spread over the replicas
         assert rate_gw >= 2 * rate_rr and rate_gw > 0.5
         assert p50_gw <= p50_rr
+        # A replica removed mid-run (scale 4 -> 3: the pod is deleted, its engine drains and refuses new
+        # work): every request through the gateway is still answered.
+        done = threading.Event()
+        results = []
+
+        def scale_down_soon():
+            time.sleep(1.0)
+            apply_isvc(cluster, namespace, "chat", {"model": {"source": "smollm2-135m"}, "resources": {"cpuOnly": True}, "minReplicas": 3,
+                                                    "maxReplicas": 3, "engineSettings": {"kvCacheMemory": "30MiB", "maxModelLen": 512, "maxNumSeqs": 4}})
+            done.set()
+
+        threading.Thread(target=scale_down_soon, daemon=True).start()
+        results = run_phase(itertools.repeat(gw), system_prompts(3), seed=3)[0] + run_phase(itertools.repeat(gw), system_prompts(3), seed=4)[0]
+        assert done.is_set() and len(results) == 96 and all(t is not None for t in results)
+        wait_until(lambda: len(ready_endpoints(api, cluster.server, namespace, "chat")) == 3, timeout=60, what="3 replicas left")
     finally:
         gateway.terminate()
         gateway.wait(10)

@@ -1,7 +1,6 @@
 """kvpilot-gateway's routing core: the prefix-hash ring (deterministic, balanced, consistent, bounded
 load) and the proxy (loopback upstreams standing in for engine pods): one prefix keeps one pod, SSE
-streams through unbuffered, the API key passes, a pod that refuses connections is skipped, errors
-are OpenAI-style JSON."""
+streams through unbuffered, the API key passes, errors are OpenAI-style JSON, a pod that refuses connections or answers 503 (draining) is skipped."""
 
 from __future__ import annotations
 
@@ -59,7 +58,7 @@ def test_prefix_key_of_each_api_shape():
 class Upstream:
     """A loopback stand-in for an engine pod: names itself in every answer; streams SSE slowly."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, status: int = 200):
         seen = self.seen = []
 
         class Handler(BaseHTTPRequestHandler):
@@ -68,6 +67,13 @@ class Upstream:
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 seen.append((self.path, self.headers.get("Authorization"), body))
+                if status != 200:  # a draining engine: refuses new work before doing any
+                    out = json.dumps({"error": {"message": "the server is shutting down"}}).encode()
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(out)))
+                    self.end_headers()
+                    self.wfile.write(out)
+                    return
                 if body.get("stream"):
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -104,7 +110,8 @@ def gateway():
 
     upstreams = [Upstream(f"pod{i}") for i in range(3)]
     dead = f"127.0.0.1:{free_port()}"  # nothing listens: a pod gone between the watch and the request
-    table = {"m": [u.endpoint for u in upstreams] + [dead], "idle": []}
+    draining = Upstream("draining", status=503)
+    table = {"m": [u.endpoint for u in upstreams] + [dead, draining.endpoint], "idle": []}
     app = build_app(StaticEndpoints(table))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
@@ -132,7 +139,8 @@ def test_same_prefix_same_pod_and_the_key_passes_through(gateway):
     assert all(auth == "Bearer k1" for _, auth, _ in by_prompt[pod])
     owners = {httpx.post(url + "/v1/completions", json={"model": "m", "prompt": f"different system prompt {i} " * 20}).json()["served_by"]
               for i in range(24)}
-    assert len(owners) == 3  # other prefixes spread over the live pods (the dead one is skipped, never an error)
+    assert owners == {"pod0", "pod1", "pod2"}  # other prefixes spread over the live pods; the dead and the draining one are skipped
+    assert httpx.get(url + "/metrics").text.count('decision="retry"') >= 1
 
 
 @pytest.mark.timeout(60)

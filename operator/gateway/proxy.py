@@ -2,9 +2,9 @@
 
 Bodies are read once (size-limited) to find the model and the routing key, then forwarded as they
 came; responses are streamed back chunk by chunk as the engine sends them (SSE included, no
-buffering). A pod that refuses the connection or cannot be reached is skipped and the next one on
-the ring tried; once a response has started nothing is retried (the engine may have produced
-tokens). The Authorization header passes through untouched: the engines check the API key.
+buffering). A pod that refuses the connection, cannot be reached, or answers 503 (draining, dead:
+it did no work) is skipped and the next one on the ring tried; once a response has started nothing
+is retried (the engine may have produced tokens). The Authorization header passes through untouched: the engines check the API key.
 """
 
 from __future__ import annotations
@@ -142,6 +142,13 @@ class Gateway:
             except httpx.HTTPError as e:
                 self.in_flight[endpoint] -= 1
                 return error(502, f"the engine pod failed before answering ({type(e).__name__})", "bad_gateway")
+            if upstream.status_code == 503 and attempt + 1 < min(self.config.max_attempts, len(endpoints)):
+                # A draining or dead engine refuses new work with 503 before doing any: nothing was
+                # generated, so the next pod on the ring gets the request.
+                await upstream.aclose()
+                self.in_flight[endpoint] -= 1
+                left.remove(endpoint)
+                continue
             self.metrics.routed.labels(model, endpoint, decision).inc()
             self.metrics.in_flight.labels(model, endpoint).inc()
             return StreamingResponse(self._relay(upstream, model, endpoint), status_code=upstream.status_code,
