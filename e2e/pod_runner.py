@@ -54,14 +54,20 @@ def container_env(container: dict, pod: dict) -> dict[str, str]:
     return env
 
 
-OPERATOR_SELECTOR = "app.kubernetes.io/name=kvpilot-operator"  # the chart's operator pods
+# The chart's own pods (operator, gateway), by label selector: run as local processes with their ServiceAccount.
+CHART_SELECTOR = "app.kubernetes.io/name in (kvpilot-operator,kvpilot-gateway)"
 
 
 def operator_argv(pod: dict) -> tuple[list[str], dict[str, str]]:
-    """The chart's operator container as a local process: its image's entry point is `python -m kvpilot.operator`."""
-    container = next(c for c in pod["spec"]["containers"] if c["name"] == "operator")
+    """A chart pod's container as a local process: the operator image's entry points are
+    `python -m kvpilot.operator` and `kvpilot-gateway` (= `python -m kvpilot.operator.gateway`, told
+    to listen on the pod's own IP, since every pod shares this host)."""
+    container = pod["spec"]["containers"][0]
     env = {k: v for k, v in container_env(container, pod).items() if k not in CONTAINER_PATH_ENV}
-    return [sys.executable, "-m", "kvpilot.operator", *(expand(a, env) for a in container.get("args") or [])], env
+    args = [expand(a, env) for a in container.get("args") or []]
+    if container["name"] == "gateway":
+        return [sys.executable, "-m", "kvpilot.operator.gateway", "--host", require_loopback(pod["status"]["podIP"]), *args], env
+    return [sys.executable, "-m", "kvpilot.operator", *args], env
 
 
 # Paths inside the container (its emptyDir caches): the host process keeps its own, where the compiled
@@ -108,7 +114,7 @@ class PodRunner:
 
     def __init__(self, server: str, log_dir: Path, token: str = TOKEN, poll: float = 0.5, kubeconfig: dict | None = None):
         self.server, self.token, self.poll, self.kubeconfig = server, token, poll, kubeconfig
-        self.operators: dict[str, PodProcess] = {}  # pod uid -> operator process
+        self.operators: dict[str, PodProcess] = {}  # pod uid -> operator or gateway process
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engines: dict[str, PodProcess] = {}  # pod uid -> engine
@@ -130,7 +136,7 @@ class PodRunner:
                          headers={"Content-Type": "application/merge-patch+json"})
 
     def _step_operators(self) -> None:
-        r = self._http.get(f"{self.server}/api/v1/pods", params={"labelSelector": OPERATOR_SELECTOR})
+        r = self._http.get(f"{self.server}/api/v1/pods", params={"labelSelector": CHART_SELECTOR})
         r.raise_for_status()
         pods = {p["metadata"]["uid"]: p for p in r.json()["items"]}
         for uid in list(self.operators):
@@ -156,7 +162,7 @@ class PodRunner:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env, "KUBECONFIG": str(kubeconfig)},
                                 start_new_session=True)
         self.operators[uid] = PodProcess(m["name"], m["namespace"], require_loopback(pod["status"]["podIP"]), 8080, proc)
-        self.events.append((time.time(), m["name"], "operator started"))
+        self.events.append((time.time(), m["name"], f"{pod['spec']['containers'][0]['name']} started"))
 
     def step(self) -> None:
         if self.kubeconfig is not None:

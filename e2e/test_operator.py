@@ -64,19 +64,28 @@ def test_chart_installs_crd_and_least_privilege_identity(cluster, chart):
     sc = dep["spec"]["template"]["spec"]["containers"][0]["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     cluster.kubectl("apply", "-f", str(ROOT / "crds"))  # kubectl apply of crds/ over the chart's copy: same object
+    # the gateway: its own identity, read-only (InferenceServices and pods), a Service in front
+    gateway_role = kget(cluster, "clusterrole", "kvpilot-gateway")
+    assert {v for rule in gateway_role["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}
+    assert sorted(r for rule in gateway_role["rules"] for r in rule["resources"]) == ["inferenceservices", "pods"]
+    gateway = kget(cluster, "deployment", "kvpilot-gateway", "-n", CHART_NS)["spec"]["template"]["spec"]
+    assert gateway["serviceAccountName"] == "kvpilot-gateway" and gateway["containers"][0]["command"] == ["kvpilot-gateway"]
+    assert kget(cluster, "service", "kvpilot-gateway", "-n", CHART_NS)["spec"]["ports"][0]["targetPort"] == "http"
 
 
 def test_chart_rbac_is_namespaced_when_watch_namespaces_is_set(cluster):
     out = cluster.helm("template", "kvpilot", str(ROOT / "charts" / "kvpilot"), "-n", CHART_NS, "--set", "watchNamespaces={team-x,team-y}").stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
-    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]  # the operator's; the gateway then has none
     assert [r["resources"] for r in cluster_role["rules"]] == [["customresourcedefinitions"]]
+    assert {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in docs if d["kind"] == "Role" and "gateway" in d["metadata"]["name"]} == {
+        ("team-x", "kvpilot-gateway"), ("team-y", "kvpilot-gateway")}  # the gateway too reads only the watched namespaces
     roles = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in docs if d["kind"] == "Role"}
     assert {("team-x", "kvpilot"), ("team-y", "kvpilot"), (CHART_NS, "kvpilot-leader-election")} <= set(roles)
     assert any("deployments" in r["resources"] for r in roles[("team-x", "kvpilot")]["rules"])
     bindings = {(d["metadata"]["namespace"], d["roleRef"]["name"]) for d in docs if d["kind"] == "RoleBinding"}
     assert {("team-x", "kvpilot"), ("team-y", "kvpilot"), (CHART_NS, "kvpilot-leader-election")} <= bindings
-    dep = next(d for d in docs if d["kind"] == "Deployment")
+    dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvpilot")
     assert dep["spec"]["replicas"] == 2 and "--namespace=team-x" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
     # the chart's PodMonitor relabels exactly as the operator's own (the autoscaler's queries depend on it)
     from kvpilot.operator.builders.manifests import METRICS_RELABELINGS

@@ -1,7 +1,7 @@
 """The README's local quick start, step by step, as a user runs it: `python -m e2e.cluster up` (what
 `make cluster-up` runs) on its own cluster, the chart installed with the helm line it prints (its
-operator pods run by the pod runner), the CPU example applied with kubectl, Ready, a completion
-through the pod IP, the KV column filled from Prometheus, then `down` leaving no process behind."""
+operator and gateway pods run by the pod runner), the CPU example applied with kubectl, Ready, a
+completion through the pod IP and through the gateway, the KV column filled from Prometheus, then `down` leaving no process behind."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_readme_local_quick_start(tmp_path):
             return subprocess.run([kubectl_path(), *args], env=env, capture_output=True, text=True, check=True, timeout=60).stdout
 
         subprocess.run(shlex.split(helm_line), cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
-        pods = json.loads(kubectl("get", "pods", "-n", "kvpilot-system", "-o", "json"))["items"]
+        pods = json.loads(kubectl("get", "pods", "-n", "kvpilot-system", "-l", "app.kubernetes.io/name=kvpilot-operator", "-o", "json"))["items"]
         assert len(pods) == 2 and all(p["status"]["phase"] == "Running" for p in pods)
         leader = wait_until(lambda: kubectl("get", "lease", "kvpilot-operator", "-n", "kvpilot-system",
                                             "-o", "jsonpath={.spec.holderIdentity}"), timeout=30, what="an operator replica leads")
@@ -53,6 +53,11 @@ def test_readme_local_quick_start(tmp_path):
         r = httpx.post(f"http://{require_loopback(pod_ip)}:8000/v1/completions", timeout=60,
                        json={"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"], r.text
+        gateway_ip = kubectl("get", "pods", "-n", "kvpilot-system", "-l", "app.kubernetes.io/name=kvpilot-gateway", "-o", "jsonpath={.items[0].status.podIP}")
+        through_gateway = wait_until(lambda: (g := httpx.post(f"http://{require_loopback(gateway_ip)}:8080/v1/completions", timeout=60, json={
+            "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})).status_code == 200 and g,
+            timeout=30, what="a completion through the gateway pod")
+        assert through_gateway.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
         # the KV column (.status.lastMetrics.kvCacheUtilization) comes from Prometheus: scraped every 5 s,
         # read at the autoscaler's interval
         kv = wait_until(lambda: kubectl("get", "kvis", "smollm2", "-o", "jsonpath={.status.lastMetrics.kvCacheUtilization}"),
@@ -66,6 +71,6 @@ def test_readme_local_quick_start(tmp_path):
     assert down.returncode == 0, down.stderr
     time.sleep(1)
     # the control plane, Prometheus and the pod runner; the engine; the operators (this cluster's Prometheus in their args)
-    for pattern in ("cluster/quickstart", f"--host {pod_ip} ", f"kvpilot.operator --prometheus-url={prometheus}"):
+    for pattern in ("cluster/quickstart", f"--host {pod_ip} ", f"kvpilot.operator --prometheus-url={prometheus}", f"--host {gateway_ip} "):
         left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
         assert not left, f"processes matching {pattern!r} left after down: {left}"
