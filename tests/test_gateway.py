@@ -38,10 +38,11 @@ def test_bounded_load_spills_to_the_next_pod_on_the_ring():
     key = "You are a helpful assistant."
     first, second, third = ring.candidates(key)
     assert choose(ring, key, {}) == first
-    # bound = ceil(1.25 × (in flight + this one) / 3 pods)
-    assert choose(ring, key, {first: 2, second: 1, third: 1}) == first   # 3 <= ceil(1.25 * 5 / 3) = 3
-    assert choose(ring, key, {first: 3, second: 1, third: 1}) == second  # 4 > ceil(1.25 * 6 / 3) = 3
-    assert choose(ring, key, {first: 3, second: 3, third: 0}) == third   # 4 > ceil(1.25 * 7 / 3) = 3 for both
+    assert choose(ring, key, {first: 3}) == first  # below 4 in flight a pod never spills (one batch for the engine)
+    # bound = max(ceil(1.25 × (in flight + this one) / 3 pods), 4)
+    assert choose(ring, key, {first: 6, second: 4, third: 4}) == first   # 7 <= ceil(1.25 * 15 / 3) = 7
+    assert choose(ring, key, {first: 8, second: 4, third: 4}) == second  # 9 > ceil(1.25 * 17 / 3) = 8
+    assert choose(ring, key, {first: 8, second: 8, third: 0}) == third   # 9 > ceil(1.25 * 17 / 3) = 8 for both
     assert choose(HashRing([]), key, {}) is None
 
 

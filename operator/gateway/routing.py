@@ -4,9 +4,9 @@ The key is the leading characters of the prompt (for chat, of the messages in a 
 the gateway has no tokenizer or template), hashed onto a ring of the ready pods (64 virtual points
 each, hashed with BLAKE2b so that every gateway replica builds the same ring). A request goes to the
 first pod clockwise from its key whose in-flight count stays within (1 + ε) × the mean after adding
-it (Mirrokni, Thorup and Zadimoghaddam's bounded loads): the same prefix keeps landing on the same
-replica — whose prefix cache holds it — until that replica is busier than the rest, and a pod that
-joins or leaves moves only the keys next to it.
+it (Mirrokni, Thorup and Zadimoghaddam's bounded loads), or within MIN_SPILL_LOAD at low load: the
+same prefix keeps landing on the same replica — whose prefix cache holds it — until that replica is
+busier than the rest, and a pod that joins or leaves moves only the keys next to it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from typing import Any
 
 PREFIX_CHARS = 256   # how much of the prompt decides the route (a system prompt's worth)
 VIRTUAL_POINTS = 64  # points per pod on the ring: evens out the share of keys each pod gets
-LOAD_EPSILON = 0.25  # a pod may take up to 1.25 × the mean in-flight load before keys spill past it
+LOAD_EPSILON = 0.25  # a pod may take up to 1.25 × the mean in-flight load before keys spill past it …
+MIN_SPILL_LOAD = 4   # … but never spills below this many: a few requests are one batch for the engine
+                     # (continuous batching), and spilling them would only cost a prefix-cache miss
 
 
 def _hash(text: str) -> int:
@@ -75,12 +77,12 @@ class HashRing:
                     return
 
 
-def choose(ring: HashRing, key: str, in_flight: Mapping[str, int], epsilon: float = LOAD_EPSILON) -> str | None:
+def choose(ring: HashRing, key: str, in_flight: Mapping[str, int], epsilon: float = LOAD_EPSILON, min_load: int = MIN_SPILL_LOAD) -> str | None:
     """The pod for `key`: the first in ring order whose load, with this request, is within the bound."""
     if not ring.endpoints:
         return None
     total = sum(in_flight.get(e, 0) for e in ring.endpoints) + 1
-    bound = math.ceil((1 + epsilon) * total / len(ring.endpoints))
+    bound = max(math.ceil((1 + epsilon) * total / len(ring.endpoints)), min_load)
     first = None
     for endpoint in ring.candidates(key):
         first = first or endpoint

@@ -106,6 +106,8 @@ class Workers:
     def __init__(self, config: EngineConfig, model_path: Path, device_type: str):
         import torch.distributed as dist
 
+        if dist.is_initialized():  # torch.distributed has one default group per process
+            raise RuntimeError("a tensor-parallel engine is already running in this process: close it first (LLM.engine.close())")
         self.world_size = config.tensor_parallel_size
         self._closing = False
         store = Path(tempfile.mkdtemp(prefix="kvpilot-tp-")) / "store"
@@ -117,12 +119,18 @@ class Workers:
                       for rank in range(1, self.world_size)]
         for p in self.procs:
             p.start()
-        threading.Thread(target=self._watch, name="kvpilot-tp-watchdog", daemon=True).start()
-        dist.init_process_group(backend(device_type, self.world_size), init_method=init_method, rank=0, world_size=self.world_size,
-                                timeout=COLLECTIVE_TIMEOUT)
         import atexit
 
-        atexit.register(self.close)
+        atexit.register(self.close)  # before the interpreter's exit stops the ranks (the watchdog must know it is expected)
+        threading.Thread(target=self._watch, name="kvpilot-tp-watchdog", daemon=True).start()
+        try:
+            dist.init_process_group(backend(device_type, self.world_size), init_method=init_method, rank=0, world_size=self.world_size,
+                                    timeout=COLLECTIVE_TIMEOUT)
+        except BaseException:
+            self._closing = True
+            for p in self.procs:
+                p.kill()
+            raise
 
     def _watch(self) -> None:
         from multiprocessing.connection import wait
@@ -153,6 +161,9 @@ class Workers:
         if self._closing:
             return
         self._closing = True
+        import atexit
+
+        atexit.unregister(self.close)
         try:
             self.broadcast(("stop",))
         except Exception:  # noqa: BLE001 - ranks already gone: nothing to tell
