@@ -170,3 +170,24 @@ def test_errors_are_openai_json(gateway):
     assert r.status_code == 413
     assert httpx.get(url + "/v1/models").json()["data"] == [{"id": "idle", "object": "model", "owned_by": "kvpilot"},
                                                             {"id": "m", "object": "model", "owned_by": "kvpilot"}]
+
+
+def test_endpoint_table_from_inference_services_and_pods():
+    """The gateway's view of the cluster: served name (or the InferenceService's name) -> the Ready,
+    not terminating engine pods of that service in its namespace."""
+    from kvpilot.operator.gateway.discovery import endpoint_table
+
+    def isvc(ns, name, served=None):
+        return {"metadata": {"namespace": ns, "name": name}, "spec": {"model": {"source": "smollm2-135m", **({"servedName": served} if served else {})}}}
+
+    def pod(ns, owner, ip, ready=True, deleting=False):
+        meta = {"namespace": ns, "name": f"{owner}-{ip}", "labels": {"serving.kvpilot.dev/inferenceservice": owner}}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-11-22T00:00:00Z"
+        return {"metadata": meta, "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+    table = endpoint_table(
+        [isvc("a", "chat", served="smollm2"), isvc("a", "idle"), isvc("b", "chat")],
+        [pod("a", "chat", "127.0.0.2"), pod("a", "chat", "127.0.0.3", ready=False), pod("a", "chat", "127.0.0.4", deleting=True),
+         pod("b", "chat", "127.0.0.5"), pod("a", "gone", "127.0.0.6")])
+    assert table == {"smollm2": ["127.0.0.2:8000"], "idle": [], "chat": ["127.0.0.5:8000"]}
