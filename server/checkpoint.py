@@ -95,6 +95,3 @@ class Checkpoint:
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ModelFormatError(f"{self.path}: tensor {name!r} has dtype {t.dtype} (float32, float16 and bfloat16 are loaded)")
         return t
-
-    def close(self) -> None:
-        self.__dict__.pop("_handles", None)

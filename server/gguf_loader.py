@@ -144,12 +144,9 @@ class GGUFFile:
         float type), Llama-family q/k rows back in half-split RoPE order."""
         gguf_name = self._gguf_names[name] if name in self._gguf_names else name
         t = self.tensor(gguf_name)
-        family = gguf_family_for(self.architecture, self.path.name)
-        if family.gguf_rope_interleaved and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
-            heads = self.get(f"{self.architecture}.attention.head_count")
-            if ".k_proj." in name:
-                heads = self.get(f"{self.architecture}.attention.head_count_kv", heads)
-            t = unpermute_rope_rows(t, heads)
+        c = self.config
+        if c.family.gguf_rope_interleaved and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            t = unpermute_rope_rows(t, c.num_kv_heads if ".k_proj." in name else c.num_heads)
         return t
 
     @cached_property

@@ -63,7 +63,7 @@ class LLMEngine:
             check_tensor_parallel(self.model_config, config.tensor_parallel_size)
             tp = TensorParallel(0, config.tensor_parallel_size)
             self.workers = Workers(config, self.model_path, resolve_device(config).type)
-        self.runner = ModelRunner(config, weights, weights.config, show_progress=show_progress, draft=draft, tp=tp, workers=self.workers)
+        self.runner = ModelRunner(config, weights, show_progress=show_progress, draft=draft, tp=tp, workers=self.workers)
         capacity = self.runner.num_blocks * config.block_size
         limits = [self.model_config.max_position, capacity] + ([window] if window else [])
         self.max_model_len = min(config.max_model_len or min(limits), *limits)
@@ -220,9 +220,9 @@ def open_model(path: Path):
 
 
 def _draft_model(config: EngineConfig, tokenizer):
-    """The draft model's weights and shape, refused unless it shares the target's vocabulary token
+    """The draft model's weights, refused unless it shares the target's vocabulary token
     for token (verification compares token ids)."""
     weights, draft_tokenizer = open_model(resolve_model_path(config.speculative_model))
     if draft_tokenizer.vocabulary() != tokenizer.vocabulary():
         raise ValueError(f"speculative_model {config.speculative_model!r} does not share the model's tokenizer (its vocabulary differs)")
-    return weights, weights.config
+    return weights

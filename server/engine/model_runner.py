@@ -12,7 +12,6 @@ from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.model_io import ModelInput, ModelOutput, PromptLogprobRows
 from kvpilot.server.engine.parallel import TensorParallel, Workers
 from kvpilot.server.engine.sampler import Sampler
-from kvpilot.server.models.config import ModelConfig
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
 
 log = logging.getLogger(__name__)
@@ -55,14 +54,14 @@ class ModelRunner:
     (`workers` set) broadcasts each step's ModelInput before running it; the others run
     `serve_steps`. Both run the same collective part of a step (`_forward`); rank 0 alone samples."""
 
-    def __init__(self, config: EngineConfig, weights: WeightSource, model_config: ModelConfig, show_progress: bool = True,
-                 draft: tuple[WeightSource, ModelConfig] | None = None, tp: TensorParallel | None = None, workers: Workers | None = None):
+    def __init__(self, config: EngineConfig, weights: WeightSource, show_progress: bool = True, draft: WeightSource | None = None,
+                 tp: TensorParallel | None = None, workers: Workers | None = None):
         self.config = config
         self.tp, self.workers = tp, workers
         self.device = resolve_device(config, tp)
         self.dtype = resolve_dtype(config, self.device)
-        self.model = self._load(weights, model_config, show_progress)
-        self.draft = self._load(*draft, show_progress) if draft else None
+        self.model = self._load(weights, show_progress)
+        self.draft = self._load(draft, show_progress) if draft else None
         _return_freed_heap()
         self.block_size = config.block_size
         self.bytes_per_block = sum(self._block_bytes(m) for m in (self.model, self.draft) if m)
@@ -78,14 +77,14 @@ class ModelRunner:
         log.info("model %s on %s/%s, KV cache: %d blocks of %d tokens (%.0f MiB)", c.name, self.device, self.dtype,
                  self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20)
 
-    def _load(self, weights: WeightSource, model_config: ModelConfig, show_progress: bool) -> DecoderModel:
+    def _load(self, weights: WeightSource, show_progress: bool) -> DecoderModel:
         bar = None
         if show_progress:
             from tqdm import tqdm
 
             bar = tqdm(total=len(weights.checkpoint_names()), desc=f"loading {weights.path.name}", unit="tensor", leave=False)
         with torch.inference_mode():
-            model = DecoderModel.load(weights, model_config, self.dtype, self.device, progress=bar.update if bar else None, tp=self.tp)
+            model = DecoderModel.load(weights, weights.config, self.dtype, self.device, progress=bar.update if bar else None, tp=self.tp)
         if bar:
             bar.close()
         return model

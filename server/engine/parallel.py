@@ -193,7 +193,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config: dict, mode
         dist.init_process_group(backend(device_type, world_size), init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT)
         weights, _ = open_model(Path(model_path))
-        runner = ModelRunner(engine_config, weights, weights.config, show_progress=False, tp=TensorParallel(rank, world_size))
+        runner = ModelRunner(engine_config, weights, show_progress=False, tp=TensorParallel(rank, world_size))
         del weights
     except BaseException as e:
         errors.put(f"failed at start-up: {type(e).__name__}: {e}")

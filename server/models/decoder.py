@@ -27,6 +27,7 @@ class WeightSource(Protocol):
     """A GGUF file or a checkpoint directory, read by transformers tensor names."""
 
     path: Path
+    config: ModelConfig
     memory_mapped: bool  # load() returns views of a file mapping (not owned tensors)
 
     def checkpoint_names(self) -> set[str]: ...
