@@ -8,12 +8,9 @@ gateway's must be at least twice round-robin's, with TTFT p50 no worse."""
 from __future__ import annotations
 
 import itertools
-import os
 import random
 import re
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -24,9 +21,9 @@ import httpx
 import pytest
 
 from e2e.cluster import TOKEN, _insecure
+from e2e.gateway_proc import GatewayProcess
 from e2e.isvc import apply_isvc, get_isvc
 from e2e.load import ready_endpoints
-from e2e.net import free_port
 from e2e.operator_proc import OperatorProcess
 from e2e.pod_runner import PodRunner
 from e2e.waiting import wait_until
@@ -106,10 +103,7 @@ def test_prefix_affinity_beats_round_robin(cluster, namespace, tmp_path):
     cluster.kubectl("apply", "-f", str(Path(__file__).resolve().parents[1] / "crds"))
     runner = PodRunner(cluster.server, tmp_path / "pods").start()
     op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log")
-    port = free_port()
-    gateway = subprocess.Popen([sys.executable, "-m", "kvpilot.operator.gateway", "--host", "127.0.0.1", "--port", str(port),
-                                "--namespace", namespace, "--refresh-seconds", "0.5"], stdout=open(tmp_path / "gateway.log", "wb"),
-                               stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}, start_new_session=True)
+    gateway = GatewayProcess(cluster.kubeconfig, namespace, tmp_path / "gateway.log")
     try:
         apply_isvc(cluster, namespace, "chat", {"model": {"source": "smollm2-135m"}, "resources": {"cpuOnly": True}, "minReplicas": 4, "maxReplicas": 4,
                                                 "engineSettings": {"kvCacheMemory": "30MiB", "maxModelLen": 512, "maxNumSeqs": 4}})
@@ -118,7 +112,7 @@ def test_prefix_affinity_beats_round_robin(cluster, namespace, tmp_path):
         api = httpx.Client(verify=_insecure(), headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
         endpoints = ready_endpoints(api, cluster.server, namespace, "chat")
         assert len(endpoints) == 4
-        gw = f"http://127.0.0.1:{port}"
+        gw = gateway.url
 
         def gateway_sees_all():
             try:
@@ -158,7 +152,6 @@ def test_prefix_affinity_beats_round_robin(cluster, namespace, tmp_path):
         assert done.is_set() and len(results) == 16 * USERS and all(t is not None for t in results)
         wait_until(lambda: len(ready_endpoints(api, cluster.server, namespace, "chat")) == 3, timeout=60, what="3 replicas left")
     finally:
-        gateway.terminate()
-        gateway.wait(10)
+        gateway.stop()
         op.stop()
         runner.stop()

@@ -96,7 +96,7 @@ def test_chart_rbac_is_namespaced_when_watch_namespaces_is_set(cluster):
 
 
 def test_invalid_objects_rejected_by_cel(cluster, namespace, chart):
-    cases = [({"minReplicas": 0}, "scale to zero"), ({"minReplicas": 3, "maxReplicas": 2}, "minReplicas must be <= maxReplicas"),
+    cases = [({"autoscaling": {"scaleToZeroIdleSeconds": 1}}, "scaleToZeroIdleSeconds"), ({"minReplicas": 3, "maxReplicas": 2}, "minReplicas must be <= maxReplicas"),
              ({"replicas": 9}, "replicas must be within"), ({"engineSettings": {"tensorParallelSize": 0}}, "tensorParallelSize"),
              ({"engineSettings": {"speculative": {"method": "draft"}}}, "needs draftModel"),
              ({"model": {"source": "ftp://nope"}}, "source"),

@@ -73,6 +73,8 @@ def crd() -> dict:
     spec["description"] = InferenceServiceSpec.__doc__.strip().splitlines()[0]
     columns = [
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready pods"},
+        {"name": "Status", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason",
+         "description": "Why Ready is what it is: Serving, ScaledToZero, NoReadyPods, or what keeps pods from running"},
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas", "description": "Pods that exist"},
         {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas", "description": "Pods the autoscaler wants"},
         {"name": "KV", "type": "string", "jsonPath": ".status.lastMetrics.kvCacheUtilization", "description": "Mean KV-cache utilization"},

@@ -17,6 +17,9 @@ from kvpilot.server.model_source import DOT_SEGMENT_PATTERN, MODEL_SOURCE_PATTER
 
 GROUP, VERSION, KIND, PLURAL = "serving.kvpilot.dev", "v1alpha1", "InferenceService", "inferenceservices"
 ISVC_LABEL = f"{GROUP}/inferenceservice"     # on every object we create, and every engine pod
+# Set by kvpilot-gateway (an RFC 3339 time) on an InferenceService at 0 replicas when a request for it
+# arrives; the autoscaler — the one writer of spec.replicas — answers by scaling to 1.
+WAKE_ANNOTATION = f"{GROUP}/scale-from-zero-requested"
 MANAGED_BY = ("app.kubernetes.io/managed-by", "kvpilot")
 # Set by the operator on every engine container: a user's env entry must not replace them.
 RESERVED_ENV = ("POD_IP", "KVPILOT_API_KEY", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "HOME")
@@ -118,6 +121,10 @@ class AutoscalingSpec(_Model):
     interval_seconds: int = Field(15, ge=1, le=600, description="How often to evaluate.")
     scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600, description="Scale down only to the highest recommendation of this window.")
     metrics_stale_after_seconds: int | None = Field(None, ge=1, description="A sample older than this is stale (default 3 x interval).")
+    scale_to_zero_idle_seconds: int = Field(300, ge=5, le=86400, description=(
+        "With minReplicas 0: scale from 1 to 0 pods once the gateway's fresh request metrics (and the engines' own) have shown no "
+        "request for this long. Missing or stale gateway metrics never scale to zero. A request through kvpilot-gateway wakes "
+        "the service again (it is held until a pod is Ready)."))
 
 
 class InferenceServiceSpec(_Model):
@@ -137,8 +144,9 @@ class InferenceServiceSpec(_Model):
     engine_settings: EngineSettings = Field(default_factory=EngineSettings, description="Engine settings.")
     resources: ResourceSpec = Field(default_factory=ResourceSpec, description="GPUs, CPU/memory and placement.")
     replicas: int | None = Field(None, ge=0, description="Desired pods; written by the autoscaler (scale subresource) when autoscaling is on.")
-    min_replicas: int = Field(1, ge=0, description="Fewest pods. Must be >= 1 until scale-to-zero exists.",
-                              json_schema_extra={"x-kubernetes-validations": [cel("self >= 1", "minReplicas: 0 (scale to zero) is not supported yet; use 1 or more")]})
+    min_replicas: int = Field(1, ge=0, description=(
+        "Fewest pods. 0 = scale to zero after autoscaling.scaleToZeroIdleSeconds without traffic; requests must then come "
+        "through kvpilot-gateway, which holds them and wakes the service (a direct call to the Service finds no pod)."))
     max_replicas: int = Field(3, ge=1, le=1000, description="Most pods.")
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Autoscaling on engine metrics.")
     env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables of the engine container.")

@@ -93,7 +93,8 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
     selector = ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
     pods = kube.list("v1", "Pod", namespace, selector)
     desired = desired_replicas(spec) if spec is not None else 0
-    status = compute_status(prev, generation, desired, selector, endpoint_url(name, namespace), deployment, pods, problems)
+    status = compute_status(prev, generation, desired, selector, endpoint_url(name, namespace), deployment, pods, problems,
+                            wakes_from_zero=spec is not None and spec.min_replicas == 0 and spec.autoscaling.enabled)
     new_raw = status.model_dump(by_alias=True, exclude_none=True, mode="json")
     if new_raw != prev_raw:
         kube.patch_isvc_status(name, namespace, new_raw)

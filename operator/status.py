@@ -41,7 +41,10 @@ def pod_problems(pods: list[dict]) -> list[tuple[str, str]]:
 
 
 def compute_status(prev: InferenceServiceStatus | None, generation: int, desired: int, selector: str, endpoint: str,
-                   deployment: dict | None, pods: list[dict], spec_problems: list[tuple[str, str]], now: datetime | None = None) -> InferenceServiceStatus:
+                   deployment: dict | None, pods: list[dict], spec_problems: list[tuple[str, str]], now: datetime | None = None,
+                   wakes_from_zero: bool = False) -> InferenceServiceStatus:
+    """wakes_from_zero: at 0 replicas, a request through the gateway scales the service up again (minReplicas 0 with
+    autoscaling on): it is then Ready (reason ScaledToZero) — it serves, after a cold start."""
     now = now or datetime.now(UTC)
     stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
     status = (prev or InferenceServiceStatus()).model_copy(deep=True)
@@ -70,6 +73,10 @@ def compute_status(prev: InferenceServiceStatus | None, generation: int, desired
         conds = set_condition(conds, "Progressing", "False", "Stable", f"{ready}/{desired} pods ready", generation, stamp)
     if ready >= 1:
         conds = set_condition(conds, "Ready", "True", "Serving", f"{ready}/{desired} pods ready", generation, stamp)
+    elif desired == 0 and not problems:
+        conds = set_condition(conds, "Ready", "True" if wakes_from_zero else "False", "ScaledToZero",
+                              "scaled to zero: the next request through kvpilot-gateway wakes it" if wakes_from_zero else
+                              "spec.replicas is 0 and autoscaling is off: nothing will start a pod", generation, stamp)
     else:
         reason = problems[0][0] if problems else "NoReadyPods"
         conds = set_condition(conds, "Ready", "False", reason, f"0/{desired} pods ready", generation, stamp)

@@ -164,3 +164,37 @@ def test_failed_and_deleted_pods_are_not_starting_capacity():
 
     live = live_pods([pod("a"), pod("evicted", "Failed"), pod("done", "Succeeded"), pod("gone", deleting=True), pod("new", "Pending")])
     assert [p["metadata"]["name"] for p in live] == ["a", "new"]
+
+
+def test_idle_tracker_counts_only_fresh_quiet_gateway_metrics():
+    """Scale to zero's evidence: present, fresh gateway metrics with nothing in flight, nothing held,
+    an unchanged request counter and idle engines. Anything else restarts the idle window."""
+    from kvpilot.operator.autoscaler.decision import IdleTracker, observe_idle
+    from kvpilot.operator.autoscaler.promql import GatewayActivity
+
+    t = IdleTracker()
+    quiet = GatewayActivity(requests=7, active=0, timestamp=1000)
+    assert observe_idle(t, 1000, quiet, 0, stale_after=45) is None and t.since == 1000
+    assert observe_idle(t, 1030, GatewayActivity(7, 0, 1029), 0, 45) is None and t.since == 1000  # still idle since 1000
+    assert observe_idle(t, 1040, GatewayActivity(8, 0, 1039), 0, 45) == "new requests through the gateway" and t.since is None
+    assert observe_idle(t, 1050, GatewayActivity(8, 0, 1049), 0, 45) is None and t.since == 1050
+    for activity, busy, why in [(None, 0, "no gateway reports"), (GatewayActivity(8, 0, 1000), 0, "stale (60s old)"),
+                                (GatewayActivity(8, 1, 1059), 0, "1 request(s) in flight or held"),
+                                (GatewayActivity(8, 0, 1059), None, "engines' request metrics are missing"),
+                                (GatewayActivity(8, 0, 1059), 2, "2 request(s) running or waiting in the engines")]:
+        t = IdleTracker(since=900, requests=8)
+        assert why in observe_idle(t, 1060, activity, busy, 45) and t.since is None
+
+
+def test_wake_request_counts_only_after_the_last_scale():
+    from kvpilot.operator.autoscaler.loop import wake_requested
+    from kvpilot.operator.crd_types import WAKE_ANNOTATION
+
+    def meta(stamp):
+        return {"name": "m", "namespace": "n", "annotations": {WAKE_ANNOTATION: stamp} if stamp else {}}
+
+    assert wake_requested(meta(None), {}) is None
+    assert wake_requested(meta("2026-11-22T10:00:00.5Z"), {}) == "2026-11-22T10:00:00.5Z"  # created at zero: any request wakes
+    assert wake_requested(meta("2026-11-22T10:00:00.5Z"), {"lastScaleTime": "2026-11-22T10:00:00Z"}) is not None  # same second: woken
+    assert wake_requested(meta("2026-11-22T09:59:59.9Z"), {"lastScaleTime": "2026-11-22T10:00:00Z"}) is None  # before the scale to zero
+    assert wake_requested(meta("yesterday"), {}) is None

@@ -107,13 +107,13 @@ class Upstream:
 def gateway():
     import uvicorn
 
-    from kvpilot.operator.gateway.proxy import StaticEndpoints, build_app
+    from kvpilot.operator.gateway.proxy import GatewayConfig, StaticEndpoints, build_app
 
     upstreams = [Upstream(f"pod{i}") for i in range(3)]
     dead = f"127.0.0.1:{free_port()}"  # nothing listens: a pod gone between the watch and the request
     draining = Upstream("draining", status=503)
     table = {"m": [u.endpoint for u in upstreams] + [dead, draining.endpoint], "idle": []}
-    app = build_app(StaticEndpoints(table))
+    app = build_app(StaticEndpoints(table), GatewayConfig(hold_timeout_seconds=1.0, max_held_requests=2))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     url = f"http://127.0.0.1:{server.config.port}"
@@ -162,23 +162,48 @@ def test_errors_are_openai_json(gateway):
     url = gateway[0]
     r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
-    r = httpx.post(url + "/v1/completions", json={"model": "idle", "prompt": "x"})
-    assert r.status_code == 503 and r.headers["retry-after"] == "5" and "no ready replica" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", json={"model": "idle", "prompt": "x"})  # held 1 s for a pod that never comes
+    assert r.status_code == 503 and r.headers["retry-after"] == "5" and "no replica of 'idle' became ready within 1s" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(url + "/v1/completions", content=b"x" * (5 << 20))
     assert r.status_code == 413
-    assert httpx.get(url + "/v1/models").json()["data"] == [{"id": "idle", "object": "model", "owned_by": "kvpilot"},
-                                                            {"id": "m", "object": "model", "owned_by": "kvpilot"}]
+    models = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+    assert {"idle", "m"} <= set(models) and models == sorted(models)
+
+
+@pytest.mark.timeout(60)
+def test_a_request_for_a_model_without_pods_is_held_then_served(gateway):
+    """Scale from zero as the gateway sees it: held (and a wake-up asked for) until a pod is ready, then
+    forwarded; beyond max_held_requests, 503 at once; the held gauge exists at 0 for every known model."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, upstreams, _, gw = gateway
+    gw.source.table["cold"] = []
+    with ThreadPoolExecutor(3) as pool:
+        held = [pool.submit(httpx.post, url + "/v1/completions", json={"model": "cold", "prompt": f"hi {i}"}, timeout=30) for i in range(2)]
+        time.sleep(0.5)
+        t = time.monotonic()
+        over = httpx.post(url + "/v1/completions", json={"model": "cold", "prompt": "one too many"}, timeout=30)
+        assert time.monotonic() - t < 0.5 and over.status_code == 503 and "2 requests already wait" in over.json()["error"]["message"]
+        assert 'kvpilot_gateway_held_requests{model="cold"} 2.0' in httpx.get(url + "/metrics").text
+        gw.source.table["cold"] = [upstreams[0].endpoint]  # a pod became Ready
+        answers = [f.result() for f in held]
+    assert [a.status_code for a in answers] == [200, 200] and {a.json()["served_by"] for a in answers} == {"pod0"}
+    assert "cold" in gw.source.woken
+    metrics = httpx.get(url + "/metrics").text
+    assert 'kvpilot_gateway_held_requests{model="cold"} 0.0' in metrics and 'kvpilot_gateway_held_requests{model="m"} 0.0' in metrics
+    assert 'kvpilot_gateway_hold_seconds_count{model="cold"} 2.0' in metrics
 
 
 def test_endpoint_table_from_inference_services_and_pods():
     """The gateway's view of the cluster: served name (or the InferenceService's name) -> the Ready,
     not terminating engine pods of that service in its namespace."""
-    from kvpilot.operator.gateway.discovery import endpoint_table
+    from kvpilot.operator.gateway.discovery import ModelRoute, endpoint_table
 
-    def isvc(ns, name, served=None):
-        return {"metadata": {"namespace": ns, "name": name}, "spec": {"model": {"source": "smollm2-135m", **({"servedName": served} if served else {})}}}
+    def isvc(ns, name, served=None, **spec):
+        return {"metadata": {"namespace": ns, "name": name},
+                "spec": {"model": {"source": "smollm2-135m", **({"servedName": served} if served else {})}, **spec}}
 
     def pod(ns, owner, ip, ready=True, deleting=False):
         meta = {"namespace": ns, "name": f"{owner}-{ip}", "labels": {"serving.kvpilot.dev/inferenceservice": owner}}
@@ -187,7 +212,8 @@ def test_endpoint_table_from_inference_services_and_pods():
         return {"metadata": meta, "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
     table = endpoint_table(
-        [isvc("a", "chat", served="smollm2"), isvc("a", "idle"), isvc("b", "chat")],
+        [isvc("a", "chat", served="smollm2"), isvc("a", "idle", minReplicas=0), isvc("b", "chat"), isvc("b", "woken", minReplicas=0, replicas=1)],
         [pod("a", "chat", "127.0.0.2"), pod("a", "chat", "127.0.0.3", ready=False), pod("a", "chat", "127.0.0.4", deleting=True),
          pod("b", "chat", "127.0.0.5"), pod("a", "gone", "127.0.0.6")])
-    assert table == {"smollm2": ["127.0.0.2:8000"], "idle": [], "chat": ["127.0.0.5:8000"]}
+    assert table == {"smollm2": ModelRoute("a", "chat", ["127.0.0.2:8000"]), "idle": ModelRoute("a", "idle", [], at_zero=True),
+                     "chat": ModelRoute("b", "chat", ["127.0.0.5:8000"]), "woken": ModelRoute("b", "woken", [], at_zero=False)}

@@ -142,3 +142,44 @@ def decide(now: float, current: int, ready_pods: list[str], starting: int, sampl
         return Decision(clamped, f"holding at {current}: {observed}; recommendation {highest} within the window", True, active_reason, keep, **numbers)
     return Decision(clamped, f"holding at {current}: {observed}" if clamped == current else
                     f"clamped {current} -> {clamped} to [{policy.min_replicas}, {policy.max_replicas}]", not partial, active_reason, keep, **numbers)
+
+
+# --- scale to zero ---------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class IdleTracker:
+    """Since when a service with minReplicas 0 has been seen idle (in memory: an operator restart
+    starts the idle window again, which only ever delays a scale to zero)."""
+
+    since: float | None = None       # first evaluation that saw no traffic, after the last that did
+    requests: float | None = None    # the gateways' request counter (summed) seen then
+
+
+def observe_idle(tracker: IdleTracker, now: float, activity, engines_busy: float | None, stale_after: float) -> str | None:
+    """Update `tracker` with one observation; returns why the service is not (known to be) idle, None when it is.
+
+    activity: a promql.GatewayActivity, or None when no gateway reports the model; engines_busy: requests
+    running or waiting in its engines (None: unknown). Only present, fresh gateway metrics that show no
+    request in flight, none held and an unchanged request counter count as idle; anything missing,
+    stale or moving restarts the window."""
+    if activity is None:
+        why = "no gateway reports its request metrics"
+    elif now - activity.timestamp > stale_after:
+        why = f"the gateway's request metrics are stale ({now - activity.timestamp:.0f}s old)"
+    elif activity.active > 0:
+        why = f"{activity.active:g} request(s) in flight or held at the gateway"
+    elif engines_busy is None:
+        why = "the engines' request metrics are missing"
+    elif engines_busy > 0:
+        why = f"{engines_busy:g} request(s) running or waiting in the engines"
+    elif tracker.requests is not None and activity.requests != tracker.requests:
+        why = "new requests through the gateway"
+    else:
+        why = None
+    if why is not None:
+        tracker.since = None
+        tracker.requests = activity.requests if activity is not None else None
+        return why
+    if tracker.since is None:
+        tracker.since, tracker.requests = now, activity.requests
+    return None

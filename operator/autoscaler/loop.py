@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 
-from kvpilot.operator.autoscaler.decision import Decision, Policy, Recommendation, decide
+from kvpilot.operator.autoscaler.decision import Decision, IdleTracker, Policy, Recommendation, decide, observe_idle
 from kvpilot.operator.autoscaler.promql import MetricsUnavailable, PrometheusSource
+from kvpilot.operator.builders.engines import served_name
 from kvpilot.operator.builders.manifests import selector_labels
-from kvpilot.operator.crd_types import InferenceServiceSpec, InferenceServiceStatus, MetricsSnapshot, ScalingEvent
+from kvpilot.operator.crd_types import WAKE_ANNOTATION, InferenceServiceSpec, InferenceServiceStatus, MetricsSnapshot, ScalingEvent
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.status import now_rfc3339, set_condition
 
@@ -23,6 +25,7 @@ class AutoscalerState:
 
     last_eval: float = 0.0
     history: list[Recommendation] = field(default_factory=list)
+    idle: IdleTracker = field(default_factory=IdleTracker)
 
 
 def _is_ready(pod: dict) -> bool:
@@ -37,7 +40,8 @@ def live_pods(pods: list[dict]) -> list[dict]:
 
 def policy_of(spec: InferenceServiceSpec) -> Policy:
     a = spec.autoscaling
-    return Policy(spec.min_replicas, spec.max_replicas, a.target_kv_cache_utilization, a.target_queue_depth, a.tolerance,
+    # Engine metrics never take a service below one pod: only idleness at the gateway scales to zero.
+    return Policy(max(spec.min_replicas, 1), spec.max_replicas, a.target_kv_cache_utilization, a.target_queue_depth, a.tolerance,
                   float(a.scale_down_stabilization_seconds), float(a.metrics_stale_after_seconds or 3 * a.interval_seconds))
 
 
@@ -50,6 +54,16 @@ def evaluate(kube: Kube, source: PrometheusSource, body: dict, state: Autoscaler
     if not spec.autoscaling.enabled:
         _report(kube, body, None, spec, note=("False", "Disabled", "autoscaling is off: spec.replicas is honoured as set"))
         return None
+    current = spec.replicas if spec.replicas is not None else spec.min_replicas
+    if current == 0 and spec.min_replicas == 0:
+        # Checked every pass, not every interval: a request is waiting at the gateway.
+        requested = wake_requested(meta, body.get("status") or {})
+        if requested is None:
+            return None
+        decision = Decision(1, f"scale up 0 -> 1: a request is waiting at the gateway (asked at {requested})", True, "ScaledFromZero")
+        _actuate(kube, body, decision, current, spec)
+        state.idle = IdleTracker()
+        return decision
     if now - state.last_eval < spec.autoscaling.interval_seconds:
         return None
     state.last_eval = now
@@ -57,7 +71,6 @@ def evaluate(kube: Kube, source: PrometheusSource, body: dict, state: Autoscaler
     pods = live_pods(kube.list("v1", "Pod", namespace, selector))
     ready = [p["metadata"]["name"] for p in pods if _is_ready(p)]
     starting = len(pods) - len(ready)
-    current = spec.replicas if spec.replicas is not None else spec.min_replicas
     error, samples = None, []
     try:
         samples = source.pod_samples(spec.engine, namespace, name)
@@ -65,13 +78,60 @@ def evaluate(kube: Kube, source: PrometheusSource, body: dict, state: Autoscaler
         error = str(e)
     decision = decide(now, current, ready, starting, samples, policy_of(spec), state.history, error)
     state.history = decision.history
+    if spec.min_replicas == 0:
+        _maybe_scale_to_zero(source, spec, name, namespace, state, decision, current, now)
+    _actuate(kube, body, decision, current, spec)
+    return decision
+
+
+def _maybe_scale_to_zero(source: PrometheusSource, spec: InferenceServiceSpec, name: str, namespace: str, state: AutoscalerState,
+                         decision: Decision, current: int, now: float) -> None:
+    """At one pod that the engine metrics would keep, and idle for the whole window: to zero."""
+    policy = policy_of(spec)
+    try:
+        activity = source.gateway_activity(served_name(spec, name))
+        busy = source.engines_busy(spec.engine, namespace, name)
+    except MetricsUnavailable as e:
+        activity, busy = None, None
+        log.info("%s/%s: not scaling to zero: %s", namespace, name, e)
+    why_not = observe_idle(state.idle, now, activity, busy, policy.stale_after)
+    if current != 1 or decision.desired != 1:
+        return
+    window = spec.autoscaling.scale_to_zero_idle_seconds
+    if why_not is not None:
+        decision.reason += f"; not idle: {why_not}"
+    elif now - state.idle.since < window:
+        decision.reason += f"; idle for {now - state.idle.since:.0f}s of the {window}s before scaling to zero"
+    else:
+        decision.desired, decision.reason = 0, f"scale down 1 -> 0: no request for {now - state.idle.since:.0f}s (scaleToZeroIdleSeconds {window})"
+        decision.active_reason = "ScaledToZero"
+
+
+def wake_requested(meta: dict, status: dict) -> str | None:
+    """The gateway's wake-up request (the annotation's time), if it came after the service last scaled (to zero)."""
+    requested = (meta.get("annotations") or {}).get(WAKE_ANNOTATION)
+    if not requested:
+        return None
+    try:
+        asked = datetime.fromisoformat(requested.replace("Z", "+00:00"))
+    except ValueError:
+        log.warning("%s/%s: ignoring annotation %s=%r: not an RFC 3339 time", meta.get("namespace"), meta.get("name"), WAKE_ANNOTATION, requested)
+        return None
+    last = status.get("lastScaleTime")
+    # lastScaleTime has whole seconds: a request within the second of the scale-down wakes it (never lost).
+    if last and asked < datetime.fromisoformat(last.replace("Z", "+00:00")):
+        return None
+    return requested
+
+
+def _actuate(kube: Kube, body: dict, decision: Decision, current: int, spec: InferenceServiceSpec) -> None:
+    meta = body["metadata"]
     if decision.desired != current:
-        kube.scale_isvc(name, namespace, decision.desired)
+        kube.scale_isvc(meta["name"], meta["namespace"], decision.desired)
         kind = "ScaledUp" if decision.desired > current else "ScaledDown"
         kube.event(body, "Normal", kind, decision.reason)
-        log.info("%s/%s: %s", namespace, name, decision.reason)
+        log.info("%s/%s: %s", meta["namespace"], meta["name"], decision.reason)
     _report(kube, body, decision, spec, current=current)
-    return decision
 
 
 def _report(kube: Kube, body: dict, decision: Decision | None, spec: InferenceServiceSpec, current: int | None = None,

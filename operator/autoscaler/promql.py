@@ -16,9 +16,10 @@ from kvpilot.operator.autoscaler.decision import CLOCK_SKEW_SECONDS, PodSample
 
 # signal -> PromQL selector template per engine; alternatives joined with `or` (vLLM renamed its KV metric)
 ENGINE_METRICS: dict[str, dict[str, list[str]]] = {
-    "kvpilot": {"kv": ["kvpilot:kv_cache_usage_perc"], "queue": ["kvpilot:num_requests_waiting"]},
-    "vllm": {"kv": ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"], "queue": ["vllm:num_requests_waiting"]},
-    "sglang": {"kv": ["sglang:token_usage"], "queue": ["sglang:num_queue_reqs"]},
+    "kvpilot": {"kv": ["kvpilot:kv_cache_usage_perc"], "queue": ["kvpilot:num_requests_waiting"], "running": ["kvpilot:num_requests_running"]},
+    "vllm": {"kv": ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"], "queue": ["vllm:num_requests_waiting"],
+             "running": ["vllm:num_requests_running"]},
+    "sglang": {"kv": ["sglang:token_usage"], "queue": ["sglang:num_queue_reqs"], "running": ["sglang:num_running_reqs"]},
 }
 
 
@@ -40,6 +41,25 @@ def timestamp_query(engine: str, signal: str, namespace: str, isvc: str) -> str:
     labels = f'namespace="{_escape(namespace)}",inferenceservice="{_escape(isvc)}"'
     parts = [f"timestamp({name}{{{labels}}})" for name in ENGINE_METRICS[engine][signal]]
     return "max by (pod) (" + " or ".join(parts) + ")"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayActivity:
+    """What the gateways (kvpilot_gateway_*, summed over gateway replicas) report for one model."""
+
+    requests: float      # requests answered, ever (a counter: any change means traffic)
+    active: float        # requests being proxied or held for a replica now
+    timestamp: float     # unix seconds of the oldest gateway's newest sample: every replica must be fresh
+
+
+def gateway_queries(model: str) -> dict[str, str]:
+    sel = f'{{model="{_escape(model)}"}}'
+    # kvpilot_gateway_held_requests exists for every model a gateway knows (0 when none is held): its presence
+    # is what tells "no traffic" from "no gateway reporting".
+    return {"present": f"count(kvpilot_gateway_held_requests{sel})",
+            "timestamp": f"min(timestamp(kvpilot_gateway_held_requests{sel}))",
+            "requests": f"sum(kvpilot_gateway_requests_total{sel})",
+            "active": f"sum(kvpilot_gateway_held_requests{sel}) + (sum(kvpilot_gateway_in_flight_requests{sel}) or vector(0))"}
 
 
 @dataclass
@@ -94,3 +114,16 @@ class PrometheusSource:
             ts = min(t for t in (kv_ts.get(pod), queue_ts.get(pod)) if t is not None) if (pod in kv_ts or pod in queue_ts) else 0.0
             out.append(PodSample(pod, kv.get(pod), queue.get(pod), ts))
         return out
+
+    def gateway_activity(self, model: str) -> GatewayActivity | None:
+        """None when no gateway reports the model (no gateway deployed, or it never scraped)."""
+        q = {k: self._query(v) for k, v in gateway_queries(model).items()}
+        if not q["present"]:
+            return None
+        return GatewayActivity(sum(q["requests"].values()), sum(q["active"].values()), min(q["timestamp"].values()))
+
+    def engines_busy(self, engine: str, namespace: str, isvc: str) -> float:
+        """Requests running or waiting in the engines (also those sent to the Service directly, past the gateway)."""
+        busy = self._query(signal_query(engine, "running", namespace, isvc))
+        waiting = self._query(signal_query(engine, "queue", namespace, isvc))
+        return sum(busy.values()) + sum(waiting.values())

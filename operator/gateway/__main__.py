@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-chars", type=int, default=PREFIX_CHARS, help="prompt characters that decide the route")
     ap.add_argument("--max-request-body", default="4MiB", help="largest request body (then 413)")
     ap.add_argument("--read-timeout-seconds", type=float, default=600.0, help="longest wait for an engine's next bytes")
+    ap.add_argument("--hold-timeout-seconds", type=float, default=300.0,
+                    help="longest a request waits for a ready pod of a model that has none (scaled to zero, starting); then 503")
+    ap.add_argument("--max-held-requests", type=int, default=1000, help="requests that may wait for pods at once; more: 503 at once")
     ap.add_argument("--log-level", default=os.environ.get("KVPILOT_LOG_LEVEL", "info"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -33,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
     source = KubeEndpoints(args.namespace, args.refresh_seconds)
     config = GatewayConfig(max_body_bytes=parse_size(args.max_request_body), read_timeout_seconds=args.read_timeout_seconds,
-                           prefix_chars=args.prefix_chars)
+                           prefix_chars=args.prefix_chars, hold_timeout_seconds=args.hold_timeout_seconds,
+                           max_held_requests=args.max_held_requests)
     uvicorn.run(build_app(source, config), host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False)
     return 0
 

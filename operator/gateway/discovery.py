@@ -1,21 +1,36 @@
 """Which pods serve which model: InferenceServices and their ready engine pods, read from the API
 server (in-cluster service account, or $KUBECONFIG), refreshed every `interval` seconds in a
 background thread. A model's name is its InferenceService's `model.servedName`, else the
-InferenceService's name — what clients put in `model`. A failed refresh keeps the last table."""
+InferenceService's name — what clients put in `model`. A failed refresh keeps the last table.
+A service at zero replicas is woken by annotating it (WAKE_ANNOTATION): the autoscaler scales it."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from kvpilot.operator.builders.engines import PORT
-from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, PLURAL, VERSION
+from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, PLURAL, VERSION, WAKE_ANNOTATION
 
 log = logging.getLogger("kvpilot.gateway")
 
 
-def endpoint_table(isvcs: list[dict], pods: list[dict]) -> dict[str, list[str]]:
-    """served model name -> "podIP:port" of its Ready, not terminating engine pods."""
+WAKE_EVERY_SECONDS = 2.0  # a held request re-asks at most this often (the autoscaler may have missed one)
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    namespace: str
+    name: str                                       # the InferenceService
+    endpoints: list[str] = field(default_factory=list)  # "podIP:port" of its Ready, not terminating pods
+    at_zero: bool = False                           # spec asks for 0 replicas (scaled to zero)
+
+
+def endpoint_table(isvcs: list[dict], pods: list[dict]) -> dict[str, ModelRoute]:
+    """served model name -> its InferenceService and ready engine pods."""
     ready: dict[tuple[str, str], list[str]] = {}
     for pod in pods:
         m, status = pod.get("metadata", {}), pod.get("status", {})
@@ -23,13 +38,15 @@ def endpoint_table(isvcs: list[dict], pods: list[dict]) -> dict[str, list[str]]:
         is_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
         if owner and is_ready and status.get("podIP") and not m.get("deletionTimestamp"):
             ready.setdefault((m.get("namespace", ""), owner), []).append(f"{status['podIP']}:{PORT}")
-    table: dict[str, list[str]] = {}
+    table: dict[str, ModelRoute] = {}
     for isvc in isvcs:
-        m = isvc.get("metadata", {})
-        model = ((isvc.get("spec") or {}).get("model") or {}).get("servedName") or m.get("name")
+        m, spec = isvc.get("metadata", {}), isvc.get("spec") or {}
+        model = (spec.get("model") or {}).get("servedName") or m.get("name")
         if model in table:
             log.warning("model name %r is served by more than one InferenceService; routing to %s/%s", model, m.get("namespace"), m.get("name"))
-        table[model] = sorted(ready.get((m.get("namespace", ""), m.get("name")), []))
+        replicas = spec.get("replicas", spec.get("minReplicas", 1))
+        table[model] = ModelRoute(m.get("namespace", ""), m.get("name"), sorted(ready.get((m.get("namespace", ""), m.get("name")), [])),
+                                  at_zero=replicas == 0)
     return table
 
 
@@ -42,7 +59,8 @@ class KubeEndpoints:
         load_config()
         self.core, self.custom = client.CoreV1Api(), client.CustomObjectsApi()
         self.namespaces, self.interval = namespaces, interval
-        self._table: dict[str, list[str]] = {}
+        self._table: dict[str, ModelRoute] = {}
+        self._woken: dict[str, float] = {}
         self._stop = threading.Event()
         self.refresh()
         threading.Thread(target=self._loop, name="kvpilot-gateway-discovery", daemon=True).start()
@@ -66,7 +84,22 @@ class KubeEndpoints:
                 log.warning("refreshing the endpoint table failed (%s: %s); keeping the last one", type(e).__name__, e)
 
     def endpoints(self, model: str) -> list[str] | None:
-        return self._table.get(model)
+        route = self._table.get(model)
+        return None if route is None else route.endpoints
+
+    def wake(self, model: str) -> None:
+        """Ask for a pod of a service scaled to zero (blocking: call it off the event loop)."""
+        route = self._table.get(model)
+        if route is None or not route.at_zero or time.monotonic() - self._woken.get(model, -1e9) < WAKE_EVERY_SECONDS:
+            return
+        self._woken[model] = time.monotonic()
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        try:
+            self.custom.patch_namespaced_custom_object(GROUP, VERSION, route.namespace, PLURAL, route.name,
+                                                       {"metadata": {"annotations": {WAKE_ANNOTATION: stamp}}})
+            log.info("asked to scale %s/%s up from zero (a request for %r is waiting)", route.namespace, route.name, model)
+        except Exception as e:  # noqa: BLE001 - the held request retries in WAKE_EVERY_SECONDS
+            log.warning("could not ask %s/%s to scale up from zero: %s", route.namespace, route.name, e)
 
     def models(self) -> list[str]:
         return sorted(self._table)

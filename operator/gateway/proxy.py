@@ -5,15 +5,21 @@ came; responses are streamed back chunk by chunk as the engine sends them (SSE i
 buffering). A pod that refuses the connection, cannot be reached, or answers 503 (draining, dead:
 it did no work) is skipped and the next one on the ring tried; once a response has started nothing
 is retried (the engine may have produced tokens). The Authorization header passes through untouched: the engines check the API key.
+
+A request for a model with no ready pod (scaled to zero, or every pod starting) is held — a bounded
+number of them, for a bounded time — while the source asks for a pod (`wake`), then forwarded as soon
+as one is Ready; past the bound or the time, 503 with Retry-After.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
@@ -34,18 +40,25 @@ class EndpointSource(Protocol):
 
     def models(self) -> list[str]: ...
 
+    def wake(self, model: str) -> None:
+        """`model` has no ready pod and a request waits: ask for one if it is scaled to zero (may block)."""
+
 
 @dataclass
 class StaticEndpoints:
-    """A fixed model -> endpoints map (tests, and a gateway pointed at known addresses)."""
+    """A model -> endpoints map held in memory (tests, and a gateway pointed at known addresses)."""
 
-    table: Mapping[str, list[str]]
+    table: dict[str, list[str]]
+    woken: list[str] = field(default_factory=list)  # models a held request asked to wake
 
     def endpoints(self, model: str) -> list[str] | None:
         return list(self.table[model]) if model in self.table else None
 
     def models(self) -> list[str]:
         return sorted(self.table)
+
+    def wake(self, model: str) -> None:
+        self.woken.append(model)
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,8 @@ class GatewayConfig:
     max_attempts: int = 3           # pods tried for one request before 502 (only connection failures are retried)
     prefix_chars: int = PREFIX_CHARS
     retry_after_seconds: int = 5    # told to clients when a model has no ready pod
+    hold_timeout_seconds: float = 300.0  # longest a request waits for a pod of a model that has none ready
+    max_held_requests: int = 1000        # more waiting than this: 503 at once
 
 
 def error(status: int, message: str, kind: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
@@ -75,12 +90,19 @@ class GatewayMetrics:
                               ["model", "endpoint", "decision"], registry=self.registry)
         self.in_flight = Gauge("kvpilot_gateway_in_flight_requests", "Requests being proxied, by engine pod.", ["model", "endpoint"],
                                registry=self.registry)
+        self.held = Gauge("kvpilot_gateway_held_requests", "Requests waiting for a ready pod (scale from zero, cold start); "
+                          "present, at 0, for every model the gateway knows.", ["model"], registry=self.registry)
+        from prometheus_client import Histogram
+
+        self.hold_seconds = Histogram("kvpilot_gateway_hold_seconds", "How long held requests waited for a ready pod (served ones).", ["model"],
+                                      buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=self.registry)
 
 
 class Gateway:
     def __init__(self, source: EndpointSource, config: GatewayConfig = GatewayConfig()):
         self.source, self.config = source, config
         self.in_flight: Counter[str] = Counter()  # endpoint -> requests being proxied to it
+        self.held = 0                             # requests waiting for a ready pod, all models
         self.metrics = GatewayMetrics()
         self._rings: dict[tuple[str, ...], HashRing] = {}
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.read_timeout_seconds, connect=config.connect_timeout_seconds))
@@ -117,13 +139,42 @@ class Gateway:
         self.metrics.requests.labels(model if self.source.endpoints(model) is not None else "unknown", str(response.status_code)).inc()
         return response
 
+    async def _hold(self, request: Request, model: str) -> list[str] | Response:
+        """Wait for a ready pod of `model` (asking the source to wake it); its endpoints, or the error to answer."""
+        unavailable = {"Retry-After": str(self.config.retry_after_seconds)}
+        if self.held >= self.config.max_held_requests:
+            return error(503, f"the model '{model}' has no ready replica and {self.held} requests already wait for one", "service_unavailable", unavailable)
+        self.held += 1
+        self.metrics.held.labels(model).inc()
+        start = time.monotonic()
+        try:
+            while True:
+                await asyncio.to_thread(self.source.wake, model)
+                for _ in range(10):
+                    await asyncio.sleep(0.1)
+                    endpoints = self.source.endpoints(model)
+                    if endpoints is None:
+                        return error(404, f"the model '{model}' does not exist", "not_found_error")
+                    if endpoints:
+                        self.metrics.hold_seconds.labels(model).observe(time.monotonic() - start)
+                        return endpoints
+                if time.monotonic() - start >= self.config.hold_timeout_seconds:
+                    return error(503, f"no replica of '{model}' became ready within {self.config.hold_timeout_seconds:g}s", "service_unavailable", unavailable)
+                if await request.is_disconnected():
+                    return error(499, "the client went away while waiting for a replica", "client_closed_request")
+        finally:
+            self.held -= 1
+            self.metrics.held.labels(model).dec()
+
     async def _route(self, request: Request, raw: bytes, body: dict, model: str) -> Response:
         endpoints = self.source.endpoints(model)
         if endpoints is None:
             return error(404, f"the model '{model}' does not exist", "not_found_error")
         if not endpoints:
-            return error(503, f"the model '{model}' has no ready replica", "service_unavailable",
-                         {"Retry-After": str(self.config.retry_after_seconds)})
+            held = await self._hold(request, model)
+            if isinstance(held, Response):
+                return held
+            endpoints = held
         key = prefix_key(request.url.path, body, self.config.prefix_chars)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
         left = list(endpoints)
@@ -168,6 +219,8 @@ class Gateway:
     async def prometheus(self, request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        for model in self.source.models():
+            self.metrics.held.labels(model)  # 0 when nothing waits: "no traffic" must read as 0, not as absent
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
