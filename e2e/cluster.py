@@ -59,6 +59,7 @@ def binaries() -> dict[str, Path]:
         "kwok": b / f"kwok-{v['KWOK_VERSION']}" / "kwok",
         "helm": b / f"helm-{v['HELM_VERSION']}" / "helm",
         "prometheus": b / f"prometheus-{v['PROMETHEUS_VERSION']}" / "prometheus",
+        "promtool": b / f"promtool-{v['PROMETHEUS_VERSION']}" / "promtool",
     }
     missing = [f"{name} ({p})" for name, p in paths.items() if not os.access(p, os.X_OK)]
     if missing:

@@ -51,6 +51,7 @@ class Prometheus:
         self.scrape_interval = scrape_interval
         self.port = 0
         self.jobs: list[dict] = []
+        self.rule_files: list[str] = []
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -70,6 +71,10 @@ class Prometheus:
             require_loopback(t)
         self.jobs.append({"job_name": job, "scrape_interval": self.scrape_interval, "scrape_timeout": self.scrape_interval,
                           "static_configs": [{"targets": targets, "labels": labels or {}}]})
+        return self
+
+    def add_rules(self, path: Path) -> Prometheus:
+        self.rule_files.append(str(path))
         return self
 
     def start(self, timeout: float = 30) -> Prometheus:
@@ -113,6 +118,9 @@ class Prometheus:
         r.raise_for_status()
         return r.json()["data"]["result"]
 
+    def alerts(self) -> list[dict]:
+        return httpx.get(self.url + "/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+
     def targets(self) -> list[dict]:
         return httpx.get(self.url + "/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
 
@@ -129,5 +137,24 @@ class Prometheus:
     def _write_config(self) -> None:
         # JSON is valid YAML: no YAML writer needed.
         cfg = {"global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
-               "scrape_configs": self.jobs}
+               "scrape_configs": self.jobs, "rule_files": self.rule_files}
         (self.workdir / "prometheus.yml").write_text(json.dumps(cfg, indent=1))
+
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "charts" / "kvpilot" / "dashboards" / "kvpilot.json"
+
+
+def dashboard_queries(namespace: str, inferenceservice: str, model: str, rate_interval: str = "1m") -> dict[str, str]:
+    """Every panel query of the chart's Grafana dashboard ("panel title / legend" -> PromQL), with the
+    dashboard's variables as Grafana would fill them for one InferenceService."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    values = {"$namespace": namespace, "$inferenceservice": inferenceservice, "$model": model, "$__rate_interval": rate_interval}
+    out = {}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for var, value in values.items():
+                expr = expr.replace(var, value)
+            assert "$" not in expr, f"unfilled variable in {panel['title']}: {expr}"
+            out[f"{panel['title']} / {target['legendFormat']}"] = expr
+    return out

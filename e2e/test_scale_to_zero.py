@@ -2,7 +2,8 @@
 (Ready, reason ScaledToZero, shown by `kubectl get kvis`); requests through kvpilot-gateway are held
 while the gateway asks for a pod (annotation) and the operator's autoscaler scales to 1, then served —
 including those arriving while the pod starts; with no traffic for scaleToZeroIdleSeconds (the
-gateway's request metrics read from the real Prometheus) it goes back to zero, and wakes again."""
+gateway's request metrics read from the real Prometheus) it goes back to zero, and wakes again.
+Meanwhile every panel query of the chart's Grafana dashboard is evaluated against that Prometheus."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from e2e.cluster import TOKEN
 from e2e.conftest import start_prometheus
 from e2e.gateway_proc import GatewayProcess
 from e2e.isvc import apply_isvc, condition, get_isvc
+from e2e.net import free_port
 from e2e.operator_proc import OperatorProcess
 from e2e.pod_runner import PodRunner
+from e2e.prometheus import dashboard_queries
 from e2e.waiting import wait_until
 from kvpilot.operator.crd_types import WAKE_ANNOTATION
 
@@ -59,9 +62,11 @@ def test_scale_from_zero_and_back(cluster, namespace, prometheus_factory, tmp_pa
     cluster.kubectl("apply", "-f", str(Path(__file__).resolve().parents[1] / "crds"))
     runner = PodRunner(cluster.server, tmp_path / "pods").start()
     gateway = GatewayProcess(cluster.kubeconfig, namespace, tmp_path / "gateway.log")
+    operator_port = free_port()
     prom = prometheus_factory("1s").add_kubernetes_pods(cluster.server, TOKEN, str(cluster.state_dir / "certs" / "apiserver.crt"))
-    start_prometheus(prom.add_static("kvpilot-gateway", [f"127.0.0.1:{gateway.port}"]))
-    op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log", args=["--prometheus-url", prom.url])
+    start_prometheus(prom.add_static("kvpilot-gateway", [f"127.0.0.1:{gateway.port}"]).add_static("kvpilot-operator", [f"127.0.0.1:{operator_port}"]))
+    op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log",
+                         args=["--prometheus-url", prom.url, "--liveness", f"127.0.0.1:{operator_port}"])
     try:
         apply_isvc(cluster, namespace, "sleepy", SPEC)
 
@@ -86,6 +91,10 @@ def test_scale_from_zero_and_back(cluster, namespace, prometheus_factory, tmp_pa
               f"{', '.join(f'{r[2]:.1f}s' for r in results)}; median {statistics.median(r[2] for r in results):.1f}s")
         hold = prom.wait_for('kvpilot_gateway_hold_seconds_count{model="sleepy"}', timeout=10)
         assert float(hold[0]["value"][1]) >= 1  # held requests were counted as such
+        # The chart's dashboard: every panel's query, as Grafana fills it in, returns data from this run.
+        queries = dashboard_queries(namespace, "sleepy", "sleepy")
+        empty = [title for title, expr in queries.items() if not prom.query(expr)]
+        assert not empty, f"dashboard panels without data: {empty}"
 
         # Idle: back to zero after the window (the gateway's counter is present, fresh and still).
         t_last = time.monotonic()

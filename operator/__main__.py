@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prometheus-url", default=os.environ.get("KVPILOT_PROMETHEUS_URL", "http://prometheus-server.monitoring.svc:9090"),
                     help="Prometheus HTTP API base URL for autoscaling")
     ap.add_argument("--log-level", default=os.environ.get("KVPILOT_LOG_LEVEL", "info"))
-    ap.add_argument("--liveness", default="0.0.0.0:8080", help="host:port serving GET /healthz ('' to disable)")
+    ap.add_argument("--liveness", default="0.0.0.0:8080", help="host:port serving GET /healthz and the operator's /metrics ('' to disable)")
     ap.add_argument("--leader-election", action=argparse.BooleanOptionalAction, default=True,
                     help="run handlers and autoscaler only while holding the Lease (default: on; replicas > 1 stand by)")
     ap.add_argument("--leader-election-namespace", default=os.environ.get("POD_NAMESPACE", "default"), help="namespace of the Lease")
@@ -61,15 +61,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_liveness(address: str) -> None:
     """GET /healthz answers 200 while the process runs, leading or standing by (kopf's own endpoint
-    exists only once kopf runs, i.e. only on the leader)."""
+    exists only once kopf runs, i.e. only on the leader); GET /metrics, the operator's own metrics."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    from kvpilot.operator.metrics import REGISTRY
 
     class Healthz(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's naming
-            ok = self.path == "/healthz"
-            self.send_response(200 if ok else 404)
+            path = self.path.split("?")[0]
+            body, ctype, code = (b"ok", "text/plain", 200) if path == "/healthz" else \
+                (generate_latest(REGISTRY), CONTENT_TYPE_LATEST, 200) if path == "/metrics" else (b"not found", "text/plain", 404)
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(b"ok" if ok else b"not found")
+            self.wfile.write(body)
 
         def log_message(self, *args):  # probes every few seconds: not worth a log line
             pass

@@ -9,6 +9,7 @@ import time
 
 import kopf
 
+from kvpilot.operator import metrics
 from kvpilot.operator.autoscaler.loop import AutoscalerState, evaluate
 from kvpilot.operator.autoscaler.promql import PrometheusSource
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, MANAGED_BY, PLURAL, VERSION
@@ -74,6 +75,7 @@ class AutoscalerLoop:
     def __init__(self, namespaces: list[str]):
         self.namespaces = namespaces
         self.states: dict[str, AutoscalerState] = {}
+        self.names: set[tuple[str, str]] = set()  # (namespace, name) last listed: whose metrics to drop when gone
         self.stop = threading.Event()
 
     def _objects(self) -> list[dict]:
@@ -102,6 +104,10 @@ class AutoscalerLoop:
                     log.exception("autoscaler: %s/%s", body["metadata"]["namespace"], body["metadata"]["name"])
             for uid in set(self.states) - live:
                 del self.states[uid]
+            known = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in objects}
+            for namespace, name in self.names - known:
+                metrics.forget(namespace, name)
+            self.names = known
 
 
 _loop: AutoscalerLoop | None = None

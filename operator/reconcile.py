@@ -11,6 +11,7 @@ from kubernetes.client.rest import ApiException
 from kubernetes.dynamic.exceptions import DynamicApiError
 from pydantic import ValidationError
 
+from kvpilot.operator import metrics
 from kvpilot.operator.builders.engines import engine_container, unsupported_settings
 from kvpilot.operator.builders.manifests import desired_replicas, endpoint_url, render, selector_labels
 from kvpilot.operator.crd_types import InferenceServiceSpec, InferenceServiceStatus
@@ -63,11 +64,21 @@ def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str,
 
 def reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
     meta = body["metadata"]
-    with isvc_lock(meta["namespace"], meta["name"]):
-        fresh = kube.get_isvc(meta["name"], meta["namespace"])
-        if fresh is None or fresh["metadata"].get("deletionTimestamp"):
-            return InferenceServiceStatus()
-        return _reconcile(kube, fresh)
+    labels = (meta["namespace"], meta["name"])
+    metrics.RECONCILES.labels(*labels).inc()
+    metrics.touch(*labels)
+    try:
+        with isvc_lock(meta["namespace"], meta["name"]):
+            fresh = kube.get_isvc(meta["name"], meta["namespace"])
+            if fresh is None or fresh["metadata"].get("deletionTimestamp"):
+                return InferenceServiceStatus()
+            status = _reconcile(kube, fresh)
+    except Exception:
+        metrics.RECONCILE_ERRORS.labels(*labels).inc()
+        raise
+    metrics.DESIRED.labels(*labels).set(status.desired_replicas or 0)
+    metrics.READY.labels(*labels).set(status.ready_replicas or 0)
+    return status
 
 
 def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:

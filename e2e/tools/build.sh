@@ -45,7 +45,16 @@ build_prometheus() {
     "-X $pkg.Version=$PROMETHEUS_VERSION -X $pkg.Branch=release -X $pkg.Revision=$PROMETHEUS_MODULE_VERSION"
 }
 
-targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(etcd kwok helm prometheus k8s)
+# promtool (the chart's alert rules are checked with it) from the same Prometheus module.
+build_promtool() {
+  local d="$bindir/promtool-$PROMETHEUS_VERSION"
+  built "promtool-$PROMETHEUS_VERSION/promtool" && return
+  mkdir -p "$d.tmp"
+  (cd "$here/prometheus" && go build -trimpath -ldflags "-s -w" -o "$d.tmp/promtool" github.com/prometheus/prometheus/cmd/promtool)
+  rm -rf "$d" && mv "$d.tmp" "$d"
+}
+
+targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(etcd kwok helm prometheus promtool k8s)
 for t in "${targets[@]}"; do
   start=$(date +%s)
   "build_$t"

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from kvpilot.operator import metrics
 from kvpilot.operator.autoscaler.decision import Decision, IdleTracker, Policy, Recommendation, decide, observe_idle
 from kvpilot.operator.autoscaler.promql import MetricsUnavailable, PrometheusSource
 from kvpilot.operator.builders.engines import served_name
@@ -124,9 +125,16 @@ def wake_requested(meta: dict, status: dict) -> str | None:
     return requested
 
 
+METRICS_PROBLEMS = ("MetricsUnavailable", "MetricsStale", "MetricsMissing")
+
+
 def _actuate(kube: Kube, body: dict, decision: Decision, current: int, spec: InferenceServiceSpec) -> None:
     meta = body["metadata"]
+    labels = (meta["namespace"], meta["name"])
+    metrics.METRICS_AVAILABLE.labels(*labels).set(0 if decision.active_reason in METRICS_PROBLEMS else 1)
+    metrics.DESIRED.labels(*labels).set(decision.desired)
     if decision.desired != current:
+        metrics.SCALINGS.labels(*labels, "up" if decision.desired > current else "down").inc()
         kube.scale_isvc(meta["name"], meta["namespace"], decision.desired)
         kind = "ScaledUp" if decision.desired > current else "ScaledDown"
         kube.event(body, "Normal", kind, decision.reason)
