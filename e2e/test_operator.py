@@ -64,9 +64,11 @@ def test_chart_installs_crd_and_least_privilege_identity(cluster, chart):
     sc = dep["spec"]["template"]["spec"]["containers"][0]["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
     cluster.kubectl("apply", "-f", str(ROOT / "crds"))  # kubectl apply of crds/ over the chart's copy: same object
-    # the gateway: its own identity, read-only (InferenceServices and pods), a Service in front
+    # the gateway: its own identity, pods read-only, InferenceServices read and patched (the scale-from-zero
+    # annotation), a Service in front
     gateway_role = kget(cluster, "clusterrole", "kvpilot-gateway")
-    assert {v for rule in gateway_role["rules"] for v in rule["verbs"]} == {"get", "list", "watch"}
+    verbs = {r: set(rule["verbs"]) for rule in gateway_role["rules"] for r in rule["resources"]}
+    assert verbs == {"pods": {"get", "list", "watch"}, "inferenceservices": {"get", "list", "watch", "patch"}}
     assert sorted(r for rule in gateway_role["rules"] for r in rule["resources"]) == ["inferenceservices", "pods"]
     gateway = kget(cluster, "deployment", "kvpilot-gateway", "-n", CHART_NS)["spec"]["template"]["spec"]
     assert gateway["serviceAccountName"] == "kvpilot-gateway" and gateway["containers"][0]["command"] == ["kvpilot-gateway"]
@@ -142,7 +144,7 @@ def test_reconcile_status_rollout_drift_and_delete(cluster, namespace, operator)
     assert not any(k.startswith("kopf") for k in obj["status"])  # kopf keeps its progress in annotations
     assert any(k.startswith("kopf.serving.kvpilot.dev") for k in obj["metadata"].get("annotations", {}))
     printed = cluster.kubectl("get", "kvis", "chat", "-n", namespace).stdout.split("\n")[0].split()
-    assert printed[:6] == ["NAME", "READY", "REPLICAS", "DESIRED", "KV", "QUEUE"]
+    assert printed[:7] == ["NAME", "READY", "STATUS", "REPLICAS", "DESIRED", "KV", "QUEUE"]
 
     # a spec change rolls the Deployment
     old_template = dep["spec"]["template"]

@@ -63,7 +63,7 @@ def test_readme_local_quick_start(tmp_path):
         kv = wait_until(lambda: kubectl("get", "kvis", "smollm2", "-o", "jsonpath={.status.lastMetrics.kvCacheUtilization}"),
                         timeout=90, what="KV column filled")
         assert 0 <= float(kv) <= 1
-        assert kubectl("get", "kvis", "smollm2", "--no-headers").split()[:6] == ["smollm2", "1", "1", "1", kv,
+        assert kubectl("get", "kvis", "smollm2", "--no-headers").split()[:7] == ["smollm2", "1", "Serving", "1", "1", kv,
                                                                                     kubectl("get", "kvis", "smollm2", "-o", "jsonpath={.status.lastMetrics.queueDepth}")]
     finally:
         down = subprocess.run([sys.executable, "-m", "e2e.cluster", "down", "--name", "quickstart"], cwd=ROOT, env=env,

@@ -175,7 +175,7 @@ def test_crds_are_fresh():
     crd = yaml.safe_load(text)
     v = crd["spec"]["versions"][0]
     assert v["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas", "labelSelectorPath": ".status.selector"}
-    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Ready", "Replicas", "Desired", "KV", "Queue", "Age"]
+    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Ready", "Status", "Replicas", "Desired", "KV", "Queue", "Age"]
     assert "kvis" in crd["spec"]["names"]["shortNames"]
     props = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     assert all(p.get("description") for p in props.values())
@@ -209,6 +209,20 @@ def test_status_conditions():
             "exitCode": 2, "message": "kvpilot: error: tensor_parallel_size=2 does not fit the model\n"}}}]}}
     deg = next(c for c in compute_status(st, 3, 2, "sel", "http://x", dep, [crashed], [], now).conditions if c.type == "Degraded")
     assert deg.reason == "CrashLoopBackOff" and deg.message == "pod p2 container engine: kvpilot: error: tensor_parallel_size=2 does not fit the model"
+
+
+def test_status_at_zero_replicas():
+    """Scaled to zero with autoscaling on: Ready (the gateway wakes it), reason ScaledToZero; with
+    autoscaling off nothing wakes it: not Ready; a problem still wins over both."""
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    empty = {"status": {"replicas": 0}}
+    ready = next(c for c in compute_status(None, 1, 0, "sel", "http://x", empty, [], [], now, wakes_from_zero=True).conditions if c.type == "Ready")
+    assert (ready.status, ready.reason) == ("True", "ScaledToZero") and "kvpilot-gateway wakes it" in ready.message
+    ready = next(c for c in compute_status(None, 1, 0, "sel", "http://x", empty, [], [], now).conditions if c.type == "Ready")
+    assert (ready.status, ready.reason) == ("False", "ScaledToZero") and "autoscaling is off" in ready.message
+    ready = next(c for c in compute_status(None, 1, 0, "sel", "http://x", empty, [], [("InvalidSpec", "bad")], now, wakes_from_zero=True).conditions
+                 if c.type == "Ready")
+    assert (ready.status, ready.reason) == ("False", "InvalidSpec")
 
 
 # --- hardening (issue #11) -------------------------------------------------------------------------
