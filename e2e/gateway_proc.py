@@ -18,7 +18,7 @@ class GatewayProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "kvpilot.operator.gateway", "--host", "127.0.0.1", "--port", str(self.port),
-                                      "--namespace", namespace, "--refresh-seconds", "0.5", *(args or [])],
+                                      "--namespace", namespace, *(args or [])],
                                      stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "KUBECONFIG": str(kubeconfig)}, start_new_session=True)
         wait_until(self._healthy, timeout=30, what="kvpilot-gateway answers /health")

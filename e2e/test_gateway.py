@@ -122,7 +122,7 @@ def test_prefix_affinity_beats_round_robin(cluster, namespace, tmp_path):
                 return False
 
         wait_until(gateway_sees_all, timeout=60, what="gateway routes to the engines")
-        time.sleep(1.5)  # a few discovery refreshes: every replica is in the gateway's table
+        time.sleep(1.5)  # the watches have delivered every replica to the gateway's table
         before = hits_and_queries(endpoints)
         ttft_gw, served_gw = run_phase(itertools.repeat(gw), balanced_prompts(1, endpoints), seed=1)
         middle = hits_and_queries(endpoints)

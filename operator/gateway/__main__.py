@@ -18,7 +18,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--namespace", action="append", default=[], help="route to InferenceServices of these namespaces only (repeatable); default: all")
-    ap.add_argument("--refresh-seconds", type=float, default=1.0, help="how often the pod table is read from the API server")
     ap.add_argument("--prefix-chars", type=int, default=PREFIX_CHARS, help="prompt characters that decide the route")
     ap.add_argument("--max-request-body", default="4MiB", help="largest request body (then 413)")
     ap.add_argument("--read-timeout-seconds", type=float, default=600.0, help="longest wait for an engine's next bytes")
@@ -34,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvpilot.operator.gateway.discovery import KubeEndpoints
     from kvpilot.operator.gateway.proxy import build_app
 
-    source = KubeEndpoints(args.namespace, args.refresh_seconds)
+    source = KubeEndpoints(args.namespace)
     config = GatewayConfig(max_body_bytes=parse_size(args.max_request_body), read_timeout_seconds=args.read_timeout_seconds,
                            prefix_chars=args.prefix_chars, hold_timeout_seconds=args.hold_timeout_seconds,
                            max_held_requests=args.max_held_requests)

@@ -1,11 +1,12 @@
 """Which pods serve which model: InferenceServices and their ready engine pods, read from the API
-server (in-cluster service account, or $KUBECONFIG), refreshed every `interval` seconds in a
-background thread. A model's name is its InferenceService's `model.servedName`, else the
-InferenceService's name — what clients put in `model`. A failed refresh keeps the last table.
+server (in-cluster service account, or $KUBECONFIG) and kept current by watches. A model's name is its
+InferenceService's `model.servedName`, else the InferenceService's name — what clients put in
+`model`. While the API server cannot be reached, the last table keeps serving.
 A service at zero replicas is woken by annotating it (WAKE_ANNOTATION): the autoscaler scales it."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, PLURAL, VERSION, WAKE_
 log = logging.getLogger("kvpilot.gateway")
 
 
+WATCH_SECONDS = 240       # a watch is ended and the kind listed again this often (a resync)
 WAKE_EVERY_SECONDS = 2.0  # a held request re-asks at most this often (the autoscaler may have missed one)
 
 
@@ -51,37 +53,85 @@ def endpoint_table(isvcs: list[dict], pods: list[dict]) -> dict[str, ModelRoute]
 
 
 class KubeEndpoints:
-    def __init__(self, namespaces: list[str], interval: float = 1.0):
+    """The endpoint table kept current by watches (one per kind and namespace, or cluster-wide): each
+    lists, then watches from the list's resourceVersion; a watch that ends, expires (410) or fails lists
+    again, so the table never misses a change for longer than one relist."""
+
+    def __init__(self, namespaces: list[str], sync_timeout: float = 30.0):
         from kubernetes import client
 
         from kvpilot.operator.kube import load_config
 
         load_config()
         self.core, self.custom = client.CoreV1Api(), client.CustomObjectsApi()
-        self.namespaces, self.interval = namespaces, interval
+        self._objects: dict[str, dict[tuple[str, str], dict]] = {"isvc": {}, "pod": {}}  # kind -> (namespace, name) -> object
+        self._lock = threading.Lock()
         self._table: dict[str, ModelRoute] = {}
         self._woken: dict[str, float] = {}
         self._stop = threading.Event()
-        self.refresh()
-        threading.Thread(target=self._loop, name="kvpilot-gateway-discovery", daemon=True).start()
+        streams = [(kind, ns) for kind in ("isvc", "pod") for ns in (namespaces or [None])]
+        self._synced = {stream: threading.Event() for stream in streams}
+        for kind, ns in streams:
+            threading.Thread(target=self._watch, args=(kind, ns), name=f"kvpilot-gateway-watch-{kind}-{ns or 'all'}", daemon=True).start()
+        for stream, synced in self._synced.items():
+            if not synced.wait(sync_timeout):
+                log.warning("the first list of %s did not come within %gs; routing with what is known", stream, sync_timeout)
 
-    def refresh(self) -> None:
-        isvcs, pods = [], []
-        for ns in self.namespaces or [None]:
-            if ns is None:
-                isvcs += self.custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
-                pods += self.core.list_pod_for_all_namespaces(label_selector=ISVC_LABEL).to_dict()["items"]
-            else:
-                isvcs += self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
-                pods += self.core.list_namespaced_pod(ns, label_selector=ISVC_LABEL).to_dict()["items"]
-        self._table = endpoint_table(isvcs, [_camel_status(p) for p in pods])
+    def _list_call(self, kind: str, namespace: str | None):
+        if kind == "isvc":
+            if namespace is None:
+                return self.custom.list_cluster_custom_object, (GROUP, VERSION, PLURAL), {}
+            return self.custom.list_namespaced_custom_object, (GROUP, VERSION, namespace, PLURAL), {}
+        if namespace is None:
+            return self.core.list_pod_for_all_namespaces, (), {"label_selector": ISVC_LABEL}
+        return self.core.list_namespaced_pod, (namespace,), {"label_selector": ISVC_LABEL}
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+    def _watch(self, kind: str, namespace: str | None) -> None:
+        from kubernetes import watch
+
+        list_fn, args, kwargs = self._list_call(kind, namespace)
+        while not self._stop.is_set():
             try:
-                self.refresh()
-            except Exception as e:  # noqa: BLE001 - the API server blinked: keep routing on the last table
-                log.warning("refreshing the endpoint table failed (%s: %s); keeping the last one", type(e).__name__, e)
+                listed = json.loads(list_fn(*args, **kwargs, _preload_content=False).data)
+                self._replace(kind, namespace, listed.get("items") or [])
+                self._synced[(kind, namespace)].set()
+                stream = watch.Watch().stream(list_fn, *args, **kwargs, resource_version=listed["metadata"]["resourceVersion"],
+                                              timeout_seconds=WATCH_SECONDS)
+                for event in stream:
+                    if event["type"] == "ERROR":  # e.g. 410 Gone: the resourceVersion is too old; list again
+                        break
+                    self._apply(kind, event["type"], event["raw_object"])
+                    if self._stop.is_set():
+                        return
+            except Exception as e:  # noqa: BLE001 - the API server blinked: keep routing on the last table, list again
+                log.warning("watching %s failed (%s: %s); listing again in 1s", kind, type(e).__name__, e)
+                self._stop.wait(1.0)
+
+    @staticmethod
+    def _key(obj: dict) -> tuple[str, str]:
+        m = obj.get("metadata") or {}
+        return m.get("namespace", ""), m.get("name", "")
+
+    def _replace(self, kind: str, namespace: str | None, items: list[dict]) -> None:
+        with self._lock:
+            objects = self._objects[kind]
+            for key in [k for k in objects if namespace is None or k[0] == namespace]:
+                del objects[key]
+            objects.update((self._key(o), o) for o in items)
+            self._rebuild()
+
+    def _apply(self, kind: str, event: str, obj: dict) -> None:
+        with self._lock:
+            if event == "DELETED":
+                self._objects[kind].pop(self._key(obj), None)
+            elif event in ("ADDED", "MODIFIED"):
+                self._objects[kind][self._key(obj)] = obj
+            else:  # BOOKMARK: nothing changed
+                return
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._table = endpoint_table(list(self._objects["isvc"].values()), list(self._objects["pod"].values()))
 
     def endpoints(self, model: str) -> list[str] | None:
         route = self._table.get(model)
@@ -106,11 +156,3 @@ class KubeEndpoints:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-def _camel_status(pod: dict) -> dict:
-    """The kubernetes client's to_dict() spells fields in snake_case: back to the API's names we read."""
-    m, s = pod.get("metadata") or {}, pod.get("status") or {}
-    return {"metadata": {"name": m.get("name"), "namespace": m.get("namespace"), "labels": m.get("labels"),
-                         "deletionTimestamp": m.get("deletion_timestamp")},
-            "status": {"podIP": s.get("pod_ip"), "conditions": s.get("conditions") or []}}
