@@ -17,7 +17,7 @@ from pathlib import Path
 
 log = logging.getLogger("kvpilot.kernels")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "gguf_linear_cpu.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]  # -fopenmp: ATen's parallel_for is inline OpenMP (it binds to torch's libgomp at load)
 
 

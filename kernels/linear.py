@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight
+
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -85,15 +87,16 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str | None = None, shard: RowParallel | None = None,
-                use_onednn: bool | None = None) -> Linear:
-    """The one factory the model loader calls for every projection: (raw weight [out, in] — this
-    rank's rows or columns under tensor parallelism —, bias, quantization, shard) -> a Linear.
+def make_linear(weight: torch.Tensor | GGUFWeight, bias: torch.Tensor | None = None, shard: RowParallel | None = None,
+                use_onednn: bool | None = None) -> Linear | GGUFLinear:
+    """The one factory the model loader calls for every projection: (weight [out, in] — this rank's
+    rows or columns under tensor parallelism, or a GGUF-block weight —, bias, shard) -> a Linear.
     Column-parallel projections need nothing here (a rank's rows are a smaller projection); `shard`
-    marks a row-parallel one. Quantized weights are the quantization issue's to add here; asking for
-    them now is an error, not a silent dense layer."""
-    if quantization not in (None, "none"):
-        raise NotImplementedError(f"quantization {quantization!r} is not implemented yet")
+    marks a row-parallel one."""
+    if isinstance(weight, GGUFWeight):
+        if shard is not None or weight.qs.device.type != "cpu":
+            raise NotImplementedError("GGUF-block weights run on CPU without tensor parallelism so far")
+        return GGUFLinear(weight, bias)
     if use_onednn is None:
         use_onednn = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available()
     # The packed copy is all the CPU path reads; keeping the dense one too would double the memory.

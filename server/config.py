@@ -42,6 +42,9 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache (CUDA).")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
+    quantization: Literal["none", "gguf"] = Field(
+        "none", description="Weight format: none = dequantized to the compute dtype at load; gguf = a GGUF's Q4_0/Q4_1/Q8_0 tensors kept "
+                            "in their blocks and multiplied by kernels that dequantize in registers (CPU, float32 compute).")
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores).")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Ranks (processes; GPUs on CUDA) the model is split over; kv_cache_memory is per rank.")
@@ -79,6 +82,17 @@ class EngineConfig(BaseModel):
             raise ValueError("speculative_method=draft is not implemented with tensor_parallel_size > 1 (ngram is)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
+        return self
+
+    @model_validator(mode="after")
+    def _quantization_supported(self) -> EngineConfig:
+        if self.quantization == "gguf":
+            if self.device == "cuda":
+                raise ValueError("quantization=gguf runs on CPU only so far (no GPU kernels yet)")
+            if self.dtype not in ("auto", "float32"):
+                raise ValueError(f"quantization=gguf computes in float32 (its kernels take float32 activations), not dtype={self.dtype}")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("quantization=gguf is not implemented with tensor_parallel_size > 1")
         return self
 
     def to_cli_args(self, include_defaults: bool = False) -> list[str]:

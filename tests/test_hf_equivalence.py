@@ -48,6 +48,18 @@ def test_greedy_matches_hf(llm, oracle, batched):
     assert not result["violations"], result
 
 
+def test_gguf_blocks_match_hf(oracle):
+    """quantization=gguf: the same dequantized weights as HF's, multiplied in the blocks by our
+    kernels (another summation order): the same rule as the float path, batched."""
+    from kvpilot.server import LLM
+
+    gguf = LLM(num_threads=1, show_progress=False, quantization="gguf")
+    result = run_and_compare(gguf, oracle, batched=True)
+    print(f"HF equivalence, quantization=gguf (batched): {result}")
+    assert result["exact"] >= result["total"] - 1, result
+    assert not result["violations"], result
+
+
 def test_prompt_logprobs_match_hf(llm, oracle):
     from kvpilot.server import SamplingParams
 

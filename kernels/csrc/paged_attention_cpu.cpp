@@ -282,10 +282,18 @@ void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
 void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+// kernels/csrc/gguf_linear_cpu.cpp
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind,
+                          c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa);
+std::string gguf_linear_isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
   m.def("rotary_inplace", &rotary_inplace, "RoPE in place on the query and key heads of a fused QKV output (CPU)");
   m.def("rotary_store_kv", &rotary_store_kv, "RoPE in place on a fused QKV output, then its K and V rows into the paged cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
+  m.def("gguf_linear", &gguf_linear, "x @ W.T with W in a GGUF block format (Q4_0, Q4_1, Q8_0), dequantized in registers (CPU)",
+        py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("bias"), py::arg("epilogue"), py::arg("other"),
+        py::arg("isa") = "auto");
+  m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear uses here (avx512, avx2 or scalar)");
 }

@@ -60,8 +60,8 @@ class ModelRunner:
         self.tp, self.workers = tp, workers
         self.device = resolve_device(config, tp)
         self.dtype = resolve_dtype(config, self.device)
-        self.model = self._load(weights, show_progress)
-        self.draft = self._load(draft, show_progress) if draft else None
+        self.model = self._load(weights, show_progress, config.quantization)
+        self.draft = self._load(draft, show_progress, "none") if draft else None  # the draft is small: kept dense
         _return_freed_heap()
         self.block_size = config.block_size
         self.bytes_per_block = sum(self._block_bytes(m) for m in (self.model, self.draft) if m)
@@ -74,17 +74,19 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
-        log.info("model %s on %s/%s, KV cache: %d blocks of %d tokens (%.0f MiB)", c.name, self.device, self.dtype,
-                 self.num_blocks, self.block_size, self.num_blocks * self.bytes_per_block / 2**20)
+        log.info("model %s on %s/%s, weights %.0f MiB (quantization %s), KV cache: %d blocks of %d tokens (%.0f MiB)", c.name, self.device,
+                 self.dtype, self.model.weight_bytes() / 2**20, config.quantization, self.num_blocks, self.block_size,
+                 self.num_blocks * self.bytes_per_block / 2**20)
 
-    def _load(self, weights: WeightSource, show_progress: bool) -> DecoderModel:
+    def _load(self, weights: WeightSource, show_progress: bool, quantization: str) -> DecoderModel:
         bar = None
         if show_progress:
             from tqdm import tqdm
 
             bar = tqdm(total=len(weights.checkpoint_names()), desc=f"loading {weights.path.name}", unit="tensor", leave=False)
         with torch.inference_mode():
-            model = DecoderModel.load(weights, weights.config, self.dtype, self.device, progress=bar.update if bar else None, tp=self.tp)
+            model = DecoderModel.load(weights, weights.config, self.dtype, self.device, progress=bar.update if bar else None, tp=self.tp,
+                                      quantization=quantization)
         if bar:
             bar.close()
         return model

@@ -15,6 +15,7 @@ from torch import nn
 from kvpilot.kernels.linear import RowParallel, make_linear
 from kvpilot.kernels.ops import ops_for
 from kvpilot.kernels.paged_attention import AttentionMetadata
+from kvpilot.kernels.quantized import GGUFWeight, cat_rows, embedding
 from kvpilot.server.engine.parallel import TensorParallel
 from kvpilot.server.layers.attention import PagedSelfAttention
 from kvpilot.server.layers.mlp import SwiGLU
@@ -56,13 +57,28 @@ class DecoderModel(nn.Module):
         self.config = config
         self.num_kv_heads = num_kv_heads  # this rank's (all of them without tensor parallelism)
         self.tp = tp
-        self.embed = nn.Parameter(embed, requires_grad=False)
+        # Packed (quantization gguf): the GGUF's blocks, dequantized row by row on lookup.
+        self.embed = embed if isinstance(embed, GGUFWeight) else nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.rotary = rotary
         # A tied head is the embedding matrix; on CPU it is packed for the matmul (a second copy,
         # 113 MB for SmolLM2, repaid by a 3x faster head on every decode step).
         self.lm_head = make_linear(embed if lm_head is None else lm_head)
+
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights occupy (GGUF blocks at their size), each storage counted once."""
+        packed = [t for t in (self.embed.qs, self.embed.d, self.embed.m) if t is not None] if isinstance(self.embed, GGUFWeight) else []
+        seen, total = set(), 0
+        for t in [*packed, *self.parameters(), *self.buffers()]:
+            if t.is_mkldnn:  # oneDNN's packed layout has no storage to share
+                total += t.numel() * t.element_size()
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x = self._embed(input_ids)
@@ -73,7 +89,7 @@ class DecoderModel(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return F.embedding(input_ids, self.embed)
+            return embedding(input_ids, self.embed)
         import torch.distributed as dist
 
         start = self.tp.rank * self.embed.shape[0]
@@ -95,9 +111,10 @@ class DecoderModel(nn.Module):
 
     @classmethod
     def load(cls, source: WeightSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-             progress: Callable[[int], None] | None = None, tp: TensorParallel | None = None) -> DecoderModel:
+             progress: Callable[[int], None] | None = None, tp: TensorParallel | None = None, quantization: str = "none") -> DecoderModel:
+        """quantization gguf: projections, the embedding and the LM head stay in the GGUF's blocks."""
         c = config
-        w = _WeightReader(source, dtype, device, progress, tp)
+        w = _WeightReader(source, dtype, device, progress, tp, packed=quantization == "gguf")
         ops = ops_for(device)
         norm = lambda name: RMSNorm(w(name), c.rms_norm_eps, ops)
         heads = tp.split(c.num_heads) if tp else (0, c.num_heads)
@@ -109,23 +126,24 @@ class DecoderModel(nn.Module):
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            qkv = torch.cat([w(a + "q_proj.weight", rows=q_rows), w(a + "k_proj.weight", rows=kv_rows), w(a + "v_proj.weight", rows=kv_rows)])
+            qkv = cat_rows([w.weight(a + "q_proj.weight", rows=q_rows), w.weight(a + "k_proj.weight", rows=kv_rows),
+                            w.weight(a + "v_proj.weight", rows=kv_rows)])
             qkv_bias = None
             if c.family.qkv_bias or c.attention_bias:
                 qkv_bias = torch.cat([w(a + "q_proj.bias", rows=q_rows), w(a + "k_proj.bias", rows=kv_rows), w(a + "v_proj.bias", rows=kv_rows)])
             attn = PagedSelfAttention(
                 make_linear(qkv, bias=qkv_bias),
-                make_linear(w(a + "o_proj.weight", cols=q_rows), bias=w(a + "o_proj.bias") if c.attention_bias else None, shard=row_parallel),
+                make_linear(w.weight(a + "o_proj.weight", cols=q_rows), bias=w(a + "o_proj.bias") if c.attention_bias else None, shard=row_parallel),
                 heads[1] - heads[0], kv_heads[1] - kv_heads[0], c.head_dim, ops,
                 qk_norms=(norm(a + "q_norm.weight"), norm(a + "k_norm.weight")) if c.family.qk_norm else None)
             bias = lambda name, rows=None: w(name, rows=rows) if c.mlp_bias else None
-            mlp = SwiGLU(make_linear(w(m + "gate_proj.weight", rows=ffn), bias=bias(m + "gate_proj.bias", ffn)),
-                         make_linear(w(m + "up_proj.weight", rows=ffn), bias=bias(m + "up_proj.bias", ffn)),
-                         make_linear(w(m + "down_proj.weight", cols=ffn), bias=bias(m + "down_proj.bias"), shard=row_parallel))
+            mlp = SwiGLU(make_linear(w.weight(m + "gate_proj.weight", rows=ffn), bias=bias(m + "gate_proj.bias", ffn)),
+                         make_linear(w.weight(m + "up_proj.weight", rows=ffn), bias=bias(m + "up_proj.bias", ffn)),
+                         make_linear(w.weight(m + "down_proj.weight", cols=ffn), bias=bias(m + "down_proj.bias"), shard=row_parallel))
             layers.append(DecoderLayer(attn, mlp, norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")))
         vocab = tp.split(tp.padded_vocab(c.vocab_size)) if tp else None
-        embed = w("model.embed_tokens.weight", rows=vocab, pad_rows=True)
-        head = None if c.tie_word_embeddings else w("lm_head.weight", rows=vocab, pad_rows=True)
+        embed = w.weight("model.embed_tokens.weight", rows=vocab, pad_rows=True)
+        head = None if c.tie_word_embeddings else w.weight("lm_head.weight", rows=vocab, pad_rows=True)
         rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling).to(device)
         model = cls(c, embed, layers, norm("model.norm.weight"), head, rotary, kv_heads[1] - kv_heads[0], tp)
         w.check_all_read(ignored={"lm_head.weight"} if c.tie_word_embeddings else set())
@@ -138,10 +156,32 @@ class _WeightReader:
     means a variant this code does not implement, an error rather than a silently different model."""
 
     def __init__(self, source: WeightSource, dtype: torch.dtype, device: torch.device, progress: Callable[[int], None] | None,
-                 tp: TensorParallel | None):
+                 tp: TensorParallel | None, packed: bool = False):
         self.source, self.dtype, self.device, self.progress, self.tp = source, dtype, device, progress, tp
         self.available = source.checkpoint_names()
         self.read: set[str] = set()
+        if packed and not hasattr(source, "load_packed"):
+            raise ModelFormatError(f"{source.path}: quantization=gguf needs a GGUF model (its blocks are what it keeps)")
+        self.packed = packed
+
+    def weight(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
+               pad_rows: bool = False) -> torch.Tensor | GGUFWeight:
+        """A matrix the model multiplies by: kept in the file's blocks when packed weights were asked
+        for and the file has them, else as __call__ reads it."""
+        packed = self.source.load_packed(name) if self.packed and name in self.available else None
+        if packed is None:
+            return self(name, rows, cols, pad_rows)
+        n, k = packed.shape
+        if rows is not None and tuple(rows) != (0, n):
+            if rows[1] > n:
+                raise ModelFormatError(f"{name}: rows {rows} past its {n} (a padded vocabulary is not kept in GGUF blocks)")
+            packed = packed.rows(slice(*rows))
+        if cols is not None and tuple(cols) != (0, k):
+            packed = packed.columns(*cols)
+        self.read.add(name)
+        if self.progress:
+            self.progress(1)
+        return packed
 
     def __call__(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None, pad_rows: bool = False) -> torch.Tensor:
         """The weight, or this rank's [start, end) of its rows / columns (rows past the end: zeros

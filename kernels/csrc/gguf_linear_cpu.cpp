@@ -1,0 +1,224 @@
+// y = x @ W.T for W in GGUF's own block formats, dequantized in registers (CPU, float32 activations).
+//
+// W arrives re-laid out at load (kvpilot/kernels/quantized.py): the quants of each row contiguous,
+// `qs` [N, K/2] bytes for the 4-bit formats (block b's byte j: element 32b + j in the low nibble,
+// 32b + j + 16 in the high one — GGUF's order) or [N, K] int8 for Q8_0, and the block scales `d`
+// (and Q4_1's mins `m`) as float16 [N, K/32]. Per block w = d * q + m, with Q4_0's m = -8 d and
+// Q8_0's m = 0; exactly the weights the GGUF reference dequantizes, summed in a different order.
+//
+// A decode step is memory-bound: reading 0.56 (Q4) or 1.06 (Q8) bytes per weight instead of 4 is the
+// point. Each output row's blocks are dequantized once per tile of up to 8 activation rows and FMA'd
+// into one accumulator per activation row. Three instruction sets, chosen at run time (the build is
+// not -march specific for these functions): AVX-512 (16 lanes), AVX2 + FMA (8 lanes), scalar.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum Epilogue : int64_t { NONE = 0, SILU = 1, MUL = 2, ADD = 3 };
+constexpr int64_t QK = 32;      // weights per block
+constexpr int64_t ROW_TILE = 8; // activation rows sharing one dequantization of a weight block
+
+struct Args {
+  const float* x; int64_t x_stride;
+  const uint8_t* qs; int64_t qs_stride;  // bytes per weight row
+  const c10::Half* d; const c10::Half* m; int64_t nb;
+  const float* bias;
+  float* y; int64_t y_stride;
+  const float* other; int64_t other_stride;
+  int64_t kind, epilogue;
+};
+
+inline float finish(const Args& a, int64_t row, int64_t n, float v) {
+  if (a.bias) v += a.bias[n];
+  switch (a.epilogue) {
+    case SILU: return v / (1.0f + std::exp(-v));
+    case MUL: return v * a.other[row * a.other_stride + n];
+    case ADD: return v + a.other[row * a.other_stride + n];
+    default: return v;
+  }
+}
+
+inline float block_min(const Args& a, int64_t n, int64_t b, float d) {
+  return a.kind == Q4_1 ? static_cast<float>(a.m[n * a.nb + b]) : a.kind == Q4_0 ? -8.0f * d : 0.0f;
+}
+
+// --- scalar ----------------------------------------------------------------------------------------
+void rows_scalar(const Args& a, int64_t row0, int64_t rows, int64_t n0, int64_t n1) {
+  float w[QK];
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc[ROW_TILE] = {0};
+    const uint8_t* q = a.qs + n * a.qs_stride;
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const float d = static_cast<float>(a.d[n * a.nb + b]), mn = block_min(a, n, b, d);
+      if (a.kind == Q8_0) {
+        const int8_t* q8 = reinterpret_cast<const int8_t*>(q) + b * QK;
+        for (int j = 0; j < QK; ++j) w[j] = d * q8[j];
+      } else {
+        const uint8_t* q4 = q + b * QK / 2;
+        for (int j = 0; j < QK / 2; ++j) { w[j] = d * (q4[j] & 0x0F) + mn; w[j + 16] = d * (q4[j] >> 4) + mn; }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = a.x + (row0 + r) * a.x_stride + b * QK;
+        float s = 0;
+        for (int j = 0; j < QK; ++j) s += w[j] * xr[j];
+        acc[r] += s;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) a.y[(row0 + r) * a.y_stride + n] = finish(a, row0 + r, n, acc[r]);
+  }
+}
+
+// --- AVX2 + FMA ------------------------------------------------------------------------------------
+__attribute__((target("avx2,fma,f16c"))) inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// R activation rows at a time, R a compile-time constant so that the accumulators live in registers.
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Args& a, int64_t row0, int64_t n0, int64_t n1) {
+  constexpr int64_t rows = R;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[R];
+    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* q = a.qs + n * a.qs_stride;
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const float df = _cvtsh_ss(a.d[n * a.nb + b].x);
+      const __m256 d = _mm256_set1_ps(df), mn = _mm256_set1_ps(block_min(a, n, b, df));
+      __m256 w[4];
+      if (a.kind == Q8_0) {
+        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * QK));
+        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * QK + 16));
+        w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+        w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
+        w[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+        w[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+      } else {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * QK / 2));
+        const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+        w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), mn);
+        w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), mn);
+        w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), mn);
+        w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), mn);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = a.x + (row0 + r) * a.x_stride + b * QK;
+        acc[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r]);
+        acc[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r]);
+        acc[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[r]);
+        acc[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) a.y[(row0 + r) * a.y_stride + n] = finish(a, row0 + r, n, hsum256(acc[r]));
+  }
+}
+
+#define KVP_TILES(name)                                                                              \
+  void rows_##name(const Args& a, int64_t row0, int64_t rows, int64_t n0, int64_t n1) {              \
+    switch (rows) {                                                                                  \
+      case 1: return tile_##name<1>(a, row0, n0, n1);                                                \
+      case 2: return tile_##name<2>(a, row0, n0, n1);                                                \
+      case 3: return tile_##name<3>(a, row0, n0, n1);                                                \
+      case 4: return tile_##name<4>(a, row0, n0, n1);                                                \
+      case 5: return tile_##name<5>(a, row0, n0, n1);                                                \
+      case 6: return tile_##name<6>(a, row0, n0, n1);                                                \
+      case 7: return tile_##name<7>(a, row0, n0, n1);                                                \
+      default: return tile_##name<8>(a, row0, n0, n1);                                               \
+    }                                                                                                \
+  }
+KVP_TILES(avx2)
+
+// --- AVX-512 ---------------------------------------------------------------------------------------
+template <int R>
+__attribute__((target("avx512f,avx512bw,f16c"))) void tile_avx512(const Args& a, int64_t row0, int64_t n0, int64_t n1) {
+  constexpr int64_t rows = R;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[R];
+    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+    const uint8_t* q = a.qs + n * a.qs_stride;
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const float df = _cvtsh_ss(a.d[n * a.nb + b].x);
+      const __m512 d = _mm512_set1_ps(df), mn = _mm512_set1_ps(block_min(a, n, b, df));
+      __m512 w0, w1;
+      if (a.kind == Q8_0) {
+        w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * QK)))));
+        w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * QK + 16)))));
+      } else {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * QK / 2));
+        w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low4))), mn);
+        w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low4))), mn);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = a.x + (row0 + r) * a.x_stride + b * QK;
+        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
+        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) a.y[(row0 + r) * a.y_stride + n] = finish(a, row0 + r, n, _mm512_reduce_add_ps(acc[r]));
+  }
+}
+KVP_TILES(avx512)
+#undef KVP_TILES
+
+using RowsFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t);
+
+RowsFn pick(const std::string& isa) {
+  static const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c");
+  static const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (isa == "auto") return has512 ? rows_avx512 : has2 ? rows_avx2 : rows_scalar;
+  if (isa == "avx512") { TORCH_CHECK(has512, "this CPU has no AVX-512"); return rows_avx512; }
+  if (isa == "avx2") { TORCH_CHECK(has2, "this CPU has no AVX2/FMA"); return rows_avx2; }
+  TORCH_CHECK(isa == "scalar", "isa must be auto, avx512, avx2 or scalar, got ", isa);
+  return rows_scalar;
+}
+
+}  // namespace
+
+std::string gguf_linear_isa() {
+  const RowsFn f = pick("auto");
+  return f == rows_avx512 ? "avx512" : f == rows_avx2 ? "avx2" : "scalar";
+}
+
+// x [M, K] float32 -> [M, N]; epilogue: 0 none, 1 silu(y), 2 y * other, 3 y + other (other [M, N]).
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind,
+                          c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: float32 rows [M, K]");
+  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "kind: 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
+  TORCH_CHECK(qs.is_contiguous() && qs.dim() == 2 && qs.size(1) == (kind == Q8_0 ? K : K / 2), "qs: [N, K/2] (4-bit) or [N, K] (Q8_0)");
+  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == torch::kHalf && d.size(0) == N && d.size(1) == K / QK, "d: float16 [N, K/32]");
+  if (kind == Q4_1) {
+    TORCH_CHECK(m && m->is_contiguous() && m->scalar_type() == torch::kHalf && m->sizes() == d.sizes(), "m: float16 [N, K/32]");
+  }
+  if (bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat && bias->numel() == N, "bias: float32 [N]");
+  }
+  if (epilogue == MUL || epilogue == ADD) {
+    TORCH_CHECK(other && other->scalar_type() == torch::kFloat && other->dim() == 2 && other->size(0) == M && other->size(1) == N &&
+                other->stride(1) == 1, "other: float32 [M, N]");
+  } else {
+    TORCH_CHECK(epilogue == NONE || epilogue == SILU, "epilogue: 0 none, 1 silu, 2 mul, 3 add");
+  }
+  auto y = torch::empty({M, N}, x.options());
+  Args a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), qs.size(1), d.data_ptr<c10::Half>(),
+         kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr, K / QK, bias ? bias->data_ptr<float>() : nullptr,
+         y.data_ptr<float>(), y.stride(0), other && (epilogue == MUL || epilogue == ADD) ? other->data_ptr<float>() : nullptr,
+         other && (epilogue == MUL || epilogue == ADD) ? other->stride(0) : 0, kind, epilogue};
+  const RowsFn rows_fn = pick(isa);
+  // Output rows in chunks over the threads; each chunk walks all activation rows, ROW_TILE at a time.
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) rows_fn(a, r0, std::min(ROW_TILE, M - r0), n0, n1);
+  });
+  return y;
+}

@@ -1,0 +1,138 @@
+"""Weights kept in GGUF's own block formats (`--quantization gguf`): Q4_0, Q4_1 and Q8_0, re-laid out
+once at load for the kernels — each row's quants contiguous, its block scales (and Q4_1's mins) as
+float16 beside them — and multiplied by kernels/csrc/gguf_linear_cpu.cpp, which dequantizes in
+registers. The bytes per weight stay the file's (Q4_1: 20 per 32 weights); the values are exactly
+those GGUF's reference dequantization gives (kernels/gguf_dequant.py), so only the summation order
+differs from the float path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpilot.kernels import cpu_extension
+
+QK = 32  # weights per block
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A [N, K] weight in a GGUF block format. qs: uint8 [N, K/2] (4-bit: byte j of block b holds element
+    32b + j in its low nibble and 32b + j + 16 in its high one) or [N, K] (Q8_0, int8 bit patterns);
+    d: float16 [N, K/32] scales; m: float16 [N, K/32] mins (Q4_1 only)."""
+
+    kind: str
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.d.shape[1] * QK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    @classmethod
+    def from_blocks(cls, kind: str, raw: torch.Tensor, rows: int) -> GGUFWeight:
+        """From the file's blocks (uint8, `rows` rows of whole blocks) into the kernels' layout."""
+        if kind not in KINDS:
+            raise ValueError(f"GGUF type {kind} is not one the gguf kernels take ({', '.join(KINDS)})")
+        blocks = raw.reshape(rows, -1, _BLOCK_BYTES[kind])
+        d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(rows, -1)
+        if kind == "Q4_1":
+            return cls(kind, blocks[..., 4:].reshape(rows, -1).contiguous(), d, blocks[..., 2:4].contiguous().view(torch.float16).reshape(rows, -1))
+        return cls(kind, blocks[..., 2:].reshape(rows, -1).contiguous(), d)
+
+    def rows(self, index: torch.Tensor | slice) -> GGUFWeight:
+        """Some of the output rows (a permutation, a shard), as owned tensors."""
+        pick = lambda t: None if t is None else t[index].contiguous()
+        return GGUFWeight(self.kind, pick(self.qs), pick(self.d), pick(self.m))
+
+    def columns(self, start: int, end: int) -> GGUFWeight:
+        """Input columns [start, end): whole blocks only (a row-parallel shard)."""
+        if start % QK or end % QK:
+            raise ValueError(f"a {self.kind} weight splits only at multiples of {QK} columns, not [{start}, {end})")
+        per_block = QK if self.kind == "Q8_0" else QK // 2
+        b0, b1 = start // QK, end // QK
+        cols = lambda t, width: None if t is None else t[:, b0 * width:b1 * width].contiguous()
+        return GGUFWeight(self.kind, cols(self.qs, per_block), cols(self.d, 1), cols(self.m, 1))
+
+    @staticmethod
+    def cat(parts: list[GGUFWeight]) -> GGUFWeight:
+        """Row-wise concatenation (q, k and v into one fused projection): one format only."""
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot fuse projections stored in different GGUF types ({', '.join(sorted(kinds))})")
+        m = torch.cat([p.m for p in parts]) if parts[0].m is not None else None
+        return GGUFWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: the reference the kernels are tested against (and the embedding's row lookup)."""
+        n, k = self.shape
+        d = self.d.float()[..., None]
+        if self.kind == "Q8_0":
+            return (self.qs.view(torch.int8).reshape(n, -1, QK).float() * d).reshape(n, k)
+        q = self.qs.reshape(n, -1, QK // 2)
+        q = torch.cat([q & 0x0F, q >> 4], dim=-1).float()
+        m = self.m.float()[..., None] if self.m is not None else -8 * d
+        return (q * d + m).reshape(n, k)
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W.T (+ b) with W a GGUFWeight, and the fused forms Linear has (silu, mul, add)."""
+
+    def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.kind = weight.kind
+        self.register_buffer("qs", weight.qs)
+        self.register_buffer("d", weight.d)
+        self.register_buffer("m", weight.m)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        self._ext = cpu_extension.require()
+
+    def _run(self, x: torch.Tensor, epilogue: int, other: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        if other is not None:
+            other = other.reshape(rows.shape[0], -1).float().contiguous()
+        y = self._ext.gguf_linear(rows, self.qs, self.d, self.m, KINDS[self.kind], self.bias, epilogue, other)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, 0)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, 1)
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self._run(x, 2, other)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self._run(x, 3, residual)
+
+
+def reference_linear(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x.float(), weight.dequantize(), bias)
+
+
+def cat_rows(parts: list[torch.Tensor | GGUFWeight]) -> torch.Tensor | GGUFWeight:
+    """Fused projections (q, k, v): their rows one after another, dense or packed alike."""
+    if all(isinstance(p, GGUFWeight) for p in parts):
+        return GGUFWeight.cat(parts)
+    if any(isinstance(p, GGUFWeight) for p in parts):
+        raise ValueError("cannot fuse a projection stored as floats with one kept in GGUF blocks")
+    return torch.cat(parts)
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor | GGUFWeight) -> torch.Tensor:
+    """Rows of an embedding table: a lookup, or for GGUF blocks the looked-up rows dequantized."""
+    if isinstance(table, GGUFWeight):
+        return table.rows(ids).dequantize()
+    return F.embedding(ids, table)
