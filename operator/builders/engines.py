@@ -78,7 +78,7 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     values = {"model": model_argument(spec), "served_model_name": served_name(spec, name),
               "tensor_parallel_size": s.tensor_parallel_size}
     for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
-              "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory", "dtype"):
+              "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory", "dtype", "quantization"):
         v = getattr(s, f)
         if v is not None:
             values[f] = v
@@ -142,10 +142,11 @@ def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     return EngineContainer(spec.image or DEFAULT_IMAGES["sglang"], ["python3", "-m", "sglang.launch_server"], args, "/health", "/health")
 
 
-# engineSettings.quantization values each engine's own --quantization flag takes; the generic
-# weight-only int8/int4 are kvpilot's names (vLLM and SGLang have no such value: their pods would
-# crash-loop on an unknown choice, so it is a status condition instead).
-ENGINE_QUANTIZATION = {"vllm": {"fp8", "awq", "gptq"}, "sglang": {"fp8", "awq", "gptq"}}
+# engineSettings.quantization values each engine's own --quantization flag takes (a value an engine
+# does not take would crash-loop its pods, so it is a status condition instead). kvpilot: gguf, a
+# GGUF model's own blocks; int8/int4 weight-only are not implemented yet; vLLM and SGLang have no
+# int8/int4 values at all.
+ENGINE_QUANTIZATION = {"kvpilot": {"gguf"}, "vllm": {"fp8", "awq", "gptq", "gguf"}, "sglang": {"fp8", "awq", "gptq", "gguf"}}
 
 
 def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
@@ -153,14 +154,23 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
     that would fail or silently ignore them."""
     s, problems = spec.engine_settings, []
     if spec.engine == "kvpilot":
-        if s.quantization not in (None, "none"):
-            problems.append(f"engineSettings.quantization={s.quantization} is not implemented by the kvpilot engine yet (use engine vllm)")
+        if s.quantization not in (None, "none", "gguf"):
+            problems.append(f"engineSettings.quantization={s.quantization} is not implemented by the kvpilot engine (it takes gguf: "
+                            f"a GGUF model's own Q4_0/Q4_1/Q8_0 blocks; engine vllm takes {', '.join(sorted(ENGINE_QUANTIZATION['vllm']))})")
+        if s.quantization == "gguf" and not spec.resources.cpu_only:
+            problems.append("engineSettings.quantization=gguf runs on CPU only so far (set resources.cpuOnly: true)")
+        if s.quantization == "gguf" and not _is_gguf_source(spec.model.source):
+            problems.append(f"engineSettings.quantization=gguf needs a GGUF model (a bundled name or a .gguf file), not {spec.model.source!r}")
         if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:
             problems.append("engineSettings.speculative.draftModel is only used with method draft")
     elif s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION[spec.engine]:
         problems.append(f"engineSettings.quantization={s.quantization} is not a {spec.engine} quantization method "
                         f"(it takes {', '.join(sorted(ENGINE_QUANTIZATION[spec.engine]))})")
     return problems
+
+
+def _is_gguf_source(source: str) -> bool:
+    return "://" not in source or source.endswith(".gguf")  # bundled models are GGUF files
 
 
 BUILDERS = {"kvpilot": kvpilot_container, "vllm": vllm_container, "sglang": sglang_container}

@@ -60,6 +60,8 @@ class ModelRunner:
         self.tp, self.workers = tp, workers
         self.device = resolve_device(config, tp)
         self.dtype = resolve_dtype(config, self.device)
+        if config.quantization == "gguf" and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(f"quantization=gguf runs on CPU in float32 only so far, not on {self.device}/{self.dtype} (use --device cpu)")
         self.model = self._load(weights, show_progress, config.quantization)
         self.draft = self._load(draft, show_progress, "none") if draft else None  # the draft is small: kept dense
         _return_freed_heap()
