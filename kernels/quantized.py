@@ -136,3 +136,50 @@ def embedding(ids: torch.Tensor, table: torch.Tensor | GGUFWeight) -> torch.Tens
     if isinstance(table, GGUFWeight):
         return table.rows(ids).dequantize()
     return F.embedding(ids, table)
+
+
+# --- quantizing float weights at load (--quantization int8 / int4) --------------------------------
+
+FP16_MAX = 65504.0
+
+
+def quantize_int8(w: torch.Tensor) -> GGUFWeight:
+    """Symmetric int8 per block of 32 input columns: w ≈ d · q, q in [-127, 127], d = max|w| / 127 of the
+    block, as float16 (Q8_0's scheme and layout). Per 32 rather than per output channel: the kernel
+    reads a scale per block either way, so the finer one costs nothing and one outlier no longer
+    coarsens a whole row."""
+    w = w.float()
+    n, k = w.shape
+    _check_blocks(k)
+    blocks = w.reshape(n, k // QK, QK)
+    d16 = (blocks.abs().amax(-1) / 127).clamp(max=FP16_MAX).half()
+    d = d16.float()[..., None]
+    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0).clamp(-127, 127).to(torch.int8)
+    return GGUFWeight("Q8_0", q.reshape(n, k).view(torch.uint8).contiguous(), d16.contiguous())
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> GGUFWeight:
+    """Asymmetric int4 per group of `group` input columns (32, 64 or 128; a last, shorter group when the
+    input size is not a multiple): w ≈ d · q + m, q in [0, 15], d = (max - min) / 15 and m = min of the
+    group, as float16 (repeated over its 32-weight blocks: the Q4_1 kernel's layout)."""
+    if group not in (32, 64, 128):
+        raise ValueError(f"int4 group size must be 32, 64 or 128, not {group}")
+    w = w.float()
+    n, k = w.shape
+    _check_blocks(k)
+    blocks = w.reshape(n, k // QK, QK)
+    per_group, nb = group // QK, k // QK
+    pad = -nb % per_group
+    lo = F.pad(blocks.amin(-1), (0, pad), value=float("inf")).reshape(n, -1, per_group).amin(-1)
+    hi = F.pad(blocks.amax(-1), (0, pad), value=float("-inf")).reshape(n, -1, per_group).amax(-1)
+    d16 = ((hi - lo) / 15).clamp(max=FP16_MAX).half().repeat_interleave(per_group, dim=1)[:, :nb].contiguous()
+    m16 = lo.clamp(-FP16_MAX, FP16_MAX).half().repeat_interleave(per_group, dim=1)[:, :nb].contiguous()
+    d, m = d16.float()[..., None], m16.float()[..., None]
+    q = torch.where(d > 0, torch.round((blocks - m) / torch.where(d > 0, d, 1)), 0).clamp(0, 15).to(torch.uint8)
+    q = q.reshape(n, nb, 2, QK // 2)  # per 32-block: elements j and j + 16 share byte j
+    return GGUFWeight("Q4_1", (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous(), d16, m16)
+
+
+def _check_blocks(k: int) -> None:
+    if k % QK:
+        raise ValueError(f"weight-only quantization needs input sizes that are multiples of {QK}, not {k}")

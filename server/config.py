@@ -42,9 +42,13 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache (CUDA).")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
-    quantization: Literal["none", "gguf"] = Field(
+    quantization: Literal["none", "gguf", "int8", "int4"] = Field(
         "none", description="Weight format: none = dequantized to the compute dtype at load; gguf = a GGUF's Q4_0/Q4_1/Q8_0 tensors kept "
-                            "in their blocks and multiplied by kernels that dequantize in registers (CPU, float32 compute).")
+                            "in their blocks and multiplied by kernels that dequantize in registers; int8 = float weights quantized at load "
+                            "(symmetric, per 32 input columns); int4 = per group of --quantization-group-size input columns, with scales and mins (embedding "
+                            "and LM head int8). CPU, float32 compute.")
+    quantization_group_size: int = Field(32, description=(
+        "int4: input columns sharing one scale and min (32, 64 or 128; coarser groups save no memory in this layout and cost quality)."))
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores).")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Ranks (processes; GPUs on CUDA) the model is split over; kv_cache_memory is per rank.")
@@ -86,13 +90,18 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _quantization_supported(self) -> EngineConfig:
-        if self.quantization == "gguf":
+        q = self.quantization
+        if q != "none":
             if self.device == "cuda":
-                raise ValueError("quantization=gguf runs on CPU only so far (no GPU kernels yet)")
+                raise ValueError(f"quantization={q} runs on CPU only so far (no GPU kernels yet)")
             if self.dtype not in ("auto", "float32"):
-                raise ValueError(f"quantization=gguf computes in float32 (its kernels take float32 activations), not dtype={self.dtype}")
+                raise ValueError(f"quantization={q} computes in float32 (its kernels take float32 activations), not dtype={self.dtype}")
             if self.tensor_parallel_size > 1:
-                raise ValueError("quantization=gguf is not implemented with tensor_parallel_size > 1")
+                raise ValueError(f"quantization={q} is not implemented with tensor_parallel_size > 1")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"quantization_group_size must be 32, 64 or 128, not {self.quantization_group_size}")
+        if self.quantization_group_size != 32 and q != "int4":
+            raise ValueError("quantization_group_size is only used with quantization=int4")
         return self
 
     def to_cli_args(self, include_defaults: bool = False) -> list[str]:

@@ -106,8 +106,8 @@ def test_replicas_follow_spec_or_min():
 
 def test_unsupported_settings_for_kvpilot():
     assert unsupported_settings(spec()) == []
-    problems = unsupported_settings(spec(engineSettings={"quantization": "int8", "tensorParallelSize": 3, "speculative": {"method": "ngram"}}))
-    assert len(problems) == 1 and "quantization=int8 is not implemented by the kvpilot engine (it takes gguf" in problems[0]
+    problems = unsupported_settings(spec(engineSettings={"quantization": "awq", "tensorParallelSize": 3, "speculative": {"method": "ngram"}}))
+    assert len(problems) == 1 and "quantization=awq is not implemented by the kvpilot engine (it takes gguf, int8, int4" in problems[0]
     cpu = {"cpuOnly": True}
     assert unsupported_settings(spec(engineSettings={"quantization": "gguf"}, resources=cpu)) == []
     assert "--quantization" in kvpilot_container(spec(engineSettings={"quantization": "gguf"}, resources=cpu), "m").args

@@ -94,6 +94,8 @@ def test_what_gguf_mode_cannot_do_is_refused():
 
     from kvpilot.server.config import EngineConfig
 
+    with pytest.raises(ValidationError, match="only used with quantization=int4"):
+        EngineConfig(quantization="int8", quantization_group_size=64)
     for bad, message in (({"dtype": "bfloat16"}, "computes in float32"), ({"device": "cuda"}, "CPU only"),
                          ({"tensor_parallel_size": 2}, "tensor_parallel_size")):
         with pytest.raises(ValidationError, match=message):
@@ -142,3 +144,77 @@ def test_loading_keeps_memory_near_the_files_tensor_bytes():
           f"model weights {weights / 2**20:.1f} MiB")
     assert grown <= 1.15 * tensors
     assert 0.9 * tensors <= weights <= 1.05 * tensors
+
+
+# --- int8 / int4: float weights quantized at load ---------------------------------------------------
+
+def _gguf_roundtrip(x: np.ndarray, kind: str) -> np.ndarray:
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    t = getattr(gguf.GGMLQuantizationType, kind)
+    return dequantize(quantize(x, t), t)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_our_quantizers_err_no_more_than_the_gguf_packages(seed):
+    """Mean squared error on a float matrix with outliers: int8 (8.5 bits per weight) vs gguf's Q8_0,
+    int4 group 32 (5 bits) vs gguf's Q4_1 (same bits) and Q4_0 (4.5); coarser groups err more."""
+    from kvpilot.kernels.quantized import quantize_int4, quantize_int8
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((96, 320)).astype(np.float32) * rng.uniform(0.01, 2, (96, 1)).astype(np.float32)
+    x[rng.random(x.shape) < 0.002] *= 20
+    w = torch.from_numpy(x)
+    mse = lambda deq: float(((torch.as_tensor(deq).reshape(w.shape) - w) ** 2).mean())
+    ours8, ours4 = mse(quantize_int8(w).dequantize()), mse(quantize_int4(w, 32).dequantize())
+    assert ours8 <= mse(_gguf_roundtrip(x, "Q8_0")) * (1 + 1e-6)
+    assert ours4 <= mse(_gguf_roundtrip(x, "Q4_1")) * (1 + 1e-6)
+    assert ours4 < mse(_gguf_roundtrip(x, "Q4_0"))
+    assert ours8 < ours4 < mse(quantize_int4(w, 64).dequantize()) < mse(quantize_int4(w, 128).dequantize())
+    for group in (32, 64, 128):
+        q = quantize_int4(w, group)  # 320 columns: groups of 128 end with a group of 64
+        assert q.kind == "Q4_1" and q.nbytes == w.numel() // 2 + 4 * w.numel() // 32
+
+
+@pytest.mark.timeout(240)
+def test_each_mode_on_the_bundled_model():
+    """Next-token distributions over the oracle prompts vs fp32: gguf is the same weights (KL <= 1e-4,
+    the issue's bound); int4 with groups of 32 re-quantizes the file's Q4_1 blocks to themselves and
+    int8 its Q8_0 embedding likewise, so int4 g32 must be as close; int8 and coarser int4 stay usable."""
+    from kvpilot.server import LLM
+    from oracle import ORACLE_PROMPTS
+
+    text = "\n\n".join(ORACLE_PROMPTS)
+    common = dict(num_threads=1, show_progress=False, kv_cache_memory="32MiB")
+    reference = LLM(**common)
+    ids = reference.get_tokenizer().encode(text)
+    p = torch.log_softmax(reference.engine.runner.score(ids), -1)
+    del reference
+
+    def kl(**mode) -> float:
+        llm = LLM(**common, **mode)
+        q = torch.log_softmax(llm.engine.runner.score(ids), -1)
+        return float((p.exp() * (p - q)).sum(-1).mean())
+
+    results = {"gguf": kl(quantization="gguf"), "int4 g32": kl(quantization="int4", quantization_group_size=32),
+               "int8": kl(quantization="int8"), "int4 g128": kl(quantization="int4", quantization_group_size=128)}
+    print("mean KL(fp32 || mode):", {k: f"{v:.2e}" for k, v in results.items()})
+    assert results["gguf"] <= 1e-4 and results["int4 g32"] <= 1e-4
+    assert results["int8"] < 1e-2 < results["int4 g128"] < 1.0
+
+
+@pytest.mark.timeout(120)
+def test_int_modes_load_hugging_face_checkpoints(family_checkpoints):
+    """int8/int4 quantize whatever float weights are read, checkpoints included: the projections end up
+    packed (a quarter to an eighth of their fp32 bytes) and generation runs."""
+    from kvpilot.server import LLM, SamplingParams
+
+    directory = next(iter(family_checkpoints.values()))[0]
+    sizes = {}
+    for mode in ("none", "int8", "int4"):
+        llm = LLM(model=str(directory), quantization=mode, show_progress=False, num_threads=1, kv_cache_memory="8MiB")
+        sizes[mode] = llm.engine.runner.model.weight_bytes()
+        out = llm.generate("Hello there", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+        assert len(out.outputs[0].token_ids) == 4
+    assert sizes["int4"] < sizes["int8"] < sizes["none"] / 2

@@ -143,10 +143,10 @@ def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
 
 
 # engineSettings.quantization values each engine's own --quantization flag takes (a value an engine
-# does not take would crash-loop its pods, so it is a status condition instead). kvpilot: gguf, a
-# GGUF model's own blocks; int8/int4 weight-only are not implemented yet; vLLM and SGLang have no
+# does not take would crash-loop its pods, so it is a status condition instead). kvpilot: gguf (a
+# GGUF model's own blocks), int8/int4 (weight-only, quantized at load); vLLM and SGLang have no
 # int8/int4 values at all.
-ENGINE_QUANTIZATION = {"kvpilot": {"gguf"}, "vllm": {"fp8", "awq", "gptq", "gguf"}, "sglang": {"fp8", "awq", "gptq", "gguf"}}
+ENGINE_QUANTIZATION = {"kvpilot": {"gguf", "int8", "int4"}, "vllm": {"fp8", "awq", "gptq", "gguf"}, "sglang": {"fp8", "awq", "gptq", "gguf"}}
 
 
 def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
@@ -154,11 +154,11 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
     that would fail or silently ignore them."""
     s, problems = spec.engine_settings, []
     if spec.engine == "kvpilot":
-        if s.quantization not in (None, "none", "gguf"):
-            problems.append(f"engineSettings.quantization={s.quantization} is not implemented by the kvpilot engine (it takes gguf: "
-                            f"a GGUF model's own Q4_0/Q4_1/Q8_0 blocks; engine vllm takes {', '.join(sorted(ENGINE_QUANTIZATION['vllm']))})")
-        if s.quantization == "gguf" and not spec.resources.cpu_only:
-            problems.append("engineSettings.quantization=gguf runs on CPU only so far (set resources.cpuOnly: true)")
+        if s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION["kvpilot"]:
+            problems.append(f"engineSettings.quantization={s.quantization} is not implemented by the kvpilot engine (it takes gguf, int8, int4; "
+                            f"engine vllm takes {', '.join(sorted(ENGINE_QUANTIZATION['vllm']))})")
+        if s.quantization in ENGINE_QUANTIZATION["kvpilot"] and not spec.resources.cpu_only:
+            problems.append(f"engineSettings.quantization={s.quantization} runs on CPU only so far (set resources.cpuOnly: true)")
         if s.quantization == "gguf" and not _is_gguf_source(spec.model.source):
             problems.append(f"engineSettings.quantization=gguf needs a GGUF model (a bundled name or a .gguf file), not {spec.model.source!r}")
         if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:

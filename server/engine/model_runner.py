@@ -60,9 +60,10 @@ class ModelRunner:
         self.tp, self.workers = tp, workers
         self.device = resolve_device(config, tp)
         self.dtype = resolve_dtype(config, self.device)
-        if config.quantization == "gguf" and (self.device.type != "cpu" or self.dtype != torch.float32):
-            raise ValueError(f"quantization=gguf runs on CPU in float32 only so far, not on {self.device}/{self.dtype} (use --device cpu)")
-        self.model = self._load(weights, show_progress, config.quantization)
+        if config.quantization != "none" and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(f"quantization={config.quantization} runs on CPU in float32 only so far, not on {self.device}/{self.dtype} "
+                             "(use --device cpu)")
+        self.model = self._load(weights, show_progress, config.quantization, config.quantization_group_size)
         self.draft = self._load(draft, show_progress, "none") if draft else None  # the draft is small: kept dense
         _return_freed_heap()
         self.block_size = config.block_size
@@ -80,7 +81,7 @@ class ModelRunner:
                  self.dtype, self.model.weight_bytes() / 2**20, config.quantization, self.num_blocks, self.block_size,
                  self.num_blocks * self.bytes_per_block / 2**20)
 
-    def _load(self, weights: WeightSource, show_progress: bool, quantization: str) -> DecoderModel:
+    def _load(self, weights: WeightSource, show_progress: bool, quantization: str, group_size: int = 32) -> DecoderModel:
         bar = None
         if show_progress:
             from tqdm import tqdm
@@ -88,7 +89,7 @@ class ModelRunner:
             bar = tqdm(total=len(weights.checkpoint_names()), desc=f"loading {weights.path.name}", unit="tensor", leave=False)
         with torch.inference_mode():
             model = DecoderModel.load(weights, weights.config, self.dtype, self.device, progress=bar.update if bar else None, tp=self.tp,
-                                      quantization=quantization)
+                                      quantization=quantization, group_size=group_size)
         if bar:
             bar.close()
         return model
@@ -119,6 +120,20 @@ class ModelRunner:
         g = torch.Generator(device=self.device)
         g.manual_seed(seed % 2**64)  # seed + choice index may leave the 64-bit range
         return g
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [n, vocab] of the next token after every position of one sequence, in one
+        prefill through blocks 0.. of the KV cache (for quality measurements, outside serving: it
+        overwrites those blocks, so never call it while the engine has requests)."""
+        n = len(token_ids)
+        blocks = -(-n // self.block_size)
+        if self.workers is not None or blocks > self.num_blocks:
+            raise ValueError(f"score: {n} tokens need {blocks} KV blocks of {self.num_blocks}, and one process")
+        meta = AttentionMetadata(torch.arange(n, device=self.device), [n], [n], [torch.arange(blocks, device=self.device)],
+                                 torch.zeros(0, 0, dtype=torch.long, device=self.device), torch.zeros(0, dtype=torch.long, device=self.device))
+        ids = torch.tensor(token_ids, device=self.device)
+        return self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)).float()
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> ModelOutput:

@@ -15,7 +15,7 @@ from torch import nn
 from kvpilot.kernels.linear import RowParallel, make_linear
 from kvpilot.kernels.ops import ops_for
 from kvpilot.kernels.paged_attention import AttentionMetadata
-from kvpilot.kernels.quantized import GGUFWeight, cat_rows, embedding
+from kvpilot.kernels.quantized import GGUFWeight, cat_rows, embedding, quantize_int4, quantize_int8
 from kvpilot.server.engine.parallel import TensorParallel
 from kvpilot.server.layers.attention import PagedSelfAttention
 from kvpilot.server.layers.mlp import SwiGLU
@@ -111,10 +111,12 @@ class DecoderModel(nn.Module):
 
     @classmethod
     def load(cls, source: WeightSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-             progress: Callable[[int], None] | None = None, tp: TensorParallel | None = None, quantization: str = "none") -> DecoderModel:
-        """quantization gguf: projections, the embedding and the LM head stay in the GGUF's blocks."""
+             progress: Callable[[int], None] | None = None, tp: TensorParallel | None = None, quantization: str = "none",
+             group_size: int = 32) -> DecoderModel:
+        """quantization gguf: projections, the embedding and the LM head stay in the GGUF's blocks; int8 /
+        int4: they are quantized as they are read (the embedding and LM head int8 in both)."""
         c = config
-        w = _WeightReader(source, dtype, device, progress, tp, packed=quantization == "gguf")
+        w = _WeightReader(source, dtype, device, progress, tp, quantization, group_size)
         ops = ops_for(device)
         norm = lambda name: RMSNorm(w(name), c.rms_norm_eps, ops)
         heads = tp.split(c.num_heads) if tp else (0, c.num_heads)
@@ -142,8 +144,8 @@ class DecoderModel(nn.Module):
                          make_linear(w.weight(m + "down_proj.weight", cols=ffn), bias=bias(m + "down_proj.bias"), shard=row_parallel))
             layers.append(DecoderLayer(attn, mlp, norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")))
         vocab = tp.split(tp.padded_vocab(c.vocab_size)) if tp else None
-        embed = w.weight("model.embed_tokens.weight", rows=vocab, pad_rows=True)
-        head = None if c.tie_word_embeddings else w.weight("lm_head.weight", rows=vocab, pad_rows=True)
+        embed = w.weight("model.embed_tokens.weight", rows=vocab, pad_rows=True, table=True)
+        head = None if c.tie_word_embeddings else w.weight("lm_head.weight", rows=vocab, pad_rows=True, table=True)
         rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling).to(device)
         model = cls(c, embed, layers, norm("model.norm.weight"), head, rotary, kv_heads[1] - kv_heads[0], tp)
         w.check_all_read(ignored={"lm_head.weight"} if c.tie_word_embeddings else set())
@@ -156,19 +158,23 @@ class _WeightReader:
     means a variant this code does not implement, an error rather than a silently different model."""
 
     def __init__(self, source: WeightSource, dtype: torch.dtype, device: torch.device, progress: Callable[[int], None] | None,
-                 tp: TensorParallel | None, packed: bool = False):
+                 tp: TensorParallel | None, quantization: str = "none", group_size: int = 32):
         self.source, self.dtype, self.device, self.progress, self.tp = source, dtype, device, progress, tp
         self.available = source.checkpoint_names()
         self.read: set[str] = set()
-        if packed and not hasattr(source, "load_packed"):
+        if quantization == "gguf" and not hasattr(source, "load_packed"):
             raise ModelFormatError(f"{source.path}: quantization=gguf needs a GGUF model (its blocks are what it keeps)")
-        self.packed = packed
+        self.quantization, self.group_size = quantization, group_size
 
     def weight(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
-               pad_rows: bool = False) -> torch.Tensor | GGUFWeight:
-        """A matrix the model multiplies by: kept in the file's blocks when packed weights were asked
-        for and the file has them, else as __call__ reads it."""
-        packed = self.source.load_packed(name) if self.packed and name in self.available else None
+               pad_rows: bool = False, table: bool = False) -> torch.Tensor | GGUFWeight:
+        """A matrix the model multiplies by (`table`: the embedding or LM head): kept in the file's
+        blocks (gguf, when the file has them), quantized as it is read (int8, int4: int8 for tables),
+        else as __call__ reads it."""
+        if self.quantization in ("int8", "int4"):
+            dense = self(name, rows, cols, pad_rows)
+            return quantize_int8(dense) if self.quantization == "int8" or table else quantize_int4(dense, self.group_size)
+        packed = self.source.load_packed(name) if self.quantization == "gguf" and name in self.available else None
         if packed is None:
             return self(name, rows, cols, pad_rows)
         n, k = packed.shape
