@@ -86,15 +86,33 @@ class GGUFWeight:
         return (q * d + m).reshape(n, k)
 
 
-class GGUFLinear(nn.Module):
-    """y = x @ W.T (+ b) with W a GGUFWeight, and the fused forms Linear has (silu, mul, add)."""
+PANEL = 16  # output rows side by side in the panel layout
 
-    def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None):
+
+def to_panels(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The panel layout of gguf_linear_panel: qs [P, K/32, 16 (4-bit) or 32 (Q8_0), 16 lanes], d and m
+    [P, K/32, 16]; lane l of panel p is output row 16p + l (rows past the end: zero scales)."""
+    n, k = w.shape
+    pad = -n % PANEL
+    grow = lambda t: torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+    qs = grow(w.qs).reshape(-1, PANEL, k // QK, w.qs.shape[1] * QK // k).permute(0, 2, 3, 1).contiguous()
+    lay = lambda t: None if t is None else grow(t).reshape(-1, PANEL, k // QK).permute(0, 2, 1).contiguous()
+    return qs, lay(w.d), lay(w.m)
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W.T (+ b) with W a GGUFWeight, and the fused forms Linear has (silu, mul, add). The
+    weight is re-laid out in panels of 16 output rows (one vector per input column: activations are
+    broadcast, no horizontal sums), unless `in_place` (a tied embedding's blocks, shared with the
+    lookup: multiplied row by row where they are, no second copy)."""
+
+    def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None, in_place: bool = False):
         super().__init__()
-        self.kind = weight.kind
-        self.register_buffer("qs", weight.qs)
-        self.register_buffer("d", weight.d)
-        self.register_buffer("m", weight.m)
+        self.kind, self.out_features, self.panels = weight.kind, weight.shape[0], not in_place
+        qs, d, m = (weight.qs, weight.d, weight.m) if in_place else to_panels(weight)
+        self.register_buffer("qs", qs)
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         self._ext = cpu_extension.require()
 
@@ -102,7 +120,10 @@ class GGUFLinear(nn.Module):
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         if other is not None:
             other = other.reshape(rows.shape[0], -1).float().contiguous()
-        y = self._ext.gguf_linear(rows, self.qs, self.d, self.m, KINDS[self.kind], self.bias, epilogue, other)
+        if self.panels:
+            y = self._ext.gguf_linear_panel(rows, self.qs, self.d, self.m, KINDS[self.kind], self.out_features, self.bias, epilogue, other)
+        else:
+            y = self._ext.gguf_linear(rows, self.qs, self.d, self.m, KINDS[self.kind], self.bias, epilogue, other)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kvpilot.kernels import cpu_extension
 from kvpilot.kernels.gguf_dequant import dequantize_q4_0, dequantize_q4_1, dequantize_q8_0
-from kvpilot.kernels.quantized import KINDS, GGUFLinear, GGUFWeight, cat_rows, embedding
+from kvpilot.kernels.quantized import KINDS, GGUFLinear, GGUFWeight, cat_rows, embedding, to_panels
 
 REFERENCE = {"Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1, "Q8_0": dequantize_q8_0}
 
@@ -59,13 +59,19 @@ def test_kernel_matches_the_reference_on_every_isa(kind):
     dense = w.dequantize()
     bias = torch.randn(n)
     for isa in isas():
-        for m in (1, 5, 8, 19):  # 19: two full tiles of 8 rows and a partial one
+        for m in (1, 5, 8, 13, 19):  # tiles of 6, 8 or 12 rows, full and partial
             x = torch.randn(m, k)
             other = torch.randn(m, n)
             y = x @ dense.T + bias
             for epilogue, want in ((0, y), (1, F.silu(y)), (2, y * other), (3, y + other)):
                 got = ext.gguf_linear(x, w.qs, w.d, w.m, KINDS[kind], bias, epilogue, other if epilogue >= 2 else None, isa)
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=f"{kind} {isa} M={m} epilogue {epilogue}")
+            qs, d, mins = to_panels(w)  # 67 rows: 5 panels of 16, the last one padded
+            for epilogue, want in ((0, y), (1, F.silu(y)), (3, y + other)):
+                got = ext.gguf_linear_panel(x, qs, d, mins, KINDS[kind], n, bias, epilogue, other if epilogue >= 2 else None, isa)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=f"panels {kind} {isa} M={m} epilogue {epilogue}")
+    assert GGUFLinear(w, bias).panels and not GGUFLinear(w, bias, in_place=True).panels
+    torch.testing.assert_close(GGUFLinear(w, bias, in_place=True)(x), GGUFLinear(w, bias)(x), rtol=1e-5, atol=1e-4)
     lin = GGUFLinear(w, bias)
     x = torch.randn(2, 3, k)  # any leading shape
     torch.testing.assert_close(lin.mul(x, torch.ones(2, 3, n)), lin(x), rtol=0, atol=0)

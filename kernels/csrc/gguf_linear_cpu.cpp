@@ -182,6 +182,201 @@ RowsFn pick(const std::string& isa) {
   return rows_scalar;
 }
 
+
+// --- panels: 16 output rows side by side (the layout GGUFLinear multiplies with) ---------------------
+//
+// qs [P, nb, 16, 16] bytes for the 4-bit formats: panel p, block b, element j (0..15), lane l (output
+// row 16p + l): low nibble = element j, high nibble = element j + 16 of that row; [P, nb, 32, 16] int8
+// for Q8_0. d, m: float16 [P, nb, 16]. One vector of 16 lanes then holds one input column's weights for
+// 16 output rows, so an activation is broadcast and FMA'd into 16 outputs at once: no horizontal sums,
+// and each dequantized column serves a whole tile of activation rows.
+constexpr int64_t LANES = 16;
+constexpr int64_t PANEL_ROWS_512 = 8;   // activation rows per pass: 2 panels x 8 accumulators + weights fit 32 registers
+constexpr int64_t PANEL_ROWS_AVX2 = 6;  // 2 x 6 accumulators (16 lanes as two halves) + weights fit 16
+
+struct PanelArgs {
+  const float* x; int64_t x_stride;
+  const uint8_t* qs; const c10::Half* d; const c10::Half* m; int64_t nb, n;
+  const float* bias;
+  float* y; int64_t y_stride;
+  const float* other; int64_t other_stride;
+  int64_t kind, epilogue;
+};
+
+inline void store_lanes(const PanelArgs& a, int64_t row, int64_t p, const float* v) {
+  for (int64_t l = 0; l < LANES; ++l) {
+    const int64_t n = p * LANES + l;
+    if (n >= a.n) return;
+    float out = v[l] + (a.bias ? a.bias[n] : 0.0f);
+    switch (a.epilogue) {
+      case SILU: out = out / (1.0f + std::exp(-out)); break;
+      case MUL: out *= a.other[row * a.other_stride + n]; break;
+      case ADD: out += a.other[row * a.other_stride + n]; break;
+      default: break;
+    }
+    a.y[row * a.y_stride + n] = out;
+  }
+}
+
+inline int64_t block_bytes(int64_t kind) { return kind == Q8_0 ? QK * LANES : QK / 2 * LANES; }
+
+void panel_scalar(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
+  float acc[ROW_TILE][LANES] = {};
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const int64_t sb = (p * a.nb + b) * LANES;
+    const uint8_t* q = a.qs + (p * a.nb + b) * block_bytes(a.kind);
+    for (int64_t l = 0; l < LANES; ++l) {
+      const float d = static_cast<float>(a.d[sb + l]);
+      const float mn = a.kind == Q4_1 ? static_cast<float>(a.m[sb + l]) : a.kind == Q4_0 ? -8.0f * d : 0.0f;
+      for (int64_t k = 0; k < QK; ++k) {
+        float w;
+        if (a.kind == Q8_0) w = d * static_cast<int8_t>(q[k * LANES + l]);
+        else w = d * (k < 16 ? (q[k * LANES + l] & 0x0F) : (q[(k - 16) * LANES + l] >> 4)) + mn;
+        for (int64_t r = 0; r < rows; ++r) acc[r][l] += w * a.x[(row0 + r) * a.x_stride + b * QK + k];
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) store_lanes(a, row0 + r, p, acc[r]);
+}
+
+// NP panels side by side: each broadcast activation feeds NP FMAs (the broadcasts, not the FMAs, would
+// otherwise bound the loop).
+template <int R, int NP>
+__attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_t(const PanelArgs& a, int64_t row0, int64_t p) {
+  __m512 acc[NP][R];
+  for (int u = 0; u < NP; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const int64_t bytes = block_bytes(a.kind);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m512 d[NP], mn[NP];
+    const uint8_t* q[NP];
+    for (int u = 0; u < NP; ++u) {
+      const int64_t sb = ((p + u) * a.nb + b) * LANES;
+      q[u] = a.qs + ((p + u) * a.nb + b) * bytes;
+      d[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
+      mn[u] = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
+                             : _mm512_mul_ps(d[u], _mm512_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
+    }
+    const float* x = a.x + row0 * a.x_stride + b * QK;
+    if (a.kind == Q8_0) {
+      for (int k = 0; k < QK; ++k) {
+        __m512 w[NP];
+        for (int u = 0; u < NP; ++u)
+          w[u] = _mm512_mul_ps(d[u], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[u] + k * LANES)))));
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(x[r * a.x_stride + k]);
+          for (int u = 0; u < NP; ++u) acc[u][r] = _mm512_fmadd_ps(xv, w[u], acc[u][r]);
+        }
+      }
+      continue;
+    }
+    for (int j = 0; j < QK / 2; ++j) {
+      __m512 lo[NP], hi[NP];
+      for (int u = 0; u < NP; ++u) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[u] + j * LANES));
+        lo[u] = _mm512_fmadd_ps(d[u], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low4))), mn[u]);
+        hi[u] = _mm512_fmadd_ps(d[u], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low4))), mn[u]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 x0 = _mm512_set1_ps(x[r * a.x_stride + j]), x1 = _mm512_set1_ps(x[r * a.x_stride + j + 16]);
+        for (int u = 0; u < NP; ++u) {
+          acc[u][r] = _mm512_fmadd_ps(x0, lo[u], acc[u][r]);
+          acc[u][r] = _mm512_fmadd_ps(x1, hi[u], acc[u][r]);
+        }
+      }
+    }
+  }
+  alignas(64) float out[LANES];
+  for (int u = 0; u < NP; ++u)
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(out, acc[u][r]);
+      store_lanes(a, row0 + r, p + u, out);
+    }
+}
+
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void panel_avx2_t(const PanelArgs& a, int64_t row0, int64_t p) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const int64_t sb = (p * a.nb + b) * LANES;
+    const uint8_t* q = a.qs + (p * a.nb + b) * block_bytes(a.kind);
+    __m256 d[2], mn[2];
+    for (int h = 0; h < 2; ++h) {
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.d + sb + 8 * h)));
+      mn[h] = a.kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.m + sb + 8 * h)))
+                             : _mm256_mul_ps(d[h], _mm256_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
+    }
+    const float* x = a.x + row0 * a.x_stride + b * QK;
+    const int cols = a.kind == Q8_0 ? QK : QK / 2;
+    for (int j = 0; j < cols; ++j) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * LANES));
+      __m256 w[2][2];  // [half of the lanes][element j, element j + 16 (4-bit only)]
+      if (a.kind == Q8_0) {
+        w[0][0] = _mm256_mul_ps(d[0], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+        w[1][0] = _mm256_mul_ps(d[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
+      } else {
+        const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
+        w[0][0] = _mm256_fmadd_ps(d[0], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), mn[0]);
+        w[1][0] = _mm256_fmadd_ps(d[1], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), mn[1]);
+        w[0][1] = _mm256_fmadd_ps(d[0], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), mn[0]);
+        w[1][1] = _mm256_fmadd_ps(d[1], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), mn[1]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 x0 = _mm256_set1_ps(x[r * a.x_stride + j]);
+        acc[r][0] = _mm256_fmadd_ps(x0, w[0][0], acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(x0, w[1][0], acc[r][1]);
+        if (a.kind != Q8_0) {
+          const __m256 x1 = _mm256_set1_ps(x[r * a.x_stride + j + 16]);
+          acc[r][0] = _mm256_fmadd_ps(x1, w[0][1], acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(x1, w[1][1], acc[r][1]);
+        }
+      }
+    }
+  }
+  alignas(32) float out[LANES];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    store_lanes(a, row0 + r, p, out);
+  }
+}
+
+using PanelFn = void (*)(const PanelArgs&, int64_t, int64_t, int64_t);
+
+template <int NP>
+void panel_avx512_np(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
+  switch (rows) {
+      case 1: return panel_avx512_t<1, NP>(a, row0, p);
+      case 2: return panel_avx512_t<2, NP>(a, row0, p);
+      case 3: return panel_avx512_t<3, NP>(a, row0, p);
+      case 4: return panel_avx512_t<4, NP>(a, row0, p);
+      case 5: return panel_avx512_t<5, NP>(a, row0, p);
+      case 6: return panel_avx512_t<6, NP>(a, row0, p);
+      case 7: return panel_avx512_t<7, NP>(a, row0, p);
+      default: return panel_avx512_t<8, NP>(a, row0, p);
+  }
+}
+
+// `p` is the first of two panels when a second one exists (the caller steps by two).
+void panel_avx512(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
+  if ((p + 2) * LANES <= (a.n + LANES - 1) / LANES * LANES) return panel_avx512_np<2>(a, row0, rows, p);
+  return panel_avx512_np<1>(a, row0, rows, p);
+}
+
+void panel_avx2(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
+  switch (rows) {
+    case 1: return panel_avx2_t<1>(a, row0, p);
+    case 2: return panel_avx2_t<2>(a, row0, p);
+    case 3: return panel_avx2_t<3>(a, row0, p);
+    case 4: return panel_avx2_t<4>(a, row0, p);
+    case 5: return panel_avx2_t<5>(a, row0, p);
+    default: return panel_avx2_t<6>(a, row0, p);
+  }
+}
+
 }  // namespace
 
 std::string gguf_linear_isa() {
@@ -219,6 +414,46 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c1
   // Output rows in chunks over the threads; each chunk walks all activation rows, ROW_TILE at a time.
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) rows_fn(a, r0, std::min(ROW_TILE, M - r0), n0, n1);
+  });
+  return y;
+}
+
+// x [M, K] float32 times the panel-laid-out W [n, K] -> [M, n]; epilogue as gguf_linear's.
+torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
+                                c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: float32 rows [M, K]");
+  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "kind: 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(qs.is_contiguous() && qs.dim() == 4 && qs.size(1) * QK == K && qs.size(2) == (kind == Q8_0 ? QK : QK / 2) && qs.size(3) == LANES,
+              "qs: [P, K/32, 16 or 32, 16] panels");
+  const int64_t P = qs.size(0);
+  TORCH_CHECK(n > (P - 1) * LANES && n <= P * LANES, "n must be within the last panel");
+  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == torch::kHalf && d.dim() == 3 && d.size(0) == P && d.size(1) == K / QK && d.size(2) == LANES,
+              "d: float16 [P, K/32, 16]");
+  if (kind == Q4_1) {
+    TORCH_CHECK(m && m->is_contiguous() && m->scalar_type() == torch::kHalf && m->sizes() == d.sizes(), "m: float16 [P, K/32, 16]");
+  }
+  if (bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat && bias->numel() == n, "bias: float32 [n]");
+  }
+  if (epilogue == MUL || epilogue == ADD) {
+    TORCH_CHECK(other && other->scalar_type() == torch::kFloat && other->dim() == 2 && other->size(0) == M && other->size(1) == n &&
+                other->stride(1) == 1, "other: float32 [M, n]");
+  } else {
+    TORCH_CHECK(epilogue == NONE || epilogue == SILU, "epilogue: 0 none, 1 silu, 2 mul, 3 add");
+  }
+  auto y = torch::empty({M, n}, x.options());
+  const bool binary = epilogue == MUL || epilogue == ADD;
+  PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr,
+              K / QK, n, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), y.stride(0),
+              binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue};
+  const RowsFn rows_fn = pick(isa);  // the instruction-set choice, shared with gguf_linear
+  const PanelFn panel_fn = rows_fn == rows_avx512 ? panel_avx512 : rows_fn == rows_avx2 ? panel_avx2 : panel_scalar;
+  const int64_t tile = rows_fn == rows_avx512 ? PANEL_ROWS_512 : rows_fn == rows_avx2 ? PANEL_ROWS_AVX2 : ROW_TILE;
+  const int64_t step = panel_fn == panel_avx512 ? 2 : 1;  // panels per call
+  at::parallel_for(0, (P + step - 1) / step, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s)
+      for (int64_t r0 = 0; r0 < M; r0 += tile) panel_fn(a, r0, std::min(tile, M - r0), s * step);
   });
   return y;
 }

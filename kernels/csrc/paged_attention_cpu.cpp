@@ -286,6 +286,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind,
                           c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa);
 std::string gguf_linear_isa();
+torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
+                                c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
@@ -295,5 +297,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, "x @ W.T with W in a GGUF block format (Q4_0, Q4_1, Q8_0), dequantized in registers (CPU)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("bias"), py::arg("epilogue"), py::arg("other"),
         py::arg("isa") = "auto");
+  m.def("gguf_linear_panel", &gguf_linear_panel, "x @ W.T with W in GGUF blocks laid out in panels of 16 output rows (CPU)",
+        py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("n"), py::arg("bias"), py::arg("epilogue"),
+        py::arg("other"), py::arg("isa") = "auto");
   m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear uses here (avx512, avx2 or scalar)");
 }

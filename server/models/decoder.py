@@ -64,7 +64,7 @@ class DecoderModel(nn.Module):
         self.rotary = rotary
         # A tied head is the embedding matrix; on CPU it is packed for the matmul (a second copy,
         # 113 MB for SmolLM2, repaid by a 3x faster head on every decode step).
-        self.lm_head = make_linear(embed if lm_head is None else lm_head)
+        self.lm_head = make_linear(embed if lm_head is None else lm_head, shared=lm_head is None)
 
     def weight_bytes(self) -> int:
         """Bytes the model's weights occupy (GGUF blocks at their size), each storage counted once."""
