@@ -83,7 +83,7 @@ def test_bad_kernel_arguments_are_errors_not_crashes():
     w = GGUFWeight.from_blocks("Q4_1", blocks("Q4_1", 8, 64), 8)
     with pytest.raises(RuntimeError, match="K must be a multiple of 32|qs"):
         ext.gguf_linear(torch.randn(1, 48), w.qs, w.d, w.m, 1, None, 0, None)
-    with pytest.raises(RuntimeError, match="m: float16"):
+    with pytest.raises(RuntimeError, match="m: float16, shaped like d"):
         ext.gguf_linear(torch.randn(1, 64), w.qs, w.d, None, 1, None, 0, None)
     with pytest.raises(RuntimeError, match="other"):
         ext.gguf_linear(torch.randn(1, 64), w.qs, w.d, w.m, 1, None, 3, None)

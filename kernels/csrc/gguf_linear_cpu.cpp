@@ -377,6 +377,23 @@ void panel_avx2(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
   }
 }
 
+// The checks both entry points share: Q4_1's mins shaped like the scales, the bias [N], the epilogue's operand [M, N].
+void check_operands(const torch::Tensor& d, const c10::optional<torch::Tensor>& m, int64_t kind, int64_t N, int64_t M,
+                    const c10::optional<torch::Tensor>& bias, int64_t epilogue, const c10::optional<torch::Tensor>& other) {
+  if (kind == Q4_1) {
+    TORCH_CHECK(m && m->is_contiguous() && m->scalar_type() == torch::kHalf && m->sizes() == d.sizes(), "m: float16, shaped like d");
+  }
+  if (bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat && bias->numel() == N, "bias: float32 [N]");
+  }
+  if (epilogue == MUL || epilogue == ADD) {
+    TORCH_CHECK(other && other->scalar_type() == torch::kFloat && other->dim() == 2 && other->size(0) == M && other->size(1) == N &&
+                other->stride(1) == 1, "other: float32 [M, N]");
+  } else {
+    TORCH_CHECK(epilogue == NONE || epilogue == SILU, "epilogue: 0 none, 1 silu, 2 mul, 3 add");
+  }
+}
+
 }  // namespace
 
 std::string gguf_linear_isa() {
@@ -393,18 +410,7 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c1
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
   TORCH_CHECK(qs.is_contiguous() && qs.dim() == 2 && qs.size(1) == (kind == Q8_0 ? K : K / 2), "qs: [N, K/2] (4-bit) or [N, K] (Q8_0)");
   TORCH_CHECK(d.is_contiguous() && d.scalar_type() == torch::kHalf && d.size(0) == N && d.size(1) == K / QK, "d: float16 [N, K/32]");
-  if (kind == Q4_1) {
-    TORCH_CHECK(m && m->is_contiguous() && m->scalar_type() == torch::kHalf && m->sizes() == d.sizes(), "m: float16 [N, K/32]");
-  }
-  if (bias) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat && bias->numel() == N, "bias: float32 [N]");
-  }
-  if (epilogue == MUL || epilogue == ADD) {
-    TORCH_CHECK(other && other->scalar_type() == torch::kFloat && other->dim() == 2 && other->size(0) == M && other->size(1) == N &&
-                other->stride(1) == 1, "other: float32 [M, N]");
-  } else {
-    TORCH_CHECK(epilogue == NONE || epilogue == SILU, "epilogue: 0 none, 1 silu, 2 mul, 3 add");
-  }
+  check_operands(d, m, kind, N, M, bias, epilogue, other);
   auto y = torch::empty({M, N}, x.options());
   Args a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), qs.size(1), d.data_ptr<c10::Half>(),
          kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr, K / QK, bias ? bias->data_ptr<float>() : nullptr,
@@ -430,18 +436,7 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
   TORCH_CHECK(n > (P - 1) * LANES && n <= P * LANES, "n must be within the last panel");
   TORCH_CHECK(d.is_contiguous() && d.scalar_type() == torch::kHalf && d.dim() == 3 && d.size(0) == P && d.size(1) == K / QK && d.size(2) == LANES,
               "d: float16 [P, K/32, 16]");
-  if (kind == Q4_1) {
-    TORCH_CHECK(m && m->is_contiguous() && m->scalar_type() == torch::kHalf && m->sizes() == d.sizes(), "m: float16 [P, K/32, 16]");
-  }
-  if (bias) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat && bias->numel() == n, "bias: float32 [n]");
-  }
-  if (epilogue == MUL || epilogue == ADD) {
-    TORCH_CHECK(other && other->scalar_type() == torch::kFloat && other->dim() == 2 && other->size(0) == M && other->size(1) == n &&
-                other->stride(1) == 1, "other: float32 [M, n]");
-  } else {
-    TORCH_CHECK(epilogue == NONE || epilogue == SILU, "epilogue: 0 none, 1 silu, 2 mul, 3 add");
-  }
+  check_operands(d, m, kind, n, M, bias, epilogue, other);
   auto y = torch::empty({M, n}, x.options());
   const bool binary = epilogue == MUL || epilogue == ADD;
   PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr,
