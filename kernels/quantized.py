@@ -139,10 +139,6 @@ class GGUFLinear(nn.Module):
         return self._run(x, 3, residual)
 
 
-def reference_linear(x: torch.Tensor, weight: GGUFWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x.float(), weight.dequantize(), bias)
-
-
 def cat_rows(parts: list[torch.Tensor | GGUFWeight]) -> torch.Tensor | GGUFWeight:
     """Fused projections (q, k, v): their rows one after another, dense or packed alike."""
     if all(isinstance(p, GGUFWeight) for p in parts):

@@ -88,14 +88,13 @@ def evaluate(kube: Kube, source: PrometheusSource, body: dict, state: Autoscaler
 def _maybe_scale_to_zero(source: PrometheusSource, spec: InferenceServiceSpec, name: str, namespace: str, state: AutoscalerState,
                          decision: Decision, current: int, now: float) -> None:
     """At one pod that the engine metrics would keep, and idle for the whole window: to zero."""
-    policy = policy_of(spec)
     try:
         activity = source.gateway_activity(served_name(spec, name))
         busy = source.engines_busy(spec.engine, namespace, name)
     except MetricsUnavailable as e:
         activity, busy = None, None
         log.info("%s/%s: not scaling to zero: %s", namespace, name, e)
-    why_not = observe_idle(state.idle, now, activity, busy, policy.stale_after)
+    why_not = observe_idle(state.idle, now, activity, busy, policy_of(spec).stale_after)
     if current != 1 or decision.desired != 1:
         return
     window = spec.autoscaling.scale_to_zero_idle_seconds
