@@ -8,7 +8,7 @@ PHASE := .ci/phase
 export PIP_CACHE_DIR ?= $(CACHE)/pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test serve bench cluster-up cluster-down demo crds tools
+.PHONY: setup test serve bench cluster-up cluster-down demo crds tools images kind-up lint
 
 # Idempotent: the stamp is remade only when the package metadata or pins change. The C++ CPU kernels
 # are compiled into the cache here (about a minute, once per source/torch/CPU), not on first request.
@@ -25,10 +25,25 @@ $(VENV)/.setup-stamp: pyproject.toml setup.py constraints.txt
 tools:
 	bash e2e/tools/build.sh
 
+# The container images (kvpilot/engine, kvpilot/operator) with podman: no Docker daemon, no registry
+# (e2e/images.sh says how). Cached: a second run with the same dependency pins reuses the big layer.
+images:
+	bash e2e/images.sh
+
+# For users with Docker: a kind cluster serving the CPU example from these images (e2e/kind_up.sh).
+kind-up:
+	bash e2e/kind_up.sh
+
+# Python (ruff) and shell (shellcheck, installed by `make images` when missing) lint.
+lint:
+	$(BIN)/ruff check .
+	shellcheck -x .ci/run .ci/phase e2e/*.sh e2e/tools/build.sh
+
 test:
 	$(PHASE) setup $(MAKE) --no-print-directory setup
 	$(PHASE) tools $(MAKE) --no-print-directory tools
-	$(PHASE) lint $(BIN)/ruff check .
+	$(PHASE) images $(MAKE) --no-print-directory images
+	$(PHASE) lint $(MAKE) --no-print-directory lint
 	$(PHASE) pytest $(BIN)/python -m pytest
 
 serve: setup
@@ -39,8 +54,9 @@ bench: setup
 	$(BIN)/python bench/offline.py $(ARGS)
 	$(BIN)/python bench/serve.py $(ARGS)
 
+# POD_RUNTIME=podman: the pods run from their images (`make images` first) instead of as local processes.
 cluster-up: setup tools
-	$(BIN)/python -m e2e.cluster up
+	$(BIN)/python -m e2e.cluster up --pod-runtime $(or $(POD_RUNTIME),process)
 
 cluster-down:
 	$(BIN)/python -m e2e.cluster down

@@ -83,6 +83,7 @@ class Cluster:
     state_dir: Path = field(default=None)  # type: ignore[assignment]
     ports: dict[str, int] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
+    runtime: str = "process"  # how the pod runner (start_addons) runs pods
 
     def __post_init__(self) -> None:
         if self.state_dir is None:
@@ -164,8 +165,14 @@ class Cluster:
 
     def down(self, keep_logs: bool = True) -> None:
         """Stop every component (process groups: nothing survives) and remove the data."""
-        for _name, pid in reversed(list(self.pids.items())):
-            _kill_group(pid)
+        for name, pid in reversed(list(self.pids.items())):
+            _kill_group(pid, grace=60 if name == "pod-runner" else 5)  # the runner stops its pods first (engines drain)
+        if self.runtime == "podman":  # a container whose podman process was killed outlives it
+            from e2e.pod_runner import RUNNER_LABEL, podman
+
+            left = subprocess.run([*podman(), "ps", "-aq", "--filter", f"label={RUNNER_LABEL}"], capture_output=True, text=True, timeout=60)
+            if left.stdout.split():
+                subprocess.run([*podman(), "rm", "-f", *left.stdout.split()], capture_output=True, timeout=120)
         self.pids = {}
         if self.state_dir.exists():
             for p in self.state_dir.iterdir():
@@ -177,7 +184,7 @@ class Cluster:
     def load(cls, name: str = "default", state_dir: Path | None = None) -> Cluster:
         c = cls(name, state_dir)
         state = json.loads((c.state_dir / "state.json").read_text())
-        c.ports, c.pids = state["ports"], state["pids"]
+        c.ports, c.pids, c.runtime = state["ports"], state["pids"], state.get("runtime", "process")
         return c
 
     # --- helpers --------------------------------------------------------------------------------
@@ -217,19 +224,21 @@ class Cluster:
             parts.append(f"===== {f.name} (last 40 lines) =====\n" + "\n".join(f.read_text(errors="replace").splitlines()[-40:]))
         return "\n".join(parts)
 
-    def start_addons(self, scrape_interval: str = "5s") -> str:
+    def start_addons(self, scrape_interval: str = "5s", runtime: str = "process") -> str:
         """What `make cluster-up` adds for a user (the tests start their own): the CRDs, Prometheus
         discovering engine pods through the apiserver, and the pod runner, which runs each engine pod
-        as a local `kvpilot serve` on its loopback pod IP. All stop with `down`. Returns Prometheus's URL."""
+        as a local `kvpilot serve` on its loopback pod IP (runtime "podman": from its image). All stop
+        with `down`. Returns Prometheus's URL."""
         from e2e.prometheus import Prometheus
 
         self.kubectl("apply", "-f", str(HERE.parent / "crds"))
         prom = Prometheus(self.state_dir / "prometheus", scrape_interval)
         prom.add_kubernetes_pods(self.server, TOKEN, str(self.state_dir / "certs" / "apiserver.crt")).start()
         self.pids["prometheus"], self.ports["prometheus"] = prom.pid, prom.port
+        self.runtime = runtime
         self._save()
         self._start("pod-runner", [sys.executable, "-m", "e2e.pod_runner", "--kubeconfig", self.kubeconfig,
-                                   "--log-dir", self.log_dir / "engines"], cwd=HERE.parent)  # as `make`: python -m from the repo root
+                                   "--log-dir", self.log_dir / "engines", "--runtime", runtime], cwd=HERE.parent)  # as `make`: python -m from the repo root
         return prom.url
 
     def _start(self, name: str, argv: list, cwd: Path | None = None) -> None:
@@ -281,7 +290,7 @@ class Cluster:
         }, indent=1))
 
     def _save(self) -> None:
-        (self.state_dir / "state.json").write_text(json.dumps({"ports": self.ports, "pids": self.pids}))
+        (self.state_dir / "state.json").write_text(json.dumps({"ports": self.ports, "pids": self.pids, "runtime": self.runtime}))
 
 
 def _insecure() -> ssl.SSLContext:
@@ -337,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--addons", action=argparse.BooleanOptionalAction, default=True,
                     help="also apply the CRDs and start Prometheus and the pod runner (default; the tests start their own)")
+    ap.add_argument("--pod-runtime", choices=["process", "podman"], default="process",
+                    help="how the pod runner runs pods: local processes of this checkout, or containers of their images (`make images`)")
     args = ap.parse_args(argv)
     if args.command == "up":
         t = time.monotonic()
@@ -348,11 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"control plane up in {time.monotonic() - t:.1f}s: {args.nodes} GPU nodes x {args.gpus} nvidia.com/gpu")
         if args.addons:
             try:
-                prometheus = c.start_addons()
+                prometheus = c.start_addons(runtime=args.pod_runtime)
             except BaseException:
                 c.down(keep_logs=True)
                 raise
-            print(f"CRDs applied; pod runner started (engine and operator pods run as local processes on their pod IPs); "
+            how = "as local processes" if args.pod_runtime == "process" else "as podman containers of their images"
+            print(f"CRDs applied; pod runner started (engine and operator pods run {how} on their pod IPs); "
                   f"prometheus at {prometheus}")
             print(f"install the operator: {binaries()['helm']} install kvpilot charts/kvpilot -n kvpilot-system --create-namespace "
                   f"--set prometheusUrl={prometheus} --wait")

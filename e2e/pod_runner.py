@@ -9,7 +9,14 @@ from the container's env (downward-API POD_IP included), runs the command with 1
 engine's /ready answers (kwok's Stage then marks the pod Ready), clears it when the engine stops
 answering, and stops the process (SIGTERM: the engine drains) when the pod goes away.
 
-    python -m e2e.pod_runner --kubeconfig PATH [--log-dir DIR]
+With `--runtime podman` every container runs from the image its pod names instead (built by `make
+images`), as a kubelet would: `podman run` on the host network (each server bound to its pod IP),
+the pod's user, a read-only root filesystem with its emptyDirs mounted where the pod mounts them, the
+termination log at /dev/termination-log, and the operator and gateway with a kubeconfig (their
+ServiceAccount's token, the apiserver's CA inlined) mounted. podman stays attached, so the process
+the runner watches is the container: its exit code is the container's, SIGTERM reaches the engine.
+
+    python -m e2e.pod_runner --kubeconfig PATH [--log-dir DIR] [--runtime process|podman]
 """
 
 from __future__ import annotations
@@ -32,6 +39,9 @@ from e2e.cluster import ENGINE_LABEL, ENGINE_READY_ANNOTATION, TOKEN, _insecure
 from e2e.net import require_loopback
 
 ENGINE_KIND_LABEL = "serving.kvpilot.dev/engine"
+RUNTIMES = ("process", "podman")
+CONTAINER_KUBECONFIG = "/var/run/kvpilot/kubeconfig"
+RUNNER_LABEL = "dev.kvpilot.pod-runner=1"  # every container the runner starts: `down` removes any left behind
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -98,6 +108,57 @@ def engine_argv(pod: dict, volumes: dict[str, Path] | None = None) -> tuple[list
     return argv, env
 
 
+def podman() -> list[str]:
+    """podman with the containers.conf that `make images` writes for this kind of machine."""
+    from kvpilot.server.cache import cache_root
+
+    conf = cache_root() / "podman" / "containers.conf"
+    if not conf.is_file():
+        raise RuntimeError(f"{conf} missing: run `make images` first")
+    os.environ["CONTAINERS_CONF"] = str(conf)
+    return ["podman"]
+
+
+def container_name(uid: str, container: str) -> str:
+    return f"kvpilot-pod-{uid[:13]}-{container}"
+
+
+def podman_run_argv(name: str, pod: dict, container: dict, volumes: dict[str, Path], *, env: dict[str, str],
+                    args: list[str], files: dict[Path, str] | None = None) -> list[str]:
+    """`podman run` for one of the pod's containers, attached (the caller's process is the container's
+    life): host network, the pod's user, its emptyDirs (a Memory one at /dev/shm becomes --shm-size),
+    `files` (host file -> path in the container) mounted. `args` replace the container's args."""
+    security = pod["spec"].get("securityContext") or {}
+    argv = [*podman(), "run", "--rm", "--name", name, "--label", RUNNER_LABEL, "--network", "host", "--pull", "never", "--init",
+            "--user", f"{security.get('runAsUser', 65532)}:{security.get('runAsGroup', security.get('runAsUser', 65532))}"]
+    csc = container.get("securityContext") or {}
+    if csc.get("readOnlyRootFilesystem"):
+        argv.append("--read-only")
+    if csc.get("allowPrivilegeEscalation") is False:
+        argv += ["--security-opt", "no-new-privileges"]
+    for cap in (csc.get("capabilities") or {}).get("drop") or []:
+        argv += ["--cap-drop", cap]
+    spec_volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+    for m in container.get("volumeMounts") or []:
+        v = spec_volumes.get(m["name"], {})
+        if (v.get("emptyDir") or {}).get("medium") == "Memory" and m["mountPath"] == "/dev/shm":
+            argv += ["--shm-size", v["emptyDir"].get("sizeLimit", "64Mi").replace("Gi", "g").replace("Mi", "m")]
+        elif m["name"] in volumes:
+            argv += ["-v", f"{volumes[m['name']]}:{m['mountPath']}{':ro' if m.get('readOnly') else ''}"]
+    for host, path in (files or {}).items():
+        argv += ["-v", f"{host}:{path}"]
+    for k, v in env.items():
+        argv += ["-e", f"{k}={v}"]
+    if container.get("command"):
+        argv += ["--entrypoint", json.dumps(container["command"])]
+    return [*argv, container["image"], *args]
+
+
+def stop_container(name: str) -> None:
+    """What is left of a container whose podman process is gone (killed): removed, whatever its state."""
+    subprocess.run([*podman(), "rm", "-f", "-t", "5", name], capture_output=True, timeout=60)
+
+
 @dataclass
 class PodProcess:
     pod: str
@@ -107,13 +168,17 @@ class PodProcess:
     proc: subprocess.Popen
     ready: bool = False
     started: float = field(default_factory=time.monotonic)
+    container: str | None = None  # podman: the container's name
 
 
 class PodRunner:
     """kubeconfig (the admin one): also run operator pods, each with its own ServiceAccount's kubeconfig."""
 
-    def __init__(self, server: str, log_dir: Path, token: str = TOKEN, poll: float = 0.5, kubeconfig: dict | None = None):
-        self.server, self.token, self.poll, self.kubeconfig = server, token, poll, kubeconfig
+    def __init__(self, server: str, log_dir: Path, token: str = TOKEN, poll: float = 0.5, kubeconfig: dict | None = None,
+                 runtime: str = "process"):
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+        self.server, self.token, self.poll, self.kubeconfig, self.runtime = server, token, poll, kubeconfig, runtime
         self.operators: dict[str, PodProcess] = {}  # pod uid -> operator or gateway process
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -155,14 +220,41 @@ class PodRunner:
                             json={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {"expirationSeconds": 86400}})
         r.raise_for_status()
         kubeconfig = self.log_dir / f"{m['namespace']}_{m['name']}.kubeconfig"
-        kubeconfig.write_text(json.dumps({**self.kubeconfig, "users": [{"name": "admin", "user": {"token": r.json()["status"]["token"]}}]}))
-        kubeconfig.chmod(0o600)
-        argv, env = operator_argv(pod)
+        user = {"name": "admin", "user": {"token": r.json()["status"]["token"]}}
+        kubeconfig.write_text(json.dumps({**self.kubeconfig, "users": [user]} if self.runtime == "process" else self._portable_kubeconfig(user)))
         log = open(self.log_dir / f"{m['namespace']}_{m['name']}.log", "ab")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env, "KUBECONFIG": str(kubeconfig)},
-                                start_new_session=True)
-        self.operators[uid] = PodProcess(m["name"], m["namespace"], require_loopback(pod["status"]["podIP"]), 8080, proc)
+        name = None
+        if self.runtime == "process":
+            kubeconfig.chmod(0o600)
+            argv, env = operator_argv(pod)
+            env = {**os.environ, **env, "KUBECONFIG": str(kubeconfig)}
+        else:
+            kubeconfig.chmod(0o644)  # read by the container's user
+            container = pod["spec"]["containers"][0]
+            args = [expand(a, container_env(container, pod)) for a in container.get("args") or []]
+            if container["name"] == "gateway":  # every pod shares the host's network: listen on the pod's own IP
+                args = ["--host", require_loopback(pod["status"]["podIP"]), *args]
+            name = container_name(uid, container["name"])
+            stop_container(name)
+            argv = podman_run_argv(name, pod, container, self._volumes(uid, pod),
+                                   env={**container_env(container, pod), "KUBECONFIG": CONTAINER_KUBECONFIG},
+                                   args=args, files={kubeconfig: f"{CONTAINER_KUBECONFIG}:ro"})
+            env = None
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.operators[uid] = PodProcess(m["name"], m["namespace"], require_loopback(pod["status"]["podIP"]), 8080, proc, container=name)
         self.events.append((time.time(), m["name"], f"{pod['spec']['containers'][0]['name']} started"))
+
+    def _portable_kubeconfig(self, user: dict) -> dict:
+        """The admin kubeconfig with the CA inlined (one file to mount into a container) and `user`."""
+        import base64
+
+        clusters = []
+        for c in self.kubeconfig["clusters"]:
+            cluster = dict(c["cluster"])
+            if "certificate-authority" in cluster:
+                cluster["certificate-authority-data"] = base64.b64encode(Path(cluster.pop("certificate-authority")).read_bytes()).decode()
+            clusters.append({**c, "cluster": cluster})
+        return {**self.kubeconfig, "clusters": clusters, "users": [user]}
 
     def step(self) -> None:
         if self.kubeconfig is not None:
@@ -213,9 +305,23 @@ class PodRunner:
         log = open(log_path, "ab")
         termination_log = self._termination_log(uid)
         termination_log.write_text("")
-        proc_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "KVPILOT_TERMINATION_LOG": str(termination_log)}
-        proc = subprocess.Popen(["nice", "-n", "5", *argv], stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True)
-        self.engines[uid] = PodProcess(name, pod["metadata"]["namespace"], ip, port, proc)
+        container = None
+        if self.runtime == "process":
+            proc_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "KVPILOT_TERMINATION_LOG": str(termination_log)}
+            argv = ["nice", "-n", "5", *argv]
+        else:
+            termination_log.chmod(0o666)  # written by the container's user
+            spec = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+            container = container_name(uid, "engine")
+            stop_container(container)
+            spec_env = container_env(spec, pod)
+            args = [expand(a, spec_env) for a in spec.get("args") or []]
+            argv = ["nice", "-n", "5", *podman_run_argv(container, pod, spec, volumes, env={**spec_env, "OMP_NUM_THREADS": "1"},
+                                                        args=args + ([] if "--num-threads" in args else ["--num-threads", "1"]),
+                                                        files={termination_log: spec.get("terminationMessagePath", "/dev/termination-log")})]
+            proc_env = None
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True)
+        self.engines[uid] = PodProcess(name, pod["metadata"]["namespace"], ip, port, proc, container=container)
         self.events.append((time.time(), name, f"started on {ip}:{port}"))
 
     def _termination_log(self, uid: str) -> Path:
@@ -247,6 +353,9 @@ class PodRunner:
             if "emptyDir" in v:
                 volumes[v["name"]] = self.log_dir / "volumes" / uid / v["name"]
                 volumes[v["name"]].mkdir(parents=True, exist_ok=True)
+                if self.runtime == "podman":  # fsGroup: the pod's user owns its emptyDirs
+                    security = pod["spec"].get("securityContext") or {}
+                    os.chown(volumes[v["name"]], security.get("runAsUser", 65532), security.get("fsGroup", security.get("runAsGroup", 65532)))
         return volumes
 
     def _run_init_containers(self, uid: str, pod: dict, volumes: dict[str, Path], log_path: Path) -> bool:
@@ -255,9 +364,15 @@ class PodRunner:
         if time.monotonic() < self.init_backoff.get(uid, 0):
             return False
         for c in pod["spec"].get("initContainers") or []:
-            argv, env = container_argv(c, pod, volumes)
+            if self.runtime == "process":
+                argv, env = container_argv(c, pod, volumes)
+                env = {**os.environ, **env}
+            else:
+                c_env = container_env(c, pod)
+                argv, env = podman_run_argv(container_name(pod["metadata"]["uid"], c["name"]), pod, c, volumes, env=c_env,
+                                            args=[expand(a, c_env) for a in c.get("args") or []]), None
             with open(log_path, "ab") as log:
-                r = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, timeout=600)
+                r = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600)
             self.events.append((time.time(), pod["metadata"]["name"], f"init container {c['name']} exited {r.returncode}"))
             if r.returncode != 0:
                 self.init_backoff[uid] = time.monotonic() + 10
@@ -268,13 +383,22 @@ class PodRunner:
         self._stop_process(self.engines.pop(uid))
 
     def _stop_process(self, eng: PodProcess) -> None:
+        self._signal(eng)
+        self._reap(eng)
+
+    @staticmethod
+    def _signal(eng: PodProcess) -> None:
         if eng.proc.poll() is None:
-            os.killpg(eng.proc.pid, signal.SIGTERM)  # the engine drains, then exits
-            try:
-                eng.proc.wait(40)
-            except subprocess.TimeoutExpired:
-                os.killpg(eng.proc.pid, signal.SIGKILL)
-                eng.proc.wait()
+            os.killpg(eng.proc.pid, signal.SIGTERM)  # the engine drains, then exits (podman passes it on)
+
+    def _reap(self, eng: PodProcess) -> None:
+        try:
+            eng.proc.wait(40)
+        except subprocess.TimeoutExpired:
+            os.killpg(eng.proc.pid, signal.SIGKILL)
+            eng.proc.wait()
+        if eng.container:
+            stop_container(eng.container)
         self.events.append((time.time(), eng.pod, "stopped"))
 
     def run(self) -> None:
@@ -294,19 +418,24 @@ class PodRunner:
         self._stop.set()
         if getattr(self, "_thread", None):
             self._thread.join(10)
-        for uid in list(self.engines):
-            self._stop_engine(uid)
-        for uid in list(self.operators):
-            self._stop_process(self.operators.pop(uid))
+        every = [*self.engines.values(), *self.operators.values()]
+        self.engines, self.operators = {}, {}
+        for p in every:  # all at once: each drains in parallel
+            self._signal(p)
+        for p in every:
+            self._reap(p)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m e2e.pod_runner")
     ap.add_argument("--kubeconfig", required=True)
     ap.add_argument("--log-dir", default="pod-runner-logs")
+    ap.add_argument("--runtime", choices=RUNTIMES, default="process",
+                    help="process: each container as a local process of this checkout; podman: from its pod's image (`make images`)")
     args = ap.parse_args(argv)
     cfg = json.loads(Path(args.kubeconfig).read_text())
-    runner = PodRunner(cfg["clusters"][0]["cluster"]["server"], Path(args.log_dir), cfg["users"][0]["user"]["token"], kubeconfig=cfg)
+    runner = PodRunner(cfg["clusters"][0]["cluster"]["server"], Path(args.log_dir), cfg["users"][0]["user"]["token"], kubeconfig=cfg,
+                       runtime=args.runtime)
     signal.signal(signal.SIGTERM, lambda *_: runner._stop.set())
     try:
         runner.run()

@@ -1,7 +1,12 @@
 """The README's local quick start, step by step, as a user runs it: `python -m e2e.cluster up` (what
 `make cluster-up` runs) on its own cluster, the chart installed with the helm line it prints (its
 operator and gateway pods run by the pod runner), the CPU example applied with kubectl, Ready, a
-completion through the pod IP and through the gateway, the KV column filled from Prometheus, then `down` leaving no process behind."""
+completion through the pod IP and through the gateway, the KV column filled from Prometheus, then `down` leaving no process behind.
+
+Twice: with the pods as local processes, and with every pod run from its image by podman (`make
+images` built them; `.ci/run` builds them before the tests): the operator, the gateway and the
+engine are containers of kvpilot/operator and kvpilot/engine, the engine loads the image's prebuilt
+kernels, and deleting the InferenceService stops its container."""
 
 from __future__ import annotations
 
@@ -19,15 +24,31 @@ import pytest
 
 from e2e.cluster import kubectl_path
 from e2e.net import require_loopback
+from e2e.pod_runner import podman
 from e2e.waiting import wait_until
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
+VERSION = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
 
 
-def test_readme_local_quick_start(tmp_path):
+def containers() -> dict[str, str]:
+    """Running podman containers of the pod runner: name -> image."""
+    out = subprocess.run([*podman(), "ps", "--filter", "name=^kvpilot-pod-", "--format", "{{.Names}} {{.Image}}"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    return dict(line.split() for line in out.splitlines())
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("runtime", ["process", "podman"])
+def test_readme_local_quick_start(tmp_path, runtime):
     env = {**os.environ, "XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))}
-    up = subprocess.run([sys.executable, "-m", "e2e.cluster", "up", "--name", "quickstart"], cwd=ROOT, env=env,
+    name = f"quickstart-{runtime}"
+    if runtime == "podman":
+        for image in ("engine", "operator"):  # built by `make images` (a phase of `make test` before pytest)
+            assert subprocess.run([*podman(), "image", "exists", f"kvpilot/{image}:{VERSION}"], timeout=60).returncode == 0, \
+                f"kvpilot/{image}:{VERSION} not built: run `make images`"
+    up = subprocess.run([sys.executable, "-m", "e2e.cluster", "up", "--name", name, "--pod-runtime", runtime], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=180)
     pod_ip = prometheus = "none yet"
     try:
@@ -53,6 +74,14 @@ def test_readme_local_quick_start(tmp_path):
         r = httpx.post(f"http://{require_loopback(pod_ip)}:8000/v1/completions", timeout=60,
                        json={"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"], r.text
+        if runtime == "podman":
+            uid = kubectl("get", "pods", "-l", "serving.kvpilot.dev/inferenceservice=smollm2", "-o", "jsonpath={.items[0].metadata.uid}")
+            running = containers()
+            engine = next(n for n in running if n.startswith(f"kvpilot-pod-{uid[:13]}-"))
+            assert running[engine].endswith(f"kvpilot/engine:{VERSION}"), running
+            assert sum(image.endswith(f"kvpilot/operator:{VERSION}") for image in running.values()) == 4, running  # 2 operators + 2 gateways
+            log = subprocess.run([*podman(), "logs", engine], capture_output=True, text=True, timeout=60)
+            assert "CPU kernels: x86-64-v" in log.stdout + log.stderr and "compiling" not in log.stdout + log.stderr, log.stderr[-2000:]
         gateway_ip = kubectl("get", "pods", "-n", "kvpilot-system", "-l", "app.kubernetes.io/name=kvpilot-gateway", "-o", "jsonpath={.items[0].status.podIP}")
         through_gateway = wait_until(lambda: (g := httpx.post(f"http://{require_loopback(gateway_ip)}:8080/v1/completions", timeout=60, json={
             "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})).status_code == 200 and g,
@@ -65,12 +94,18 @@ def test_readme_local_quick_start(tmp_path):
         assert 0 <= float(kv) <= 1
         assert kubectl("get", "kvis", "smollm2", "--no-headers").split()[:7] == ["smollm2", "1", "Serving", "1", "1", kv,
                                                                                     kubectl("get", "kvis", "smollm2", "-o", "jsonpath={.status.lastMetrics.queueDepth}")]
+        if runtime == "podman":  # the engine's container goes with its pod (the operators stay)
+            kubectl("delete", "kvis", "smollm2", "--wait=false")
+            wait_until(lambda: not any(n.startswith(f"kvpilot-pod-{uid[:13]}-") for n in containers()), timeout=90,
+                       what="the engine's container stopped")
     finally:
-        down = subprocess.run([sys.executable, "-m", "e2e.cluster", "down", "--name", "quickstart"], cwd=ROOT, env=env,
+        down = subprocess.run([sys.executable, "-m", "e2e.cluster", "down", "--name", name], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr
     time.sleep(1)
     # the control plane, Prometheus and the pod runner; the engine; the operators (this cluster's Prometheus in their args)
-    for pattern in ("cluster/quickstart", f"--host {pod_ip} ", f"kvpilot.operator --prometheus-url={prometheus}", f"--host {gateway_ip} "):
+    if runtime == "podman":
+        assert not containers(), "containers left after down"
+    for pattern in (f"cluster/{name}", f"--host {pod_ip} ", f"kvpilot.operator --prometheus-url={prometheus}", f"--host {gateway_ip} "):
         left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
         assert not left, f"processes matching {pattern!r} left after down: {left}"

@@ -3,6 +3,7 @@
 # A second run finds the binaries and does nothing. Usage: build.sh [k8s|etcd|kwok|helm ...]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=e2e/tools/versions.env
 source "$here/versions.env"
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/kvpilot
 export GOMODCACHE=${GOMODCACHE:-$cache/go/mod} GOCACHE=${GOCACHE:-$cache/go/build}
