@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvpilot.kernels.cpu_extension",
                                  description="build the CPU kernels for this CPU's level (default) or for every level")
     ap.add_argument("--all", action="store_true", help="every x86-64 level (an image build: portable to any x86-64 CPU)")
+    ap.add_argument("--level", choices=X86_LEVELS + [GENERIC], help="only this level (even one this CPU cannot run)")
     ap.add_argument("--into", type=Path, help="directory to build into (default: the cache); point KVPILOT_KERNELS_DIR at it")
     ap.add_argument("--check", action="store_true", help="load this CPU's level (or KVPILOT_CPU_ISA's) and compare each kernel "
                                                          "with its torch reference; prints JSON, exits 1 on a mismatch")
@@ -199,15 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         report = check()
         print(json.dumps(report))
         return 0 if max(report["max_abs_error"].values()) < 1e-4 else 1
-    levels = X86_LEVELS if args.all else [level()]
+    levels = [args.level] if args.level else X86_LEVELS if args.all else [level()]
     for lvl in levels:
         target = (args.into / build_key(lvl)) if args.into else build_dir(lvl)
         if not _built(target, lvl):
-            if lvl in supported_levels():
+            if lvl in supported_levels() or args.level:
                 build(lvl, target)
             else:  # cpp_extension imports what it built, which this CPU may not run: build in a child, keep the file
-                subprocess.run([sys.executable, "-c", f"from pathlib import Path; from kvpilot.kernels.cpu_extension import build; "
-                                f"build({lvl!r}, Path({str(target)!r}))"], check=False)
+                subprocess.run([sys.executable, __file__, "--level", lvl, "--into", str(target.parent)], check=False)
         so = _built(target, lvl)
         if so is None:
             print(f"{lvl}: build failed", file=sys.stderr)
