@@ -55,7 +55,7 @@ bench: setup
 	$(BIN)/python bench/serve.py $(ARGS)
 
 # POD_RUNTIME=podman: the pods run from their images (`make images` first) instead of as local processes.
-cluster-up: setup tools
+cluster-up: setup tools $(if $(filter podman,$(POD_RUNTIME)),images)
 	$(BIN)/python -m e2e.cluster up --pod-runtime $(or $(POD_RUNTIME),process)
 
 cluster-down:
