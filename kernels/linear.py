@@ -10,6 +10,7 @@ into the matmul's output pass instead of another trip over the activations.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight
+
+# "triton": the Triton kernels wherever there is one, CPU tensors included (under TRITON_INTERPRET=1:
+# how CI runs the GPU kernels end to end without a GPU); unset or "default": by device.
+KERNELS_ENV = "KVPILOT_KERNELS"
+
+
+def triton_forced() -> bool:
+    value = os.environ.get(KERNELS_ENV, "default")
+    if value not in ("default", "triton"):
+        raise ValueError(f"{KERNELS_ENV} must be 'default' or 'triton', not {value!r}")
+    return value == "triton"
+
+
+def gguf_linear_class(device: torch.device) -> type[nn.Module]:
+    """The GGUF-block projection for weights on `device`: the C++ kernels on CPU, Triton on CUDA (or
+    anywhere when forced)."""
+    if device.type == "cuda" or triton_forced():
+        from kvpilot.kernels.triton_gguf import TritonGGUFLinear
+
+        return TritonGGUFLinear
+    if device.type == "cpu":
+        return GGUFLinear
+    raise NotImplementedError(f"GGUF-block weights have no kernel on {device.type}")
 
 
 def onednn_available() -> bool:
@@ -88,16 +112,17 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_linear(weight: torch.Tensor | GGUFWeight, bias: torch.Tensor | None = None, shard: RowParallel | None = None,
-                use_onednn: bool | None = None, shared: bool = False) -> Linear | GGUFLinear:
+                use_onednn: bool | None = None, shared: bool = False) -> nn.Module:
     """The one factory the model loader calls for every projection: (weight [out, in] — this rank's
     rows or columns under tensor parallelism, or a GGUF-block weight —, bias, shard) -> a Linear.
     Column-parallel projections need nothing here (a rank's rows are a smaller projection); `shard`
     marks a row-parallel one; `shared`: GGUF blocks that something else reads too (a tied embedding)
     are multiplied where they are instead of re-laid out into a copy."""
     if isinstance(weight, GGUFWeight):
-        if shard is not None or weight.qs.device.type != "cpu":
-            raise NotImplementedError("GGUF-block weights run on CPU without tensor parallelism so far")
-        return GGUFLinear(weight, bias, in_place=shared)
+        if shard is not None:
+            raise NotImplementedError("GGUF-block weights run without tensor parallelism so far")
+        kind = gguf_linear_class(weight.qs.device)
+        return GGUFLinear(weight, bias, in_place=shared) if kind is GGUFLinear else kind(weight, bias)
     if use_onednn is None:
         use_onednn = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available()
     # The packed copy is all the CPU path reads; keeping the dense one too would double the memory.

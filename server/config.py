@@ -93,7 +93,8 @@ class EngineConfig(BaseModel):
         q = self.quantization
         if q != "none":
             if self.device == "cuda":
-                raise ValueError(f"quantization={q} runs on CPU only so far (no GPU kernels yet)")
+                raise ValueError(f"quantization={q} runs on CPU only so far (its Triton GPU kernels are tested under the "
+                                 "interpreter but not yet measured on a GPU)")
             if self.dtype not in ("auto", "float32"):
                 raise ValueError(f"quantization={q} computes in float32 (its kernels take float32 activations), not dtype={self.dtype}")
             if self.tensor_parallel_size > 1:

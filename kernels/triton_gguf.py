@@ -1,0 +1,129 @@
+"""x @ W.T with W in a GGUF block format (Q4_0, Q4_1, Q8_0: `--quantization gguf`, and int8 / int4,
+which quantize into Q8_0 / Q4_1 blocks), dequantized inside a Triton kernel: the GPU form of
+kernels/csrc/gguf_linear_cpu.cpp, with the same fused epilogues (SiLU, · other, + residual).
+
+It reads GGUFWeight's row layout as it is (each row's quants contiguous, float16 scales and mins beside
+them): a [BLOCK_N, BLOCK_K] tile of weights is unpacked and scaled in registers (4-bit: byte j of a
+32-weight block holds weights j and j + 16) and fed to tl.dot with a [BLOCK_M, BLOCK_K] tile of
+activations, accumulating in float32. Decode (M ≤ 16) is one BLOCK_M = 16 row tile: a GEMV whose
+cost is the weight read, which is what 4-bit storage cuts. Activations may be float32, float16 or
+bfloat16; the output has their dtype. float32 runs tl.dot in IEEE precision (no TF32), so it matches
+the dequantized reference to summation order.
+
+Tested under TRITON_INTERPRET=1 on CPU tensors (tests/test_triton_gguf.py); on a GPU the same code
+compiles for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from kvpilot.kernels.quantized import KINDS, QK, GGUFWeight
+
+EPILOGUES = {"none": 0, "silu": 1, "mul": 2, "add": 3}
+
+
+@triton.jit
+def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr,
+                 M, N, K, stride_xm, stride_ym, stride_om,
+                 KIND: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    blocks_per_row = K // 32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
+        block = ks // 32
+        scale = tl.load(d_ptr + cols[None, :] * blocks_per_row + block[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
+        if KIND == 2:  # Q8_0: int8 quants, w = d * q
+            q = tl.load(qs_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0).to(tl.float32)
+            w = scale * q
+        else:  # Q4_0 / Q4_1: byte j of a block holds weight j (low nibble) and j + 16 (high nibble)
+            j = ks % 32
+            byte = tl.load(qs_ptr + cols[None, :] * (K // 2) + (block * 16 + j % 16)[:, None], mask=col_ok[None, :], other=0)
+            q = tl.where((j < 16)[:, None], byte & 0x0F, byte >> 4).to(tl.float32)
+            if KIND == 1:
+                low = tl.load(m_ptr + cols[None, :] * blocks_per_row + block[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
+            else:
+                low = -8.0 * scale
+            w = scale * q + low
+        if IEEE:  # float32 activations: no TF32
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:  # float16 / bfloat16: the tensor cores' input type, float32 accumulation
+            acc += tl.dot(x, w.to(x.dtype))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if EPILOGUE == 1:
+        acc = acc / (1.0 + tl.exp(-acc))
+    elif EPILOGUE == 2:
+        acc = acc * tl.load(other_ptr + rows[:, None] * stride_om + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    elif EPILOGUE == 3:
+        acc = acc + tl.load(other_ptr + rows[:, None] * stride_om + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None, epilogue: str = "none",
+                other: torch.Tensor | None = None, block_n: int = 64, block_k: int | None = None) -> torch.Tensor:
+    """x [..., K] @ W.T (+ bias), then the epilogue (silu(y), y * other, y + other; other [..., N])."""
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} columns, the weight {k}")
+    block_k = block_k or (64 if k % 64 == 0 else QK)
+    if k % block_k or block_k % QK:
+        raise ValueError(f"K={k} must be a multiple of BLOCK_K={block_k}, itself a multiple of {QK}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {', '.join(EPILOGUES)}")
+    if (epilogue in ("mul", "add")) != (other is not None):
+        raise ValueError(f"epilogue {epilogue!r} {'needs' if other is None else 'takes no'} `other`")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"activations must be float32, float16 or bfloat16, not {x.dtype}")
+    rows = x.reshape(-1, k).contiguous()
+    m = rows.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if other is not None:
+        other = other.reshape(m, n).contiguous()
+    qs = w.qs.view(torch.int8) if w.kind == "Q8_0" else w.qs
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _gguf_matmul[grid](rows, qs, w.d, w.m if w.m is not None else w.d, bias if bias is not None else w.d,
+                       other if other is not None else y, y, m, n, k, rows.stride(0), y.stride(0),
+                       other.stride(0) if other is not None else 0,
+                       KIND=KINDS[w.kind], EPILOGUE=EPILOGUES[epilogue], HAS_BIAS=bias is not None,
+                       IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return y.reshape(*x.shape[:-1], n)
+
+
+class TritonGGUFLinear(nn.Module):
+    """GGUFLinear's interface (forward, silu, mul, add) on the Triton kernel. The weight stays in
+    GGUFWeight's row layout, so a tied embedding's blocks (`shared`) are used where they are."""
+
+    def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.kind, self.out_features = weight.kind, weight.shape[0]
+        self.register_buffer("qs", weight.qs)
+        self.register_buffer("d", weight.d)
+        self.register_buffer("m", weight.m)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    def _run(self, x: torch.Tensor, epilogue: str, other: torch.Tensor | None = None) -> torch.Tensor:
+        return gguf_linear(x, GGUFWeight(self.kind, self.qs, self.d, self.m), self.bias, epilogue, other)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, "none")
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, "silu")
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self._run(x, "mul", other)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self._run(x, "add", residual)

@@ -1,0 +1,107 @@
+"""The Triton GGUF-block matmul (kernels/triton_gguf.py) against the dequantized weights, under
+TRITON_INTERPRET=1 on CPU (tests/conftest.py sets it when there is no GPU): every block format —
+the file's Q4_0 / Q4_1 / Q8_0 and what int8 / int4 quantize into —, decode and prefill row counts,
+ragged N, each epilogue, float32 (IEEE) and float16 activations."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpilot.kernels.quantized import GGUFWeight, quantize_int4, quantize_int8
+from kvpilot.kernels.triton_gguf import gguf_linear
+
+
+def weight(kind: str, n: int, k: int, gen: torch.Generator) -> GGUFWeight:
+    dense = torch.randn(n, k, generator=gen) * 0.05
+    if kind == "int8":
+        return quantize_int8(dense)
+    if kind.startswith("int4"):
+        return quantize_int4(dense, int(kind.split("-g")[1]))
+    raw_q = torch.randint(0, 256, (n, k // 32, 16 if kind != "Q8_0" else 32), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 0.001).half()
+    m = (torch.randn(n, k // 32, generator=gen) * 0.01).half() if kind == "Q4_1" else None
+    return GGUFWeight(kind, raw_q.reshape(n, -1).contiguous(), d, m)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "int8", "int4-g64", "int4-g128"])
+@pytest.mark.parametrize("m", [1, 5, 37])  # decode, a small batch, prefill past one row tile
+def test_matches_the_dequantized_weights(kind, m):
+    gen = torch.Generator().manual_seed(m * 7 + len(kind))
+    w = weight(kind, 200, 192, gen)  # N not a multiple of the column tile; K three 64-column steps
+    x = torch.randn(m, 192, generator=gen)
+    bias = torch.randn(200, generator=gen)
+    ref = x @ w.dequantize().T + bias
+    torch.testing.assert_close(gguf_linear(x, w, bias), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("epilogue", ["silu", "mul", "add"])
+def test_fused_epilogues(epilogue):
+    gen = torch.Generator().manual_seed(3)
+    w = weight("Q4_1", 96, 96, gen)  # K = 96: 32-column steps
+    x, other = torch.randn(3, 2, 96, generator=gen), torch.randn(3, 2, 96, generator=gen)
+    y = x @ w.dequantize().T
+    ref = {"silu": F.silu(y), "mul": y * other, "add": y + other}[epilogue]
+    out = gguf_linear(x, w, epilogue=epilogue, other=None if epilogue == "silu" else other)
+    assert out.shape == (3, 2, 96)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_float16_activations_accumulate_in_float32():
+    gen = torch.Generator().manual_seed(5)
+    w = weight("Q8_0", 64, 256, gen)
+    x = torch.randn(4, 256, generator=gen).half()
+    out = gguf_linear(x, w)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), x.float() @ w.dequantize().half().float().T, atol=2e-3, rtol=2e-3)
+
+
+def test_bad_operands_are_refused_by_name():
+    gen = torch.Generator().manual_seed(1)
+    w = weight("Q4_0", 32, 64, gen)
+    with pytest.raises(ValueError, match="x has 32 columns, the weight 64"):
+        gguf_linear(torch.randn(1, 32), w)
+    with pytest.raises(ValueError, match="needs `other`"):
+        gguf_linear(torch.randn(1, 64), w, epilogue="add")
+    with pytest.raises(ValueError, match="activations must be"):
+        gguf_linear(torch.randn(1, 64, dtype=torch.float64), w)
+
+
+def test_dispatch_picks_triton_for_cuda_and_when_forced(monkeypatch):
+    """The projection factory's choice (no GPU needed to ask it): CUDA weights get the Triton kernel,
+    CPU weights the C++ one unless KVPILOT_KERNELS=triton; a bad value is refused by name."""
+    from kvpilot.kernels.linear import KERNELS_ENV, gguf_linear_class
+    from kvpilot.kernels.quantized import GGUFLinear
+    from kvpilot.kernels.triton_gguf import TritonGGUFLinear
+
+    monkeypatch.delenv(KERNELS_ENV, raising=False)
+    assert gguf_linear_class(torch.device("cuda")) is TritonGGUFLinear
+    assert gguf_linear_class(torch.device("cpu")) is GGUFLinear
+    monkeypatch.setenv(KERNELS_ENV, "triton")
+    assert gguf_linear_class(torch.device("cpu")) is TritonGGUFLinear
+    monkeypatch.setenv(KERNELS_ENV, "tritn")
+    with pytest.raises(ValueError, match="must be 'default' or 'triton'"):
+        gguf_linear_class(torch.device("cpu"))
+
+
+@pytest.mark.timeout(300)
+def test_engine_with_the_triton_kernels_forced_matches_the_cpp_kernels(monkeypatch, family_checkpoints):
+    """End to end through the engine (a tiny 2-layer Qwen2 checkpoint, int4-quantized at load: Q4_1
+    projections, the tied embedding/head int8 = Q8_0): every projection and the head on the Triton kernel, in the interpreter, give the C++ kernels' greedy tokens and
+    logprobs within float32 summation-order noise."""
+    from kvpilot.kernels.linear import KERNELS_ENV
+    from kvpilot.kernels.triton_gguf import TritonGGUFLinear
+    from kvpilot.server import LLM, SamplingParams
+
+    directory = family_checkpoints["qwen2"][0]  # q/k/v biases and a tied head: every form of projection
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+    runs = {}
+    for kernels in ("default", "triton"):
+        monkeypatch.setenv(KERNELS_ENV, kernels)
+        llm = LLM(model=str(directory), quantization="int4", show_progress=False, num_threads=1, kv_cache_memory="8MiB")
+        triton_layers = sum(isinstance(m, TritonGGUFLinear) for m in llm.engine.runner.model.modules())
+        assert (triton_layers > 0) == (kernels == "triton")
+        out = llm.generate("The capital of France is", params)[0].outputs[0]
+        runs[kernels] = (out.token_ids, [max(step.values()) for step in out.logprobs])
+        del llm
+    assert runs["triton"][0] == runs["default"][0]
+    torch.testing.assert_close(torch.tensor(runs["triton"][1]), torch.tensor(runs["default"][1]), atol=1e-4, rtol=1e-4)
