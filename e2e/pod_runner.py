@@ -316,9 +316,9 @@ class PodRunner:
             stop_container(container)
             spec_env = container_env(spec, pod)
             args = [expand(a, spec_env) for a in spec.get("args") or []]
-            argv = ["nice", "-n", "5", *podman_run_argv(container, pod, spec, volumes, env={**spec_env, "OMP_NUM_THREADS": "1"},
-                                                        args=args + ([] if "--num-threads" in args else ["--num-threads", "1"]),
-                                                        files={termination_log: spec.get("terminationMessagePath", "/dev/termination-log")})]
+            argv = podman_run_argv(container, pod, spec, volumes, env={**spec_env, "OMP_NUM_THREADS": "1"},
+                                   args=args + ([] if "--num-threads" in args else ["--num-threads", "1"]),
+                                   files={termination_log: spec.get("terminationMessagePath", "/dev/termination-log")})
             proc_env = None
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True)
         self.engines[uid] = PodProcess(name, pod["metadata"]["namespace"], ip, port, proc, container=container)
