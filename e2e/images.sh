@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make images`: builds kvpilot/engine and kvpilot/operator (tag = the package version) with podman,
 # without a Docker daemon and without an image registry:
-#   - installs podman, runc, debootstrap, skopeo (and shellcheck, for `make lint`) from Debian when missing;
+#   - installs podman, runc, debootstrap (and shellcheck, for `make lint`) from Debian when missing;
 #   - writes a containers.conf for this kind of machine (runc: crun can't run on hybrid cgroups here;
 #     ulimits within what an unprivileged sandbox may set) and exports CONTAINERS_CONF;
 #   - makes the base image locally: `debootstrap --variant=minbase bookworm` + python3, imported;
@@ -20,7 +20,7 @@ ca_bundle=${BUILD_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
 pip_cache=${PIP_CACHE_DIR:-$cache/pip}
 
 need=()
-for tool in podman runc debootstrap skopeo shellcheck; do command -v "$tool" >/dev/null || need+=("$tool"); done
+for tool in podman runc debootstrap shellcheck; do command -v "$tool" >/dev/null || need+=("$tool"); done
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing ${need[*]} from Debian" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
