@@ -10,25 +10,14 @@ into the matmul's output pass instead of another trip over the activations.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.kernels.ops import triton_forced
 from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight
-
-# "triton": the Triton kernels wherever there is one, CPU tensors included (under TRITON_INTERPRET=1:
-# how CI runs the GPU kernels end to end without a GPU); unset or "default": by device.
-KERNELS_ENV = "KVPILOT_KERNELS"
-
-
-def triton_forced() -> bool:
-    value = os.environ.get(KERNELS_ENV, "default")
-    if value not in ("default", "triton"):
-        raise ValueError(f"{KERNELS_ENV} must be 'default' or 'triton', not {value!r}")
-    return value == "triton"
 
 
 def gguf_linear_class(device: torch.device) -> type[nn.Module]:

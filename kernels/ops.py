@@ -4,12 +4,16 @@ implementations, chosen here and nowhere else.
 `ops_for(device)` resolves the table once, when the model is built; layers keep the `Ops` they were
 given and call its fields by name (they never look at the device or load an extension themselves).
 CPU: the C++ kernels of kernels/csrc (each falls back to the reference for dtypes it does not
-cover); anything else: the torch references (CUDA's Triton kernels are the GPU issue's to register).
+cover); anything else: the torch references. The Triton kernels written so far (decode attention here,
+GGUF-block projections in make_linear) run when KVPILOT_KERNELS=triton — on CPU tensors too, under
+TRITON_INTERPRET=1, which is how CI runs them end to end; they become CUDA's default once measured on a
+GPU (the GPU-path issue).
 Projections are made by `kernels.linear.make_linear`, which picks their weight format the same way.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
@@ -97,8 +101,26 @@ class Ops:
 
 REFERENCE = Ops("reference", rms_norm_ref, rotary_qkv_ref_, partial(paged_attention, decode=decode_attention_grouped))
 
+# "triton": the Triton kernels wherever there is one; unset or "default": by device.
+KERNELS_ENV = "KVPILOT_KERNELS"
+
+
+def triton_forced() -> bool:
+    value = os.environ.get(KERNELS_ENV, "default")
+    if value not in ("default", "triton"):
+        raise ValueError(f"{KERNELS_ENV} must be 'default' or 'triton', not {value!r}")
+    return value == "triton"
+
+
+def _triton_ops() -> Ops:
+    from kvpilot.kernels.triton_attention import paged_decode_attention
+
+    return Ops("triton", rms_norm_ref, rotary_qkv_ref_, partial(paged_attention, decode=paged_decode_attention))
+
 
 def ops_for(device: torch.device) -> Ops:
+    if triton_forced():
+        return _triton_ops()
     if device.type == "cpu":
         ext = cpu_extension.load()  # None (logged) when it cannot be built: the references serve
         if ext is not None:

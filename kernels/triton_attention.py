@@ -1,0 +1,82 @@
+"""Decode attention over the paged KV cache as a Triton kernel: the GPU form of the CPU kernel in
+kernels/csrc/paged_attention_cpu.cpp (part of the GPU-path issue; prefill, split-K and the fused
+RoPE / norm kernels are still to come).
+
+One program per (sequence, KV head) with the query heads that share it (GQA): it walks the sequence's
+block table, loads each block's K rows for its head once for the whole group, and keeps an online
+softmax (running max and sum, rescaled accumulators), so K and V are read once and nothing of the
+context is materialised. float32 math whatever the cache's dtype. head_dim and the block size must
+be powers of two (tl.arange): 64 and 128, 16 and 32 in practice; anything else is refused by name.
+
+Tested against the torch reference under TRITON_INTERPRET=1 (tests/test_triton_attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+                  stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    b, g = tl.program_id(0), tl.program_id(1)
+    j = tl.arange(0, GROUP_PAD)
+    head_ok = j < GROUP
+    heads = g * GROUP + j
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0).to(tl.float32) * scale
+    ctx = tl.load(lens_ptr + b)
+    m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, D), tl.float32)
+    t = tl.arange(0, BLOCK_SIZE)
+    for start in range(0, ctx, BLOCK_SIZE):
+        block = tl.load(tables_ptr + b * stride_tb + start // BLOCK_SIZE)
+        tok_ok = start + t < ctx
+        rows = block * stride_kb + t[:, None] * stride_kt + g * stride_kh + d[None, :]
+        k = tl.load(k_ptr + rows, mask=tok_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_SIZE, D]
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_SIZE]
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_ptr + rows, mask=tok_ok[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D]; k/v cache [num_blocks, block_size, KVH, D]; block_tables [B, W]; context_lens [B]
+    (tokens in the cache, this step's included, each ≥ 1) -> [B, H, D] in q's dtype. The decode
+    signature of kernels.paged_attention.paged_attention."""
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not fit queries of head_dim {head_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if not (_power_of_two(head_dim) and _power_of_two(block_size)):
+        raise ValueError(f"the Triton decode kernel needs a power-of-two head_dim and block size, not {head_dim} and {block_size}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    q = q.contiguous()
+    tables = block_tables.contiguous()
+    lens = context_lens.contiguous()
+    out = torch.empty_like(q)
+    group = heads // kv_heads
+    _paged_decode[(batch, kv_heads)](q, k_cache, v_cache, tables, lens, out, scale,
+                                     q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                                     tables.stride(0), out.stride(0), out.stride(1),
+                                     GROUP=group, GROUP_PAD=triton.next_power_of_2(group), D=head_dim, BLOCK_SIZE=block_size)
+    return out
