@@ -4,8 +4,9 @@ implementations, chosen here and nowhere else.
 `ops_for(device)` resolves the table once, when the model is built; layers keep the `Ops` they were
 given and call its fields by name (they never look at the device or load an extension themselves).
 CPU: the C++ kernels of kernels/csrc (each falls back to the reference for dtypes it does not
-cover); anything else: the torch references. The Triton kernels written so far (decode attention here,
-GGUF-block projections in make_linear) run when KVPILOT_KERNELS=triton — on CPU tensors too, under
+cover); anything else: the torch references. The Triton kernels written so far (RMSNorm, RoPE with the
+K/V store, decode attention; prefill attention still the reference; GGUF-block projections in
+make_linear) run when KVPILOT_KERNELS=triton — on CPU tensors too, under
 TRITON_INTERPRET=1, which is how CI runs them end to end; they become CUDA's default once measured on a
 GPU (the GPU-path issue).
 Projections are made by `kernels.linear.make_linear`, which picks their weight format the same way.
@@ -114,8 +115,9 @@ def triton_forced() -> bool:
 
 def _triton_ops() -> Ops:
     from kvpilot.kernels.triton_attention import paged_decode_attention
+    from kvpilot.kernels.triton_layers import rms_norm, rotary_qkv_
 
-    return Ops("triton", rms_norm_ref, rotary_qkv_ref_, partial(paged_attention, decode=paged_decode_attention))
+    return Ops("triton", rms_norm, rotary_qkv_, partial(paged_attention, decode=paged_decode_attention))
 
 
 def ops_for(device: torch.device) -> Ops:
