@@ -5,8 +5,7 @@ implementations, chosen here and nowhere else.
 given and call its fields by name (they never look at the device or load an extension themselves).
 CPU: the C++ kernels of kernels/csrc (each falls back to the reference for dtypes it does not
 cover); anything else: the torch references. The Triton kernels written so far (RMSNorm, RoPE with the
-K/V store, decode attention; prefill attention still the reference; GGUF-block projections in
-make_linear) run when KVPILOT_KERNELS=triton — on CPU tensors too, under
+K/V store, attention for a whole mixed step; GGUF-block projections in make_linear) run when KVPILOT_KERNELS=triton — on CPU tensors too, under
 TRITON_INTERPRET=1, which is how CI runs them end to end; they become CUDA's default once measured on a
 GPU (the GPU-path issue).
 Projections are made by `kernels.linear.make_linear`, which picks their weight format the same way.
@@ -114,10 +113,10 @@ def triton_forced() -> bool:
 
 
 def _triton_ops() -> Ops:
-    from kvpilot.kernels.triton_attention import paged_decode_attention
+    from kvpilot.kernels import triton_attention
     from kvpilot.kernels.triton_layers import rms_norm, rotary_qkv_
 
-    return Ops("triton", rms_norm, rotary_qkv_, partial(paged_attention, decode=paged_decode_attention))
+    return Ops("triton", rms_norm, rotary_qkv_, triton_attention.paged_attention)
 
 
 def ops_for(device: torch.device) -> Ops:

@@ -1,6 +1,12 @@
-"""Decode attention over the paged KV cache as a Triton kernel: the GPU form of the CPU kernel in
-kernels/csrc/paged_attention_cpu.cpp (part of the GPU-path issue; prefill, split-K and the fused
-RoPE / norm kernels are still to come).
+"""Attention over the paged KV cache as one Triton kernel for a whole mixed step: the GPU form of the
+CPU kernel in kernels/csrc/paged_attention_cpu.cpp (part of the GPU-path issue).
+
+`paged_attention` hands every token of the step to the decode kernel as its own query row — a decode
+token with its sequence's context, a prefill token (plain, chunked, or after a cached prefix) with the
+context up to and including itself, which is exactly the causal mask — so one launch covers prefills
+and decodes alike, with no per-sequence loop on the GPU side. Each program re-reads its context, so a
+long prompt costs O(n²) reads: a tiled prefill kernel (queries of a sequence sharing each K/V block)
+and a split-K form for long decodes are the next steps, to be measured on a GPU.
 
 One program per (sequence, KV head) with the query heads that share it (GQA): it walks the sequence's
 block table, loads each block's K rows for its head once for the whole group, and keeps an online
@@ -16,6 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kvpilot.kernels.paged_attention import AttentionMetadata, write_kv
 
 
 @triton.jit
@@ -80,3 +88,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                      tables.stride(0), out.stride(0), out.stride(1),
                                      GROUP=group, GROUP_PAD=triton.next_power_of_2(group), D=head_dim, BLOCK_SIZE=block_size)
     return out
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
+    """kernels.paged_attention.paged_attention's contract (store this step's K/V unless already stored,
+    then attend; q [T, heads, d] -> [T, heads, d]) in one kernel launch for the whole step."""
+    if not kv_stored:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if not meta.prefill_query_lens:
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    # Prefill token i of a sequence with `ctx` tokens after this step sits at position ctx - n + i: it
+    # sees ctx - n + i + 1 of them.
+    lens = [torch.arange(ctx - n + 1, ctx + 1, device=q.device) for n, ctx in zip(meta.prefill_query_lens, meta.prefill_context_lens)]
+    width = max([t.shape[-1] for t in meta.prefill_block_tables] + [meta.decode_block_tables.shape[-1]])
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    tables = [pad(t).expand(n, width) for n, t in zip(meta.prefill_query_lens, meta.prefill_block_tables)]
+    if meta.decode_context_lens.numel():
+        lens.append(meta.decode_context_lens)
+        tables.append(pad(meta.decode_block_tables))
+    return paged_decode_attention(q, k_cache, v_cache, torch.cat(tables), torch.cat(lens), scale)

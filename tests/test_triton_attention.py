@@ -38,3 +38,35 @@ def test_shapes_it_cannot_take_are_refused_by_name():
     with pytest.raises(ValueError, match="not a multiple of 3 KV heads"):
         paged_decode_attention(torch.randn(1, 4, 64), torch.zeros(4, 16, 3, 64), torch.zeros(4, 16, 3, 64),
                                torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_mixed_step_in_one_launch_matches_the_reference(dtype):
+    """Two prefills (one after a cached prefix of 21 tokens, one plain) and three decodes, the K/V of
+    the step written by the kernel's caller as in the engine: the same output as the torch reference."""
+    from kvpilot.kernels import triton_attention
+    from kvpilot.kernels.paged_attention import AttentionMetadata, paged_attention
+
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, bs, blocks = 6, 2, 64, 16, 40
+    prefix, new, plain, decode_ctx = 21, 9, 13, [5, 17, 40]
+    kc, vc = torch.randn(blocks, bs, kv_heads, d, generator=gen), torch.randn(blocks, bs, kv_heads, d, generator=gen)
+    free = torch.randperm(blocks, generator=gen).tolist()
+    table_for = lambda n: torch.tensor([free.pop() for _ in range(-(-n // bs))])
+    seqs = [table_for(prefix + new), table_for(plain), *[table_for(n) for n in decode_ctx]]
+    slot = lambda table, p: int(table[p // bs]) * bs + p % bs
+    slots = [slot(seqs[0], p) for p in range(prefix, prefix + new)] + [slot(seqs[1], p) for p in range(plain)] + \
+            [slot(t, n - 1) for t, n in zip(seqs[2:], decode_ctx)]
+    width = max(len(t) for t in seqs)
+    padded = torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for t in seqs])
+    meta = AttentionMetadata(torch.tensor(slots), [new, plain], [prefix + new, plain], [padded[0], padded[1]], padded[2:],
+                             torch.tensor(decode_ctx))
+    tokens = new + plain + len(decode_ctx)
+    q, k, v = (torch.randn(tokens, h, d, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    want_k, want_v = kc.to(dtype).float(), vc.to(dtype).float()
+    want = paged_attention(q.float(), k.float(), v.float(), want_k, want_v, meta, d ** -0.5)
+    got_k, got_v = kc.to(dtype), vc.to(dtype)
+    got = triton_attention.paged_attention(q, k, v, got_k, got_v, meta, d ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    assert torch.equal(got_k.float(), want_k) and torch.equal(got_v.float(), want_v)  # this step's K/V stored at its slots

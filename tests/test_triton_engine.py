@@ -9,12 +9,11 @@ from kvpilot.kernels.ops import KERNELS_ENV, ops_for
 
 
 def test_forcing_triton_swaps_the_dispatch_table(monkeypatch):
-    from kvpilot.kernels import triton_layers
-    from kvpilot.kernels.triton_attention import paged_decode_attention
+    from kvpilot.kernels import triton_attention, triton_layers
 
     monkeypatch.setenv(KERNELS_ENV, "triton")
     ops = ops_for(torch.device("cpu"))
-    assert ops.name == "triton" and ops.paged_attention.keywords["decode"] is paged_decode_attention
+    assert ops.name == "triton" and ops.paged_attention is triton_attention.paged_attention
     assert ops.rms_norm is triton_layers.rms_norm and ops.rotary_qkv_ is triton_layers.rotary_qkv_
     monkeypatch.setenv(KERNELS_ENV, "default")
     assert ops_for(torch.device("cpu")).name == "cpu-c++"
@@ -23,7 +22,7 @@ def test_forcing_triton_swaps_the_dispatch_table(monkeypatch):
 @pytest.mark.timeout(300)
 def test_engine_with_the_triton_kernels_forced_matches_the_cpp_kernels(monkeypatch, family_checkpoints):
     """End to end through the engine (a tiny 2-layer Qwen2 checkpoint, int4-quantized at load: Q4_1
-    projections, the tied embedding/head int8 = Q8_0): decode attention and every projection and the
+    projections, the tied embedding/head int8 = Q8_0): attention (prefill and decode) and every projection and the
     head, RMSNorm and RoPE with the cache store on the Triton kernels, in the interpreter, give the C++ kernels' greedy tokens and
     logprobs within float32 summation-order noise."""
     from kvpilot.kernels.triton_gguf import TritonGGUFLinear
