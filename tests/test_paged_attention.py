@@ -15,6 +15,17 @@ def cpp_decode(*args):
 DECODERS = {"cpp": cpp_decode, "torch": decode_attention_grouped}
 
 
+def decode_case(lens, heads, kv_heads, head_dim, block_size, gen, spare_blocks):
+    """Random contiguous K/V per sequence (`lens` tokens each), scattered into a shuffled paged cache:
+    (ks, vs, k_cache, v_cache, padded block tables, one query per sequence)."""
+    ks = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lens]
+    vs = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lens]
+    kc, vc, tables = paged(ks, vs, block_size, sum(-(-n // block_size) for n in lens) + spare_blocks, gen)
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return ks, vs, kc, vc, bt, torch.randn(len(lens), heads, head_dim, generator=gen)
+
+
 def naive(q, k, v, scale, offset):
     """q [n, h, d], k/v [L, kvh, d]; query i sits at position offset + i (causal)."""
     g = q.shape[1] // k.shape[1]
@@ -50,12 +61,7 @@ def test_decode_matches_naive(impl, batch, heads, kv_heads, head_dim, block_size
     gen = torch.Generator().manual_seed(heads * 100 + block_size + batch)
     lens = torch.randint(1, 90, (batch,), generator=gen).tolist()  # ragged, more than one decode group
     lens[0] = 300  # many blocks: the next-block prefetch, several full 16-token score blocks
-    ks = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lens]
-    vs = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lens]
-    kc, vc, tables = paged(ks, vs, block_size, sum(-(-n // block_size) for n in lens) + 20, gen)
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    ks, vs, kc, vc, bt, q = decode_case(lens, heads, kv_heads, head_dim, block_size, gen, spare_blocks=20)
     out = DECODERS[impl](q, kc, vc, bt, torch.tensor(lens), head_dim ** -0.5)
     for i, n in enumerate(lens):
         ref = naive(q[i:i + 1], ks[i], vs[i], head_dim ** -0.5, n - 1)

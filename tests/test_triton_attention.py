@@ -5,7 +5,7 @@ inside, at and one past a block boundary, float32 and float16."""
 
 import pytest
 import torch
-from test_paged_attention import naive, paged
+from test_paged_attention import decode_case, naive
 
 from kvpilot.kernels.triton_attention import paged_decode_attention
 
@@ -15,12 +15,7 @@ from kvpilot.kernels.triton_attention import paged_decode_attention
 def test_decode_matches_naive(heads, kv_heads, head_dim, block_size, dtype):
     gen = torch.Generator().manual_seed(heads * 10 + block_size)
     lens = [block_size, block_size + 1, 3 * block_size - 1, 1, 70]
-    ks = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lens]
-    vs = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lens]
-    kc, vc, tables = paged(ks, vs, block_size, sum(-(-n // block_size) for n in lens) + 4, gen)
-    width = max(map(len, tables))
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+    ks, vs, kc, vc, bt, q = decode_case(lens, heads, kv_heads, head_dim, block_size, gen, spare_blocks=4)
     out = paged_decode_attention(q.to(dtype), kc.to(dtype), vc.to(dtype), bt, torch.tensor(lens), head_dim ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-3
