@@ -368,9 +368,9 @@ class PodRunner:
                 argv, env = container_argv(c, pod, volumes)
                 env = {**os.environ, **env}
             else:
-                c_env = container_env(c, pod)
-                argv, env = podman_run_argv(container_name(pod["metadata"]["uid"], c["name"]), pod, c, volumes, env=c_env,
-                                            args=[expand(a, c_env) for a in c.get("args") or []]), None
+                c_env, name = container_env(c, pod), container_name(uid, c["name"])
+                stop_container(name)  # one left by a run that was killed
+                argv, env = podman_run_argv(name, pod, c, volumes, env=c_env, args=[expand(a, c_env) for a in c.get("args") or []]), None
             with open(log_path, "ab") as log:
                 r = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600)
             self.events.append((time.time(), pod["metadata"]["name"], f"init container {c['name']} exited {r.returncode}"))
