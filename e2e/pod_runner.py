@@ -123,14 +123,27 @@ def container_name(uid: str, container: str) -> str:
     return f"kvpilot-pod-{uid[:13]}-{container}"
 
 
-def podman_run_argv(name: str, pod: dict, container: dict, volumes: dict[str, Path], *, env: dict[str, str],
-                    args: list[str], files: dict[Path, str] | None = None) -> list[str]:
-    """`podman run` for one of the pod's containers, attached (the caller's process is the container's
-    life): host network, the pod's user, its emptyDirs (a Memory one at /dev/shm becomes --shm-size),
-    `files` (host file -> path in the container) mounted. `args` replace the container's args."""
+def pod_user(pod: dict) -> tuple[int, int]:
+    """The pod's runAsUser and runAsGroup (the images' 65532 when unset)."""
     security = pod["spec"].get("securityContext") or {}
+    return security.get("runAsUser", 65532), security.get("runAsGroup", security.get("runAsUser", 65532))
+
+
+def podman_run(uid: str, pod: dict, container: dict, volumes: dict[str, Path], *, env: dict[str, str] | None = None,
+               args_before: list[str] | None = None, args_after: list[str] | None = None,
+               files: dict[Path, str] | None = None) -> tuple[str, list[str]]:
+    """(name, argv) of `podman run` for one of the pod's containers, attached (the caller's process is
+    the container's life), any leftover of the same name removed first: host network, the pod's user,
+    its emptyDirs (a Memory one at /dev/shm becomes --shm-size), `files` (host file -> path in the
+    container) mounted, the container's env plus `env`, its args ($(VAR)s expanded) between
+    `args_before` and `args_after`."""
+    name = container_name(uid, container["name"])
+    stop_container(name)
+    spec_env = container_env(container, pod)
+    args = [*(args_before or []), *(expand(a, spec_env) for a in container.get("args") or []), *(args_after or [])]
+    user, group = pod_user(pod)
     argv = [*podman(), "run", "--rm", "--name", name, "--label", RUNNER_LABEL, "--network", "host", "--pull", "never", "--init",
-            "--user", f"{security.get('runAsUser', 65532)}:{security.get('runAsGroup', security.get('runAsUser', 65532))}"]
+            "--user", f"{user}:{group}"]
     csc = container.get("securityContext") or {}
     if csc.get("readOnlyRootFilesystem"):
         argv.append("--read-only")
@@ -147,11 +160,11 @@ def podman_run_argv(name: str, pod: dict, container: dict, volumes: dict[str, Pa
             argv += ["-v", f"{volumes[m['name']]}:{m['mountPath']}{':ro' if m.get('readOnly') else ''}"]
     for host, path in (files or {}).items():
         argv += ["-v", f"{host}:{path}"]
-    for k, v in env.items():
+    for k, v in {**spec_env, **(env or {})}.items():
         argv += ["-e", f"{k}={v}"]
     if container.get("command"):
         argv += ["--entrypoint", json.dumps(container["command"])]
-    return [*argv, container["image"], *args]
+    return name, [*argv, container["image"], *args]
 
 
 def stop_container(name: str) -> None:
@@ -231,14 +244,10 @@ class PodRunner:
         else:
             kubeconfig.chmod(0o644)  # read by the container's user
             container = pod["spec"]["containers"][0]
-            args = [expand(a, container_env(container, pod)) for a in container.get("args") or []]
-            if container["name"] == "gateway":  # every pod shares the host's network: listen on the pod's own IP
-                args = ["--host", require_loopback(pod["status"]["podIP"]), *args]
-            name = container_name(uid, container["name"])
-            stop_container(name)
-            argv = podman_run_argv(name, pod, container, self._volumes(uid, pod),
-                                   env={**container_env(container, pod), "KUBECONFIG": CONTAINER_KUBECONFIG},
-                                   args=args, files={kubeconfig: f"{CONTAINER_KUBECONFIG}:ro"})
+            # every pod shares the host's network: the gateway listens on the pod's own IP
+            host = ["--host", require_loopback(pod["status"]["podIP"])] if container["name"] == "gateway" else []
+            name, argv = podman_run(uid, pod, container, self._volumes(uid, pod), env={"KUBECONFIG": CONTAINER_KUBECONFIG},
+                                    args_before=host, files={kubeconfig: f"{CONTAINER_KUBECONFIG}:ro"})
             env = None
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.operators[uid] = PodProcess(m["name"], m["namespace"], require_loopback(pod["status"]["podIP"]), 8080, proc, container=name)
@@ -312,13 +321,9 @@ class PodRunner:
         else:
             termination_log.chmod(0o666)  # written by the container's user
             spec = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
-            container = container_name(uid, "engine")
-            stop_container(container)
-            spec_env = container_env(spec, pod)
-            args = [expand(a, spec_env) for a in spec.get("args") or []]
-            argv = podman_run_argv(container, pod, spec, volumes, env={**spec_env, "OMP_NUM_THREADS": "1"},
-                                   args=args + ([] if "--num-threads" in args else ["--num-threads", "1"]),
-                                   files={termination_log: spec.get("terminationMessagePath", "/dev/termination-log")})
+            container, argv = podman_run(uid, pod, spec, volumes, env={"OMP_NUM_THREADS": "1"},
+                                         args_after=[] if "--num-threads" in (spec.get("args") or []) else ["--num-threads", "1"],
+                                         files={termination_log: spec.get("terminationMessagePath", "/dev/termination-log")})
             proc_env = None
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True)
         self.engines[uid] = PodProcess(name, pod["metadata"]["namespace"], ip, port, proc, container=container)
@@ -354,8 +359,8 @@ class PodRunner:
                 volumes[v["name"]] = self.log_dir / "volumes" / uid / v["name"]
                 volumes[v["name"]].mkdir(parents=True, exist_ok=True)
                 if self.runtime == "podman":  # fsGroup: the pod's user owns its emptyDirs
-                    security = pod["spec"].get("securityContext") or {}
-                    os.chown(volumes[v["name"]], security.get("runAsUser", 65532), security.get("fsGroup", security.get("runAsGroup", 65532)))
+                    user, group = pod_user(pod)
+                    os.chown(volumes[v["name"]], user, (pod["spec"].get("securityContext") or {}).get("fsGroup", group))
         return volumes
 
     def _run_init_containers(self, uid: str, pod: dict, volumes: dict[str, Path], log_path: Path) -> bool:
@@ -368,9 +373,7 @@ class PodRunner:
                 argv, env = container_argv(c, pod, volumes)
                 env = {**os.environ, **env}
             else:
-                c_env, name = container_env(c, pod), container_name(uid, c["name"])
-                stop_container(name)  # one left by a run that was killed
-                argv, env = podman_run_argv(name, pod, c, volumes, env=c_env, args=[expand(a, c_env) for a in c.get("args") or []]), None
+                argv, env = podman_run(uid, pod, c, volumes)[1], None
             with open(log_path, "ab") as log:
                 r = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600)
             self.events.append((time.time(), pod["metadata"]["name"], f"init container {c['name']} exited {r.returncode}"))
