@@ -77,20 +77,20 @@ class RowParallel:
     rank: int
 
 
-class RowParallelLinear(Linear):
-    """One rank's slice of a row-parallel projection: its partial product, summed over the ranks by
-    one all-reduce. The bias and the fused residual add ride on rank 0's part only, so that the sum
-    counts them once."""
+class RowParallelLinear(nn.Module):
+    """One rank's slice of a row-parallel projection (any kind: dense, oneDNN-packed, GGUF blocks): its
+    partial product, summed over the ranks by one all-reduce. The bias and the fused residual add ride
+    on rank 0's part only (`local` is built with the bias on rank 0 alone), so that the sum counts them once."""
 
-    def __init__(self, weight: torch.Tensor, packed: bool, bias: torch.Tensor | None, rank: int):
-        super().__init__(weight, packed, bias if rank == 0 else None)
-        self.rank = rank
+    def __init__(self, local: nn.Module, rank: int):
+        super().__init__()
+        self.local, self.rank = local, rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(super().forward(x))
+        return _all_reduce(self.local(x))
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(super().add(x, residual) if self.rank == 0 else super().forward(x))
+        return _all_reduce(self.local.add(x, residual) if self.rank == 0 else self.local(x))
 
 
 def _all_reduce(t: torch.Tensor) -> torch.Tensor:
@@ -107,15 +107,13 @@ def make_linear(weight: torch.Tensor | GGUFWeight, bias: torch.Tensor | None = N
     Column-parallel projections need nothing here (a rank's rows are a smaller projection); `shard`
     marks a row-parallel one; `shared`: GGUF blocks that something else reads too (a tied embedding)
     are multiplied where they are instead of re-laid out into a copy."""
+    if shard is not None:
+        return RowParallelLinear(make_linear(weight, bias if shard.rank == 0 else None, use_onednn=use_onednn), shard.rank)
     if isinstance(weight, GGUFWeight):
-        if shard is not None:
-            raise NotImplementedError("GGUF-block weights run without tensor parallelism so far")
         kind = gguf_linear_class(weight.qs.device)
         return GGUFLinear(weight, bias, in_place=shared) if kind is GGUFLinear else kind(weight, bias)
     if use_onednn is None:
         use_onednn = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available()
     # The packed copy is all the CPU path reads; keeping the dense one too would double the memory.
     w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if use_onednn else weight.contiguous()
-    if shard is not None:
-        return RowParallelLinear(w, use_onednn, bias, shard.rank)
     return Linear(w, packed=use_onednn, bias=bias)

@@ -97,8 +97,6 @@ class EngineConfig(BaseModel):
                                  "interpreter but not yet measured on a GPU)")
             if self.dtype not in ("auto", "float32"):
                 raise ValueError(f"quantization={q} computes in float32 (its kernels take float32 activations), not dtype={self.dtype}")
-            if self.tensor_parallel_size > 1:
-                raise ValueError(f"quantization={q} is not implemented with tensor_parallel_size > 1")
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, not {self.quantization_group_size}")
         if self.quantization_group_size != 32 and q != "int4":

@@ -60,7 +60,7 @@ def test_row_parallel_projection_counts_bias_and_residual_on_rank_0_only(tmp_pat
     try:
         for use_onednn in (True, False):
             first, other = (make_linear(w, bias=b, shard=RowParallel(rank), use_onednn=use_onednn) for rank in (0, 1))
-            assert isinstance(first, RowParallelLinear) and first.bias is not None and other.bias is None
+            assert isinstance(first, RowParallelLinear) and first.local.bias is not None and other.local.bias is None
             torch.testing.assert_close(first.add(x, residual), x @ w.T + b + residual)
             torch.testing.assert_close(other.add(x, residual), x @ w.T)
             torch.testing.assert_close(first(x), x @ w.T + b)

@@ -1,4 +1,4 @@
-"""Tensor parallelism on the other families' test checkpoints (its own module: one tensor-parallel
+"""Tensor parallelism on the other families' test checkpoints and with packed weights (its own module: one tensor-parallel
 engine per process, and test_tensor_parallel.py keeps one alive for its whole module)."""
 
 from __future__ import annotations
@@ -27,4 +27,27 @@ def test_two_ranks_on_each_family_equal_one(family_checkpoints, family):
     one, two = results
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
     for a, b in zip(one, two):
+        assert max(abs(x[t] - y[t]) for x, y, t in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], a.prompt_token_ids[1:])) < 1e-4
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("quantization", ["gguf"])
+def test_three_ranks_with_packed_weights_equal_one(quantization):
+    """SmolLM2's GGUF blocks (the file's Q4_1/Q8_0) sharded over 3 ranks:
+    each rank keeps a third of the packed projection bytes (its heads, FFN columns and vocabulary rows,
+    still in blocks), and the greedy ids and prompt logprobs equal one rank's."""
+    from kvpilot.server import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 5, 8, 13,"]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+    results, held = [], []
+    for world in (1, 3):
+        llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB", tensor_parallel_size=world, quantization=quantization)
+        results.append(llm.generate(prompts, greedy))
+        held.append([r["projection_bytes"] for r in llm.engine.runner.describe_ranks()])
+        llm.engine.close()
+    one, three = results
+    assert len(held[1]) == 3 and all(abs(b - held[0][0] / 3) < 0.01 * held[0][0] for b in held[1]), held
+    assert [o.outputs[0].token_ids for o in three] == [o.outputs[0].token_ids for o in one]
+    for a, b in zip(one, three):
         assert max(abs(x[t] - y[t]) for x, y, t in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], a.prompt_token_ids[1:])) < 1e-4

@@ -177,9 +177,10 @@ class ModelRunner:
 
     def describe(self) -> dict:
         """What this rank holds: projection weight bytes, KV heads and KV cache bytes (tests, logs)."""
-        from kvpilot.kernels.linear import Linear
-
-        projections = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules() if isinstance(m, Linear))
+        # Projections keep their weights as buffers (dense or oneDNN "weight"; GGUF blocks "qs", "d", "m");
+        # norms and the embedding are parameters.
+        projections = sum(b.numel() * b.element_size() for name, b in self.model.named_buffers()
+                          if name.rsplit(".", 1)[-1] in ("weight", "qs", "d", "m"))
         return {"rank": self.tp.rank if self.tp else 0, "projection_bytes": projections, "kv_heads": self.model.num_kv_heads,
                 "kv_cache_bytes": sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)}
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.kernels.linear import RowParallel, make_linear
@@ -95,7 +94,7 @@ class DecoderModel(nn.Module):
         start = self.tp.rank * self.embed.shape[0]
         local = input_ids - start
         mine = (local >= 0) & (local < self.embed.shape[0])
-        x = F.embedding(torch.where(mine, local, 0), self.embed) * mine[:, None]
+        x = embedding(torch.where(mine, local, 0), self.embed) * mine[:, None]
         dist.all_reduce(x)  # each token's row comes from the one rank that holds it
         return x
 
