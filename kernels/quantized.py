@@ -117,14 +117,14 @@ class GGUFLinear(nn.Module):
         self._ext = cpu_extension.require()
 
     def _run(self, x: torch.Tensor, epilogue: int, other: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-        if other is not None:
-            other = other.reshape(rows.shape[0], -1).float().contiguous()
+        if x.dim() != 2 or x.dtype != torch.float32:  # the model passes float32 rows: no reshapes or casts on its path
+            rows = x.reshape(-1, x.shape[-1]).float()
+            other = None if other is None else other.reshape(rows.shape[0], -1).float()
+            return self._run(rows, epilogue, other).reshape(*x.shape[:-1], -1)
+        # The kernels check every operand's dtype, shape and strides themselves.
         if self.panels:
-            y = self._ext.gguf_linear_panel(rows, self.qs, self.d, self.m, KINDS[self.kind], self.out_features, self.bias, epilogue, other)
-        else:
-            y = self._ext.gguf_linear(rows, self.qs, self.d, self.m, KINDS[self.kind], self.bias, epilogue, other)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+            return self._ext.gguf_linear_panel(x, self.qs, self.d, self.m, KINDS[self.kind], self.out_features, self.bias, epilogue, other)
+        return self._ext.gguf_linear(x, self.qs, self.d, self.m, KINDS[self.kind], self.bias, epilogue, other)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, 0)
