@@ -115,16 +115,27 @@ class GGUFLinear(nn.Module):
         self.register_buffer("m", m)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         self._ext = cpu_extension.require()
+        self._bind()
+
+    def _bind(self) -> None:
+        # The kernel and its weight operands as one plain attribute: reading registered buffers goes
+        # through nn.Module.__getattr__, four lookups per call on the decode path.
+        if self.panels:
+            self._kernel, self._operands = self._ext.gguf_linear_panel, (self.qs, self.d, self.m, KINDS[self.kind], self.out_features, self.bias)
+        else:
+            self._kernel, self._operands = self._ext.gguf_linear, (self.qs, self.d, self.m, KINDS[self.kind], self.bias)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._bind()  # .to() and friends replace the buffers
+        return self
 
     def _run(self, x: torch.Tensor, epilogue: int, other: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.float32:  # the model passes float32 rows: no reshapes or casts on its path
             rows = x.reshape(-1, x.shape[-1]).float()
             other = None if other is None else other.reshape(rows.shape[0], -1).float()
             return self._run(rows, epilogue, other).reshape(*x.shape[:-1], -1)
-        # The kernels check every operand's dtype, shape and strides themselves.
-        if self.panels:
-            return self._ext.gguf_linear_panel(x, self.qs, self.d, self.m, KINDS[self.kind], self.out_features, self.bias, epilogue, other)
-        return self._ext.gguf_linear(x, self.qs, self.d, self.m, KINDS[self.kind], self.bias, epilogue, other)
+        return self._kernel(x, *self._operands, epilogue, other)  # it checks every operand's dtype, shape and strides
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, 0)

@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -201,6 +202,7 @@ struct PanelArgs {
   float* y; int64_t y_stride;
   const float* other; int64_t other_stride;
   int64_t kind, epilogue;
+  const float* xsum;  // [M, nb]: each activation row's sum over each block (4-bit kinds; the factored path)
 };
 
 inline void store_lanes(const PanelArgs& a, int64_t row, int64_t p, const float* v) {
@@ -344,10 +346,66 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2_t(const PanelArgs& a, i
   }
 }
 
+// One or two activation rows (decoding one or two sequences), 4-bit kinds. With a single row the loop
+// above is bound by the latency of one accumulator chain per panel; here the block's sum of x·q is kept
+// in separate registers for the low and high nibbles (four independent chains for two panels), and the
+// scale and min are applied once per block instead of per weight: Σ x·(d·q + m) = d·Σ x·q + m·Σ x.
+template <int R, int NP>
+__attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_factored(const PanelArgs& a, int64_t row0, int64_t p) {
+  __m512 acc[NP][R];
+  for (int u = 0; u < NP; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const int64_t bytes = block_bytes(a.kind);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m512 lo[NP][R], hi[NP][R];
+    const uint8_t* q[NP];
+    for (int u = 0; u < NP; ++u) {
+      q[u] = a.qs + ((p + u) * a.nb + b) * bytes;
+      for (int r = 0; r < R; ++r) lo[u][r] = hi[u][r] = _mm512_setzero_ps();
+    }
+    const float* x = a.x + row0 * a.x_stride + b * QK;
+    for (int j = 0; j < QK / 2; ++j) {
+      __m512 ql[NP], qh[NP];
+      for (int u = 0; u < NP; ++u) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q[u] + j * LANES));
+        ql[u] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low4)));
+        qh[u] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low4)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 x0 = _mm512_set1_ps(x[r * a.x_stride + j]), x1 = _mm512_set1_ps(x[r * a.x_stride + j + 16]);
+        for (int u = 0; u < NP; ++u) {
+          lo[u][r] = _mm512_fmadd_ps(x0, ql[u], lo[u][r]);
+          hi[u][r] = _mm512_fmadd_ps(x1, qh[u], hi[u][r]);
+        }
+      }
+    }
+    for (int u = 0; u < NP; ++u) {
+      const int64_t sb = ((p + u) * a.nb + b) * LANES;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
+      const __m512 mn = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
+                                       : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+      for (int r = 0; r < R; ++r) {
+        acc[u][r] = _mm512_fmadd_ps(d, _mm512_add_ps(lo[u][r], hi[u][r]), acc[u][r]);
+        acc[u][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(row0 + r) * a.nb + b]), acc[u][r]);
+      }
+    }
+  }
+  alignas(64) float out[LANES];
+  for (int u = 0; u < NP; ++u)
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(out, acc[u][r]);
+      store_lanes(a, row0 + r, p + u, out);
+    }
+}
+
 using PanelFn = void (*)(const PanelArgs&, int64_t, int64_t, int64_t);
 
 template <int NP>
 void panel_avx512_np(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
+  if (a.kind != Q8_0 && rows <= 2) {
+    return rows == 1 ? panel_avx512_factored<1, NP>(a, row0, p) : panel_avx512_factored<2, NP>(a, row0, p);
+  }
   switch (rows) {
       case 1: return panel_avx512_t<1, NP>(a, row0, p);
       case 2: return panel_avx512_t<2, NP>(a, row0, p);
@@ -441,7 +499,19 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
   const bool binary = epilogue == MUL || epilogue == ADD;
   PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr,
               K / QK, n, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), y.stride(0),
-              binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue};
+              binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue, nullptr};
+  std::vector<float> xsum;
+  if (kind != Q8_0) {  // the factored 4-bit path's per-block activation sums, once per call for every panel
+    xsum.resize(M * (K / QK));
+    const float* xp = x.data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t b = 0; b < K / QK; ++b) {
+        float s = 0.0f;
+        for (int64_t k = 0; k < QK; ++k) s += xp[r * x.stride(0) + b * QK + k];
+        xsum[r * (K / QK) + b] = s;
+      }
+    a.xsum = xsum.data();
+  }
   const RowsFn rows_fn = pick(isa);  // the instruction-set choice, shared with gguf_linear
   const PanelFn panel_fn = rows_fn == rows_avx512 ? panel_avx512 : rows_fn == rows_avx2 ? panel_avx2 : panel_scalar;
   const int64_t tile = rows_fn == rows_avx512 ? PANEL_ROWS_512 : rows_fn == rows_avx2 ? PANEL_ROWS_AVX2 : ROW_TILE;

@@ -289,16 +289,20 @@ std::string gguf_linear_isa();
 torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
                                 c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa);
 
+// The kernels touch no Python object: they run without the GIL, so the server's asyncio thread (HTTP,
+// streaming) can run while the engine thread is inside one instead of waiting for the interpreter's
+// 5 ms switch interval to force a turn.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
-  m.def("rotary_inplace", &rotary_inplace, "RoPE in place on the query and key heads of a fused QKV output (CPU)");
-  m.def("rotary_store_kv", &rotary_store_kv, "RoPE in place on a fused QKV output, then its K and V rows into the paged cache (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)", no_gil);
+  m.def("rotary_inplace", &rotary_inplace, "RoPE in place on the query and key heads of a fused QKV output (CPU)", no_gil);
+  m.def("rotary_store_kv", &rotary_store_kv, "RoPE in place on a fused QKV output, then its K and V rows into the paged cache (CPU)", no_gil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)", no_gil);
   m.def("gguf_linear", &gguf_linear, "x @ W.T with W in a GGUF block format (Q4_0, Q4_1, Q8_0), dequantized in registers (CPU)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("bias"), py::arg("epilogue"), py::arg("other"),
-        py::arg("isa") = "auto");
+        py::arg("isa") = "auto", no_gil);
   m.def("gguf_linear_panel", &gguf_linear_panel, "x @ W.T with W in GGUF blocks laid out in panels of 16 output rows (CPU)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("n"), py::arg("bias"), py::arg("epilogue"),
-        py::arg("other"), py::arg("isa") = "auto");
+        py::arg("other"), py::arg("isa") = "auto", no_gil);
   m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear uses here (avx512, avx2 or scalar)");
 }
