@@ -71,35 +71,48 @@ def _k4_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales.to(torch.float32), mins.to(torch.float32)
 
 
-def _k4_dequantize(raw: torch.Tensor, block_bytes: int, fifth_bit: bool) -> torch.Tensor:
+def k_quant_parts(kind: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Q4_K / Q5_K / Q6_K blocks -> (codes int8 [rows, K], scales float32 [rows, K/16], mins float32 [rows,
+    K/16] or None for Q6_K): w = code·scale + min per 16 columns, the super-block's d and dmin already
+    multiplied in. The dequantize functions below are exactly that; the CPU kernels keep these parts."""
     rows = raw.shape[0]
+    if kind == "Q6_K":
+        blocks = _blocks(raw, 210)
+        scales = blocks[..., 192:208].contiguous().view(torch.int8).to(torch.float32)
+        d = _f16(blocks[..., 208:210]) * scales  # [rows, blocks, 16]
+        low = _bits(blocks[..., 0:128].reshape(rows, -1, 2, 64), [0, 4], 0x0F).reshape(rows, -1, 8, 32)
+        high = _bits(blocks[..., 128:192].reshape(rows, -1, 2, 32), [0, 2, 4, 6], 0x03)
+        return ((low | (high << 4)).to(torch.int8) - 32).reshape(rows, -1), d.reshape(rows, -1), None
+    if kind not in ("Q4_K", "Q5_K"):
+        raise ValueError(f"{kind} is not a K-quant this code reads (Q4_K, Q5_K, Q6_K)")
+    block_bytes = 144 if kind == "Q4_K" else 176
     blocks = _blocks(raw, block_bytes)
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     scales, mins = _k4_scales(blocks[..., 4:16])
-    d = (d * scales).unsqueeze(-1)        # [rows, blocks, 8, 1]
-    dm = (dmin * mins).unsqueeze(-1)
-    qs = blocks[..., block_bytes - 128:]
-    q = _bits(qs.reshape(rows, -1, 4, 32), [0, 4], 0x0F)  # [rows, blocks, 8, 32]
-    if fifth_bit:
-        qh = _bits(blocks[..., 16:48].reshape(rows, -1, 1, 32), list(range(8)), 0x01)
-        q = q | (qh << 4)
-    return (d * q.to(torch.float32) - dm).reshape(rows, -1)
+    q = _bits(blocks[..., block_bytes - 128:].reshape(rows, -1, 4, 32), [0, 4], 0x0F)  # [rows, blocks, 8, 32]
+    if kind == "Q5_K":
+        q = q | (_bits(blocks[..., 16:48].reshape(rows, -1, 1, 32), list(range(8)), 0x01) << 4)
+    per16 = lambda t: t.repeat_interleave(2, dim=-1).reshape(rows, -1)  # noqa: E731 — a sub-block of 32 is two of 16
+    return q.to(torch.int8).reshape(rows, -1), per16(d * scales), per16(-(dmin * mins))
+
+
+def _k_dequantize(kind: str, raw: torch.Tensor) -> torch.Tensor:
+    # code·scale is exact in float32 (at most 22 significant bits for Q4_K/Q5_K), so adding the negated
+    # min rounds once, as gguf's `scale·q − dmin·min` does; Q6_K is the one product.
+    codes, scales, mins = k_quant_parts(kind, raw)
+    w = codes.to(torch.float32).reshape(raw.shape[0], -1, 16) * scales.unsqueeze(-1)
+    if mins is not None:
+        w = w + mins.unsqueeze(-1)
+    return w.reshape(raw.shape[0], -1)
 
 
 def dequantize_q4_k(raw: torch.Tensor) -> torch.Tensor:
-    return _k4_dequantize(raw, 144, fifth_bit=False)
+    return _k_dequantize("Q4_K", raw)
 
 
 def dequantize_q5_k(raw: torch.Tensor) -> torch.Tensor:
-    return _k4_dequantize(raw, 176, fifth_bit=True)
+    return _k_dequantize("Q5_K", raw)
 
 
 def dequantize_q6_k(raw: torch.Tensor) -> torch.Tensor:
-    rows = raw.shape[0]
-    blocks = _blocks(raw, 210)
-    scales = blocks[..., 192:208].contiguous().view(torch.int8).to(torch.float32)
-    d = (_f16(blocks[..., 208:210]) * scales).unsqueeze(-1)  # [rows, blocks, 16, 1]
-    low = _bits(blocks[..., 0:128].reshape(rows, -1, 2, 64), [0, 4], 0x0F).reshape(rows, -1, 8, 32)
-    high = _bits(blocks[..., 128:192].reshape(rows, -1, 2, 32), [0, 2, 4, 6], 0x03)
-    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(rows, -1, 16, 16).to(torch.float32)
-    return (d * q).reshape(rows, -1)
+    return _k_dequantize("Q6_K", raw)

@@ -4,6 +4,11 @@ float16 beside them — and multiplied by kernels/csrc/gguf_linear_cpu.cpp, whic
 registers. The bytes per weight stay the file's (Q4_1: 20 per 32 weights); the values are exactly
 those GGUF's reference dequantization gives (kernels/gguf_dequant.py), so only the summation order
 differs from the float path.
+
+The K-quants (Q4_K, Q5_K, Q6_K: what `Q4_K_M`-style files hold) are re-laid out as one int8 code per
+weight with a float32 scale and min per 16 columns (`gguf_dequant.k_quant_parts`, the kernels' "K8"
+layout): the same exact values, at 12 bits per weight instead of the file's 4.5–6.6 — still under
+half of bfloat16's bytes; a 4-bit-code layout for Q4_K is the next step.
 """
 
 from __future__ import annotations
@@ -15,17 +20,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.kernels import cpu_extension
+from kvpilot.kernels.gguf_dequant import k_quant_parts
 
 QK = 32  # weights per block
-KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF types kept in their own row layout (both kernels, Triton too)
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # kept in the K8 layout (CPU panels only)
+K8 = 3  # the CPU kernels' id of that layout
+K8_BLOCK = 16  # columns per K8 scale
 
 
 @dataclass(frozen=True)
 class GGUFWeight:
     """A [N, K] weight in a GGUF block format. qs: uint8 [N, K/2] (4-bit: byte j of block b holds element
     32b + j in its low nibble and 32b + j + 16 in its high one) or [N, K] (Q8_0, int8 bit patterns);
-    d: float16 [N, K/32] scales; m: float16 [N, K/32] mins (Q4_1 only)."""
+    d: float16 [N, K/32] scales; m: float16 [N, K/32] mins (Q4_1 only). K-quants: qs int8 codes [N, K],
+    d and m float32 [N, K/16] (m None for Q6_K)."""
 
     kind: str
     qs: torch.Tensor
@@ -33,8 +43,13 @@ class GGUFWeight:
     m: torch.Tensor | None = None
 
     @property
+    def block(self) -> int:
+        """Input columns per scale."""
+        return K8_BLOCK if self.kind in K_QUANTS else QK
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return self.qs.shape[0], self.d.shape[1] * QK
+        return self.qs.shape[0], self.d.shape[1] * self.block
 
     @property
     def nbytes(self) -> int:
@@ -43,8 +58,11 @@ class GGUFWeight:
     @classmethod
     def from_blocks(cls, kind: str, raw: torch.Tensor, rows: int) -> GGUFWeight:
         """From the file's blocks (uint8, `rows` rows of whole blocks) into the kernels' layout."""
+        if kind in K_QUANTS:
+            codes, d, m = k_quant_parts(kind, raw.reshape(rows, -1))
+            return cls(kind, codes.view(torch.uint8), d, m)
         if kind not in KINDS:
-            raise ValueError(f"GGUF type {kind} is not one the gguf kernels take ({', '.join(KINDS)})")
+            raise ValueError(f"GGUF type {kind} is not one the gguf kernels take ({', '.join([*KINDS, *K_QUANTS])})")
         blocks = raw.reshape(rows, -1, _BLOCK_BYTES[kind])
         d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(rows, -1)
         if kind == "Q4_1":
@@ -58,10 +76,10 @@ class GGUFWeight:
 
     def columns(self, start: int, end: int) -> GGUFWeight:
         """Input columns [start, end): whole blocks only (a row-parallel shard)."""
-        if start % QK or end % QK:
-            raise ValueError(f"a {self.kind} weight splits only at multiples of {QK} columns, not [{start}, {end})")
-        per_block = QK if self.kind == "Q8_0" else QK // 2
-        b0, b1 = start // QK, end // QK
+        if start % self.block or end % self.block:
+            raise ValueError(f"a {self.kind} weight splits only at multiples of {self.block} columns, not [{start}, {end})")
+        per_block = self.qs.shape[1] // self.d.shape[1]  # code bytes per block
+        b0, b1 = start // self.block, end // self.block
         cols = lambda t, width: None if t is None else t[:, b0 * width:b1 * width].contiguous()
         return GGUFWeight(self.kind, cols(self.qs, per_block), cols(self.d, 1), cols(self.m, 1))
 
@@ -78,6 +96,9 @@ class GGUFWeight:
         """float32 [N, K]: the reference the kernels are tested against (and the embedding's row lookup)."""
         n, k = self.shape
         d = self.d.float()[..., None]
+        if self.kind in K_QUANTS:  # as gguf_dequant's K-quant functions
+            w = self.qs.view(torch.int8).reshape(n, -1, K8_BLOCK).float() * d
+            return (w if self.m is None else w + self.m[..., None]).reshape(n, k)
         if self.kind == "Q8_0":
             return (self.qs.view(torch.int8).reshape(n, -1, QK).float() * d).reshape(n, k)
         q = self.qs.reshape(n, -1, QK // 2)
@@ -92,11 +113,11 @@ PANEL = 16  # output rows side by side in the panel layout
 def to_panels(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The panel layout of gguf_linear_panel: qs [P, K/32, 16 (4-bit) or 32 (Q8_0), 16 lanes], d and m
     [P, K/32, 16]; lane l of panel p is output row 16p + l (rows past the end: zero scales)."""
-    n, k = w.shape
+    n, nb = w.qs.shape[0], w.d.shape[1]
     pad = -n % PANEL
     grow = lambda t: torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
-    qs = grow(w.qs).reshape(-1, PANEL, k // QK, w.qs.shape[1] * QK // k).permute(0, 2, 3, 1).contiguous()
-    lay = lambda t: None if t is None else grow(t).reshape(-1, PANEL, k // QK).permute(0, 2, 1).contiguous()
+    qs = grow(w.qs).reshape(-1, PANEL, nb, w.qs.shape[1] // nb).permute(0, 2, 3, 1).contiguous()
+    lay = lambda t: None if t is None else grow(t).reshape(-1, PANEL, nb).permute(0, 2, 1).contiguous()
     return qs, lay(w.d), lay(w.m)
 
 
@@ -104,10 +125,11 @@ class GGUFLinear(nn.Module):
     """y = x @ W.T (+ b) with W a GGUFWeight, and the fused forms Linear has (silu, mul, add). The
     weight is re-laid out in panels of 16 output rows (one vector per input column: activations are
     broadcast, no horizontal sums), unless `in_place` (a tied embedding's blocks, shared with the
-    lookup: multiplied row by row where they are, no second copy)."""
+    lookup: multiplied row by row where they are, no second copy; K-quants always get panels)."""
 
     def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None, in_place: bool = False):
         super().__init__()
+        in_place = in_place and weight.kind in KINDS
         self.kind, self.out_features, self.panels = weight.kind, weight.shape[0], not in_place
         qs, d, m = (weight.qs, weight.d, weight.m) if in_place else to_panels(weight)
         self.register_buffer("qs", qs)
@@ -121,7 +143,8 @@ class GGUFLinear(nn.Module):
         # The kernel and its weight operands as one plain attribute: reading registered buffers goes
         # through nn.Module.__getattr__, four lookups per call on the decode path.
         if self.panels:
-            self._kernel, self._operands = self._ext.gguf_linear_panel, (self.qs, self.d, self.m, KINDS[self.kind], self.out_features, self.bias)
+            kind = KINDS.get(self.kind, K8)
+            self._kernel, self._operands = self._ext.gguf_linear_panel, (self.qs, self.d, self.m, kind, self.out_features, self.bias)
         else:
             self._kernel, self._operands = self._ext.gguf_linear, (self.qs, self.d, self.m, KINDS[self.kind], self.bias)
 

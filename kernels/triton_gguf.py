@@ -107,6 +107,8 @@ class TritonGGUFLinear(nn.Module):
 
     def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None):
         super().__init__()
+        if weight.kind not in KINDS:
+            raise NotImplementedError(f"the Triton GGUF kernel takes {', '.join(KINDS)} blocks, not {weight.kind} (K-quants run on the CPU kernels so far)")
         self.kind, self.out_features = weight.kind, weight.shape[0]
         self.register_buffer("qs", weight.qs)
         self.register_buffer("d", weight.d)

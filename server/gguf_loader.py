@@ -152,15 +152,15 @@ class GGUFFile:
     def load_packed(self, name: str):
         """A weight by its transformers name kept in its GGUF blocks (kernels.quantized.GGUFWeight), with
         q/k rows back in half-split RoPE order; None when the file stores it as floats."""
-        from kvpilot.kernels.quantized import KINDS, GGUFWeight
+        from kvpilot.kernels.quantized import K_QUANTS, KINDS, GGUFWeight
 
         gguf_name = self._gguf_names[name] if name in self._gguf_names else name
         t = self.tensors[gguf_name]
         kind = t.tensor_type.name
         if kind in ("F32", "F16", "BF16"):
             return None
-        if kind not in KINDS:
-            raise GGUFError(f"{self.path.name}: tensor {gguf_name!r} is {kind}; quantization=gguf keeps Q4_0, Q4_1 and Q8_0 blocks only so far "
+        if kind not in KINDS and kind not in K_QUANTS:
+            raise GGUFError(f"{self.path.name}: tensor {gguf_name!r} is {kind}; quantization=gguf keeps {', '.join([*KINDS, *K_QUANTS])} blocks "
                             f"(use quantization=none: every GGML type this loader reads is dequantized then)")
         rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
         w = GGUFWeight.from_blocks(kind, torch.from_numpy(np.array(t.data, copy=True).view(np.uint8)), rows)

@@ -34,3 +34,18 @@ def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: str
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+K_QUANT_LAYOUT = {"Q4_K": (144, [(0, 2), (2, 4)]), "Q5_K": (176, [(0, 2), (2, 4)]), "Q6_K": (210, [(208, 210)])}  # block bytes, fp16 fields
+
+
+def k_quant_blocks(kind: str, rows: int, blocks: int, seed: int = 0, scale: float = 0.05) -> np.ndarray:
+    """Raw K-quant super-blocks uint8 [rows, blocks * block bytes]. The gguf package cannot quantize
+    K-quants, so the bytes are random with finite fp16 scales (~N(0, scale)): every code, sub-block
+    scale and min bit pattern is exercised."""
+    block_bytes, halves = K_QUANT_LAYOUT[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
+    for lo, hi in halves:
+        raw[..., lo:hi] = (rng.standard_normal((rows, blocks, 1)) * scale).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)

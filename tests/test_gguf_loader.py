@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_factory import write_gguf
+from gguf_factory import K_QUANT_LAYOUT, k_quant_blocks, write_gguf
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
 
@@ -31,23 +31,14 @@ def test_dequantize_bit_equal_to_gguf(tmp_path, kind):
         assert not np.array_equal(ours, data)
 
 
-K_QUANTS = {"Q4_K": (144, [(0, 2), (2, 4)]), "Q5_K": (176, [(0, 2), (2, 4)]), "Q6_K": (210, [(208, 210)])}  # block bytes, fp16 fields
-
-
-@pytest.mark.parametrize("kind", list(K_QUANTS))
+@pytest.mark.parametrize("kind", list(K_QUANT_LAYOUT))
 def test_k_quants_dequantize_bit_equal_to_gguf(tmp_path, kind):
-    """The gguf package cannot quantize K-quants, so the blocks are random bytes with finite fp16 scales:
-    every code, scale and min bit pattern is exercised."""
     import gguf
 
     from kvpilot.server.gguf_loader import GGUFFile
 
-    block_bytes, halves = K_QUANTS[kind]
-    rng = np.random.default_rng(1)
     rows, blocks = 5, 3  # 768 weights per row
-    raw = rng.integers(0, 256, (rows, blocks, block_bytes), dtype=np.uint8)
-    for lo, hi in halves:
-        raw[..., lo:hi] = (rng.standard_normal((rows, blocks, 1)) * 0.05).astype(np.float16).view(np.uint8)
+    raw = k_quant_blocks(kind, rows, blocks, seed=1)
     w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
     w.add_tensor("w", raw.reshape(rows, -1), raw_dtype=gguf.GGMLQuantizationType[kind])
     w.write_header_to_file()

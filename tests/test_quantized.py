@@ -15,11 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gguf_factory import k_quant_blocks
 from kvpilot.kernels import cpu_extension
-from kvpilot.kernels.gguf_dequant import dequantize_q4_0, dequantize_q4_1, dequantize_q8_0
-from kvpilot.kernels.quantized import KINDS, GGUFLinear, GGUFWeight, cat_rows, embedding, to_panels
+from kvpilot.kernels.gguf_dequant import dequantize_q4_0, dequantize_q4_1, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k, dequantize_q8_0
+from kvpilot.kernels.quantized import K8, K_QUANTS, KINDS, GGUFLinear, GGUFWeight, cat_rows, embedding, to_panels
 
 REFERENCE = {"Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1, "Q8_0": dequantize_q8_0}
+K_REFERENCE = {"Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k}
 
 
 def blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -48,6 +50,50 @@ def test_relaid_blocks_dequantize_exactly_like_gguf(kind):
     assert torch.equal(cat_rows([w.rows(slice(0, 10)), w.rows(slice(10, 48))]).dequantize(), w.dequantize())
     ids = torch.tensor([3, 0, 47, 3])
     assert torch.equal(embedding(ids, w), F.embedding(ids, w.dequantize()))
+
+
+@pytest.mark.parametrize("kind", K_QUANTS)
+def test_k_quants_relaid_out_dequantize_exactly_like_gguf(kind):
+    """Q4_K/Q5_K/Q6_K in the K8 layout (int8 codes, float32 scale and min per 16 columns): the values
+    gguf's dequantization gives, bit for bit; rows, whole-block columns and fused rows as for the others."""
+    raw = torch.from_numpy(k_quant_blocks(kind, 24, 2, seed=3))
+    w = GGUFWeight.from_blocks(kind, raw, 24)
+    assert w.shape == (24, 512) and w.block == 16 and (w.m is None) == (kind == "Q6_K")
+    assert w.nbytes == 24 * 512 * (1 + (8 if kind != "Q6_K" else 4) / 16)  # 12 (Q6_K: 10) bits per weight
+    dense = w.dequantize()
+    assert torch.equal(dense, K_REFERENCE[kind](raw)) and dense.abs().max() > 0
+    perm = torch.randperm(24)
+    assert torch.equal(w.rows(perm).dequantize(), dense[perm])
+    assert torch.equal(w.columns(16, 272).dequantize(), dense[:, 16:272])
+    assert torch.equal(cat_rows([w.rows(slice(0, 7)), w.rows(slice(7, 24))]).dequantize(), dense)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        w.columns(8, 64)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", K_QUANTS)
+def test_k_quant_panels_match_the_reference_on_every_isa(kind):
+    """The panel kernel on K8 weights (67 rows: the last panel padded) vs x @ dequantized.T, each
+    instruction set, tiles full and partial, bias and every epilogue; the tied-head form (in place)
+    falls back to panels, since the row kernel does not take K8."""
+    ext = cpu_extension.require()
+    n = 67
+    w = GGUFWeight.from_blocks(kind, torch.from_numpy(k_quant_blocks(kind, n, 1, seed=4, scale=0.002)), n)
+    dense, bias = w.dequantize(), torch.randn(n)
+    qs, d, mins = to_panels(w)
+    for isa in isas():
+        for m in (1, 2, 5, 13):
+            x, other = torch.randn(m, 256), torch.randn(m, n)
+            y = x @ dense.T + bias
+            for epilogue, want in ((0, y), (1, F.silu(y)), (2, y * other), (3, y + other)):
+                got = ext.gguf_linear_panel(x, qs, d, mins, K8, n, bias, epilogue, other if epilogue >= 2 else None, isa)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=f"{kind} {isa} M={m} epilogue {epilogue}")
+    lin = GGUFLinear(w, bias, in_place=True)
+    assert lin.panels
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(lin(x), x @ dense.T + bias, rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="kind"):
+        ext.gguf_linear(x, w.qs, w.d, w.m, K8, None, 0, None)
 
 
 @pytest.mark.timeout(120)

@@ -21,9 +21,12 @@
 
 namespace {
 
-enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+// K8: the K-quants (Q4_K, Q5_K, Q6_K) re-laid out at load as one int8 code per weight with a float32
+// scale and min per 16 input columns (panels only): w = d·q + m, exactly GGUF's values (see quantized.py).
+enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K8 = 3 };
 enum Epilogue : int64_t { NONE = 0, SILU = 1, MUL = 2, ADD = 3 };
 constexpr int64_t QK = 32;      // weights per block
+constexpr int64_t QK8 = 16;     // weights per K8 block
 constexpr int64_t ROW_TILE = 8; // activation rows sharing one dequantization of a weight block
 
 struct Args {
@@ -203,7 +206,10 @@ struct PanelArgs {
   const float* other; int64_t other_stride;
   int64_t kind, epilogue;
   const float* xsum;  // [M, nb]: each activation row's sum over each block (4-bit kinds; the factored path)
+  const float* df; const float* mf;  // K8's float32 scales and mins (mf null: none), instead of d and m
 };
+
+inline int64_t block_cols(int64_t kind) { return kind == K8 ? QK8 : QK; }
 
 inline void store_lanes(const PanelArgs& a, int64_t row, int64_t p, const float* v) {
   for (int64_t l = 0; l < LANES; ++l) {
@@ -220,14 +226,24 @@ inline void store_lanes(const PanelArgs& a, int64_t row, int64_t p, const float*
   }
 }
 
-inline int64_t block_bytes(int64_t kind) { return kind == Q8_0 ? QK * LANES : QK / 2 * LANES; }
+inline int64_t block_bytes(int64_t kind) { return kind == Q8_0 ? QK * LANES : kind == K8 ? QK8 * LANES : QK / 2 * LANES; }
 
 void panel_scalar(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
   float acc[ROW_TILE][LANES] = {};
   for (int64_t b = 0; b < a.nb; ++b) {
     const int64_t sb = (p * a.nb + b) * LANES;
     const uint8_t* q = a.qs + (p * a.nb + b) * block_bytes(a.kind);
+    const int64_t bw = block_cols(a.kind);
     for (int64_t l = 0; l < LANES; ++l) {
+      if (a.kind == K8) {
+        const float d = a.df[sb + l], mn = a.mf ? a.mf[sb + l] : 0.0f;
+        for (int64_t k = 0; k < bw; ++k) {
+          const float w = a.mf ? std::fma(d, static_cast<float>(static_cast<int8_t>(q[k * LANES + l])), mn)
+                               : d * static_cast<int8_t>(q[k * LANES + l]);
+          for (int64_t r = 0; r < rows; ++r) acc[r][l] += w * a.x[(row0 + r) * a.x_stride + b * bw + k];
+        }
+        continue;
+      }
       const float d = static_cast<float>(a.d[sb + l]);
       const float mn = a.kind == Q4_1 ? static_cast<float>(a.m[sb + l]) : a.kind == Q4_0 ? -8.0f * d : 0.0f;
       for (int64_t k = 0; k < QK; ++k) {
@@ -256,16 +272,24 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_t(const Panel
     for (int u = 0; u < NP; ++u) {
       const int64_t sb = ((p + u) * a.nb + b) * LANES;
       q[u] = a.qs + ((p + u) * a.nb + b) * bytes;
+      if (a.kind == K8) {
+        d[u] = _mm512_loadu_ps(a.df + sb);
+        mn[u] = a.mf ? _mm512_loadu_ps(a.mf + sb) : _mm512_setzero_ps();
+        continue;
+      }
       d[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
       mn[u] = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
                              : _mm512_mul_ps(d[u], _mm512_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
     }
-    const float* x = a.x + row0 * a.x_stride + b * QK;
-    if (a.kind == Q8_0) {
-      for (int k = 0; k < QK; ++k) {
+    const int64_t bw = block_cols(a.kind);
+    const float* x = a.x + row0 * a.x_stride + b * bw;
+    if (a.kind == Q8_0 || a.kind == K8) {
+      for (int k = 0; k < bw; ++k) {
         __m512 w[NP];
-        for (int u = 0; u < NP; ++u)
-          w[u] = _mm512_mul_ps(d[u], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[u] + k * LANES)))));
+        for (int u = 0; u < NP; ++u) {
+          const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[u] + k * LANES))));
+          w[u] = a.mf ? _mm512_fmadd_ps(d[u], qf, mn[u]) : _mm512_mul_ps(d[u], qf);
+        }
         for (int r = 0; r < R; ++r) {
           const __m512 xv = _mm512_set1_ps(x[r * a.x_stride + k]);
           for (int u = 0; u < NP; ++u) acc[u][r] = _mm512_fmadd_ps(xv, w[u], acc[u][r]);
@@ -307,18 +331,25 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2_t(const PanelArgs& a, i
     const uint8_t* q = a.qs + (p * a.nb + b) * block_bytes(a.kind);
     __m256 d[2], mn[2];
     for (int h = 0; h < 2; ++h) {
+      if (a.kind == K8) {
+        d[h] = _mm256_loadu_ps(a.df + sb + 8 * h);
+        mn[h] = a.mf ? _mm256_loadu_ps(a.mf + sb + 8 * h) : _mm256_setzero_ps();
+        continue;
+      }
       d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.d + sb + 8 * h)));
       mn[h] = a.kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.m + sb + 8 * h)))
                              : _mm256_mul_ps(d[h], _mm256_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
     }
-    const float* x = a.x + row0 * a.x_stride + b * QK;
-    const int cols = a.kind == Q8_0 ? QK : QK / 2;
+    const bool bytes8 = a.kind == Q8_0 || a.kind == K8;  // one int8 code per byte
+    const float* x = a.x + row0 * a.x_stride + b * block_cols(a.kind);
+    const int cols = a.kind == Q8_0 ? QK : a.kind == K8 ? QK8 : QK / 2;
     for (int j = 0; j < cols; ++j) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * LANES));
       __m256 w[2][2];  // [half of the lanes][element j, element j + 16 (4-bit only)]
-      if (a.kind == Q8_0) {
-        w[0][0] = _mm256_mul_ps(d[0], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
-        w[1][0] = _mm256_mul_ps(d[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
+      if (bytes8) {
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+        w[0][0] = a.mf ? _mm256_fmadd_ps(d[0], q0, mn[0]) : _mm256_mul_ps(d[0], q0);
+        w[1][0] = a.mf ? _mm256_fmadd_ps(d[1], q1, mn[1]) : _mm256_mul_ps(d[1], q1);
       } else {
         const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
         w[0][0] = _mm256_fmadd_ps(d[0], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), mn[0]);
@@ -330,7 +361,7 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2_t(const PanelArgs& a, i
         const __m256 x0 = _mm256_set1_ps(x[r * a.x_stride + j]);
         acc[r][0] = _mm256_fmadd_ps(x0, w[0][0], acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(x0, w[1][0], acc[r][1]);
-        if (a.kind != Q8_0) {
+        if (!bytes8) {
           const __m256 x1 = _mm256_set1_ps(x[r * a.x_stride + j + 16]);
           acc[r][0] = _mm256_fmadd_ps(x1, w[0][1], acc[r][0]);
           acc[r][1] = _mm256_fmadd_ps(x1, w[1][1], acc[r][1]);
@@ -403,7 +434,7 @@ using PanelFn = void (*)(const PanelArgs&, int64_t, int64_t, int64_t);
 
 template <int NP>
 void panel_avx512_np(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
-  if (a.kind != Q8_0 && rows <= 2) {
+  if ((a.kind == Q4_0 || a.kind == Q4_1) && rows <= 2) {
     return rows == 1 ? panel_avx512_factored<1, NP>(a, row0, p) : panel_avx512_factored<2, NP>(a, row0, p);
   }
   switch (rows) {
@@ -486,22 +517,28 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c1
 torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
                                 c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: float32 rows [M, K]");
-  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "kind: 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(qs.is_contiguous() && qs.dim() == 4 && qs.size(1) * QK == K && qs.size(2) == (kind == Q8_0 ? QK : QK / 2) && qs.size(3) == LANES,
-              "qs: [P, K/32, 16 or 32, 16] panels");
+  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0 || kind == K8, "kind: 0 (Q4_0), 1 (Q4_1), 2 (Q8_0) or 3 (K8)");
+  const int64_t M = x.size(0), K = x.size(1), bw = block_cols(kind);
+  TORCH_CHECK(qs.is_contiguous() && qs.dim() == 4 && qs.size(1) * bw == K && qs.size(2) == (kind == Q8_0 ? QK : QK / 2) && qs.size(3) == LANES,
+              "qs: [P, K/32 (K/16 for K8), 16 or 32, 16] panels");
   const int64_t P = qs.size(0);
   TORCH_CHECK(n > (P - 1) * LANES && n <= P * LANES, "n must be within the last panel");
-  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == torch::kHalf && d.dim() == 3 && d.size(0) == P && d.size(1) == K / QK && d.size(2) == LANES,
-              "d: float16 [P, K/32, 16]");
+  const auto scale_type = kind == K8 ? torch::kFloat : torch::kHalf;
+  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == scale_type && d.dim() == 3 && d.size(0) == P && d.size(1) == K / bw && d.size(2) == LANES,
+              "d: [P, K/32, 16] float16 (K8: [P, K/16, 16] float32)");
+  if (kind == K8 && m) {
+    TORCH_CHECK(m->is_contiguous() && m->scalar_type() == torch::kFloat && m->sizes() == d.sizes(), "m: float32, shaped like d");
+  }
   check_operands(d, m, kind, n, M, bias, epilogue, other);
   auto y = torch::empty({M, n}, x.options());
   const bool binary = epilogue == MUL || epilogue == ADD;
-  PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr,
-              K / QK, n, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), y.stride(0),
-              binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue, nullptr};
+  const bool k8 = kind == K8;
+  PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), k8 ? nullptr : d.data_ptr<c10::Half>(),
+              kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr, K / bw, n, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
+              y.stride(0), binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue, nullptr,
+              k8 ? d.data_ptr<float>() : nullptr, k8 && m ? m->data_ptr<float>() : nullptr};
   std::vector<float> xsum;
-  if (kind != Q8_0) {  // the factored 4-bit path's per-block activation sums, once per call for every panel
+  if (kind == Q4_0 || kind == Q4_1) {  // the factored 4-bit path's per-block activation sums, once per call for every panel
     xsum.resize(M * (K / QK));
     const float* xp = x.data_ptr<float>();
     for (int64_t r = 0; r < M; ++r)
