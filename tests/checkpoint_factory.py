@@ -110,15 +110,17 @@ _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path) -> Path:
+def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path, types: dict[str, str] | None = None) -> Path:
     """The checkpoint's weights (F32) as a GGUF the way llama.cpp's converter lays it out (q/k rows
     permuted for the llama architecture, Llama 3 scaling as a rope_freqs tensor), with the bundled
-    GGUF's tokenizer metadata."""
+    GGUF's tokenizer metadata. types: checkpoint name -> a K-quant to store that weight in instead."""
     import gguf
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from gguf_factory import encode_k_quant
 
     cfg = AutoConfig.from_pretrained(str(checkpoint))
     arch = GGUF_ARCH[cfg.architectures[0]]
@@ -154,7 +156,11 @@ def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path) -> Path:
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             data = data.reshape(heads, 2, head_dim // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
-        w.add_tensor(_gguf_name(name), np.ascontiguousarray(data))
+        if name in (types or {}):
+            kind = types[name]
+            w.add_tensor(_gguf_name(name), encode_k_quant(kind, data), raw_dtype=gguf.GGMLQuantizationType[kind])
+        else:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(data))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

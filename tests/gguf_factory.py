@@ -49,3 +49,37 @@ def k_quant_blocks(kind: str, rows: int, blocks: int, seed: int = 0, scale: floa
     for lo, hi in halves:
         raw[..., lo:hi] = (rng.standard_normal((rows, blocks, 1)) * scale).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
+
+
+def encode_k_quant(kind: str, w: np.ndarray) -> np.ndarray:
+    """float32 [rows, K] (K a multiple of 256) -> Q4_K or Q6_K super-blocks uint8 [rows, K / 256 * block bytes]:
+    a plain min/max (Q4_K) or absmax (Q6_K) quantizer — real K-quant files for the tests, since the gguf
+    package cannot write them."""
+    rows, k = w.shape
+    f16 = lambda a: a.astype(np.float16)  # noqa: E731
+    if kind == "Q4_K":
+        sub = w.reshape(rows, k // 256, 8, 32).astype(np.float32)
+        lo, hi = np.minimum(sub.min(-1), 0), sub.max(-1)
+        scale = (hi - lo) / 15
+        d, dmin = f16(np.maximum(scale.max(-1), 1e-6) / 63), f16(np.maximum((-lo).max(-1), 1e-6) / 63)
+        sc = np.clip(np.round(scale / d.astype(np.float32)[..., None]), 1, 63).astype(np.uint8)
+        mn = np.clip(np.round(-lo / dmin.astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
+        step, offset = d.astype(np.float32)[..., None] * sc, dmin.astype(np.float32)[..., None] * mn
+        q = np.clip(np.round((sub + offset[..., None]) / step[..., None]), 0, 15).astype(np.uint8)  # [rows, blocks, 8, 32]
+        scales = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                                 (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], axis=-1)
+        codes = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(rows, -1, 128)  # sub-blocks 2g (low nibbles), 2g + 1 (high)
+        parts = [d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), scales, codes]
+    elif kind == "Q6_K":
+        sub = w.reshape(rows, k // 256, 16, 16).astype(np.float32)
+        s = np.abs(sub).max(-1) / 31
+        d = f16(np.maximum(s.max(-1), 1e-6) / 127)
+        sc = np.clip(np.round(s / d.astype(np.float32)[..., None]), 1, 127).astype(np.int8)
+        step = d.astype(np.float32)[..., None] * sc
+        q = (np.clip(np.round(sub / step[..., None]), -32, 31) + 32).astype(np.uint8).reshape(rows, -1, 2, 4, 32)  # [.., half, quarter, 32]
+        low = (q[..., 0:2, :] & 15) | ((q[..., 2:4, :] & 15) << 4)  # byte 64h + 32i + t: values 128h + 32i + t (low), + 64 (high nibble)
+        high = sum((q[..., j, :] >> 4) << (2 * j) for j in range(4))  # byte 32h + t: bits 2j of value 128h + 32j + t
+        parts = [low.reshape(rows, -1, 128), high.reshape(rows, -1, 64), sc.view(np.uint8), d[..., None].view(np.uint8)]
+    else:
+        raise ValueError(f"no encoder for {kind}")
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(rows, -1))

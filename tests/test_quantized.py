@@ -96,6 +96,33 @@ def test_k_quant_panels_match_the_reference_on_every_isa(kind):
         ext.gguf_linear(x, w.qs, w.d, w.m, K8, None, 0, None)
 
 
+@pytest.mark.timeout(300)
+def test_a_k_quant_gguf_loads_in_every_mode(family_checkpoints, model_path, tmp_path):
+    """A GGUF whose FFN down projections are Q4_K (layer 0) and Q6_K (layer 1): every mode loads it;
+    gguf keeps those two in their blocks and gives the dequantized model's (none) greedy ids and
+    prompt logprobs; int8/int4 re-quantize the dequantized weights and generate."""
+    from checkpoint_factory import write_family_gguf
+    from kvpilot.server import LLM, SamplingParams
+
+    directory, _ = family_checkpoints["llama3"]
+    types = {"model.layers.0.mlp.down_proj.weight": "Q4_K", "model.layers.1.mlp.down_proj.weight": "Q6_K"}
+    path = write_family_gguf(directory, model_path, tmp_path / "k.gguf", types=types)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
+    outs = {}
+    for mode in ("none", "gguf", "int8", "int4"):
+        llm = LLM(model=str(path), quantization=mode, num_threads=1, show_progress=False, kv_cache_memory="16MiB")
+        outs[mode] = llm.generate(prompts, greedy)
+        if mode == "gguf":
+            kept = [layer.mlp.down for layer in llm.engine.runner.model.layers]
+            assert [(type(m), m.kind) for m in kept] == [(GGUFLinear, "Q4_K"), (GGUFLinear, "Q6_K")]
+        llm.engine.close()
+    assert [o.outputs[0].token_ids for o in outs["gguf"]] == [o.outputs[0].token_ids for o in outs["none"]]
+    for a, b in zip(outs["none"], outs["gguf"]):
+        assert max(abs(x[t] - y[t]) for x, y, t in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], a.prompt_token_ids[1:])) < 1e-4
+    assert all(len(o.outputs[0].token_ids) == 12 for mode in ("int8", "int4") for o in outs[mode])
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_kernel_matches_the_reference_on_every_isa(kind):
