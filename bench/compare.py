@@ -1,11 +1,12 @@
 """This checkout's engine against an earlier commit's, interleaved, on this machine (speed-regression check).
 
-    .venv/bin/python bench/compare.py --baseline REV [--rounds 2] [--repeats 3] [--force]
+    .venv/bin/python bench/compare.py --baseline REV [--rounds 2] [--repeats 3] [--quantization gguf] [--clients 16] [--force]
 
 The baseline is exported from git into the cache and imported as `kvpilot` through a PYTHONPATH
 overlay (each run prints which tree it loaded). Offline: each side runs its own bench/offline.py
 (--skip-hf) in a fresh process, alternating sides and starting sides in turn, `--rounds` times.
-Serving: both servers run side by side; at 16 clients each repetition sends the same fresh prompts
+Both sides run with --quantization (default none: fp32 weights).
+Serving: both servers run side by side; at --clients (16) clients each repetition sends the same fresh prompts
 to both, in a rotating order (bench/serve.py's client). Reported: each side's figures (offline: the
 median over rounds; serving: all repetitions' tokens over their wall time) and new/old.
 """
@@ -49,8 +50,9 @@ def export_baseline(rev: str) -> tuple[str, Path, Path]:
     return commit, tree, overlay
 
 
-def offline_once(script: Path, env: dict) -> tuple[float, float]:
-    out = subprocess.run([sys.executable, str(script), "--skip-hf", "--force"], capture_output=True, text=True, env=env, check=True).stdout
+def offline_once(script: Path, env: dict, quantization: str) -> tuple[float, float]:
+    out = subprocess.run([sys.executable, str(script), "--skip-hf", "--force", "--quantization", quantization],
+                         capture_output=True, text=True, env=env, check=True).stdout
     row = next(line for line in out.splitlines() if line.startswith("| kvpilot"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     return float(cells[1]), float(re.match(r"[\d.]+", cells[5]).group())
@@ -60,7 +62,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", required=True, help="git revision to compare against")
     ap.add_argument("--rounds", type=int, default=3, help="offline runs per side")
-    ap.add_argument("--repeats", type=int, default=3, help="serving repetitions at 16 clients")
+    ap.add_argument("--repeats", type=int, default=3, help="serving repetitions")
+    ap.add_argument("--clients", type=int, default=16, help="concurrent clients while serving")
+    ap.add_argument("--quantization", default="none", choices=["none", "gguf", "int8", "int4"], help="weights of both sides")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
@@ -75,10 +79,11 @@ def main() -> None:
     offline: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
     for r in range(args.rounds):
         for side in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
-            offline[side].append(offline_once(*sides[side]))
+            offline[side].append(offline_once(*sides[side], args.quantization))
             print(f"offline round {r} {side}: {offline[side][-1]}", file=sys.stderr, flush=True)
 
-    kv = ["serve", "--host", "127.0.0.1", "--num-threads", "2", "--max-num-seqs", "16", "--max-waiting-requests", "1000"]
+    kv = ["serve", "--host", "127.0.0.1", "--num-threads", "2", "--max-num-seqs", "16", "--max-waiting-requests", "1000",
+          "--quantization", args.quantization]
     servers = {"old": ([sys.executable, "-m", "kvpilot.server.cli", *kv, "--port", "18190"], "http://127.0.0.1:18190", old_env),
                "new": ([sys.executable, "-m", "kvpilot.server.cli", *kv, "--port", "18191"], "http://127.0.0.1:18191", new_env)}
     procs, runs = {}, {"old": [], "new": []}
@@ -88,9 +93,9 @@ def main() -> None:
             wait_ready(url, "/ready", procs[side])
             asyncio.run(level(url, "smollm2-135m", workload(2, 99), 2))  # warm-up
         for rep in range(args.repeats):
-            reqs = workload(32, seed=16000 + rep)
+            reqs = workload(max(4, 2 * args.clients), seed=1000 * args.clients + rep)
             for side in (["old", "new"] if rep % 2 == 0 else ["new", "old"]):
-                runs[side].append(asyncio.run(level(servers[side][1], "smollm2-135m", reqs, 16)))
+                runs[side].append(asyncio.run(level(servers[side][1], "smollm2-135m", reqs, args.clients)))
                 print(f"serve rep {rep} {side}: {runs[side][-1]['tok/s']:.1f} tok/s", file=sys.stderr, flush=True)
     finally:
         for p in procs.values():
@@ -104,14 +109,14 @@ def main() -> None:
     for side, label in (("old", f"baseline {commit[:9]}"), ("new", "this checkout")):
         rows.append({"engine": label, "offline tok/s": f"{middle([t for t, _ in offline[side]]):.1f}",
                      "single-stream tok/s": f"{middle([s for _, s in offline[side]]):.1f}",
-                     "serve 16 clients tok/s": f"{serve[side]['tok/s']:.1f}", "errors": serve[side]["errors"]})
+                     f"serve {args.clients} clients tok/s": f"{serve[side]['tok/s']:.1f}", "errors": serve[side]["errors"]})
     rows.append({"engine": "new / old", "offline tok/s": f"{middle([t for t, _ in offline['new']]) / middle([t for t, _ in offline['old']]):.3f}x",
                  "single-stream tok/s": f"{middle([s for _, s in offline['new']]) / middle([s for _, s in offline['old']]):.3f}x",
-                 "serve 16 clients tok/s": f"{serve['new']['tok/s'] / serve['old']['tok/s']:.3f}x"})
+                 f"serve {args.clients} clients tok/s": f"{serve['new']['tok/s'] / serve['old']['tok/s']:.3f}x"})
     print(f"machine: {machine()}")
     for side in ("old", "new"):
         print(f"offline runs, {side}: tok/s {[f'{t:.1f}' for t, _ in offline[side]]}, single stream {[f'{x:.1f}' for _, x in offline[side]]}")
-    print(table(rows, ["engine", "offline tok/s", "single-stream tok/s", "serve 16 clients tok/s", "errors"]))
+    print(table(rows, ["engine", "offline tok/s", "single-stream tok/s", f"serve {args.clients} clients tok/s", "errors"]))
 
 
 if __name__ == "__main__":
