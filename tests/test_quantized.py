@@ -132,7 +132,7 @@ def test_kernel_matches_the_reference_on_every_isa(kind):
     dense = w.dequantize()
     bias = torch.randn(n)
     for isa in isas():
-        for m in (1, 5, 8, 13, 19):  # tiles of 6, 8 or 12 rows, full and partial
+        for m in (1, 2, 5, 8, 13, 19):  # tiles of 6, 8 or 12 rows, full and partial (1 and 2: the factored path)
             x = torch.randn(m, k)
             other = torch.randn(m, n)
             y = x @ dense.T + bias

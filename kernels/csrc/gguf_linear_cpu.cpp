@@ -434,7 +434,7 @@ using PanelFn = void (*)(const PanelArgs&, int64_t, int64_t, int64_t);
 
 template <int NP>
 void panel_avx512_np(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
-  if ((a.kind == Q4_0 || a.kind == Q4_1) && rows <= 2) {
+  if (a.xsum && rows <= 2) {
     return rows == 1 ? panel_avx512_factored<1, NP>(a, row0, p) : panel_avx512_factored<2, NP>(a, row0, p);
   }
   switch (rows) {
@@ -538,7 +538,10 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
               y.stride(0), binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue, nullptr,
               k8 ? d.data_ptr<float>() : nullptr, k8 && m ? m->data_ptr<float>() : nullptr};
   std::vector<float> xsum;
-  if (kind == Q4_0 || kind == Q4_1) {  // the factored 4-bit path's per-block activation sums, once per call for every panel
+  // The factored path (one or two activation rows, 4-bit kinds) needs each block's activation sum: made
+  // once per call for every panel. Only then: for a prefill-sized M this serial pass would cost more
+  // than it saves (it did: 0.82x offline throughput when it ran for every call).
+  if ((kind == Q4_0 || kind == Q4_1) && M <= 2) {
     xsum.resize(M * (K / QK));
     const float* xp = x.data_ptr<float>();
     for (int64_t r = 0; r < M; ++r)
