@@ -257,6 +257,16 @@ void panel_scalar(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
   for (int64_t r = 0; r < rows; ++r) store_lanes(a, row0 + r, p, acc[r]);
 }
 
+template <int R, int NP>
+__attribute__((target("avx512f"))) void store_panels(const PanelArgs& a, int64_t row0, int64_t p, const __m512 (&acc)[NP][R]) {
+  alignas(64) float out[LANES];
+  for (int u = 0; u < NP; ++u)
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(out, acc[u][r]);
+      store_lanes(a, row0 + r, p + u, out);
+    }
+}
+
 // NP panels side by side: each broadcast activation feeds NP FMAs (the broadcasts, not the FMAs, would
 // otherwise bound the loop).
 template <int R, int NP>
@@ -313,12 +323,7 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_t(const Panel
       }
     }
   }
-  alignas(64) float out[LANES];
-  for (int u = 0; u < NP; ++u)
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(out, acc[u][r]);
-      store_lanes(a, row0 + r, p + u, out);
-    }
+  store_panels<R, NP>(a, row0, p, acc);
 }
 
 template <int R>
@@ -422,12 +427,7 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_factored(cons
       }
     }
   }
-  alignas(64) float out[LANES];
-  for (int u = 0; u < NP; ++u)
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(out, acc[u][r]);
-      store_lanes(a, row0 + r, p + u, out);
-    }
+  store_panels<R, NP>(a, row0, p, acc);
 }
 
 using PanelFn = void (*)(const PanelArgs&, int64_t, int64_t, int64_t);
