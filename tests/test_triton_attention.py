@@ -65,3 +65,25 @@ def test_a_mixed_step_in_one_launch_matches_the_reference(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     assert torch.equal(got_k.float(), want_k) and torch.equal(got_v.float(), want_v)  # this step's K/V stored at its slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_k_matches_naive(dtype):
+    """Split-K at 32 context tokens per program (tables 6 blocks of 16 wide: 3 splits of two blocks):
+    contexts shorter than one split (the other splits empty), ending inside and at a split's end, and
+    the whole table; GQA 3:1."""
+    heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
+    gen = torch.Generator().manual_seed(5)
+    lens = [1, 20, 32, 33, 95, 96]
+    ks, vs, kc, vc, bt, q = decode_case(lens, heads, kv_heads, head_dim, block_size, gen, spare_blocks=2)
+    assert bt.shape[1] * block_size // 32 > 1
+    out = paged_decode_attention(q.to(dtype), kc.to(dtype), vc.to(dtype), bt, torch.tensor(lens), head_dim ** -0.5, split_tokens=32)
+    whole = paged_decode_attention(q.to(dtype), kc.to(dtype), vc.to(dtype), bt, torch.tensor(lens), head_dim ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), whole.float(), atol=tol, rtol=tol)
+    for i, n in enumerate(lens):
+        ks_i, vs_i = (x.to(dtype).float() for x in (ks[i], vs[i]))
+        torch.testing.assert_close(out[i:i + 1].float(), naive(q[i:i + 1].to(dtype).float(), ks_i, vs_i, head_dim ** -0.5, n - 1),
+                                   atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        paged_decode_attention(q, kc, vc, bt, torch.tensor(lens), 1.0, split_tokens=24)
