@@ -87,7 +87,7 @@ class EngineSettings(_Model):
     kv_cache_memory: str | None = Field(None, max_length=32, pattern=r"^\d+(\.\d+)?([KMG]i?)?B?$", description="KV-cache size for CPU engines, e.g. 1GiB.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(None, description="Compute dtype.")
     quantization: Literal["none", "gguf", "int8", "int4", "fp8", "awq", "gptq"] | None = Field(None, description=(
-        "Weight quantization, each engine's own: kvpilot takes gguf (a GGUF model's Q4_0/Q4_1/Q8_0 blocks kept and multiplied as they "
+        "Weight quantization, each engine's own: kvpilot takes gguf (a GGUF model's Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks kept and multiplied as they "
         "are), int8 and int4 (weight-only, quantized at load; int4 groups of 32 columns unless extraArgs sets --quantization-group-size), "
         "on CPU; vLLM and SGLang take fp8, awq, gptq, gguf. A value the engine does not take is reported as Degraded."))
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="Ranks the model is split over; also the GPUs per pod.")
