@@ -112,7 +112,8 @@ PANEL = 16  # output rows side by side in the panel layout
 
 def to_panels(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The panel layout of gguf_linear_panel: qs [P, K/32, 16 (4-bit) or 32 (Q8_0), 16 lanes], d and m
-    [P, K/32, 16]; lane l of panel p is output row 16p + l (rows past the end: zero scales)."""
+    [P, K/32, 16] (K-quants: qs [P, K/16, 16, 16], d and m [P, K/16, 16]); lane l of panel p is output
+    row 16p + l (rows past the end: zero scales)."""
     n, nb = w.qs.shape[0], w.d.shape[1]
     pad = -n % PANEL
     grow = lambda t: torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
