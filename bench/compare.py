@@ -105,18 +105,19 @@ def main() -> None:
     # Medians: on a shared VM a single run can lose half its speed to a neighbour (seen: 121 then 70
     # tok/s for the same code within minutes); the median of rounds is what one side typically does.
     middle = statistics.median
+    serve_col = f"serve {args.clients} clients tok/s"
     rows = []
     for side, label in (("old", f"baseline {commit[:9]}"), ("new", "this checkout")):
         rows.append({"engine": label, "offline tok/s": f"{middle([t for t, _ in offline[side]]):.1f}",
                      "single-stream tok/s": f"{middle([s for _, s in offline[side]]):.1f}",
-                     f"serve {args.clients} clients tok/s": f"{serve[side]['tok/s']:.1f}", "errors": serve[side]["errors"]})
+                     serve_col: f"{serve[side]['tok/s']:.1f}", "errors": serve[side]["errors"]})
     rows.append({"engine": "new / old", "offline tok/s": f"{middle([t for t, _ in offline['new']]) / middle([t for t, _ in offline['old']]):.3f}x",
                  "single-stream tok/s": f"{middle([s for _, s in offline['new']]) / middle([s for _, s in offline['old']]):.3f}x",
-                 f"serve {args.clients} clients tok/s": f"{serve['new']['tok/s'] / serve['old']['tok/s']:.3f}x"})
+                 serve_col: f"{serve['new']['tok/s'] / serve['old']['tok/s']:.3f}x"})
     print(f"machine: {machine()}")
     for side in ("old", "new"):
         print(f"offline runs, {side}: tok/s {[f'{t:.1f}' for t, _ in offline[side]]}, single stream {[f'{x:.1f}' for _, x in offline[side]]}")
-    print(table(rows, ["engine", "offline tok/s", "single-stream tok/s", f"serve {args.clients} clients tok/s", "errors"]))
+    print(table(rows, ["engine", "offline tok/s", "single-stream tok/s", serve_col, "errors"]))
 
 
 if __name__ == "__main__":
