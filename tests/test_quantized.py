@@ -35,7 +35,8 @@ def blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 
 def isas() -> list[str]:
     here = cpu_extension.require().gguf_linear_isa()
-    return ["avx512", "avx2", "scalar"] if here == "avx512" else ["avx2", "scalar"] if here == "avx2" else ["scalar"]
+    every = ["avx512bf16", "avx512", "avx2", "scalar"]
+    return every[every.index(here):]
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <vector>
 
@@ -176,16 +177,23 @@ KVP_TILES(avx512)
 
 using RowsFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t);
 
-RowsFn pick(const std::string& isa) {
+// The instruction sets, best last. AVX512BF16 adds the bfloat16 decode path of the panel kernel (one
+// or two activation rows); everything else runs as under AVX512 there.
+enum class Isa { SCALAR, AVX2, AVX512, AVX512BF16 };
+
+Isa pick(const std::string& isa) {
   static const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c");
+  static const bool hasbf16 = has512 && __builtin_cpu_supports("avx512bf16");
   static const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (isa == "auto") return has512 ? rows_avx512 : has2 ? rows_avx2 : rows_scalar;
-  if (isa == "avx512") { TORCH_CHECK(has512, "this CPU has no AVX-512"); return rows_avx512; }
-  if (isa == "avx2") { TORCH_CHECK(has2, "this CPU has no AVX2/FMA"); return rows_avx2; }
-  TORCH_CHECK(isa == "scalar", "isa must be auto, avx512, avx2 or scalar, got ", isa);
-  return rows_scalar;
+  if (isa == "auto") return hasbf16 ? Isa::AVX512BF16 : has512 ? Isa::AVX512 : has2 ? Isa::AVX2 : Isa::SCALAR;
+  if (isa == "avx512bf16") { TORCH_CHECK(hasbf16, "this CPU has no AVX512-BF16"); return Isa::AVX512BF16; }
+  if (isa == "avx512") { TORCH_CHECK(has512, "this CPU has no AVX-512"); return Isa::AVX512; }
+  if (isa == "avx2") { TORCH_CHECK(has2, "this CPU has no AVX2/FMA"); return Isa::AVX2; }
+  TORCH_CHECK(isa == "scalar", "isa must be auto, avx512bf16, avx512, avx2 or scalar, got ", isa);
+  return Isa::SCALAR;
 }
 
+RowsFn rows_for(Isa isa) { return isa >= Isa::AVX512 ? rows_avx512 : isa == Isa::AVX2 ? rows_avx2 : rows_scalar; }
 
 // --- panels: 16 output rows side by side (the layout GGUFLinear multiplies with) ---------------------
 //
@@ -207,6 +215,7 @@ struct PanelArgs {
   int64_t kind, epilogue;
   const float* xsum;  // [M, nb]: each activation row's sum over each block (4-bit kinds; the factored path)
   const float* df; const float* mf;  // K8's float32 scales and mins (mf null: none), instead of d and m
+  const uint16_t* xhi; const uint16_t* xlo;  // [M, K] bfloat16 bits: x split as x_hi + x_lo (the BF16 path)
 };
 
 inline int64_t block_cols(int64_t kind) { return kind == K8 ? QK8 : QK; }
@@ -430,6 +439,103 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_factored(cons
   store_panels<R, NP>(a, row0, p, acc);
 }
 
+// One or two activation rows, 4-bit kinds, with AVX512-BF16: a block's Σ x·q as bfloat16 dot products
+// (VDPBF16PS: 32 products per instruction, summed in float32), where the float path spends a
+// widening, a conversion and an FMA per 16 weights. Both operands are exact in bfloat16:
+// - a code q (0..15) is looked up as bfloat16 in a 16-entry table (one VPERMW per 32 codes);
+// - each activation is split once per call into x_hi + x_lo, two bfloat16s (split_bf16): 16
+//   significant bits, x to within ~2^-17 — on the bundled model mean KL vs fp32 4.7e-9, against
+//   8.9e-9 for the float path (bench/RESULTS.md), i.e. summation-order noise.
+// So every product is exact in float32 and only the sums round, as in the float path. (Writing q as
+// the bfloat16 128 + q, bits 0x4300 | q, would save the lookup, but the offset inflates the running
+// sums 17-fold and their rounding with them: 1e-4 off on unit-sized outputs.)
+// The panel layout holds element j of 16 lanes in 16 bytes; VDPBF16PS wants each lane's two elements
+// side by side, so two such rows are widened to 16-bit words and interleaved (one more VPERMW).
+alignas(64) constexpr int16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+alignas(64) constexpr uint16_t kBf16Codes[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                                 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};  // 0.0 .. 15.0
+
+template <int R, int NP>
+__attribute__((target("avx512f,avx512bw,avx512bf16,f16c"))) void panel_bf16_factored(const PanelArgs& a, int64_t row0, int64_t p) {
+  __m512 acc[NP][R];
+  for (int u = 0; u < NP; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi16(0x000F), codes = _mm512_load_si512(kBf16Codes);
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const int64_t bytes = block_bytes(a.kind), K = a.nb * QK;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m512 lo[NP][R], hi[NP][R];  // Σ over the low-nibble elements (0..15) and the high ones (16..31)
+    const uint8_t* q[NP];
+    for (int u = 0; u < NP; ++u) {
+      q[u] = a.qs + ((p + u) * a.nb + b) * bytes;
+      for (int r = 0; r < R; ++r) lo[u][r] = hi[u][r] = _mm512_setzero_ps();
+    }
+    for (int j = 0; j < QK / 2; j += 2) {  // bytes j and j + 1 of 16 lanes: elements j, j + 1 (low) and j + 16, j + 17 (high)
+      __m512i wl[NP], wh[NP];
+      for (int u = 0; u < NP; ++u) {
+        const __m512i w = _mm512_permutexvar_epi16(interleave,
+                                                   _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[u] + j * LANES))));
+        wl[u] = _mm512_permutexvar_epi16(_mm512_and_si512(w, low4), codes);
+        wh[u] = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), codes);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (row0 + r) * K + b * QK + j;
+        int32_t pairs[4];
+        std::memcpy(&pairs[0], a.xhi + at, 4);
+        std::memcpy(&pairs[1], a.xlo + at, 4);
+        std::memcpy(&pairs[2], a.xhi + at + 16, 4);
+        std::memcpy(&pairs[3], a.xlo + at + 16, 4);
+        const __m512bh xh0 = (__m512bh)_mm512_set1_epi32(pairs[0]), xl0 = (__m512bh)_mm512_set1_epi32(pairs[1]);
+        const __m512bh xh1 = (__m512bh)_mm512_set1_epi32(pairs[2]), xl1 = (__m512bh)_mm512_set1_epi32(pairs[3]);
+        for (int u = 0; u < NP; ++u) {
+          lo[u][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(lo[u][r], (__m512bh)wl[u], xh0), (__m512bh)wl[u], xl0);
+          hi[u][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(hi[u][r], (__m512bh)wh[u], xh1), (__m512bh)wh[u], xl1);
+        }
+      }
+    }
+    for (int u = 0; u < NP; ++u) {
+      const int64_t sb = ((p + u) * a.nb + b) * LANES;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
+      const __m512 mn = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
+                                       : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+      for (int r = 0; r < R; ++r) {
+        acc[u][r] = _mm512_fmadd_ps(d, _mm512_add_ps(lo[u][r], hi[u][r]), acc[u][r]);
+        acc[u][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(row0 + r) * a.nb + b]), acc[u][r]);
+      }
+    }
+  }
+  store_panels<R, NP>(a, row0, p, acc);
+}
+
+// x [M, K] float32 rows -> x_hi, x_lo [M, K] bfloat16 bits (x_hi = x rounded to nearest, x_lo = the
+// rest rounded) and xsum [M, K/32]: each block's Σ (x_hi + x_lo), the activations the BF16 path multiplies.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void split_bf16(const float* x, int64_t stride, int64_t M, int64_t K,
+                                                                       uint16_t* xhi, uint16_t* xlo, float* xsum) {
+  auto widen = [](__m256bh h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)); };
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < K / QK; ++b) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t h = 0; h < QK; h += 16) {
+        const int64_t k = b * QK + h;
+        const __m512 v = _mm512_loadu_ps(x + r * stride + k);
+        const __m256bh vh = _mm512_cvtneps_pbh(v);
+        const __m512 fh = widen(vh);
+        const __m256bh vl = _mm512_cvtneps_pbh(_mm512_sub_ps(v, fh));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xhi + r * K + k), (__m256i)vh);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xlo + r * K + k), (__m256i)vl);
+        sum = _mm512_add_ps(sum, _mm512_add_ps(fh, widen(vl)));
+      }
+      xsum[r * (K / QK) + b] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+void panel_bf16(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
+  const bool two = (p + 2) * LANES <= (a.n + LANES - 1) / LANES * LANES;
+  if (rows == 1) return two ? panel_bf16_factored<1, 2>(a, row0, p) : panel_bf16_factored<1, 1>(a, row0, p);
+  return two ? panel_bf16_factored<2, 2>(a, row0, p) : panel_bf16_factored<2, 1>(a, row0, p);
+}
+
 using PanelFn = void (*)(const PanelArgs&, int64_t, int64_t, int64_t);
 
 template <int NP>
@@ -486,8 +592,12 @@ void check_operands(const torch::Tensor& d, const c10::optional<torch::Tensor>& 
 }  // namespace
 
 std::string gguf_linear_isa() {
-  const RowsFn f = pick("auto");
-  return f == rows_avx512 ? "avx512" : f == rows_avx2 ? "avx2" : "scalar";
+  switch (pick("auto")) {
+    case Isa::AVX512BF16: return "avx512bf16";
+    case Isa::AVX512: return "avx512";
+    case Isa::AVX2: return "avx2";
+    default: return "scalar";
+  }
 }
 
 // x [M, K] float32 -> [M, N]; epilogue: 0 none, 1 silu(y), 2 y * other, 3 y + other (other [M, N]).
@@ -505,7 +615,7 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c1
          kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr, K / QK, bias ? bias->data_ptr<float>() : nullptr,
          y.data_ptr<float>(), y.stride(0), other && (epilogue == MUL || epilogue == ADD) ? other->data_ptr<float>() : nullptr,
          other && (epilogue == MUL || epilogue == ADD) ? other->stride(0) : 0, kind, epilogue};
-  const RowsFn rows_fn = pick(isa);
+  const RowsFn rows_fn = rows_for(pick(isa));
   // Output rows in chunks over the threads; each chunk walks all activation rows, ROW_TILE at a time.
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) rows_fn(a, r0, std::min(ROW_TILE, M - r0), n0, n1);
@@ -536,26 +646,36 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
   PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), k8 ? nullptr : d.data_ptr<c10::Half>(),
               kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr, K / bw, n, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
               y.stride(0), binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue, nullptr,
-              k8 ? d.data_ptr<float>() : nullptr, k8 && m ? m->data_ptr<float>() : nullptr};
+              k8 ? d.data_ptr<float>() : nullptr, k8 && m ? m->data_ptr<float>() : nullptr, nullptr, nullptr};
+  const Isa chosen = pick(isa);  // the instruction-set choice, shared with gguf_linear
+  const bool four_bit = kind == Q4_0 || kind == Q4_1;
+  const bool bf16 = chosen == Isa::AVX512BF16 && four_bit && M <= 2;
   std::vector<float> xsum;
-  // The factored path (one or two activation rows, 4-bit kinds) needs each block's activation sum: made
+  std::vector<uint16_t> xsplit;
+  // The factored paths (one or two activation rows, 4-bit kinds) need each block's activation sum: made
   // once per call for every panel. Only then: for a prefill-sized M this serial pass would cost more
   // than it saves (it did: 0.82x offline throughput when it ran for every call).
-  if ((kind == Q4_0 || kind == Q4_1) && M <= 2) {
+  if (four_bit && M <= 2) {
     xsum.resize(M * (K / QK));
     const float* xp = x.data_ptr<float>();
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t b = 0; b < K / QK; ++b) {
-        float s = 0.0f;
-        for (int64_t k = 0; k < QK; ++k) s += xp[r * x.stride(0) + b * QK + k];
-        xsum[r * (K / QK) + b] = s;
-      }
+    if (bf16) {
+      xsplit.resize(2 * M * K);
+      split_bf16(xp, x.stride(0), M, K, xsplit.data(), xsplit.data() + M * K, xsum.data());
+      a.xhi = xsplit.data();
+      a.xlo = xsplit.data() + M * K;
+    } else {
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t b = 0; b < K / QK; ++b) {
+          float s = 0.0f;
+          for (int64_t k = 0; k < QK; ++k) s += xp[r * x.stride(0) + b * QK + k];
+          xsum[r * (K / QK) + b] = s;
+        }
+    }
     a.xsum = xsum.data();
   }
-  const RowsFn rows_fn = pick(isa);  // the instruction-set choice, shared with gguf_linear
-  const PanelFn panel_fn = rows_fn == rows_avx512 ? panel_avx512 : rows_fn == rows_avx2 ? panel_avx2 : panel_scalar;
-  const int64_t tile = rows_fn == rows_avx512 ? PANEL_ROWS_512 : rows_fn == rows_avx2 ? PANEL_ROWS_AVX2 : ROW_TILE;
-  const int64_t step = panel_fn == panel_avx512 ? 2 : 1;  // panels per call
+  const PanelFn panel_fn = bf16 ? panel_bf16 : chosen >= Isa::AVX512 ? panel_avx512 : chosen == Isa::AVX2 ? panel_avx2 : panel_scalar;
+  const int64_t tile = chosen >= Isa::AVX512 ? PANEL_ROWS_512 : chosen == Isa::AVX2 ? PANEL_ROWS_AVX2 : ROW_TILE;
+  const int64_t step = chosen >= Isa::AVX512 ? 2 : 1;  // panels per call
   at::parallel_for(0, (P + step - 1) / step, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s)
       for (int64_t r0 = 0; r0 < M; r0 += tile) panel_fn(a, r0, std::min(tile, M - r0), s * step);
