@@ -8,8 +8,9 @@
 //
 // A decode step is memory-bound: reading 0.56 (Q4) or 1.06 (Q8) bytes per weight instead of 4 is the
 // point. Each output row's blocks are dequantized once per tile of up to 8 activation rows and FMA'd
-// into one accumulator per activation row. Three instruction sets, chosen at run time (the build is
-// not -march specific for these functions): AVX-512 (16 lanes), AVX2 + FMA (8 lanes), scalar.
+// into one accumulator per activation row. Instruction sets chosen at run time (the build is not
+// -march specific for these functions): AVX-512 (16 lanes) — with its BF16 and VNNI extensions, two
+// more paths for the panel kernel —, AVX2 + FMA (8 lanes), scalar.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -177,19 +178,20 @@ KVP_TILES(avx512)
 
 using RowsFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t);
 
-// The instruction sets, best last. AVX512BF16 adds the bfloat16 decode path of the panel kernel (one
-// or two activation rows); everything else runs as under AVX512 there.
-enum class Isa { SCALAR, AVX2, AVX512, AVX512BF16 };
+// The instruction sets, best last. AVX512_BF16_VNNI (AVX-512 with its BF16 and VNNI extensions: Zen 4,
+// Sapphire Rapids) adds two paths to the panel kernel — bfloat16 products for one or two activation
+// rows, 16-bit integer ones for more —; everything else runs as under AVX512 there.
+enum class Isa { SCALAR, AVX2, AVX512, AVX512_BF16_VNNI };
 
 Isa pick(const std::string& isa) {
   static const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c");
-  static const bool hasbf16 = has512 && __builtin_cpu_supports("avx512bf16");
+  static const bool hasbf16 = has512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
   static const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (isa == "auto") return hasbf16 ? Isa::AVX512BF16 : has512 ? Isa::AVX512 : has2 ? Isa::AVX2 : Isa::SCALAR;
-  if (isa == "avx512bf16") { TORCH_CHECK(hasbf16, "this CPU has no AVX512-BF16"); return Isa::AVX512BF16; }
+  if (isa == "auto") return hasbf16 ? Isa::AVX512_BF16_VNNI : has512 ? Isa::AVX512 : has2 ? Isa::AVX2 : Isa::SCALAR;
+  if (isa == "avx512-bf16-vnni") { TORCH_CHECK(hasbf16, "this CPU has no AVX512-BF16 and -VNNI"); return Isa::AVX512_BF16_VNNI; }
   if (isa == "avx512") { TORCH_CHECK(has512, "this CPU has no AVX-512"); return Isa::AVX512; }
   if (isa == "avx2") { TORCH_CHECK(has2, "this CPU has no AVX2/FMA"); return Isa::AVX2; }
-  TORCH_CHECK(isa == "scalar", "isa must be auto, avx512bf16, avx512, avx2 or scalar, got ", isa);
+  TORCH_CHECK(isa == "scalar", "isa must be auto, avx512-bf16-vnni, avx512, avx2 or scalar, got ", isa);
   return Isa::SCALAR;
 }
 
@@ -216,6 +218,7 @@ struct PanelArgs {
   const float* xsum;  // [M, nb]: each activation row's sum over each block (4-bit kinds; the factored path)
   const float* df; const float* mf;  // K8's float32 scales and mins (mf null: none), instead of d and m
   const uint16_t* xhi; const uint16_t* xlo;  // [M, K] bfloat16 bits: x split as x_hi + x_lo (the BF16 path)
+  const int16_t* xq; const float* xs;        // [M, K] int16 codes, [M, K/32] scales: x ≈ xs·xq per block (the VNNI path)
 };
 
 inline int64_t block_cols(int64_t kind) { return kind == K8 ? QK8 : QK; }
@@ -536,6 +539,102 @@ void panel_bf16(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
   return two ? panel_bf16_factored<2, 2>(a, row0, p) : panel_bf16_factored<2, 1>(a, row0, p);
 }
 
+// Q8_0 at any row count, the 4-bit kinds from three activation rows (prefill, batched decode; one or
+// two take the BF16 path above), with AVX512-VNNI: the
+// activations quantized once per call to 16-bit integers per block of 32 (quantize_int16: x ≈ s·c,
+// s = max|x| / 32767), so that a block's Σ c·q is exact integer arithmetic — VPDPWSSD, 32 products
+// per instruction, twice the float FMA's — and the float work is one scale per block:
+// Σ x·(d·q + m) ≈ d·s·Σ c·q + m·Σ s·c. The codes need no conversion to float, only widening to 16
+// bits. The rounding of x (≤ max|x| / 65534 per element) is the one change from the float path: on the
+// bundled model mean KL vs fp32 7.7e-8 with every greedy continuation unchanged (bench/RESULTS.md).
+// Like VDPBF16PS, VPDPWSSD multiplies each lane's two adjacent words: rows j and j + 1 of 16 lanes are
+// widened and interleaved (VPERMW). Sums fit int32: 32 · 127 · 32767 < 2^31.
+template <int R, int NP, bool BYTE>  // BYTE: Q8_0 (one signed code per byte) instead of two 4-bit ones
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni_t(const PanelArgs& a, int64_t row0, int64_t p) {
+  __m512 acc[NP][R];
+  for (int u = 0; u < NP; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi16(0x000F), interleave = _mm512_load_si512(kInterleave);
+  const int64_t bytes = block_bytes(a.kind), K = a.nb * QK;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m512i sum[NP][R];
+    const uint8_t* q[NP];
+    for (int u = 0; u < NP; ++u) {
+      q[u] = a.qs + ((p + u) * a.nb + b) * bytes;
+      for (int r = 0; r < R; ++r) sum[u][r] = _mm512_setzero_si512();
+    }
+    for (int j = 0; j < (BYTE ? QK : QK / 2); j += 2) {  // bytes j and j + 1 of 16 lanes
+      __m512i w0[NP], w1[NP];  // BYTE: elements j, j + 1; 4-bit: those (low nibbles) and j + 16, j + 17 (high)
+      for (int u = 0; u < NP; ++u) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[u] + j * LANES));
+        const __m512i w = _mm512_permutexvar_epi16(interleave, BYTE ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v));
+        w0[u] = BYTE ? w : _mm512_and_si512(w, low4);
+        if (!BYTE) w1[u] = _mm512_srli_epi16(w, 4);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int16_t* x = a.xq + (row0 + r) * K + b * QK + j;
+        int32_t pair0, pair1;
+        std::memcpy(&pair0, x, 4);
+        const __m512i x0 = _mm512_set1_epi32(pair0);
+        for (int u = 0; u < NP; ++u) sum[u][r] = _mm512_dpwssd_epi32(sum[u][r], w0[u], x0);
+        if (!BYTE) {
+          std::memcpy(&pair1, x + 16, 4);
+          const __m512i x1 = _mm512_set1_epi32(pair1);
+          for (int u = 0; u < NP; ++u) sum[u][r] = _mm512_dpwssd_epi32(sum[u][r], w1[u], x1);
+        }
+      }
+    }
+    for (int u = 0; u < NP; ++u) {
+      const int64_t sb = ((p + u) * a.nb + b) * LANES;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
+      const __m512 mn = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
+                                       : _mm512_mul_ps(d, _mm512_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
+      for (int r = 0; r < R; ++r) {
+        const int64_t rb = (row0 + r) * a.nb + b;
+        acc[u][r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.xs[rb])), _mm512_cvtepi32_ps(sum[u][r]), acc[u][r]);
+        if (!BYTE) acc[u][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[rb]), acc[u][r]);
+      }
+    }
+  }
+  store_panels<R, NP>(a, row0, p, acc);
+}
+
+// x [M, K] float32 rows -> xq [M, K] int16 codes, xs [M, K/32] scales (x ≈ xs·xq per block of 32,
+// symmetric, round to nearest) and xsum [M, K/32] = xs·Σ xq, each block's sum of the activations the
+// VNNI path multiplies.
+__attribute__((target("avx512f,avx512bw"))) void quantize_int16(const float* x, int64_t stride, int64_t M, int64_t K,
+                                                               int16_t* xq, float* xs, float* xsum) {
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < K / QK; ++b) {
+      const float* xb = x + r * stride + b * QK;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float scale = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+      const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));  // round to nearest (MXCSR default)
+      const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * K + b * QK), _mm512_cvtsepi32_epi16(c0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + r * K + b * QK + 16), _mm512_cvtsepi32_epi16(c1));
+      xs[r * (K / QK) + b] = scale;
+      xsum[r * (K / QK) + b] = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1)));
+    }
+}
+
+constexpr int64_t PANEL_ROWS_VNNI = 4;  // 2 panels x 4 rows x (int32 sums + float accumulators) + codes fit 32 registers
+
+void panel_vnni(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
+  const bool two = (p + 2) * LANES <= (a.n + LANES - 1) / LANES * LANES;
+#define KVP_VNNI(R)                                                                                                    \
+  if (a.kind == Q8_0) return two ? panel_vnni_t<R, 2, true>(a, row0, p) : panel_vnni_t<R, 1, true>(a, row0, p);       \
+  return two ? panel_vnni_t<R, 2, false>(a, row0, p) : panel_vnni_t<R, 1, false>(a, row0, p);
+  switch (rows) {
+    case 1: { KVP_VNNI(1) }
+    case 2: { KVP_VNNI(2) }
+    case 3: { KVP_VNNI(3) }
+    default: { KVP_VNNI(4) }
+  }
+#undef KVP_VNNI
+}
+
 using PanelFn = void (*)(const PanelArgs&, int64_t, int64_t, int64_t);
 
 template <int NP>
@@ -593,7 +692,7 @@ void check_operands(const torch::Tensor& d, const c10::optional<torch::Tensor>& 
 
 std::string gguf_linear_isa() {
   switch (pick("auto")) {
-    case Isa::AVX512BF16: return "avx512bf16";
+    case Isa::AVX512_BF16_VNNI: return "avx512-bf16-vnni";
     case Isa::AVX512: return "avx512";
     case Isa::AVX2: return "avx2";
     default: return "scalar";
@@ -646,35 +745,43 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
   PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), k8 ? nullptr : d.data_ptr<c10::Half>(),
               kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr, K / bw, n, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
               y.stride(0), binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue, nullptr,
-              k8 ? d.data_ptr<float>() : nullptr, k8 && m ? m->data_ptr<float>() : nullptr, nullptr, nullptr};
+              k8 ? d.data_ptr<float>() : nullptr, k8 && m ? m->data_ptr<float>() : nullptr, nullptr, nullptr, nullptr, nullptr};
   const Isa chosen = pick(isa);  // the instruction-set choice, shared with gguf_linear
   const bool four_bit = kind == Q4_0 || kind == Q4_1;
-  const bool bf16 = chosen == Isa::AVX512BF16 && four_bit && M <= 2;
-  std::vector<float> xsum;
+  const bool extended = chosen == Isa::AVX512_BF16_VNNI;
+  const bool bf16 = extended && four_bit && M <= 2, vnni = extended && kind != K8 && !bf16;
+  std::vector<float> xsum, xs;
   std::vector<uint16_t> xsplit;
-  // The factored paths (one or two activation rows, 4-bit kinds) need each block's activation sum: made
-  // once per call for every panel. Only then: for a prefill-sized M this serial pass would cost more
-  // than it saves (it did: 0.82x offline throughput when it ran for every call).
-  if (four_bit && M <= 2) {
+  std::vector<int16_t> xq;
+  const float* xp = x.data_ptr<float>();
+  // The factored paths (one or two activation rows, 4-bit kinds; VNNI) need each block's activation
+  // sum: made once per call for every panel. Only then: for a prefill-sized M the float path's serial
+  // pass would cost more than it saves (it did: 0.82x offline throughput when it ran for every call).
+  if (bf16) {
     xsum.resize(M * (K / QK));
-    const float* xp = x.data_ptr<float>();
-    if (bf16) {
-      xsplit.resize(2 * M * K);
-      split_bf16(xp, x.stride(0), M, K, xsplit.data(), xsplit.data() + M * K, xsum.data());
-      a.xhi = xsplit.data();
-      a.xlo = xsplit.data() + M * K;
-    } else {
-      for (int64_t r = 0; r < M; ++r)
-        for (int64_t b = 0; b < K / QK; ++b) {
-          float s = 0.0f;
-          for (int64_t k = 0; k < QK; ++k) s += xp[r * x.stride(0) + b * QK + k];
-          xsum[r * (K / QK) + b] = s;
-        }
-    }
-    a.xsum = xsum.data();
+    xsplit.resize(2 * M * K);
+    split_bf16(xp, x.stride(0), M, K, xsplit.data(), xsplit.data() + M * K, xsum.data());
+    a.xhi = xsplit.data();
+    a.xlo = xsplit.data() + M * K;
+  } else if (vnni) {
+    xsum.resize(M * (K / QK));
+    xs.resize(M * (K / QK));
+    xq.resize(M * K);
+    quantize_int16(xp, x.stride(0), M, K, xq.data(), xs.data(), xsum.data());
+    a.xq = xq.data();
+    a.xs = xs.data();
+  } else if (four_bit && M <= 2) {
+    xsum.resize(M * (K / QK));
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t b = 0; b < K / QK; ++b) {
+        float s = 0.0f;
+        for (int64_t k = 0; k < QK; ++k) s += xp[r * x.stride(0) + b * QK + k];
+        xsum[r * (K / QK) + b] = s;
+      }
   }
-  const PanelFn panel_fn = bf16 ? panel_bf16 : chosen >= Isa::AVX512 ? panel_avx512 : chosen == Isa::AVX2 ? panel_avx2 : panel_scalar;
-  const int64_t tile = chosen >= Isa::AVX512 ? PANEL_ROWS_512 : chosen == Isa::AVX2 ? PANEL_ROWS_AVX2 : ROW_TILE;
+  a.xsum = xsum.empty() ? nullptr : xsum.data();
+  const PanelFn panel_fn = bf16 ? panel_bf16 : vnni ? panel_vnni : chosen >= Isa::AVX512 ? panel_avx512 : chosen == Isa::AVX2 ? panel_avx2 : panel_scalar;
+  const int64_t tile = vnni ? PANEL_ROWS_VNNI : chosen >= Isa::AVX512 ? PANEL_ROWS_512 : chosen == Isa::AVX2 ? PANEL_ROWS_AVX2 : ROW_TILE;
   const int64_t step = chosen >= Isa::AVX512 ? 2 : 1;  // panels per call
   at::parallel_for(0, (P + step - 1) / step, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s)

@@ -304,5 +304,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_panel", &gguf_linear_panel, "x @ W.T with W in GGUF blocks laid out in panels of 16 output rows (CPU)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("n"), py::arg("bias"), py::arg("epilogue"),
         py::arg("other"), py::arg("isa") = "auto", no_gil);
-  m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear uses here (avx512bf16, avx512, avx2 or scalar)");
+  m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear uses here (avx512-bf16-vnni, avx512, avx2 or scalar)");
 }
