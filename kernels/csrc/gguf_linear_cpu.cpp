@@ -394,6 +394,22 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2_t(const PanelArgs& a, i
   }
 }
 
+// The factored kernels' end of a block: acc += d·(Σ x·q over the low and the high nibbles) + m·Σ x.
+template <int R, int NP>
+__attribute__((target("avx512f,f16c"))) inline void add_block(const PanelArgs& a, int64_t row0, int64_t p, int64_t b,
+                                                             const __m512 (&lo)[NP][R], const __m512 (&hi)[NP][R], __m512 (&acc)[NP][R]) {
+  for (int u = 0; u < NP; ++u) {
+    const int64_t sb = ((p + u) * a.nb + b) * LANES;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
+    const __m512 mn = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
+                                     : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    for (int r = 0; r < R; ++r) {
+      acc[u][r] = _mm512_fmadd_ps(d, _mm512_add_ps(lo[u][r], hi[u][r]), acc[u][r]);
+      acc[u][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(row0 + r) * a.nb + b]), acc[u][r]);
+    }
+  }
+}
+
 // One or two activation rows (decoding one or two sequences), 4-bit kinds. With a single row the loop
 // above is bound by the latency of one accumulator chain per panel; here the block's sum of x·q is kept
 // in separate registers for the low and high nibbles (four independent chains for two panels), and the
@@ -428,16 +444,7 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_factored(cons
         }
       }
     }
-    for (int u = 0; u < NP; ++u) {
-      const int64_t sb = ((p + u) * a.nb + b) * LANES;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
-      const __m512 mn = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
-                                       : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-      for (int r = 0; r < R; ++r) {
-        acc[u][r] = _mm512_fmadd_ps(d, _mm512_add_ps(lo[u][r], hi[u][r]), acc[u][r]);
-        acc[u][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(row0 + r) * a.nb + b]), acc[u][r]);
-      }
-    }
+    add_block<R, NP>(a, row0, p, b, lo, hi, acc);
   }
   store_panels<R, NP>(a, row0, p, acc);
 }
@@ -497,16 +504,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,f16c"))) void panel_bf16_fact
         }
       }
     }
-    for (int u = 0; u < NP; ++u) {
-      const int64_t sb = ((p + u) * a.nb + b) * LANES;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
-      const __m512 mn = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
-                                       : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-      for (int r = 0; r < R; ++r) {
-        acc[u][r] = _mm512_fmadd_ps(d, _mm512_add_ps(lo[u][r], hi[u][r]), acc[u][r]);
-        acc[u][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(row0 + r) * a.nb + b]), acc[u][r]);
-      }
-    }
+    add_block<R, NP>(a, row0, p, b, lo, hi, acc);
   }
   store_panels<R, NP>(a, row0, p, acc);
 }
