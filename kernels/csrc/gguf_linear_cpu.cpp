@@ -511,9 +511,12 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,f16c"))) void panel_bf16_fact
 
 // x [M, K] float32 rows -> x_hi, x_lo [M, K] bfloat16 bits (x_hi = x rounded to nearest, x_lo = the
 // rest rounded) and xsum [M, K/32]: each block's Σ (x_hi + x_lo), the activations the BF16 path multiplies.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512 widen(__m256bh h) {  // 16 bfloat16s as floats
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+}
+
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void split_bf16(const float* x, int64_t stride, int64_t M, int64_t K,
                                                                        uint16_t* xhi, uint16_t* xlo, float* xsum) {
-  auto widen = [](__m256bh h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16)); };
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < K / QK; ++b) {
       __m512 sum = _mm512_setzero_ps();
