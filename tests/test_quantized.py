@@ -48,10 +48,10 @@ def int16_blocks(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inverse) * (amax / 32767)).reshape(x.shape)
 
 
-def panel_activations(x: torch.Tensor, kind: str, isa: str) -> torch.Tensor:
-    """What the panel kernel multiplies: x, but on the VNNI path (every Q8_0 call, 4-bit from three rows)
-    x rounded to 16-bit codes per block."""
-    vnni = isa == "avx512-bf16-vnni" and (kind == "Q8_0" or x.shape[0] > 2)
+def kernel_activations(x: torch.Tensor, kind: str, isa: str, panels: bool = True) -> torch.Tensor:
+    """What a GGUF kernel multiplies: x, but on the VNNI paths (every Q8_0 call; 4-bit panels from three
+    rows) x rounded to 16-bit codes per block."""
+    vnni = isa == "avx512-bf16-vnni" and (kind == "Q8_0" or (panels and x.shape[0] > 2))
     return int16_blocks(x) if vnni else x
 
 
@@ -153,11 +153,12 @@ def test_kernel_matches_the_reference_on_every_isa(kind):
             x = torch.randn(m, k)
             other = torch.randn(m, n)
             y = x @ dense.T + bias
-            for epilogue, want in ((0, y), (1, F.silu(y)), (2, y * other), (3, y + other)):
+            y_row = kernel_activations(x, kind, isa, panels=False) @ dense.T + bias
+            for epilogue, want in ((0, y_row), (1, F.silu(y_row)), (2, y_row * other), (3, y_row + other)):
                 got = ext.gguf_linear(x, w.qs, w.d, w.m, KINDS[kind], bias, epilogue, other if epilogue >= 2 else None, isa)
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=f"{kind} {isa} M={m} epilogue {epilogue}")
             qs, d, mins = to_panels(w)  # 67 rows: 5 panels of 16, the last one padded
-            y_panel = panel_activations(x, kind, isa) @ dense.T + bias
+            y_panel = kernel_activations(x, kind, isa) @ dense.T + bias
             for epilogue, want in ((0, y_panel), (1, F.silu(y_panel)), (3, y_panel + other)):
                 got = ext.gguf_linear_panel(x, qs, d, mins, KINDS[kind], n, bias, epilogue, other if epilogue >= 2 else None, isa)
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=f"panels {kind} {isa} M={m} epilogue {epilogue}")
@@ -165,12 +166,13 @@ def test_kernel_matches_the_reference_on_every_isa(kind):
             torch.testing.assert_close(got - other, y, rtol=1e-3, atol=2e-3, msg=f"panels {kind} {isa} M={m} vs exact x")
     assert GGUFLinear(w, bias).panels and not GGUFLinear(w, bias, in_place=True).panels
     here = isas()[0]  # what GGUFLinear runs
-    torch.testing.assert_close(GGUFLinear(w, bias, in_place=True)(x), x @ dense.T + bias, rtol=1e-5, atol=1e-4)  # the row kernel: float x
-    torch.testing.assert_close(GGUFLinear(w, bias)(x), panel_activations(x, kind, here) @ dense.T + bias, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(GGUFLinear(w, bias, in_place=True)(x), kernel_activations(x, kind, here, panels=False) @ dense.T + bias,
+                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(GGUFLinear(w, bias)(x), kernel_activations(x, kind, here) @ dense.T + bias, rtol=1e-5, atol=1e-4)
     lin = GGUFLinear(w, bias)
     x = torch.randn(2, 3, k)  # any leading shape
     torch.testing.assert_close(lin.mul(x, torch.ones(2, 3, n)), lin(x), rtol=0, atol=0)
-    torch.testing.assert_close(lin(x), (panel_activations(x.reshape(6, k), kind, here) @ dense.T + bias).reshape(2, 3, n), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(lin(x), (kernel_activations(x.reshape(6, k), kind, here) @ dense.T + bias).reshape(2, 3, n), rtol=1e-5, atol=1e-4)
 
 
 def test_bad_kernel_arguments_are_errors_not_crashes():

@@ -39,6 +39,7 @@ struct Args {
   float* y; int64_t y_stride;
   const float* other; int64_t other_stride;
   int64_t kind, epilogue;
+  const int16_t* xq; const float* xs;  // the VNNI path's activations (see quantize_int16), else null
 };
 
 inline float finish(const Args& a, int64_t row, int64_t n, float v) {
@@ -636,6 +637,42 @@ void panel_vnni(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
 #undef KVP_VNNI
 }
 
+// The row layout's VNNI path, Q8_0 (a tied head multiplied in place over the embedding's blocks):
+// per output row and block, 32 codes widened to 16 bits against the activation row's 16-bit codes
+// (VPDPWSSD), the int32 lanes scaled by d·s into float accumulators, one horizontal sum per output.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void tile_vnni_q8(const Args& a, int64_t row0, int64_t n0, int64_t n1) {
+  const int64_t K = a.nb * QK;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const uint8_t* q = a.qs + n * a.qs_stride;
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK)));
+      const float d = _cvtsh_ss(a.d[n * a.nb + b].x);
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = row0 + r;
+        const __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a.xq + row * K + b * QK));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * a.xs[row * a.nb + b]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) a.y[(row0 + r) * a.y_stride + n] = finish(a, row0 + r, n, _mm512_reduce_add_ps(acc[r]));
+  }
+}
+
+void rows_vnni_q8(const Args& a, int64_t row0, int64_t rows, int64_t n0, int64_t n1) {
+  switch (rows) {
+    case 1: return tile_vnni_q8<1>(a, row0, n0, n1);
+    case 2: return tile_vnni_q8<2>(a, row0, n0, n1);
+    case 3: return tile_vnni_q8<3>(a, row0, n0, n1);
+    case 4: return tile_vnni_q8<4>(a, row0, n0, n1);
+    case 5: return tile_vnni_q8<5>(a, row0, n0, n1);
+    case 6: return tile_vnni_q8<6>(a, row0, n0, n1);
+    case 7: return tile_vnni_q8<7>(a, row0, n0, n1);
+    default: return tile_vnni_q8<8>(a, row0, n0, n1);
+  }
+}
+
 using PanelFn = void (*)(const PanelArgs&, int64_t, int64_t, int64_t);
 
 template <int NP>
@@ -714,8 +751,19 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c1
   Args a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), qs.size(1), d.data_ptr<c10::Half>(),
          kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr, K / QK, bias ? bias->data_ptr<float>() : nullptr,
          y.data_ptr<float>(), y.stride(0), other && (epilogue == MUL || epilogue == ADD) ? other->data_ptr<float>() : nullptr,
-         other && (epilogue == MUL || epilogue == ADD) ? other->stride(0) : 0, kind, epilogue};
-  const RowsFn rows_fn = rows_for(pick(isa));
+         other && (epilogue == MUL || epilogue == ADD) ? other->stride(0) : 0, kind, epilogue, nullptr, nullptr};
+  const Isa chosen = pick(isa);
+  std::vector<int16_t> xq;
+  std::vector<float> xs, xsum;
+  if (chosen == Isa::AVX512_BF16_VNNI && kind == Q8_0) {  // activations as 16-bit codes, as in the panel kernel
+    xq.resize(M * K);
+    xs.resize(M * (K / QK));
+    xsum.resize(M * (K / QK));
+    quantize_int16(x.data_ptr<float>(), x.stride(0), M, K, xq.data(), xs.data(), xsum.data());
+    a.xq = xq.data();
+    a.xs = xs.data();
+  }
+  const RowsFn rows_fn = a.xq ? rows_vnni_q8 : rows_for(chosen);
   // Output rows in chunks over the threads; each chunk walks all activation rows, ROW_TILE at a time.
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) rows_fn(a, r0, std::min(ROW_TILE, M - r0), n0, n1);
