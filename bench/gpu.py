@@ -1,0 +1,401 @@
+"""The GPU benchmark and correctness check (the GPU-path issue), one command on a GPU machine.
+
+    here:   .venv/bin/python bench/gpu.py bundle    # .gpu/: the model's metadata skeleton + wheels (~5 MB)
+    there:  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels/*.whl \\
+              && PYTHONPATH=/tmp/site python3 bench/gpu.py run          # (device tool: carry [".gpu"])
+
+The GPU machine cannot download and at most 64 MiB travel, so the bundled GGUF (98 MB) stays here:
+`bundle` keeps its metadata (architecture, hyper-parameters, tokenizer) and its tensors' names and
+shapes in a tensor-free GGUF, and fetches the wheels that machine lacks (the engine config's pydantic,
+the GGUF reader); `run` writes a GGUF of those shapes with seeded random F16 weights, then:
+
+1. correctness: kvpilot on the device in float32 vs HF transformers on the device in float32 (TF32
+   off), 64 greedy tokens from each oracle prompt, judged by the project's rule (all but one exact,
+   the first divergence inside each other's top 5), for each kernel set (default, Triton);
+2. each Triton kernel in bfloat16 against its float32 torch reference (stated tolerances);
+3. throughput (output tok/s, one table): single stream (32 + 256 tokens), 64 requests (bench/offline.py's
+   workload), 256 requests (nano-vllm's protocol, max_num_seqs 256) — kvpilot (default and Triton
+   kernels) vs HF static batches vs a plain-PyTorch decode step (fused QKV and gate/up, RoPE, SDPA
+   over a static cache, a sampled token) captured as one CUDA graph.
+
+`run --quick --device cpu` shrinks every workload (a smoke test of the script itself, no figures).
+Figures go to bench/RESULTS.md with this command; without a GPU: "GPU not measured".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLE = ROOT / ".gpu"
+SKELETON = BUNDLE / "skeleton.gguf"
+WHEELS = BUNDLE / "wheels"
+TENSORS_KEY = "kvpilot.bench.tensors"  # JSON {name: numpy shape} of the bundled model's tensors
+# What the GPU machine's image lacks for the offline engine (the device README's package list).
+CARRIED = ["gguf", "pydantic", "pydantic-core", "annotated-types", "typing-inspection"]
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+
+
+def bundle() -> None:
+    import gguf
+
+    from kvpilot.server.gguf_loader import _field_value
+    from kvpilot.server.model_files import resolve_model_path
+
+    reader = gguf.GGUFReader(resolve_model_path("smollm2-135m"))
+    BUNDLE.mkdir(exist_ok=True)
+    writer = gguf.GGUFWriter(str(SKELETON), str(_field_value(reader.fields["general.architecture"])))
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":  # the reader's header entries; the writer adds these
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, _field_value(field), gguf.GGUFValueType.ARRAY, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, _field_value(field), field.types[0])
+    writer.add_string(TENSORS_KEY, json.dumps({t.name: [int(n) for n in reversed(t.shape.tolist())] for t in reader.tensors}))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if "==" in line:
+            name, version = line.split("==")
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    WHEELS.mkdir(exist_ok=True)
+    for name in CARRIED:
+        platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+                        "--implementation", "cp", *platforms, "-d", str(WHEELS), f"{name}=={pins[name]}"], check=True)
+    size = sum(f.stat().st_size for f in BUNDLE.rglob("*") if f.is_file())
+    print(f"{BUNDLE}: {size / 2**20:.1f} MiB (skeleton {SKELETON.stat().st_size / 2**20:.1f} MiB, {len(list(WHEELS.glob('*.whl')))} wheels)")
+
+
+def _import_kvpilot() -> None:
+    """kvpilot from this checkout without installing it: a namespace package of symlinks (as setup.py maps the folders)."""
+    try:
+        import kvpilot.server  # noqa: F401
+    except ImportError:
+        shim = Path(tempfile.mkdtemp()) / "kvpilot"
+        shim.mkdir()
+        for folder in ("server", "kernels", "operator"):
+            (shim / folder).symlink_to(ROOT / folder)
+        sys.path.insert(0, str(shim.parent))
+
+
+def make_gguf(dest: Path, seed: int = 0) -> Path:
+    """The bundled model's architecture and tokenizer with seeded random weights: F16 matrices
+    N(0, 0.02), norms 1 (F32)."""
+    import gguf
+    import numpy as np
+
+    from kvpilot.server.gguf_loader import _field_value
+
+    reader = gguf.GGUFReader(SKELETON)
+    shapes = json.loads(str(_field_value(reader.fields[TENSORS_KEY])))
+    writer = gguf.GGUFWriter(str(dest), str(_field_value(reader.fields["general.architecture"])))
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", TENSORS_KEY):
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, _field_value(field), gguf.GGUFValueType.ARRAY, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, _field_value(field), field.types[0])
+    rng = np.random.default_rng(seed)
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            writer.add_tensor(name, np.ones(shape, np.float32))
+        else:
+            writer.add_tensor(name, (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dest
+
+
+def _kvpilot(path: Path, device: str, dtype: str, kernels: str, **engine):
+    from kvpilot.server import LLM
+
+    os.environ["KVPILOT_KERNELS"] = kernels  # read when the model is built
+    threads = {"num_threads": 2} if device == "cpu" else {}
+    return LLM(model=str(path), device=device, dtype=dtype, show_progress=False, **threads, **engine)
+
+
+def correctness(path: Path, device: str, steps: int, kernel_sets: list[str]) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from kvpilot.server import SamplingParams
+    from oracle import ORACLE_PROMPTS, TOPK, compare_greedy
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).to(device).eval()
+    refs = []
+    with torch.inference_mode():
+        for prompt in ORACLE_PROMPTS:
+            ids = tokenizer(prompt).input_ids
+            out = model(torch.tensor([ids], device=device), use_cache=True)
+            past, last = out.past_key_values, out.logits[0, -1].float()
+            tokens, topk = [], []
+            for _ in range(steps):
+                topk.append(torch.topk(last, TOPK).indices.tolist())
+                tokens.append(int(last.argmax()))
+                out = model(torch.tensor([[tokens[-1]]], device=device), past_key_values=past, use_cache=True)
+                past, last = out.past_key_values, out.logits[0, -1].float()
+            refs.append(type("Ref", (), {"tokens": tokens, "topk": topk})())
+    del model
+    rows = []
+    for kernels in kernel_sets:
+        llm = _kvpilot(path, device, "float32", kernels)
+        outs = llm.generate(ORACLE_PROMPTS, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=TOPK))
+        tokens = [o.outputs[0].token_ids for o in outs]
+        topks = [[sorted(e, key=e.get, reverse=True)[:TOPK] for e in o.outputs[0].logprobs] for o in outs]
+        verdict = compare_greedy(tokens, topks, refs)
+        ok = verdict["exact"] >= verdict["total"] - 1 and not verdict["violations"]
+        rows.append({"check": f"fp32 greedy vs HF, kernels={kernels}", "result": f"{verdict['exact']}/{verdict['total']} exact, "
+                     f"violations {verdict['violations']}", "pass": ok})
+        llm.engine.close()
+    return rows
+
+
+def bf16_kernels(device: str) -> list[dict]:
+    """Each Triton kernel in bfloat16 against its float32 torch reference."""
+    import torch
+
+    from kvpilot.kernels import ops, triton_attention, triton_layers
+    from kvpilot.kernels.paged_attention import decode_attention_ref
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    rows = []
+
+    def check(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
+        err = (got.float() - want.float()).abs().max().item()
+        rows.append({"check": f"bf16 {name} vs fp32 reference", "result": f"max |error| {err:.2e} (tolerance {atol:g})", "pass": err <= atol})
+
+    x, w = rnd(64, 576), rnd(576)
+    check("rms_norm", triton_layers.rms_norm(x.bfloat16(), w.bfloat16(), 1e-5), ops.rms_norm_ref(x, w, 1e-5), 0.1)
+    heads, kv_heads, d, bs, blocks = 9, 3, 64, 16, 64
+    q, k, v = rnd(8, heads, d), rnd(blocks, bs, kv_heads, d), rnd(blocks, bs, kv_heads, d)
+    tables = torch.randperm(blocks, generator=g)[:8 * 8].reshape(8, 8).to(device)
+    lens = torch.tensor([1, 5, 16, 17, 63, 100, 127, 128], device=device)
+    want = decode_attention_ref(q, k, v, tables, lens, d ** -0.5)
+    check("paged decode attention", triton_attention.paged_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), tables, lens, d ** -0.5), want, 0.05)
+    check("paged decode attention (split-K)", triton_attention.paged_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), tables, lens,
+                                                                                     d ** -0.5, split_tokens=32), want, 0.05)
+    qkv = rnd(8, (heads + 2 * kv_heads) * d)
+    positions = torch.arange(8, device=device) * 37
+    angles = torch.arange(2048, device=device)[:, None].float() * (10000 ** (-torch.arange(0, d, 2, device=device).float() / d))
+    rope = ops.Rope(positions, angles.cos(), angles.sin(), torch.float32)
+    ref = qkv.clone()
+    ops.rotary_qkv_ref_(ref, rope, heads, kv_heads, d)
+    got = qkv.bfloat16()
+    triton_layers.rotary_qkv_(got, ops.Rope(positions, angles.cos(), angles.sin(), torch.bfloat16), heads, kv_heads, d)
+    check("rotary_qkv_", got, ref, 0.05)
+    return rows
+
+
+def _timed(fn) -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def kvpilot_rates(path: Path, device: str, kernels: str, workloads: dict) -> dict[str, float]:
+    from kvpilot.server import SamplingParams
+
+    rates = {}
+    for name, (prompts, outputs, max_seqs) in workloads.items():
+        llm = _kvpilot(path, device, "auto", kernels, max_num_seqs=max_seqs, max_num_batched_tokens=max(2048, max(map(len, prompts))))
+        llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up (Triton compiles here)
+        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outputs]
+        rates[name] = sum(outputs) / _timed(partial(llm.generate, prompts, params))
+        llm.engine.close()
+    return rates
+
+
+def hf_rates(path: Path, device: str, workloads: dict, batch: dict[str, int]) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device).eval()
+    rates = {}
+    with torch.inference_mode():
+        for name, (prompts, outputs, _) in workloads.items():
+            rates[name] = sum(outputs) / _timed(partial(_hf_static_batches, model, prompts, outputs, batch[name], device))
+    return rates
+
+
+def _hf_static_batches(model, prompts: list[list[int]], outputs: list[int], bs: int, device: str) -> None:
+    """HF generate over batches of `bs` prompts of similar length (left-padded), each to its longest output."""
+    import torch
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    for start in range(0, len(order), bs):
+        idx = order[start:start + bs]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in idx], device=device)
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx], device=device)
+        steps = max(outputs[i] for i in idx)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+
+
+def graph_step_rates(path: Path, device: str, batches: list[int], context: int, steps: int) -> dict[int, float]:
+    """A plain-PyTorch decode step of the model's shapes — fused QKV and gate/up matmuls, RMSNorm, RoPE
+    on q and k, SDPA with GQA over a static [B, kv_heads, context, d] cache, the head and a
+    sample (Gumbel-max at temperature 0.8) — captured as one CUDA graph (eager on CPU): tokens per
+    second at each batch size."""
+    import torch
+
+    from kvpilot.server.gguf_loader import GGUFFile
+
+    c = GGUFFile(path).config
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(1)
+    mat = lambda *shape: (torch.randn(*shape, generator=g) * 0.02).to(device, dtype)  # noqa: E731
+    d, h, kvh = c.head_dim, c.num_heads, c.num_kv_heads
+    layers = [(mat((h + 2 * kvh) * d, c.hidden_size), mat(c.hidden_size, h * d), mat(2 * c.intermediate_size, c.hidden_size),
+               mat(c.hidden_size, c.intermediate_size)) for _ in range(c.num_layers)]
+    head = mat(c.vocab_size, c.hidden_size)
+    norm = torch.ones(c.hidden_size, device=device, dtype=dtype)
+    inv = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d))
+    model = (c, layers, head, norm, inv, dtype)
+    return {batch: _graph_step_rate(model, batch, context, steps, device) for batch in batches}
+
+
+def _graph_step_rate(model: tuple, batch: int, context: int, steps: int, device: str) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    c, layers, head, norm, inv, dtype = model
+    d, h, kvh = c.head_dim, c.num_heads, c.num_kv_heads
+    caches = [(torch.zeros(batch, kvh, context, d, device=device, dtype=dtype), torch.zeros(batch, kvh, context, d, device=device, dtype=dtype))
+              for _ in range(c.num_layers)]
+    token = torch.zeros(batch, dtype=torch.long, device=device)
+    pos = torch.full((batch,), context - 1, dtype=torch.long, device=device)
+
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def step() -> None:
+        x = F.embedding(token, head)
+        angle = pos[:, None].float() * inv
+        cos, sin = angle.cos().to(dtype)[:, None, :], angle.sin().to(dtype)[:, None, :]
+        for (wqkv, wo, wgu, wd), (kc, vc) in zip(layers, caches):
+            qkv = F.linear(F.rms_norm(x, (c.hidden_size,), norm, 1e-5), wqkv)
+            q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+            q, k = rotate(q.view(batch, h, d), cos, sin), rotate(k.view(batch, kvh, d), cos, sin)
+            kc[:, :, -1] = k
+            vc[:, :, -1] = v.view(batch, kvh, d)
+            a = F.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True)
+            x = x + F.linear(a.reshape(batch, h * d), wo)
+            gate, up = F.linear(F.rms_norm(x, (c.hidden_size,), norm, 1e-5), wgu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, wd)
+        logits = F.linear(F.rms_norm(x, (c.hidden_size,), norm, 1e-5), head).float()
+        noise = -torch.log(-torch.log(torch.rand_like(logits).clamp_(min=1e-10)))  # Gumbel-max: a sample at temperature 0.8
+        token.copy_((logits / 0.8 + noise).argmax(-1))
+        pos.add_(1).clamp_(max=context - 1)
+
+    with torch.inference_mode():
+        if device == "cuda":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            replay = graph.replay
+        else:
+            replay = step
+        replay()
+        return batch * steps / _timed(partial(_repeat, replay, steps))
+
+
+def _repeat(fn, times: int) -> None:
+    for _ in range(times):
+        fn()
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.device == "cpu":  # the Triton kernels on CPU tensors: only in Triton's interpreter (set before triton loads)
+        os.environ["TRITON_INTERPRET"] = "1"
+    _import_kvpilot()
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from common import offline_workload, table
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here: `bench/gpu.py run --quick --device cpu` is the smoke test")
+    work = Path(tempfile.mkdtemp())
+    path = make_gguf(work / "smollm2-135m-random.gguf")
+    quick = args.quick
+    # (requests, prompt lengths, output lengths); --quick: a few short ones
+    shapes = {"single stream (32 + 256)": (1, (32, 32), (256, 256), 1), "64 requests (32-512 / 32-256)": (64, (32, 512), (32, 256), 64),
+              "256 requests (100-1024 / 100-1024)": (256, (100, 1024), (100, 1024), 256)}
+    workloads = {name: (*offline_workload(min(n, 3) if quick else n, seed=i, prompt=(8, 16) if quick else prompt,
+                                          output=(2, 4) if quick else output), max_seqs)
+                 for i, (name, (n, prompt, output, max_seqs)) in enumerate(shapes.items())}
+    checks = correctness(path, device, 64 if not quick else 4, ["default", "triton"])
+    if device == "cuda":  # bfloat16 in Triton's interpreter is broken: these need the GPU
+        checks += bf16_kernels(device)
+    print(table(checks, ["check", "result", "pass"]), flush=True)
+    rows = []
+    for kernels in ("default", "triton"):
+        for name, rate in kvpilot_rates(path, device, kernels, workloads).items():
+            rows.append({"engine": f"kvpilot ({kernels} kernels)", "workload": name, "output tok/s": f"{rate:.0f}"})
+    for name, rate in hf_rates(path, device, workloads, {"single stream (32 + 256)": 1, "64 requests (32-512 / 32-256)": 64,
+                                                          "256 requests (100-1024 / 100-1024)": 128}).items():
+        rows.append({"engine": "HF transformers (static batches: 1, 64, 128)", "workload": name, "output tok/s": f"{rate:.0f}"})
+    context = 64 if quick else 1024
+    for batch, rate in graph_step_rates(path, device, [1, 2] if quick else [1, 256], context, 3 if quick else 200).items():
+        rows.append({"engine": "plain PyTorch decode step, CUDA graph (RoPE, sampling)", "workload": f"batch {batch}, context {context}",
+                     "output tok/s": f"{rate:.0f}"})
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    print(table(rows, ["engine", "workload", "output tok/s"]))
+    if out := os.environ.get("OUT"):
+        Path(out, "gpu_bench.json").write_text(json.dumps({"checks": checks, "rates": rows}, indent=1))
+    if not all(c["pass"] for c in checks):
+        raise SystemExit("a correctness check failed (table above)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("bundle", help="here: write .gpu/ (metadata skeleton + wheels) for the GPU machine")
+    r = sub.add_parser("run", help="there: build the random-weight GGUF, check correctness, measure")
+    r.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    r.add_argument("--quick", action="store_true", help="tiny workloads: a smoke test of this script")
+    args = ap.parse_args()
+    if args.command == "bundle":
+        bundle()
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
