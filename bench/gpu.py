@@ -48,6 +48,22 @@ PARTS = ["checks", "kvpilot", "hf", "graph"]  # what `run` does, in order
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 
 
+def _copy_metadata(reader, writer) -> None:
+    """Every key/value of a GGUF into a writer, but the reader's header entries and the architecture
+    (the writer makes those) and this script's tensor list."""
+    import gguf
+
+    from kvpilot.server.gguf_loader import _field_value
+
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", TENSORS_KEY):
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, _field_value(field), gguf.GGUFValueType.ARRAY, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, _field_value(field), field.types[0])
+
+
 def bundle() -> None:
     import gguf
 
@@ -57,13 +73,7 @@ def bundle() -> None:
     reader = gguf.GGUFReader(resolve_model_path("smollm2-135m"))
     BUNDLE.mkdir(exist_ok=True)
     writer = gguf.GGUFWriter(str(SKELETON), str(_field_value(reader.fields["general.architecture"])))
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":  # the reader's header entries; the writer adds these
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(name, _field_value(field), gguf.GGUFValueType.ARRAY, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(name, _field_value(field), field.types[0])
+    _copy_metadata(reader, writer)
     writer.add_string(TENSORS_KEY, json.dumps({t.name: [int(n) for n in reversed(t.shape.tolist())] for t in reader.tensors}))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -105,13 +115,7 @@ def make_gguf(dest: Path, seed: int = 0) -> Path:
     reader = gguf.GGUFReader(SKELETON)
     shapes = json.loads(str(_field_value(reader.fields[TENSORS_KEY])))
     writer = gguf.GGUFWriter(str(dest), str(_field_value(reader.fields["general.architecture"])))
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", TENSORS_KEY):
-            continue
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(name, _field_value(field), gguf.GGUFValueType.ARRAY, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(name, _field_value(field), field.types[0])
+    _copy_metadata(reader, writer)
     rng = np.random.default_rng(seed)
     for name, shape in shapes.items():
         if len(shape) == 1:
@@ -139,7 +143,7 @@ def correctness(path: Path, device: str, steps: int, kernel_sets: list[str]) -> 
 
     sys.path.insert(0, str(ROOT / "tests"))
     from kvpilot.server import SamplingParams
-    from oracle import ORACLE_PROMPTS, TOPK, compare_greedy
+    from oracle import ORACLE_PROMPTS, TOPK, OracleResult, compare_greedy
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -157,7 +161,7 @@ def correctness(path: Path, device: str, steps: int, kernel_sets: list[str]) -> 
                 tokens.append(int(last.argmax()))
                 out = model(torch.tensor([[tokens[-1]]], device=device), past_key_values=past, use_cache=True)
                 past, last = out.past_key_values, out.logits[0, -1].float()
-            refs.append(type("Ref", (), {"tokens": tokens, "topk": topk})())
+            refs.append(OracleResult(ids, tokens, topk, prompt_logprobs=[]))
     del model
     rows = []
     for kernels in kernel_sets:
