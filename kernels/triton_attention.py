@@ -1,29 +1,40 @@
-"""Attention over the paged KV cache as one Triton kernel for a whole mixed step: the GPU form of the
-CPU kernel in kernels/csrc/paged_attention_cpu.cpp (part of the GPU-path issue).
+"""Attention over the paged KV cache as Triton kernels for a whole mixed step: the GPU form of the CPU
+kernel in kernels/csrc/paged_attention_cpu.cpp (part of the GPU-path issue).
 
-`paged_attention` hands every token of the step to the decode kernel as its own query row — a decode
-token with its sequence's context, a prefill token (plain, chunked, or after a cached prefix) with the
-context up to and including itself, which is exactly the causal mask — so one launch covers prefills
-and decodes alike, with no per-sequence loop on the GPU side. Each program re-reads its context, so a
-long prompt costs O(n²) reads: a tiled prefill kernel (queries of a sequence sharing each K/V block)
-is the next step, to be measured on a GPU.
+`paged_attention` stores the step's K/V (unless RoPE's kernel already did), then makes two launches at
+most: the prefill kernel over every prefilling sequence's rows (plain, chunked, or after a cached
+prefix) and the decode kernel over the one-row sequences. Both read every key from the cache, so a
+prefill after a cached prefix is no different from a plain one.
 
-Split-K (flash-decoding): when the block tables are wider than SPLIT_TOKENS of context, each (sequence,
-KV head) is split over several programs, each walking SPLIT_TOKENS of the context and writing its
-partial (running max, sum, unnormalised output) to float32 buffers, and a second kernel combines them
-— so a few long sequences still fill the GPU. The number of splits comes from the tables' width (a
-shape), never from the context lengths' values: no host sync, so a CUDA graph can hold it.
+Prefill (tiled, flash-attention style): one program per (sequence, tile of BLOCK_M query tokens, KV
+head). The tile's queries of all the heads sharing that KV head (GQA) are one [BLOCK_M * GROUP_PAD, D]
+matrix, so each K/V block of the sequence is loaded once per tile and multiplied with tl.dot; the
+walk stops at the tile's last query position (causal), and masks within the diagonal blocks. The
+tile size is BLOCK_M = 64 query rows / GROUP_PAD tokens (at least 16) — not yet tuned on a GPU.
 
-One program per (sequence, KV head) with the query heads that share it (GQA): it walks the sequence's
-block table, loads each block's K rows for its head once for the whole group, and keeps an online
-softmax (running max and sum, rescaled accumulators), so K and V are read once and nothing of the
-context is materialised. float32 math whatever the cache's dtype. head_dim and the block size must
-be powers of two (tl.arange): 64 and 128, 16 and 32 in practice; anything else is refused by name.
+Decode: one program per (sequence, KV head) with the query heads that share it (GQA): it walks the
+sequence's block table, loads each block's K rows for its head once for the whole group, and keeps an
+online softmax (running max and sum, rescaled accumulators), so K and V are read once and nothing of
+the context is materialised.
+
+Split-K (flash-decoding): when the block tables are wider than SPLIT_TOKENS of context, each decode
+(sequence, KV head) is split over several programs, each walking SPLIT_TOKENS of the context and
+writing its partial (running max, sum, unnormalised output) to float32 buffers, and a second kernel
+combines them — so a few long sequences still fill the GPU. The number of splits comes from the
+tables' width (a shape), never from the context lengths' values: no host sync, so a CUDA graph can
+hold the decode path.
+
+float32 softmax whatever the cache's dtype; float32 operands multiply in IEEE float32 (no TF32: the
+HF-oracle rule), half-precision ones on the tensor cores with float32 accumulation. head_dim and the
+block size must be powers of two (tl.arange) of at least 16 (tl.dot): 64 and 128, 16 and 32 in
+practice; anything else is refused by name.
 
 Tested against the torch reference under TRITON_INTERPRET=1 (tests/test_triton_attention.py).
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 import triton
@@ -77,6 +88,48 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr
 
 
 @triton.jit
+def _paged_prefill(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_ptr, ctx_ptr, scale,
+                   stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ot, stride_oh,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    seq, tile, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = tl.load(qlens_ptr + seq)
+    if tile * BLOCK_M < n:  # the grid covers the longest prefill; shorter ones leave programs idle
+        row0 = tl.load(starts_ptr + seq)
+        ctx = tl.load(ctx_ptr + seq)
+        r = tl.arange(0, BLOCK_M * GROUP_PAD)  # row r: query token tile * BLOCK_M + r // GROUP_PAD, head r % GROUP_PAD of the group
+        i = tile * BLOCK_M + r // GROUP_PAD
+        j = r % GROUP_PAD
+        row_ok = (i < n) & (j < GROUP)
+        d = tl.arange(0, D)
+        q_rows = (row0 + i) * stride_qt + (g * GROUP + j) * stride_qh
+        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+        q_pos = ctx - n + i  # absolute positions; rows past n see the whole context (stored nowhere)
+        m_i = tl.full((BLOCK_M * GROUP_PAD,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M * GROUP_PAD,), tl.float32)
+        acc = tl.zeros((BLOCK_M * GROUP_PAD, D), tl.float32)
+        t = tl.arange(0, BLOCK_SIZE)
+        hi = tl.minimum(ctx, ctx - n + (tile + 1) * BLOCK_M)  # keys after the tile's last query are never seen
+        for start in range(0, hi, BLOCK_SIZE):
+            block = tl.load(tables_ptr + seq * stride_tb + start // BLOCK_SIZE)
+            k_pos = start + t
+            kv_rows = block * stride_kb + t[:, None] * stride_kt + g * stride_kh + d[None, :]
+            k = tl.load(k_ptr + kv_rows, mask=(k_pos < ctx)[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, BLOCK_SIZE]
+            s = tl.where((k_pos[None, :] <= q_pos[:, None]) & (k_pos < ctx)[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # key 0 is visible to every row: finite from the first block
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(v_ptr + kv_rows, mask=(k_pos < ctx)[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        out_rows = (row0 + i) * stride_ot + (g * GROUP + j) * stride_oh
+        tl.store(out_ptr + out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
 def _combine_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_splits, stride_ob, stride_oh, heads_total,
                     SPLITS_PAD: tl.constexpr, D: tl.constexpr):
     """One (sequence, query head): the splits' partial softmaxes rescaled to their common max and summed."""
@@ -98,6 +151,26 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """The shapes both kernels take, refused by name otherwise; returns (GQA group, block size)."""
+    heads, head_dim = q.shape[-2:]
+    _, block_size, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not fit queries of head_dim {head_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if not (_power_of_two(head_dim) and _power_of_two(block_size) and min(head_dim, block_size) >= 16):
+        raise ValueError(f"the Triton attention kernels need a power-of-two head_dim and block size of at least 16, "
+                         f"not {head_dim} and {block_size} (use --block-size 16 or 32)")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    return heads // kv_heads, block_size
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # only float32 operands heed it: half ones always use the tensor cores
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, split_tokens: int = SPLIT_TOKENS) -> torch.Tensor:
     """q [B, H, D]; k/v cache [num_blocks, block_size, KVH, D]; block_tables [B, W]; context_lens [B]
@@ -105,22 +178,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     signature of kernels.paged_attention.paged_attention. Tables wider than split_tokens (a multiple of
     the block size) of context run split-K."""
     batch, heads, head_dim = q.shape
-    _, block_size, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not fit queries of head_dim {head_dim}")
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-    if not (_power_of_two(head_dim) and _power_of_two(block_size)):
-        raise ValueError(f"the Triton decode kernel needs a power-of-two head_dim and block size, not {head_dim} and {block_size}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV cache must be contiguous")
+    group, block_size = _check_cache(q, k_cache, v_cache)
+    kv_heads = heads // group
     q = q.contiguous()
     tables = block_tables.contiguous()
     lens = context_lens.contiguous()
     if split_tokens % block_size:
         raise ValueError(f"split_tokens={split_tokens} must be a multiple of the block size {block_size}")
     out = torch.empty_like(q)
-    group = heads // kv_heads
     splits = triton.cdiv(tables.shape[1] * block_size, split_tokens)
     parts = [torch.empty(batch, heads, splits, *shape, dtype=torch.float32, device=q.device) for shape in ((), (), (head_dim,))] \
         if splits > 1 else [out, out, out]  # unused without splits
@@ -135,21 +200,43 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            query_start: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                            max_query_len: int) -> torch.Tensor:
+    """Prefilling sequences whose K/V are already in the cache: sequence i's query_lens[i] rows start
+    at row query_start[i] of q [T, H, D] and are its last positions of context_lens[i]; block_tables
+    [P, W]; max_query_len (a host int) sizes the grid. -> [T, H, D] in q's dtype (rows no sequence
+    owns are left unwritten)."""
+    heads, head_dim = q.shape[1:]
+    group, block_size = _check_cache(q, k_cache, v_cache)
+    q = q.contiguous()
+    tables = block_tables.contiguous()
+    out = torch.empty_like(q)
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(16, 64 // group_pad)
+    grid = (tables.shape[0], triton.cdiv(max_query_len, block_m), heads // group)
+    _paged_prefill[grid](q, k_cache, v_cache, out, tables, query_start.contiguous(), query_lens.contiguous(), context_lens.contiguous(), scale,
+                         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+                         out.stride(0), out.stride(1), GROUP=group, GROUP_PAD=group_pad, D=head_dim, BLOCK_SIZE=block_size,
+                         BLOCK_M=block_m, PRECISION=_precision(q.dtype))
+    return out
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
     """kernels.paged_attention.paged_attention's contract (store this step's K/V unless already stored,
-    then attend; q [T, heads, d] -> [T, heads, d]) in one kernel launch for the whole step."""
+    then attend; q [T, heads, d] -> [T, heads, d]): the prefill kernel over the prefilling sequences'
+    rows, the decode kernel over the rest."""
     if not kv_stored:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     if not meta.prefill_query_lens:
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
-    # Prefill token i of a sequence with `ctx` tokens after this step sits at position ctx - n + i: it
-    # sees ctx - n + i + 1 of them.
-    lens = [torch.arange(ctx - n + 1, ctx + 1, device=q.device) for n, ctx in zip(meta.prefill_query_lens, meta.prefill_context_lens)]
-    width = max([t.shape[-1] for t in meta.prefill_block_tables] + [meta.decode_block_tables.shape[-1]])
-    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-    tables = [pad(t).expand(n, width) for n, t in zip(meta.prefill_query_lens, meta.prefill_block_tables)]
-    if meta.decode_context_lens.numel():
-        lens.append(meta.decode_context_lens)
-        tables.append(pad(meta.decode_block_tables))
-    return paged_decode_attention(q, k_cache, v_cache, torch.cat(tables), torch.cat(lens), scale)
+    lens = meta.prefill_query_lens
+    starts, query_lens, context_lens = torch.tensor([list(accumulate(lens[:-1], initial=0)), lens, meta.prefill_context_lens]).to(q.device)
+    prefill_rows = sum(lens)
+    out = paged_prefill_attention(q[:prefill_rows], k_cache, v_cache, torch.stack(meta.prefill_block_tables), starts, query_lens,
+                                  context_lens, scale, max(lens))
+    if prefill_rows == q.shape[0]:
+        return out
+    decoded = paged_decode_attention(q[prefill_rows:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    return torch.cat([out, decoded])

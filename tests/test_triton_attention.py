@@ -1,13 +1,16 @@
-"""The Triton paged decode attention (kernels/triton_attention.py) against a naive per-sequence
-attention over contiguous K/V, under TRITON_INTERPRET=1 on CPU: GQA groups of 1, 3 and 4 (padded to a
-power of two inside the kernel), head_dim 64 and 128, block sizes 16 and 32, ragged contexts that end
-inside, at and one past a block boundary, float32 and float16."""
+"""The Triton paged attention kernels (kernels/triton_attention.py: decode, split-K decode, tiled
+prefill) against a naive per-sequence attention over contiguous K/V, under TRITON_INTERPRET=1 on CPU:
+GQA groups of 1, 3 and 4 (padded to a power of two inside the kernels), head_dim 64 and 128, block
+sizes 16 and 32, ragged contexts that end inside, at and one past a block boundary, prefills after a
+cached prefix and across query tiles, float32 and float16."""
+
+from itertools import accumulate
 
 import pytest
 import torch
-from test_paged_attention import decode_case, naive
+from test_paged_attention import decode_case, naive, paged
 
-from kvpilot.kernels.triton_attention import paged_decode_attention
+from kvpilot.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 64, 16), (8, 2, 64, 32)])
@@ -28,17 +31,47 @@ def test_decode_matches_naive(heads, kv_heads, head_dim, block_size, dtype):
 def test_shapes_it_cannot_take_are_refused_by_name():
     q = torch.randn(1, 4, 48)
     cache = torch.zeros(4, 16, 2, 48)
-    with pytest.raises(ValueError, match="power-of-two head_dim and block size, not 48 and 16"):
+    with pytest.raises(ValueError, match="power-of-two head_dim and block size of at least 16, not 48 and 16"):
         paged_decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), 1.0)
+    small_blocks = torch.zeros(4, 8, 2, 64)
+    with pytest.raises(ValueError, match="not 64 and 8 .use --block-size 16 or 32"):
+        paged_prefill_attention(torch.randn(1, 4, 64), small_blocks, small_blocks, torch.zeros(1, 1, dtype=torch.long),
+                                torch.tensor([0]), torch.tensor([1]), torch.tensor([1]), 1.0, 1)
     with pytest.raises(ValueError, match="not a multiple of 3 KV heads"):
         paged_decode_attention(torch.randn(1, 4, 64), torch.zeros(4, 16, 3, 64), torch.zeros(4, 16, 3, 64),
                                torch.zeros(1, 1, dtype=torch.long), torch.tensor([1]), 1.0)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 64, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_a_mixed_step_in_one_launch_matches_the_reference(dtype):
+def test_prefill_matches_naive(heads, kv_heads, head_dim, block_size, dtype):
+    """Prefills whose K/V are in the cache: plain ones of one token, of a block, one past it and longer
+    than a query tile (so several tiles and the causal stop at each), and chunks after cached prefixes
+    ending inside and at a block boundary."""
+    gen = torch.Generator().manual_seed(heads + block_size)
+    contexts = [1, block_size, block_size + 1, 70, 3 * block_size, 2 * block_size + 5]
+    new = [1, block_size, block_size + 1, 70, block_size + 3, 4]  # the last two after a cached prefix
+    ks = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in contexts]
+    vs = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in contexts]
+    kc, vc, tables = paged(ks, vs, block_size, sum(-(-n // block_size) for n in contexts) + 3, gen)
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    starts = list(accumulate(new[:-1], initial=0))
+    q = torch.randn(sum(new), heads, head_dim, generator=gen)
+    out = paged_prefill_attention(q.to(dtype), kc.to(dtype), vc.to(dtype), bt, torch.tensor(starts), torch.tensor(new),
+                                  torch.tensor(contexts), head_dim ** -0.5, max(new))
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for s, n, ctx, k, v in zip(starts, new, contexts, ks, vs):
+        want = naive(q[s:s + n].to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), head_dim ** -0.5, ctx - n)
+        torch.testing.assert_close(out[s:s + n].float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_mixed_step_matches_the_reference(dtype):
     """Two prefills (one after a cached prefix of 21 tokens, one plain) and three decodes, the K/V of
-    the step written by the kernel's caller as in the engine: the same output as the torch reference."""
+    the step written by the kernel's caller as in the engine: the same output as the torch reference
+    (two launches: the prefill kernel, then the decode kernel)."""
     from kvpilot.kernels import triton_attention
     from kvpilot.kernels.paged_attention import AttentionMetadata, paged_attention
 
