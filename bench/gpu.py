@@ -11,11 +11,12 @@ the GGUF reader); `run` writes a GGUF of those shapes with seeded random F16 wei
 
 1. correctness: kvpilot on the device in float32 vs HF transformers on the device in float32 (TF32
    off), 64 greedy tokens from each oracle prompt, judged by the project's rule (all but one exact,
-   the first divergence inside each other's top 5), for each kernel set (default, Triton);
+   the first divergence inside each other's top 5), for each kernel set (default — Triton on CUDA,
+   decode steps in CUDA graphs — and the torch references);
 2. each Triton kernel in bfloat16 against its float32 torch reference (stated tolerances);
 3. throughput (output tok/s, one table): single stream (32 + 256 tokens), 64 requests (bench/offline.py's
-   workload), 256 requests (nano-vllm's protocol, max_num_seqs 256) — kvpilot (default and Triton
-   kernels) vs HF static batches vs a plain-PyTorch decode step (fused QKV and gate/up, RoPE, SDPA
+   workload), 256 requests (nano-vllm's protocol, max_num_seqs 256) — kvpilot (default, and with
+   --enforce-eager: the CUDA graphs' share) vs HF static batches vs a plain-PyTorch decode step (fused QKV and gate/up, RoPE, SDPA
    over a static cache, a sampled token) captured as one CUDA graph.
 
 `run --quick --device cpu` shrinks every workload (a smoke test of the script itself, no figures).
@@ -129,6 +130,9 @@ def make_gguf(dest: Path, seed: int = 0) -> Path:
     return dest
 
 
+KVPILOT_RUNS = {"default": ("default", {}), "enforce_eager": ("default", {"enforce_eager": True})}  # name -> (kernels, engine settings)
+
+
 def _kvpilot(path: Path, device: str, dtype: str, kernels: str, **engine):
     from kvpilot.server import LLM
 
@@ -202,6 +206,14 @@ def bf16_kernels(device: str) -> list[dict]:
     check("paged decode attention", triton_attention.paged_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), tables, lens, d ** -0.5), want, 0.05)
     check("paged decode attention (split-K)", triton_attention.paged_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), tables, lens,
                                                                                      d ** -0.5, split_tokens=32), want, 0.05)
+    # Prefill: the 8 sequences' last n tokens as queries (n up to the context: plain and after a prefix).
+    new = torch.tensor([1, 5, 16, 3, 63, 100, 20, 128], device=device)
+    starts = torch.cumsum(new, 0) - new
+    qp = rnd(int(new.sum()), heads, d)
+    want = torch.cat([decode_attention_ref(qp[s:s + n], k, v, tables[i:i + 1].expand(n, -1), torch.arange(ctx - n + 1, ctx + 1, device=device),
+                                           d ** -0.5) for i, (s, n, ctx) in enumerate(zip(starts.tolist(), new.tolist(), lens.tolist()))])
+    check("paged prefill attention", triton_attention.paged_prefill_attention(qp.bfloat16(), k.bfloat16(), v.bfloat16(), tables, starts, new,
+                                                                              lens, d ** -0.5, int(new.max())), want, 0.05)
     qkv = rnd(8, (heads + 2 * kv_heads) * d)
     positions = torch.arange(8, device=device) * 37
     angles = torch.arange(2048, device=device)[:, None].float() * (10000 ** (-torch.arange(0, d, 2, device=device).float() / d))
@@ -226,7 +238,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def kvpilot_rates(path: Path, device: str, kernels: str, workloads: dict, deadline: float) -> dict[str, str]:
+def kvpilot_rates(path: Path, device: str, kernels: str, engine_settings: dict, workloads: dict, deadline: float) -> dict[str, str]:
     """Output tok/s per workload. A workload still running after `deadline` seconds is stopped there
     and its rate is of the tokens made so far (marked "stopped"): today's engine on a GPU takes many
     minutes for the 256-request one, and a device command has ten."""
@@ -236,7 +248,8 @@ def kvpilot_rates(path: Path, device: str, kernels: str, workloads: dict, deadli
 
     rates = {}
     for name, (prompts, outputs, max_seqs) in workloads.items():
-        llm = _kvpilot(path, device, "auto", kernels, max_num_seqs=max_seqs, max_num_batched_tokens=max(2048, max(map(len, prompts))))
+        llm = _kvpilot(path, device, "auto", kernels, max_num_seqs=max_seqs, max_num_batched_tokens=max(2048, max(map(len, prompts))),
+                       **engine_settings)
         llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up (Triton compiles here)
         engine, made = llm.engine, {}
         for p, o in zip(prompts, outputs):
@@ -387,14 +400,14 @@ def run(args: argparse.Namespace) -> None:
     parts = set(args.only or PARTS)
     checks, rows = [], []
     if "checks" in parts:
-        checks = correctness(path, device, 64 if not quick else 4, ["default", "triton"])
+        checks = correctness(path, device, 64 if not quick else 4, ["default", "reference"])
         if device == "cuda":  # bfloat16 in Triton's interpreter is broken: these need the GPU
             checks += bf16_kernels(device)
         print(table(checks, ["check", "result", "pass"]), flush=True)
     if "kvpilot" in parts:
-        for kernels in ("default", "triton"):
-            for name, rate in kvpilot_rates(path, device, kernels, workloads, args.deadline).items():
-                rows.append({"engine": f"kvpilot ({kernels} kernels)", "workload": name, "output tok/s": rate})
+        for run_name, (kernels, settings) in KVPILOT_RUNS.items():
+            for name, rate in kvpilot_rates(path, device, kernels, settings, workloads, args.deadline).items():
+                rows.append({"engine": f"kvpilot ({run_name})", "workload": name, "output tok/s": rate})
     if "hf" in parts:
         for name, rate in hf_rates(path, device, workloads, {"single stream (32 + 256)": 1, "64 requests (32-512 / 32-256)": 64,
                                                               "256 requests (100-1024 / 100-1024)": 128}).items():

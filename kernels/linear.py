@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.kernels.ops import triton_forced
+from kvpilot.kernels.ops import triton_kernels
 from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight
 
 
 def gguf_linear_class(device: torch.device) -> type[nn.Module]:
     """The GGUF-block projection for weights on `device`: the C++ kernels on CPU, Triton on CUDA (or
-    anywhere when forced)."""
-    if device.type == "cuda" or triton_forced():
+    anywhere when forced; KVPILOT_KERNELS=reference leaves projections to their device's kernels)."""
+    if device.type == "cuda" or triton_kernels(device):
         from kvpilot.kernels.triton_gguf import TritonGGUFLinear
 
         return TritonGGUFLinear
@@ -63,6 +63,8 @@ class Linear(nn.Module):
         """(x @ W.T + b) + residual"""
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        if self.bias is None:  # the add in the GEMM's epilogue (beta = 1): no second pass over the output
+            return torch.addmm(residual, x, self.weight.t())
         return F.linear(x, self.weight, self.bias) + residual
 
     def _pointwise(self, x: torch.Tensor, attr: str) -> torch.Tensor:

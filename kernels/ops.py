@@ -4,10 +4,11 @@ implementations, chosen here and nowhere else.
 `ops_for(device)` resolves the table once, when the model is built; layers keep the `Ops` they were
 given and call its fields by name (they never look at the device or load an extension themselves).
 CPU: the C++ kernels of kernels/csrc (each falls back to the reference for dtypes it does not
-cover); anything else: the torch references. The Triton kernels written so far (RMSNorm, RoPE with the
-K/V store, attention for a whole mixed step; GGUF-block projections in make_linear) run when KVPILOT_KERNELS=triton — on CPU tensors too, under
-TRITON_INTERPRET=1, which is how CI runs them end to end; they become CUDA's default once measured on a
-GPU (the GPU-path issue).
+cover). CUDA: the Triton kernels (RMSNorm, RoPE with the K/V store, attention for a whole mixed step;
+GGUF-block projections in make_linear). KVPILOT_KERNELS overrides the choice: `triton` runs the Triton
+kernels anywhere — on CPU tensors too, under TRITON_INTERPRET=1, which is how CI runs them end to end
+— and `reference` the torch references of this table anywhere (comparisons, debugging; projections keep
+their device's kernels).
 Projections are made by `kernels.linear.make_linear`, which picks their weight format the same way.
 """
 
@@ -88,7 +89,7 @@ def _cpu_ops(ext) -> Ops:
         ext.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads + num_kv_heads, head_dim)
         return False
 
-    return Ops("cpu-c++", rms_norm, rotary_qkv_, partial(paged_attention, decode=ext.paged_decode_attention))
+    return Ops("cpu-c++", rms_norm, rotary_qkv_, partial(paged_attention, decode=ext.paged_decode_attention), graph_safe=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,32 +98,41 @@ class Ops:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     rotary_qkv_: Callable[..., bool]          # (qkv, rope, heads, kv_heads, head_dim, store=(k_cache, v_cache, slots)) -> stored?
     paged_attention: Callable[..., torch.Tensor]  # (q, k, v, k_cache, v_cache, meta, scale, kv_stored=False)
+    graph_safe: bool  # a decode step on these ops never reads a device value on the host: a CUDA graph can capture it
 
 
-REFERENCE = Ops("reference", rms_norm_ref, rotary_qkv_ref_, partial(paged_attention, decode=decode_attention_grouped))
+# The torch decode attention sizes its gather by int(context_lens.max()): a host sync, not capturable.
+REFERENCE = Ops("reference", rms_norm_ref, rotary_qkv_ref_, partial(paged_attention, decode=decode_attention_grouped), graph_safe=False)
 
-# "triton": the Triton kernels wherever there is one; unset or "default": by device.
+# "default" (or unset): by device; "triton" / "reference": those kernels on any device.
 KERNELS_ENV = "KVPILOT_KERNELS"
+KERNEL_CHOICES = ("default", "triton", "reference")
 
 
-def triton_forced() -> bool:
+def forced_kernels() -> str:
     value = os.environ.get(KERNELS_ENV, "default")
-    if value not in ("default", "triton"):
-        raise ValueError(f"{KERNELS_ENV} must be 'default' or 'triton', not {value!r}")
-    return value == "triton"
+    if value not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNELS_ENV} must be one of {', '.join(KERNEL_CHOICES)}, not {value!r}")
+    return value
+
+
+def triton_kernels(device: torch.device) -> bool:
+    """Whether ops on `device` are the Triton kernels: CUDA's default, anywhere when forced."""
+    forced = forced_kernels()
+    return forced == "triton" or (forced == "default" and device.type == "cuda")
 
 
 def _triton_ops() -> Ops:
     from kvpilot.kernels import triton_attention
     from kvpilot.kernels.triton_layers import rms_norm, rotary_qkv_
 
-    return Ops("triton", rms_norm, rotary_qkv_, triton_attention.paged_attention)
+    return Ops("triton", rms_norm, rotary_qkv_, triton_attention.paged_attention, graph_safe=True)
 
 
 def ops_for(device: torch.device) -> Ops:
-    if triton_forced():
+    if triton_kernels(device):
         return _triton_ops()
-    if device.type == "cpu":
+    if device.type == "cpu" and forced_kernels() == "default":
         ext = cpu_extension.load()  # None (logged) when it cannot be built: the references serve
         if ext is not None:
             return _cpu_ops(ext)

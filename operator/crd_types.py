@@ -86,6 +86,9 @@ class EngineSettings(_Model):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="Fraction of GPU memory for weights and KV cache.")
     kv_cache_memory: str | None = Field(None, max_length=32, pattern=r"^\d+(\.\d+)?([KMG]i?)?B?$", description="KV-cache size for CPU engines, e.g. 1GiB.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(None, description="Compute dtype.")
+    enforce_eager: bool | None = Field(None, description=(
+        "GPU: run every step eagerly, without CUDA graphs (kvpilot and vLLM --enforce-eager, SGLang --disable-cuda-graph): slower decode, "
+        "less GPU memory held, faster start."))
     quantization: Literal["none", "gguf", "int8", "int4", "fp8", "awq", "gptq"] | None = Field(None, description=(
         "Weight quantization, each engine's own: kvpilot takes gguf (a GGUF model's Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks kept and multiplied as they "
         "are), int8 and int4 (weight-only, quantized at load; int4 groups of 32 columns unless extraArgs sets --quantization-group-size), "

@@ -42,6 +42,7 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache (CUDA).")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
+    enforce_eager: bool = Field(False, description="CUDA: run every step eagerly, without the decode steps' CUDA graphs (CPU steps always run eagerly).")
     quantization: Literal["none", "gguf", "int8", "int4"] = Field(
         "none", description="Weight format: none = dequantized to the compute dtype at load; gguf = a GGUF's Q4_0/Q4_1/Q8_0 tensors kept "
                             "in their blocks and multiplied by kernels that dequantize in registers; int8 = float weights quantized at load "

@@ -48,8 +48,9 @@ def test_chunked_prefill(oracle):
 def test_preemption(oracle):
     from kvpilot.server import LLM
 
-    # 24 blocks of 16 tokens for 10 sequences that each grow to 70–110 tokens: preemption is certain.
-    llm = LLM(num_threads=1, show_progress=False, block_size=16, kv_cache_memory=24 * 737280)
+    # 24 blocks of 16 tokens (and the scratch block) for 10 sequences that each grow to 70–110 tokens:
+    # preemption is certain.
+    llm = LLM(num_threads=1, show_progress=False, block_size=16, kv_cache_memory=25 * 737280)
     assert llm.engine.block_manager.num_blocks == 24
     outs = llm.generate(ORACLE_PROMPTS, greedy())
     assert llm.engine.scheduler.num_preemptions > 0

@@ -32,13 +32,14 @@ def engine_args(c: dict) -> list[str]:
 
 
 def test_kvpilot_args_round_trip_into_engine_config():
-    s = spec(engineSettings={"maxModelLen": 2048, "maxNumSeqs": 8, "enablePrefixCaching": False, "kvCacheMemory": "512MiB", "blockSize": 32},
+    s = spec(engineSettings={"maxModelLen": 2048, "maxNumSeqs": 8, "enablePrefixCaching": False, "kvCacheMemory": "512MiB", "blockSize": 32,
+                             "enforceEager": True},
              resources={"cpuOnly": True}, extraArgs=["--seed", "7"])
     c = container(deployment("svc", "ns", "uid-1", s))
     assert c["command"] == ["kvpilot"] and c["args"][:3] == ["serve", "--host", "$(POD_IP)"]
     cfg = EngineConfig.from_cli_args(engine_args(c))
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.enable_prefix_caching, cfg.kv_cache_memory, cfg.block_size) == (2048, 8, False, 512 * 2**20, 32)
-    assert cfg.served_model_name == "svc" and cfg.model == "smollm2-135m" and cfg.device == "cpu" and cfg.seed == 7
+    assert cfg.served_model_name == "svc" and cfg.model == "smollm2-135m" and cfg.device == "cpu" and cfg.seed == 7 and cfg.enforce_eager
     assert "nvidia.com/gpu" not in c["resources"]["limits"]
 
 
@@ -64,12 +65,13 @@ def test_gpu_requests_probes_labels_owner():
 def test_vllm_builder():
     s = spec(model={"source": "hf://meta-llama/Llama-3.1-8B-Instruct"}, engine="vllm",
              engineSettings={"tensorParallelSize": 4, "maxModelLen": 8192, "quantization": "awq", "enablePrefixCaching": True,
-                             "speculative": {"method": "ngram", "numSpeculativeTokens": 3}})
+                             "enforceEager": True, "speculative": {"method": "ngram", "numSpeculativeTokens": 3}})
     c = container(deployment("llama", "ns", "u", s))
     a = c["args"]
     assert c["command"] == ["vllm", "serve"] and c["image"].startswith("vllm/")
     assert a[a.index("--model") + 1] == "meta-llama/Llama-3.1-8B-Instruct" and a[a.index("--tensor-parallel-size") + 1] == "4"
     assert a[a.index("--max-model-len") + 1] == "8192" and "--enable-prefix-caching" in a and a[a.index("--quantization") + 1] == "awq"
+    assert "--enforce-eager" in a
     assert '"method":"ngram"' in a[a.index("--speculative-config") + 1]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -79,6 +81,9 @@ def test_sglang_always_gets_enable_metrics():
     s = spec(model={"source": "hf://Qwen/Qwen2.5-7B-Instruct"}, engine="sglang", engineSettings={"tensorParallelSize": 2, "maxNumSeqs": 64})
     a = container(deployment("q", "ns", "u", s))["args"]
     assert "--enable-metrics" in a and a[a.index("--tp-size") + 1] == "2" and a[a.index("--max-running-requests") + 1] == "64"
+    assert "--disable-cuda-graph" not in a
+    eager = spec(model={"source": "hf://Qwen/Qwen2.5-7B-Instruct"}, engine="sglang", engineSettings={"enforceEager": True})
+    assert "--disable-cuda-graph" in container(deployment("q", "ns", "u", eager))["args"]
 
 
 def test_model_sources_become_volumes():

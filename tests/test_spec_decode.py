@@ -143,9 +143,9 @@ SETTINGS = {
     "batched": dict(kv_cache_memory="64MiB"),
     # 64-token steps: prompts are prefilled in chunks, and verification rows share steps with them.
     "chunked": dict(kv_cache_memory="64MiB", max_num_batched_tokens=64),
-    # 20 blocks of 16 tokens (K and V, 30 layers, 3 KV heads of 64 fp32) for 13 sequences of up to ~90
-    # tokens: sequences are preempted and recomputed.
-    "preempted": dict(kv_cache_memory=20 * (2 * 30 * 16 * 3 * 64 * 4), block_size=16),
+    # 20 blocks of 16 tokens (K and V, 30 layers, 3 KV heads of 64 fp32; and the scratch block) for 13
+    # sequences of up to ~90 tokens: sequences are preempted and recomputed.
+    "preempted": dict(kv_cache_memory=21 * (2 * 30 * 16 * 3 * 64 * 4), block_size=16),
 }
 
 
@@ -173,9 +173,10 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
 
 def test_a_truncated_draft_is_accepted_sometimes_and_rejections_are_resampled(draft_path):
     engine = make_engine(kv_cache_memory="64MiB", speculative_method="draft", speculative_model=draft_path, **FORCED)
-    # The draft's cache is carved from the same budget: a block costs 30 target + 4 draft layers of K/V.
+    # The draft's cache is carved from the same budget: a block costs 30 target + 4 draft layers of K/V
+    # (one of them the scratch block).
     layer_block = 2 * 16 * 3 * 64 * 4
-    assert engine.runner.num_blocks == (64 << 20) // (34 * layer_block) and len(engine.runner.draft_kv_caches) == 4
+    assert engine.runner.num_blocks == (64 << 20) // (34 * layer_block) - 1 and len(engine.runner.draft_kv_caches) == 4
     run(engine, COPY_PROMPTS, SamplingParams(temperature=1.0, max_tokens=32, seed=3))
     s = engine.proposer.stats
     assert 0 < s.num_accepted_tokens / s.num_draft_tokens < 0.95

@@ -8,15 +8,27 @@ import torch
 from kvpilot.kernels.ops import KERNELS_ENV, ops_for
 
 
-def test_forcing_triton_swaps_the_dispatch_table(monkeypatch):
+def test_cuda_runs_every_op_on_its_triton_kernel_and_forcing_swaps_the_table(monkeypatch):
+    """So that the Triton kernels cannot exist unused: they are what CUDA gets by default."""
     from kvpilot.kernels import triton_attention, triton_layers
+    from kvpilot.kernels.linear import gguf_linear_class
+    from kvpilot.kernels.ops import REFERENCE
+    from kvpilot.kernels.triton_gguf import TritonGGUFLinear
 
-    monkeypatch.setenv(KERNELS_ENV, "triton")
-    ops = ops_for(torch.device("cpu"))
-    assert ops.name == "triton" and ops.paged_attention is triton_attention.paged_attention
-    assert ops.rms_norm is triton_layers.rms_norm and ops.rotary_qkv_ is triton_layers.rotary_qkv_
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for forced, device in (("default", cuda), ("triton", cpu)):
+        monkeypatch.setenv(KERNELS_ENV, forced)
+        ops = ops_for(device)
+        assert ops.name == "triton" and ops.graph_safe and ops.paged_attention is triton_attention.paged_attention
+        assert ops.rms_norm is triton_layers.rms_norm and ops.rotary_qkv_ is triton_layers.rotary_qkv_
+        assert gguf_linear_class(device) is TritonGGUFLinear
     monkeypatch.setenv(KERNELS_ENV, "default")
-    assert ops_for(torch.device("cpu")).name == "cpu-c++"
+    assert ops_for(cpu).name == "cpu-c++" and not ops_for(cpu).graph_safe
+    monkeypatch.setenv(KERNELS_ENV, "reference")
+    assert ops_for(cuda) is REFERENCE and ops_for(cpu) is REFERENCE and not REFERENCE.graph_safe
+    monkeypatch.setenv(KERNELS_ENV, "cuda")
+    with pytest.raises(ValueError, match="KVPILOT_KERNELS must be one of default, triton, reference, not 'cuda'"):
+        ops_for(cpu)
 
 
 @pytest.mark.timeout(300)
@@ -24,12 +36,14 @@ def test_engine_with_the_triton_kernels_forced_matches_the_cpp_kernels(monkeypat
     """End to end through the engine (a tiny 2-layer Qwen2 checkpoint, int4-quantized at load: Q4_1
     projections, the tied embedding/head int8 = Q8_0): attention (prefill and decode) and every projection and the
     head, RMSNorm and RoPE with the cache store on the Triton kernels, in the interpreter, give the C++ kernels' greedy tokens and
-    logprobs within float32 summation-order noise."""
+    logprobs within float32 summation-order noise. The Triton run's decode steps go through the CUDA
+    graphs' static buffers (not captured: no GPU), a padding row included, as they would on CUDA."""
     from kvpilot.kernels.triton_gguf import TritonGGUFLinear
     from kvpilot.server import LLM, SamplingParams
 
     directory = family_checkpoints["qwen2"][0]  # q/k/v biases and a tied head: every form of projection
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = ["The capital of France is", "One, two, three,", "def main():"]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (4, 4, 2)]
     runs = {}
     for kernels in ("default", "triton"):
         monkeypatch.setenv(KERNELS_ENV, kernels)
@@ -38,8 +52,10 @@ def test_engine_with_the_triton_kernels_forced_matches_the_cpp_kernels(monkeypat
         triton_layers = sum(isinstance(m, TritonGGUFLinear) for m in model.modules())
         assert (triton_layers > 0) == (kernels == "triton")
         assert {layer.attn.ops.name for layer in model.layers} == {"triton" if kernels == "triton" else "cpu-c++"}
-        out = llm.generate("The capital of France is", params)[0].outputs[0]
-        runs[kernels] = (out.token_ids, [max(step.values()) for step in out.logprobs])
+        if kernels == "triton":
+            llm.engine.runner.start_decode_graphs(llm.engine.max_model_len, capture=False)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        runs[kernels] = ([o.token_ids for o in outs], [max(step.values()) for o in outs for step in o.logprobs])
         del llm
     assert runs["triton"][0] == runs["default"][0]
     torch.testing.assert_close(torch.tensor(runs["triton"][1]), torch.tensor(runs["default"][1]), atol=1e-4, rtol=1e-4)

@@ -78,7 +78,7 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     values = {"model": model_argument(spec), "served_model_name": served_name(spec, name),
               "tensor_parallel_size": s.tensor_parallel_size}
     for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
-              "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory", "dtype", "quantization"):
+              "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory", "dtype", "quantization", "enforce_eager"):
         v = getattr(s, f)
         if v is not None:
             values[f] = v
@@ -107,6 +107,8 @@ def vllm_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         args.append("--enable-prefix-caching" if s.enable_prefix_caching else "--no-enable-prefix-caching")
     if s.enable_chunked_prefill is not None:
         args.append("--enable-chunked-prefill" if s.enable_chunked_prefill else "--no-enable-chunked-prefill")
+    if s.enforce_eager:
+        args.append("--enforce-eager")
     if s.quantization not in (None, "none"):
         args += ["--quantization", s.quantization]
     if s.speculative:
@@ -132,6 +134,8 @@ def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
             args += [flag, str(getattr(s, f))]
     if s.enable_prefix_caching is False:
         args.append("--disable-radix-cache")
+    if s.enforce_eager:
+        args.append("--disable-cuda-graph")
     if s.quantization not in (None, "none"):
         args += ["--quantization", s.quantization]
     if s.speculative:

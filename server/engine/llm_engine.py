@@ -72,6 +72,7 @@ class LLMEngine:
         elif window and self.max_model_len == window:
             log.warning("contexts limited to the model's sliding_window=%d (sliding-window attention is not implemented; within the window "
                         "full attention is exact)", window)
+        self.runner.start_decode_graphs(self.max_model_len)
         budget = config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill)

@@ -9,6 +9,7 @@ import torch
 
 from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.server.config import EngineConfig
+from kvpilot.server.engine.decode_graphs import DecodeGraphs
 from kvpilot.server.engine.model_io import ModelInput, ModelOutput, PromptLogprobRows
 from kvpilot.server.engine.parallel import TensorParallel, Workers
 from kvpilot.server.engine.sampler import Sampler
@@ -68,11 +69,16 @@ class ModelRunner:
         _return_freed_heap()
         self.block_size = config.block_size
         self.bytes_per_block = sum(self._block_bytes(m) for m in (self.model, self.draft) if m)
-        self.num_blocks = self._kv_cache_bytes() // self.bytes_per_block
+        # One block of the budget is the scratch block, past those the block manager hands out: the
+        # padding rows of a decode graph write there (decode_graphs.py).
+        self.num_blocks = self._kv_cache_bytes() // self.bytes_per_block - 1
         if self.num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than one KV block ({self.bytes_per_block} bytes)")
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than two KV blocks ({self.bytes_per_block} bytes each; "
+                             "one is the scratch block)")
+        self.scratch_block = self.num_blocks
         self.kv_caches = self._kv_caches(self.model)
         self.draft_kv_caches = self._kv_caches(self.draft) if self.draft else None
+        self.decode_graphs: DecodeGraphs | None = None
         c = self.model.config
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
@@ -100,16 +106,81 @@ class ModelRunner:
 
     def _kv_caches(self, model: DecoderModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = model.config
-        shape = (self.num_blocks, self.block_size, model.num_kv_heads, c.head_dim)
+        shape = (self.num_blocks + 1, self.block_size, model.num_kv_heads, c.head_dim)
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
                 for _ in range(c.num_layers)]
 
     def _kv_cache_bytes(self) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            used = total - free
-            return max(0, int(total * self.config.gpu_memory_utilization) - used)
-        return self.config.kv_cache_memory
+        """CPU: kv_cache_memory. CUDA: gpu_memory_utilization of the GPU, less what is in use (the
+        weights, other processes), the activations of the largest step (profiled) and the decode
+        graphs' memory pool (a decode step at max_num_seqs rows, profiled: the pool holds the largest
+        graph's activations, the smaller graphs reuse them)."""
+        if self.device.type != "cuda":
+            return self.config.kv_cache_memory
+        prefill_peak, decode_peak = self._profile_peaks()
+        free, total = torch.cuda.mem_get_info()
+        reserve = prefill_peak + (0 if self.config.enforce_eager else decode_peak)
+        budget = int(total * self.config.gpu_memory_utilization) - (total - free) - reserve
+        log.info("KV cache budget %.0f MiB: %.0f%% of %.0f MiB, less %.0f MiB in use, %.0f MiB of peak step activations, %.0f MiB for decode graphs",
+                 max(budget, 0) / 2**20, 100 * self.config.gpu_memory_utilization, total / 2**20, (total - free) / 2**20,
+                 prefill_peak / 2**20, reserve - prefill_peak)
+        return max(0, budget)
+
+    @torch.inference_mode()
+    def _profile_peaks(self) -> tuple[int, int]:
+        """Bytes allocated at the peak of a prefill of max_num_batched_tokens tokens (with logits for
+        max_num_seqs rows) and of a decode step of max_num_seqs rows, above what is allocated now; each
+        run once over a throwaway KV cache just big enough (K and V one tensor: only the activations
+        are measured)."""
+        models = [m for m in (self.model, self.draft) if m]
+        tokens = min(self.config.max_num_batched_tokens, self.model.config.max_position)
+        rows = min(self.config.max_num_seqs, tokens)
+        blocks = -(-tokens // self.block_size)
+        caches = {id(m): [(torch.zeros(blocks, self.block_size, m.num_kv_heads, m.config.head_dim, dtype=self.dtype, device=self.device),) * 2
+                          for _ in range(m.config.num_layers)] for m in models}
+        table = torch.arange(blocks, device=self.device)
+        none = table.new_zeros(0)
+        prefill = AttentionMetadata(torch.arange(tokens, device=self.device), [tokens], [tokens], [table], none.view(0, 0), none)
+        decode = AttentionMetadata(table.new_zeros(rows), [], [], [], table.new_zeros(rows, 1), table.new_ones(rows))
+        peaks = []
+        for positions, meta in ((prefill.slot_mapping, prefill), (decode.slot_mapping, decode)):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            for m in models:
+                hidden = m(torch.zeros_like(positions), positions, caches[id(m)], meta)
+            self.model.compute_logits(hidden[:rows])
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+        del caches
+        torch.cuda.empty_cache()
+        return peaks[0], peaks[1]
+
+    def start_decode_graphs(self, max_model_len: int, capture: bool = True) -> None:
+        """Run decode-only steps through DecodeGraphs (tables wide enough for max_model_len):
+        captured as CUDA graphs where that can work, else left eager (logged). capture=False builds the
+        static-buffer path without graphs on any device (what tests check on CPU)."""
+        if capture:
+            why_not = ("enforce_eager is set" if self.config.enforce_eager else
+                       "the device is not CUDA" if self.device.type != "cuda" else
+                       "tensor parallelism runs its collectives eagerly" if self.workers is not None or self.tp is not None else
+                       f"the {self.model.ops.name} kernels are not capturable (they read device values on the host)"
+                       if not self.model.ops.graph_safe else None)
+            if why_not:
+                if self.device.type == "cuda":
+                    log.info("decode steps run eagerly: %s", why_not)
+                return
+        width = -(-max_model_len // self.block_size)
+        self.decode_graphs = DecodeGraphs(self._decode_logits, self.config.max_num_seqs, width, self.scratch_block, self.block_size,
+                                          self.device, capture)
+
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A decode-only step as the graphs run it: the model (and the draft model, whose cache must
+        hold the same tokens) and every row's logits."""
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.draft is not None:
+            self.draft(input_ids, positions, self.draft_kv_caches, meta)
+        return self.model.compute_logits(hidden)
 
     def recover(self) -> None:
         """After a failed step: give cached allocator blocks back so that the retry has room."""
@@ -152,6 +223,8 @@ class ModelRunner:
         """The part of a step every rank runs alike (its all-reduces and gathers pair up across ranks):
         the forward pass, then the logits of the prompt-logprob spans and of the sampled rows. A draft
         model runs the same rows, so that its cache holds every token the target's does."""
+        if self.decode_graphs is not None and self.decode_graphs.takes(inp):
+            return [], self.decode_graphs.run(inp)
         meta = AttentionMetadata.from_input(inp)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
         if self.draft is not None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kvpilot.kernels.linear import RowParallel, make_linear
-from kvpilot.kernels.ops import ops_for
+from kvpilot.kernels.ops import Ops, ops_for
 from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.kernels.quantized import GGUFWeight, cat_rows, embedding, quantize_int4, quantize_int8
 from kvpilot.server.engine.parallel import TensorParallel
@@ -64,6 +64,11 @@ class DecoderModel(nn.Module):
         # A tied head is the embedding matrix; on CPU it is packed for the matmul (a second copy,
         # 113 MB for SmolLM2, repaid by a 3x faster head on every decode step).
         self.lm_head = make_linear(embed if lm_head is None else lm_head, shared=lm_head is None)
+
+    @property
+    def ops(self) -> Ops:
+        """The kernel table every layer was built with."""
+        return self.layers[0].attn.ops
 
     def weight_bytes(self) -> int:
         """Bytes the model's weights occupy (GGUF blocks at their size), each storage counted once."""
