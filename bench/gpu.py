@@ -17,7 +17,9 @@ the GGUF reader); `run` writes a GGUF of those shapes with seeded random F16 wei
 3. throughput (output tok/s, one table): single stream (32 + 256 tokens), 64 requests (bench/offline.py's
    workload), 256 requests (nano-vllm's protocol, max_num_seqs 256) — kvpilot (default, and with
    --enforce-eager: the CUDA graphs' share) vs HF static batches vs a plain-PyTorch decode step (fused QKV and gate/up, RoPE, SDPA
-   over a static cache, a sampled token) captured as one CUDA graph.
+   over a static cache, a sampled token) captured as one CUDA graph;
+4. the quantization issue's kernel micro-benchmark: the Triton int4 / int8 GGUF-block matmul vs the
+   bf16 matmul at Llama-3-8B's layer shapes, M = 1 and 16, weights generated on the GPU.
 
 `run --quick --device cpu` shrinks every workload (a smoke test of the script itself, no figures).
 A device command has ten minutes: `--only checks --only graph`, `--only kvpilot`, `--only hf` split
@@ -45,7 +47,7 @@ WHEELS = BUNDLE / "wheels"
 TENSORS_KEY = "kvpilot.bench.tensors"  # JSON {name: numpy shape} of the bundled model's tensors
 # What the GPU machine's image lacks for the offline engine (the device README's package list).
 CARRIED = ["gguf", "pydantic", "pydantic-core", "annotated-types", "typing-inspection"]
-PARTS = ["checks", "kvpilot", "hf", "graph"]  # what `run` does, in order
+PARTS = ["checks", "kvpilot", "hf", "graph", "quant"]  # what `run` does, in order
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 
 
@@ -296,6 +298,42 @@ def _hf_static_batches(model, prompts: list[list[int]], outputs: list[int], bs: 
                        eos_token_id=None, pad_token_id=0)
 
 
+# Llama-3-8B's projections (N, K): fused QKV, o, fused gate/up, down.
+LLAMA3_8B_LAYER = {"qkv 6144x4096": (6144, 4096), "o 4096x4096": (4096, 4096), "gate_up 28672x4096": (28672, 4096),
+                   "down 4096x14336": (4096, 14336)}
+
+
+def quantized_matmul_rows(device: str, shapes: dict[str, tuple[int, int]], rows: list[int], iters: int) -> list[dict]:
+    """The quantization issue's GPU micro-benchmark: the Triton GGUF-block kernel (int4 = Q4_1 group 32,
+    int8 = Q8_0) against the bf16 matmul (F.linear) at M activation rows, weights generated on the
+    device; median µs of `iters` calls each, and the speed-up over bf16."""
+    import torch
+    import torch.nn.functional as F
+
+    from kvpilot.kernels.quantized import quantize_int4, quantize_int8
+    from kvpilot.kernels.triton_gguf import gguf_linear
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    out = []
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+        forms = {"bf16" if device == "cuda" else "fp32": partial(F.linear, weight=w)}
+        for label, quantized in (("int4", quantize_int4(w, 32)), ("int8", quantize_int8(w))):
+            forms[label] = partial(gguf_linear, w=quantized)
+        for m in rows:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            times = {}
+            for label, fn in forms.items():
+                fn(x)  # compile / warm up
+                samples = sorted(_timed(partial(fn, x)) for _ in range(iters))
+                times[label] = samples[len(samples) // 2] * 1e6
+            base = next(iter(times.values()))
+            out.append({"shape": name, "M": m, **{f"{label} µs": f"{t:.1f}" for label, t in times.items()},
+                        "int4 speed-up": f"{base / times['int4']:.2f}x", "int8 speed-up": f"{base / times['int8']:.2f}x"})
+        del w, forms
+    return out
+
+
 def graph_step_rates(path: Path, device: str, batches: list[int], context: int, steps: int) -> dict[int, float]:
     """A plain-PyTorch decode step of the model's shapes — fused QKV and gate/up matmuls, RMSNorm, RoPE
     on q and k, SDPA with GQA over a static [B, kv_heads, context, d] cache, the head and a
@@ -417,10 +455,17 @@ def run(args: argparse.Namespace) -> None:
         for batch, rate in graph_step_rates(path, device, [1, 2] if quick else [1, 256], context, 3 if quick else 200).items():
             rows.append({"engine": "plain PyTorch decode step, CUDA graph (RoPE, sampling)", "workload": f"batch {batch}, context {context}",
                          "output tok/s": f"{rate:.0f}"})
+    quant = []
+    if "quant" in parts:
+        shapes = {"small 256x128": (256, 128)} if quick else LLAMA3_8B_LAYER
+        quant = quantized_matmul_rows(device, shapes, [1, 2] if quick else [1, 16], 3 if quick else 50)
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}")
-    print(table(rows, ["engine", "workload", "output tok/s"]))
+    if rows:
+        print(table(rows, ["engine", "workload", "output tok/s"]))
+    if quant:
+        print(table(quant, list(quant[0])))
     if out := os.environ.get("OUT"):
-        Path(out, "gpu_bench.json").write_text(json.dumps({"checks": checks, "rates": rows}, indent=1))
+        Path(out, "gpu_bench.json").write_text(json.dumps({"checks": checks, "rates": rows, "quantized_matmul": quant}, indent=1))
     if not all(c["pass"] for c in checks):
         raise SystemExit("a correctness check failed (table above)")
 
