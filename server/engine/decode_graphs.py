@@ -71,14 +71,15 @@ class DecodeGraphs:
         blocks: they never run at once). Each bucket runs once eagerly first, so that Triton compiles
         its kernels outside the capture."""
         pool = None
-        for rows in reversed(self.buckets):
-            self._run_static(rows)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._run_static(rows)
-            pool = graph.pool()
-            self.graphs[rows] = (graph, logits)
+        with torch.inference_mode():  # as the steps run (ModelRunner.execute)
+            for rows in reversed(self.buckets):
+                self._run_static(rows)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._run_static(rows)
+                pool = graph.pool()
+                self.graphs[rows] = (graph, logits)
         torch.cuda.synchronize()
         log.info("decode steps captured as CUDA graphs for batch sizes %s", self.buckets)
 
