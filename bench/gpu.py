@@ -7,16 +7,17 @@
 The GPU machine cannot download and at most 64 MiB travel, so the bundled GGUF (98 MB) stays here:
 `bundle` keeps its metadata (architecture, hyper-parameters, tokenizer) and its tensors' names and
 shapes in a tensor-free GGUF, and fetches the wheels that machine lacks (the engine config's pydantic,
-the GGUF reader); `run` writes a GGUF of those shapes with seeded random F16 weights, then:
+the GGUF reader); `run` writes a GGUF of those shapes with seeded random weights in the bundled file's block formats (Q4_1, the embedding Q8_0), then:
 
 1. correctness: kvpilot on the device in float32 vs HF transformers on the device in float32 (TF32
    off), 64 greedy tokens from each oracle prompt, judged by the project's rule (all but one exact,
-   the first divergence inside each other's top 5), for each kernel set (default — Triton on CUDA,
-   decode steps in CUDA graphs — and the torch references);
+   the first divergence inside each other's top 5), for kvpilot's default (Triton on CUDA, decode
+   steps in CUDA graphs), --enforce-eager, --quantization gguf (the file's Q4_1/Q8_0 blocks kept, as
+   HF dequantizes them) and the torch reference kernels;
 2. each Triton kernel in bfloat16 against its float32 torch reference (stated tolerances);
 3. throughput (output tok/s, one table): single stream (32 + 256 tokens), 64 requests (bench/offline.py's
-   workload), 256 requests (nano-vllm's protocol, max_num_seqs 256) — kvpilot (default, and with
-   --enforce-eager: the CUDA graphs' share) vs HF static batches vs a plain-PyTorch decode step (fused QKV and gate/up, RoPE, SDPA
+   workload), 256 requests (nano-vllm's protocol, max_num_seqs 256) — kvpilot (default, with
+   --enforce-eager: the CUDA graphs' share, and with --quantization gguf) vs HF static batches vs a plain-PyTorch decode step (fused QKV and gate/up, RoPE, SDPA
    over a static cache, a sampled token) captured as one CUDA graph;
 4. the quantization issue's kernel micro-benchmark: the Triton int4 / int8 GGUF-block matmul vs the
    bf16 matmul at Llama-3-8B's layer shapes, M = 1 and 16, weights generated on the GPU.
@@ -108,8 +109,9 @@ def _import_kvpilot() -> None:
 
 
 def make_gguf(dest: Path, seed: int = 0) -> Path:
-    """The bundled model's architecture and tokenizer with seeded random weights: F16 matrices
-    N(0, 0.02), norms 1 (F32)."""
+    """The bundled model's architecture and tokenizer with seeded random weights N(0, 0.02) in the
+    bundled file's formats: the token embedding Q8_0, the other matrices Q4_1, norms 1 (F32). The
+    weights HF dequantizes are then exactly the ones --quantization gguf keeps."""
     import gguf
     import numpy as np
 
@@ -124,7 +126,9 @@ def make_gguf(dest: Path, seed: int = 0) -> Path:
         if len(shape) == 1:
             writer.add_tensor(name, np.ones(shape, np.float32))
         else:
-            writer.add_tensor(name, (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16))
+            kind = gguf.GGMLQuantizationType.Q8_0 if name == "token_embd.weight" else gguf.GGMLQuantizationType.Q4_1
+            blocks = gguf.quants.quantize(rng.standard_normal(shape, dtype=np.float32) * 0.02, kind)
+            writer.add_tensor(name, blocks, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -132,7 +136,9 @@ def make_gguf(dest: Path, seed: int = 0) -> Path:
     return dest
 
 
-KVPILOT_RUNS = {"default": ("default", {}), "enforce_eager": ("default", {"enforce_eager": True})}  # name -> (kernels, engine settings)
+# name -> (kernels, engine settings)
+KVPILOT_RUNS = {"default": ("default", {}), "enforce_eager": ("default", {"enforce_eager": True}),
+                "gguf": ("default", {"quantization": "gguf"})}
 
 
 def _kvpilot(path: Path, device: str, dtype: str, kernels: str, **engine):
@@ -143,7 +149,7 @@ def _kvpilot(path: Path, device: str, dtype: str, kernels: str, **engine):
     return LLM(model=str(path), device=device, dtype=dtype, show_progress=False, **threads, **engine)
 
 
-def correctness(path: Path, device: str, steps: int, kernel_sets: list[str]) -> list[dict]:
+def correctness(path: Path, device: str, steps: int, runs: dict[str, tuple[str, dict]]) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -170,14 +176,14 @@ def correctness(path: Path, device: str, steps: int, kernel_sets: list[str]) -> 
             refs.append(OracleResult(ids, tokens, topk, prompt_logprobs=[]))
     del model
     rows = []
-    for kernels in kernel_sets:
-        llm = _kvpilot(path, device, "float32", kernels)
+    for name, (kernels, settings) in runs.items():
+        llm = _kvpilot(path, device, "float32", kernels, **settings)
         outs = llm.generate(ORACLE_PROMPTS, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=TOPK))
         tokens = [o.outputs[0].token_ids for o in outs]
         topks = [[sorted(e, key=e.get, reverse=True)[:TOPK] for e in o.outputs[0].logprobs] for o in outs]
         verdict = compare_greedy(tokens, topks, refs)
         ok = verdict["exact"] >= verdict["total"] - 1 and not verdict["violations"]
-        rows.append({"check": f"fp32 greedy vs HF, kernels={kernels}", "result": f"{verdict['exact']}/{verdict['total']} exact, "
+        rows.append({"check": f"fp32 greedy vs HF, kvpilot {name}", "result": f"{verdict['exact']}/{verdict['total']} exact, "
                      f"violations {verdict['violations']}", "pass": ok})
         llm.engine.close()
     return rows
@@ -438,7 +444,7 @@ def run(args: argparse.Namespace) -> None:
     parts = set(args.only or PARTS)
     checks, rows = [], []
     if "checks" in parts:
-        checks = correctness(path, device, 64 if not quick else 4, ["default", "reference"])
+        checks = correctness(path, device, 64 if not quick else 4, KVPILOT_RUNS | {"reference kernels": ("reference", {})})
         if device == "cuda":  # bfloat16 in Triton's interpreter is broken: these need the GPU
             checks += bf16_kernels(device)
         print(table(checks, ["check", "result", "pass"]), flush=True)

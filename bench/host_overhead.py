@@ -1,11 +1,15 @@
-"""The engine's host work per decode step: everything a step does besides the model's forward pass
-and LM head (scheduling, building the ModelInput and its tensors, sampling, output processing,
-detokenizing). On a GPU with CUDA graphs the forward is one graph replay (~1.4 ms for this model's
-single stream, the GPU-path issue), so this host time is what stands between the engine and the
-plain graph step unless it overlaps with the GPU's work.
+"""The engine's host work per decode step: everything a step does besides the model's forward pass,
+the LM head and sampling (scheduling, building the ModelInput and its tensors, output processing,
+detokenizing, the Python around them). On a GPU with CUDA graphs the forward is one graph replay
+(~1.4 ms for this model's single stream, the GPU-path issue) and sampling a few kernels, so this host
+time is what stands between the engine and the plain graph step unless it overlaps the GPU's work.
 
-Measured on CPU, where the forward is synchronous and its time can be taken out exactly: the
-forward is timed around DecoderModel.forward and compute_logits; the rest of each step is host work.
+Measured on CPU, where the forward and sampling are synchronous and their time can be taken out
+exactly: DecoderModel.forward, compute_logits and the Sampler call are timed; the rest of each step is
+host work (sampling's own time is reported beside it: tensor work on a GPU, launched asynchronously).
+These are upper bounds for a GPU machine's host of the same speed: here each step's host work runs
+right after a forward that has evicted it from the CPU's caches (InputBuilder.build takes ~45 µs in a
+loop of its own, ~175 µs between forwards at one sequence).
 
     .venv/bin/python bench/host_overhead.py [--batches 1,16,64] [--force]
 """
@@ -24,45 +28,50 @@ from common import machine, refuse_if_busy, table  # noqa: E402
 from kvpilot.server import LLM, SamplingParams  # noqa: E402
 
 
-def measure(llm: LLM, batch: int, tokens: int) -> dict:
-    engine, model = llm.engine, llm.engine.runner.model
-    forward_time = [0.0]
-    plain_forward, plain_logits = model.forward, model.compute_logits
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
-    def timed(fn):
+
+def measure(llm: LLM, batch: int, tokens: int) -> dict:
+    runner = llm.engine.runner
+    engine, model = llm.engine, runner.model
+    spent = {"forward": 0.0, "sampling": 0.0}
+    plain = {"forward": model.forward, "compute_logits": model.compute_logits, "sampler": runner.sampler}
+
+    def timed(fn, key):
         def wrapper(*args, **kwargs):
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                forward_time[0] += time.perf_counter() - t
+                spent[key] += time.perf_counter() - t
         return wrapper
 
-    model.forward, model.compute_logits = timed(plain_forward), timed(plain_logits)
+    model.forward, model.compute_logits = timed(plain["forward"], "forward"), timed(plain["compute_logits"], "forward")
+    runner.sampler = timed(plain["sampler"], "sampling")
     try:
         for i in range(batch):
             engine.add_request([1 + (7 * i + j) % 1000 for j in range(16)], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
         engine.step()  # the prefill
-        steps, host, total = 0, [], []
+        host, sampling, total = [], [], []
         while engine.has_unfinished_requests():
-            forward_time[0] = 0.0
+            spent.update(forward=0.0, sampling=0.0)
             t = time.perf_counter()
             engine.step()
             dt = time.perf_counter() - t
-            steps += 1
             total.append(dt)
-            host.append(dt - forward_time[0])
+            sampling.append(spent["sampling"])
+            host.append(dt - spent["forward"] - spent["sampling"])
     finally:
-        model.forward, model.compute_logits = plain_forward, plain_logits
-    host.sort()
-    total.sort()
-    return {"batch": batch, "decode steps": steps, "host ms/step (median)": f"{host[len(host) // 2] * 1e3:.3f}",
-            "host µs per sequence": f"{host[len(host) // 2] * 1e6 / batch:.0f}", "whole step ms (median)": f"{total[len(total) // 2] * 1e3:.2f}"}
+        model.forward, model.compute_logits, runner.sampler = plain["forward"], plain["compute_logits"], plain["sampler"]
+    return {"batch": batch, "decode steps": len(total), "host ms/step": f"{_median(host) * 1e3:.3f}",
+            "host µs per sequence": f"{_median(host) * 1e6 / batch:.1f}", "sampling ms/step": f"{_median(sampling) * 1e3:.3f}",
+            "whole step ms": f"{_median(total) * 1e3:.2f}"}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()

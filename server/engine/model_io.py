@@ -29,6 +29,28 @@ def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return t
 
 
+class Staging:
+    """A step's host lists of one dtype, uploaded together: one host tensor (on CUDA one pinned buffer
+    and one copy) instead of one per list, each list coming back as a view of it. A step's inputs
+    are a dozen short lists; uploaded one by one, each costs a tensor, a pinned allocation and a copy
+    launch, host work that lengthens every step (bench/host_overhead.py)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device = dtype, device
+        self.values: list = []
+        self.spans: list[tuple[int, int]] = []
+
+    def add(self, values: list) -> int:
+        """Stage a flat list; returns its index in upload()'s result."""
+        self.spans.append((len(self.values), len(values)))
+        self.values += values
+        return len(self.spans) - 1
+
+    def upload(self) -> list[torch.Tensor]:
+        whole = upload(self.values, self.dtype, self.device)
+        return [whole[start:start + n] for start, n in self.spans]
+
+
 def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token id lists as one [rows, longest] tensor (padding points at column 0) and its validity mask."""
     width = max((len(r) for r in rows), default=0)
@@ -37,10 +59,10 @@ def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, 
     return ids, valid
 
 
-def _block_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Block tables as one [rows, longest] tensor, padded with block 0 (never read: context lengths stop short)."""
+def _padded_tables(tables: list[list[int]]) -> list[int]:
+    """Block tables as one flat [rows x longest] list, padded with block 0 (never read: context lengths stop short)."""
     width = max((len(t) for t in tables), default=0)
-    return upload([t + [0] * (width - len(t)) for t in tables], torch.long, device).reshape(len(tables), width)
+    return [b for t in tables for b in (t + [0] * (width - len(t)))]
 
 
 @dataclass(slots=True)
@@ -109,19 +131,21 @@ class SamplingTensors:
                 banned_rows += [row] * len(banned)
                 banned_tokens += banned
         drafts = [seq.spec_token_ids[j] if j < len(seq.spec_token_ids) and not proposing else -1 for seq, j in rows]
-        draft_token_ids = upload(drafts, torch.long, device) if any(d >= 0 for d in drafts) else None
+        longs, floats = Staging(torch.long, device), Staging(dtype, device)
+        for values in ([p.top_k for p in params], banned_rows, banned_tokens, drafts):
+            longs.add(values)
+        for values in ([1.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]):
+            floats.add(values)
+        (top_k, banned_rows_t, banned_tokens_t, drafts_t), (temperature, top_p, min_p) = longs.upload(), floats.upload()
         q = None
         if draft_probs and random_rows:
             vocab = next(iter(draft_probs.values())).shape[-1]
             none = torch.zeros(vocab, dtype=dtype, device=device)
             q = torch.stack([draft_probs[rows[i][0].seq_id][rows[i][1]] if drafts[i] >= 0 and rows[i][0].seq_id in draft_probs else none
                              for i in random_rows]).to(dtype)
-        return cls(upload([1.0 if p.greedy else p.temperature for p in params], dtype, device).unsqueeze(1),
-                   upload([p.top_k for p in params], torch.long, device), upload([p.top_p for p in params], dtype, device),
-                   upload([p.min_p for p in params], dtype, device), random_rows, [rows[i][0].generator for i in random_rows],
-                   use_top_k_p, use_min_p, penalties,
-                   upload(banned_rows, torch.long, device), upload(banned_tokens, torch.long, device), [p.logprobs for p in params],
-                   [1 if proposing else len(seq.spec_token_ids) + 1 for seq in seqs], draft_token_ids, q)
+        return cls(temperature.unsqueeze(1), top_k, top_p, min_p, random_rows, [rows[i][0].generator for i in random_rows],
+                   use_top_k_p, use_min_p, penalties, banned_rows_t, banned_tokens_t, [p.logprobs for p in params],
+                   [1 if proposing else len(seq.spec_token_ids) + 1 for seq in seqs], drafts_t if any(d >= 0 for d in drafts) else None, q)
 
 
 @dataclass(slots=True)
@@ -150,8 +174,10 @@ class ModelInput:
 
     def for_worker(self) -> ModelInput:
         """What a rank other than 0 needs: everything but sampling (rank 0 samples; the generators
-        of seeded requests stay there)."""
-        return replace(self, sampling=None)
+        of seeded requests stay there). The tensors as compact copies: they are views of one staged
+        upload, and a pickled view carries its whole storage."""
+        tensors = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices")
+        return replace(self, sampling=None, **{name: getattr(self, name).clone() for name in tensors})
 
 
 @dataclass(slots=True)
@@ -221,11 +247,14 @@ class InputBuilder:
                 sample_rows.append(len(ids) - 1)
                 plan.sampled.append(seq)
         dev = self.device
+        staged = Staging(torch.long, dev)
+        for values in (ids, positions, slots, starts, seq_lens, sample_rows, _padded_tables(tables)):
+            staged.add(values)
+        ids_t, positions_t, slots_t, starts_t, seq_lens_t, rows_t, tables_t = staged.upload()
         inp = ModelInput(
-            input_ids=upload(ids, torch.long, dev), positions=upload(positions, torch.long, dev), slot_mapping=upload(slots, torch.long, dev),
-            query_start_loc=upload(starts, torch.long, dev), seq_lens=upload(seq_lens, torch.long, dev),
-            block_tables=_block_tables(tables, dev), logits_indices=upload(sample_rows, torch.long, dev), num_prefills=len(query_lens), query_lens=query_lens,
-            context_lens=context_lens, prompt_logprobs=prompt_lp,
+            input_ids=ids_t, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
+            block_tables=tables_t.view(len(tables), -1) if tables else tables_t.view(0, 0), logits_indices=rows_t,
+            num_prefills=len(query_lens), query_lens=query_lens, context_lens=context_lens, prompt_logprobs=prompt_lp,
             sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, dev, draft_probs) if plan.sampled else None)
         return inp, plan
 
@@ -235,8 +264,9 @@ class InputBuilder:
         bs = self.block_size
         ids = [seq.tokens_slice(p, p + 1)[0] for seq, p in zip(seqs, positions)]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
-        dev = self.device
-        return ModelInput(
-            input_ids=upload(ids, torch.long, dev), positions=upload(positions, torch.long, dev), slot_mapping=upload(slots, torch.long, dev),
-            query_start_loc=upload(list(range(len(seqs) + 1)), torch.long, dev), seq_lens=upload([p + 1 for p in positions], torch.long, dev),
-            block_tables=_block_tables([s.block_table for s in seqs], dev), logits_indices=upload(list(range(len(seqs))), torch.long, dev), num_prefills=0, query_lens=[], context_lens=[])
+        staged = Staging(torch.long, self.device)
+        for values in (ids, positions, slots, list(range(len(seqs) + 1)), [p + 1 for p in positions], _padded_tables([s.block_table for s in seqs])):
+            staged.add(values)
+        ids_t, positions_t, slots_t, starts_t, seq_lens_t, tables_t = staged.upload()
+        return ModelInput(input_ids=ids_t, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
+                          block_tables=tables_t.view(len(seqs), -1), logits_indices=starts_t[:-1], num_prefills=0, query_lens=[], context_lens=[])

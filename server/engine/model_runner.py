@@ -119,7 +119,7 @@ class ModelRunner:
             return self.config.kv_cache_memory
         prefill_peak, decode_peak = self._profile_peaks()
         free, total = torch.cuda.mem_get_info()
-        reserve = prefill_peak + (0 if self.config.enforce_eager else decode_peak)
+        reserve = prefill_peak + (0 if self._why_no_graphs() else decode_peak)
         budget = int(total * self.config.gpu_memory_utilization) - (total - free) - reserve
         log.info("KV cache budget %.0f MiB: %.0f%% of %.0f MiB, less %.0f MiB in use, %.0f MiB of peak step activations, %.0f MiB for decode graphs",
                  max(budget, 0) / 2**20, 100 * self.config.gpu_memory_utilization, total / 2**20, (total - free) / 2**20,
@@ -141,7 +141,9 @@ class ModelRunner:
         table = torch.arange(blocks, device=self.device)
         none = table.new_zeros(0)
         prefill = AttentionMetadata(torch.arange(tokens, device=self.device), [tokens], [tokens], [table], none.view(0, 0), none)
-        decode = AttentionMetadata(table.new_zeros(rows), [], [], [], table.new_zeros(rows, 1), table.new_ones(rows))
+        # Decode tables as wide as the graphs' can be (the split-K buffers grow with the width); one token of context each.
+        width = -(-self.model.config.max_position // self.block_size)
+        decode = AttentionMetadata(table.new_zeros(rows), [], [], [], table.new_zeros(rows, width), table.new_ones(rows))
         peaks = []
         for positions, meta in ((prefill.slot_mapping, prefill), (decode.slot_mapping, decode)):
             torch.cuda.synchronize()
@@ -160,19 +162,24 @@ class ModelRunner:
         """Run decode-only steps through DecodeGraphs (tables wide enough for max_model_len):
         captured as CUDA graphs where that can work, else left eager (logged). capture=False builds the
         static-buffer path without graphs on any device (what tests check on CPU)."""
-        if capture:
-            why_not = ("enforce_eager is set" if self.config.enforce_eager else
-                       "the device is not CUDA" if self.device.type != "cuda" else
-                       "tensor parallelism runs its collectives eagerly" if self.workers is not None or self.tp is not None else
-                       f"the {self.model.ops.name} kernels are not capturable (they read device values on the host)"
-                       if not self.model.ops.graph_safe else None)
-            if why_not:
-                if self.device.type == "cuda":
-                    log.info("decode steps run eagerly: %s", why_not)
-                return
+        if capture and (why_not := self._why_no_graphs()):
+            if self.device.type == "cuda":
+                log.info("decode steps run eagerly: %s", why_not)
+            return
         width = -(-max_model_len // self.block_size)
         self.decode_graphs = DecodeGraphs(self._decode_logits, self.config.max_num_seqs, width, self.scratch_block, self.block_size,
                                           self.device, capture)
+
+    def _why_no_graphs(self) -> str | None:
+        if self.config.enforce_eager:
+            return "enforce_eager is set"
+        if self.device.type != "cuda":
+            return "the device is not CUDA"
+        if self.workers is not None or self.tp is not None:
+            return "tensor parallelism runs its collectives eagerly"
+        if not self.model.ops.graph_safe:
+            return f"the {self.model.ops.name} kernels are not capturable (they read device values on the host)"
+        return None
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """A decode-only step as the graphs run it: the model (and the draft model, whose cache must
