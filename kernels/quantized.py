@@ -95,6 +95,9 @@ class GGUFWeight:
         m = torch.cat([p.m for p in parts]) if parts[0].m is not None else None
         return GGUFWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
 
+    def to(self, device: torch.device) -> GGUFWeight:
+        return GGUFWeight(self.kind, *(t.to(device) if t is not None else None for t in (self.qs, self.d, self.m)))
+
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: the reference the kernels are tested against (and the embedding's row lookup)."""
         n, k = self.shape

@@ -199,11 +199,20 @@ def test_what_gguf_mode_cannot_do_is_refused():
 
     with pytest.raises(ValidationError, match="only used with quantization=int4"):
         EngineConfig(quantization="int8", quantization_group_size=64)
-    for bad, message in (({"dtype": "bfloat16"}, "computes in float32"), ({"device": "cuda"}, "CPU only")):
-        with pytest.raises(ValidationError, match=message):
-            EngineConfig(quantization="gguf", **bad)
+    with pytest.raises(ValidationError, match="on CPU computes in float32"):
+        EngineConfig(quantization="gguf", device="cpu", dtype="bfloat16")
+    assert EngineConfig(quantization="int4", device="cuda", dtype="bfloat16").quantization == "int4"  # the Triton kernels take any dtype
     with pytest.raises(ValidationError):
         EngineConfig(quantization="int3")
+
+
+def test_the_cpu_kernels_refuse_half_activations_when_auto_lands_on_cpu(monkeypatch, family_checkpoints):
+    from kvpilot.kernels.ops import KERNELS_ENV
+    from kvpilot.server.llm import LLM
+
+    monkeypatch.setenv(KERNELS_ENV, "default")
+    with pytest.raises(ValueError, match="quantization=int4 on cpu computes in float32 .the C.. kernels take float32 activations., not torch.float16"):
+        LLM(model=str(family_checkpoints["qwen2"][0]), quantization="int4", dtype="float16", show_progress=False, num_threads=1)
 
 
 def test_gguf_mode_needs_a_gguf_model(family_checkpoints):

@@ -161,8 +161,6 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
         if s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION["kvpilot"]:
             problems.append(f"engineSettings.quantization={s.quantization} is not implemented by the kvpilot engine (it takes gguf, int8, int4; "
                             f"engine vllm takes {', '.join(sorted(ENGINE_QUANTIZATION['vllm']))})")
-        if s.quantization in ENGINE_QUANTIZATION["kvpilot"] and not spec.resources.cpu_only:
-            problems.append(f"engineSettings.quantization={s.quantization} runs on CPU only so far (set resources.cpuOnly: true)")
         if s.quantization == "gguf" and not _is_gguf_source(spec.model.source):
             problems.append(f"engineSettings.quantization=gguf needs a GGUF model (a bundled name or a .gguf file), not {spec.model.source!r}")
         if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:

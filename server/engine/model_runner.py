@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from kvpilot.kernels.ops import triton_kernels
 from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.decode_graphs import DecodeGraphs
@@ -61,9 +62,9 @@ class ModelRunner:
         self.tp, self.workers = tp, workers
         self.device = resolve_device(config, tp)
         self.dtype = resolve_dtype(config, self.device)
-        if config.quantization != "none" and (self.device.type != "cpu" or self.dtype != torch.float32):
-            raise ValueError(f"quantization={config.quantization} runs on CPU in float32 only so far, not on {self.device}/{self.dtype} "
-                             "(use --device cpu)")
+        if config.quantization != "none" and self.dtype != torch.float32 and not triton_kernels(self.device):
+            raise ValueError(f"quantization={config.quantization} on {self.device} computes in float32 (the C++ kernels take float32 "
+                             f"activations), not {self.dtype}")
         self.model = self._load(weights, show_progress, config.quantization, config.quantization_group_size)
         self.draft = self._load(draft, show_progress, "none") if draft else None  # the draft is small: kept dense
         _return_freed_heap()

@@ -85,7 +85,7 @@ class DecoderModel(nn.Module):
         return total
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        x = self._embed(input_ids)
+        x = self._embed(input_ids).to(self.norm.weight.dtype)  # GGUF-block rows dequantize to float32
         rope = self.rotary.rope(positions, x.dtype)  # once per forward, shared by every layer
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, rope, kv, meta)
@@ -176,7 +176,9 @@ class _WeightReader:
         blocks (gguf, when the file has them), quantized as it is read (int8, int4: int8 for tables),
         else as __call__ reads it."""
         if self.quantization in ("int8", "int4"):
-            dense = self(name, rows, cols, pad_rows)
+            # Quantized from the file's own precision: after a cast to a half compute dtype, weights
+            # near a rounding boundary would land on the neighbouring code.
+            dense = self(name, rows, cols, pad_rows, dtype=torch.float32)
             return quantize_int8(dense) if self.quantization == "int8" or table else quantize_int4(dense, self.group_size)
         packed = self.source.load_packed(name) if self.quantization == "gguf" and name in self.available else None
         if packed is None:
@@ -191,11 +193,13 @@ class _WeightReader:
         self.read.add(name)
         if self.progress:
             self.progress(1)
-        return packed
+        return packed.to(self.device)
 
-    def __call__(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None, pad_rows: bool = False) -> torch.Tensor:
-        """The weight, or this rank's [start, end) of its rows / columns (rows past the end: zeros
-        when pad_rows, for a vocabulary padded to a multiple of the ranks)."""
+    def __call__(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None, pad_rows: bool = False,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight (in the compute dtype unless `dtype` says otherwise), or this rank's [start, end)
+        of its rows / columns (rows past the end: zeros when pad_rows, for a vocabulary padded to a
+        multiple of the ranks)."""
         if name not in self.available:
             raise ModelFormatError(f"{self.source.path}: weight {name!r} is missing")
         full = self.source.load(name)
@@ -207,7 +211,7 @@ class _WeightReader:
                 loaded = torch.cat([loaded, full.new_zeros(rows[1] - max(end, rows[0]), *full.shape[1:])])
         if cols is not None:
             loaded = loaded[:, cols[0]:cols[1]]
-        t = loaded.to(device=self.device, dtype=self.dtype).contiguous()
+        t = loaded.to(device=self.device, dtype=dtype or self.dtype).contiguous()
         if t.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() and (self.source.memory_mapped or t.numel() < full.numel()):
             # An owned copy: a view would keep the whole memory-mapped file (or, for a shard, the
             # whole tensor) resident for as long as the model lives.
