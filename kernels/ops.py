@@ -99,6 +99,7 @@ class Ops:
     rotary_qkv_: Callable[..., bool]          # (qkv, rope, heads, kv_heads, head_dim, store=(k_cache, v_cache, slots)) -> stored?
     paged_attention: Callable[..., torch.Tensor]  # (q, k, v, k_cache, v_cache, meta, scale, kv_stored=False)
     graph_safe: bool  # a decode step on these ops never reads a device value on the host: a CUDA graph can capture it
+    check_shapes: Callable[[int, int], None] = lambda head_dim, block_size: None  # raises for a head_dim / block size they cannot take
 
 
 # The torch decode attention sizes its gather by int(context_lens.max()): a host sync, not capturable.
@@ -126,7 +127,7 @@ def _triton_ops() -> Ops:
     from kvpilot.kernels import triton_attention
     from kvpilot.kernels.triton_layers import rms_norm, rotary_qkv_
 
-    return Ops("triton", rms_norm, rotary_qkv_, triton_attention.paged_attention, graph_safe=True)
+    return Ops("triton", rms_norm, rotary_qkv_, triton_attention.paged_attention, graph_safe=True, check_shapes=triton_attention.check_shapes)
 
 
 def ops_for(device: torch.device) -> Ops:

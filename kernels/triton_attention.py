@@ -151,6 +151,14 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def check_shapes(head_dim: int, block_size: int) -> None:
+    """What the kernels take (tl.arange: powers of two; tl.dot: at least 16), refused by name: at load
+    (ModelRunner) and at every call."""
+    if not (_power_of_two(head_dim) and _power_of_two(block_size) and min(head_dim, block_size) >= 16):
+        raise ValueError(f"the Triton attention kernels need a power-of-two head_dim and block size of at least 16, "
+                         f"not {head_dim} and {block_size} (use --block-size 16 or 32)")
+
+
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
     """The shapes both kernels take, refused by name otherwise; returns (GQA group, block size)."""
     heads, head_dim = q.shape[-2:]
@@ -159,9 +167,7 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         raise ValueError(f"cache shape {tuple(k_cache.shape)} / {tuple(v_cache.shape)} does not fit queries of head_dim {head_dim}")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-    if not (_power_of_two(head_dim) and _power_of_two(block_size) and min(head_dim, block_size) >= 16):
-        raise ValueError(f"the Triton attention kernels need a power-of-two head_dim and block size of at least 16, "
-                         f"not {head_dim} and {block_size} (use --block-size 16 or 32)")
+    check_shapes(head_dim, block_size)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous")
     return heads // kv_heads, block_size

@@ -71,3 +71,12 @@ def test_engine_with_the_triton_kernels_forced_matches_the_cpp_kernels(monkeypat
                                    torch.tensor([steps[i][t] for i, t in enumerate(tokens[:same])]), atol=3e-2, rtol=3e-2)
         if same < len(tokens):  # the half-precision path took the float32 path's runner-up at a near-tie
             assert tokens16[same] in steps[same] and steps[same][tokens[same]] - steps[same][tokens16[same]] < 0.05
+
+
+def test_a_block_size_the_triton_kernels_cannot_take_is_refused_at_load(monkeypatch):
+    """On CUDA (or forced) block size 8 fails at load with the fix in the message, not at a request's first step."""
+    from kvpilot.server import LLM
+
+    monkeypatch.setenv(KERNELS_ENV, "triton")
+    with pytest.raises(ValueError, match=r"power-of-two head_dim and block size of at least 16, not 64 and 8 \(use --block-size 16 or 32\)"):
+        LLM(block_size=8, show_progress=False, num_threads=1, kv_cache_memory="16MiB")

@@ -69,6 +69,7 @@ class ModelRunner:
         self.draft = self._load(draft, show_progress, "none") if draft else None  # the draft is small: kept dense
         _return_freed_heap()
         self.block_size = config.block_size
+        self.model.ops.check_shapes(self.model.config.head_dim, self.block_size)  # before a step fails on them
         self.bytes_per_block = sum(self._block_bytes(m) for m in (self.model, self.draft) if m)
         # One block of the budget is the scratch block, past those the block manager hands out: the
         # padding rows of a decode graph write there (decode_graphs.py).
