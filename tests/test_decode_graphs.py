@@ -53,3 +53,34 @@ def test_static_decode_steps_give_the_plain_steps_tokens():
     k_cache = runner.kv_caches[0][0]
     assert k_cache.shape[0] == llm.engine.block_manager.num_blocks + 1 == runner.scratch_block + 1  # the scratch block is never handed out
 
+
+
+def test_the_kv_budget_profiles_a_prefill_and_a_graph_wide_decode_step(monkeypatch):
+    """ModelRunner's CUDA memory profile (_profile_peaks, _kv_cache_bytes) run on CPU with torch.cuda's
+    memory counters stubbed: the throwaway steps it builds (a prefill of max_num_batched_tokens, a
+    decode of max_num_seqs rows over graph-wide tables) go through the real model, and the budget
+    subtracts what they report (the decode peak only when graphs will be captured)."""
+    from kvpilot.server import LLM
+
+    llm = LLM(show_progress=False, num_threads=1, kv_cache_memory="16MiB", max_num_seqs=8, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    calls = []
+    peaks = iter([1000, 300])  # max_memory_allocated per profiled step (base 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60_000, 100_000))
+    plain_forward = runner.model.forward
+    monkeypatch.setattr(runner.model, "forward", lambda ids, pos, kv, meta: calls.append((len(ids), meta.decode_block_tables.shape)) or plain_forward(ids, pos, kv, meta))
+    assert runner._profile_peaks() == (1000, 300)
+    width = -(-runner.model.config.max_position // 16)
+    assert calls == [(64, (0, 0)), (8, (8, width))]
+    # As on a GPU (the profile as measured above): 90% of 100,000 bytes, 40,000 in use.
+    monkeypatch.setattr(runner, "_profile_peaks", lambda: (1000, 300))
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))
+    assert runner._why_no_graphs() == "the cpu-c++ kernels are not capturable (they read device values on the host)"
+    assert runner._kv_cache_bytes() == 90_000 - 40_000 - 1000  # no graphs with these kernels: no decode reserve
+    monkeypatch.setattr(runner, "_why_no_graphs", lambda: None)
+    assert runner._kv_cache_bytes() == 90_000 - 40_000 - 1000 - 300
