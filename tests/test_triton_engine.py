@@ -37,7 +37,8 @@ def test_engine_with_the_triton_kernels_forced_matches_the_cpp_kernels(monkeypat
     projections, the tied embedding/head int8 = Q8_0): attention (prefill and decode) and every projection and the
     head, RMSNorm and RoPE with the cache store on the Triton kernels, in the interpreter, give the C++ kernels' greedy tokens and
     logprobs within float32 summation-order noise. The Triton runs' decode steps go through the CUDA
-    graphs' static buffers (not captured: no GPU), a padding row included, as they would on CUDA. A
+    graphs' static buffers (not captured: no GPU), a padding row included, as they would on CUDA; a long
+    prompt is prefilled in 16-token chunks (the prefill kernel after a cached prefix). A
     third run computes in float16, as quantized weights run on CUDA (half activations into the GGUF-block
     kernels, a half KV cache): logprobs within half precision up to where its greedy path leaves the
     float32 one, which only a near-tie may cause (the random model's top two within 0.05)."""
@@ -45,12 +46,14 @@ def test_engine_with_the_triton_kernels_forced_matches_the_cpp_kernels(monkeypat
     from kvpilot.server import LLM, SamplingParams
 
     directory = family_checkpoints["qwen2"][0]  # q/k/v biases and a tied head: every form of projection
-    prompts = ["The capital of France is", "One, two, three,", "def main():"]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (4, 4, 2)]
+    # 16-token steps: the long prompt is prefilled in chunks, each after the cached part before it.
+    prompts = ["The capital of France is", "One, two, three,", "def main():", "The quick brown fox jumps over the lazy dog. " * 4]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (4, 4, 2, 2)]
     runs = {}
     for kernels, dtype in (("default", "float32"), ("triton", "float32"), ("triton", "float16")):
         monkeypatch.setenv(KERNELS_ENV, kernels)
-        llm = LLM(model=str(directory), quantization="int4", dtype=dtype, show_progress=False, num_threads=1, kv_cache_memory="8MiB")
+        llm = LLM(model=str(directory), quantization="int4", dtype=dtype, show_progress=False, num_threads=1, kv_cache_memory="8MiB",
+                  max_num_batched_tokens=16)
         model = llm.engine.runner.model
         triton_layers = sum(isinstance(m, TritonGGUFLinear) for m in model.modules())
         assert (triton_layers > 0) == (kernels == "triton")

@@ -80,6 +80,6 @@ def test_dispatch_picks_triton_for_cuda_and_when_forced(monkeypatch):
     monkeypatch.setenv(KERNELS_ENV, "triton")
     assert gguf_linear_class(torch.device("cpu")) is TritonGGUFLinear
     monkeypatch.setenv(KERNELS_ENV, "tritn")
-    with pytest.raises(ValueError, match="must be 'default' or 'triton'"):
+    with pytest.raises(ValueError, match="must be one of default, triton, reference, not 'tritn'"):
         gguf_linear_class(torch.device("cpu"))
 
