@@ -146,6 +146,9 @@ SETTINGS = {
     # 20 blocks of 16 tokens (K and V, 30 layers, 3 KV heads of 64 fp32; and the scratch block) for 13
     # sequences of up to ~90 tokens: sequences are preempted and recomputed.
     "preempted": dict(kv_cache_memory=21 * (2 * 30 * 16 * 3 * 64 * 4), block_size=16),
+    # Decode steps (verifications: k + 1 rows per sequence) and the draft's proposal steps through the
+    # CUDA graphs' static buffers, run without capture (decode_graphs.py), padding rows included.
+    "graph-buffers": dict(kv_cache_memory="64MiB"),
 }
 
 
@@ -158,8 +161,18 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
         if setting == "preempted":  # a block now also holds the draft's 4 layers
             kw["kv_cache_memory"] = kw["kv_cache_memory"] * 34 // 30
     engine = make_engine(**kw)
+    graph_rows = []
+    if setting == "graph-buffers":
+        engine.runner.start_decode_graphs(engine.max_model_len, capture=False)
+        for graphs in (engine.runner.decode_graphs, engine.runner.draft_graphs):
+            if graphs is not None:
+                plain_run = graphs.run
+                graphs.run = lambda inp, plain_run=plain_run: graph_rows.append(inp.input_ids.shape[0]) or plain_run(inp)
+        assert (engine.runner.draft_graphs is not None) == (method == "draft")
     outs, streamed = run(engine, GREEDY_PROMPTS, SamplingParams(temperature=0, max_tokens=40))
     assert [o.outputs[0].token_ids for o in outs] == plain_greedy
+    if setting == "graph-buffers":
+        assert graph_rows and any(rows not in engine.runner.decode_graphs.buckets for rows in graph_rows)  # padded steps ran
     assert streamed == [o.outputs[0].text for o in outs]  # multi-token deltas stream the same text
     stats = engine.proposer.stats
     assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0

@@ -12,6 +12,9 @@ so it can never overwrite a live sequence's cache; their logits are dropped. The
 wide as the longest context (`table_width` blocks), so the attention kernel's split-K layout (a
 function of the tables' width) is the same for every step and every graph.
 
+ModelRunner keeps two sets: the model's decode steps (speculative verifications included, the draft
+model's forward riding along) and, with a draft model, its proposal steps.
+
 Capturing needs kernels that never read a device value on the host (`Ops.graph_safe`: the Triton
 kernels); prefills, mixed steps, prompt-logprob steps and batches past the largest bucket run
 eagerly. With `capture=False` the same static-buffer path runs eagerly: how CI (no GPU) checks the

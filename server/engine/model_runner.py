@@ -81,6 +81,7 @@ class ModelRunner:
         self.kv_caches = self._kv_caches(self.model)
         self.draft_kv_caches = self._kv_caches(self.draft) if self.draft else None
         self.decode_graphs: DecodeGraphs | None = None
+        self.draft_graphs: DecodeGraphs | None = None  # the draft model's proposal steps (speculative method draft)
         c = self.model.config
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
@@ -169,8 +170,15 @@ class ModelRunner:
                 log.info("decode steps run eagerly: %s", why_not)
             return
         width = -(-max_model_len // self.block_size)
-        self.decode_graphs = DecodeGraphs(self._decode_logits, self.config.max_num_seqs, width, self.scratch_block, self.block_size,
-                                          self.device, capture)
+        graphs = lambda step: DecodeGraphs(step, self.config.max_num_seqs, width, self.scratch_block, self.block_size,  # noqa: E731
+                                           self.device, capture)
+        self.decode_graphs = graphs(self._decode_logits)
+        if self.draft is not None:
+            self.draft_graphs = graphs(self._draft_logits)
+
+    def _draft_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """A draft model's proposal step as its graphs run it: every row's logits."""
+        return self.draft.compute_logits(self.draft(input_ids, positions, self.draft_kv_caches, meta))
 
     def _why_no_graphs(self) -> str | None:
         if self.config.enforce_eager:
@@ -272,6 +280,8 @@ class ModelRunner:
     @torch.inference_mode()
     def draft_propose(self, inp: ModelInput) -> tuple[list[int], torch.Tensor | None]:
         """One decode step of the draft model (it writes its own cache) and its draw per row."""
+        if self.draft_graphs is not None and self.draft_graphs.takes(inp):
+            return self.sampler.propose(self.draft_graphs.run(inp), inp.sampling)
         hidden = self.draft(inp.input_ids, inp.positions, self.draft_kv_caches, AttentionMetadata.from_input(inp))
         return self.sampler.propose(self.draft.compute_logits(hidden[inp.logits_indices]), inp.sampling)
 
