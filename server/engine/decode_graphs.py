@@ -102,11 +102,12 @@ class DecodeGraphs:
         self.slot_mapping[:rows].copy_(inp.slot_mapping)
         self.block_tables[:rows, :inp.block_tables.shape[1]].copy_(inp.block_tables)
         self.context_lens[:rows].copy_(inp.seq_lens)
-        # Padding rows may hold a previous, larger step's slots: live sequences' cache slots, which
-        # they would overwrite. Back to the scratch block, context one token.
-        self.slot_mapping[rows:bucket].fill_(self.scratch_slot)
-        self.block_tables[rows:bucket, 0].fill_(self.scratch_block)
-        self.context_lens[rows:bucket].fill_(1)
+        if rows < bucket:
+            # Padding rows may hold a previous, larger step's slots: live sequences' cache slots, which
+            # they would overwrite. Back to the scratch block, context one token.
+            self.slot_mapping[rows:bucket].fill_(self.scratch_slot)
+            self.block_tables[rows:bucket, 0].fill_(self.scratch_block)
+            self.context_lens[rows:bucket].fill_(1)
         if not self.graphs:
             return self._run_static(bucket)[:rows]
         graph, logits = self.graphs[bucket]

@@ -40,11 +40,10 @@ class Staging:
         self.values: list = []
         self.spans: list[tuple[int, int]] = []
 
-    def add(self, values: list) -> int:
-        """Stage a flat list; returns its index in upload()'s result."""
+    def add(self, values: list) -> None:
+        """Stage a flat list (upload() returns the lists in the order they were added)."""
         self.spans.append((len(self.values), len(values)))
         self.values += values
-        return len(self.spans) - 1
 
     def upload(self) -> list[torch.Tensor]:
         whole = upload(self.values, self.dtype, self.device)
