@@ -23,7 +23,7 @@ the GGUF reader); `run` writes a GGUF of those shapes with seeded random weights
    bf16 matmul at Llama-3-8B's layer shapes, M = 1 and 16, weights generated on the GPU.
 
 `run --quick --device cpu` shrinks every workload (a smoke test of the script itself, no figures).
-A device command has ten minutes: `--only checks --only graph`, `--only kvpilot`, `--only hf` split
+A device command has ten minutes: `--only checks --only graph --only quant`, `--only kvpilot`, `--only hf` split
 the run if one command does not fit (a kvpilot workload is stopped after `--deadline` seconds and rated
 on what it made).
 Figures go to bench/RESULTS.md with this command; without a GPU: "GPU not measured".
@@ -312,7 +312,9 @@ LLAMA3_8B_LAYER = {"qkv 6144x4096": (6144, 4096), "o 4096x4096": (4096, 4096), "
 def quantized_matmul_rows(device: str, shapes: dict[str, tuple[int, int]], rows: list[int], iters: int) -> list[dict]:
     """The quantization issue's GPU micro-benchmark: the Triton GGUF-block kernel (int4 = Q4_1 group 32,
     int8 = Q8_0) against the bf16 matmul (F.linear) at M activation rows, weights generated on the
-    device; median µs of `iters` calls each, and the speed-up over bf16."""
+    device; µs per call (the median of 5 timings of `iters` back-to-back calls: a single call timed
+    between two synchronisations would mostly measure the launch and the sync), and the speed-up over
+    bf16."""
     import torch
     import torch.nn.functional as F
 
@@ -331,8 +333,8 @@ def quantized_matmul_rows(device: str, shapes: dict[str, tuple[int, int]], rows:
             times = {}
             for label, fn in forms.items():
                 fn(x)  # compile / warm up
-                samples = sorted(_timed(partial(fn, x)) for _ in range(iters))
-                times[label] = samples[len(samples) // 2] * 1e6
+                samples = sorted(_timed(partial(_repeat, partial(fn, x), iters)) / iters for _ in range(5))
+                times[label] = samples[2] * 1e6
             base = next(iter(times.values()))
             out.append({"shape": name, "M": m, **{f"{label} µs": f"{t:.1f}" for label, t in times.items()},
                         "int4 speed-up": f"{base / times['int4']:.2f}x", "int8 speed-up": f"{base / times['int8']:.2f}x"})
