@@ -311,14 +311,15 @@ LLAMA3_8B_LAYER = {"qkv 6144x4096": (6144, 4096), "o 4096x4096": (4096, 4096), "
 
 def quantized_matmul_rows(device: str, shapes: dict[str, tuple[int, int]], rows: list[int], iters: int) -> list[dict]:
     """The quantization issue's GPU micro-benchmark: the Triton GGUF-block kernel (int4 = Q4_1 group 32,
-    int8 = Q8_0) against the bf16 matmul (F.linear) at M activation rows, weights generated on the
-    device; µs per call (the median of 5 timings of `iters` back-to-back calls: a single call timed
+    int8 = Q8_0, and the K-quant layouts the loader makes of a Q4_K_M file: Q4_K as K4 — nibbles, float32
+    scale and min per 32 —, Q6_K as K8 — int8 codes, float32 scale per 16) against the bf16 matmul
+    (F.linear) at M activation rows, weights generated on the device; µs per call (the median of 5 timings of `iters` back-to-back calls: a single call timed
     between two synchronisations would mostly measure the launch and the sync), and the speed-up over
     bf16."""
     import torch
     import torch.nn.functional as F
 
-    from kvpilot.kernels.quantized import quantize_int4, quantize_int8
+    from kvpilot.kernels.quantized import GGUFWeight, quantize_int4, quantize_int8
     from kvpilot.kernels.triton_gguf import gguf_linear
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -326,7 +327,11 @@ def quantized_matmul_rows(device: str, shapes: dict[str, tuple[int, int]], rows:
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device=device, dtype=dtype) * 0.02
         forms = {"bf16" if device == "cuda" else "fp32": partial(F.linear, weight=w)}
-        for label, quantized in (("int4", quantize_int4(w, 32)), ("int8", quantize_int8(w))):
+        rand = lambda cols: torch.rand(n, cols, device=device) * 1e-3  # noqa: E731, B023 — used in this iteration only
+        codes = lambda cols: torch.randint(0, 256, (n, cols), device=device, dtype=torch.uint8)  # noqa: E731, B023
+        for label, quantized in (("int4", quantize_int4(w, 32)), ("int8", quantize_int8(w)),
+                                 ("Q4_K", GGUFWeight("Q4_K", codes(k // 2), rand(k // 32), -rand(k // 32))),
+                                 ("Q6_K", GGUFWeight("Q6_K", codes(k), rand(k // 16)))):
             forms[label] = partial(gguf_linear, w=quantized)
         for m in rows:
             x = torch.randn(m, k, device=device, dtype=dtype)
@@ -337,7 +342,7 @@ def quantized_matmul_rows(device: str, shapes: dict[str, tuple[int, int]], rows:
                 times[label] = samples[2] * 1e6
             base = next(iter(times.values()))
             out.append({"shape": name, "M": m, **{f"{label} µs": f"{t:.1f}" for label, t in times.items()},
-                        "int4 speed-up": f"{base / times['int4']:.2f}x", "int8 speed-up": f"{base / times['int8']:.2f}x"})
+                        **{f"{label} speed-up": f"{base / t:.2f}x" for label, t in list(times.items())[1:]}})
         del w, forms
     return out
 

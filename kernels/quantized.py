@@ -8,10 +8,12 @@ split into two bfloat16s; more: 16-bit integer codes per block of 32), so that t
 bfloat16 or integer dot products: mean KL vs the fp32 model 6.5e-8–7.3e-8 on the bundled model
 (the float path's summation order alone: 8.9e-9; bench/RESULTS.md).
 
-The K-quants (Q4_K, Q5_K, Q6_K: what `Q4_K_M`-style files hold) are re-laid out as one int8 code per
-weight with a float32 scale and min per 16 columns (`gguf_dequant.k_quant_parts`, the kernels' "K8"
-layout): the same exact values, at 12 bits per weight instead of the file's 4.5–6.6 — still under
-half of bfloat16's bytes; a 4-bit-code layout for Q4_K is the next step.
+The K-quants (what `Q4_K_M`-style files hold) are re-laid out at load, exactly GGUF's values, with the
+super-block's d and dmin multiplied into float32 scales and mins (`gguf_dequant.k_quant_parts`):
+- Q4_K -> "K4": Q4_1's 4-bit code layout with a float32 scale and min per 32 columns, 6 bits per
+  weight (the file: 4.5). d·scale needs up to 17 significant bits, so float16 scales would round.
+- Q5_K, Q6_K -> "K8": one int8 code per weight with a float32 scale (and Q5_K's min) per 16 columns,
+  12 (Q6_K: 10) bits per weight (the file: 5.5 / 6.6) — still under bfloat16's 16.
 """
 
 from __future__ import annotations
@@ -26,19 +28,41 @@ from kvpilot.kernels import cpu_extension
 from kvpilot.kernels.gguf_dequant import k_quant_parts
 
 QK = 32  # weights per block
-KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF types kept in their own row layout (both kernels, Triton too)
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF types kept in their own row layout (the row kernel, panels, Triton)
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # kept in the K8 layout (CPU panels only)
-K8 = 3  # the CPU kernels' id of that layout
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # re-laid out at load (K4 / K8 below; panels and Triton)
+K8, K4 = 3, 4  # the kernels' ids of the two K-quant layouts
 K8_BLOCK = 16  # columns per K8 scale
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the kernels read one GGUF type once it is re-laid out: every kernel (C++ panels and row
+    kernel, Triton) takes its facts from here."""
+
+    kernel_kind: int  # the C++ kernels' id: 0 Q4_0, 1 Q4_1, 2 Q8_0, 3 K8, 4 K4
+    code_bits: int  # 4: two codes a byte (byte j of a 32-block: element j low, j + 16 high); 8: int8 codes
+    group: int  # input columns per scale
+    mins: str  # "stored" (m), "minus8d" (Q4_0: m = -8·d) or "none"
+    float32_scales: bool  # d and m float32 (the K-quants' exact products) rather than the file's float16
+
+
+LAYOUTS = {
+    "Q4_0": Layout(0, 4, QK, "minus8d", False),
+    "Q4_1": Layout(1, 4, QK, "stored", False),
+    "Q8_0": Layout(2, 8, QK, "none", False),
+    "Q4_K": Layout(K4, 4, QK, "stored", True),
+    "Q5_K": Layout(K8, 8, K8_BLOCK, "stored", True),
+    "Q6_K": Layout(K8, 8, K8_BLOCK, "none", True),
+}
 
 
 @dataclass(frozen=True)
 class GGUFWeight:
     """A [N, K] weight in a GGUF block format. qs: uint8 [N, K/2] (4-bit: byte j of block b holds element
     32b + j in its low nibble and 32b + j + 16 in its high one) or [N, K] (Q8_0, int8 bit patterns);
-    d: float16 [N, K/32] scales; m: float16 [N, K/32] mins (Q4_1 only). K-quants: qs int8 codes [N, K],
-    d and m float32 [N, K/16] (m None for Q6_K)."""
+    d: float16 [N, K/32] scales; m: float16 [N, K/32] mins (Q4_1 only). Q4_K: qs as Q4_1's, d and m
+    float32 [N, K/32]; Q5_K/Q6_K: qs int8 codes [N, K], d and m float32 [N, K/16] (m None for Q6_K)."""
 
     kind: str
     qs: torch.Tensor
@@ -46,9 +70,13 @@ class GGUFWeight:
     m: torch.Tensor | None = None
 
     @property
+    def layout(self) -> Layout:
+        return LAYOUTS[self.kind]
+
+    @property
     def block(self) -> int:
         """Input columns per scale."""
-        return K8_BLOCK if self.kind in K_QUANTS else QK
+        return self.layout.group
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -62,8 +90,11 @@ class GGUFWeight:
     def from_blocks(cls, kind: str, raw: torch.Tensor, rows: int) -> GGUFWeight:
         """From the file's blocks (uint8, `rows` rows of whole blocks) into the kernels' layout."""
         if kind in K_QUANTS:
-            codes, d, m = k_quant_parts(kind, raw.reshape(rows, -1))
-            return cls(kind, codes.view(torch.uint8), d, m)
+            codes, d, m = k_quant_parts(kind, raw.reshape(rows, -1))  # scales and mins per 16 columns
+            if LAYOUTS[kind].code_bits == 8:
+                return cls(kind, codes.view(torch.uint8), d, m)
+            q = codes.view(torch.uint8).reshape(rows, -1, 2, QK // 2)  # Q4_K: sub-blocks of 32 share a scale
+            return cls(kind, (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows, -1).contiguous(), d[:, ::2].contiguous(), m[:, ::2].contiguous())
         if kind not in KINDS:
             raise ValueError(f"GGUF type {kind} is not one the gguf kernels take ({', '.join([*KINDS, *K_QUANTS])})")
         blocks = raw.reshape(rows, -1, _BLOCK_BYTES[kind])
@@ -102,11 +133,9 @@ class GGUFWeight:
         """float32 [N, K]: the reference the kernels are tested against (and the embedding's row lookup)."""
         n, k = self.shape
         d = self.d.float()[..., None]
-        if self.kind in K_QUANTS:  # as gguf_dequant's K-quant functions
-            w = self.qs.view(torch.int8).reshape(n, -1, K8_BLOCK).float() * d
-            return (w if self.m is None else w + self.m[..., None]).reshape(n, k)
-        if self.kind == "Q8_0":
-            return (self.qs.view(torch.int8).reshape(n, -1, QK).float() * d).reshape(n, k)
+        if self.layout.code_bits == 8:  # code·scale exact, + min rounded once: as gguf_dequant's functions
+            w = self.qs.view(torch.int8).reshape(n, -1, self.block).float() * d
+            return (w if self.m is None else w + self.m.float()[..., None]).reshape(n, k)
         q = self.qs.reshape(n, -1, QK // 2)
         q = torch.cat([q & 0x0F, q >> 4], dim=-1).float()
         m = self.m.float()[..., None] if self.m is not None else -8 * d
@@ -118,7 +147,7 @@ PANEL = 16  # output rows side by side in the panel layout
 
 def to_panels(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The panel layout of gguf_linear_panel: qs [P, K/32, 16 (4-bit) or 32 (Q8_0), 16 lanes], d and m
-    [P, K/32, 16] (K-quants: qs [P, K/16, 16, 16], d and m [P, K/16, 16]); lane l of panel p is output
+    [P, K/32, 16] (K8: qs [P, K/16, 16, 16], d and m [P, K/16, 16]); lane l of panel p is output
     row 16p + l (rows past the end: zero scales)."""
     n, nb = w.qs.shape[0], w.d.shape[1]
     pad = -n % PANEL
@@ -150,7 +179,7 @@ class GGUFLinear(nn.Module):
         # The kernel and its weight operands as one plain attribute: reading registered buffers goes
         # through nn.Module.__getattr__, four lookups per call on the decode path.
         if self.panels:
-            kind = KINDS.get(self.kind, K8)
+            kind = LAYOUTS[self.kind].kernel_kind
             self._kernel, self._operands = self._ext.gguf_linear_panel, (self.qs, self.d, self.m, kind, self.out_features, self.bias)
         else:
             self._kernel, self._operands = self._ext.gguf_linear, (self.qs, self.d, self.m, KINDS[self.kind], self.bias)

@@ -1,10 +1,11 @@
-"""x @ W.T with W in a GGUF block format (Q4_0, Q4_1, Q8_0: `--quantization gguf`, and int8 / int4,
-which quantize into Q8_0 / Q4_1 blocks), dequantized inside a Triton kernel: the GPU form of
-kernels/csrc/gguf_linear_cpu.cpp, with the same fused epilogues (SiLU, · other, + residual).
+"""x @ W.T with W in a GGUF block format (Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K:
+`--quantization gguf`; int8 / int4 quantize into Q8_0 / Q4_1 blocks), dequantized inside a Triton
+kernel: the GPU form of kernels/csrc/gguf_linear_cpu.cpp, with the same fused epilogues (SiLU,
+· other, + residual).
 
-It reads GGUFWeight's row layout as it is (each row's quants contiguous, float16 scales and mins beside
-them): a [BLOCK_N, BLOCK_K] tile of weights is unpacked and scaled in registers (4-bit: byte j of a
-32-weight block holds weights j and j + 16) and fed to tl.dot with a [BLOCK_M, BLOCK_K] tile of
+It reads GGUFWeight's row layout as it is (each row's quants contiguous, scales and mins beside them;
+quantized.LAYOUTS says per type how): a [BLOCK_N, BLOCK_K] tile of weights is unpacked and scaled in
+registers (4-bit: byte j of a 32-weight block holds weights j and j + 16) and fed to tl.dot with a [BLOCK_M, BLOCK_K] tile of
 activations, accumulating in float32. Decode (M ≤ 16) is one BLOCK_M = 16 row tile: a GEMV whose
 cost is the weight read, which is what 4-bit storage cuts. Activations may be float32, float16 or
 bfloat16; the output has their dtype. float32 runs tl.dot in IEEE precision (no TF32), so it matches
@@ -21,39 +22,41 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from kvpilot.kernels.quantized import KINDS, QK, GGUFWeight
+from kvpilot.kernels.quantized import LAYOUTS, QK, GGUFWeight
 
 EPILOGUES = {"none": 0, "silu": 1, "mul": 2, "add": 3}
+MINS = {"none": 0, "stored": 1, "minus8d": 2}
 
 
 @triton.jit
 def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr,
                  M, N, K, stride_xm, stride_ym, stride_om,
-                 KIND: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                 CODE_BITS: tl.constexpr, GROUP: tl.constexpr, MIN: tl.constexpr,
+                 EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
-    blocks_per_row = K // 32
+    groups_per_row = K // GROUP
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
-        block = ks // 32
-        scale = tl.load(d_ptr + cols[None, :] * blocks_per_row + block[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
-        if KIND == 2:  # Q8_0: int8 quants, w = d * q
+        group = ks // GROUP
+        scale = tl.load(d_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
+        if CODE_BITS == 8:  # Q8_0, K8: int8 codes
             q = tl.load(qs_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0).to(tl.float32)
-            w = scale * q
-        else:  # Q4_0 / Q4_1: byte j of a block holds weight j (low nibble) and j + 16 (high nibble)
+        else:  # Q4_0, Q4_1, K4: byte j of a 32-block holds weight j (low nibble) and j + 16 (high nibble)
             j = ks % 32
-            byte = tl.load(qs_ptr + cols[None, :] * (K // 2) + (block * 16 + j % 16)[:, None], mask=col_ok[None, :], other=0)
+            byte = tl.load(qs_ptr + cols[None, :] * (K // 2) + ((ks // 32) * 16 + j % 16)[:, None], mask=col_ok[None, :], other=0)
             q = tl.where((j < 16)[:, None], byte & 0x0F, byte >> 4).to(tl.float32)
-            if KIND == 1:
-                low = tl.load(m_ptr + cols[None, :] * blocks_per_row + block[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
-            else:
-                low = -8.0 * scale
-            w = scale * q + low
+        if MIN == 1:  # w = d·q + m
+            w = scale * q + tl.load(m_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
+        elif MIN == 2:  # Q4_0: w = d·(q - 8)
+            w = scale * q - 8.0 * scale
+        else:
+            w = scale * q
         if IEEE:  # float32 activations: no TF32
             acc += tl.dot(x, w, input_precision="ieee")
         else:  # float16 / bfloat16: the tensor cores' input type, float32 accumulation
@@ -79,6 +82,7 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
     block_k = block_k or (64 if k % 64 == 0 else QK)
     if k % block_k or block_k % QK:
         raise ValueError(f"K={k} must be a multiple of BLOCK_K={block_k}, itself a multiple of {QK}")
+    layout = LAYOUTS[w.kind]
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be one of {', '.join(EPILOGUES)}")
     if (epilogue in ("mul", "add")) != (other is not None):
@@ -90,13 +94,14 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if other is not None:
         other = other.reshape(m, n).contiguous()
-    qs = w.qs.view(torch.int8) if w.kind == "Q8_0" else w.qs
+    qs = w.qs.view(torch.int8) if layout.code_bits == 8 else w.qs
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _gguf_matmul[grid](rows, qs, w.d, w.m if w.m is not None else w.d, bias if bias is not None else w.d,
                        other if other is not None else y, y, m, n, k, rows.stride(0), y.stride(0),
                        other.stride(0) if other is not None else 0,
-                       KIND=KINDS[w.kind], EPILOGUE=EPILOGUES[epilogue], HAS_BIAS=bias is not None,
+                       CODE_BITS=layout.code_bits, GROUP=layout.group, MIN=MINS[layout.mins],
+                       EPILOGUE=EPILOGUES[epilogue], HAS_BIAS=bias is not None,
                        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y.reshape(*x.shape[:-1], n)
 
@@ -107,8 +112,6 @@ class TritonGGUFLinear(nn.Module):
 
     def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None):
         super().__init__()
-        if weight.kind not in KINDS:
-            raise NotImplementedError(f"the Triton GGUF kernel takes {', '.join(KINDS)} blocks, not {weight.kind} (K-quants run on the CPU kernels so far)")
         self.kind, self.out_features = weight.kind, weight.shape[0]
         self.register_buffer("qs", weight.qs)
         self.register_buffer("d", weight.d)

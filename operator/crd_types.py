@@ -91,7 +91,7 @@ class EngineSettings(_Model):
         "less GPU memory held, faster start."))
     quantization: Literal["none", "gguf", "int8", "int4", "fp8", "awq", "gptq"] | None = Field(None, description=(
         "Weight quantization, each engine's own: kvpilot takes gguf (a GGUF model's Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks kept and multiplied as they "
-        "are; K-quants on CPU only), int8 and int4 (weight-only, quantized at load; int4 groups of 32 columns unless extraArgs sets "
+        "are), int8 and int4 (weight-only, quantized at load; int4 groups of 32 columns unless extraArgs sets "
         "--quantization-group-size), on CPU and GPU; vLLM and SGLang take fp8, awq, gptq, gguf. A value the engine does not take is reported as Degraded."))
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="Ranks the model is split over; also the GPUs per pod.")
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (off when absent).")

@@ -44,8 +44,8 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
     enforce_eager: bool = Field(False, description="CUDA: run every step eagerly, without the decode steps' CUDA graphs (CPU steps always run eagerly).")
     quantization: Literal["none", "gguf", "int8", "int4"] = Field(
-        "none", description="Weight format: none = dequantized to the compute dtype at load; gguf = a GGUF's Q4_0/Q4_1/Q8_0 tensors (and on "
-                            "CPU its K-quants) kept in their blocks and multiplied by kernels that dequantize in registers; int8 = float weights "
+        "none", description="Weight format: none = dequantized to the compute dtype at load; gguf = a GGUF's Q4_0/Q4_1/Q8_0 and "
+                            "Q4_K/Q5_K/Q6_K tensors kept in their blocks and multiplied by kernels that dequantize in registers; int8 = float weights "
                             "quantized at load (symmetric, per 32 input columns); int4 = per group of --quantization-group-size input columns, with "
                             "scales and mins (embedding and LM head int8). CPU: C++ kernels, float32 compute; CUDA: Triton kernels, any dtype.")
     quantization_group_size: int = Field(32, description=(

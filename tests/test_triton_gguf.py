@@ -1,13 +1,15 @@
 """The Triton GGUF-block matmul (kernels/triton_gguf.py) against the dequantized weights, under
 TRITON_INTERPRET=1 on CPU (tests/conftest.py sets it when there is no GPU): every block format —
-the file's Q4_0 / Q4_1 / Q8_0 and what int8 / int4 quantize into —, decode and prefill row counts,
-ragged N, each epilogue, float32 (IEEE) and float16 activations."""
+the file's Q4_0 / Q4_1 / Q8_0, the K-quants as the loader re-lays them out (Q4_K: K4, Q5_K/Q6_K: K8)
+and what int8 / int4 quantize into —, decode and prefill row counts, ragged N, each epilogue, float32
+(IEEE) and float16 activations."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels.quantized import GGUFWeight, quantize_int4, quantize_int8
+from gguf_factory import k_quant_blocks
+from kvpilot.kernels.quantized import K_QUANTS, GGUFWeight, quantize_int4, quantize_int8
 from kvpilot.kernels.triton_gguf import gguf_linear
 
 
@@ -32,6 +34,22 @@ def test_matches_the_dequantized_weights(kind, m):
     bias = torch.randn(200, generator=gen)
     ref = x @ w.dequantize().T + bias
     torch.testing.assert_close(gguf_linear(x, w, bias), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", K_QUANTS)
+@pytest.mark.parametrize("m", [1, 37])
+def test_k_quants_match_the_dequantized_weights(kind, m):
+    """The K-quant layouts read in the kernel (Q4_K: nibbles with a float32 scale and min per 32 columns;
+    Q5_K: int8 codes with a scale and min per 16; Q6_K: a scale only) give x @ dequantized.T — the
+    values GGUF's reference dequantization gives (tests/test_quantized.py)."""
+    gen = torch.Generator().manual_seed(m)
+    w = GGUFWeight.from_blocks(kind, torch.from_numpy(k_quant_blocks(kind, 200, 2, seed=m, scale=0.002)), 200)
+    x, bias = torch.randn(m, 512, generator=gen), torch.randn(200, generator=gen)
+    dense = w.dequantize()
+    assert dense.abs().max() > 0.1  # the random scales make real weights, not zeros
+    torch.testing.assert_close(gguf_linear(x, w, bias), x @ dense.T + bias, atol=1e-4, rtol=1e-4)
+    half = gguf_linear(x.half(), w, bias, epilogue="silu")  # float16 activations, as on CUDA
+    torch.testing.assert_close(half.float(), F.silu(x.half().float() @ dense.half().float().T + bias), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("epilogue", ["silu", "mul", "add"])

@@ -23,9 +23,10 @@
 
 namespace {
 
-// K8: the K-quants (Q4_K, Q5_K, Q6_K) re-laid out at load as one int8 code per weight with a float32
-// scale and min per 16 input columns (panels only): w = d·q + m, exactly GGUF's values (see quantized.py).
-enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K8 = 3 };
+// The K-quants, re-laid out at load with float32 scales and mins (panels only; exactly GGUF's values,
+// see quantized.py): K8 (Q5_K, Q6_K) one int8 code per weight, a scale and min per 16 input columns;
+// K4 (Q4_K) Q4_1's 4-bit layout, a scale and min per 32. w = d·q + m.
+enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K8 = 3, K4 = 4 };
 enum Epilogue : int64_t { NONE = 0, SILU = 1, MUL = 2, ADD = 3 };
 constexpr int64_t QK = 32;      // weights per block
 constexpr int64_t QK8 = 16;     // weights per K8 block
@@ -217,12 +218,49 @@ struct PanelArgs {
   const float* other; int64_t other_stride;
   int64_t kind, epilogue;
   const float* xsum;  // [M, nb]: each activation row's sum over each block (4-bit kinds; the factored path)
-  const float* df; const float* mf;  // K8's float32 scales and mins (mf null: none), instead of d and m
+  const float* df; const float* mf;  // K8's and K4's float32 scales and mins (mf null: none), instead of d and m
   const uint16_t* xhi; const uint16_t* xlo;  // [M, K] bfloat16 bits: x split as x_hi + x_lo (the BF16 path)
   const int16_t* xq; const float* xs;        // [M, K] int16 codes, [M, K/32] scales: x ≈ xs·xq per block (the VNNI path)
 };
 
 inline int64_t block_cols(int64_t kind) { return kind == K8 ? QK8 : QK; }
+inline bool float_scales(int64_t kind) { return kind == K8 || kind == K4; }
+inline bool four_bit(int64_t kind) { return kind == Q4_0 || kind == Q4_1 || kind == K4; }
+
+// Lane l's block scale and min (sb: the block's first lane in the panel scales), every kind.
+inline void lane_scales(const PanelArgs& a, int64_t sb, int64_t l, float& d, float& mn) {
+  if (float_scales(a.kind)) {
+    d = a.df[sb + l];
+    mn = a.mf ? a.mf[sb + l] : 0.0f;
+    return;
+  }
+  d = static_cast<float>(a.d[sb + l]);
+  mn = a.kind == Q4_1 ? static_cast<float>(a.m[sb + l]) : a.kind == Q4_0 ? -8.0f * d : 0.0f;
+}
+
+// The same for 16 lanes (AVX-512) ...
+__attribute__((target("avx512f,f16c"))) inline void scales512(const PanelArgs& a, int64_t sb, __m512& d, __m512& mn) {
+  if (float_scales(a.kind)) {
+    d = _mm512_loadu_ps(a.df + sb);
+    mn = a.mf ? _mm512_loadu_ps(a.mf + sb) : _mm512_setzero_ps();
+    return;
+  }
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
+  mn = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
+                      : _mm512_mul_ps(d, _mm512_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
+}
+
+// ... and for 8 lanes (AVX2).
+__attribute__((target("avx2,fma,f16c"))) inline void scales256(const PanelArgs& a, int64_t sb, __m256& d, __m256& mn) {
+  if (float_scales(a.kind)) {
+    d = _mm256_loadu_ps(a.df + sb);
+    mn = a.mf ? _mm256_loadu_ps(a.mf + sb) : _mm256_setzero_ps();
+    return;
+  }
+  d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.d + sb)));
+  mn = a.kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.m + sb)))
+                      : _mm256_mul_ps(d, _mm256_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
+}
 
 inline void store_lanes(const PanelArgs& a, int64_t row, int64_t p, const float* v) {
   for (int64_t l = 0; l < LANES; ++l) {
@@ -248,8 +286,9 @@ void panel_scalar(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
     const uint8_t* q = a.qs + (p * a.nb + b) * block_bytes(a.kind);
     const int64_t bw = block_cols(a.kind);
     for (int64_t l = 0; l < LANES; ++l) {
+      float d, mn;
+      lane_scales(a, sb, l, d, mn);
       if (a.kind == K8) {
-        const float d = a.df[sb + l], mn = a.mf ? a.mf[sb + l] : 0.0f;
         for (int64_t k = 0; k < bw; ++k) {
           const float w = a.mf ? std::fma(d, static_cast<float>(static_cast<int8_t>(q[k * LANES + l])), mn)
                                : d * static_cast<int8_t>(q[k * LANES + l]);
@@ -257,8 +296,6 @@ void panel_scalar(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
         }
         continue;
       }
-      const float d = static_cast<float>(a.d[sb + l]);
-      const float mn = a.kind == Q4_1 ? static_cast<float>(a.m[sb + l]) : a.kind == Q4_0 ? -8.0f * d : 0.0f;
       for (int64_t k = 0; k < QK; ++k) {
         float w;
         if (a.kind == Q8_0) w = d * static_cast<int8_t>(q[k * LANES + l]);
@@ -295,14 +332,7 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_t(const Panel
     for (int u = 0; u < NP; ++u) {
       const int64_t sb = ((p + u) * a.nb + b) * LANES;
       q[u] = a.qs + ((p + u) * a.nb + b) * bytes;
-      if (a.kind == K8) {
-        d[u] = _mm512_loadu_ps(a.df + sb);
-        mn[u] = a.mf ? _mm512_loadu_ps(a.mf + sb) : _mm512_setzero_ps();
-        continue;
-      }
-      d[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
-      mn[u] = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
-                             : _mm512_mul_ps(d[u], _mm512_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
+      scales512(a, sb, d[u], mn[u]);
     }
     const int64_t bw = block_cols(a.kind);
     const float* x = a.x + row0 * a.x_stride + b * bw;
@@ -348,16 +378,7 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2_t(const PanelArgs& a, i
     const int64_t sb = (p * a.nb + b) * LANES;
     const uint8_t* q = a.qs + (p * a.nb + b) * block_bytes(a.kind);
     __m256 d[2], mn[2];
-    for (int h = 0; h < 2; ++h) {
-      if (a.kind == K8) {
-        d[h] = _mm256_loadu_ps(a.df + sb + 8 * h);
-        mn[h] = a.mf ? _mm256_loadu_ps(a.mf + sb + 8 * h) : _mm256_setzero_ps();
-        continue;
-      }
-      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.d + sb + 8 * h)));
-      mn[h] = a.kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.m + sb + 8 * h)))
-                             : _mm256_mul_ps(d[h], _mm256_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
-    }
+    for (int h = 0; h < 2; ++h) scales256(a, sb + 8 * h, d[h], mn[h]);
     const bool bytes8 = a.kind == Q8_0 || a.kind == K8;  // one int8 code per byte
     const float* x = a.x + row0 * a.x_stride + b * block_cols(a.kind);
     const int cols = a.kind == Q8_0 ? QK : a.kind == K8 ? QK8 : QK / 2;
@@ -400,10 +421,8 @@ template <int R, int NP>
 __attribute__((target("avx512f,f16c"))) inline void add_block(const PanelArgs& a, int64_t row0, int64_t p, int64_t b,
                                                              const __m512 (&lo)[NP][R], const __m512 (&hi)[NP][R], __m512 (&acc)[NP][R]) {
   for (int u = 0; u < NP; ++u) {
-    const int64_t sb = ((p + u) * a.nb + b) * LANES;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
-    const __m512 mn = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
-                                     : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    __m512 d, mn;
+    scales512(a, ((p + u) * a.nb + b) * LANES, d, mn);
     for (int r = 0; r < R; ++r) {
       acc[u][r] = _mm512_fmadd_ps(d, _mm512_add_ps(lo[u][r], hi[u][r]), acc[u][r]);
       acc[u][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(row0 + r) * a.nb + b]), acc[u][r]);
@@ -587,10 +606,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni_t(co
       }
     }
     for (int u = 0; u < NP; ++u) {
-      const int64_t sb = ((p + u) * a.nb + b) * LANES;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
-      const __m512 mn = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
-                                       : _mm512_mul_ps(d, _mm512_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
+      __m512 d, mn;
+      scales512(a, ((p + u) * a.nb + b) * LANES, d, mn);
       for (int r = 0; r < R; ++r) {
         const int64_t rb = (row0 + r) * a.nb + b;
         acc[u][r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.xs[rb])), _mm512_cvtepi32_ps(sum[u][r]), acc[u][r]);
@@ -775,30 +792,30 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c1
 torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
                                 c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: float32 rows [M, K]");
-  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0 || kind == K8, "kind: 0 (Q4_0), 1 (Q4_1), 2 (Q8_0) or 3 (K8)");
+  TORCH_CHECK(kind >= Q4_0 && kind <= K4, "kind: 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (K8) or 4 (K4)");
   const int64_t M = x.size(0), K = x.size(1), bw = block_cols(kind);
   TORCH_CHECK(qs.is_contiguous() && qs.dim() == 4 && qs.size(1) * bw == K && qs.size(2) == (kind == Q8_0 ? QK : QK / 2) && qs.size(3) == LANES,
               "qs: [P, K/32 (K/16 for K8), 16 or 32, 16] panels");
   const int64_t P = qs.size(0);
   TORCH_CHECK(n > (P - 1) * LANES && n <= P * LANES, "n must be within the last panel");
-  const auto scale_type = kind == K8 ? torch::kFloat : torch::kHalf;
-  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == scale_type && d.dim() == 3 && d.size(0) == P && d.size(1) == K / bw && d.size(2) == LANES,
-              "d: [P, K/32, 16] float16 (K8: [P, K/16, 16] float32)");
-  if (kind == K8 && m) {
+  const bool f32 = float_scales(kind);
+  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == (f32 ? torch::kFloat : torch::kHalf) && d.dim() == 3 && d.size(0) == P &&
+              d.size(1) == K / bw && d.size(2) == LANES, "d: [P, K/32, 16] float16 (K4: float32; K8: [P, K/16, 16] float32)");
+  TORCH_CHECK(kind != K4 || m, "m: K4 has mins");
+  if (f32 && m) {
     TORCH_CHECK(m->is_contiguous() && m->scalar_type() == torch::kFloat && m->sizes() == d.sizes(), "m: float32, shaped like d");
   }
   check_operands(d, m, kind, n, M, bias, epilogue, other);
   auto y = torch::empty({M, n}, x.options());
   const bool binary = epilogue == MUL || epilogue == ADD;
-  const bool k8 = kind == K8;
-  PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), k8 ? nullptr : d.data_ptr<c10::Half>(),
+  PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), f32 ? nullptr : d.data_ptr<c10::Half>(),
               kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr, K / bw, n, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
               y.stride(0), binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue, nullptr,
-              k8 ? d.data_ptr<float>() : nullptr, k8 && m ? m->data_ptr<float>() : nullptr, nullptr, nullptr, nullptr, nullptr};
+              f32 ? d.data_ptr<float>() : nullptr, f32 && m ? m->data_ptr<float>() : nullptr, nullptr, nullptr, nullptr, nullptr};
   const Isa chosen = pick(isa);  // the instruction-set choice, shared with gguf_linear
-  const bool four_bit = kind == Q4_0 || kind == Q4_1;
+  const bool nibbles = four_bit(kind);
   const bool extended = chosen == Isa::AVX512_BF16_VNNI;
-  const bool bf16 = extended && four_bit && M <= 2, vnni = extended && kind != K8 && !bf16;
+  const bool bf16 = extended && nibbles && M <= 2, vnni = extended && kind != K8 && !bf16;
   std::vector<float> xsum, xs;
   std::vector<uint16_t> xsplit;
   std::vector<int16_t> xq;
@@ -819,7 +836,7 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
     quantize_int16(xp, x.stride(0), M, K, xq.data(), xs.data(), xsum.data());
     a.xq = xq.data();
     a.xs = xs.data();
-  } else if (four_bit && M <= 2) {
+  } else if (nibbles && M <= 2) {
     xsum.resize(M * (K / QK));
     for (int64_t r = 0; r < M; ++r)
       for (int64_t b = 0; b < K / QK; ++b) {
