@@ -71,11 +71,29 @@ def _k4_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scales.to(torch.float32), mins.to(torch.float32)
 
 
+def q4_k_parts(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks -> (codes uint8 [rows, K] in 0..15, super float16 [rows, K/256, 2]: each super-block's
+    (d, dmin), sub uint8 [rows, K/32, 2]: each 32-column sub-block's 6-bit (scale, min)):
+    w = code·(d·scale) − dmin·min, both products exact in float32."""
+    rows = raw.shape[0]
+    blocks = _blocks(raw, 144)
+    scales, mins = _k4_scales(blocks[..., 4:16])  # [rows, blocks, 8] each
+    q = _bits(blocks[..., 16:].reshape(rows, -1, 4, 32), [0, 4], 0x0F)  # [rows, blocks, 8, 32]
+    sub = torch.stack([scales, mins], dim=-1).to(torch.uint8).reshape(rows, -1, 2)
+    return q.reshape(rows, -1), blocks[..., 0:4].contiguous().view(torch.float16), sub
+
+
 def k_quant_parts(kind: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Q4_K / Q5_K / Q6_K blocks -> (codes int8 [rows, K], scales float32 [rows, K/16], mins float32 [rows,
     K/16] or None for Q6_K): w = code·scale + min per 16 columns, the super-block's d and dmin already
-    multiplied in. The dequantize functions below are exactly that; the CPU kernels keep these parts."""
+    multiplied in. The dequantize functions below are exactly that; the CPU kernels keep these parts
+    for Q5_K/Q6_K (Q4_K: q4_k_parts)."""
     rows = raw.shape[0]
+    per16 = lambda t: t.repeat_interleave(2, dim=-1).reshape(rows, -1)  # noqa: E731 — a sub-block of 32 is two of 16
+    if kind == "Q4_K":
+        codes, sup, sub = q4_k_parts(raw)
+        d, dmin = (sup[..., i].float().repeat_interleave(8, dim=-1) for i in (0, 1))  # per sub-block of 32
+        return codes.to(torch.int8), per16(d * sub[..., 0].float()), per16(-(dmin * sub[..., 1].float()))
     if kind == "Q6_K":
         blocks = _blocks(raw, 210)
         scales = blocks[..., 192:208].contiguous().view(torch.int8).to(torch.float32)
@@ -83,16 +101,13 @@ def k_quant_parts(kind: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         low = _bits(blocks[..., 0:128].reshape(rows, -1, 2, 64), [0, 4], 0x0F).reshape(rows, -1, 8, 32)
         high = _bits(blocks[..., 128:192].reshape(rows, -1, 2, 32), [0, 2, 4, 6], 0x03)
         return ((low | (high << 4)).to(torch.int8) - 32).reshape(rows, -1), d.reshape(rows, -1), None
-    if kind not in ("Q4_K", "Q5_K"):
+    if kind != "Q5_K":
         raise ValueError(f"{kind} is not a K-quant this code reads (Q4_K, Q5_K, Q6_K)")
-    block_bytes = 144 if kind == "Q4_K" else 176
-    blocks = _blocks(raw, block_bytes)
+    blocks = _blocks(raw, 176)
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
     scales, mins = _k4_scales(blocks[..., 4:16])
-    q = _bits(blocks[..., block_bytes - 128:].reshape(rows, -1, 4, 32), [0, 4], 0x0F)  # [rows, blocks, 8, 32]
-    if kind == "Q5_K":
-        q = q | (_bits(blocks[..., 16:48].reshape(rows, -1, 1, 32), list(range(8)), 0x01) << 4)
-    per16 = lambda t: t.repeat_interleave(2, dim=-1).reshape(rows, -1)  # noqa: E731 — a sub-block of 32 is two of 16
+    q = _bits(blocks[..., 48:].reshape(rows, -1, 4, 32), [0, 4], 0x0F)  # [rows, blocks, 8, 32]
+    q = q | (_bits(blocks[..., 16:48].reshape(rows, -1, 1, 32), list(range(8)), 0x01) << 4)
     return q.to(torch.int8).reshape(rows, -1), per16(d * scales), per16(-(dmin * mins))
 
 

@@ -8,12 +8,14 @@ split into two bfloat16s; more: 16-bit integer codes per block of 32), so that t
 bfloat16 or integer dot products: mean KL vs the fp32 model 6.5e-8–7.3e-8 on the bundled model
 (the float path's summation order alone: 8.9e-9; bench/RESULTS.md).
 
-The K-quants (what `Q4_K_M`-style files hold) are re-laid out at load, exactly GGUF's values, with the
-super-block's d and dmin multiplied into float32 scales and mins (`gguf_dequant.k_quant_parts`):
-- Q4_K -> "K4": Q4_1's 4-bit code layout with a float32 scale and min per 32 columns, 6 bits per
-  weight (the file: 4.5). d·scale needs up to 17 significant bits, so float16 scales would round.
+The K-quants (what `Q4_K_M`-style files hold) are re-laid out at load, exactly GGUF's values:
+- Q4_K -> "K4": Q4_1's 4-bit code layout, each 32-column sub-block's 6-bit scale and min codes as
+  bytes and each 256-column super-block's float16 d and dmin as in the file
+  (`gguf_dequant.q4_k_parts`); the kernels form d·scale and dmin·min per sub-block, exact in float32.
+  4.625 bits per weight (the file: 4.5).
 - Q5_K, Q6_K -> "K8": one int8 code per weight with a float32 scale (and Q5_K's min) per 16 columns,
-  12 (Q6_K: 10) bits per weight (the file: 5.5 / 6.6) — still under bfloat16's 16.
+  the super-block's d and dmin multiplied in (`gguf_dequant.k_quant_parts`): 12 (Q6_K: 10) bits per
+  weight (the file: 5.5 / 6.6) — still under bfloat16's 16.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.kernels import cpu_extension
-from kvpilot.kernels.gguf_dequant import k_quant_parts
+from kvpilot.kernels.gguf_dequant import k_quant_parts, q4_k_parts
 
 QK = 32  # weights per block
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF types kept in their own row layout (the row kernel, panels, Triton)
@@ -33,6 +35,7 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # re-laid out at load (K4 / K8 below; panels and Triton)
 K8, K4 = 3, 4  # the kernels' ids of the two K-quant layouts
 K8_BLOCK = 16  # columns per K8 scale
+QK_K = 256  # columns per K-quant super-block
 
 
 @dataclass(frozen=True)
@@ -44,16 +47,18 @@ class Layout:
     code_bits: int  # 4: two codes a byte (byte j of a 32-block: element j low, j + 16 high); 8: int8 codes
     group: int  # input columns per scale
     mins: str  # "stored" (m), "minus8d" (Q4_0: m = -8·d) or "none"
-    float32_scales: bool  # d and m float32 (the K-quants' exact products) rather than the file's float16
+    scales: str  # "float16" (d, m per group: the file's), "float32" (K8: exact products per group) or
+    #              "super" (K4: d float16 [N, K/256 · 2] (d, dmin); m uint8 [N, K/32 · 2] (scale, min) codes)
+    split: int  # the smallest whole unit of columns (a shard's boundary): a group, or K4's super-block
 
 
 LAYOUTS = {
-    "Q4_0": Layout(0, 4, QK, "minus8d", False),
-    "Q4_1": Layout(1, 4, QK, "stored", False),
-    "Q8_0": Layout(2, 8, QK, "none", False),
-    "Q4_K": Layout(K4, 4, QK, "stored", True),
-    "Q5_K": Layout(K8, 8, K8_BLOCK, "stored", True),
-    "Q6_K": Layout(K8, 8, K8_BLOCK, "none", True),
+    "Q4_0": Layout(0, 4, QK, "minus8d", "float16", QK),
+    "Q4_1": Layout(1, 4, QK, "stored", "float16", QK),
+    "Q8_0": Layout(2, 8, QK, "none", "float16", QK),
+    "Q4_K": Layout(K4, 4, QK, "stored", "super", QK_K),
+    "Q5_K": Layout(K8, 8, K8_BLOCK, "stored", "float32", K8_BLOCK),
+    "Q6_K": Layout(K8, 8, K8_BLOCK, "none", "float32", K8_BLOCK),
 }
 
 
@@ -61,8 +66,9 @@ LAYOUTS = {
 class GGUFWeight:
     """A [N, K] weight in a GGUF block format. qs: uint8 [N, K/2] (4-bit: byte j of block b holds element
     32b + j in its low nibble and 32b + j + 16 in its high one) or [N, K] (Q8_0, int8 bit patterns);
-    d: float16 [N, K/32] scales; m: float16 [N, K/32] mins (Q4_1 only). Q4_K: qs as Q4_1's, d and m
-    float32 [N, K/32]; Q5_K/Q6_K: qs int8 codes [N, K], d and m float32 [N, K/16] (m None for Q6_K)."""
+    d: float16 [N, K/32] scales; m: float16 [N, K/32] mins (Q4_1 only). Q4_K: qs as Q4_1's, d float16
+    [N, K/256 · 2] (each super-block's d, dmin), m uint8 [N, K/32 · 2] (each sub-block's scale, min codes);
+    Q5_K/Q6_K: qs int8 codes [N, K], d and m float32 [N, K/16] (m None for Q6_K)."""
 
     kind: str
     qs: torch.Tensor
@@ -75,12 +81,12 @@ class GGUFWeight:
 
     @property
     def block(self) -> int:
-        """Input columns per scale."""
-        return self.layout.group
+        """Input columns in one whole unit of the layout (a shard splits only between them)."""
+        return self.layout.split
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qs.shape[0], self.d.shape[1] * self.block
+        return self.qs.shape[0], self.qs.shape[1] * 8 // self.layout.code_bits
 
     @property
     def nbytes(self) -> int:
@@ -89,12 +95,13 @@ class GGUFWeight:
     @classmethod
     def from_blocks(cls, kind: str, raw: torch.Tensor, rows: int) -> GGUFWeight:
         """From the file's blocks (uint8, `rows` rows of whole blocks) into the kernels' layout."""
+        if kind == "Q4_K":
+            codes, sup, sub = q4_k_parts(raw.reshape(rows, -1))
+            q = codes.reshape(rows, -1, 2, QK // 2)  # per 32-block: elements j and j + 16 share byte j
+            return cls(kind, (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows, -1).contiguous(), sup.reshape(rows, -1), sub.reshape(rows, -1))
         if kind in K_QUANTS:
             codes, d, m = k_quant_parts(kind, raw.reshape(rows, -1))  # scales and mins per 16 columns
-            if LAYOUTS[kind].code_bits == 8:
-                return cls(kind, codes.view(torch.uint8), d, m)
-            q = codes.view(torch.uint8).reshape(rows, -1, 2, QK // 2)  # Q4_K: sub-blocks of 32 share a scale
-            return cls(kind, (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows, -1).contiguous(), d[:, ::2].contiguous(), m[:, ::2].contiguous())
+            return cls(kind, codes.view(torch.uint8), d, m)
         if kind not in KINDS:
             raise ValueError(f"GGUF type {kind} is not one the gguf kernels take ({', '.join([*KINDS, *K_QUANTS])})")
         blocks = raw.reshape(rows, -1, _BLOCK_BYTES[kind])
@@ -112,10 +119,14 @@ class GGUFWeight:
         """Input columns [start, end): whole blocks only (a row-parallel shard)."""
         if start % self.block or end % self.block:
             raise ValueError(f"a {self.kind} weight splits only at multiples of {self.block} columns, not [{start}, {end})")
-        per_block = self.qs.shape[1] // self.d.shape[1]  # code bytes per block
+        units = self.shape[1] // self.block
         b0, b1 = start // self.block, end // self.block
-        cols = lambda t, width: None if t is None else t[:, b0 * width:b1 * width].contiguous()
-        return GGUFWeight(self.kind, cols(self.qs, per_block), cols(self.d, 1), cols(self.m, 1))
+
+        def cols(t: torch.Tensor | None) -> torch.Tensor | None:
+            width = None if t is None else t.shape[1] // units  # its entries per unit
+            return None if t is None else t[:, b0 * width:b1 * width].contiguous()
+
+        return GGUFWeight(self.kind, cols(self.qs), cols(self.d), cols(self.m))
 
     @staticmethod
     def cat(parts: list[GGUFWeight]) -> GGUFWeight:
@@ -132,6 +143,11 @@ class GGUFWeight:
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: the reference the kernels are tested against (and the embedding's row lookup)."""
         n, k = self.shape
+        if self.layout.scales == "super":  # K4: d·scale and −dmin·min per sub-block, as q4_k_parts says
+            sup, sub = self.d.float().reshape(n, -1, 1, 2), self.m.float().reshape(n, -1, 8, 2)
+            d, m = (sup[..., 0] * sub[..., 0]).reshape(n, -1, 1), (-(sup[..., 1] * sub[..., 1])).reshape(n, -1, 1)
+            q = self.qs.reshape(n, -1, QK // 2)
+            return (torch.cat([q & 0x0F, q >> 4], dim=-1).float() * d + m).reshape(n, k)
         d = self.d.float()[..., None]
         if self.layout.code_bits == 8:  # code·scale exact, + min rounded once: as gguf_dequant's functions
             w = self.qs.view(torch.int8).reshape(n, -1, self.block).float() * d
@@ -146,15 +162,24 @@ PANEL = 16  # output rows side by side in the panel layout
 
 
 def to_panels(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The panel layout of gguf_linear_panel: qs [P, K/32, 16 (4-bit) or 32 (Q8_0), 16 lanes], d and m
-    [P, K/32, 16] (K8: qs [P, K/16, 16, 16], d and m [P, K/16, 16]); lane l of panel p is output
-    row 16p + l (rows past the end: zero scales)."""
-    n, nb = w.qs.shape[0], w.d.shape[1]
+    """The panel layout of gguf_linear_panel: qs [P, K/group, 16 (4-bit) or group (8-bit), 16 lanes],
+    d and m [P, K/group, 16] (K4: d [P, K/256, 2, 16] float16, m [P, K/256, 16, 16] uint8 codes); lane
+    l of panel p is output row 16p + l (rows past the end: zero scales)."""
+    n, units = w.qs.shape[0], w.shape[1] // w.block
     pad = -n % PANEL
-    grow = lambda t: torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
-    qs = grow(w.qs).reshape(-1, PANEL, nb, w.qs.shape[1] // nb).permute(0, 2, 3, 1).contiguous()
-    lay = lambda t: None if t is None else grow(t).reshape(-1, PANEL, nb).permute(0, 2, 1).contiguous()
-    return qs, lay(w.d), lay(w.m)
+
+    def lay(t: torch.Tensor | None) -> torch.Tensor | None:  # [N, units · e] -> [P, units, e, 16]
+        if t is None:
+            return None
+        t = torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+        return t.reshape(-1, PANEL, units, t.shape[1] // units).permute(0, 2, 3, 1).contiguous()
+
+    qs, d, m = lay(w.qs), lay(w.d), lay(w.m)
+    groups = w.shape[1] // w.layout.group
+    qs = qs.reshape(qs.shape[0], groups, -1, PANEL)  # K4: a super-block's bytes are its 8 groups' in order
+    if w.layout.scales != "super":
+        d, m = d.squeeze(2), None if m is None else m.squeeze(2)
+    return qs, d, m
 
 
 class GGUFLinear(nn.Module):

@@ -26,12 +26,13 @@ from kvpilot.kernels.quantized import LAYOUTS, QK, GGUFWeight
 
 EPILOGUES = {"none": 0, "silu": 1, "mul": 2, "add": 3}
 MINS = {"none": 0, "stored": 1, "minus8d": 2}
+SCALES = {"float16": 0, "float32": 0, "super": 1}  # per group as stored (either dtype) / K4's super-block · code
 
 
 @triton.jit
 def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr,
                  M, N, K, stride_xm, stride_ym, stride_om,
-                 CODE_BITS: tl.constexpr, GROUP: tl.constexpr, MIN: tl.constexpr,
+                 CODE_BITS: tl.constexpr, GROUP: tl.constexpr, MIN: tl.constexpr, SUPER: tl.constexpr,
                  EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -44,14 +45,22 @@ def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr,
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
         group = ks // GROUP
-        scale = tl.load(d_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
+        if SUPER:  # K4: d = (super-block d)·(scale code), m = −(super-block dmin)·(min code), exact in float32
+            sup = d_ptr + cols[None, :] * (K // 128) + ((ks // 256) * 2)[:, None]  # (d, dmin) per 256 columns
+            code = m_ptr + cols[None, :] * (groups_per_row * 2) + (group * 2)[:, None]  # (scale, min) per 32
+            scale = tl.load(sup, mask=col_ok[None, :], other=0.0).to(tl.float32) * tl.load(code, mask=col_ok[None, :], other=0).to(tl.float32)
+            low = -(tl.load(sup + 1, mask=col_ok[None, :], other=0.0).to(tl.float32) * tl.load(code + 1, mask=col_ok[None, :], other=0).to(tl.float32))
+        else:
+            scale = tl.load(d_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
         if CODE_BITS == 8:  # Q8_0, K8: int8 codes
             q = tl.load(qs_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0).to(tl.float32)
         else:  # Q4_0, Q4_1, K4: byte j of a 32-block holds weight j (low nibble) and j + 16 (high nibble)
             j = ks % 32
             byte = tl.load(qs_ptr + cols[None, :] * (K // 2) + ((ks // 32) * 16 + j % 16)[:, None], mask=col_ok[None, :], other=0)
             q = tl.where((j < 16)[:, None], byte & 0x0F, byte >> 4).to(tl.float32)
-        if MIN == 1:  # w = d·q + m
+        if SUPER:
+            w = scale * q + low
+        elif MIN == 1:  # w = d·q + m
             w = scale * q + tl.load(m_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
         elif MIN == 2:  # Q4_0: w = d·(q - 8)
             w = scale * q - 8.0 * scale
@@ -100,7 +109,7 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
     _gguf_matmul[grid](rows, qs, w.d, w.m if w.m is not None else w.d, bias if bias is not None else w.d,
                        other if other is not None else y, y, m, n, k, rows.stride(0), y.stride(0),
                        other.stride(0) if other is not None else 0,
-                       CODE_BITS=layout.code_bits, GROUP=layout.group, MIN=MINS[layout.mins],
+                       CODE_BITS=layout.code_bits, GROUP=layout.group, MIN=MINS[layout.mins], SUPER=SCALES[layout.scales],
                        EPILOGUE=EPILOGUES[epilogue], HAS_BIAS=bias is not None,
                        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y.reshape(*x.shape[:-1], n)

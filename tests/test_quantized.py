@@ -71,19 +71,20 @@ def test_relaid_blocks_dequantize_exactly_like_gguf(kind):
 
 @pytest.mark.parametrize("kind", K_QUANTS)
 def test_k_quants_relaid_out_dequantize_exactly_like_gguf(kind):
-    """Q4_K in the K4 layout (4-bit codes, float32 scale and min per 32 columns), Q5_K/Q6_K in the K8
-    layout (int8 codes, float32 scale and min per 16 columns): the values gguf's dequantization gives,
-    bit for bit; rows, whole-block columns and fused rows as for the others."""
+    """Q4_K in the K4 layout (4-bit codes; per 32 columns the 6-bit scale and min codes, per 256 the
+    float16 d and dmin), Q5_K/Q6_K in the K8 layout (int8 codes, float32 scale and min per 16 columns):
+    the values gguf's dequantization gives, bit for bit; rows, whole-unit columns and fused rows as for
+    the others."""
     raw = torch.from_numpy(k_quant_blocks(kind, 24, 2, seed=3))
     w = GGUFWeight.from_blocks(kind, raw, 24)
     assert w.shape == (24, 512) and (w.m is None) == (kind == "Q6_K")
-    bits = {"Q4_K": 4 + 64 / 32, "Q5_K": 8 + 64 / 16, "Q6_K": 8 + 32 / 16}[kind]  # codes + float32 scales (and mins)
-    assert w.block == (32 if kind == "Q4_K" else 16) and w.nbytes == 24 * 512 * bits / 8
+    bits = {"Q4_K": 4 + 16 / 32 + 32 / 256, "Q5_K": 8 + 64 / 16, "Q6_K": 8 + 32 / 16}[kind]  # codes + scales (and mins)
+    assert w.block == (256 if kind == "Q4_K" else 16) and w.nbytes == 24 * 512 * bits / 8
     dense = w.dequantize()
     assert torch.equal(dense, K_REFERENCE[kind](raw)) and dense.abs().max() > 0
     perm = torch.randperm(24)
     assert torch.equal(w.rows(perm).dequantize(), dense[perm])
-    assert torch.equal(w.columns(32, 288).dequantize(), dense[:, 32:288])
+    assert torch.equal(w.columns(256, 512).dequantize(), dense[:, 256:])
     assert torch.equal(cat_rows([w.rows(slice(0, 7)), w.rows(slice(7, 24))]).dequantize(), dense)
     with pytest.raises(ValueError, match=f"multiples of {w.block}"):
         w.columns(8, 64)
@@ -116,11 +117,11 @@ def test_k_quant_panels_match_the_reference_on_every_isa(kind):
     torch.testing.assert_close(lin(x), kernel_activations(x, kind, isas()[0]) @ dense.T + bias, rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="kind"):
         ext.gguf_linear(x, w.qs, w.d, w.m, kernel_kind, None, 0, None)
-    if kind == "Q4_K":  # K4 always has mins, in float32
-        with pytest.raises(RuntimeError, match="K4 has mins"):
+    if kind == "Q4_K":  # K4's operands: the super-block's float16 (d, dmin), the sub-blocks' byte codes
+        with pytest.raises(RuntimeError, match="m: K4's .* uint8"):
             ext.gguf_linear_panel(x, qs, d, None, K4, n, None, 0, None)
-        with pytest.raises(RuntimeError, match="float32"):
-            ext.gguf_linear_panel(x, qs, d.half(), mins, K4, n, None, 0, None)
+        with pytest.raises(RuntimeError, match="d: K4's .* float16"):
+            ext.gguf_linear_panel(x, qs, d.float(), mins, K4, n, None, 0, None)
 
 
 @pytest.mark.timeout(300)
@@ -140,6 +141,17 @@ def test_a_k_quant_gguf_loads_in_every_mode(family_checkpoints, model_path, tmp_
     prompts = ["The capital of France is", "def fibonacci(n):"]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
     outs = {}
+    # A row-parallel shard of the Q4_K projection must fall on its 256-column super-blocks, else it is refused by name.
+    from kvpilot.server.gguf_loader import GGUFFile
+    from kvpilot.server.models.config import ModelFormatError
+    from kvpilot.server.models.decoder import _WeightReader
+
+    reader = _WeightReader(GGUFFile(path), torch.float32, torch.device("cpu"), None, None, "gguf")
+    down = reader.weight("model.layers.0.mlp.down_proj.weight")
+    k = down.shape[1]
+    assert down.kind == "Q4_K" and k == 256  # one super-block: no whole halves (test_k_quants_relaid_out... splits two)
+    with pytest.raises(ModelFormatError, match=rf"Q4_K blocks split only at multiples of 256 input columns, .* \[0, 128\) of {k}"):
+        reader.weight("model.layers.0.mlp.down_proj.weight", cols=(0, 128))
     for mode in ("none", "gguf", "gguf-triton", "int8", "int4"):
         monkeypatch.setenv(KERNELS_ENV, "triton" if mode == "gguf-triton" else "default")
         llm = LLM(model=str(path), quantization=mode.split("-")[0], num_threads=1, show_progress=False, kv_cache_memory="16MiB")

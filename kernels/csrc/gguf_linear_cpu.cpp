@@ -23,9 +23,10 @@
 
 namespace {
 
-// The K-quants, re-laid out at load with float32 scales and mins (panels only; exactly GGUF's values,
-// see quantized.py): K8 (Q5_K, Q6_K) one int8 code per weight, a scale and min per 16 input columns;
-// K4 (Q4_K) Q4_1's 4-bit layout, a scale and min per 32. w = d·q + m.
+// The K-quants, re-laid out at load (panels only; exactly GGUF's values, see quantized.py): K8 (Q5_K,
+// Q6_K) one int8 code per weight, a float32 scale and min per 16 input columns; K4 (Q4_K) Q4_1's 4-bit
+// layout with each 32-column sub-block's 6-bit scale and min codes (bytes) and each 256-column
+// super-block's float16 d and dmin: scale = d·code, min = −dmin·code, products exact in float32. w = d·q + m.
 enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K8 = 3, K4 = 4 };
 enum Epilogue : int64_t { NONE = 0, SILU = 1, MUL = 2, ADD = 3 };
 constexpr int64_t QK = 32;      // weights per block
@@ -218,18 +219,33 @@ struct PanelArgs {
   const float* other; int64_t other_stride;
   int64_t kind, epilogue;
   const float* xsum;  // [M, nb]: each activation row's sum over each block (4-bit kinds; the factored path)
-  const float* df; const float* mf;  // K8's and K4's float32 scales and mins (mf null: none), instead of d and m
+  const float* df; const float* mf;  // K8's float32 scales and mins (mf null: none), instead of d and m
+  const uint8_t* codes;              // K4: [P, nb/8, 16 (scale, min of 8 sub-blocks), 16] codes; d: [P, nb/8, 2 (d, dmin), 16]
   const uint16_t* xhi; const uint16_t* xlo;  // [M, K] bfloat16 bits: x split as x_hi + x_lo (the BF16 path)
   const int16_t* xq; const float* xs;        // [M, K] int16 codes, [M, K/32] scales: x ≈ xs·xq per block (the VNNI path)
 };
 
 inline int64_t block_cols(int64_t kind) { return kind == K8 ? QK8 : QK; }
-inline bool float_scales(int64_t kind) { return kind == K8 || kind == K4; }
 inline bool four_bit(int64_t kind) { return kind == Q4_0 || kind == Q4_1 || kind == K4; }
+constexpr int64_t SUB = 8;  // K4: 32-column sub-blocks per super-block
 
-// Lane l's block scale and min (sb: the block's first lane in the panel scales), every kind.
-inline void lane_scales(const PanelArgs& a, int64_t sb, int64_t l, float& d, float& mn) {
-  if (float_scales(a.kind)) {
+// K4's block b of panel p: its super-block's (d, dmin) and its (scale, min) codes, each 16 lanes.
+inline const c10::Half* k4_super(const PanelArgs& a, int64_t p, int64_t b) { return a.d + (p * (a.nb / SUB) + b / SUB) * 2 * LANES; }
+inline const uint8_t* k4_codes(const PanelArgs& a, int64_t p, int64_t b) {
+  return a.codes + ((p * (a.nb / SUB) + b / SUB) * 2 * SUB + 2 * (b % SUB)) * LANES;
+}
+
+// Lane l's scale and min for block b of panel p, every kind.
+inline void lane_scales(const PanelArgs& a, int64_t p, int64_t b, int64_t l, float& d, float& mn) {
+  const int64_t sb = (p * a.nb + b) * LANES;
+  if (a.kind == K4) {
+    const c10::Half* s = k4_super(a, p, b);
+    const uint8_t* c = k4_codes(a, p, b);
+    d = static_cast<float>(s[l]) * c[l];
+    mn = -(static_cast<float>(s[LANES + l]) * c[LANES + l]);
+    return;
+  }
+  if (a.kind == K8) {
     d = a.df[sb + l];
     mn = a.mf ? a.mf[sb + l] : 0.0f;
     return;
@@ -238,9 +254,27 @@ inline void lane_scales(const PanelArgs& a, int64_t sb, int64_t l, float& d, flo
   mn = a.kind == Q4_1 ? static_cast<float>(a.m[sb + l]) : a.kind == Q4_0 ? -8.0f * d : 0.0f;
 }
 
+// 16 and 8 bytes as floats (K4's codes). Named functions with their own target attribute: a lambda
+// would not inherit its caller's.
+__attribute__((target("avx512f"))) inline __m512 bytes_ps512(const uint8_t* c) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))));
+}
+__attribute__((target("avx2"))) inline __m256 bytes_ps256(const uint8_t* c) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+}
+
 // The same for 16 lanes (AVX-512) ...
-__attribute__((target("avx512f,f16c"))) inline void scales512(const PanelArgs& a, int64_t sb, __m512& d, __m512& mn) {
-  if (float_scales(a.kind)) {
+__attribute__((target("avx512f,f16c"))) inline void scales512(const PanelArgs& a, int64_t p, int64_t b, __m512& d, __m512& mn) {
+  const int64_t sb = (p * a.nb + b) * LANES;
+  if (a.kind == K4) {
+    const c10::Half* s = k4_super(a, p, b);
+    const uint8_t* c = k4_codes(a, p, b);
+    d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))), bytes_ps512(c));
+    mn = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + LANES))),
+                                                          bytes_ps512(c + LANES)));
+    return;
+  }
+  if (a.kind == K8) {
     d = _mm512_loadu_ps(a.df + sb);
     mn = a.mf ? _mm512_loadu_ps(a.mf + sb) : _mm512_setzero_ps();
     return;
@@ -250,9 +284,18 @@ __attribute__((target("avx512f,f16c"))) inline void scales512(const PanelArgs& a
                       : _mm512_mul_ps(d, _mm512_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
 }
 
-// ... and for 8 lanes (AVX2).
-__attribute__((target("avx2,fma,f16c"))) inline void scales256(const PanelArgs& a, int64_t sb, __m256& d, __m256& mn) {
-  if (float_scales(a.kind)) {
+// ... and for 8 lanes (AVX2), lanes 8h..8h+7.
+__attribute__((target("avx2,fma,f16c"))) inline void scales256(const PanelArgs& a, int64_t p, int64_t b, int64_t h, __m256& d, __m256& mn) {
+  const int64_t sb = (p * a.nb + b) * LANES + 8 * h;
+  if (a.kind == K4) {
+    const c10::Half* s = k4_super(a, p, b) + 8 * h;
+    const uint8_t* c = k4_codes(a, p, b) + 8 * h;
+    d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))), bytes_ps256(c));
+    mn = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + LANES))),
+                                                          bytes_ps256(c + LANES)));
+    return;
+  }
+  if (a.kind == K8) {
     d = _mm256_loadu_ps(a.df + sb);
     mn = a.mf ? _mm256_loadu_ps(a.mf + sb) : _mm256_setzero_ps();
     return;
@@ -282,12 +325,11 @@ inline int64_t block_bytes(int64_t kind) { return kind == Q8_0 ? QK * LANES : ki
 void panel_scalar(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
   float acc[ROW_TILE][LANES] = {};
   for (int64_t b = 0; b < a.nb; ++b) {
-    const int64_t sb = (p * a.nb + b) * LANES;
     const uint8_t* q = a.qs + (p * a.nb + b) * block_bytes(a.kind);
     const int64_t bw = block_cols(a.kind);
     for (int64_t l = 0; l < LANES; ++l) {
       float d, mn;
-      lane_scales(a, sb, l, d, mn);
+      lane_scales(a, p, b, l, d, mn);
       if (a.kind == K8) {
         for (int64_t k = 0; k < bw; ++k) {
           const float w = a.mf ? std::fma(d, static_cast<float>(static_cast<int8_t>(q[k * LANES + l])), mn)
@@ -330,9 +372,8 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_t(const Panel
     __m512 d[NP], mn[NP];
     const uint8_t* q[NP];
     for (int u = 0; u < NP; ++u) {
-      const int64_t sb = ((p + u) * a.nb + b) * LANES;
       q[u] = a.qs + ((p + u) * a.nb + b) * bytes;
-      scales512(a, sb, d[u], mn[u]);
+      scales512(a, p + u, b, d[u], mn[u]);
     }
     const int64_t bw = block_cols(a.kind);
     const float* x = a.x + row0 * a.x_stride + b * bw;
@@ -375,10 +416,9 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2_t(const PanelArgs& a, i
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < a.nb; ++b) {
-    const int64_t sb = (p * a.nb + b) * LANES;
     const uint8_t* q = a.qs + (p * a.nb + b) * block_bytes(a.kind);
     __m256 d[2], mn[2];
-    for (int h = 0; h < 2; ++h) scales256(a, sb + 8 * h, d[h], mn[h]);
+    for (int h = 0; h < 2; ++h) scales256(a, p, b, h, d[h], mn[h]);
     const bool bytes8 = a.kind == Q8_0 || a.kind == K8;  // one int8 code per byte
     const float* x = a.x + row0 * a.x_stride + b * block_cols(a.kind);
     const int cols = a.kind == Q8_0 ? QK : a.kind == K8 ? QK8 : QK / 2;
@@ -422,7 +462,7 @@ __attribute__((target("avx512f,f16c"))) inline void add_block(const PanelArgs& a
                                                              const __m512 (&lo)[NP][R], const __m512 (&hi)[NP][R], __m512 (&acc)[NP][R]) {
   for (int u = 0; u < NP; ++u) {
     __m512 d, mn;
-    scales512(a, ((p + u) * a.nb + b) * LANES, d, mn);
+    scales512(a, p + u, b, d, mn);
     for (int r = 0; r < R; ++r) {
       acc[u][r] = _mm512_fmadd_ps(d, _mm512_add_ps(lo[u][r], hi[u][r]), acc[u][r]);
       acc[u][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[(row0 + r) * a.nb + b]), acc[u][r]);
@@ -607,7 +647,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni_t(co
     }
     for (int u = 0; u < NP; ++u) {
       __m512 d, mn;
-      scales512(a, ((p + u) * a.nb + b) * LANES, d, mn);
+      scales512(a, p + u, b, d, mn);
       for (int r = 0; r < R; ++r) {
         const int64_t rb = (row0 + r) * a.nb + b;
         acc[u][r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.xs[rb])), _mm512_cvtepi32_ps(sum[u][r]), acc[u][r]);
@@ -798,20 +838,29 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
               "qs: [P, K/32 (K/16 for K8), 16 or 32, 16] panels");
   const int64_t P = qs.size(0);
   TORCH_CHECK(n > (P - 1) * LANES && n <= P * LANES, "n must be within the last panel");
-  const bool f32 = float_scales(kind);
-  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == (f32 ? torch::kFloat : torch::kHalf) && d.dim() == 3 && d.size(0) == P &&
-              d.size(1) == K / bw && d.size(2) == LANES, "d: [P, K/32, 16] float16 (K4: float32; K8: [P, K/16, 16] float32)");
-  TORCH_CHECK(kind != K4 || m, "m: K4 has mins");
-  if (f32 && m) {
-    TORCH_CHECK(m->is_contiguous() && m->scalar_type() == torch::kFloat && m->sizes() == d.sizes(), "m: float32, shaped like d");
+  const bool k8 = kind == K8, k4 = kind == K4;
+  if (k4) {
+    const int64_t supers = K / (SUB * QK);
+    TORCH_CHECK(K % (SUB * QK) == 0, "K4: K must be a multiple of 256");
+    TORCH_CHECK(d.is_contiguous() && d.scalar_type() == torch::kHalf && d.dim() == 4 && d.size(0) == P && d.size(1) == supers &&
+                d.size(2) == 2 && d.size(3) == LANES, "d: K4's [P, K/256, 2, 16] float16 (each super-block's d, dmin)");
+    TORCH_CHECK(m && m->is_contiguous() && m->scalar_type() == torch::kByte && m->dim() == 4 && m->size(0) == P && m->size(1) == supers &&
+                m->size(2) == 2 * SUB && m->size(3) == LANES, "m: K4's [P, K/256, 16, 16] uint8 (each sub-block's scale, min codes)");
+  } else {
+    TORCH_CHECK(d.is_contiguous() && d.scalar_type() == (k8 ? torch::kFloat : torch::kHalf) && d.dim() == 3 && d.size(0) == P &&
+                d.size(1) == K / bw && d.size(2) == LANES, "d: [P, K/32, 16] float16 (K8: [P, K/16, 16] float32)");
+    if (k8 && m) {
+      TORCH_CHECK(m->is_contiguous() && m->scalar_type() == torch::kFloat && m->sizes() == d.sizes(), "m: float32, shaped like d");
+    }
   }
   check_operands(d, m, kind, n, M, bias, epilogue, other);
   auto y = torch::empty({M, n}, x.options());
   const bool binary = epilogue == MUL || epilogue == ADD;
-  PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), f32 ? nullptr : d.data_ptr<c10::Half>(),
+  PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), k8 ? nullptr : d.data_ptr<c10::Half>(),
               kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr, K / bw, n, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
               y.stride(0), binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue, nullptr,
-              f32 ? d.data_ptr<float>() : nullptr, f32 && m ? m->data_ptr<float>() : nullptr, nullptr, nullptr, nullptr, nullptr};
+              k8 ? d.data_ptr<float>() : nullptr, k8 && m ? m->data_ptr<float>() : nullptr, k4 ? m->data_ptr<uint8_t>() : nullptr,
+              nullptr, nullptr, nullptr, nullptr};
   const Isa chosen = pick(isa);  // the instruction-set choice, shared with gguf_linear
   const bool nibbles = four_bit(kind);
   const bool extended = chosen == Isa::AVX512_BF16_VNNI;
