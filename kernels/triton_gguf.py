@@ -26,7 +26,6 @@ from kvpilot.kernels.quantized import LAYOUTS, QK, GGUFWeight
 
 EPILOGUES = {"none": 0, "silu": 1, "mul": 2, "add": 3}
 MINS = {"none": 0, "stored": 1, "minus8d": 2}
-SCALES = {"float16": 0, "float32": 0, "super": 1}  # per group as stored (either dtype) / K4's super-block · code
 
 
 @triton.jit
@@ -109,7 +108,7 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
     _gguf_matmul[grid](rows, qs, w.d, w.m if w.m is not None else w.d, bias if bias is not None else w.d,
                        other if other is not None else y, y, m, n, k, rows.stride(0), y.stride(0),
                        other.stride(0) if other is not None else 0,
-                       CODE_BITS=layout.code_bits, GROUP=layout.group, MIN=MINS[layout.mins], SUPER=SCALES[layout.scales],
+                       CODE_BITS=layout.code_bits, GROUP=layout.group, MIN=MINS[layout.mins], SUPER=layout.scales == "super",
                        EPILOGUE=EPILOGUES[epilogue], HAS_BIAS=bias is not None,
                        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y.reshape(*x.shape[:-1], n)
