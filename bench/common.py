@@ -1,4 +1,4 @@
-"""Shared benchmark helpers: busy-machine guard, workload, machine peak, result table."""
+"""Shared benchmark helpers: busy-machine guard, workload, machine peak, per-call timing, result table."""
 
 from __future__ import annotations
 
@@ -43,6 +43,18 @@ def matmul_peak_gflops(threads: int, size: int = 1024, reps: int = 20) -> float:
         for _ in range(reps):
             fn()
         best = max(best, 2 * size**3 * reps / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def best_us(fn, n: int, rounds: int = 5) -> float:
+    """µs per call of fn: the best of `rounds` timings of n back-to-back calls, after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - start) / n * 1e6)
     return best
 
 

@@ -14,28 +14,16 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from common import machine, refuse_if_busy, table  # noqa: E402
+from common import best_us, machine, refuse_if_busy, table  # noqa: E402
 from torch.utils import cpp_extension  # noqa: E402
 
 from kvpilot.kernels import cpu_extension  # noqa: E402
-
-
-def best_us(fn, n: int, rounds: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - start) / n * 1e6)
-    return best
 
 
 def main() -> None:

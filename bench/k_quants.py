@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from common import machine, refuse_if_busy, table  # noqa: E402
+from common import best_us, machine, refuse_if_busy, table  # noqa: E402
 
 # Llama-3-8B: layers, hidden, kv width, FFN width, vocabulary.
 LLAMA3_8B = (32, 4096, 1024, 14336, 128256)
@@ -37,17 +36,6 @@ def q4_k_m_weights(layers: int, hidden: int, kv: int, ffn: int, vocab: int) -> d
         count["Q4_K"] += 2 * hidden * hidden + hidden * kv + 2 * hidden * ffn  # q, o, k, gate, up
         count["Q6_K" if i in more else "Q4_K"] += hidden * kv + ffn * hidden  # v, down
     return count
-
-
-def per_call(fn, reps: int = 20, timings: int = 7) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(timings):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
 
 
 def main() -> None:
@@ -78,8 +66,8 @@ def main() -> None:
         new, old = GGUFLinear(k4), GGUFLinear(k8)
         for m_rows in (1, 16, 128):
             x = torch.randn(m_rows, k)
-            t_new, t_old = per_call(lambda: new(x)), per_call(lambda: old(x))  # noqa: B023 — timed within this iteration
-            rows.append({"shape": f"{n}x{k}", "M": m_rows, "K4 µs": f"{t_new * 1e6:.1f}", "K8 µs": f"{t_old * 1e6:.1f}",
+            t_new, t_old = best_us(lambda: new(x), 20, 7), best_us(lambda: old(x), 20, 7)  # noqa: B023 — timed within this iteration
+            rows.append({"shape": f"{n}x{k}", "M": m_rows, "K4 µs": f"{t_new:.1f}", "K8 µs": f"{t_old:.1f}",
                          "K8 / K4 time": f"{t_old / t_new:.2f}x", "MiB K4 / K8": f"{k4.nbytes / 2**20:.1f} / {k8.nbytes / 2**20:.1f}"})
     print(f"machine: {machine()}")
     print(table(rows, list(rows[0])))
