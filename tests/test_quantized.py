@@ -150,7 +150,8 @@ def test_a_k_quant_gguf_loads_in_every_mode(family_checkpoints, model_path, tmp_
     down = reader.weight("model.layers.0.mlp.down_proj.weight")
     k = down.shape[1]
     assert down.kind == "Q4_K" and k == 256  # one super-block: no whole halves (test_k_quants_relaid_out... splits two)
-    with pytest.raises(ModelFormatError, match=rf"Q4_K blocks split only at multiples of 256 input columns, .* \[0, 128\) of {k}"):
+    with pytest.raises(ModelFormatError, match=rf"down_proj.*Q4_K weight splits only at multiples of 256 columns, not \[0, 128\) .* of its {k} "
+                                               r"input columns\): choose a tensor_parallel_size"):
         reader.weight("model.layers.0.mlp.down_proj.weight", cols=(0, 128))
     for mode in ("none", "gguf", "gguf-triton", "int8", "int4"):
         monkeypatch.setenv(KERNELS_ENV, "triton" if mode == "gguf-triton" else "default")

@@ -189,11 +189,11 @@ class _WeightReader:
                 raise ModelFormatError(f"{name}: rows {rows} past its {n} (a padded vocabulary is not kept in GGUF blocks)")
             packed = packed.rows(slice(*rows))
         if cols is not None and tuple(cols) != (0, k):
-            if cols[0] % packed.block or cols[1] % packed.block:  # a row-parallel shard inside one of the layout's units
-                raise ModelFormatError(f"{name}: its {packed.kind} blocks split only at multiples of {packed.block} input columns, and this "
-                                       f"rank's share is columns [{cols[0]}, {cols[1]}) of {k}: choose a tensor_parallel_size that splits "
-                                       f"{k} into whole blocks, or quantization=none")
-            packed = packed.columns(*cols)
+            try:
+                packed = packed.columns(*cols)
+            except ValueError as e:  # this rank's row-parallel share falls inside one of the layout's units
+                raise ModelFormatError(f"{name}: {e} (this rank's share of its {k} input columns): choose a tensor_parallel_size that "
+                                       f"splits {k} into whole blocks, or quantization=none") from e
         self.read.add(name)
         if self.progress:
             self.progress(1)
