@@ -46,7 +46,7 @@ def main() -> None:
     for _ in range(3):
         total = 0.0
         for m in projections:
-            x = torch.randn(1, (m.qs.shape[1] if m.panels else m.d.shape[1]) * 32)
+            x = torch.randn(1, m.in_features)
             m(x)
             start = time.perf_counter()
             for _ in range(20):

@@ -30,6 +30,7 @@ from pathlib import Path
 log = logging.getLogger("kvpilot.kernels")
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "gguf_linear_cpu.cpp")]
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # part of the build key, not compiled alone
 # -fopenmp: ATen's parallel_for is inline OpenMP (it binds to torch's libgomp at load)
 CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
 
@@ -88,7 +89,7 @@ def build_key(lvl: str) -> str:
     import torch
 
     flags = " ".join(CFLAGS + _march(lvl))
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + torch.__version__.encode() + flags.encode())
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in [*SOURCES, *HEADERS]) + torch.__version__.encode() + flags.encode())
     return f"cpu-{lvl}-{key.hexdigest()[:16]}"
 
 

@@ -103,17 +103,15 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_linear(weight: torch.Tensor | GGUFWeight, bias: torch.Tensor | None = None, shard: RowParallel | None = None,
-                use_onednn: bool | None = None, shared: bool = False) -> nn.Module:
+                use_onednn: bool | None = None) -> nn.Module:
     """The one factory the model loader calls for every projection: (weight [out, in] — this rank's
     rows or columns under tensor parallelism, or a GGUF-block weight —, bias, shard) -> a Linear.
     Column-parallel projections need nothing here (a rank's rows are a smaller projection); `shard`
-    marks a row-parallel one; `shared`: GGUF blocks that something else reads too (a tied embedding)
-    are multiplied where they are instead of re-laid out into a copy."""
+    marks a row-parallel one."""
     if shard is not None:
         return RowParallelLinear(make_linear(weight, bias if shard.rank == 0 else None, use_onednn=use_onednn), shard.rank)
     if isinstance(weight, GGUFWeight):
-        kind = gguf_linear_class(weight.qs.device)
-        return GGUFLinear(weight, bias, in_place=shared) if kind is GGUFLinear else kind(weight, bias)
+        return gguf_linear_class(weight.qs.device)(weight, bias)
     if use_onednn is None:
         use_onednn = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available()
     # The packed copy is all the CPU path reads; keeping the dense one too would double the memory.

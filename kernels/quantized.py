@@ -6,7 +6,9 @@ those GGUF's reference dequantization gives (kernels/gguf_dequant.py). On CPUs w
 VNNI extensions the activations are rounded too, never below 16 significant bits (one or two rows:
 split into two bfloat16s; more: 16-bit integer codes per block of 32), so that the products run as
 bfloat16 or integer dot products: mean KL vs the fp32 model 6.5e-8–7.3e-8 on the bundled model
-(the float path's summation order alone: 8.9e-9; bench/RESULTS.md).
+(the float path's summation order alone: 8.9e-9; bench/RESULTS.md). On CPUs with AMX tiles, from 32
+rows on (prefill), both operands are split into two bfloat16s — the weights dequantized per call —
+and multiplied on the tile unit (16 significant bits each).
 
 The K-quants (what `Q4_K_M`-style files hold) are re-laid out at load, exactly GGUF's values:
 - Q4_K -> "K4": Q4_1's 4-bit code layout, each 32-column sub-block's 6-bit scale and min codes as
@@ -30,7 +32,7 @@ from kvpilot.kernels import cpu_extension
 from kvpilot.kernels.gguf_dequant import k_quant_parts, q4_k_parts
 
 QK = 32  # weights per block
-KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF types kept in their own row layout (the row kernel, panels, Triton)
+KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF types kept in their own blocks' layout (panels, Triton)
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # re-laid out at load (K4 / K8 below; panels and Triton)
 K8, K4 = 3, 4  # the kernels' ids of the two K-quant layouts
@@ -185,14 +187,13 @@ def to_panels(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
 class GGUFLinear(nn.Module):
     """y = x @ W.T (+ b) with W a GGUFWeight, and the fused forms Linear has (silu, mul, add). The
     weight is re-laid out in panels of 16 output rows (one vector per input column: activations are
-    broadcast, no horizontal sums), unless `in_place` (a tied embedding's blocks, shared with the
-    lookup: multiplied row by row where they are, no second copy; K-quants always get panels)."""
+    broadcast, no horizontal sums). A tied embedding looks its rows up in these panels (`lookup`):
+    one copy serves both."""
 
-    def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None, in_place: bool = False):
+    def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None):
         super().__init__()
-        in_place = in_place and weight.kind in KINDS
-        self.kind, self.out_features, self.panels = weight.kind, weight.shape[0], not in_place
-        qs, d, m = (weight.qs, weight.d, weight.m) if in_place else to_panels(weight)
+        self.kind, self.out_features, self.in_features = weight.kind, *weight.shape
+        qs, d, m = to_panels(weight)
         self.register_buffer("qs", qs)
         self.register_buffer("d", d)
         self.register_buffer("m", m)
@@ -201,13 +202,20 @@ class GGUFLinear(nn.Module):
         self._bind()
 
     def _bind(self) -> None:
-        # The kernel and its weight operands as one plain attribute: reading registered buffers goes
-        # through nn.Module.__getattr__, four lookups per call on the decode path.
-        if self.panels:
-            kind = LAYOUTS[self.kind].kernel_kind
-            self._kernel, self._operands = self._ext.gguf_linear_panel, (self.qs, self.d, self.m, kind, self.out_features, self.bias)
-        else:
-            self._kernel, self._operands = self._ext.gguf_linear, (self.qs, self.d, self.m, KINDS[self.kind], self.bias)
+        # The weight operands as one plain attribute: reading registered buffers goes through
+        # nn.Module.__getattr__, four lookups per call on the decode path.
+        self._operands = (self.qs, self.d, self.m, LAYOUTS[self.kind].kernel_kind, self.out_features, self.bias)
+
+    def weight_rows(self, index: torch.Tensor) -> GGUFWeight:
+        """Output rows `index` (int64 [n]) in the row layout, read out of the panels: lane index % 16 of
+        panel index // 16 in every panel tensor is that row's entries, in the row layout's order."""
+        p, lane = index // PANEL, index % PANEL
+        pick = lambda t: None if t is None else t[p, ..., lane].reshape(index.shape[0], -1)
+        return GGUFWeight(self.kind, pick(self.qs), pick(self.d), pick(self.m))
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows `ids` of W: a tied embedding's lookup."""
+        return self.weight_rows(ids.reshape(-1)).dequantize().reshape(*ids.shape, self.in_features)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -219,7 +227,7 @@ class GGUFLinear(nn.Module):
             rows = x.reshape(-1, x.shape[-1]).float()
             other = None if other is None else other.reshape(rows.shape[0], -1).float()
             return self._run(rows, epilogue, other).reshape(*x.shape[:-1], -1)
-        return self._kernel(x, *self._operands, epilogue, other)  # it checks every operand's dtype, shape and strides
+        return self._ext.gguf_linear_panel(x, *self._operands, epilogue, other)  # it checks every operand's dtype, shape and strides
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, 0)
@@ -243,8 +251,11 @@ def cat_rows(parts: list[torch.Tensor | GGUFWeight]) -> torch.Tensor | GGUFWeigh
     return torch.cat(parts)
 
 
-def embedding(ids: torch.Tensor, table: torch.Tensor | GGUFWeight) -> torch.Tensor:
-    """Rows of an embedding table: a lookup, or for GGUF blocks the looked-up rows dequantized."""
+def embedding(ids: torch.Tensor, table: torch.Tensor | GGUFWeight | GGUFLinear) -> torch.Tensor:
+    """Rows of an embedding table: a lookup, or for GGUF blocks (or a tied head's panels) the
+    looked-up rows dequantized."""
+    if isinstance(table, GGUFLinear):
+        return table.lookup(ids)
     if isinstance(table, GGUFWeight):
         return table.rows(ids).dequantize()
     return F.embedding(ids, table)

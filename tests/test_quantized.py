@@ -35,7 +35,7 @@ def blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 
 def isas() -> list[str]:
     here = cpu_extension.require().gguf_linear_isa()
-    every = ["avx512-bf16-vnni", "avx512", "avx2", "scalar"]
+    every = ["amx", "avx512-bf16-vnni", "avx512", "avx2", "scalar"]
     return every[every.index(here):]
 
 
@@ -48,11 +48,31 @@ def int16_blocks(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(b * inverse) * (amax / 32767)).reshape(x.shape)
 
 
-def kernel_activations(x: torch.Tensor, kind: str, isa: str, panels: bool = True) -> torch.Tensor:
-    """What a GGUF kernel multiplies: x, but on the VNNI paths (every Q8_0 call; 4-bit panels, Q4_K's
-    too, from three rows) x rounded to 16-bit codes per block."""
-    vnni = isa == "avx512-bf16-vnni" and (kind == "Q8_0" or (panels and LAYOUTS[kind].code_bits == 4 and x.shape[0] > 2))
+def amx(isa: str, kind: str, rows: int) -> bool:
+    """Whether the kernel takes the AMX path: the 32-column kinds, from gguf_amx_min_rows rows on."""
+    return isa == "amx" and LAYOUTS[kind].group == 32 and rows >= cpu_extension.require().gguf_amx_min_rows
+
+
+def kernel_activations(x: torch.Tensor, kind: str, isa: str) -> torch.Tensor:
+    """What the GGUF kernel multiplies: x, but on the VNNI paths (every Q8_0 call; the 4-bit kinds,
+    Q4_K's too, from three rows; below the AMX path's rows where the CPU has it) x rounded to 16-bit
+    codes per block."""
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    vnni = isa in ("amx", "avx512-bf16-vnni") and not amx(isa, kind, rows) and (kind == "Q8_0" or (LAYOUTS[kind].code_bits == 4 and rows > 2))
     return int16_blocks(x) if vnni else x
+
+
+def assert_kernel_close(got: torch.Tensor, want: torch.Tensor, isa: str, kind: str, x: torch.Tensor, dense: torch.Tensor, msg: str) -> None:
+    """Within rounding noise, bounded per output by 1e-4 + 1e-5·|want| + c·Σ|w||x| (the terms' size):
+    c = 2^-17 for the float, BF16 (x to 16 bits) and VNNI paths (x rounded beforehand, in `want`), and
+    2^-14 on the AMX path, which also rounds each weight to 16 significant bits (2^-16 of each term,
+    with margin for the epilogues: silu' <= 1.1, the mul operand <= 1.5). A wrong weight or column
+    errs by a whole term."""
+    rows = x.reshape(-1, x.shape[-1])
+    terms = (rows.abs() @ dense.abs().T).reshape(want.shape)
+    bound = 1e-4 + 1e-5 * want.abs() + (2.0 ** -14 if amx(isa, kind, rows.shape[0]) else 2.0 ** -17) * terms
+    excess = ((got - want).abs() / bound).max().item()
+    assert excess <= 1, f"{msg}: error {excess:.2f}x the bound"
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -95,8 +115,8 @@ def test_k_quants_relaid_out_dequantize_exactly_like_gguf(kind):
 def test_k_quant_panels_match_the_reference_on_every_isa(kind):
     """The panel kernel on K4 (Q4_K) and K8 (Q5_K, Q6_K) weights (67 rows: the last panel padded) vs
     x @ dequantized.T, each instruction set — for K4 the float, factored (1-2 rows), BF16 and VNNI
-    paths, x as each rounds it —, tiles full and partial, bias and every epilogue; the tied-head form
-    (in place) falls back to panels, since the row kernel takes neither layout."""
+    paths, x as each rounds it —, tiles full and partial, bias and every epilogue; a tied embedding's
+    lookup out of the panels."""
     ext = cpu_extension.require()
     n, kernel_kind = 67, LAYOUTS[kind].kernel_kind
     assert kernel_kind == (K4 if kind == "Q4_K" else K8)
@@ -104,19 +124,18 @@ def test_k_quant_panels_match_the_reference_on_every_isa(kind):
     dense, bias = w.dequantize(), torch.randn(n)
     qs, d, mins = to_panels(w)
     for isa in isas():
-        for m in (1, 2, 5, 13):
+        for m in (1, 2, 5, 13, 37):
             x, other = torch.randn(m, 256), torch.randn(m, n)
             y = kernel_activations(x, kind, isa) @ dense.T + bias
             for epilogue, want in ((0, y), (1, F.silu(y)), (2, y * other), (3, y + other)):
                 got = ext.gguf_linear_panel(x, qs, d, mins, kernel_kind, n, bias, epilogue, other if epilogue >= 2 else None, isa)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=f"{kind} {isa} M={m} epilogue {epilogue}")
+                assert_kernel_close(got, want, isa, kind, x, dense, f"{kind} {isa} M={m} epilogue {epilogue}")
             torch.testing.assert_close(got - other, x @ dense.T + bias, rtol=1e-3, atol=2e-3, msg=f"{kind} {isa} M={m} vs exact x")
-    lin = GGUFLinear(w, bias, in_place=True)
-    assert lin.panels
+    lin = GGUFLinear(w, bias)
     x = torch.randn(3, 256)
     torch.testing.assert_close(lin(x), kernel_activations(x, kind, isas()[0]) @ dense.T + bias, rtol=1e-5, atol=1e-4)
-    with pytest.raises(RuntimeError, match="kind"):
-        ext.gguf_linear(x, w.qs, w.d, w.m, kernel_kind, None, 0, None)
+    ids = torch.tensor([66, 0, 17, 66, 31])
+    assert torch.equal(embedding(ids, lin), dense[ids])
     if kind == "Q4_K":  # K4's operands: the super-block's float16 (d, dmin), the sub-blocks' byte codes
         with pytest.raises(RuntimeError, match="m: K4's .* uint8"):
             ext.gguf_linear_panel(x, qs, d, None, K4, n, None, 0, None)
@@ -163,8 +182,9 @@ def test_a_k_quant_gguf_loads_in_every_mode(family_checkpoints, model_path, tmp_
             assert [(type(m), m.kind) for m in kept] == [(kernel, "Q4_K"), (kernel, "Q6_K")]
         llm.engine.close()
     # The C++ kernels' VNNI path rounds a prefill's activations to 16-bit codes per block for 4-bit
-    # blocks, Q4_K's included (1.2e-4 seen here); Triton in float32 multiplies x as it is.
-    vnni = isas()[0] == "avx512-bf16-vnni"
+    # blocks, Q4_K's included (1.2e-4 seen here), the AMX path both operands to 16 bits; Triton in
+    # float32 multiplies x as it is.
+    vnni = isas()[0] in ("amx", "avx512-bf16-vnni")
     for mode, tolerance in (("gguf", 1e-3 if vnni else 1e-4), ("gguf-triton", 1e-4)):
         assert [o.outputs[0].token_ids for o in outs[mode]] == [o.outputs[0].token_ids for o in outs["none"]], mode
         for a, b in zip(outs["none"], outs[mode]):
@@ -181,43 +201,59 @@ def test_kernel_matches_the_reference_on_every_isa(kind):
     dense = w.dequantize()
     bias = torch.randn(n)
     for isa in isas():
-        for m in (1, 2, 5, 8, 13, 19):  # tiles of 6, 8 or 12 rows, full and partial (1 and 2: the factored path)
+        for m in (1, 2, 5, 8, 13, 19, 37):  # tiles of 4-16 rows, full and partial (1 and 2: the factored path; 37: AMX's)
             x = torch.randn(m, k)
             other = torch.randn(m, n)
             y = x @ dense.T + bias
-            y_row = kernel_activations(x, kind, isa, panels=False) @ dense.T + bias
-            for epilogue, want in ((0, y_row), (1, F.silu(y_row)), (2, y_row * other), (3, y_row + other)):
-                got = ext.gguf_linear(x, w.qs, w.d, w.m, KINDS[kind], bias, epilogue, other if epilogue >= 2 else None, isa)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=f"{kind} {isa} M={m} epilogue {epilogue}")
             qs, d, mins = to_panels(w)  # 67 rows: 5 panels of 16, the last one padded
             y_panel = kernel_activations(x, kind, isa) @ dense.T + bias
-            for epilogue, want in ((0, y_panel), (1, F.silu(y_panel)), (3, y_panel + other)):
-                got = ext.gguf_linear_panel(x, qs, d, mins, KINDS[kind], n, bias, epilogue, other if epilogue >= 2 else None, isa)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=f"panels {kind} {isa} M={m} epilogue {epilogue}")
+            factor = torch.rand(m, n) + 0.5  # the mul epilogue's operand: near 1, so the tolerance keeps its meaning
+            for epilogue, operand, want in ((0, None, y_panel), (1, None, F.silu(y_panel)), (2, factor, y_panel * factor), (3, other, y_panel + other)):
+                got = ext.gguf_linear_panel(x, qs, d, mins, KINDS[kind], n, bias, epilogue, operand, isa)
+                assert_kernel_close(got, want, isa, kind, x, dense, f"panels {kind} {isa} M={m} epilogue {epilogue}")
             # and the rounding of the VNNI path stays small against the exact product
             torch.testing.assert_close(got - other, y, rtol=1e-3, atol=2e-3, msg=f"panels {kind} {isa} M={m} vs exact x")
-    assert GGUFLinear(w, bias).panels and not GGUFLinear(w, bias, in_place=True).panels
     here = isas()[0]  # what GGUFLinear runs
-    torch.testing.assert_close(GGUFLinear(w, bias, in_place=True)(x), kernel_activations(x, kind, here, panels=False) @ dense.T + bias,
-                               rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(GGUFLinear(w, bias)(x), kernel_activations(x, kind, here) @ dense.T + bias, rtol=1e-5, atol=1e-4)
     lin = GGUFLinear(w, bias)
+    assert_kernel_close(lin(x), kernel_activations(x, kind, here) @ dense.T + bias, here, kind, x, dense, f"GGUFLinear {kind}")
+    ids = torch.tensor([66, 0, 15, 16, 66])  # a tied embedding's lookup reads the same panels: exactly the file's rows
+    assert torch.equal(embedding(ids, lin), dense[ids]) and torch.equal(embedding(ids, lin), embedding(ids, w))
     x = torch.randn(2, 3, k)  # any leading shape
     torch.testing.assert_close(lin.mul(x, torch.ones(2, 3, n)), lin(x), rtol=0, atol=0)
     torch.testing.assert_close(lin(x), (kernel_activations(x.reshape(6, k), kind, here) @ dense.T + bias).reshape(2, 3, n), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_long_prefill_matches_the_reference_on_every_isa(kind):
+    """300 rows of 2048 columns: on the AMX path three passes of rows (128, 128, 44: each pass's
+    activations sized to stay in L2), each a run of 16-row tiles whose results are written one tile
+    late; the other paths as well."""
+    ext = cpu_extension.require()
+    n, k = 40, 2048  # two panels and a padded third: a pair and a single
+    w = GGUFWeight.from_blocks(kind, blocks(kind, n, k, seed=5), n)
+    dense, x, residual = w.dequantize(), torch.randn(300, k), torch.randn(300, n)
+    qs, d, mins = to_panels(w)
+    for isa in isas():
+        got = ext.gguf_linear_panel(x, qs, d, mins, KINDS[kind], n, None, 3, residual, isa)
+        want = kernel_activations(x, kind, isa) @ dense.T + residual
+        assert_kernel_close(got, want, isa, kind, x, dense, f"{kind} {isa}")
+
+
 def test_bad_kernel_arguments_are_errors_not_crashes():
     ext = cpu_extension.require()
     w = GGUFWeight.from_blocks("Q4_1", blocks("Q4_1", 8, 64), 8)
-    with pytest.raises(RuntimeError, match="K must be a multiple of 32|qs"):
-        ext.gguf_linear(torch.randn(1, 48), w.qs, w.d, w.m, 1, None, 0, None)
+    qs, d, m = to_panels(w)
+    with pytest.raises(RuntimeError, match="qs: .* panels"):
+        ext.gguf_linear_panel(torch.randn(1, 48), qs, d, m, 1, 8, None, 0, None)
     with pytest.raises(RuntimeError, match="m: float16, shaped like d"):
-        ext.gguf_linear(torch.randn(1, 64), w.qs, w.d, None, 1, None, 0, None)
+        ext.gguf_linear_panel(torch.randn(1, 64), qs, d, None, 1, 8, None, 0, None)
     with pytest.raises(RuntimeError, match="other"):
-        ext.gguf_linear(torch.randn(1, 64), w.qs, w.d, w.m, 1, None, 3, None)
+        ext.gguf_linear_panel(torch.randn(1, 64), qs, d, m, 1, 8, None, 3, None)
+    with pytest.raises(RuntimeError, match="n must be within the last panel"):
+        ext.gguf_linear_panel(torch.randn(1, 64), qs, d, m, 1, 17, None, 0, None)
     with pytest.raises(RuntimeError, match="isa must be"):
-        ext.gguf_linear(torch.randn(1, 64), w.qs, w.d, w.m, 1, None, 0, None, "sse9")
+        ext.gguf_linear_panel(torch.randn(1, 64), qs, d, m, 1, 8, None, 0, None, "sse9")
     with pytest.raises(ValueError, match="different GGUF types"):
         cat_rows([w, GGUFWeight.from_blocks("Q8_0", blocks("Q8_0", 8, 64), 8)])
     with pytest.raises(ValueError, match="multiples of 32"):

@@ -1,22 +1,28 @@
 // y = x @ W.T for W in GGUF's own block formats, dequantized in registers (CPU, float32 activations).
 //
-// W arrives re-laid out at load (kvpilot/kernels/quantized.py): the quants of each row contiguous,
-// `qs` [N, K/2] bytes for the 4-bit formats (block b's byte j: element 32b + j in the low nibble,
-// 32b + j + 16 in the high one — GGUF's order) or [N, K] int8 for Q8_0, and the block scales `d`
-// (and Q4_1's mins `m`) as float16 [N, K/32]. Per block w = d * q + m, with Q4_0's m = -8 d and
-// Q8_0's m = 0; exactly the weights the GGUF reference dequantizes, summed in a different order.
+// W arrives re-laid out at load (kvpilot/kernels/quantized.py) in panels of 16 output rows (see the
+// panels section below), with the file's block scales (and Q4_1's mins) as float16 beside the quants.
+// Per block w = d * q + m, with Q4_0's m = -8 d and Q8_0's m = 0; exactly the weights the GGUF
+// reference dequantizes, summed in a different order.
 //
 // A decode step is memory-bound: reading 0.56 (Q4) or 1.06 (Q8) bytes per weight instead of 4 is the
-// point. Each output row's blocks are dequantized once per tile of up to 8 activation rows and FMA'd
-// into one accumulator per activation row. Instruction sets chosen at run time (the build is not
-// -march specific for these functions): AVX-512 (16 lanes) — with its BF16 and VNNI extensions, two
-// more paths for the panel kernel —, AVX2 + FMA (8 lanes), scalar.
+// point. Each block of 16 output rows is dequantized once per tile of activation rows and FMA'd into
+// one accumulator per activation row. Instruction sets chosen at run time (the build is not -march
+// specific for these functions): AVX-512 (16 lanes) — with its BF16 and VNNI extensions, two more
+// paths —, AVX2 + FMA (8 lanes), scalar.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include "vec_math.h"
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <cstdint>
 #include <vector>
@@ -31,174 +37,38 @@ enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K8 = 3, K4 = 4 };
 enum Epilogue : int64_t { NONE = 0, SILU = 1, MUL = 2, ADD = 3 };
 constexpr int64_t QK = 32;      // weights per block
 constexpr int64_t QK8 = 16;     // weights per K8 block
-constexpr int64_t ROW_TILE = 8; // activation rows sharing one dequantization of a weight block
+constexpr int64_t ROW_TILE = 8; // activation rows per pass of the scalar path
 
-struct Args {
-  const float* x; int64_t x_stride;
-  const uint8_t* qs; int64_t qs_stride;  // bytes per weight row
-  const c10::Half* d; const c10::Half* m; int64_t nb;
-  const float* bias;
-  float* y; int64_t y_stride;
-  const float* other; int64_t other_stride;
-  int64_t kind, epilogue;
-  const int16_t* xq; const float* xs;  // the VNNI path's activations (see quantize_int16), else null
-};
-
-inline float finish(const Args& a, int64_t row, int64_t n, float v) {
-  if (a.bias) v += a.bias[n];
-  switch (a.epilogue) {
-    case SILU: return v / (1.0f + std::exp(-v));
-    case MUL: return v * a.other[row * a.other_stride + n];
-    case ADD: return v + a.other[row * a.other_stride + n];
-    default: return v;
-  }
+// The kernel's permission to use the tile registers (Linux: ARCH_REQ_XCOMP_PERM, once per process),
+// and whether the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22).
+bool amx_usable() {
+  static const bool ok = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 22))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
 }
-
-inline float block_min(const Args& a, int64_t n, int64_t b, float d) {
-  return a.kind == Q4_1 ? static_cast<float>(a.m[n * a.nb + b]) : a.kind == Q4_0 ? -8.0f * d : 0.0f;
-}
-
-// --- scalar ----------------------------------------------------------------------------------------
-void rows_scalar(const Args& a, int64_t row0, int64_t rows, int64_t n0, int64_t n1) {
-  float w[QK];
-  for (int64_t n = n0; n < n1; ++n) {
-    float acc[ROW_TILE] = {0};
-    const uint8_t* q = a.qs + n * a.qs_stride;
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const float d = static_cast<float>(a.d[n * a.nb + b]), mn = block_min(a, n, b, d);
-      if (a.kind == Q8_0) {
-        const int8_t* q8 = reinterpret_cast<const int8_t*>(q) + b * QK;
-        for (int j = 0; j < QK; ++j) w[j] = d * q8[j];
-      } else {
-        const uint8_t* q4 = q + b * QK / 2;
-        for (int j = 0; j < QK / 2; ++j) { w[j] = d * (q4[j] & 0x0F) + mn; w[j + 16] = d * (q4[j] >> 4) + mn; }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* xr = a.x + (row0 + r) * a.x_stride + b * QK;
-        float s = 0;
-        for (int j = 0; j < QK; ++j) s += w[j] * xr[j];
-        acc[r] += s;
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) a.y[(row0 + r) * a.y_stride + n] = finish(a, row0 + r, n, acc[r]);
-  }
-}
-
-// --- AVX2 + FMA ------------------------------------------------------------------------------------
-__attribute__((target("avx2,fma,f16c"))) inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// R activation rows at a time, R a compile-time constant so that the accumulators live in registers.
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Args& a, int64_t row0, int64_t n0, int64_t n1) {
-  constexpr int64_t rows = R;
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[R];
-    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
-    const uint8_t* q = a.qs + n * a.qs_stride;
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const float df = _cvtsh_ss(a.d[n * a.nb + b].x);
-      const __m256 d = _mm256_set1_ps(df), mn = _mm256_set1_ps(block_min(a, n, b, df));
-      __m256 w[4];
-      if (a.kind == Q8_0) {
-        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * QK));
-        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * QK + 16));
-        w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
-        w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
-        w[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
-        w[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
-      } else {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * QK / 2));
-        const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
-        w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), mn);
-        w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), mn);
-        w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), mn);
-        w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), mn);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* xr = a.x + (row0 + r) * a.x_stride + b * QK;
-        acc[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[r]);
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) a.y[(row0 + r) * a.y_stride + n] = finish(a, row0 + r, n, hsum256(acc[r]));
-  }
-}
-
-#define KVP_TILES(name)                                                                              \
-  void rows_##name(const Args& a, int64_t row0, int64_t rows, int64_t n0, int64_t n1) {              \
-    switch (rows) {                                                                                  \
-      case 1: return tile_##name<1>(a, row0, n0, n1);                                                \
-      case 2: return tile_##name<2>(a, row0, n0, n1);                                                \
-      case 3: return tile_##name<3>(a, row0, n0, n1);                                                \
-      case 4: return tile_##name<4>(a, row0, n0, n1);                                                \
-      case 5: return tile_##name<5>(a, row0, n0, n1);                                                \
-      case 6: return tile_##name<6>(a, row0, n0, n1);                                                \
-      case 7: return tile_##name<7>(a, row0, n0, n1);                                                \
-      default: return tile_##name<8>(a, row0, n0, n1);                                               \
-    }                                                                                                \
-  }
-KVP_TILES(avx2)
-
-// --- AVX-512 ---------------------------------------------------------------------------------------
-template <int R>
-__attribute__((target("avx512f,avx512bw,f16c"))) void tile_avx512(const Args& a, int64_t row0, int64_t n0, int64_t n1) {
-  constexpr int64_t rows = R;
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int64_t n = n0; n < n1; ++n) {
-    __m512 acc[R];
-    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
-    const uint8_t* q = a.qs + n * a.qs_stride;
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const float df = _cvtsh_ss(a.d[n * a.nb + b].x);
-      const __m512 d = _mm512_set1_ps(df), mn = _mm512_set1_ps(block_min(a, n, b, df));
-      __m512 w0, w1;
-      if (a.kind == Q8_0) {
-        w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * QK)))));
-        w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * QK + 16)))));
-      } else {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * QK / 2));
-        w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low4))), mn);
-        w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), low4))), mn);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* xr = a.x + (row0 + r) * a.x_stride + b * QK;
-        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
-        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) a.y[(row0 + r) * a.y_stride + n] = finish(a, row0 + r, n, _mm512_reduce_add_ps(acc[r]));
-  }
-}
-KVP_TILES(avx512)
-#undef KVP_TILES
-
-using RowsFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t);
 
 // The instruction sets, best last. AVX512_BF16_VNNI (AVX-512 with its BF16 and VNNI extensions: Zen 4,
-// Sapphire Rapids) adds two paths to the panel kernel — bfloat16 products for one or two activation
-// rows, 16-bit integer ones for more —; everything else runs as under AVX512 there.
-enum class Isa { SCALAR, AVX2, AVX512, AVX512_BF16_VNNI };
+// Sapphire Rapids) adds two paths — bfloat16 products for one or two activation
+// rows, 16-bit integer ones for more —; everything else runs as under AVX512 there. AMX (its tiles
+// and AMX-BF16, Sapphire Rapids) takes the 32-column kinds from AMX_MIN_ROWS rows on.
+enum class Isa { SCALAR, AVX2, AVX512, AVX512_BF16_VNNI, AMX };
 
 Isa pick(const std::string& isa) {
   static const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c");
   static const bool hasbf16 = has512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
   static const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (isa == "auto") return hasbf16 ? Isa::AVX512_BF16_VNNI : has512 ? Isa::AVX512 : has2 ? Isa::AVX2 : Isa::SCALAR;
+  if (isa == "auto") return hasbf16 && amx_usable() ? Isa::AMX : hasbf16 ? Isa::AVX512_BF16_VNNI : has512 ? Isa::AVX512 : has2 ? Isa::AVX2 : Isa::SCALAR;
+  if (isa == "amx") { TORCH_CHECK(hasbf16 && amx_usable(), "this CPU (or its kernel) gives no AMX-BF16 tiles"); return Isa::AMX; }
   if (isa == "avx512-bf16-vnni") { TORCH_CHECK(hasbf16, "this CPU has no AVX512-BF16 and -VNNI"); return Isa::AVX512_BF16_VNNI; }
   if (isa == "avx512") { TORCH_CHECK(has512, "this CPU has no AVX-512"); return Isa::AVX512; }
   if (isa == "avx2") { TORCH_CHECK(has2, "this CPU has no AVX2/FMA"); return Isa::AVX2; }
-  TORCH_CHECK(isa == "scalar", "isa must be auto, avx512-bf16-vnni, avx512, avx2 or scalar, got ", isa);
+  TORCH_CHECK(isa == "scalar", "isa must be auto, amx, avx512-bf16-vnni, avx512, avx2 or scalar, got ", isa);
   return Isa::SCALAR;
 }
-
-RowsFn rows_for(Isa isa) { return isa >= Isa::AVX512 ? rows_avx512 : isa == Isa::AVX2 ? rows_avx2 : rows_scalar; }
 
 // --- panels: 16 output rows side by side (the layout GGUFLinear multiplies with) ---------------------
 //
@@ -320,6 +190,24 @@ inline void store_lanes(const PanelArgs& a, int64_t row, int64_t p, const float*
   }
 }
 
+// store_lanes for 16 values in a register, vectorized when the panel has no padding lanes.
+__attribute__((target("avx512f"))) inline void store_vector(const PanelArgs& a, int64_t row, int64_t p, __m512 v) {
+  const int64_t n0 = p * LANES;
+  if (n0 + LANES > a.n) {
+    alignas(64) float out[LANES];
+    _mm512_store_ps(out, v);
+    return store_lanes(a, row, p, out);
+  }
+  if (a.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a.bias + n0));
+  switch (a.epilogue) {
+    case SILU: v = silu16(v); break;
+    case MUL: v = _mm512_mul_ps(v, _mm512_loadu_ps(a.other + row * a.other_stride + n0)); break;
+    case ADD: v = _mm512_add_ps(v, _mm512_loadu_ps(a.other + row * a.other_stride + n0)); break;
+    default: break;
+  }
+  _mm512_storeu_ps(a.y + row * a.y_stride + n0, v);
+}
+
 inline int64_t block_bytes(int64_t kind) { return kind == Q8_0 ? QK * LANES : kind == K8 ? QK8 * LANES : QK / 2 * LANES; }
 
 void panel_scalar(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
@@ -351,12 +239,8 @@ void panel_scalar(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
 
 template <int R, int NP>
 __attribute__((target("avx512f"))) void store_panels(const PanelArgs& a, int64_t row0, int64_t p, const __m512 (&acc)[NP][R]) {
-  alignas(64) float out[LANES];
   for (int u = 0; u < NP; ++u)
-    for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(out, acc[u][r]);
-      store_lanes(a, row0 + r, p + u, out);
-    }
+    for (int r = 0; r < R; ++r) store_vector(a, row0 + r, p + u, acc[u][r]);
 }
 
 // NP panels side by side: each broadcast activation feeds NP FMAs (the broadcasts, not the FMAs, would
@@ -575,22 +459,32 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512 widen(__m25
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
 }
 
+// PAIRS (the AMX path): each block's 32 values stored as the column pairs (j, j + 16) side by side,
+// the order its weight tiles hold; xsum may be null.
+template <bool PAIRS = false>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void split_bf16(const float* x, int64_t stride, int64_t M, int64_t K,
                                                                        uint16_t* xhi, uint16_t* xlo, float* xsum) {
+  const __m512i interleave = _mm512_load_si512(kInterleave);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < K / QK; ++b) {
+      __m256bh vh[2], vl[2];
       __m512 sum = _mm512_setzero_ps();
-      for (int64_t h = 0; h < QK; h += 16) {
-        const int64_t k = b * QK + h;
-        const __m512 v = _mm512_loadu_ps(x + r * stride + k);
-        const __m256bh vh = _mm512_cvtneps_pbh(v);
-        const __m512 fh = widen(vh);
-        const __m256bh vl = _mm512_cvtneps_pbh(_mm512_sub_ps(v, fh));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xhi + r * K + k), (__m256i)vh);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xlo + r * K + k), (__m256i)vl);
-        sum = _mm512_add_ps(sum, _mm512_add_ps(fh, widen(vl)));
+      for (int h = 0; h < 2; ++h) {
+        const __m512 v = _mm512_loadu_ps(x + r * stride + b * QK + 16 * h);
+        vh[h] = _mm512_cvtneps_pbh(v);
+        const __m512 fh = widen(vh[h]);
+        vl[h] = _mm512_cvtneps_pbh(_mm512_sub_ps(v, fh));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(fh, widen(vl[h])));
       }
-      xsum[r * (K / QK) + b] = _mm512_reduce_add_ps(sum);
+      __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)vh[0]), (__m256i)vh[1], 1);
+      __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)vl[0]), (__m256i)vl[1], 1);
+      if (PAIRS) {
+        hi = _mm512_permutexvar_epi16(interleave, hi);
+        lo = _mm512_permutexvar_epi16(interleave, lo);
+      }
+      _mm512_storeu_si512(xhi + r * K + b * QK, hi);
+      _mm512_storeu_si512(xlo + r * K + b * QK, lo);
+      if (xsum) xsum[r * (K / QK) + b] = _mm512_reduce_add_ps(sum);
     }
 }
 
@@ -694,39 +588,141 @@ void panel_vnni(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
 #undef KVP_VNNI
 }
 
-// The row layout's VNNI path, Q8_0 (a tied head multiplied in place over the embedding's blocks):
-// per output row and block, 32 codes widened to 16 bits against the activation row's 16-bit codes
-// (VPDPWSSD), the int32 lanes scaled by d·s into float accumulators, one horizontal sum per output.
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void tile_vnni_q8(const Args& a, int64_t row0, int64_t n0, int64_t n1) {
-  const int64_t K = a.nb * QK;
-  for (int64_t n = n0; n < n1; ++n) {
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    const uint8_t* q = a.qs + n * a.qs_stride;
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * QK)));
-      const float d = _cvtsh_ss(a.d[n * a.nb + b].x);
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = row0 + r;
-        const __m512i sum = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a.xq + row * K + b * QK));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * a.xs[row * a.nb + b]), acc[r]);
+// Prefill and batched decode on CPUs with AMX (Sapphire Rapids and later), on the tile unit: TDPBF16PS
+// multiplies a 16x32 bfloat16 tile of activations by a 32x16 one of weights, products exact, summed in
+// float32 into a 16x16 float32 tile — 8192 products per instruction where VPDPWSSD does 32.
+// Both operands are split into two bfloat16s, so that the result is float32-grade:
+// - activations x = x_hi + x_lo (split_bf16, as on the BF16 path: x to within ~2^-17);
+// - weights, dequantized per call (d·q + m in float32, exactly the float path's), w = w_hi + w_lo: w_hi
+//   its top 16 bits, w_lo the rest rounded to bfloat16 (w to within 2^-16).
+// C += x_hi·w_hi + x_lo·w_hi + x_hi·w_lo per block of 32 columns (x_lo·w_lo, ~2^-16 of the sum, left
+// out): the scales and mins are inside the weights, so C sums every block and is stored once per
+// 16 rows x 16 outputs. Keeping the codes exact instead (C per block, scaled by d and m in AVX-512)
+// was measured slower than the VNNI path at 16 rows: every block's C went through memory, and vector
+// loads of tile-stored lines were the bottleneck.
+// Weights are dequantized into tiles once per (call, panel pair, pass of rows); the tiles of a pass's
+// rows (x_hi, x_lo) stay in L2 while every panel pair is multiplied by them.
+constexpr int64_t AMX_TILE_ROWS = 16;
+constexpr int64_t AMX_MIN_ROWS = 32;  // below, the per-call weight tiles cost more than the VNNI path saves
+constexpr int64_t BTILE = 16 * 32;   // bfloat16s in one block's weight tile (16 column pairs x 16 lanes x 2)
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles: 0, 1 x_hi and x_lo (16 rows x 32 bfloat16); 2, 3 and 4, 5 two panels' w_hi and w_lo (32 x 16,
+// column pairs side by side); 6, 7 their C (16 x 16 float32). A constant in memory: GCC drops stores
+// into a local that only LDTILECFG reads (seen: palette set, every tile 0 x 0, and the first tile
+// instruction raised SIGILL).
+constexpr TileConfig kTiles{1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+__attribute__((target("amx-tile"))) void amx_configure() { _tile_loadconfig(&kTiles); }
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+// Columns j and j + 16 of a block (16 lanes each, codes as int32) -> w = d·q + m, as one row of the
+// w_hi and one of the w_lo tile: per lane the pair (j, j + 16) side by side (the activations are split
+// in that order too: split_bf16<true>). w_hi: the top 16 bits of w; w_lo: w - w_hi rounded (adding
+// half a unit of the 16th bit to the bit pattern). Integer ops: nothing on the shuffle port.
+__attribute__((target("avx512f"))) inline void amx_weight_pair(__m512i q0, __m512i q1, __m512 d, __m512 mn, uint16_t* hi, uint16_t* lo) {
+  constexpr int kOrTop = 0xEA;  // ternary logic: (a & b) | c
+  const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)), half = _mm512_set1_epi32(0x8000);
+  const __m512i w0 = _mm512_castps_si512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), d, mn));
+  const __m512i w1 = _mm512_castps_si512(_mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d, mn));
+  _mm512_storeu_si512(hi, _mm512_ternarylogic_epi32(w1, top, _mm512_srli_epi32(w0, 16), kOrTop));
+  const __m512i r0 = _mm512_add_epi32(_mm512_castps_si512(_mm512_sub_ps(_mm512_castsi512_ps(w0), _mm512_castsi512_ps(_mm512_and_si512(w0, top)))), half);
+  const __m512i r1 = _mm512_add_epi32(_mm512_castps_si512(_mm512_sub_ps(_mm512_castsi512_ps(w1), _mm512_castsi512_ps(_mm512_and_si512(w1, top)))), half);
+  _mm512_storeu_si512(lo, _mm512_ternarylogic_epi32(r1, top, _mm512_srli_epi32(r0, 16), kOrTop));
+}
+
+// Panel p's weights, every block, as w_hi and w_lo tiles [nb][hi, lo][16 column pairs][16 lanes][2].
+__attribute__((target("avx512f,avx512bw,f16c"))) void amx_weight_tiles(const PanelArgs& a, int64_t p, uint16_t* tiles) {
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  const int64_t bytes = block_bytes(a.kind);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m512 d, mn;
+    scales512(a, p, b, d, mn);
+    const uint8_t* q = a.qs + (p * a.nb + b) * bytes;
+    uint16_t* hi = tiles + 2 * b * BTILE;
+    uint16_t* lo = hi + BTILE;
+    for (int j = 0; j < 16; ++j) {
+      __m512i q0, q1;
+      if (a.kind == Q8_0) {  // byte rows j and j + 16
+        q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * LANES)));
+        q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j + 16) * LANES)));
+      } else {  // byte row j: column j in the low nibbles, j + 16 in the high ones
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * LANES)));
+        q0 = _mm512_and_si512(v, low4);
+        q1 = _mm512_srli_epi32(v, 4);
       }
+      amx_weight_pair(q0, q1, d, mn, hi + j * 32, lo + j * 32);
     }
-    for (int r = 0; r < R; ++r) a.y[(row0 + r) * a.y_stride + n] = finish(a, row0 + r, n, _mm512_reduce_add_ps(acc[r]));
   }
 }
 
-void rows_vnni_q8(const Args& a, int64_t row0, int64_t rows, int64_t n0, int64_t n1) {
-  switch (rows) {
-    case 1: return tile_vnni_q8<1>(a, row0, n0, n1);
-    case 2: return tile_vnni_q8<2>(a, row0, n0, n1);
-    case 3: return tile_vnni_q8<3>(a, row0, n0, n1);
-    case 4: return tile_vnni_q8<4>(a, row0, n0, n1);
-    case 5: return tile_vnni_q8<5>(a, row0, n0, n1);
-    case 6: return tile_vnni_q8<6>(a, row0, n0, n1);
-    case 7: return tile_vnni_q8<7>(a, row0, n0, n1);
-    default: return tile_vnni_q8<8>(a, row0, n0, n1);
+// Rows [row0, row0 + 16) of the padded activations times panels p..p+NP-1 (`tiles`: their weight
+// tiles, panel after panel), C stored to `c` [NP][16 x 16]. x_hi and x_lo are loaded once per block for
+// both panels; the two C tiles are independent chains.
+template <int NP>
+__attribute__((target("amx-tile,amx-bf16"))) void panel_amx(const PanelArgs& a, int64_t row0, const uint16_t* tiles, float* c) {
+  const int64_t K = a.nb * QK;
+  const uint16_t* xhi = a.xhi + row0 * K;
+  const uint16_t* xlo = a.xlo + row0 * K;
+  const uint16_t* second = tiles + 2 * a.nb * BTILE;
+  _tile_zero(6);
+  if constexpr (NP == 2) _tile_zero(7);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    _tile_loadd(0, xhi + b * QK, K * 2);
+    _tile_loadd(1, xlo + b * QK, K * 2);
+    _tile_loadd(2, tiles + 2 * b * BTILE, 64);
+    _tile_loadd(3, tiles + (2 * b + 1) * BTILE, 64);
+    _tile_dpbf16ps(6, 0, 2);
+    if constexpr (NP == 2) {
+      _tile_loadd(4, second + 2 * b * BTILE, 64);
+      _tile_loadd(5, second + (2 * b + 1) * BTILE, 64);
+      _tile_dpbf16ps(7, 0, 4);
+    }
+    _tile_dpbf16ps(6, 1, 2);
+    if constexpr (NP == 2) _tile_dpbf16ps(7, 1, 4);
+    _tile_dpbf16ps(6, 0, 3);
+    if constexpr (NP == 2) _tile_dpbf16ps(7, 0, 5);
+  }
+  _tile_stored(6, c, 64);
+  if constexpr (NP == 2) _tile_stored(7, c + AMX_TILE_ROWS * LANES, 64);
+}
+
+// The stored C of `np` panels from p, rows [row0, row0 + rows), through bias and epilogue into y.
+__attribute__((target("avx512f"))) void amx_store(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p, int np, const float* c) {
+  for (int u = 0; u < np; ++u)
+    for (int64_t r = 0; r < rows; ++r) store_vector(a, row0 + r, p + u, _mm512_load_ps(c + (u * AMX_TILE_ROWS + r) * LANES));
+}
+
+// The whole product on the AMX path: x split into xhi/xlo (rows padded to 16 with zeros) beforehand.
+// Panels in pairs over the threads; per pair and pass of rows, the weight tiles made once, then the
+// 16-row tiles in turn. Each tile's C is read back one tile later: vector loads right after a tile
+// store wait for it (measured ~10x the cost of reading it back later).
+void gguf_linear_amx(const PanelArgs& a, int64_t M, int64_t P, int64_t rows_per_pass) {
+  for (int64_t m0 = 0; m0 < M; m0 += rows_per_pass) {
+    const int64_t m1 = std::min(M, m0 + rows_per_pass);
+    at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t s0, int64_t s1) {
+      amx_configure();  // tile state is per thread
+      std::vector<uint16_t> tiles(4 * a.nb * BTILE);
+      alignas(64) float c[2][2 * AMX_TILE_ROWS * LANES];
+      for (int64_t p = 2 * s0; p < std::min(P, 2 * s1); p += 2) {
+        const int np = p + 1 < P ? 2 : 1;
+        amx_weight_tiles(a, p, tiles.data());
+        if (np == 2) amx_weight_tiles(a, p + 1, tiles.data() + 2 * a.nb * BTILE);
+        int64_t i = 0;
+        for (int64_t r0 = m0; r0 < m1; r0 += AMX_TILE_ROWS, ++i) {
+          np == 2 ? panel_amx<2>(a, r0, tiles.data(), c[i % 2]) : panel_amx<1>(a, r0, tiles.data(), c[i % 2]);
+          if (i > 0) amx_store(a, r0 - AMX_TILE_ROWS, AMX_TILE_ROWS, p, np, c[(i - 1) % 2]);
+        }
+        const int64_t last = m0 + (i - 1) * AMX_TILE_ROWS;
+        amx_store(a, last, std::min(AMX_TILE_ROWS, m1 - last), p, np, c[(i - 1) % 2]);
+      }
+      amx_release();
+    });
   }
 }
 
@@ -766,7 +762,7 @@ void panel_avx2(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
   }
 }
 
-// The checks both entry points share: Q4_1's mins shaped like the scales, the bias [N], the epilogue's operand [M, N].
+// Q4_1's mins shaped like the scales, the bias [N], the epilogue's operand [M, N].
 void check_operands(const torch::Tensor& d, const c10::optional<torch::Tensor>& m, int64_t kind, int64_t N, int64_t M,
                     const c10::optional<torch::Tensor>& bias, int64_t epilogue, const c10::optional<torch::Tensor>& other) {
   if (kind == Q4_1) {
@@ -785,8 +781,11 @@ void check_operands(const torch::Tensor& d, const c10::optional<torch::Tensor>& 
 
 }  // namespace
 
+int64_t gguf_amx_min_rows() { return AMX_MIN_ROWS; }
+
 std::string gguf_linear_isa() {
   switch (pick("auto")) {
+    case Isa::AMX: return "amx";
     case Isa::AVX512_BF16_VNNI: return "avx512-bf16-vnni";
     case Isa::AVX512: return "avx512";
     case Isa::AVX2: return "avx2";
@@ -794,41 +793,8 @@ std::string gguf_linear_isa() {
   }
 }
 
-// x [M, K] float32 -> [M, N]; epilogue: 0 none, 1 silu(y), 2 y * other, 3 y + other (other [M, N]).
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind,
-                          c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: float32 rows [M, K]");
-  TORCH_CHECK(kind == Q4_0 || kind == Q4_1 || kind == Q8_0, "kind: 0 (Q4_0), 1 (Q4_1) or 2 (Q8_0)");
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32");
-  TORCH_CHECK(qs.is_contiguous() && qs.dim() == 2 && qs.size(1) == (kind == Q8_0 ? K : K / 2), "qs: [N, K/2] (4-bit) or [N, K] (Q8_0)");
-  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == torch::kHalf && d.size(0) == N && d.size(1) == K / QK, "d: float16 [N, K/32]");
-  check_operands(d, m, kind, N, M, bias, epilogue, other);
-  auto y = torch::empty({M, N}, x.options());
-  Args a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), qs.size(1), d.data_ptr<c10::Half>(),
-         kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr, K / QK, bias ? bias->data_ptr<float>() : nullptr,
-         y.data_ptr<float>(), y.stride(0), other && (epilogue == MUL || epilogue == ADD) ? other->data_ptr<float>() : nullptr,
-         other && (epilogue == MUL || epilogue == ADD) ? other->stride(0) : 0, kind, epilogue, nullptr, nullptr};
-  const Isa chosen = pick(isa);
-  std::vector<int16_t> xq;
-  std::vector<float> xs, xsum;
-  if (chosen == Isa::AVX512_BF16_VNNI && kind == Q8_0) {  // activations as 16-bit codes, as in the panel kernel
-    xq.resize(M * K);
-    xs.resize(M * (K / QK));
-    xsum.resize(M * (K / QK));
-    quantize_int16(x.data_ptr<float>(), x.stride(0), M, K, xq.data(), xs.data(), xsum.data());
-    a.xq = xq.data();
-    a.xs = xs.data();
-  }
-  const RowsFn rows_fn = a.xq ? rows_vnni_q8 : rows_for(chosen);
-  // Output rows in chunks over the threads; each chunk walks all activation rows, ROW_TILE at a time.
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) rows_fn(a, r0, std::min(ROW_TILE, M - r0), n0, n1);
-  });
-  return y;
-}
-
-// x [M, K] float32 times the panel-laid-out W [n, K] -> [M, n]; epilogue as gguf_linear's.
+// x [M, K] float32 times the panel-laid-out W [n, K] -> [M, n]; epilogue: 0 none, 1 silu(y), 2 y * other,
+// 3 y + other (other [M, n]).
 torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
                                 c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: float32 rows [M, K]");
@@ -861,10 +827,11 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
               y.stride(0), binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue, nullptr,
               k8 ? d.data_ptr<float>() : nullptr, k8 && m ? m->data_ptr<float>() : nullptr, k4 ? m->data_ptr<uint8_t>() : nullptr,
               nullptr, nullptr, nullptr, nullptr};
-  const Isa chosen = pick(isa);  // the instruction-set choice, shared with gguf_linear
+  const Isa chosen = pick(isa);
   const bool nibbles = four_bit(kind);
-  const bool extended = chosen == Isa::AVX512_BF16_VNNI;
-  const bool bf16 = extended && nibbles && M <= 2, vnni = extended && kind != K8 && !bf16;
+  const bool extended = chosen >= Isa::AVX512_BF16_VNNI;
+  const bool amx = chosen == Isa::AMX && kind != K8 && M >= AMX_MIN_ROWS;
+  const bool bf16 = !amx && extended && nibbles && M <= 2, vnni = !amx && extended && kind != K8 && !bf16;
   std::vector<float> xsum, xs;
   std::vector<uint16_t> xsplit;
   std::vector<int16_t> xq;
@@ -872,6 +839,16 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
   // The factored paths (one or two activation rows, 4-bit kinds; VNNI) need each block's activation
   // sum: made once per call for every panel. Only then: for a prefill-sized M the float path's serial
   // pass would cost more than it saves (it did: 0.82x offline throughput when it ran for every call).
+  if (amx) {  // the rows padded to whole tiles, with zeros
+    const int64_t padded = (M + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS * AMX_TILE_ROWS;
+    xsplit.assign(2 * padded * K, 0);
+    split_bf16<true>(xp, x.stride(0), M, K, xsplit.data(), xsplit.data() + padded * K, nullptr);
+    a.xhi = xsplit.data();
+    a.xlo = xsplit.data() + padded * K;
+    // Passes of rows whose x_hi and x_lo (4 bytes per value) take about 1 MiB of L2.
+    gguf_linear_amx(a, M, P, std::max<int64_t>(4, (1 << 20) / (4 * K * AMX_TILE_ROWS)) * AMX_TILE_ROWS);
+    return y;
+  }
   if (bf16) {
     xsum.resize(M * (K / QK));
     xsplit.resize(2 * M * K);

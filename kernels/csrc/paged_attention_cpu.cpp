@@ -14,6 +14,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -73,20 +75,6 @@ inline __m512 load16(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// exp_nonpositive on 16 lanes (same reduction and polynomial; scalef applies the 2^n exactly).
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.98756915e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819994e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657981e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666672e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.00000000e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 #endif
 
 #if defined(__AVX512F__)
@@ -283,9 +271,8 @@ void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor c
                      int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 // kernels/csrc/gguf_linear_cpu.cpp
-torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind,
-                          c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa);
 std::string gguf_linear_isa();
+int64_t gguf_amx_min_rows();
 torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
                                 c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa);
 
@@ -298,11 +285,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "RoPE in place on the query and key heads of a fused QKV output (CPU)", no_gil);
   m.def("rotary_store_kv", &rotary_store_kv, "RoPE in place on a fused QKV output, then its K and V rows into the paged cache (CPU)", no_gil);
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)", no_gil);
-  m.def("gguf_linear", &gguf_linear, "x @ W.T with W in a GGUF block format (Q4_0, Q4_1, Q8_0), dequantized in registers (CPU)",
-        py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("bias"), py::arg("epilogue"), py::arg("other"),
-        py::arg("isa") = "auto", no_gil);
   m.def("gguf_linear_panel", &gguf_linear_panel, "x @ W.T with W in GGUF blocks laid out in panels of 16 output rows (CPU)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("n"), py::arg("bias"), py::arg("epilogue"),
         py::arg("other"), py::arg("isa") = "auto", no_gil);
-  m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear uses here (avx512-bf16-vnni, avx512, avx2 or scalar)");
+  m.attr("gguf_amx_min_rows") = gguf_amx_min_rows();  // from this many activation rows on, the amx isa uses its tiles
+  m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear_panel uses here (avx512-bf16-vnni, avx512, avx2 or scalar)");
 }

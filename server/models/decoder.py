@@ -14,7 +14,7 @@ from torch import nn
 from kvpilot.kernels.linear import RowParallel, make_linear
 from kvpilot.kernels.ops import Ops, ops_for
 from kvpilot.kernels.paged_attention import AttentionMetadata
-from kvpilot.kernels.quantized import GGUFWeight, cat_rows, embedding, quantize_int4, quantize_int8
+from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight, cat_rows, embedding, quantize_int4, quantize_int8
 from kvpilot.server.engine.parallel import TensorParallel
 from kvpilot.server.layers.attention import PagedSelfAttention
 from kvpilot.server.layers.mlp import SwiGLU
@@ -56,14 +56,18 @@ class DecoderModel(nn.Module):
         self.config = config
         self.num_kv_heads = num_kv_heads  # this rank's (all of them without tensor parallelism)
         self.tp = tp
-        # Packed (quantization gguf): the GGUF's blocks, dequantized row by row on lookup.
-        self.embed = embed if isinstance(embed, GGUFWeight) else nn.Parameter(embed, requires_grad=False)
+        self.vocab_rows = embed.shape[0]  # this rank's
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.rotary = rotary
         # A tied head is the embedding matrix; on CPU it is packed for the matmul (a second copy,
-        # 113 MB for SmolLM2, repaid by a 3x faster head on every decode step).
-        self.lm_head = make_linear(embed if lm_head is None else lm_head, shared=lm_head is None)
+        # 113 MB for SmolLM2, repaid by a 3x faster head on every decode step) — except GGUF blocks
+        # in panels (GGUFLinear), which the lookup reads too: one copy.
+        self.lm_head = make_linear(embed if lm_head is None else lm_head)
+        if lm_head is None and isinstance(self.lm_head, GGUFLinear):
+            embed = self.lm_head
+        # Packed (quantization gguf): the GGUF's blocks, dequantized row by row on lookup.
+        self.embed = embed if isinstance(embed, (GGUFWeight, GGUFLinear)) else nn.Parameter(embed, requires_grad=False)
 
     @property
     def ops(self) -> Ops:
@@ -96,9 +100,9 @@ class DecoderModel(nn.Module):
             return embedding(input_ids, self.embed)
         import torch.distributed as dist
 
-        start = self.tp.rank * self.embed.shape[0]
+        start = self.tp.rank * self.vocab_rows
         local = input_ids - start
-        mine = (local >= 0) & (local < self.embed.shape[0])
+        mine = (local >= 0) & (local < self.vocab_rows)
         x = embedding(torch.where(mine, local, 0), self.embed) * mine[:, None]
         dist.all_reduce(x)  # each token's row comes from the one rank that holds it
         return x
