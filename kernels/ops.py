@@ -83,7 +83,7 @@ def _cpu_ops(ext) -> Ops:
     def rotary_qkv_(qkv, rope, num_heads, num_kv_heads, head_dim, store=None):
         if qkv.dtype != torch.float32:
             return rotary_qkv_ref_(qkv, rope, num_heads, num_kv_heads, head_dim, store)
-        if store is not None and store[0].dtype == torch.float32:  # rotate and write K/V to the cache in one pass
+        if store is not None and store[0].dtype in (torch.float32, torch.bfloat16):  # rotate and write K/V to the cache in one pass
             ext.rotary_store_kv(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads, num_kv_heads, head_dim, *store)
             return True
         ext.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads + num_kv_heads, head_dim)

@@ -39,8 +39,8 @@ class AttentionMetadata:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new tokens' K/V [T, kv_heads, head_dim] at their slots."""
     kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))  # a narrower cache (kv_cache_dtype) rounds
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -58,8 +58,8 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     if prefix:
         block_size, kv_heads, head_dim = k_cache.shape[1:]
         slots = _slots(block_table, torch.arange(prefix, device=q.device), block_size)
-        k = torch.cat([k_cache.view(-1, kv_heads, head_dim)[slots], k])
-        v = torch.cat([v_cache.view(-1, kv_heads, head_dim)[slots], v])
+        k = torch.cat([k_cache.view(-1, kv_heads, head_dim)[slots].to(k.dtype), k])
+        v = torch.cat([v_cache.view(-1, kv_heads, head_dim)[slots].to(v.dtype), v])
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if not prefix:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
@@ -79,8 +79,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     max_blocks = -(-int(context_lens.max()) // block_size)
     tables = block_tables[:, :max_blocks]
-    k = k_cache[tables].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, L, d]
-    v = v_cache[tables].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+    k = k_cache[tables].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [B, kv_heads, L, d]
+    v = v_cache[tables].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
     positions = torch.arange(max_blocks * block_size, device=q.device)
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -41,6 +41,10 @@ class EngineConfig(BaseModel):
     kv_cache_memory: int = Field(1 << 30, ge=1 << 20, description="Bytes of KV cache on CPU (e.g. 1GiB).")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache (CUDA).")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.")
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
+        "KV-cache element type; auto = the compute dtype. bfloat16 with a float32 model (CPU) halves the cache's bytes — twice the tokens "
+        "in kv_cache_memory, half the memory each decode step's attention reads (what bounds it) — at bfloat16's precision for stored keys "
+        "and values (llama.cpp's default cache is float16). CUDA: the compute dtype only."))
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
     enforce_eager: bool = Field(False, description="CUDA: run every step eagerly, without the decode steps' CUDA graphs (CPU steps always run eagerly).")
     quantization: Literal["none", "gguf", "int8", "int4"] = Field(
@@ -87,6 +91,16 @@ class EngineConfig(BaseModel):
             raise ValueError("speculative_method=draft is not implemented with tensor_parallel_size > 1 (ngram is)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
+        return self
+
+    @model_validator(mode="after")
+    def _kv_cache_dtype_supported(self) -> EngineConfig:
+        # The attention kernels read a cache as wide as the compute dtype or a bfloat16 one under float32.
+        if self.kv_cache_dtype == "float32" and self.dtype in ("float16", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype=float32 with dtype={self.dtype}: a cache wider than the compute dtype is not implemented "
+                             "(use kv_cache_dtype=auto)")
+        if self.kv_cache_dtype == "bfloat16" and self.dtype == "float16":
+            raise ValueError("kv_cache_dtype=bfloat16 with dtype=float16 is not implemented (use kv_cache_dtype=auto)")
         return self
 
     @model_validator(mode="after")

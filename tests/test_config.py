@@ -34,6 +34,8 @@ def test_parse_size(text, value):
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"block_size": 0}, "block_size"), ({"dtype": "int3"}, "dtype"),
     ({"kv_cache_memory": "lots"}, "kv_cache_memory"), ({"bogus": 1}, "bogus"),
     ({"max_model_len": 4096, "max_num_batched_tokens": 512, "enable_chunked_prefill": False}, "max_num_batched_tokens"),
+    ({"kv_cache_dtype": "float8"}, "kv_cache_dtype"), ({"kv_cache_dtype": "float32", "dtype": "bfloat16"}, "kv_cache_dtype"),
+    ({"kv_cache_dtype": "bfloat16", "dtype": "float16"}, "kv_cache_dtype"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

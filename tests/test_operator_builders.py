@@ -158,6 +158,17 @@ def test_kvpilot_speculative_settings_become_engine_flags_and_the_draft_is_fetch
     assert on_pvc["args"][on_pvc["args"].index("--speculative-model") + 1] == "/models/draft/pvc/d.gguf"
 
 
+def test_kv_cache_dtype_is_passed_to_kvpilot_and_refused_by_name_elsewhere():
+    cpu = {"cpuOnly": True}
+    s = spec(engineSettings={"kvCacheDtype": "bfloat16", "quantization": "gguf"}, resources=cpu)
+    assert unsupported_settings(s) == [] and EngineConfig.from_cli_args(engine_args(container(deployment("m", "ns", "u", s)))).kv_cache_dtype == "bfloat16"
+    hub = {"source": "hf://Qwen/Qwen2.5-7B-Instruct"}
+    for engine in ("vllm", "sglang"):
+        assert unsupported_settings(spec(model=hub, engine=engine, engineSettings={"kvCacheDtype": "auto"})) == []
+        [problem] = unsupported_settings(spec(model=hub, engine=engine, engineSettings={"kvCacheDtype": "bfloat16"}))
+        assert f"kvCacheDtype=bfloat16 is a kvpilot setting; {engine} keeps its cache in the compute dtype" in problem
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_each_engine_gets_only_quantization_values_it_takes(engine):
     hub = {"source": "hf://Qwen/Qwen2.5-7B-Instruct"}

@@ -274,6 +274,37 @@ def test_what_gguf_mode_cannot_do_is_refused():
         EngineConfig(quantization="int3")
 
 
+@pytest.mark.timeout(240)
+def test_a_bfloat16_kv_cache_under_gguf_weights():
+    """kv_cache_dtype=bfloat16 (CPU, float32 compute): the cache is bfloat16 with twice the blocks in the
+    same memory; on the oracle prompts the greedy continuations are those of the float32 cache and
+    their logprobs within 0.05 (measured 0.02); a prompt whose prefix is cached attends to it read
+    back from the bfloat16 blocks (prefix caching), giving the same tokens as without the hit."""
+    from oracle import ORACLE_PROMPTS
+
+    from kvpilot.server import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    outs, blocks = {}, {}
+    for kv in ("auto", "bfloat16"):
+        llm = LLM(quantization="gguf", kv_cache_dtype=kv, num_threads=1, show_progress=False, kv_cache_memory="32MiB")
+        caches = llm.engine.runner.kv_caches
+        assert {t.dtype for pair in caches for t in pair} == {torch.float32 if kv == "auto" else torch.bfloat16}
+        blocks[kv] = llm.engine.runner.num_blocks
+        outs[kv] = llm.generate(list(ORACLE_PROMPTS[:4]), greedy)
+        if kv == "bfloat16":
+            long = ORACLE_PROMPTS[0] + " " + "and then the river ran on past the old mill " * 6
+            first = llm.generate(long + "Tell me more.", greedy)[0]
+            hit = llm.generate(long + "Tell me more.", greedy)[0]  # the prefix comes from the cache now
+            assert hit.num_cached_tokens >= 32 and hit.outputs[0].token_ids == first.outputs[0].token_ids
+        llm.engine.close()
+    assert blocks["bfloat16"] >= 2 * blocks["auto"]
+    for a, b in zip(outs["auto"], outs["bfloat16"]):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        t = a.outputs[0].token_ids
+        assert max(abs(x[i] - y[i]) for x, y, i in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, t)) < 0.05
+
+
 def test_the_cpu_kernels_refuse_half_activations_when_auto_lands_on_cpu(monkeypatch, family_checkpoints):
     from kvpilot.kernels.ops import KERNELS_ENV
     from kvpilot.server.llm import LLM

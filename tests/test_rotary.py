@@ -62,7 +62,13 @@ def test_rotary_and_cache_store_in_one_pass_equals_rotate_then_write(tokens):
     assert torch.equal(got_qkv, want_qkv) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
     with pytest.raises(RuntimeError, match="slot out of range"):
         rotate_(rope, qkv.clone(), positions, heads, kv_heads, (got_k, got_v, slots + blocks * block_size))
-    assert not rotate_(rope, qkv.clone(), positions, heads, kv_heads, (got_k.bfloat16(), got_v.bfloat16(), slots))  # bf16 cache: caller writes
+    # A bfloat16 cache under float32 compute (kv_cache_dtype): the same one pass, values rounded as write_kv's conversion rounds them.
+    want_k16, want_v16 = caches[0].bfloat16(), caches[1].bfloat16()
+    write_kv(want_k16, want_v16, k.reshape(tokens, kv_heads, d), v.reshape(tokens, kv_heads, d), slots)
+    got_qkv, got_k16, got_v16 = qkv.clone(), caches[0].bfloat16(), caches[1].bfloat16()
+    assert rotate_(rope, got_qkv, positions, heads, kv_heads, (got_k16, got_v16, slots))
+    assert torch.equal(got_qkv, want_qkv) and torch.equal(got_k16, want_k16) and torch.equal(got_v16, want_v16)
+    assert not rotate_(rope, qkv.clone(), positions, heads, kv_heads, (got_k.half(), got_v.half(), slots))  # float16 cache: caller writes
 
 
 @pytest.mark.parametrize("rows,width", [(1, 576), (16, 576), (300, 576), (5, 37)])

@@ -62,24 +62,37 @@ void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
 }
 
 // The same for qkv = [q heads | k heads | v heads] rows, then each row's (rotated) K and its V stored
-// at its cache slot: k/v cache [num_blocks, block_size, kv_heads, D] float32, slots [T] int64.
+// at its cache slot: k/v cache [num_blocks, block_size, kv_heads, D] float32 or bfloat16 (rounded to
+// nearest even, as torch's conversion), slots [T] int64.
 void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
   check_rope_args(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat && k_cache.is_contiguous() &&
-              v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(), "cache: contiguous float32");
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK((ct == torch::kFloat || ct == torch::kBFloat16) && v_cache.scalar_type() == ct && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(), "cache: contiguous float32 or bfloat16");
   TORCH_CHECK(k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim, "cache shape");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.size(0) == qkv.size(0), "slots");
   slots = slots.contiguous();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), kv = num_kv_heads * head_dim, q = num_heads * head_dim;
   for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot out of range");
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  if (ct == torch::kFloat) {
+    float* kc = k_cache.data_ptr<float>();
+    float* vc = v_cache.data_ptr<float>();
+    rope_rows(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim, [&](int64_t t, float* row) {
+      std::memcpy(kc + slot[t] * kv, row + q, kv * sizeof(float));
+      std::memcpy(vc + slot[t] * kv, row + q + kv, kv * sizeof(float));
+    });
+    return;
+  }
+  c10::BFloat16* kc = k_cache.data_ptr<c10::BFloat16>();
+  c10::BFloat16* vc = v_cache.data_ptr<c10::BFloat16>();
   rope_rows(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim, [&](int64_t t, float* row) {
-    std::memcpy(kc + slot[t] * kv, row + q, kv * sizeof(float));
-    std::memcpy(vc + slot[t] * kv, row + q + kv, kv * sizeof(float));
+    for (int64_t i = 0; i < kv; ++i) {
+      kc[slot[t] * kv + i] = c10::BFloat16(row[q + i]);
+      vc[slot[t] * kv + i] = c10::BFloat16(row[q + kv + i]);
+    }
   });
 }
 

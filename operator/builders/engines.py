@@ -78,7 +78,7 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     values = {"model": model_argument(spec), "served_model_name": served_name(spec, name),
               "tensor_parallel_size": s.tensor_parallel_size}
     for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
-              "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory", "dtype", "quantization", "enforce_eager"):
+              "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory", "dtype", "kv_cache_dtype", "quantization", "enforce_eager"):
         v = getattr(s, f)
         if v is not None:
             values[f] = v
@@ -165,9 +165,13 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
             problems.append(f"engineSettings.quantization=gguf needs a GGUF model (a bundled name or a .gguf file), not {spec.model.source!r}")
         if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:
             problems.append("engineSettings.speculative.draftModel is only used with method draft")
-    elif s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION[spec.engine]:
-        problems.append(f"engineSettings.quantization={s.quantization} is not a {spec.engine} quantization method "
-                        f"(it takes {', '.join(sorted(ENGINE_QUANTIZATION[spec.engine]))})")
+    else:
+        if s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION[spec.engine]:
+            problems.append(f"engineSettings.quantization={s.quantization} is not a {spec.engine} quantization method "
+                            f"(it takes {', '.join(sorted(ENGINE_QUANTIZATION[spec.engine]))})")
+        if s.kv_cache_dtype not in (None, "auto"):  # their --kv-cache-dtype takes auto and fp8 kinds, not a bfloat16 cache under float32
+            problems.append(f"engineSettings.kvCacheDtype={s.kv_cache_dtype} is a kvpilot setting; {spec.engine} keeps its cache in the "
+                            "compute dtype (auto), or fp8 through extraArgs --kv-cache-dtype")
     return problems
 
 

@@ -35,6 +35,19 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[config.dtype]
 
 
+def resolve_kv_dtype(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the compute dtype, or (CPU) a narrower bfloat16 cache under float32."""
+    if config.kv_cache_dtype == "auto":
+        return dtype
+    kv = _DTYPES[config.kv_cache_dtype]
+    if kv != dtype and device.type != "cpu":
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} differs from the compute dtype {dtype}: on {device.type} the cache holds "
+                         "the compute dtype (use kv_cache_dtype=auto)")
+    if kv != dtype and dtype != torch.float32:
+        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} under compute dtype {dtype} is not implemented (use kv_cache_dtype=auto)")
+    return kv
+
+
 def _return_freed_heap() -> None:
     """Give the heap that loading freed back to the OS. Loading makes a transient copy per tensor
     (dequantized, converted, packed); glibc keeps such freed blocks for reuse, ~200 MB of resident
@@ -62,6 +75,7 @@ class ModelRunner:
         self.tp, self.workers = tp, workers
         self.device = resolve_device(config, tp)
         self.dtype = resolve_dtype(config, self.device)
+        self.kv_dtype = resolve_kv_dtype(config, self.device, self.dtype)
         if config.quantization != "none" and self.dtype != torch.float32 and not triton_kernels(self.device):
             raise ValueError(f"quantization={config.quantization} on {self.device} computes in float32 (the C++ kernels take float32 "
                              f"activations), not {self.dtype}")
@@ -86,9 +100,9 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
-        log.info("model %s on %s/%s, weights %.0f MiB (quantization %s), KV cache: %d blocks of %d tokens (%.0f MiB)", c.name, self.device,
+        log.info("model %s on %s/%s, weights %.0f MiB (quantization %s), KV cache: %d blocks of %d tokens (%.0f MiB, %s)", c.name, self.device,
                  self.dtype, self.model.weight_bytes() / 2**20, config.quantization, self.num_blocks, self.block_size,
-                 self.num_blocks * self.bytes_per_block / 2**20)
+                 self.num_blocks * self.bytes_per_block / 2**20, self.kv_dtype)
 
     def _load(self, weights: WeightSource, show_progress: bool, quantization: str, group_size: int = 32) -> DecoderModel:
         bar = None
@@ -105,12 +119,12 @@ class ModelRunner:
 
     def _block_bytes(self, model: DecoderModel) -> int:
         c = model.config
-        return 2 * c.num_layers * self.block_size * model.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * c.num_layers * self.block_size * model.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.kv_dtype).element_size()
 
     def _kv_caches(self, model: DecoderModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = model.config
         shape = (self.num_blocks + 1, self.block_size, model.num_kv_heads, c.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                 for _ in range(c.num_layers)]
 
     def _kv_cache_bytes(self) -> int:
@@ -139,7 +153,7 @@ class ModelRunner:
         tokens = min(self.config.max_num_batched_tokens, self.model.config.max_position)
         rows = min(self.config.max_num_seqs, tokens)
         blocks = -(-tokens // self.block_size)
-        caches = {id(m): [(torch.zeros(blocks, self.block_size, m.num_kv_heads, m.config.head_dim, dtype=self.dtype, device=self.device),) * 2
+        caches = {id(m): [(torch.zeros(blocks, self.block_size, m.num_kv_heads, m.config.head_dim, dtype=self.kv_dtype, device=self.device),) * 2
                           for _ in range(m.config.num_layers)] for m in models}
         table = torch.arange(blocks, device=self.device)
         none = table.new_zeros(0)
