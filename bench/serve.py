@@ -50,8 +50,10 @@ GGML_ISA = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "
 def llama_cmake_args() -> str:
     """llama.cpp for every instruction set this CPU reports, AMX excepted. A native build (-march=native)
     on a CPU with AMX compiles ggml's AMX kernels, and on this workplace's VMs they die with SIGILL at
-    their first tile instruction (`tilezero`, in an OpenMP worker: the tile state is not usable there).
-    The AVX-512 VNNI/BF16 paths stay, the instruction sets kvpilot's own kernels use."""
+    their first tile instruction (`tilezero`, in an OpenMP worker). The tiles themselves work here
+    (kvpilot's AMX path runs; its first version died the same way until its tile configuration was
+    kept in memory the compiler cannot drop), so the cause is inside that build: not investigated.
+    The AVX-512 VNNI/BF16 paths stay."""
     flags = set()
     if Path("/proc/cpuinfo").exists():
         for line in Path("/proc/cpuinfo").read_text().splitlines():
