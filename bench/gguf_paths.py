@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -54,7 +55,8 @@ def main() -> None:
                 continue
             x = torch.randn(M, k, generator=gen)
             calls = max(1, 20_000_000 // (n * k * M) + 1)
-            us = {p: best_us(lambda: ext.gguf_linear_panel(x, qs, d, m, LAYOUTS[kind].kernel_kind, n, None, 0, None, p), calls) for p in paths}
+            operands = (x, qs, d, m, LAYOUTS[kind].kernel_kind, n, None, 0, None)
+            us = {p: best_us(partial(ext.gguf_linear_panel, *operands, p), calls) for p in paths}
             row = {"shape": f"{name} {n}x{k} {kind}", "M": M, **{f"{p} µs": f"{us[p]:.0f}" for p in paths}}
             if "amx" in us:
                 row["vnni / amx"] = f"{us['avx512-bf16-vnni'] / us['amx']:.2f}x"

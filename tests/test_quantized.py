@@ -280,9 +280,8 @@ def test_a_bfloat16_kv_cache_under_gguf_weights():
     same memory; on the oracle prompts the greedy continuations are those of the float32 cache and
     their logprobs within 0.05 (measured 0.02); a prompt whose prefix is cached attends to it read
     back from the bfloat16 blocks (prefix caching), giving the same tokens as without the hit."""
-    from oracle import ORACLE_PROMPTS
-
     from kvpilot.server import LLM, SamplingParams
+    from oracle import ORACLE_PROMPTS
 
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
     outs, blocks = {}, {}
