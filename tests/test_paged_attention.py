@@ -54,9 +54,11 @@ def paged(k_seq, v_seq, block_size, num_blocks, gen):
 
 @pytest.mark.parametrize("impl", DECODERS)
 @pytest.mark.parametrize("batch", [11, 1])  # C++: work items are (sequence, KV head), dealt to threads by length
-# head_dim 64 and 128 take the C++ kernel's AVX-512 path (16-token score blocks with a ragged tail), the others its generic one
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 1), (8, 2, 80, 5),
-                                                                 (6, 1, 16, 32), (3, 1, 7, 3)])
+# head_dim 64 and 128 take the C++ kernel's AVX-512 path (16-token score blocks with a ragged tail): query groups of 1-4 heads
+# (64; 1-2 at 128) walking K and V once together, larger ones head by head; the other head_dims its generic one
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 64, 16), (8, 4, 64, 16), (8, 2, 64, 16),
+                                                                 (10, 2, 64, 16), (4, 2, 128, 16), (8, 2, 128, 16), (4, 4, 32, 1),
+                                                                 (8, 2, 80, 5), (6, 1, 16, 32), (3, 1, 7, 3)])
 def test_decode_matches_naive(impl, batch, heads, kv_heads, head_dim, block_size):
     gen = torch.Generator().manual_seed(heads * 100 + block_size + batch)
     lens = torch.randint(1, 90, (batch,), generator=gen).tolist()  # ragged, more than one decode group

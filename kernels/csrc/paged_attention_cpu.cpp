@@ -181,6 +181,66 @@ void attend_group_avx512(const float* qf, int64_t group, const T* k_cache, const
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + c * 16, av[c]);
   }
 }
+
+// The same with the group's G query heads (a compile-time count) walking K and V together: each row is
+// loaded and widened once for all G (the loop above does it G times, the later passes from L2), its G
+// dot products and G accumulations in registers (G x C <= 16 accumulators).
+template <int C, int G, typename T>
+void attend_heads_avx512(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, int64_t block_size,
+                         int64_t row, int64_t head_off, float* scores, float* acc) {
+  constexpr int64_t D = C * 16;
+  __m512 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * D + c * 16);
+  __m512 part[G][16];  // per head, 16 tokens' lane-wise products, summed across lanes together (reduce16)
+  for_each_row(k_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* k) {
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+      part[g][t % 16] = a;
+    }
+    if (t % 16 == 15)
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * ctx + t - 15, reduce16(part[g]));
+  });
+  if (const int64_t tail = ctx % 16) {
+    for (int g = 0; g < G; ++g) {
+      for (int64_t i = tail; i < 16; ++i) part[g][i] = _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(scores + g * ctx + ctx - tail, static_cast<__mmask16>((1u << tail) - 1), reduce16(part[g]));
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax_inplace(scores + g * ctx, ctx);
+  __m512 av[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) av[g][c] = _mm512_setzero_ps();
+  for_each_row(v_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* v) {
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pt = _mm512_set1_ps(scores[g * ctx + t]);
+      for (int c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(pt, vv[c], av[g][c]);
+    }
+  });
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, av[g][c]);
+}
+
+// Groups of 1-4 query heads (head_dim 64; 1-2 at 128) walk K and V once; larger ones head by head.
+template <int C, typename T>
+void attend_avx512(const float* qf, int64_t group, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
+                   int64_t block_size, int64_t row, int64_t head_off, float* scores, float* acc) {
+  switch (C * group <= 16 ? group : 0) {
+    case 1: return attend_heads_avx512<C, 1>(qf, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
+    case 2: return attend_heads_avx512<C, 2>(qf, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
+    case 3: if constexpr (C * 3 <= 16) return attend_heads_avx512<C, 3>(qf, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
+            break;
+    case 4: if constexpr (C * 4 <= 16) return attend_heads_avx512<C, 4>(qf, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
+            break;
+    default: break;
+  }
+  attend_group_avx512<C>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
+}
 #endif
 
 // The same for any head_dim, one token row at a time for all the group's query heads.
@@ -188,8 +248,8 @@ template <typename T>
 void attend_group(const float* qf, int64_t group, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
                   int64_t block_size, int64_t row, int64_t head_off, int64_t D, float* scores, float* acc) {
 #if defined(__AVX512F__)
-  if (D == 64) return attend_group_avx512<4>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
-  if (D == 128) return attend_group_avx512<8>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
+  if (D == 64) return attend_avx512<4>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
+  if (D == 128) return attend_avx512<8>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
 #endif
   for_each_row(k_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* k) {
     for (int64_t j = 0; j < group; ++j) scores[j * ctx + t] = dot(qf + j * D, k, D);
