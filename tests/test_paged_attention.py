@@ -138,3 +138,20 @@ def test_dispatch_table_ops_agree_on_a_mixed_step():
     outs = [ops.paged_attention(q, k, v, kc.clone(), vc.clone(), meta, d ** -0.5) for ops in (cpu, REFERENCE)]
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[0][:9], naive(q[:9], ks[0], vs[0], d ** -0.5, 31), atol=1e-5, rtol=1e-5)
+
+
+def test_cpp_decode_on_two_threads_equals_one_thread():
+    """Work items are claimed by the threads as they go (kernels/csrc/work_queue.h): on two threads
+    every (sequence, KV head) is still computed exactly once, by the same arithmetic."""
+    gen = torch.Generator().manual_seed(5)
+    lens = torch.randint(1, 200, (13,), generator=gen).tolist()
+    _, _, kc, vc, bt, q = decode_case(lens, 9, 3, 64, 16, gen, spare_blocks=4)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(cpp_decode(q, kc, vc, bt, torch.tensor(lens), 0.125))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum() > 0

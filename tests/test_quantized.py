@@ -427,3 +427,26 @@ def test_int_modes_load_hugging_face_checkpoints(family_checkpoints):
         out = llm.generate("Hello there", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
         assert len(out.outputs[0].token_ids) == 4
     assert sizes["int4"] < sizes["int8"] < sizes["none"] / 2
+
+
+@pytest.mark.timeout(120)
+def test_panel_kernel_on_two_threads_equals_one_thread():
+    """Panels are claimed by the threads as they go (kernels/csrc/work_queue.h), on every path this CPU
+    has (AMX from its row count on): two threads give one thread's result bit for bit."""
+    ext = cpu_extension.require()
+    n = 16 * 37 + 5  # odd panel count, the last one padded
+    w = GGUFWeight.from_blocks("Q4_1", blocks("Q4_1", n, 128, seed=9), n)
+    qs, d, mins = to_panels(w)
+    before = torch.get_num_threads()
+    try:
+        for isa in isas():
+            for m in (1, 5, 16, 70):
+                x = torch.randn(m, 128)
+                outs = []
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    outs.append(ext.gguf_linear_panel(x, qs, d, mins, LAYOUTS["Q4_1"].kernel_kind, n, None, 0, None, isa))
+                assert torch.equal(outs[0], outs[1]), f"{isa} M={m}"
+                torch.testing.assert_close(outs[0], kernel_activations(x, "Q4_1", isa) @ w.dequantize().T, rtol=1e-3, atol=2e-3)
+    finally:
+        torch.set_num_threads(before)

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 
 #include "vec_math.h"
+#include "work_queue.h"
 
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -711,15 +712,21 @@ void gguf_linear_amx(const PanelArgs& a, int64_t M, int64_t P, int64_t rows_per_
   };
   for (int64_t m0 = 0; m0 < M; m0 += rows_per_pass) {
     const int64_t m1 = std::min(M, m0 + rows_per_pass);
-    at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t s0, int64_t s1) {
+    // Pairs claimed one at a time: a thread claims its next pair before multiplying the current one,
+    // to make that pair's tiles first.
+    kvpilot::WorkQueue work((P + 1) / 2, 1);
+    kvpilot::on_threads(work.size(), [&] {
       amx_configure();  // tile state is per thread
       std::vector<uint16_t> tiles(2 * pair_tiles);  // this pair's and the next one's
       alignas(64) float c[2][2 * AMX_TILE_ROWS * LANES];
-      const int64_t end = std::min(P, 2 * s1);
-      make_tiles(2 * s0, tiles.data());
-      for (int64_t p = 2 * s0, k = 0; p < end; p += 2, k ^= 1) {
+      int64_t cur, next, end;
+      bool more = work.claim(cur, end);
+      if (more) make_tiles(2 * cur, tiles.data());
+      for (int k = 0; more; cur = next, k ^= 1) {
+        const int64_t p = 2 * cur;
         uint16_t* mine = tiles.data() + k * pair_tiles;
-        if (p + 2 < end) make_tiles(p + 2, tiles.data() + (k ^ 1) * pair_tiles);
+        more = work.claim(next, end);
+        if (more) make_tiles(2 * next, tiles.data() + (k ^ 1) * pair_tiles);
         const int np = p + 1 < P ? 2 : 1;
         int64_t i = 0;
         for (int64_t r0 = m0; r0 < m1; r0 += AMX_TILE_ROWS, ++i) {
@@ -883,9 +890,12 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
   const PanelFn panel_fn = bf16 ? panel_bf16 : vnni ? panel_vnni : chosen >= Isa::AVX512 ? panel_avx512 : chosen == Isa::AVX2 ? panel_avx2 : panel_scalar;
   const int64_t tile = vnni ? PANEL_ROWS_VNNI : chosen >= Isa::AVX512 ? PANEL_ROWS_512 : chosen == Isa::AVX2 ? PANEL_ROWS_AVX2 : ROW_TILE;
   const int64_t step = chosen >= Isa::AVX512 ? 2 : 1;  // panels per call
-  at::parallel_for(0, (P + step - 1) / step, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s)
-      for (int64_t r0 = 0; r0 < M; r0 += tile) panel_fn(a, r0, std::min(tile, M - r0), s * step);
+  const int64_t calls = (P + step - 1) / step;
+  kvpilot::WorkQueue work(calls, kvpilot::chunk_for(calls));
+  kvpilot::on_threads(calls, [&] {
+    for (int64_t s0, s1; work.claim(s0, s1);)
+      for (int64_t s = s0; s < s1; ++s)
+        for (int64_t r0 = 0; r0 < M; r0 += tile) panel_fn(a, r0, std::min(tile, M - r0), s * step);
   });
   return y;
 }

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include "vec_math.h"
+#include "work_queue.h"
 
 #include <algorithm>
 #include <cmath>
@@ -268,21 +269,18 @@ void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t*
   const int64_t row = KVH * D;  // elements of one token (all KV heads) in a block
   // A work item is one (sequence, KV head) with the query heads that share it: each K/V row fetched
   // serves the whole group, and one head's rows of a block are a few contiguous cache lines per token.
-  // Items differ in cost by context length, so they are dealt to the threads longest first, each to
-  // the least loaded thread (a static split of the item range left one thread with the long contexts).
-  const int64_t items = B * KVH, threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
-  std::vector<int64_t> order(items), owner(items), load(threads, 0);
+  // Items differ in cost by context length, so they are claimed longest first: each thread takes the
+  // next one when it is done with its last (a static split left one thread with the long contexts, and
+  // waits whole shares when a thread is preempted; see work_queue.h).
+  const int64_t items = B * KVH;
+  std::vector<int64_t> order(items);
   for (int64_t i = 0; i < items; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ctx_lens[a / KVH] > ctx_lens[b / KVH]; });
-  for (int64_t i : order) {
-    const int64_t th = std::min_element(load.begin(), load.end()) - load.begin();
-    owner[i] = th;
-    load[th] += ctx_lens[i / KVH] + 16;  // + fixed per-item work
-  }
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  kvpilot::WorkQueue work(items, 1);
+  kvpilot::on_threads(items, [&] {
     std::vector<float> qf(group * D), acc(group * D), scores;
-    for (int64_t item = 0; item < items; ++item) {
-      if (owner[item] < begin || owner[item] >= end) continue;
+    for (int64_t n, end; work.claim(n, end);) {
+      const int64_t item = order[n];
       const int64_t b = item / KVH, g = item % KVH, ctx = ctx_lens[b], h0 = g * group;
       const int64_t* table = tables + b * W;
       for (int64_t j = 0; j < group; ++j)
