@@ -1,6 +1,6 @@
 """The GGUF panel kernel's instruction-set paths side by side, per call, at the bundled model's shapes
 (2 threads): AMX (both operands as bfloat16 pairs on the tile unit, from gguf_amx_min_rows rows) against
-AVX512-BF16/VNNI (16-bit activation codes) and plain AVX-512 floats — the paths this CPU has.
+AVX512-VNNI (16-bit activation codes) and plain AVX-512 floats — the paths this CPU has.
 
     .venv/bin/python bench/gguf_paths.py [--rows 1,16,32,128,512] [--threads 2] [--force]
 
@@ -40,7 +40,7 @@ def main() -> None:
     refuse_if_busy(force=args.force)
     torch.set_num_threads(args.threads)
     ext = cpu_extension.require()
-    every = ["amx", "avx512-bf16-vnni", "avx512"]
+    every = ["amx", "avx512-vnni", "avx512"]
     paths = every[every.index(ext.gguf_linear_isa()):] if ext.gguf_linear_isa() in every else []
     if not paths:
         raise SystemExit(f"this CPU's GGUF path is {ext.gguf_linear_isa()}: nothing to compare")
@@ -59,7 +59,7 @@ def main() -> None:
             us = {p: best_us(partial(ext.gguf_linear_panel, *operands, p), calls) for p in paths}
             row = {"shape": f"{name} {n}x{k} {kind}", "M": M, **{f"{p} µs": f"{us[p]:.0f}" for p in paths}}
             if "amx" in us:
-                row["vnni / amx"] = f"{us['avx512-bf16-vnni'] / us['amx']:.2f}x"
+                row["vnni / amx"] = f"{us['avx512-vnni'] / us['amx']:.2f}x"
             rows.append(row)
     print(f"machine: {machine()}, {args.threads} threads; AMX from {ext.gguf_amx_min_rows} rows")
     print(table(rows, list(rows[0])))

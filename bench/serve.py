@@ -53,7 +53,7 @@ def llama_cmake_args() -> str:
     their first tile instruction (`tilezero`, in an OpenMP worker). The tiles themselves work here
     (kvpilot's AMX path runs; its first version died the same way until its tile configuration was
     kept in memory the compiler cannot drop), so the cause is inside that build: not investigated.
-    The AVX-512 VNNI/BF16 paths stay."""
+    The AVX-512 VNNI paths stay."""
     flags = set()
     if Path("/proc/cpuinfo").exists():
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -35,7 +35,7 @@ def blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
 
 def isas() -> list[str]:
     here = cpu_extension.require().gguf_linear_isa()
-    every = ["amx", "avx512-bf16-vnni", "avx512", "avx2", "scalar"]
+    every = ["amx", "avx512-vnni", "avx512", "avx2", "scalar"]
     return every[every.index(here):]
 
 
@@ -54,11 +54,10 @@ def amx(isa: str, kind: str, rows: int) -> bool:
 
 
 def kernel_activations(x: torch.Tensor, kind: str, isa: str) -> torch.Tensor:
-    """What the GGUF kernel multiplies: x, but on the VNNI paths (every Q8_0 call; the 4-bit kinds,
-    Q4_K's too, from three rows; below the AMX path's rows where the CPU has it) x rounded to 16-bit
-    codes per block."""
+    """What the GGUF kernel multiplies: x, but on the VNNI path (the 32-column kinds — Q4_0, Q4_1, Q8_0,
+    Q4_K — below the AMX path's rows where the CPU has it) x rounded to 16-bit codes per block."""
     rows = x.reshape(-1, x.shape[-1]).shape[0]
-    vnni = isa in ("amx", "avx512-bf16-vnni") and not amx(isa, kind, rows) and (kind == "Q8_0" or (LAYOUTS[kind].code_bits == 4 and rows > 2))
+    vnni = isa in ("amx", "avx512-vnni") and not amx(isa, kind, rows) and LAYOUTS[kind].kernel_kind != K8
     return int16_blocks(x) if vnni else x
 
 
@@ -184,7 +183,7 @@ def test_a_k_quant_gguf_loads_in_every_mode(family_checkpoints, model_path, tmp_
     # The C++ kernels' VNNI path rounds a prefill's activations to 16-bit codes per block for 4-bit
     # blocks, Q4_K's included (1.2e-4 seen here), the AMX path both operands to 16 bits; Triton in
     # float32 multiplies x as it is.
-    vnni = isas()[0] in ("amx", "avx512-bf16-vnni")
+    vnni = isas()[0] in ("amx", "avx512-vnni")
     for mode, tolerance in (("gguf", 1e-3 if vnni else 1e-4), ("gguf-triton", 1e-4)):
         assert [o.outputs[0].token_ids for o in outs[mode]] == [o.outputs[0].token_ids for o in outs["none"]], mode
         for a, b in zip(outs["none"], outs[mode]):

@@ -49,7 +49,7 @@ def test_three_ranks_with_packed_weights_equal_one(quantization):
     one, three = results
     assert len(held[1]) == 3 and all(abs(b - held[0][0] / 3) < 0.01 * held[0][0] for b in held[1]), held
     assert [o.outputs[0].token_ids for o in three] == [o.outputs[0].token_ids for o in one]
-    # 5e-3, not the dense test's 1e-4: where the CPU has AVX-512 BF16/VNNI the GGUF kernels round the
+    # 5e-3, not the dense test's 1e-4: where the CPU has AVX-512 VNNI the GGUF kernels round the
     # activations to 16-bit codes per block, so the last-bit differences of a differently summed
     # residual stream can move a code by one (1/32767 of the block's largest activation): measured
     # drift 1e-5 to 1.6e-3, mostly ~1e-4. A sharding error shows up orders of magnitude above this.

@@ -8,8 +8,8 @@
 // A decode step is memory-bound: reading 0.56 (Q4) or 1.06 (Q8) bytes per weight instead of 4 is the
 // point. Each block of 16 output rows is dequantized once per tile of activation rows and FMA'd into
 // one accumulator per activation row. Instruction sets chosen at run time (the build is not -march
-// specific for these functions): AVX-512 (16 lanes) — with its BF16 and VNNI extensions, two more
-// paths —, AVX2 + FMA (8 lanes), scalar.
+// specific for these functions): AMX tiles, AVX-512 (16 lanes; with VNNI 16-bit integer products),
+// AVX2 + FMA (8 lanes), scalar.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -52,22 +52,23 @@ bool amx_usable() {
   return ok;
 }
 
-// The instruction sets, best last. AVX512_BF16_VNNI (AVX-512 with its BF16 and VNNI extensions: Zen 4,
-// Sapphire Rapids) adds two paths — bfloat16 products for one or two activation
-// rows, 16-bit integer ones for more —; everything else runs as under AVX512 there. AMX (its tiles
-// and AMX-BF16, Sapphire Rapids) takes the 32-column kinds from AMX_MIN_ROWS rows on.
-enum class Isa { SCALAR, AVX2, AVX512, AVX512_BF16_VNNI, AMX };
+// The instruction sets, best last. AVX512_VNNI (AVX-512 with VNNI: Ice Lake, Zen 4 and later) adds
+// 16-bit integer products for Q8_0 and, from three activation rows, the 4-bit kinds; everything else
+// runs as under AVX512 there. AMX (its tiles and AMX-BF16, Sapphire Rapids and later) takes the 32-column
+// kinds from AMX_MIN_ROWS rows on.
+enum class Isa { SCALAR, AVX2, AVX512, AVX512_VNNI, AMX };
 
 Isa pick(const std::string& isa) {
   static const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c");
-  static const bool hasbf16 = has512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+  static const bool hasvnni = has512 && __builtin_cpu_supports("avx512vnni");
+  static const bool hasamx = hasvnni && __builtin_cpu_supports("avx512bf16") && amx_usable();  // AMX's activations split by AVX512-BF16
   static const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (isa == "auto") return hasbf16 && amx_usable() ? Isa::AMX : hasbf16 ? Isa::AVX512_BF16_VNNI : has512 ? Isa::AVX512 : has2 ? Isa::AVX2 : Isa::SCALAR;
-  if (isa == "amx") { TORCH_CHECK(hasbf16 && amx_usable(), "this CPU (or its kernel) gives no AMX-BF16 tiles"); return Isa::AMX; }
-  if (isa == "avx512-bf16-vnni") { TORCH_CHECK(hasbf16, "this CPU has no AVX512-BF16 and -VNNI"); return Isa::AVX512_BF16_VNNI; }
+  if (isa == "auto") return hasamx ? Isa::AMX : hasvnni ? Isa::AVX512_VNNI : has512 ? Isa::AVX512 : has2 ? Isa::AVX2 : Isa::SCALAR;
+  if (isa == "amx") { TORCH_CHECK(hasamx, "this CPU (or its kernel) gives no AMX-BF16 tiles"); return Isa::AMX; }
+  if (isa == "avx512-vnni") { TORCH_CHECK(hasvnni, "this CPU has no AVX512-VNNI"); return Isa::AVX512_VNNI; }
   if (isa == "avx512") { TORCH_CHECK(has512, "this CPU has no AVX-512"); return Isa::AVX512; }
   if (isa == "avx2") { TORCH_CHECK(has2, "this CPU has no AVX2/FMA"); return Isa::AVX2; }
-  TORCH_CHECK(isa == "scalar", "isa must be auto, amx, avx512-bf16-vnni, avx512, avx2 or scalar, got ", isa);
+  TORCH_CHECK(isa == "scalar", "isa must be auto, amx, avx512-vnni, avx512, avx2 or scalar, got ", isa);
   return Isa::SCALAR;
 }
 
@@ -92,7 +93,7 @@ struct PanelArgs {
   const float* xsum;  // [M, nb]: each activation row's sum over each block (4-bit kinds; the factored path)
   const float* df; const float* mf;  // K8's float32 scales and mins (mf null: none), instead of d and m
   const uint8_t* codes;              // K4: [P, nb/8, 16 (scale, min of 8 sub-blocks), 16] codes; d: [P, nb/8, 2 (d, dmin), 16]
-  const uint16_t* xhi; const uint16_t* xlo;  // [M, K] bfloat16 bits: x split as x_hi + x_lo (the BF16 path)
+  const uint16_t* xhi; const uint16_t* xlo;  // [M, K] bfloat16 bits: x split as x_hi + x_lo (the AMX path)
   const int16_t* xq; const float* xs;        // [M, K] int16 codes, [M, K/32] scales: x ≈ xs·xq per block (the VNNI path)
 };
 
@@ -394,116 +395,46 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_factored(cons
   store_panels<R, NP>(a, row0, p, acc);
 }
 
-// One or two activation rows, 4-bit kinds, with AVX512-BF16: a block's Σ x·q as bfloat16 dot products
-// (VDPBF16PS: 32 products per instruction, summed in float32), where the float path spends a
-// widening, a conversion and an FMA per 16 weights. Both operands are exact in bfloat16:
-// - a code q (0..15) is looked up as bfloat16 in a 16-entry table (one VPERMW per 32 codes);
-// - each activation is split once per call into x_hi + x_lo, two bfloat16s (split_bf16): 16
-//   significant bits, x to within ~2^-17 — simulated on the bundled model alone: mean KL vs fp32 4.7e-9, against
-//   8.9e-9 for the float path (bench/RESULTS.md), i.e. summation-order noise.
-// So every product is exact in float32 and only the sums round, as in the float path. (Writing q as
-// the bfloat16 128 + q, bits 0x4300 | q, would save the lookup, but the offset inflates the running
-// sums 17-fold and their rounding with them: 1e-4 off on unit-sized outputs.)
-// The panel layout holds element j of 16 lanes in 16 bytes; VDPBF16PS wants each lane's two elements
-// side by side, so two such rows are widened to 16-bit words and interleaved (one more VPERMW).
+// VPDPWSSD (the VNNI path) and the AMX activations' pair order want each lane's two elements side by
+// side, where the panel layout holds element j of 16 lanes in 16 bytes: two such rows, widened to
+// 16-bit words, are interleaved by one VPERMW.
 alignas(64) constexpr int16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                  8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-alignas(64) constexpr uint16_t kBf16Codes[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-                                                 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};  // 0.0 .. 15.0
 
-template <int R, int NP>
-__attribute__((target("avx512f,avx512bw,avx512bf16,f16c"))) void panel_bf16_factored(const PanelArgs& a, int64_t row0, int64_t p) {
-  __m512 acc[NP][R];
-  for (int u = 0; u < NP; ++u)
-    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi16(0x000F), codes = _mm512_load_si512(kBf16Codes);
-  const __m512i interleave = _mm512_load_si512(kInterleave);
-  const int64_t bytes = block_bytes(a.kind), K = a.nb * QK;
-  for (int64_t b = 0; b < a.nb; ++b) {
-    __m512 lo[NP][R], hi[NP][R];  // Σ over the low-nibble elements (0..15) and the high ones (16..31)
-    const uint8_t* q[NP];
-    for (int u = 0; u < NP; ++u) {
-      q[u] = a.qs + ((p + u) * a.nb + b) * bytes;
-      for (int r = 0; r < R; ++r) lo[u][r] = hi[u][r] = _mm512_setzero_ps();
-    }
-    for (int j = 0; j < QK / 2; j += 2) {  // bytes j and j + 1 of 16 lanes: elements j, j + 1 (low) and j + 16, j + 17 (high)
-      __m512i wl[NP], wh[NP];
-      for (int u = 0; u < NP; ++u) {
-        const __m512i w = _mm512_permutexvar_epi16(interleave,
-                                                   _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[u] + j * LANES))));
-        wl[u] = _mm512_permutexvar_epi16(_mm512_and_si512(w, low4), codes);
-        wh[u] = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), codes);
-      }
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (row0 + r) * K + b * QK + j;
-        int32_t pairs[4];
-        std::memcpy(&pairs[0], a.xhi + at, 4);
-        std::memcpy(&pairs[1], a.xlo + at, 4);
-        std::memcpy(&pairs[2], a.xhi + at + 16, 4);
-        std::memcpy(&pairs[3], a.xlo + at + 16, 4);
-        const __m512bh xh0 = (__m512bh)_mm512_set1_epi32(pairs[0]), xl0 = (__m512bh)_mm512_set1_epi32(pairs[1]);
-        const __m512bh xh1 = (__m512bh)_mm512_set1_epi32(pairs[2]), xl1 = (__m512bh)_mm512_set1_epi32(pairs[3]);
-        for (int u = 0; u < NP; ++u) {
-          lo[u][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(lo[u][r], (__m512bh)wl[u], xh0), (__m512bh)wl[u], xl0);
-          hi[u][r] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(hi[u][r], (__m512bh)wh[u], xh1), (__m512bh)wh[u], xl1);
-        }
-      }
-    }
-    add_block<R, NP>(a, row0, p, b, lo, hi, acc);
-  }
-  store_panels<R, NP>(a, row0, p, acc);
-}
-
-// x [M, K] float32 rows -> x_hi, x_lo [M, K] bfloat16 bits (x_hi = x rounded to nearest, x_lo = the
-// rest rounded) and xsum [M, K/32]: each block's Σ (x_hi + x_lo), the activations the BF16 path multiplies.
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512 widen(__m256bh h) {  // 16 bfloat16s as floats
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
 }
 
-// PAIRS (the AMX path): each block's 32 values stored as the column pairs (j, j + 16) side by side,
-// the order its weight tiles hold; xsum may be null.
-template <bool PAIRS = false>
+// x [M, K] float32 rows -> x_hi, x_lo [M, K] bfloat16 bits (x_hi = x rounded to nearest, x_lo = the
+// rest rounded: x to within ~2^-17), each block's 32 values stored as the column pairs (j, j + 16) side
+// by side, the order the AMX path's weight tiles hold.
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void split_bf16(const float* x, int64_t stride, int64_t M, int64_t K,
-                                                                       uint16_t* xhi, uint16_t* xlo, float* xsum) {
+                                                                       uint16_t* xhi, uint16_t* xlo) {
   const __m512i interleave = _mm512_load_si512(kInterleave);
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < K / QK; ++b) {
       __m256bh vh[2], vl[2];
-      __m512 sum = _mm512_setzero_ps();
       for (int h = 0; h < 2; ++h) {
         const __m512 v = _mm512_loadu_ps(x + r * stride + b * QK + 16 * h);
         vh[h] = _mm512_cvtneps_pbh(v);
-        const __m512 fh = widen(vh[h]);
-        vl[h] = _mm512_cvtneps_pbh(_mm512_sub_ps(v, fh));
-        sum = _mm512_add_ps(sum, _mm512_add_ps(fh, widen(vl[h])));
+        vl[h] = _mm512_cvtneps_pbh(_mm512_sub_ps(v, widen(vh[h])));
       }
-      __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)vh[0]), (__m256i)vh[1], 1);
-      __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)vl[0]), (__m256i)vl[1], 1);
-      if (PAIRS) {
-        hi = _mm512_permutexvar_epi16(interleave, hi);
-        lo = _mm512_permutexvar_epi16(interleave, lo);
-      }
-      _mm512_storeu_si512(xhi + r * K + b * QK, hi);
-      _mm512_storeu_si512(xlo + r * K + b * QK, lo);
-      if (xsum) xsum[r * (K / QK) + b] = _mm512_reduce_add_ps(sum);
+      const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)vh[0]), (__m256i)vh[1], 1);
+      const __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)vl[0]), (__m256i)vl[1], 1);
+      _mm512_storeu_si512(xhi + r * K + b * QK, _mm512_permutexvar_epi16(interleave, hi));
+      _mm512_storeu_si512(xlo + r * K + b * QK, _mm512_permutexvar_epi16(interleave, lo));
     }
 }
 
-void panel_bf16(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
-  const bool two = (p + 2) * LANES <= (a.n + LANES - 1) / LANES * LANES;
-  if (rows == 1) return two ? panel_bf16_factored<1, 2>(a, row0, p) : panel_bf16_factored<1, 1>(a, row0, p);
-  return two ? panel_bf16_factored<2, 2>(a, row0, p) : panel_bf16_factored<2, 1>(a, row0, p);
-}
-
 // Q8_0 at any row count, the 4-bit kinds from three activation rows (prefill, batched decode; one or
-// two take the BF16 path above), with AVX512-VNNI: the
+// two take the factored float path, measured faster there), with AVX512-VNNI: the
 // activations quantized once per call to 16-bit integers per block of 32 (quantize_int16: x ≈ s·c,
 // s = max|x| / 32767), so that a block's Σ c·q is exact integer arithmetic — VPDPWSSD, 32 products
 // per instruction, twice the float FMA's — and the float work is one scale per block:
 // Σ x·(d·q + m) ≈ d·s·Σ c·q + m·Σ s·c. The codes need no conversion to float, only widening to 16
 // bits. The rounding of x (≤ max|x| / 65534 per element) is the one change from the float path: on the
 // bundled model mean KL vs fp32 6.5e-8–7.3e-8 (both paths) with every greedy continuation unchanged (bench/RESULTS.md).
-// Like VDPBF16PS, VPDPWSSD multiplies each lane's two adjacent words: rows j and j + 1 of 16 lanes are
+// VPDPWSSD multiplies each lane's two adjacent words: rows j and j + 1 of 16 lanes are
 // widened and interleaved (VPERMW). Sums fit int32: 32 · 127 · 32767 < 2^31.
 template <int R, int NP, bool BYTE>  // BYTE: Q8_0 (one signed code per byte) instead of two 4-bit ones
 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni_t(const PanelArgs& a, int64_t row0, int64_t p) {
@@ -593,7 +524,7 @@ void panel_vnni(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
 // multiplies a 16x32 bfloat16 tile of activations by a 32x16 one of weights, products exact, summed in
 // float32 into a 16x16 float32 tile — 8192 products per instruction where VPDPWSSD does 32.
 // Both operands are split into two bfloat16s, so that the result is float32-grade:
-// - activations x = x_hi + x_lo (split_bf16, as on the BF16 path: x to within ~2^-17);
+// - activations x = x_hi + x_lo (split_bf16: x to within ~2^-17);
 // - weights, dequantized per call (d·q + m in float32, exactly the float path's), w = w_hi + w_lo: w_hi
 //   its top 16 bits, w_lo the rest rounded to bfloat16 (w to within 2^-16).
 // C += x_hi·w_hi + x_lo·w_hi + x_hi·w_lo per block of 32 columns (x_lo·w_lo, ~2^-16 of the sum, left
@@ -624,7 +555,7 @@ __attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
 
 // Columns j and j + 16 of a block (16 lanes each, codes as int32) -> w = d·q + m, as one row of the
 // w_hi and one of the w_lo tile: per lane the pair (j, j + 16) side by side (the activations are split
-// in that order too: split_bf16<true>). w_hi: the top 16 bits of w; w_lo: w - w_hi rounded (adding
+// in that order too: split_bf16). w_hi: the top 16 bits of w; w_lo: w - w_hi rounded (adding
 // half a unit of the 16th bit to the bit pattern). Integer ops: nothing on the shuffle port.
 __attribute__((target("avx512f"))) inline void amx_weight_pair(__m512i q0, __m512i q1, __m512 d, __m512 mn, uint16_t* hi, uint16_t* lo) {
   constexpr int kOrTop = 0xEA;  // ternary logic: (a & b) | c
@@ -801,7 +732,7 @@ int64_t gguf_amx_min_rows() { return AMX_MIN_ROWS; }
 std::string gguf_linear_isa() {
   switch (pick("auto")) {
     case Isa::AMX: return "amx";
-    case Isa::AVX512_BF16_VNNI: return "avx512-bf16-vnni";
+    case Isa::AVX512_VNNI: return "avx512-vnni";
     case Isa::AVX512: return "avx512";
     case Isa::AVX2: return "avx2";
     default: return "scalar";
@@ -844,9 +775,9 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
               nullptr, nullptr, nullptr, nullptr};
   const Isa chosen = pick(isa);
   const bool nibbles = four_bit(kind);
-  const bool extended = chosen >= Isa::AVX512_BF16_VNNI;
+  const bool extended = chosen >= Isa::AVX512_VNNI;
   const bool amx = chosen == Isa::AMX && kind != K8 && M >= AMX_MIN_ROWS;
-  const bool bf16 = !amx && extended && nibbles && M <= 2, vnni = !amx && extended && kind != K8 && !bf16;
+  const bool vnni = !amx && extended && (kind == Q8_0 || (nibbles && M > 0));
   std::vector<float> xsum, xs;
   std::vector<uint16_t> xsplit;
   std::vector<int16_t> xq;
@@ -857,20 +788,14 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
   if (amx) {  // the rows padded to whole tiles, with zeros
     const int64_t padded = (M + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS * AMX_TILE_ROWS;
     xsplit.assign(2 * padded * K, 0);
-    split_bf16<true>(xp, x.stride(0), M, K, xsplit.data(), xsplit.data() + padded * K, nullptr);
+    split_bf16(xp, x.stride(0), M, K, xsplit.data(), xsplit.data() + padded * K);
     a.xhi = xsplit.data();
     a.xlo = xsplit.data() + padded * K;
     // Passes of rows whose x_hi and x_lo (4 bytes per value) take about 1 MiB of L2.
     gguf_linear_amx(a, M, P, std::max<int64_t>(4, (1 << 20) / (4 * K * AMX_TILE_ROWS)) * AMX_TILE_ROWS);
     return y;
   }
-  if (bf16) {
-    xsum.resize(M * (K / QK));
-    xsplit.resize(2 * M * K);
-    split_bf16(xp, x.stride(0), M, K, xsplit.data(), xsplit.data() + M * K, xsum.data());
-    a.xhi = xsplit.data();
-    a.xlo = xsplit.data() + M * K;
-  } else if (vnni) {
+  if (vnni) {
     xsum.resize(M * (K / QK));
     xs.resize(M * (K / QK));
     xq.resize(M * K);
@@ -887,7 +812,7 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
       }
   }
   a.xsum = xsum.empty() ? nullptr : xsum.data();
-  const PanelFn panel_fn = bf16 ? panel_bf16 : vnni ? panel_vnni : chosen >= Isa::AVX512 ? panel_avx512 : chosen == Isa::AVX2 ? panel_avx2 : panel_scalar;
+  const PanelFn panel_fn = vnni ? panel_vnni : chosen >= Isa::AVX512 ? panel_avx512 : chosen == Isa::AVX2 ? panel_avx2 : panel_scalar;
   const int64_t tile = vnni ? PANEL_ROWS_VNNI : chosen >= Isa::AVX512 ? PANEL_ROWS_512 : chosen == Isa::AVX2 ? PANEL_ROWS_AVX2 : ROW_TILE;
   const int64_t step = chosen >= Isa::AVX512 ? 2 : 1;  // panels per call
   const int64_t calls = (P + step - 1) / step;

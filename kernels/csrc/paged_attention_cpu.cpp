@@ -347,5 +347,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("n"), py::arg("bias"), py::arg("epilogue"),
         py::arg("other"), py::arg("isa") = "auto", no_gil);
   m.attr("gguf_amx_min_rows") = gguf_amx_min_rows();  // from this many activation rows on, the amx isa uses its tiles
-  m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear_panel uses here (avx512-bf16-vnni, avx512, avx2 or scalar)");
+  m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear_panel uses here (amx, avx512-vnni, avx512, avx2 or scalar)");
 }
