@@ -2,11 +2,10 @@
 once at load for the kernels — each row's quants contiguous, its block scales (and Q4_1's mins) as
 float16 beside them — and multiplied by kernels/csrc/gguf_linear_cpu.cpp, which dequantizes in
 registers. The bytes per weight stay the file's (Q4_1: 20 per 32 weights); the values are exactly
-those GGUF's reference dequantization gives (kernels/gguf_dequant.py). On CPUs with AVX-512's BF16 and
-VNNI extensions the activations are rounded too, never below 16 significant bits (one or two rows:
-split into two bfloat16s; more: 16-bit integer codes per block of 32), so that the products run as
-bfloat16 or integer dot products: mean KL vs the fp32 model 6.5e-8–7.3e-8 on the bundled model
-(the float path's summation order alone: 8.9e-9; bench/RESULTS.md). On CPUs with AMX tiles, from 32
+those GGUF's reference dequantization gives (kernels/gguf_dequant.py). On CPUs with AVX-512 VNNI the
+activations are rounded too, to 16-bit integer codes per block of 32, so that the products run as
+integer dot products: mean KL vs the fp32 model 6.5e-8–7.3e-8 on the bundled model (the float path's
+summation order alone: 8.9e-9; bench/RESULTS.md). On CPUs with AMX tiles, from 32
 rows on (prefill), both operands are split into two bfloat16s — the weights dequantized per call —
 and multiplied on the tile unit (16 significant bits each).
 

@@ -52,7 +52,7 @@ bool amx_usable() {
   return ok;
 }
 
-// The instruction sets, best last. AVX512_VNNI (AVX-512 with VNNI: Ice Lake, Zen 4 and later) adds
+// The instruction sets, best last. AVX512_VNNI (AVX-512 with VNNI and VBMI: Ice Lake, Zen 4 and later) adds
 // 16-bit integer products for Q8_0 and, from three activation rows, the 4-bit kinds; everything else
 // runs as under AVX512 there. AMX (its tiles and AMX-BF16, Sapphire Rapids and later) takes the 32-column
 // kinds from AMX_MIN_ROWS rows on.
@@ -60,12 +60,12 @@ enum class Isa { SCALAR, AVX2, AVX512, AVX512_VNNI, AMX };
 
 Isa pick(const std::string& isa) {
   static const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c");
-  static const bool hasvnni = has512 && __builtin_cpu_supports("avx512vnni");
+  static const bool hasvnni = has512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
   static const bool hasamx = hasvnni && __builtin_cpu_supports("avx512bf16") && amx_usable();  // AMX's activations split by AVX512-BF16
   static const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (isa == "auto") return hasamx ? Isa::AMX : hasvnni ? Isa::AVX512_VNNI : has512 ? Isa::AVX512 : has2 ? Isa::AVX2 : Isa::SCALAR;
   if (isa == "amx") { TORCH_CHECK(hasamx, "this CPU (or its kernel) gives no AMX-BF16 tiles"); return Isa::AMX; }
-  if (isa == "avx512-vnni") { TORCH_CHECK(hasvnni, "this CPU has no AVX512-VNNI"); return Isa::AVX512_VNNI; }
+  if (isa == "avx512-vnni") { TORCH_CHECK(hasvnni, "this CPU has no AVX512-VNNI and -VBMI"); return Isa::AVX512_VNNI; }
   if (isa == "avx512") { TORCH_CHECK(has512, "this CPU has no AVX-512"); return Isa::AVX512; }
   if (isa == "avx2") { TORCH_CHECK(has2, "this CPU has no AVX2/FMA"); return Isa::AVX2; }
   TORCH_CHECK(isa == "scalar", "isa must be auto, amx, avx512-vnni, avx512, avx2 or scalar, got ", isa);
@@ -434,14 +434,19 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void split_bf16(const flo
 // Σ x·(d·q + m) ≈ d·s·Σ c·q + m·Σ s·c. The codes need no conversion to float, only widening to 16
 // bits. The rounding of x (≤ max|x| / 65534 per element) is the one change from the float path: on the
 // bundled model mean KL vs fp32 6.5e-8–7.3e-8 (both paths) with every greedy continuation unchanged (bench/RESULTS.md).
-// VPDPWSSD multiplies each lane's two adjacent words: rows j and j + 1 of 16 lanes are
-// widened and interleaved (VPERMW). Sums fit int32: 32 · 127 · 32767 < 2^31.
+// VPDPWSSD multiplies each lane's two adjacent words: rows j and j + 1 of 16 lanes are widened to
+// words and interleaved — for 4-bit codes by one zero-masking VPERMB (bytes to the even positions),
+// for Q8_0's signed bytes by VPMOVSXBW and VPERMW. Sums fit int32: 32 · 127 · 32767 < 2^31.
+// The loop issues two VPDPWSSD per cycle at best (ports 0 and 5, which the unpacking shares): R = 8
+// rows per weight vector unpacked keeps the unpacking to a fifth of the work, and the float
+// accumulators, touched once per block, live in memory to leave the registers to 2 x 8 integer sums.
+alignas(64) constexpr uint8_t kEvenBytes[64] = {0, 0, 16, 0, 1, 0, 17, 0, 2, 0, 18, 0, 3, 0, 19, 0, 4, 0, 20, 0, 5, 0, 21, 0,
+                                                6, 0, 22, 0, 7, 0, 23, 0, 8, 0, 24, 0, 9, 0, 25, 0, 10, 0, 26, 0, 11, 0, 27, 0,
+                                                12, 0, 28, 0, 13, 0, 29, 0, 14, 0, 30, 0, 15, 0, 31, 0};
 template <int R, int NP, bool BYTE>  // BYTE: Q8_0 (one signed code per byte) instead of two 4-bit ones
-__attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni_t(const PanelArgs& a, int64_t row0, int64_t p) {
-  __m512 acc[NP][R];
-  for (int u = 0; u < NP; ++u)
-    for (int r = 0; r < R; ++r) acc[u][r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi16(0x000F), interleave = _mm512_load_si512(kInterleave);
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni,f16c"))) void panel_vnni_t(const PanelArgs& a, int64_t row0, int64_t p) {
+  alignas(64) float acc[NP][R][LANES] = {};
+  const __m512i low4 = _mm512_set1_epi16(0x000F), interleave = _mm512_load_si512(kInterleave), even = _mm512_load_si512(kEvenBytes);
   const int64_t bytes = block_bytes(a.kind), K = a.nb * QK;
   for (int64_t b = 0; b < a.nb; ++b) {
     __m512i sum[NP][R];
@@ -454,9 +459,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni_t(co
       __m512i w0[NP], w1[NP];  // BYTE: elements j, j + 1; 4-bit: those (low nibbles) and j + 16, j + 17 (high)
       for (int u = 0; u < NP; ++u) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[u] + j * LANES));
-        const __m512i w = _mm512_permutexvar_epi16(interleave, BYTE ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v));
-        w0[u] = BYTE ? w : _mm512_and_si512(w, low4);
-        if (!BYTE) w1[u] = _mm512_srli_epi16(w, 4);
+        if (BYTE) {
+          w0[u] = _mm512_permutexvar_epi16(interleave, _mm512_cvtepi8_epi16(v));
+        } else {
+          const __m512i w = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, even, _mm512_castsi256_si512(v));
+          w0[u] = _mm512_and_si512(w, low4);
+          w1[u] = _mm512_srli_epi16(w, 4);
+        }
       }
       for (int r = 0; r < R; ++r) {
         const int16_t* x = a.xq + (row0 + r) * K + b * QK + j;
@@ -476,12 +485,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,f16c"))) void panel_vnni_t(co
       scales512(a, p + u, b, d, mn);
       for (int r = 0; r < R; ++r) {
         const int64_t rb = (row0 + r) * a.nb + b;
-        acc[u][r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.xs[rb])), _mm512_cvtepi32_ps(sum[u][r]), acc[u][r]);
-        if (!BYTE) acc[u][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[rb]), acc[u][r]);
+        __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.xs[rb])), _mm512_cvtepi32_ps(sum[u][r]), _mm512_load_ps(acc[u][r]));
+        if (!BYTE) v = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[rb]), v);
+        _mm512_store_ps(acc[u][r], v);
       }
     }
   }
-  store_panels<R, NP>(a, row0, p, acc);
+  for (int u = 0; u < NP; ++u)
+    for (int r = 0; r < R; ++r) store_vector(a, row0 + r, p + u, _mm512_load_ps(acc[u][r]));
 }
 
 // x [M, K] float32 rows -> xq [M, K] int16 codes, xs [M, K/32] scales (x ≈ xs·xq per block of 32,
@@ -504,7 +515,7 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_int16(const float* x, 
     }
 }
 
-constexpr int64_t PANEL_ROWS_VNNI = 4;  // 2 panels x 4 rows x (int32 sums + float accumulators) + codes fit 32 registers
+constexpr int64_t PANEL_ROWS_VNNI = 8;
 
 void panel_vnni(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
   const bool two = (p + 2) * LANES <= (a.n + LANES - 1) / LANES * LANES;
@@ -515,7 +526,11 @@ void panel_vnni(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
     case 1: { KVP_VNNI(1) }
     case 2: { KVP_VNNI(2) }
     case 3: { KVP_VNNI(3) }
-    default: { KVP_VNNI(4) }
+    case 4: { KVP_VNNI(4) }
+    case 5: { KVP_VNNI(5) }
+    case 6: { KVP_VNNI(6) }
+    case 7: { KVP_VNNI(7) }
+    default: { KVP_VNNI(8) }
   }
 #undef KVP_VNNI
 }
@@ -535,7 +550,7 @@ void panel_vnni(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
 // Weights are dequantized into tiles once per (call, panel pair, pass of rows); the tiles of a pass's
 // rows (x_hi, x_lo) stay in L2 while every panel pair is multiplied by them.
 constexpr int64_t AMX_TILE_ROWS = 16;
-constexpr int64_t AMX_MIN_ROWS = 32;  // below, making the weight tiles (per call) costs what the tiles save (measured: 16 rows 0.8x the VNNI path, 32 rows 1.2x)
+constexpr int64_t AMX_MIN_ROWS = 64;  // below, making the weight tiles (per call) costs what the tiles save (measured against the 8-row VNNI path: 32 rows 0.8-0.9x, 64 rows 0.9-1.2x, 128 rows 1.0-1.4x; bench/gguf_paths.py)
 constexpr int64_t BTILE = 16 * 32;   // bfloat16s in one block's weight tile (16 column pairs x 16 lanes x 2)
 
 struct alignas(64) TileConfig {

@@ -145,47 +145,10 @@ inline void for_each_row(const T* cache, const int64_t* table, int64_t ctx, int6
 }
 
 #if defined(__AVX512F__)
-// One KV head's query group over a sequence, head_dim = 16 * C known at compile time, so the query
-// and the output accumulators live in registers across the whole walk (the generic path reloads and
-// stores its accumulators every token, a store-to-load chain per row). The query heads take turns
-// over the rows: the first pass brings them in from memory, the others find them in L2.
-template <int C, typename T>
-void attend_group_avx512(const float* qf, int64_t group, const T* k_cache, const T* v_cache, const int64_t* table,
-                         int64_t ctx, int64_t block_size, int64_t row, int64_t head_off, float* scores, float* acc) {
-  constexpr int64_t D = C * 16;
-  for (int64_t j = 0; j < group; ++j) {
-    __m512 qv[C];
-    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qf + j * D + c * 16);
-    float* s = scores + j * ctx;
-    __m512 part[16];  // 16 tokens' lane-wise products, summed across lanes together (reduce16)
-    for_each_row(k_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* k) {
-      __m512 a = _mm512_mul_ps(qv[0], load16(k));
-      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[c], load16(k + c * 16), a);
-      part[t % 16] = a;
-      if (t % 16 == 15) _mm512_storeu_ps(s + t - 15, reduce16(part));
-    });
-    if (const int64_t tail = ctx % 16) {
-      for (int64_t i = tail; i < 16; ++i) part[i] = _mm512_setzero_ps();
-      const __m512 r = reduce16(part);
-      _mm512_mask_storeu_ps(s + ctx - tail, static_cast<__mmask16>((1u << tail) - 1), r);
-    }
-    softmax_inplace(s, ctx);
-  }
-  for (int64_t j = 0; j < group; ++j) {
-    __m512 av[C];
-    for (int c = 0; c < C; ++c) av[c] = _mm512_setzero_ps();
-    const float* s = scores + j * ctx;
-    for_each_row(v_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* v) {
-      const __m512 pt = _mm512_set1_ps(s[t]);
-      for (int c = 0; c < C; ++c) av[c] = _mm512_fmadd_ps(pt, load16(v + c * 16), av[c]);
-    });
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * D + c * 16, av[c]);
-  }
-}
-
-// The same with the group's G query heads (a compile-time count) walking K and V together: each row is
-// loaded and widened once for all G (the loop above does it G times, the later passes from L2), its G
-// dot products and G accumulations in registers (G x C <= 16 accumulators).
+// G query heads of one KV head's group over a sequence, head_dim = 16 * C and G known at compile time, so
+// the queries and the output accumulators live in registers across the whole walk (G x C <= 16; the
+// generic path reloads and stores its accumulators every token, a store-to-load chain per row), and
+// each K and V row is loaded and widened once for all G heads.
 template <int C, int G, typename T>
 void attend_heads_avx512(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, int64_t block_size,
                          int64_t row, int64_t head_off, float* scores, float* acc) {
@@ -227,20 +190,22 @@ void attend_heads_avx512(const float* qf, const T* k_cache, const T* v_cache, co
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, av[g][c]);
 }
 
-// Groups of 1-4 query heads (head_dim 64; 1-2 at 128) walk K and V once; larger ones head by head.
+// A group walks K and V once per 16 / C of its query heads (4 at head_dim 64, 2 at 128).
 template <int C, typename T>
 void attend_avx512(const float* qf, int64_t group, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
                    int64_t block_size, int64_t row, int64_t head_off, float* scores, float* acc) {
-  switch (C * group <= 16 ? group : 0) {
-    case 1: return attend_heads_avx512<C, 1>(qf, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
-    case 2: return attend_heads_avx512<C, 2>(qf, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
-    case 3: if constexpr (C * 3 <= 16) return attend_heads_avx512<C, 3>(qf, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
-            break;
-    case 4: if constexpr (C * 4 <= 16) return attend_heads_avx512<C, 4>(qf, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
-            break;
-    default: break;
+  constexpr int64_t D = C * 16, most = 16 / C;
+  for (int64_t j = 0; j < group; j += most) {
+    const float* q = qf + j * D;
+    float* s = scores + j * ctx;
+    float* out = acc + j * D;
+    switch (std::min(most, group - j)) {
+      case 1: attend_heads_avx512<C, 1>(q, k_cache, v_cache, table, ctx, block_size, row, head_off, s, out); break;
+      case 2: attend_heads_avx512<C, 2>(q, k_cache, v_cache, table, ctx, block_size, row, head_off, s, out); break;
+      case 3: if constexpr (C * 3 <= 16) attend_heads_avx512<C, 3>(q, k_cache, v_cache, table, ctx, block_size, row, head_off, s, out); break;
+      default: if constexpr (C * 4 <= 16) attend_heads_avx512<C, 4>(q, k_cache, v_cache, table, ctx, block_size, row, head_off, s, out); break;
+    }
   }
-  attend_group_avx512<C>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
 }
 #endif
 
