@@ -1,7 +1,8 @@
-"""Shared benchmark helpers: busy-machine guard, workload, machine peak, per-call timing, result table."""
+"""Shared benchmark helpers: busy-machine guard, per-call benchmarks' arguments, workload, machine peak, per-call timing, result table."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import random
@@ -15,6 +16,22 @@ def refuse_if_busy(max_load: float = 0.8, force: bool = False) -> None:
     if load1 > max_load and not force:
         sys.exit(f"bench: refusing to run, the 1-minute load average is {load1:.2f} (> {max_load}); "
                  "wait for the machine to be idle or pass --force")
+
+
+def per_call_args(default_rows: str) -> argparse.Namespace:
+    """The per-call kernel benchmarks' command line (--rows, --threads, --force), the busy guard applied
+    and torch's thread count set; `rows` comes back as a list of ints."""
+    import torch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default=default_rows, help="activation rows per call, comma-separated")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+    refuse_if_busy(force=args.force)
+    torch.set_num_threads(args.threads)
+    args.rows = [int(r) for r in args.rows.split(",")]
+    return args
 
 
 def offline_workload(n: int = 64, seed: int = 0, vocab: int = 49152, prompt=(32, 512), output=(32, 256)):

@@ -10,7 +10,6 @@ figure is the best of 5 rounds (bench/common.best_us).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from functools import partial
@@ -22,7 +21,7 @@ from kvpilot.server.threads import OPENMP_ENV  # noqa: E402
 os.environ.update({k: os.environ.get(k, v) for k, v in OPENMP_ENV.items()})
 
 import torch  # noqa: E402
-from common import best_us, machine, refuse_if_busy, table  # noqa: E402
+from common import best_us, machine, per_call_args, table  # noqa: E402
 
 from kvpilot.kernels import cpu_extension  # noqa: E402
 from kvpilot.kernels.quantized import LAYOUTS, quantize_int4, quantize_int8, to_panels  # noqa: E402
@@ -32,13 +31,7 @@ SHAPES = {"qkv": (960, 576, "Q4_1"), "gate": (1536, 576, "Q4_1"), "down": (576, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,16,32,128,512")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args()
-    refuse_if_busy(force=args.force)
-    torch.set_num_threads(args.threads)
+    args = per_call_args("1,16,32,128,512")
     ext = cpu_extension.require()
     every = ["amx", "avx512-vnni", "avx512"]
     paths = every[every.index(ext.gguf_linear_isa()):] if ext.gguf_linear_isa() in every else []
@@ -50,7 +43,7 @@ def main() -> None:
         w = torch.randn(n, k, generator=gen) * 0.05
         weight = quantize_int4(w, 32) if kind == "Q4_1" else quantize_int8(w)
         qs, d, m = to_panels(weight)
-        for M in [int(r) for r in args.rows.split(",")]:
+        for M in args.rows:
             if name == "head" and M > 32:  # the head sees one row per sequence
                 continue
             x = torch.randn(M, k, generator=gen)

@@ -19,7 +19,6 @@ product (relative error of each against x @ dequantized.T).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from functools import partial
@@ -31,7 +30,7 @@ from kvpilot.server.threads import OPENMP_ENV  # noqa: E402
 os.environ.update({k: os.environ.get(k, v) for k, v in OPENMP_ENV.items()})
 
 import torch  # noqa: E402
-from common import best_us, machine, refuse_if_busy, table  # noqa: E402
+from common import best_us, machine, per_call_args, table  # noqa: E402
 
 from kvpilot.kernels import cpu_extension  # noqa: E402
 from kvpilot.kernels.quantized import LAYOUTS, quantize_int4, quantize_int8, to_panels  # noqa: E402
@@ -73,13 +72,7 @@ def rel_error(y: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,16,128")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args()
-    refuse_if_busy(force=args.force)
-    torch.set_num_threads(args.threads)
+    args = per_call_args("1,16,128")
     ext = cpu_extension.require()
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -87,7 +80,7 @@ def main() -> None:
         w = torch.randn(n, k, generator=gen) * 0.05
         kernels = {"int8": (torch_int8(w), ours(ext, quantize_int8(w))), "int4": (torch_int4(w), ours(ext, quantize_int4(w, GROUP)))}
         for mode, ((theirs, their_dense), (mine, my_dense)) in kernels.items():
-            for m in [int(r) for r in args.rows.split(",")]:
+            for m in args.rows:
                 x = torch.randn(m, k, generator=gen)
                 their_x = x.to(torch.bfloat16)
                 errors = (rel_error(theirs(their_x), their_x.float() @ their_dense.T), rel_error(mine(x), x @ my_dense.T))

@@ -53,8 +53,8 @@ bool amx_usable() {
 }
 
 // The instruction sets, best last. AVX512_VNNI (AVX-512 with VNNI and VBMI: Ice Lake, Zen 4 and later) adds
-// 16-bit integer products for Q8_0 and, from three activation rows, the 4-bit kinds; everything else
-// runs as under AVX512 there. AMX (its tiles and AMX-BF16, Sapphire Rapids and later) takes the 32-column
+// 16-bit integer products for the 32-column kinds (Q4_0, Q4_1, Q8_0, K4) at any row count; K8 runs as
+// under AVX512 there. AMX (its tiles and AMX-BF16, Sapphire Rapids and later) takes the 32-column
 // kinds from AMX_MIN_ROWS rows on.
 enum class Isa { SCALAR, AVX2, AVX512, AVX512_VNNI, AMX };
 
@@ -426,8 +426,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void split_bf16(const flo
     }
 }
 
-// Q8_0 at any row count, the 4-bit kinds from three activation rows (prefill, batched decode; one or
-// two take the factored float path, measured faster there), with AVX512-VNNI: the
+// The 32-column kinds at any row count (below AMX_MIN_ROWS where the CPU has AMX) with AVX512-VNNI — at
+// one or two rows too, where it measured 1.5-1.7x the factored float path (bench/RESULTS.md): the
 // activations quantized once per call to 16-bit integers per block of 32 (quantize_int16: x ≈ s·c,
 // s = max|x| / 32767), so that a block's Σ c·q is exact integer arithmetic — VPDPWSSD, 32 products
 // per instruction, twice the float FMA's — and the float work is one scale per block:
@@ -440,11 +440,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void split_bf16(const flo
 // The loop issues two VPDPWSSD per cycle at best (ports 0 and 5, which the unpacking shares): R = 8
 // rows per weight vector unpacked keeps the unpacking to a fifth of the work, and the float
 // accumulators, touched once per block, live in memory to leave the registers to 2 x 8 integer sums.
-// Software prefetch of the weights `ahead` blocks on, for the first row tile of a panel group: the
-// weights come from DRAM once per call, and one thread's demand misses alone read ~10 GB/s, so without
-// it the loop waited for memory and computed in turn (measured in the engine: a 16-row decode step's
-// projections 1.3x, the head 1.6x their time on cache-resident weights). Past a panel's last block the
-// stream runs on into the next group's panels.
+// Software prefetch of the weights `ahead` blocks on, for the first row tile of a panel group: in the
+// engine the weights come from memory once per call, and the loop otherwise waits for them and
+// computes in turn (weights cycled through 8 copies so that they are not cache-resident, 16 rows: the
+// head 2.87 -> 2.28 ms with it). Past a panel's last block the stream runs on into the next group's panels.
 constexpr int64_t VNNI_PREFETCH_BLOCKS = 4;
 inline void prefetch_blocks(const PanelArgs& a, int64_t p, int np, int64_t ahead) {
   const int64_t bytes = block_bytes(a.kind);
