@@ -12,12 +12,13 @@ the GGUF reader); `run` writes a GGUF of those shapes with seeded random weights
 1. correctness: kvpilot on the device in float32 vs HF transformers on the device in float32 (TF32
    off), 64 greedy tokens from each oracle prompt, judged by the project's rule (all but one exact,
    the first divergence inside each other's top 5), for kvpilot's default (Triton on CUDA, decode
-   steps in CUDA graphs), --enforce-eager, --quantization gguf (the file's Q4_1/Q8_0 blocks kept, as
+   steps in CUDA graphs, async scheduling), --enforce-eager, --async-scheduling off, --quantization gguf (the file's Q4_1/Q8_0 blocks kept, as
    HF dequantizes them) and the torch reference kernels;
 2. each Triton kernel in bfloat16 against its float32 torch reference (stated tolerances);
 3. throughput (output tok/s, one table): single stream (32 + 256 tokens), 64 requests (bench/offline.py's
    workload), 256 requests (nano-vllm's protocol, max_num_seqs 256) — kvpilot (default, with
-   --enforce-eager: the CUDA graphs' share, and with --quantization gguf) vs HF static batches vs a plain-PyTorch decode step (fused QKV and gate/up, RoPE, SDPA
+   --enforce-eager: the CUDA graphs' share, with --async-scheduling off: the host/device overlap's
+   share, and with --quantization gguf) vs HF static batches vs a plain-PyTorch decode step (fused QKV and gate/up, RoPE, SDPA
    over a static cache, a sampled token) captured as one CUDA graph;
 4. the quantization issue's kernel micro-benchmark: the Triton int4 / int8 GGUF-block matmul vs the
    bf16 matmul at Llama-3-8B's layer shapes, M = 1 and 16, weights generated on the GPU.
@@ -138,7 +139,7 @@ def make_gguf(dest: Path, seed: int = 0) -> Path:
 
 # name -> (kernels, engine settings)
 KVPILOT_RUNS = {"default": ("default", {}), "enforce_eager": ("default", {"enforce_eager": True}),
-                "gguf": ("default", {"quantization": "gguf"})}
+                "async_scheduling off": ("default", {"async_scheduling": "off"}), "gguf": ("default", {"quantization": "gguf"})}
 
 
 def _kvpilot(path: Path, device: str, dtype: str, kernels: str, **engine):

@@ -22,6 +22,10 @@ class AttentionMetadata:
     prefill_block_tables: list[torch.Tensor]  # [blocks] long each
     decode_block_tables: torch.Tensor    # [num_decodes, max_blocks] long (padded with 0)
     decode_context_lens: torch.Tensor    # [num_decodes] long, including the new token
+    # The prefills' (query starts, query lengths, context lengths) [P] and block tables [P, blocks], long,
+    # on the device, when the step has them there (from_input): what a device kernel reads, instead of
+    # uploading the host lists in every layer (a blocking copy, which would stall async scheduling).
+    prefill_device: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -32,8 +36,10 @@ class AttentionMetadata:
         """From a step's ModelInput (kvpilot.server.engine.model_io): prefills first, then decodes; the
         block tables are views of its one padded tensor (no per-sequence upload)."""
         p = inp.num_prefills
+        starts = inp.query_start_loc[:p]
+        device = (starts, inp.query_start_loc[1:p + 1] - starts, inp.seq_lens[:p], inp.block_tables[:p]) if p else None
         return cls(inp.slot_mapping, inp.query_lens, inp.context_lens, [inp.block_tables[i] for i in range(p)],
-                   inp.block_tables[p:], inp.seq_lens[p:])
+                   inp.block_tables[p:], inp.seq_lens[p:], device)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -238,10 +238,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if not meta.prefill_query_lens:
         return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     lens = meta.prefill_query_lens
-    starts, query_lens, context_lens = torch.tensor([list(accumulate(lens[:-1], initial=0)), lens, meta.prefill_context_lens]).to(q.device)
+    if meta.prefill_device is not None:
+        starts, query_lens, context_lens, tables = meta.prefill_device
+    else:
+        starts, query_lens, context_lens = torch.tensor([list(accumulate(lens[:-1], initial=0)), lens, meta.prefill_context_lens]).to(q.device)
+        tables = torch.stack(meta.prefill_block_tables)
     prefill_rows = sum(lens)
-    out = paged_prefill_attention(q[:prefill_rows], k_cache, v_cache, torch.stack(meta.prefill_block_tables), starts, query_lens,
-                                  context_lens, scale, max(lens))
+    out = paged_prefill_attention(q[:prefill_rows], k_cache, v_cache, tables, starts, query_lens, context_lens, scale, max(lens))
     if prefill_rows == q.shape[0]:
         return out
     decoded = paged_decode_attention(q[prefill_rows:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)

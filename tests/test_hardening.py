@@ -71,24 +71,30 @@ def test_a_row_with_nothing_to_sample_fails_alone():
     assert result.token_ids[0][0] in (0, 1, 2)
 
 
-def test_a_failing_model_step_fails_only_the_request_that_breaks_it(engine, monkeypatch):
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sync", "async-scheduling"])
+def test_a_failing_model_step_fails_only_the_request_that_breaks_it(engine, monkeypatch, overlapped):
+    """The poisoned request arrives while the others decode: with async scheduling the failing step
+    is launched while the one before is in flight, and its batch is re-run after that one is complete
+    (the placeholder inputs known by then)."""
     from kvpilot.server.engine.sampling_params import SamplingParams
 
     runner = engine.runner
-    real = runner.execute
+    real = runner.launch
 
     poison_token = 9999  # only the poisoned request's prompt holds it
 
-    def execute(model_input):  # an out-of-memory error whenever the poisoned request is in the step
+    def launch(model_input, previous_tokens=None):  # an out-of-memory error whenever the poisoned request is in the step
         if poison_token in model_input.input_ids.tolist():
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(model_input)
+        return real(model_input, previous_tokens)
 
-    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "launch", launch)
+    monkeypatch.setattr(engine, "async_scheduling", overlapped)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.add_request("The sky is", params, request_id="a")
-    engine.add_request([poison_token, 504, 6376], params, request_id="poison")
     engine.add_request("The sky is", params, request_id="b")
+    assert len(engine.step()) == (0 if overlapped else 2)  # async: the first step's tokens come back with the next step
+    engine.add_request([poison_token, 504, 6376], params, request_id="poison")
     finals = run_to_end(engine)
     assert finals["poison"].error and "OutOfMemoryError" in finals["poison"].error
     assert finals["poison"].outputs[0].finish_reason == "error"

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.output_processor import OutputProcessor, Request
@@ -16,6 +17,10 @@ from kvpilot.server.engine.scheduler import ScheduledBatch
 from kvpilot.server.engine.sequence import Sequence
 from kvpilot.server.model_files import default_served_name, resolve_model_path
 from kvpilot.server.threads import configure_threads
+
+if TYPE_CHECKING:  # torch-side: imported in LLMEngine.__init__, after the thread settings
+    from kvpilot.server.engine.model_io import StepPlan
+    from kvpilot.server.engine.model_runner import LaunchedStep
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +89,9 @@ class LLMEngine:
         elif config.speculative_method == "draft":
             self.proposer = DraftModelProposer(config, self.max_model_len, self.runner, self.inputs, self.tokenizer.eos_token_ids)
         self.requests = self.output.requests
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.runner.device.type == "cuda" and self.proposer is None and self.workers is None)
+        self._in_flight: StepInFlight | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
@@ -132,23 +140,48 @@ class LLMEngine:
         return self.output.request_output(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduled step. A failure is contained to the request that caused it: a row that cannot
         be sampled fails its request, and when the model step itself raises (out of memory, a kernel
-        error) the batch is re-run one request at a time so that only the failing ones end."""
+        error) the batch is re-run one request at a time so that only the failing ones end.
+
+        With async scheduling the step is launched before the previous step's outputs are processed:
+        the device runs step n while the host reads step n - 1's tokens, detokenizes, checks stops and
+        hands outputs back, then schedules and builds step n + 1. Step n's sequences hold a placeholder
+        for the token step n - 1 samples, whose value its input takes on the device. A sequence that
+        step n - 1 ends still runs in step n; that row is dropped."""
+        outputs: list[RequestOutput] = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and previous.tokens_needed_on_host:
+            outputs += self._complete(previous)
+            previous = None
         if self.proposer:
             self.proposer.plan(self.scheduler.running)
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        try:
-            return self._run_batch(batch)
-        except Exception as e:  # noqa: BLE001 - isolated below
-            log.warning("engine step of %d sequences failed (%s: %s): re-running it request by request", len(batch.seqs), type(e).__name__, e)
-            self.runner.recover()
+        launched = failed = None
+        if batch:
+            try:
+                if self.async_scheduling:
+                    launched = self._launch(batch, previous)
+                else:
+                    outputs += self._run_batch(batch)
+            except Exception as e:  # noqa: BLE001 - isolated below
+                log.warning("engine step of %d sequences failed (%s: %s): re-running it request by request", len(batch.seqs), type(e).__name__, e)
+                self.runner.recover()
+                failed = batch
+        if previous is not None:
+            outputs += self._complete(previous)
+        if launched is not None:
+            self._begin_awaiting(launched)
+        if failed is not None:
+            outputs += self._isolate(failed)
+        return outputs
+
+    def _isolate(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Re-run a failed batch one request at a time: only the requests whose own step fails end."""
         outputs = []
         for part in batch.split_by_request():
             try:
@@ -160,21 +193,46 @@ class LLMEngine:
         return outputs
 
     def _run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        return self._complete(self._launch(batch, None))
+
+    def _launch(self, batch: ScheduledBatch, previous: StepInFlight | None) -> StepInFlight:
+        """Build the step's input and queue it on the device (on a CPU it runs here)."""
         draft_probs = self.proposer.propose(batch) if self.proposer else None
-        model_input, plan = self.inputs.build(batch, draft_probs)
-        out = self.runner.execute(model_input)
+        model_input, plan = self.inputs.build(batch, draft_probs, previous.sampled_rows() if previous else None)
+        launched = self.runner.launch(model_input, previous.launched.tokens if previous else None)
+        return StepInFlight(batch, plan, launched, any(seq.params.has_penalties for seq in plan.sampled))
+
+    def _begin_awaiting(self, step: StepInFlight) -> None:
+        """Async scheduling, after the step before `step` is complete: account for `step`'s computed
+        tokens and give each sequence it samples a placeholder for the coming token, so that the next
+        step is scheduled with it."""
+        self.scheduler.update(step.batch)
+        step.updated = True
+        for seq in step.plan.sampled:
+            if not seq.is_finished:
+                p = seq.params
+                seq.await_token(last=(p.max_tokens is not None and len(seq.output_token_ids) + 1 >= p.max_tokens)
+                                or seq.num_tokens + 1 >= self.max_model_len)
+        self._in_flight = step
+
+    def _complete(self, step: StepInFlight) -> list[RequestOutput]:
+        """Wait for a launched step and hand its outputs to the requests."""
+        batch, plan = step.batch, step.plan
+        out = step.launched.output()
         for (seq, first_pos), entries in zip(plan.prompt_logprobs, out.prompt_logprobs):
             self.output.record_prompt_logprobs(seq, first_pos, entries)
         # A proposal of k with a accepted adds a + 1 tokens: the K/V of the k - a rejected ones does not count.
         verified = [(seq, len(seq.spec_token_ids), 0 if i in out.errors else len(out.token_ids[i]) - 1)
                     for i, seq in enumerate(plan.sampled) if seq.spec_token_ids]
-        self.scheduler.update(batch, {seq.seq_id: proposed - accepted for seq, proposed, accepted in verified})
+        if not step.updated:
+            self.scheduler.update(batch, {seq.seq_id: proposed - accepted for seq, proposed, accepted in verified})
         now = time.monotonic()
         touched: dict[str, None] = {}
         failed: dict[str, str] = {}
         for i, seq in enumerate(plan.sampled):
             if seq.request_id in failed or seq.is_finished:
                 continue
+            seq.drop_awaited_token()  # its value is here
             if i in out.errors:
                 failed[seq.request_id] = out.errors[i]
                 continue
@@ -205,6 +263,21 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage(), bm.num_blocks, bm.num_free_blocks,
                            bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions)
+
+
+@dataclass(slots=True)
+class StepInFlight:
+    """A launched step whose outputs the requests have not had yet."""
+
+    batch: ScheduledBatch
+    plan: StepPlan
+    launched: LaunchedStep
+    tokens_needed_on_host: bool     # a sequence's next step needs this step's token on the host (penalties count it)
+    updated: bool = False           # the scheduler has counted its computed tokens
+
+    def sampled_rows(self) -> dict[int, int]:
+        """seq_id -> its row among the step's sampled tokens (one row each: async scheduling runs without proposals)."""
+        return {seq.seq_id: i for i, seq in enumerate(self.plan.sampled)}
 
 
 def open_model(path: Path):

@@ -91,6 +91,7 @@ class SamplingTensors:
     top_p: torch.Tensor            # [S]
     min_p: torch.Tensor            # [S]
     random_rows: list[int]         # rows that draw at random (the rest are greedy)
+    random_index: torch.Tensor     # [R] long: the same rows, on the device (what the sampler indexes with)
     generators: list[torch.Generator | None]  # per random row: its request's generator (seeded) or None
     use_top_k_p: bool              # some random row filters by top-k or top-p (the one sort of a step)
     use_min_p: bool                # some random row filters by min-p
@@ -131,18 +132,18 @@ class SamplingTensors:
                 banned_tokens += banned
         drafts = [seq.spec_token_ids[j] if j < len(seq.spec_token_ids) and not proposing else -1 for seq, j in rows]
         longs, floats = Staging(torch.long, device), Staging(dtype, device)
-        for values in ([p.top_k for p in params], banned_rows, banned_tokens, drafts):
+        for values in ([p.top_k for p in params], banned_rows, banned_tokens, drafts, random_rows):
             longs.add(values)
         for values in ([1.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]):
             floats.add(values)
-        (top_k, banned_rows_t, banned_tokens_t, drafts_t), (temperature, top_p, min_p) = longs.upload(), floats.upload()
+        (top_k, banned_rows_t, banned_tokens_t, drafts_t, random_index), (temperature, top_p, min_p) = longs.upload(), floats.upload()
         q = None
         if draft_probs and random_rows:
             vocab = next(iter(draft_probs.values())).shape[-1]
             none = torch.zeros(vocab, dtype=dtype, device=device)
             q = torch.stack([draft_probs[rows[i][0].seq_id][rows[i][1]] if drafts[i] >= 0 and rows[i][0].seq_id in draft_probs else none
                              for i in random_rows]).to(dtype)
-        return cls(temperature.unsqueeze(1), top_k, top_p, min_p, random_rows, [rows[i][0].generator for i in random_rows],
+        return cls(temperature.unsqueeze(1), top_k, top_p, min_p, random_rows, random_index, [rows[i][0].generator for i in random_rows],
                    use_top_k_p, use_min_p, penalties, banned_rows_t, banned_tokens_t, [p.logprobs for p in params],
                    [1 if proposing else len(seq.spec_token_ids) + 1 for seq in seqs], drafts_t if any(d >= 0 for d in drafts) else None, q)
 
@@ -170,11 +171,16 @@ class ModelInput:
     context_lens: list[int]
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
     sampling: SamplingTensors | None = None
+    # Async scheduling: [2, R] long: input rows whose token the previous step is sampling (the host
+    # has a placeholder there), and the row of the previous step's sampled tokens that holds it.
+    from_previous: torch.Tensor | None = None
 
     def for_worker(self) -> ModelInput:
         """What a rank other than 0 needs: everything but sampling (rank 0 samples; the generators
         of seeded requests stay there). The tensors as compact copies: they are views of one staged
         upload, and a pickled view carries its whole storage."""
+        if self.from_previous is not None:
+            raise AssertionError("a step that takes inputs from the previous step's device tokens cannot be sent to other ranks")
         tensors = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices")
         return replace(self, sampling=None, **{name: getattr(self, name).clone() for name in tensors})
 
@@ -199,8 +205,10 @@ class InputBuilder:
     def __init__(self, block_size: int, eos_token_ids: tuple[int, ...], device: torch.device):
         self.block_size, self.eos_token_ids, self.device = block_size, eos_token_ids, device
 
-    def build(self, batch: ScheduledBatch, draft_probs: dict[int, torch.Tensor] | None = None) -> tuple[ModelInput, StepPlan]:
-        """draft_probs: what a draft model proposed from (see SamplingTensors.build)."""
+    def build(self, batch: ScheduledBatch, draft_probs: dict[int, torch.Tensor] | None = None,
+              previous: dict[int, int] | None = None) -> tuple[ModelInput, StepPlan]:
+        """draft_probs: what a draft model proposed from (see SamplingTensors.build). previous: seq_id ->
+        its row among the sampled tokens of the step in flight, for sequences awaiting that token."""
         bs = self.block_size
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1 or batch.seqs[i].num_spec_tokens > 0)
         ids: list[int] = []
@@ -214,11 +222,18 @@ class InputBuilder:
         sample_rows: list[int] = []
         plan = StepPlan([], [])
         prompt_lp: list[PromptLogprobRows] = []
+        placeholder_rows: list[int] = []
+        previous_rows: list[int] = []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens
             row0 = len(ids)
             ids += seq.tokens_slice(start, start + n)
+            if seq.awaiting_token:  # its last token, the placeholder, is the one this step computes
+                if start + n != seq.num_tokens or previous is None or seq.seq_id not in previous:
+                    raise AssertionError(f"sequence {seq.seq_id} awaits a token that no step in flight samples")
+                placeholder_rows.append(len(ids) - 1)
+                previous_rows.append(previous[seq.seq_id])
             pos = range(start, start + n)
             positions += pos
             table = seq.block_table
@@ -247,14 +262,15 @@ class InputBuilder:
                 plan.sampled.append(seq)
         dev = self.device
         staged = Staging(torch.long, dev)
-        for values in (ids, positions, slots, starts, seq_lens, sample_rows, _padded_tables(tables)):
+        for values in (ids, positions, slots, starts, seq_lens, sample_rows, placeholder_rows + previous_rows, _padded_tables(tables)):
             staged.add(values)
-        ids_t, positions_t, slots_t, starts_t, seq_lens_t, rows_t, tables_t = staged.upload()
+        ids_t, positions_t, slots_t, starts_t, seq_lens_t, rows_t, previous_t, tables_t = staged.upload()
         inp = ModelInput(
             input_ids=ids_t, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
             block_tables=tables_t.view(len(tables), -1) if tables else tables_t.view(0, 0), logits_indices=rows_t,
             num_prefills=len(query_lens), query_lens=query_lens, context_lens=context_lens, prompt_logprobs=prompt_lp,
-            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, dev, draft_probs) if plan.sampled else None)
+            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, dev, draft_probs) if plan.sampled else None,
+            from_previous=previous_t.view(2, -1) if placeholder_rows else None)
         return inp, plan
 
     def build_decode(self, seqs: list[Sequence], positions: list[int]) -> ModelInput:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -13,12 +14,32 @@ from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.decode_graphs import DecodeGraphs
 from kvpilot.server.engine.model_io import ModelInput, ModelOutput, PromptLogprobRows
 from kvpilot.server.engine.parallel import TensorParallel, Workers
-from kvpilot.server.engine.sampler import Sampler
+from kvpilot.server.engine.sampler import PendingSample, Sampler
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step queued on the device: its sampled tokens there at once, its ModelOutput when waited for."""
+
+    sample: PendingSample | None      # None: nothing sampled (a prefill chunk)
+    prompt_logprobs: list[list[dict[int, float]]]
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """[sampled rows] long, on the device."""
+        return self.sample.tokens if self.sample is not None else None
+
+    def output(self) -> ModelOutput:
+        """Wait for the step; its outputs on the host."""
+        if self.sample is None:
+            return ModelOutput([], [], prompt_logprobs=self.prompt_logprobs)
+        result = self.sample.result()
+        return ModelOutput(result.token_ids, result.logprobs, result.errors, self.prompt_logprobs)
 
 
 def resolve_device(config: EngineConfig, tp: TensorParallel | None = None) -> torch.device:
@@ -237,18 +258,26 @@ class ModelRunner:
         ids = torch.tensor(token_ids, device=self.device)
         return self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)).float()
 
-    @torch.inference_mode()
     def execute(self, inp: ModelInput) -> ModelOutput:
         """The one device call of a step: forward, prompt logprobs, sampling (verifying proposed tokens)."""
+        return self.launch(inp).output()
+
+    @torch.inference_mode()
+    def launch(self, inp: ModelInput, previous_tokens: torch.Tensor | None = None) -> LaunchedStep:
+        """execute() without waiting for the device: on CUDA the step is queued and the host goes on
+        (async scheduling builds the next step meanwhile). previous_tokens: the sampled tokens of the
+        step before, still on the device, which inp.from_previous's rows take as their inputs."""
+        if inp.from_previous is not None:
+            if previous_tokens is None:
+                raise AssertionError("this step takes inputs from the previous step's tokens, and none were given")
+            rows, source = inp.from_previous
+            inp.input_ids[rows] = previous_tokens[source]
         sampled = inp.sampling is not None
         if self.workers is not None:
             self.workers.broadcast(("execute", inp.for_worker(), sampled))
         prompt_logits, logits = self._forward(inp, sampled)
         prompt_logprobs = [self._prompt_logprobs(lg, r) for lg, r in zip(prompt_logits, inp.prompt_logprobs)]
-        if not sampled:
-            return ModelOutput([], [], prompt_logprobs=prompt_logprobs)
-        result = self.sampler(logits, inp.sampling)
-        return ModelOutput(result.token_ids, result.logprobs, result.errors, prompt_logprobs)
+        return LaunchedStep(self.sampler.draw(logits, inp.sampling) if sampled else None, prompt_logprobs)
 
     def _forward(self, inp: ModelInput, sampled: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The part of a step every rank runs alike (its all-reduces and gathers pair up across ranks):

@@ -30,6 +30,72 @@ class SampleResult:
     errors: dict[int, str] = field(default_factory=dict)  # sequence -> why no token could be sampled for it
 
 
+def to_host(values: torch.Tensor) -> HostCopy:
+    """Start copying a device tensor to the host; on CUDA into pinned memory without blocking."""
+    if values.device.type != "cuda":
+        return HostCopy(values, None)
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return HostCopy(host, done)
+
+
+@dataclass(slots=True)
+class HostCopy:
+    values: torch.Tensor            # host tensor, complete once `done` has passed (None: already complete)
+    done: torch.cuda.Event | None
+
+    def tolist(self) -> list:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.values.tolist()
+
+
+@dataclass(slots=True)
+class PendingSample:
+    """A launched draw: `tokens` on the device at once, the host's SampleResult when the copy lands."""
+
+    tokens: torch.Tensor            # [S] long, on the device: each row's chosen token
+    host: HostCopy                  # chosen, unusable, [accepted], [chosen logprob, top values, top indices] as float64
+    t: SamplingTensors
+    has_accepted: bool
+    has_logprobs: bool
+    top_n: int
+
+    def result(self) -> SampleResult:
+        """Wait for the copy (the step's one device-to-host sync) and read it per sequence."""
+        t, top_n = self.t, self.top_n
+        host = self.host.tolist()
+        b = len(t.top_logprobs)
+        row_tokens = [int(x) for x in host[:b]]
+        bad = host[b:2 * b]
+        acc, at = (host[2 * b:3 * b], 3 * b) if self.has_accepted else ([0.0] * b, 2 * b)
+        chosen_lp = host[at:at + b]
+        values, indices = host[at + b:at + b + b * top_n], host[at + b + b * top_n:]
+
+        def entry(row: int) -> dict[int, float]:
+            e = {row_tokens[row]: chosen_lp[row]}
+            for j in range(t.top_logprobs[row]):
+                e.setdefault(int(indices[row * top_n + j]), values[row * top_n + j])
+            return e
+
+        result = SampleResult([], [])
+        row = 0
+        for s, count in enumerate(t.row_counts):
+            take = 1  # a sequence's rows up to and including its first that did not accept its proposed token
+            while take < count and acc[row + take - 1]:
+                take += 1
+            used = range(row, row + take)
+            if any(bad[r] for r in used):
+                result.errors[s] = NOTHING_TO_SAMPLE
+            result.token_ids.append([row_tokens[r] for r in used])
+            wants = self.has_logprobs and t.top_logprobs[row] is not None and s not in result.errors
+            result.logprobs.append([entry(r) for r in used] if wants else None)
+            row += count
+        return result
+
+
 def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     """Repetition (over prompt + output, as in vLLM), presence and frequency (over output) penalties,
     on the rows that have any, all at once."""
@@ -87,9 +153,9 @@ def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Te
         apply_penalties(logits, t.penalties)
     if t.banned_rows.numel():
         logits[t.banned_rows, t.banned_tokens] = NEG_INF
-    rows = t.random_rows
-    if not rows:
+    if not t.random_rows:
         return logits, logits[:0]
+    rows = t.random_index  # a device index: a host list would be uploaded with a blocking copy
     x = logits[rows]
     # Shift so the best logit is 0 before dividing (a small temperature cannot overflow it to +inf) and
     # keep masked entries -inf (a huge temperature would give -inf/inf = NaN).
@@ -122,14 +188,19 @@ class Sampler:
     def uniforms(self, t: SamplingTensors, per_row: int, like: torch.Tensor) -> torch.Tensor:
         """[random rows, per_row] uniforms: a seeded request's from its own generator, so its draws
         do not depend on what else is batched."""
-        u = torch.empty(len(t.random_rows), per_row, dtype=like.dtype, device=like.device)
-        unseeded = [j for j, g in enumerate(t.generators) if g is None]
-        if unseeded:
-            u[unseeded] = torch.rand(len(unseeded), per_row, generator=self.default_generator, dtype=like.dtype, device=like.device)
-        for j, g in enumerate(t.generators):
-            if g is not None:
-                u[j] = torch.rand(per_row, generator=g, dtype=like.dtype, device=like.device)
-        return u
+        draw = lambda n, g: torch.rand(n, per_row, generator=g, dtype=like.dtype, device=like.device)  # noqa: E731
+        unseeded = sum(g is None for g in t.generators)
+        shared = draw(unseeded, self.default_generator) if unseeded else None
+        if unseeded == len(t.generators):
+            return shared
+        rows, k = [], 0
+        for g in t.generators:  # assembled in row order without indexing by a host list (a blocking upload)
+            if g is None:
+                rows.append(shared[k])
+                k += 1
+            else:
+                rows.append(draw(1, g)[0])
+        return torch.stack(rows)
 
     def propose(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[list[int], torch.Tensor | None]:
         """A draft model's draw, with every sampling parameter applied as the target will apply it:
@@ -139,10 +210,15 @@ class Sampler:
         q = None
         if t.random_rows:
             q = filtered.softmax(-1)
-            tokens[t.random_rows] = inverse_cdf(q, self.uniforms(t, 1, q)[:, 0])
+            tokens[t.random_index] = inverse_cdf(q, self.uniforms(t, 1, q)[:, 0])
         return tokens.tolist(), q
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SampleResult:
+        return self.draw(logits, t).result()
+
+    def draw(self, logits: torch.Tensor, t: SamplingTensors) -> PendingSample:
+        """Launch the step's sampling: the chosen tokens stay on the device (the next step can take its
+        inputs from them) and everything the host needs is on its way in one copy, not waited for."""
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in t.top_logprobs) else None
         penalised, filtered = processed_logits(logits, t)
         # One pass gives the greedy tokens and, from the row maxima, the rows with nothing to sample
@@ -153,7 +229,7 @@ class Sampler:
         drafts = t.draft_token_ids
         accepted = None if drafts is None else tokens == drafts  # the greedy rows' verdict (-1 matches nothing)
         if t.random_rows:
-            rows = t.random_rows
+            rows = t.random_index
             probs = filtered.softmax(-1)
             u = self.uniforms(t, 1 if drafts is None else 2, probs)
             if drafts is not None:
@@ -179,31 +255,5 @@ class Sampler:
             if top_n:
                 top = torch.topk(raw_logprobs, top_n, dim=-1)
                 parts += [top.values.to(torch.float64).flatten(), top.indices.to(torch.float64).flatten()]
-        host = torch.cat(parts).tolist()  # the step's one device-to-host copy
-        b = len(t.top_logprobs)
-        row_tokens = [int(x) for x in host[:b]]
-        bad = host[b:2 * b]
-        acc, at = (host[2 * b:3 * b], 3 * b) if accepted is not None else ([0.0] * b, 2 * b)
-        chosen_lp = host[at:at + b]
-        values, indices = host[at + b:at + b + b * top_n], host[at + b + b * top_n:]
+        return PendingSample(chosen, to_host(torch.cat(parts)), t, accepted is not None, raw_logprobs is not None, top_n)
 
-        def entry(row: int) -> dict[int, float]:
-            e = {row_tokens[row]: chosen_lp[row]}
-            for j in range(t.top_logprobs[row]):
-                e.setdefault(int(indices[row * top_n + j]), values[row * top_n + j])
-            return e
-
-        result = SampleResult([], [])
-        row = 0
-        for s, count in enumerate(t.row_counts):
-            take = 1  # a sequence's rows up to and including its first that did not accept its proposed token
-            while take < count and acc[row + take - 1]:
-                take += 1
-            used = range(row, row + take)
-            if any(bad[r] for r in used):
-                result.errors[s] = NOTHING_TO_SAMPLE
-            result.token_ids.append([row_tokens[r] for r in used])
-            wants = raw_logprobs is not None and t.top_logprobs[row] is not None and s not in result.errors
-            result.logprobs.append([entry(r) for r in used] if wants else None)
-            row += count
-        return result

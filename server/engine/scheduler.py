@@ -30,9 +30,12 @@ class ScheduledBatch:
         return bool(self.seqs)
 
     def split_by_request(self) -> list[ScheduledBatch]:
-        """The same work as one batch per request (to find which request makes a step fail)."""
+        """The same work as one batch per request (to find which request makes a step fail), less the
+        sequences that ended meanwhile."""
         parts: dict[str, ScheduledBatch] = {}
         for seq, n in zip(self.seqs, self.num_new_tokens):
+            if seq.is_finished:
+                continue
             part = parts.setdefault(seq.request_id, ScheduledBatch())
             part.seqs.append(seq)
             part.num_new_tokens.append(n)
@@ -66,6 +69,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.awaiting_last_token:  # computing its final token would be wasted: it ends when that arrives
+                i += 1
+                continue
             pending = seq.num_tokens - seq.num_computed_tokens
             n = min(pending + seq.num_spec_tokens, budget)
             if seq.num_spec_tokens > n - pending:  # the budget cuts the proposal short
@@ -112,8 +118,12 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch, rejected: dict[int, int] | None = None) -> None:
         """After the batch ran: its tokens' K/V are in the cache, and full blocks join the prefix cache.
-        rejected: seq_id -> proposed tokens the verification rejected (their K/V does not count)."""
+        rejected: seq_id -> proposed tokens the verification rejected (their K/V does not count).
+        Sequences that ended meanwhile are skipped (async scheduling: a step runs sequences that the
+        previous step's outputs ended)."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.is_finished:
+                continue
             seq.num_computed_tokens += n - (rejected or {}).get(seq.seq_id, 0)
             self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
 
@@ -143,6 +153,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
         seq.set_spec(None)
+        seq.drop_awaited_token()
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()

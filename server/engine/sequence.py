@@ -10,6 +10,11 @@ from typing import Any
 from kvpilot.server.engine.sampling_params import SamplingParams
 
 
+# An output token not known on the host yet (async scheduling): the step that samples it is in flight,
+# and the step after reads it from the device.
+PLACEHOLDER_TOKEN = -1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -55,6 +60,8 @@ class Sequence:
     spec_recent_accepted: int = 0
     spec_paused_steps: int = 0            # steps left without proposals
     spec_pause_length: int = 0            # the last pause's length (0: the last window passed)
+    awaiting_token: bool = False          # the last output token is PLACEHOLDER_TOKEN (async scheduling)
+    awaiting_last_token: bool = False     # ... and it ends the sequence whatever its value (length): nothing to schedule
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +86,20 @@ class Sequence:
         """This step's proposal: known tokens, or (a draft model's, filled in later) a count reserved."""
         self.spec_token_ids = list(token_ids or [])
         self.num_spec_tokens = len(self.spec_token_ids) if count is None else count
+
+    def await_token(self, last: bool) -> None:
+        """A step that samples this sequence's next token is in flight: count the token already (the
+        next step is scheduled with it) as a placeholder until its value comes back. last: that token
+        reaches max_tokens or the context limit, so the sequence ends with it."""
+        self.output_token_ids.append(PLACEHOLDER_TOKEN)
+        self.awaiting_token, self.awaiting_last_token = True, last
+
+    def drop_awaited_token(self) -> None:
+        """Take the placeholder out: its value arrived (and is appended as any token is) or the
+        sequence ended before it."""
+        if self.awaiting_token:
+            self.output_token_ids.pop()
+            self.awaiting_token = self.awaiting_last_token = False
 
     @property
     def is_finished(self) -> bool:

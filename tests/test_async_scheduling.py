@@ -1,0 +1,139 @@
+"""Async scheduling (server/engine/llm_engine.py: step): step n is launched before step n - 1's outputs
+are processed, its placeholder inputs taken from step n - 1's sampled tokens on the device. On a CPU
+the steps run at launch, so nothing overlaps in time, but the bookkeeping is the same code as on a GPU:
+these tests check that it gives the synchronous engine's outputs under every feature that touches it,
+and that the steps really are interleaved."""
+
+import pytest
+import torch
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3, 4,", "Write a poem about the sea:",
+           "Question: what is the tallest mountain on Earth? Answer:", "def fibonacci(n):"]
+
+
+def params():
+    from kvpilot.server import SamplingParams
+
+    return [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3),
+            SamplingParams(temperature=0.8, seed=5, max_tokens=40, stop=[".", "\n"]),      # ends early on a stop string
+            SamplingParams(temperature=0.7, seed=3, n=2, max_tokens=18),                   # two sequences, own generators
+            SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, min_tokens=5),  # penalties need the host's tokens
+            SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=2),
+            SamplingParams(temperature=0.9, top_p=0.8, top_k=40, seed=11, max_tokens=33, logprobs=1)]
+
+
+def run(mode, **engine_args):
+    from kvpilot.server import LLM
+    from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN
+
+    llm = LLM(num_threads=1, show_progress=False, async_scheduling=mode, **engine_args)
+    assert llm.engine.async_scheduling is (mode == "on")
+    outs = llm.generate(PROMPTS, params())
+    assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.usage() == 0.0  # every block returned
+    result = []
+    for o in outs:
+        for c in o.outputs:
+            assert PLACEHOLDER_TOKEN not in c.token_ids
+            lps = [max(e.values()) for e in c.logprobs] if c.logprobs is not None else None
+            result.append((c.token_ids, c.text, c.finish_reason, c.stop_reason, lps))
+        if o.prompt_logprobs is not None:
+            result.append([max(e.values()) if e else None for e in o.prompt_logprobs])
+    return llm, result
+
+
+def assert_same(sync, overlapped):
+    for a, b in zip(sync, overlapped, strict=True):
+        if isinstance(a, list):  # prompt logprobs
+            torch.testing.assert_close(torch.tensor(b[1:]), torch.tensor(a[1:]), atol=1e-4, rtol=1e-4)
+            continue
+        assert b[:4] == a[:4]
+        if a[4] is not None:
+            torch.testing.assert_close(torch.tensor(b[4]), torch.tensor(a[4]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_async_scheduling_gives_the_synchronous_outputs():
+    """Greedy and seeded sampling, stop strings, n = 2, penalties, min_tokens, logprobs and prompt
+    logprobs; 16-token steps (prompts split over steps) and a KV cache small enough to preempt."""
+    engine_args = dict(max_num_batched_tokens=16, block_size=8, kv_cache_memory=13 * 368640)  # 12 blocks of 8 tokens, plus scratch
+    _, sync = run("off", **engine_args)
+    llm, overlapped = run("on", **engine_args)
+    assert llm.engine.block_manager.num_blocks == 12
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_same(sync, overlapped)
+
+
+@pytest.mark.timeout(300)
+def test_steps_interleave_and_placeholders_take_the_device_tokens():
+    """Each step is launched before the previous one is waited for, decode inputs come from the
+    previous step's device tokens (the host holds a placeholder), and a sequence that reaches max_tokens
+    with the token in flight is not scheduled again."""
+    from kvpilot.server import LLM, SamplingParams
+
+    llm = LLM(num_threads=1, show_progress=False, async_scheduling="on")
+    engine, runner = llm.engine, llm.engine.runner
+    events = []
+    launch = runner.launch
+
+    def spy_launch(inp, previous_tokens=None):
+        n = sum(1 for e in events if e[0] == "launch")
+        events.append(("launch", n, 0 if inp.from_previous is None else inp.from_previous.shape[1]))
+        step = launch(inp, previous_tokens)
+        output = step.output
+
+        def spy_output():
+            events.append(("wait", n))
+            return output()
+
+        return type("Spied", (), {"tokens": step.tokens, "output": staticmethod(spy_output)})()
+
+    runner.launch = spy_launch
+    sync_tokens = [o.outputs[0].token_ids for o in LLM(num_threads=1, show_progress=False).generate(
+        PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
+    outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == sync_tokens
+    launches = [e for e in events if e[0] == "launch"]
+    # One prefill step, then 5 decode steps of both sequences (their 6th token ends them: never scheduled).
+    assert [e[2] for e in launches] == [0, 2, 2, 2, 2, 2]
+    order = [e[:2] for e in events]
+    assert order == [("launch", 0)] + [x for n in range(1, 6) for x in (("launch", n), ("wait", n - 1))] + [("wait", 5)]
+
+
+@pytest.mark.timeout(300)
+def test_abort_while_a_step_is_in_flight():
+    """A request aborted between steps, while the step holding its next token is in flight: its final
+    output carries no placeholder, its blocks are freed, and the other request is unaffected."""
+    from kvpilot.server import LLM, SamplingParams
+    from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN
+
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = LLM(num_threads=1, show_progress=False).generate(PROMPTS[1], greedy)[0].outputs[0].token_ids
+    engine = LLM(num_threads=1, show_progress=False, async_scheduling="on").engine
+    engine.add_request(PROMPTS[0], greedy, request_id="aborted")
+    engine.add_request(PROMPTS[1], greedy, request_id="kept")
+    seen = {}
+    for _ in range(4):
+        for out in engine.step():
+            seen[out.request_id] = out
+    assert engine.requests["aborted"].seqs[0].awaiting_token  # the 4th step, in flight, samples its next token
+    final = engine.abort_request("aborted")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert PLACEHOLDER_TOKEN not in final.outputs[0].token_ids
+    assert final.outputs[0].token_ids == seen["aborted"].outputs[0].token_ids  # what was delivered, nothing more
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == "kept"
+            seen["kept"] = out
+    assert seen["kept"].finished and seen["kept"].outputs[0].token_ids == expected
+    assert engine.block_manager.usage() == 0.0
+
+
+def test_async_scheduling_is_refused_where_it_cannot_run():
+    from kvpilot.server.config import EngineConfig
+
+    assert EngineConfig().async_scheduling == "auto"
+    with pytest.raises(ValueError, match="async_scheduling=on is not implemented with speculative decoding"):
+        EngineConfig(async_scheduling="on", speculative_method="ngram")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(async_scheduling="on", tensor_parallel_size=2)
+    assert EngineConfig.from_cli_args(["--async-scheduling", "off"]).async_scheduling == "off"
