@@ -7,7 +7,9 @@ time is what stands between the engine and the plain graph step unless it overla
 Measured on CPU, where the forward and sampling are synchronous and their time can be taken out
 exactly: DecoderModel.forward, compute_logits and the Sampler call are timed; the rest of each step is
 host work (sampling's own time is reported beside it: tensor work on a GPU, launched asynchronously).
-These are upper bounds for a GPU machine's host of the same speed: here each step's host work runs
+With async scheduling (`--async-scheduling on`) the same host work overlaps the device's step on a GPU;
+on a CPU nothing overlaps, so the figures show what the bookkeeping costs. These are upper bounds for
+a GPU machine's host of the same speed: here each step's host work runs
 right after a forward that has evicted it from the CPU's caches (InputBuilder.build takes ~45 µs in a
 loop of its own, ~175 µs between forwards at one sequence).
 
@@ -36,7 +38,8 @@ def measure(llm: LLM, batch: int, tokens: int) -> dict:
     runner = llm.engine.runner
     engine, model = llm.engine, runner.model
     spent = {"forward": 0.0, "sampling": 0.0}
-    plain = {"forward": model.forward, "compute_logits": model.compute_logits, "sampler": runner.sampler}
+    sampler = runner.sampler
+    plain = {"forward": model.forward, "compute_logits": model.compute_logits, "draw": sampler.draw}
 
     def timed(fn, key):
         def wrapper(*args, **kwargs):
@@ -48,7 +51,7 @@ def measure(llm: LLM, batch: int, tokens: int) -> dict:
         return wrapper
 
     model.forward, model.compute_logits = timed(plain["forward"], "forward"), timed(plain["compute_logits"], "forward")
-    runner.sampler = timed(plain["sampler"], "sampling")
+    sampler.draw = timed(plain["draw"], "sampling")  # the tensor work; reading its copy back is host work
     try:
         for i in range(batch):
             engine.add_request([1 + (7 * i + j) % 1000 for j in range(16)], SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
@@ -63,8 +66,8 @@ def measure(llm: LLM, batch: int, tokens: int) -> dict:
             sampling.append(spent["sampling"])
             host.append(dt - spent["forward"] - spent["sampling"])
     finally:
-        model.forward, model.compute_logits, runner.sampler = plain["forward"], plain["compute_logits"], plain["sampler"]
-    return {"batch": batch, "decode steps": len(total), "host ms/step": f"{_median(host) * 1e3:.3f}",
+        model.forward, model.compute_logits, sampler.draw = plain["forward"], plain["compute_logits"], plain["draw"]
+    return {"async scheduling": "on" if engine.async_scheduling else "off", "batch": batch, "decode steps": len(total), "host ms/step": f"{_median(host) * 1e3:.3f}",
             "host µs per sequence": f"{_median(host) * 1e6 / batch:.1f}", "sampling ms/step": f"{_median(sampling) * 1e3:.3f}",
             "whole step ms": f"{_median(total) * 1e3:.2f}"}
 
@@ -73,12 +76,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--async-scheduling", default="off,on", help="modes to measure (on a CPU the steps run at launch: the host "
+                                                                   "work is what a GPU would overlap with its own)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
-    llm = LLM(show_progress=False, num_threads=1, kv_cache_memory="256MiB", max_num_seqs=256)
-    measure(llm, 1, 8)  # warm-up
-    rows = [measure(llm, int(b), args.tokens) for b in args.batches.split(",")]
+    rows = []
+    for mode in args.async_scheduling.split(","):
+        llm = LLM(show_progress=False, num_threads=1, kv_cache_memory="256MiB", max_num_seqs=256, async_scheduling=mode)
+        measure(llm, 1, 8)  # warm-up
+        rows += [measure(llm, int(b), args.tokens) for b in args.batches.split(",")]
     print(machine())
     print(table(rows, list(rows[0])))
 

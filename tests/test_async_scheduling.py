@@ -11,6 +11,13 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3, 4,", "Writ
            "Question: what is the tallest mountain on Earth? Answer:", "def fibonacci(n):"]
 
 
+@pytest.fixture(scope="module")
+def sync_llm():
+    from kvpilot.server import LLM
+
+    return LLM(num_threads=1, show_progress=False)
+
+
 def params():
     from kvpilot.server import SamplingParams
 
@@ -64,14 +71,14 @@ def test_async_scheduling_gives_the_synchronous_outputs():
 
 
 @pytest.mark.timeout(300)
-def test_steps_interleave_and_placeholders_take_the_device_tokens():
+def test_steps_interleave_and_placeholders_take_the_device_tokens(sync_llm):
     """Each step is launched before the previous one is waited for, decode inputs come from the
     previous step's device tokens (the host holds a placeholder), and a sequence that reaches max_tokens
     with the token in flight is not scheduled again."""
     from kvpilot.server import LLM, SamplingParams
 
     llm = LLM(num_threads=1, show_progress=False, async_scheduling="on")
-    engine, runner = llm.engine, llm.engine.runner
+    runner = llm.engine.runner
     events = []
     launch = runner.launch
 
@@ -88,8 +95,7 @@ def test_steps_interleave_and_placeholders_take_the_device_tokens():
         return type("Spied", (), {"tokens": step.tokens, "output": staticmethod(spy_output)})()
 
     runner.launch = spy_launch
-    sync_tokens = [o.outputs[0].token_ids for o in LLM(num_threads=1, show_progress=False).generate(
-        PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
+    sync_tokens = [o.outputs[0].token_ids for o in sync_llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
     outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == sync_tokens
     launches = [e for e in events if e[0] == "launch"]
@@ -100,14 +106,14 @@ def test_steps_interleave_and_placeholders_take_the_device_tokens():
 
 
 @pytest.mark.timeout(300)
-def test_abort_while_a_step_is_in_flight():
+def test_abort_while_a_step_is_in_flight(sync_llm):
     """A request aborted between steps, while the step holding its next token is in flight: its final
     output carries no placeholder, its blocks are freed, and the other request is unaffected."""
     from kvpilot.server import LLM, SamplingParams
     from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN
 
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    expected = LLM(num_threads=1, show_progress=False).generate(PROMPTS[1], greedy)[0].outputs[0].token_ids
+    expected = sync_llm.generate(PROMPTS[1], greedy)[0].outputs[0].token_ids
     engine = LLM(num_threads=1, show_progress=False, async_scheduling="on").engine
     engine.add_request(PROMPTS[0], greedy, request_id="aborted")
     engine.add_request(PROMPTS[1], greedy, request_id="kept")
@@ -137,3 +143,26 @@ def test_async_scheduling_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(async_scheduling="on", tensor_parallel_size=2)
     assert EngineConfig.from_cli_args(["--async-scheduling", "off"]).async_scheduling == "off"
+
+
+@pytest.mark.timeout(300)
+def test_async_scheduling_through_the_decode_graph_buffers(sync_llm):
+    """The CUDA-graph path (static buffers, capture=False on a CPU) takes the placeholder rows' tokens
+    from the device too: they are filled in before the step's inputs are copied into the buffers."""
+    from kvpilot.server import LLM, SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=3 + 4 * i, ignore_eos=True) for i in range(3)]
+    expected = [o.outputs[0].token_ids for o in sync_llm.generate(PROMPTS[:3], params)]
+    llm = LLM(num_threads=1, show_progress=False, async_scheduling="on")
+    runner = llm.engine.runner
+    runner.start_decode_graphs(llm.engine.max_model_len, capture=False)
+    took = []
+    run = runner.decode_graphs.run
+
+    def spy(inp):
+        took.append(inp.from_previous is not None)
+        return run(inp)
+
+    runner.decode_graphs.run = spy
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)] == expected
+    assert len(took) == 10 and all(took)  # the longest request's tokens 2..11, each step's inputs from the one before

@@ -9,7 +9,6 @@ from typing import Any
 
 from kvpilot.server.engine.sampling_params import SamplingParams
 
-
 # An output token not known on the host yet (async scheduling): the step that samples it is in flight,
 # and the step after reads it from the device.
 PLACEHOLDER_TOKEN = -1
