@@ -4,6 +4,8 @@ the steps run at launch, so nothing overlaps in time, but the bookkeeping is the
 these tests check that it gives the synchronous engine's outputs under every feature that touches it,
 and that the steps really are interleaved."""
 
+import json
+
 import pytest
 import torch
 
@@ -166,3 +168,50 @@ def test_async_scheduling_through_the_decode_graph_buffers(sync_llm):
     runner.decode_graphs.run = spy
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)] == expected
     assert len(took) == 10 and all(took)  # the longest request's tokens 2..11, each step's inputs from the one before
+
+
+@pytest.mark.timeout(300)
+def test_the_server_with_async_scheduling(sync_llm, tmp_path):
+    """`kvpilot serve --async-scheduling on`: concurrent streams give the synchronous engine's text, a
+    client leaving mid-stream aborts its request and frees its blocks, and the token counter counts
+    delivered tokens only (never a dropped row's)."""
+    import threading
+
+    import httpx
+
+    from kvpilot.server import SamplingParams
+    from server_harness import ServerProcess, metrics, wait_until_freed
+
+    prompts = PROMPTS[:3]
+    expected = [o.outputs[0].text for o in sync_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))]
+    server = ServerProcess("--async-scheduling", "on", "--kv-cache-memory", "64MiB", log_path=tmp_path / "log").wait_ready()
+    try:
+        texts = [None] * len(prompts)
+
+        def stream(i):
+            body = {"prompt": prompts[i], "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True}
+            parts = []
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        parts.append(json.loads(line[6:])["choices"][0]["text"])
+            texts[i] = "".join(parts)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert texts == expected
+        assert metrics(server.url)["kvpilot:generation_tokens_total"] == 60
+        body = {"prompt": PROMPTS[3], "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i > 10:
+                    break  # leave mid-stream
+        assert wait_until_freed(server.url)
+        after = metrics(server.url)
+        assert after["kvpilot:request_success_total{finished_reason=abort}"] == 1 and after["kvpilot:generation_tokens_total"] < 60 + 1000
+    finally:
+        assert server.terminate() == 0

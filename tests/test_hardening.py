@@ -121,10 +121,12 @@ extreme = st.fixed_dictionaries({
 
 @pytest.mark.timeout(240)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sync", "async-scheduling"])
 @given(kw=extreme)
-def test_property_extreme_sampling_never_kills_the_engine(engine, kw):
+def test_property_extreme_sampling_never_kills_the_engine(engine, monkeypatch, overlapped, kw):
     from kvpilot.server.engine.sampling_params import SamplingParams
 
+    monkeypatch.setattr(engine, "async_scheduling", overlapped)
     params = SamplingParams(max_tokens=3, **kw)
     rid = engine.add_request("hello hello hello", params)
     finals = run_to_end(engine)
