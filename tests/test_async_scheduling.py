@@ -32,11 +32,21 @@ def params():
 
 
 def run(mode, **engine_args):
+    """(the LLM, its outputs, how many steps filled placeholders in penalised output ids on the device)"""
     from kvpilot.server import LLM
     from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN
 
     llm = LLM(num_threads=1, show_progress=False, async_scheduling=mode, **engine_args)
     assert llm.engine.async_scheduling is (mode == "on")
+    runner, penalty_fills = llm.engine.runner, []
+    launch = runner.launch
+
+    def spy(inp, previous_tokens=None):
+        pen = inp.sampling.penalties if inp.sampling is not None else None
+        penalty_fills.append(pen is not None and pen.from_previous is not None)
+        return launch(inp, previous_tokens)
+
+    runner.launch = spy
     outs = llm.generate(PROMPTS, params())
     assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.usage() == 0.0  # every block returned
     result = []
@@ -47,7 +57,7 @@ def run(mode, **engine_args):
             result.append((c.token_ids, c.text, c.finish_reason, c.stop_reason, lps))
         if o.prompt_logprobs is not None:
             result.append([max(e.values()) if e else None for e in o.prompt_logprobs])
-    return llm, result
+    return llm, result, sum(penalty_fills)
 
 
 def assert_same(sync, overlapped):
@@ -65,8 +75,9 @@ def test_async_scheduling_gives_the_synchronous_outputs():
     """Greedy and seeded sampling, stop strings, n = 2, penalties, min_tokens, logprobs and prompt
     logprobs; 16-token steps (prompts split over steps) and a KV cache small enough to preempt."""
     engine_args = dict(max_num_batched_tokens=16, block_size=8, kv_cache_memory=13 * 368640)  # 12 blocks of 8 tokens, plus scratch
-    _, sync = run("off", **engine_args)
-    llm, overlapped = run("on", **engine_args)
+    _, sync, no_fills = run("off", **engine_args)
+    llm, overlapped, fills = run("on", **engine_args)
+    assert no_fills == 0 and fills >= 20  # the penalised request's decode steps count its awaited token from the device
     assert llm.engine.block_manager.num_blocks == 12
     assert llm.engine.scheduler.num_preemptions > 0
     assert_same(sync, overlapped)

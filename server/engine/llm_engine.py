@@ -155,9 +155,6 @@ class LLMEngine:
         step n - 1 ends still runs in step n; that row is dropped."""
         outputs: list[RequestOutput] = []
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and previous.tokens_needed_on_host:
-            outputs += self._complete(previous)
-            previous = None
         if self.proposer:
             self.proposer.plan(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -200,7 +197,7 @@ class LLMEngine:
         draft_probs = self.proposer.propose(batch) if self.proposer else None
         model_input, plan = self.inputs.build(batch, draft_probs, previous.sampled_rows() if previous else None)
         launched = self.runner.launch(model_input, previous.launched.tokens if previous else None)
-        return StepInFlight(batch, plan, launched, any(seq.params.has_penalties for seq in plan.sampled))
+        return StepInFlight(batch, plan, launched)
 
     def _begin_awaiting(self, step: StepInFlight) -> None:
         """Async scheduling, after the step before `step` is complete: account for `step`'s computed
@@ -272,7 +269,6 @@ class StepInFlight:
     batch: ScheduledBatch
     plan: StepPlan
     launched: LaunchedStep
-    tokens_needed_on_host: bool     # a sequence's next step needs this step's token on the host (penalties count it)
     updated: bool = False           # the scheduler has counted its computed tokens
 
     def sampled_rows(self) -> dict[int, int]:

@@ -76,6 +76,9 @@ class Penalties:
     output_valid: torch.Tensor
     prompt_ids: torch.Tensor       # [P, L'] long, padded
     prompt_valid: torch.Tensor
+    # Async scheduling: [2, R] long: entries of output_ids (flat) that are placeholders, and the row of
+    # the previous step's sampled tokens that holds each.
+    from_previous: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -105,10 +108,12 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, seqs: list[Sequence], eos_token_ids: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-              draft_probs: dict[int, torch.Tensor] | None = None, proposing: bool = False) -> SamplingTensors:
+              draft_probs: dict[int, torch.Tensor] | None = None, proposing: bool = False,
+              previous: dict[int, int] | None = None) -> SamplingTensors:
         """draft_probs: seq_id -> [k, V] distributions a draft model drew the proposal of a random-sampling
         sequence from. proposing: the rows of a draft model's proposal step instead: one per sequence,
-        after its proposed tokens so far, checking nothing."""
+        after its proposed tokens so far, checking nothing. previous: as InputBuilder.build's (a
+        sequence awaiting its last token counts it in its penalties from the device)."""
         rows = [(seq, j) for seq in seqs for j in ([len(seq.spec_token_ids)] if proposing else range(len(seq.spec_token_ids) + 1))]
         params = [seq.params for seq, _ in rows]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -119,11 +124,15 @@ class SamplingTensors:
         if pen:
             col = lambda values: upload(values, dtype, device).unsqueeze(1)  # noqa: E731
             # a row's output so far: the sequence's, then the proposed tokens before the row
-            out_ids, out_valid = _padded([rows[i][0].output_token_ids + rows[i][0].spec_token_ids[:rows[i][1]] for i in pen], device)
+            outputs = [rows[i][0].output_token_ids + rows[i][0].spec_token_ids[:rows[i][1]] for i in pen]
+            out_ids, out_valid = _padded(outputs, device)
             prompt_ids, prompt_valid = _padded([rows[i][0].prompt_token_ids for i in pen], device)
+            awaiting = [(k * out_ids.shape[1] + len(outputs[k]) - 1, previous[rows[i][0].seq_id])
+                        for k, i in enumerate(pen) if rows[i][0].awaiting_token]  # the placeholder is its output's last entry
             penalties = Penalties(upload(pen, torch.long, device), col([params[i].repetition_penalty for i in pen]),
                                   col([params[i].frequency_penalty for i in pen]), col([params[i].presence_penalty for i in pen]),
-                                  out_ids, out_valid, prompt_ids, prompt_valid)
+                                  out_ids, out_valid, prompt_ids, prompt_valid,
+                                  upload([a for a, _ in awaiting] + [b for _, b in awaiting], torch.long, device).view(2, -1) if awaiting else None)
         banned_rows, banned_tokens = [], []
         for row, ((seq, j), p) in enumerate(zip(rows, params)):
             if len(seq.output_token_ids) + j < p.min_tokens:  # until min_tokens are out, EOS and stop ids cannot be sampled
@@ -174,6 +183,20 @@ class ModelInput:
     # Async scheduling: [2, R] long: input rows whose token the previous step is sampling (the host
     # has a placeholder there), and the row of the previous step's sampled tokens that holds it.
     from_previous: torch.Tensor | None = None
+
+    def take_previous_tokens(self, tokens: torch.Tensor | None) -> None:
+        """Fill the placeholders (async scheduling) from the previous step's sampled tokens, on the
+        device: the input rows, and the output ids that penalties count."""
+        fills = [(self.input_ids, self.from_previous)]
+        if self.sampling is not None and self.sampling.penalties is not None:
+            fills.append((self.sampling.penalties.output_ids.view(-1), self.sampling.penalties.from_previous))
+        for target, index in fills:
+            if index is None:
+                continue
+            if tokens is None:
+                raise AssertionError("this step takes tokens from the previous step, and none were given")
+            at, source = index
+            target[at] = tokens[source]
 
     def for_worker(self) -> ModelInput:
         """What a rank other than 0 needs: everything but sampling (rank 0 samples; the generators
@@ -269,7 +292,7 @@ class InputBuilder:
             input_ids=ids_t, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
             block_tables=tables_t.view(len(tables), -1) if tables else tables_t.view(0, 0), logits_indices=rows_t,
             num_prefills=len(query_lens), query_lens=query_lens, context_lens=context_lens, prompt_logprobs=prompt_lp,
-            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, dev, draft_probs) if plan.sampled else None,
+            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, dev, draft_probs, previous=previous) if plan.sampled else None,
             from_previous=previous_t.view(2, -1) if placeholder_rows else None)
         return inp, plan
 

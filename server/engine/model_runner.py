@@ -266,12 +266,8 @@ class ModelRunner:
     def launch(self, inp: ModelInput, previous_tokens: torch.Tensor | None = None) -> LaunchedStep:
         """execute() without waiting for the device: on CUDA the step is queued and the host goes on
         (async scheduling builds the next step meanwhile). previous_tokens: the sampled tokens of the
-        step before, still on the device, which inp.from_previous's rows take as their inputs."""
-        if inp.from_previous is not None:
-            if previous_tokens is None:
-                raise AssertionError("this step takes inputs from the previous step's tokens, and none were given")
-            rows, source = inp.from_previous
-            inp.input_ids[rows] = previous_tokens[source]
+        step before, still on the device, which the input's placeholders take."""
+        inp.take_previous_tokens(previous_tokens)
         sampled = inp.sampling is not None
         if self.workers is not None:
             self.workers.broadcast(("execute", inp.for_worker(), sampled))
