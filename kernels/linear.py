@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.ops import triton_kernels
 from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight
 
@@ -36,6 +37,7 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@direct_call
 class Linear(nn.Module):
     """y = x @ W.T (+ b), with the fused forms the layers use. The weight is a registered buffer (seen
     by .to() and state_dict()): dense [out, in], or oneDNN's packed layout on CPU (then `packed`)."""
@@ -79,6 +81,7 @@ class RowParallel:
     rank: int
 
 
+@direct_call
 class RowParallelLinear(nn.Module):
     """One rank's slice of a row-parallel projection (any kind: dense, oneDNN-packed, GGUF blocks): its
     partial product, summed over the ranks by one all-reduce. The bias and the fused residual add ride

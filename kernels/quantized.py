@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.kernels import cpu_extension
+from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.gguf_dequant import k_quant_parts, q4_k_parts
 
 QK = 32  # weights per block
@@ -183,6 +184,7 @@ def to_panels(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     return qs, d, m
 
 
+@direct_call
 class GGUFLinear(nn.Module):
     """y = x @ W.T (+ b) with W a GGUFWeight, and the fused forms Linear has (silu, mul, add). The
     weight is re-laid out in panels of 16 output rows (one vector per input column: activations are

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.quantized import LAYOUTS, QK, GGUFWeight
 
 EPILOGUES = {"none": 0, "silu": 1, "mul": 2, "add": 3}
@@ -114,6 +115,7 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
     return y.reshape(*x.shape[:-1], n)
 
 
+@direct_call
 class TritonGGUFLinear(nn.Module):
     """GGUFLinear's interface (forward, silu, mul, add) on the Triton kernel. The weight stays in
     GGUFWeight's row layout, so a tied embedding's blocks (`shared`) are used where they are."""

@@ -1,12 +1,14 @@
 import torch
 from torch import nn
 
+from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.linear import Linear
 from kvpilot.kernels.ops import Ops, Rope
 from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.server.layers.rmsnorm import RMSNorm
 
 
+@direct_call
 class PagedSelfAttention(nn.Module):
     """GQA self-attention whose K/V live in the paged cache (fused QKV projection; the output
     projection adds the residual). qk_norms: per-head RMSNorms of queries and keys, applied before

@@ -1,9 +1,11 @@
 import torch
 from torch import nn
 
+from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.linear import Linear
 
 
+@direct_call
 class SwiGLU(nn.Module):
     """residual + down(silu(gate(x)) * up(x)); the SiLU, the product and the add ride on the matmuls."""
 

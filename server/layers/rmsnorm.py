@@ -1,9 +1,11 @@
 import torch
 from torch import nn
 
+from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.ops import REFERENCE, Ops
 
 
+@direct_call
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, in float32 (as transformers does), through the dispatch layer's rms_norm."""
 

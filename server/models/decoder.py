@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.linear import RowParallel, make_linear
 from kvpilot.kernels.ops import Ops, ops_for
 from kvpilot.kernels.paged_attention import AttentionMetadata
@@ -35,6 +36,7 @@ class WeightSource(Protocol):
     def load(self, name: str) -> torch.Tensor: ...
 
 
+@direct_call
 class DecoderLayer(nn.Module):
     def __init__(self, attn: PagedSelfAttention, mlp: SwiGLU, attn_norm: RMSNorm, mlp_norm: RMSNorm):
         super().__init__()
