@@ -74,7 +74,7 @@ class DecodeGraphs:
         blocks: they never run at once). Each bucket runs once eagerly first, so that Triton compiles
         its kernels outside the capture."""
         pool = None
-        with torch.inference_mode():  # as the steps run (ModelRunner.execute)
+        with torch.inference_mode():  # as the steps run (ModelRunner.launch)
             for rows in reversed(self.buckets):
                 self._run_static(rows)
                 torch.cuda.synchronize()

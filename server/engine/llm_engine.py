@@ -207,9 +207,7 @@ class LLMEngine:
         step.updated = True
         for seq in step.plan.sampled:
             if not seq.is_finished:
-                p = seq.params
-                seq.await_token(last=(p.max_tokens is not None and len(seq.output_token_ids) + 1 >= p.max_tokens)
-                                or seq.num_tokens + 1 >= self.max_model_len)
+                seq.await_token(last=self.output.length_reached(seq, more=1))
         self._in_flight = step
 
     def _complete(self, step: StepInFlight) -> list[RequestOutput]:

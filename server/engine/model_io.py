@@ -1,7 +1,7 @@
 """The step boundary: one ModelInput in, one ModelOutput out.
 
 `InputBuilder` turns a scheduled batch into tensors once per step, on the CPU side; the device side
-(`ModelRunner.execute`) sees nothing else: no Sequence, detokenizer or request object, so a
+(`ModelRunner.launch`) sees nothing else: no Sequence, detokenizer or request object, so a
 tensor-parallel rank other than 0 can run a step from a ModelInput alone. Sequences are laid out
 prefills first (any number of query rows each: a prompt or a chunk of one), then one-row decodes.
 A verification step's k + 1 rows (speculative decoding) are laid out as k + 1 decode rows of the

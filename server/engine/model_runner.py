@@ -1,4 +1,4 @@
-"""Device side: model weights, the KV cache tensors, and execute(ModelInput) -> ModelOutput (forward, sampling)."""
+"""Device side: model weights, the KV cache tensors, and launch(ModelInput) -> LaunchedStep -> ModelOutput (forward, sampling)."""
 
 from __future__ import annotations
 
@@ -258,14 +258,11 @@ class ModelRunner:
         ids = torch.tensor(token_ids, device=self.device)
         return self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)).float()
 
-    def execute(self, inp: ModelInput) -> ModelOutput:
-        """The one device call of a step: forward, prompt logprobs, sampling (verifying proposed tokens)."""
-        return self.launch(inp).output()
-
     @torch.inference_mode()
     def launch(self, inp: ModelInput, previous_tokens: torch.Tensor | None = None) -> LaunchedStep:
-        """execute() without waiting for the device: on CUDA the step is queued and the host goes on
-        (async scheduling builds the next step meanwhile). previous_tokens: the sampled tokens of the
+        """The one device call of a step: forward, prompt logprobs, sampling (verifying proposed tokens),
+        not waited for: on CUDA the step is queued and the host goes on (async scheduling builds the
+        next step meanwhile); LaunchedStep.output() waits. previous_tokens: the sampled tokens of the
         step before, still on the device, which the input's placeholders take."""
         inp.take_previous_tokens(previous_tokens)
         sampled = inp.sampling is not None

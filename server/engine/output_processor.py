@@ -61,13 +61,18 @@ class OutputProcessor:
                 at, stop = hit
                 seq.text = seq.text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
                 reason, stop_reason = "stop", stop
-        if reason is None and ((p.max_tokens is not None and len(seq.output_token_ids) >= p.max_tokens) or seq.num_tokens >= self.max_model_len):
+        if reason is None and self.length_reached(seq):
             reason = "length"
         if reason is not None:
             if not isinstance(stop_reason, str):  # a stop string already cut the text
                 seq.text += seq.detokenizer.flush()
             seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
+
+    def length_reached(self, seq: Sequence, more: int = 0) -> bool:
+        """Whether seq, with `more` tokens after its current ones, is at max_tokens or the context limit."""
+        p = seq.params
+        return (p.max_tokens is not None and len(seq.output_token_ids) + more >= p.max_tokens) or seq.num_tokens + more >= self.max_model_len
 
     def fail(self, request_id: str, message: str) -> RequestOutput:
         """End every sequence of a request with finish_reason "error" (blocks freed); its final output."""

@@ -43,8 +43,8 @@ def to_host(values: torch.Tensor) -> HostCopy:
 
 @dataclass(slots=True)
 class HostCopy:
-    values: torch.Tensor            # host tensor, complete once `done` has passed (None: already complete)
-    done: torch.cuda.Event | None
+    values: torch.Tensor            # host tensor, complete once `done` has passed
+    done: torch.cuda.Event | None   # None: already complete (a CPU tensor)
 
     def tolist(self) -> list:
         if self.done is not None:

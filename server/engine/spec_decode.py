@@ -147,7 +147,7 @@ class DraftModelProposer(Proposer):
     """A small model sharing the tokenizer drafts k tokens one decode step at a time (all proposing
     sequences batched), each drawn with the request's own sampling parameters, so that verification
     can compare the two distributions. Its cache is filled by running every target step's rows too
-    (ModelRunner.execute), so proposing needs only the k new rows."""
+    (ModelRunner.launch), so proposing needs only the k new rows."""
 
     def __init__(self, config: EngineConfig, max_model_len: int, runner, inputs: InputBuilder, eos_token_ids: tuple[int, ...]):
         super().__init__(config, max_model_len)
