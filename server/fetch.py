@@ -8,11 +8,17 @@ request, and the files of a checkpoint already complete are not fetched again (a
 that restarts picks up where it stopped). Progress goes to stderr; every read has a timeout and so
 does the whole; a size limit bounds what a source may make us write. hf:// resolves against
 $HF_ENDPOINT (default https://huggingface.co) at $HF_REVISION (default main), with $HF_TOKEN when set.
+
+The token goes only to the hub itself: never to another host a redirect names (the hub's file
+redirects point at a CDN with signed URLs), never over plain http unless the hub is on loopback, and
+an https -> http redirect is refused whatever the source. urllib alone would copy the header onto
+every redirect.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import ipaddress
 import json
 import os
 import sys
@@ -46,29 +52,82 @@ class _Download:
     written: int = 0  # bytes written by this run, over all files
 
 
-def _hf_endpoint() -> tuple[str, str, dict[str, str]]:
-    token = os.environ.get("HF_TOKEN")
-    return (os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/"), os.environ.get("HF_REVISION", "main"),
-            {"Authorization": f"Bearer {token}"} if token else {})
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
 
 
-def source_url(source: str) -> tuple[str, dict[str, str]]:
-    """The URL to GET for a single-file source, and its request headers."""
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Credentials:
+    """Who may see HF_TOKEN: requests to the hub's own origin (scheme, host, port), and only over https
+    unless the hub is on loopback. Decided per request, redirects included."""
+
+    def __init__(self, token: str | None, hub: str | None):
+        self.token, self.hub = token, _origin(hub) if hub else None
+        if token and self.hub and self.hub[0] != "https" and not _is_loopback(self.hub[1]):
+            raise FetchError(f"HF_TOKEN is set but HF_ENDPOINT ({self.hub[0]}://{self.hub[1]}) is plain {self.hub[0]} to a host that is "
+                             "not loopback: the token would travel unencrypted (use an https endpoint, or unset HF_TOKEN)")
+
+    def apply(self, request: urllib.request.Request) -> urllib.request.Request:
+        # Unredirected: urllib's own redirect handling must never carry it on (see SafeRedirects).
+        if self.token and _origin(request.full_url) == self.hub:
+            request.add_unredirected_header("Authorization", f"Bearer {self.token}")
+        return request
+
+
+class SafeRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows redirects to http(s) only, refuses https -> http, and re-decides the credentials for the
+    new URL (the token only stays on a redirect within the hub's origin)."""
+
+    def __init__(self, credentials: Credentials):
+        self.credentials = credentials
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new_scheme, old_scheme = urllib.parse.urlsplit(newurl).scheme.lower(), urllib.parse.urlsplit(req.full_url).scheme.lower()
+        where = f"{new_scheme}://{urllib.parse.urlsplit(newurl).hostname}"  # never the path: signed URLs carry secrets
+        if new_scheme not in ("http", "https"):
+            raise FetchError(f"refusing a redirect to {where}: only http(s) is followed")
+        if old_scheme == "https" and new_scheme != "https":
+            raise FetchError(f"refusing a redirect from https to {where}: a downgrade to plain http")
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        return self.credentials.apply(new) if new is not None else None
+
+
+def _opener(credentials: Credentials) -> urllib.request.OpenerDirector:
+    return urllib.request.build_opener(SafeRedirects(credentials))
+
+
+def _hf_endpoint() -> tuple[str, str, Credentials]:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    return endpoint, os.environ.get("HF_REVISION", "main"), Credentials(os.environ.get("HF_TOKEN") or None, endpoint)
+
+
+def source_url(source: str) -> tuple[str, Credentials]:
+    """The URL to GET for a single-file source, and who may see the token on the way."""
     src = parse_model_source(source)
     if src.kind == "https":
-        return src.url, {}
+        return src.url, Credentials(None, None)
     if src.kind == "hf" and src.path:
-        endpoint, revision, headers = _hf_endpoint()
-        return f"{endpoint}/{src.name}/resolve/{revision}/{src.path}", headers
+        endpoint, revision, credentials = _hf_endpoint()
+        return f"{endpoint}/{src.name}/resolve/{revision}/{src.path}", credentials
     raise FetchError(f"{source}: only https://…/file.gguf and hf://org/repo[/file] sources are downloaded")
 
 
 def checkpoint_files(src: ModelSource, read_timeout: float) -> list[tuple[str, int | None]]:
     """The repository's top-level files that a checkpoint needs, with their sizes (hub API)."""
-    endpoint, revision, headers = _hf_endpoint()
+    endpoint, revision, credentials = _hf_endpoint()
     url = f"{endpoint}/api/models/{src.name}/tree/{urllib.parse.quote(revision, safe='')}"
+    request = credentials.apply(urllib.request.Request(url, headers={"User-Agent": "kvpilot-fetch-model"}))
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "kvpilot-fetch-model", **headers}), timeout=read_timeout) as r:
+        with _opener(credentials).open(request, timeout=read_timeout) as r:
             entries = json.load(r)
     except urllib.error.HTTPError as e:
         raise FetchError(f"{src.raw}: listing the repository: HTTP {e.code} {e.reason}") from None
@@ -95,28 +154,28 @@ def fetch(source: str, dest: Path, timeout: float = 1800, read_timeout: float = 
         known = sum(size or 0 for _, size in files)
         if known > max_bytes:
             raise FetchError(f"{source}: {known} bytes, more than the limit of {max_bytes}")
-        endpoint, revision, headers = _hf_endpoint()
+        endpoint, revision, credentials = _hf_endpoint()
         dest.mkdir(parents=True, exist_ok=True)
         for name, size in files:
             target = dest / name
             if target.is_file() and size is not None and target.stat().st_size == size:
                 print(f"fetch-model: {name} already complete", file=log, flush=True)
                 continue
-            _download(job, f"{endpoint}/{src.name}/resolve/{revision}/{name}", headers, target, read_timeout)
+            _download(job, f"{endpoint}/{src.name}/resolve/{revision}/{name}", credentials, target, read_timeout)
         print(f"fetch-model: {dest} complete ({len(files)} files)", file=log, flush=True)
         return dest
-    url, headers = source_url(source)
-    _download(job, url, headers, dest, read_timeout)
+    url, credentials = source_url(source)
+    _download(job, url, credentials, dest, read_timeout)
     return dest
 
 
-def _download(job: _Download, url: str, headers: dict[str, str], dest: Path, read_timeout: float) -> None:
+def _download(job: _Download, url: str, credentials: Credentials, dest: Path, read_timeout: float) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     part = dest.with_name(dest.name + ".part")
     have = part.stat().st_size if part.is_file() else 0
-    request = urllib.request.Request(url, headers={"User-Agent": "kvpilot-fetch-model", **headers, **({"Range": f"bytes={have}-"} if have else {})})
+    request = credentials.apply(urllib.request.Request(url, headers={"User-Agent": "kvpilot-fetch-model", **({"Range": f"bytes={have}-"} if have else {})}))
     try:
-        with urllib.request.urlopen(request, timeout=read_timeout) as response:
+        with _opener(credentials).open(request, timeout=read_timeout) as response:
             resumed = have and response.status == 206
             done = have if resumed else 0
             total = int(response.headers.get("Content-Length") or 0) + done

@@ -187,3 +187,143 @@ def test_size_limit_and_non_checkpoint_repos(tmp_path):
         assert r.returncode == 1 and "not a safetensors checkpoint" in r.stderr and "hf://org/repo/FILE.gguf" in r.stderr
     finally:
         hub.close()
+
+
+# --- who sees HF_TOKEN (issue #34): redirects between two loopback "hosts", https with a test CA ---
+
+class RecordingHost:
+    """One loopback host (127.0.0.1 or 127.0.0.2), plain or TLS: `redirects` maps a path to (status,
+    Location); other *.gguf paths serve PAYLOAD, /api/models/… a checkpoint listing; every request's
+    path and Authorization header are recorded."""
+
+    def __init__(self, address: str, tls: tuple[Path, Path] | None = None):
+        seen = self.seen = []
+        redirects = self.redirects = {}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802
+                seen.append((self.path, self.headers.get("Authorization")))
+                if self.path in redirects:
+                    code, location = redirects[self.path]
+                    self.send_response(code)
+                    self.send_header("Location", location)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if self.path.endswith(".gguf") or self.path.startswith("/api/models/"):
+                    body = PAYLOAD if self.path.endswith(".gguf") else json.dumps(
+                        [{"type": "file", "path": "config.json", "size": 2}, {"type": "file", "path": "model.safetensors", "size": 4}]).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer((address, 0), Handler)
+        if tls:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(*tls)
+            self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
+        self.url = f"{'https' if tls else 'http'}://{address}:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def redirect_file(self, name: str, to: str, code: int = 302) -> str:
+        """hf://org/repo/NAME on this hub answers `code` with Location `to`; returns that source."""
+        self.redirects[f"/org/repo/resolve/main/{name}"] = (code, to)
+        return f"hf://org/repo/{name}"
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def test_ca(tmp_path_factory):
+    """A test CA and a server certificate it signed for 127.0.0.1 and 127.0.0.2: (CA file, (cert, key))."""
+    d = tmp_path_factory.mktemp("ca")
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=kvpilot test CA")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=loopback")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,IP:127.0.0.2\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", "server.pem", "-days", "1",
+            "-extfile", "san.ext")
+    return d / "ca.pem", (d / "server.pem", d / "server.key")
+
+
+@pytest.mark.timeout(120)
+def test_token_is_dropped_on_a_cross_host_redirect_and_kept_within_the_hub(tmp_path):
+    hub, other, other_port = RecordingHost("127.0.0.1"), RecordingHost("127.0.0.2"), RecordingHost("127.0.0.1")
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_secret"}
+    try:
+        # the hub's resolve URL redirects to another host (as huggingface.co does to its CDN)
+        cross = fetch(hub.redirect_file("a.gguf", other.url + "/cdn/a.gguf"), str(tmp_path / "a.gguf"), env=env)
+        assert cross.returncode == 0, cross.stderr
+        assert (tmp_path / "a.gguf").read_bytes() == PAYLOAD
+        assert hub.seen == [("/org/repo/resolve/main/a.gguf", "Bearer hf_secret")]
+        assert other.seen == [("/cdn/a.gguf", None)]
+        # a redirect within the hub's own origin keeps it (a renamed repository)
+        same = fetch(hub.redirect_file("b.gguf", "/moved/b.gguf", 301), str(tmp_path / "b.gguf"), env=env)
+        assert same.returncode == 0, same.stderr
+        assert hub.seen[-1] == ("/moved/b.gguf", "Bearer hf_secret")
+        # the same address on another port is another origin
+        port = fetch(hub.redirect_file("c.gguf", other_port.url + "/c.gguf", 307), str(tmp_path / "c.gguf"), env=env)
+        assert port.returncode == 0 and other_port.seen == [("/c.gguf", None)], port.stderr
+        assert "hf_secret" not in cross.stderr + same.stderr + port.stderr
+    finally:
+        for h in (hub, other, other_port):
+            h.close()
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_listing_redirect_drops_the_token(tmp_path):
+    """Every request the fetcher makes follows the rule, the hub API's listing included."""
+    hub, other = RecordingHost("127.0.0.1"), RecordingHost("127.0.0.2")
+    hub.redirects["/api/models/org/repo/tree/main"] = (302, other.url + "/api/models/listing")
+    try:
+        fetch("hf://org/repo", str(tmp_path / "ckpt"), env={"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_secret"})
+        assert hub.seen[0] == ("/api/models/org/repo/tree/main", "Bearer hf_secret")
+        assert other.seen == [("/api/models/listing", None)]
+        # the files then come from the hub itself, with the token
+        assert hub.seen[1:] and all(auth == "Bearer hf_secret" for _, auth in hub.seen[1:])
+    finally:
+        hub.close()
+        other.close()
+
+
+@pytest.mark.timeout(120)
+def test_https_hub_never_downgrades_and_drops_the_token_across_hosts(tmp_path, test_ca):
+    ca, cert = test_ca
+    hub, tls_other, plain_other = RecordingHost("127.0.0.1", cert), RecordingHost("127.0.0.2", cert), RecordingHost("127.0.0.2")
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_secret", "SSL_CERT_FILE": str(ca)}
+    try:
+        ok = fetch(hub.redirect_file("ok.gguf", tls_other.url + "/cdn/ok.gguf"), str(tmp_path / "ok.gguf"), env=env)
+        assert ok.returncode == 0, ok.stderr
+        assert hub.seen[-1][1] == "Bearer hf_secret" and tls_other.seen == [("/cdn/ok.gguf", None)]
+        down = fetch(hub.redirect_file("down.gguf", plain_other.url + "/cdn/down.gguf"), str(tmp_path / "down.gguf"), env=env)
+        assert down.returncode == 1 and "refusing a redirect from https to http://127.0.0.2" in down.stderr, down.stderr
+        assert plain_other.seen == [] and not list(tmp_path.glob("down*"))
+        # an https:// model source never gets the token, and is not downgraded either
+        direct = fetch(f"{hub.url}/files/direct.gguf", str(tmp_path / "direct.gguf"), env=env)
+        assert direct.returncode == 0 and hub.seen[-1] == ("/files/direct.gguf", None), direct.stderr
+        hub.redirects["/files/moved.gguf"] = (302, plain_other.url + "/moved.gguf")
+        moved = fetch(f"{hub.url}/files/moved.gguf", str(tmp_path / "moved.gguf"), env=env)
+        assert moved.returncode == 1 and "downgrade" in moved.stderr and plain_other.seen == []
+        assert "hf_secret" not in ok.stderr + down.stderr + direct.stderr + moved.stderr
+    finally:
+        for h in (hub, tls_other, plain_other):
+            h.close()
+
+
+def test_token_is_never_sent_over_plain_http_to_a_non_loopback_hub(tmp_path):
+    # refused before any connection is opened (the name would not even resolve)
+    r = fetch("hf://org/repo/model.gguf", str(tmp_path / "m.gguf"), env={"HF_ENDPOINT": "http://hub.invalid", "HF_TOKEN": "hf_secret"})
+    assert r.returncode == 1 and "would travel unencrypted" in r.stderr and "hf_secret" not in r.stderr
+    assert not list(tmp_path.iterdir())
