@@ -166,6 +166,15 @@ class InferenceServiceSpec(_Model):
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations of the engine pods.")
     pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels of the engine pods.")
 
+    @model_validator(mode="after")
+    def _min_not_above_max(self) -> InferenceServiceSpec:
+        # The CEL rules above, again: the autoscaler's evaluate() takes this model, and must not trust
+        # that every object it reads went through the API server's validation.
+        # (replicas is not held to the bounds here: the autoscaler clamps it, and /scale may set it.)
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas ({self.min_replicas}) must be <= maxReplicas ({self.max_replicas})")
+        return self
+
 
 class EnvVarSource(_Model):
     secret_key_ref: SecretKeyRef = Field(description="A key of a Secret in the same namespace.")

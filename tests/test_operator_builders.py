@@ -339,3 +339,17 @@ def test_invalid_engine_settings_are_a_problem_not_an_exception():
     body = {"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "engineSettings": {"kvCacheMemory": "1"}}}
     parsed, problems = parse_spec(body)
     assert parsed is not None and problems and problems[0][0] == "InvalidEngineSettings" and "kv_cache_memory" in problems[0][1]
+
+
+def test_min_replicas_above_max_is_refused_by_the_spec_model_too():
+    """The API server's CEL rule refuses it; the operator's own model (which evaluate() and reconcile
+    take) must too, not scale between inverted bounds (issue #34)."""
+    from pydantic import ValidationError
+
+    from kvpilot.operator.reconcile import parse_spec
+
+    with pytest.raises(ValidationError, match=r"minReplicas \(4\) must be <= maxReplicas \(2\)"):
+        InferenceServiceSpec.model_validate({"model": {"source": "smollm2-135m"}, "minReplicas": 4, "maxReplicas": 2})
+    parsed, problems = parse_spec({"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "minReplicas": 4, "maxReplicas": 2}})
+    assert parsed is None and problems[0][0] == "InvalidSpec" and "must be <= maxReplicas" in problems[0][1]
+    assert InferenceServiceSpec.model_validate({"model": {"source": "smollm2-135m"}, "minReplicas": 2, "maxReplicas": 2}).min_replicas == 2
