@@ -175,8 +175,21 @@ class ServerConfig(BaseModel):
     max_request_body_bytes: int = Field(4 << 20, ge=1024, description="Largest request body (e.g. 4MiB); larger ones get 413.")
     request_header_timeout_seconds: float = Field(10.0, gt=0, description="A connection that has not sent a whole request line and headers in this time is closed.")
     request_body_timeout_seconds: float = Field(30.0, gt=0, description="A request body not received in full in this time gets 408.")
+    max_buffered_request_bytes: int = Field(64 << 20, ge=1024, description=(
+        "Most bytes of request bodies held at once over all connections while they arrive (e.g. 64MiB); a body that would "
+        "go past it gets 429 with Retry-After. Bodies of requests without the API key are never read."))
+    tokenizer_workers: int = Field(2, ge=1, le=64, description=(
+        "Threads that tokenize prompts, apply chat templates and serve /tokenize and /detokenize (off the event loop)."))
+    max_pending_tokenizations: int = Field(64, ge=0, description=(
+        "Tokenization tasks that may wait for a tokenizer thread; beyond it, 429 with Retry-After."))
 
-    @field_validator("max_request_body_bytes", mode="before")
+    @field_validator("max_request_body_bytes", "max_buffered_request_bytes", mode="before")
     @classmethod
     def _body_size(cls, v: Any) -> int:
         return parse_size(v)
+
+    @model_validator(mode="after")
+    def _one_body_fits(self) -> ServerConfig:
+        if self.max_buffered_request_bytes < self.max_request_body_bytes:
+            raise ValueError("max_buffered_request_bytes must be >= max_request_body_bytes (one largest body must fit)")
+        return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
@@ -64,6 +65,13 @@ class Tokenizer:
         self.chat_template = chat_template
         # No token stands for more bytes (hence characters) of text than this: bounds a text's token count from below.
         self.max_token_bytes = max(len(b) for b in token_bytes)
+        # Message text is tokenized as text: a second tokenizer that spells special tokens out (see encode_chat).
+        self._tk_text = Tokenizer_.from_str(tk.to_str())
+        self._tk_text.encode_special_tokens = True
+        specials = {t.content: i for i, t in tk.get_added_tokens_decoder().items() if t.special}
+        self._special_ids_by_text = specials
+        # Longest first: the alternation then matches as the tokenizer's added-token split does (leftmost-longest).
+        self._special_text = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))) if specials else None
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
@@ -138,10 +146,49 @@ class Tokenizer:
         return cls(tk, tokens, token_bytes, special_ids, bos, [i for i in eos if i is not None], bool(add_bos), _chat_template(directory, tk_config))
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tk.encode(text, add_special_tokens=False).ids
+        """A prompt's ids; special tokens spelled in the text are the control tokens (a raw prompt is the caller's to shape)."""
+        return self._with_bos(self._tk.encode(text, add_special_tokens=False).ids)
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
         if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """A conversation's prompt ids: control tokens only where the template puts them; a message that
+        spells one (`<|im_end|>\\n<|im_start|>system…`) gets the tokens of that text, not the control
+        token, so it cannot close its own turn or open another role's.
+
+        Messages without control-token text take exactly the path of encode(render) (= transformers'
+        apply_chat_template + tokenize). Otherwise each control-token text in a message is swapped for a
+        private-use character before rendering, so the template's own control tokens are told apart
+        from the messages' whatever the template does around them (trim, concatenation); the render is
+        split at the template's control tokens, as the tokenizer itself splits, and each piece between
+        them, the messages' control text restored, is tokenized with special tokens spelled out. Piece
+        boundaries are the ones the plain encoding has, so no BPE merge changes."""
+        rendered = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        found = {m for text in _strings(messages) for m in (self._special_text.findall(text) if self._special_text else ())}
+        if not found:
+            return self.encode(rendered)
+        taken = {ord(c) for text in [*_strings(messages), self.chat_template] for c in text if ord(c) >= _PRIVATE_USE}
+        free = (chr(c) for c in range(_PRIVATE_USE, 0x10FFFE) if c not in taken)
+        stand_in = {text: next(free) for text in sorted(found)}
+        swap = re.compile("|".join(re.escape(t) for t in sorted(found, key=len, reverse=True)))
+        masked = self.apply_chat_template(_map_strings(messages, lambda s: swap.sub(lambda m: stand_in[m.group(0)], s)),
+                                          add_generation_prompt, **kwargs)
+        restore = str.maketrans({c: text for text, c in stand_in.items()})
+        if masked.translate(restore) != rendered:  # the template treats that text specially: no safe way to tell the two apart
+            raise ValueError(f"message text holds control-token text ({', '.join(sorted(found))}) that this model's chat template "
+                             "does not render as plain text; it cannot be tokenized safely")
+        ids, start = [], 0
+        for m in self._special_text.finditer(masked):
+            if m.start() > start:
+                ids += self._tk_text.encode(masked[start:m.start()].translate(restore), add_special_tokens=False).ids
+            ids.append(self._special_ids_by_text[m.group(0)])
+            start = m.end()
+        if start < len(masked):
+            ids += self._tk_text.encode(masked[start:].translate(restore), add_special_tokens=False).ids
+        return self._with_bos(ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -165,6 +212,30 @@ class Tokenizer:
             bos_token=self._tokens[self.bos_token_id] if self.bos_token_id is not None else "",
             eos_token=self._tokens[self.eos_token_id] if self.eos_token_id is not None else "", **kwargs,
         )
+
+
+_PRIVATE_USE = 0xF0000  # Supplementary Private Use Area-A: stand-ins for control-token text in messages
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string inside a message structure (contents, names, tool calls)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _map_strings(value: Any, f) -> Any:
+    if isinstance(value, str):
+        return f(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, f) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_strings(v, f) for v in value]
+    return value
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:

@@ -149,7 +149,7 @@ def test_non_finite_numbers_are_a_400(server, raw):
 
 
 @pytest.mark.parametrize("extreme", [{"top_p": 2.225073858507203e-309}, {"temperature": 1e-300}, {"temperature": 1e300},
-                                     {"min_p": 1.0, "top_k": 1}, {"temperature": 5e-324, "top_p": 5e-324}])
+                                     {"temperature": 1e300, "min_tokens": 3}, {"min_p": 1.0, "top_k": 1}, {"temperature": 5e-324, "top_p": 5e-324}])
 def test_extreme_valid_sampling_values_still_generate(server, extreme):
     """Found by the schema fuzzer: a denormal top_p once made the probabilities NaN and took the engine down."""
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True, **extreme}, timeout=60)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import sys
@@ -17,10 +16,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from kvpilot.server.api import errors
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTooLargeError, ServerShutdownError
 from kvpilot.server.api.errors import APIError, param_of
-from kvpilot.server.api.http_limits import BodyLimitMiddleware, protocol_with_header_timeout
+from kvpilot.server.api.http_limits import ApiKeyMiddleware, BodyLimitMiddleware, protocol_with_header_timeout
 from kvpilot.server.api.metrics import EngineMetrics
 from kvpilot.server.api.openai_serving import ClientDisconnected, OpenAIServing
 from kvpilot.server.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvpilot.server.api.tokenizer_pool import TokenizerPool
 from kvpilot.server.config import EngineConfig, ServerConfig
 
 log = logging.getLogger("kvpilot.server")
@@ -64,7 +64,10 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvpilot", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kv = state
     errors.install(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_request_body_bytes, timeout=state.config.request_body_timeout_seconds)
+    config = state.config
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes, timeout=config.request_body_timeout_seconds,
+                       max_buffered_bytes=config.max_buffered_request_bytes)
+    app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)  # added last = runs first: no body is read before the key is checked
     serving = state.serving
 
     @app.exception_handler(QueueFullError)
@@ -87,12 +90,6 @@ def build_app(state: ServerState) -> FastAPI:
     async def _value(request: Request, e: ValueError):
         return errors.error_response(400, str(e), param_of(e))
 
-    async def authorized(request: Request) -> None:
-        key = state.config.api_key
-        # compare_digest: the time taken must not tell how much of a guessed key was right
-        if key and not hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {key}".encode()):
-            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key")
-
     async def accepting() -> None:
         if state.draining:
             raise APIError(503, "server is shutting down", code="draining", headers={"Connection": "close"})
@@ -104,7 +101,7 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse(result)
         return EventStream(result.events, on_close=lambda: state.engine.release(result.job_ids))
 
-    guarded = [Depends(authorized), Depends(accepting)]
+    guarded = [Depends(accepting)]
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(req: CompletionRequest, request: Request):
@@ -123,40 +120,33 @@ def build_app(state: ServerState) -> FastAPI:
         return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, include_usage, req.top_logprobs or 0,
                                           lambda: wait_for_disconnect(request)))
 
-    @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
+    @app.get("/openapi.json", include_in_schema=False)
     async def openapi():
         return JSONResponse(app.openapi())
 
-    @app.get("/docs", dependencies=[Depends(authorized)], include_in_schema=False)
+    @app.get("/docs", include_in_schema=False)
     async def docs():
         return get_swagger_ui_html(openapi_url="/openapi.json", title="kvpilot API")
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": int(state.started),
                                              "owned_by": "kvpilot", "max_model_len": serving.max_model_len}]}
 
-    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
-        def tokenize_text() -> list[int]:  # off the event loop: a long text takes a while
-            text = req.prompt if req.prompt is not None else serving.chat_prompt([m.as_template_dict() for m in req.messages], req.add_generation_prompt)
-            return serving.tokenizer.encode(text)
+        messages = None if req.messages is None else [m.as_template_dict() for m in req.messages]
+        return await serving.tokenize(req.prompt, messages, req.add_generation_prompt)
 
-        ids = await asyncio.to_thread(tokenize_text)
-        return {"tokens": ids, "count": len(ids), "max_model_len": serving.max_model_len}
-
-    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         serving.check_model(req.model)
-        bad = [t for t in req.tokens if not 0 <= t < serving.tokenizer.vocab_size]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {serving.tokenizer.vocab_size}), got {bad[:5]}", "tokens")
-        return {"prompt": serving.tokenizer.decode(req.tokens)}
+        return await serving.detokenize(req.tokens)
 
-    @app.get("/version", dependencies=[Depends(authorized)])
+    @app.get("/version")
     async def version():
         return {"version": VERSION}
 
@@ -190,7 +180,8 @@ def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_
     engine = async_engine.engine
     metrics = EngineMetrics(engine, engine.served_model_name, pending=lambda: async_engine._pending)
     async_engine.on_step = lambda _engine, outputs, _dt: metrics.observe(outputs)
-    serving = OpenAIServing(async_engine, engine.tokenizer, engine.served_model_name, engine.max_model_len)
+    pool = TokenizerPool(server_config.tokenizer_workers, server_config.max_pending_tokenizations)
+    serving = OpenAIServing(async_engine, engine.tokenizer, engine.served_model_name, engine.max_model_len, engine.model_config.vocab_size, pool)
     return ServerState(async_engine, serving, metrics, server_config)
 
 
@@ -212,6 +203,7 @@ def run_server(ns) -> int:
     server = DrainingServer(config, state)
     server.run()
     state.engine.stop()
+    state.serving.pool.shutdown()
     return 0
 
 

@@ -25,8 +25,13 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
 
 
+def _printable(text: str | None) -> str | None:
+    """Messages echo client input, which may hold lone surrogates: written as escapes, the body stays encodable."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": _TYPES.get(status, "server_error"), "param": _printable(param), "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None) -> JSONResponse:

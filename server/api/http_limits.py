@@ -1,13 +1,16 @@
-"""Connection-level limits: how big a request body may be and how long a client may take to send it.
+"""Connection-level guards: who may send a body, how big it may be, how much of all bodies is held at
+once, and how long a client may take to send one.
 
-A server that waits for ever on a half-sent request can be held open by a hundred idle sockets, and
-one that parses any body size can be made to hold gigabytes. Both limits answer with OpenAI-style
-JSON (413 and 408) before the application sees the request.
+A server that waits for ever on a half-sent request can be held open by a hundred idle sockets, one
+that parses any body size can be made to hold gigabytes, and one that reads bodies before checking
+the API key lets anyone make it hold them. Every guard answers with OpenAI-style JSON (401, 413, 429,
+408) before the application sees the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 
 import h11
@@ -16,19 +19,41 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from kvpilot.server.api.errors import error_body
 
 
-async def _send_error(send, status: int, message: str, code: str) -> None:
+async def _send_error(send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps(error_body(status, message, code=code)).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close"),
+                            *headers]})
     await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyMiddleware:
+    """With an API key set, every path but the probes' and the metrics' needs `Authorization: Bearer
+    <key>`, checked from the headers alone: a request without it is answered before its body is read."""
+
+    PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics"})
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.expected is not None and scope["path"] not in self.PUBLIC_PATHS:
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            # compare_digest: the time taken must not tell how much of a guessed key was right
+            if not hmac.compare_digest(given, self.expected):
+                return await _send_error(send, 401, "missing or invalid API key (send Authorization: Bearer <key>)", "invalid_api_key")
+        await self.app(scope, receive, send)
 
 
 class BodyLimitMiddleware:
     """Reads the whole body up front, at most max_bytes within timeout seconds, then hands it to the app
-    in one message (later receive() calls still report a disconnect)."""
+    in one message (later receive() calls still report a disconnect). Bodies still arriving count
+    against max_buffered_bytes over all connections; one that would go past it gets a 429."""
 
-    def __init__(self, app, max_bytes: int, timeout: float):
-        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+    def __init__(self, app, max_bytes: int, timeout: float, max_buffered_bytes: int):
+        self.app, self.max_bytes, self.timeout, self.max_buffered_bytes = app, max_bytes, timeout, max_buffered_bytes
+        self.buffered = 0  # bytes of bodies being received now (one event loop: no lock)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -40,20 +65,28 @@ class BodyLimitMiddleware:
         chunks, size = [], 0
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                return await _send_error(send, 408, f"the request body was not received within {self.timeout:g} s", "request_timeout")
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                return await _send_error(send, 413, too_large, "request_too_large")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    return await _send_error(send, 408, f"the request body was not received within {self.timeout:g} s", "request_timeout")
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_bytes:
+                    return await _send_error(send, 413, too_large, "request_too_large")
+                if self.buffered + len(chunk) > self.max_buffered_bytes:
+                    return await _send_error(send, 429, f"the server holds {self.buffered} bytes of request bodies still arriving "
+                                                        f"(limit {self.max_buffered_bytes}); retry later", "server_busy",
+                                             [(b"retry-after", b"1")])
+                self.buffered += len(chunk)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+        finally:
+            self.buffered -= sum(len(c) for c in chunks)
         body = b"".join(chunks)
         replayed = False
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShutdownError
 from kvpilot.server.api.errors import APIError, sse_error, status_of
+from kvpilot.server.api.tokenizer_pool import TokenizerPool
 from kvpilot.server.engine.outputs import RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.tokenizer import Tokenizer
@@ -53,47 +54,80 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int):
+    """vocab_size: the model's (stop ids are checked against it; it may be padded past the tokenizer's)."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int, vocab_size: int, pool: TokenizerPool):
         self.engine, self.tokenizer, self.model_name, self.max_model_len = engine, tokenizer, model_name, max_model_len
+        self.vocab_size, self.pool = vocab_size, pool
 
     # --- shared -------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(400, f"model '{model}' does not exist; this server serves '{self.model_name}'", "model", "model_not_found")
 
+    def check_text_length(self, characters: int, param: str) -> None:
+        """Every token covers at most max_token_bytes bytes: a text longer than the context could hold at
+        that rate cannot fit, and is refused without tokenizing it (megabytes take seconds)."""
+        if characters > self.max_model_len * self.tokenizer.max_token_bytes:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the {param} "
+                                f"({characters} characters) is far longer", param, "context_length_exceeded")
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        if len(ids) > self.max_model_len:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; {param} has {len(ids)}",
+                           param, "context_length_exceeded")
+        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
+            raise APIError(400, f"{param} token ids must be in [0, {self.tokenizer.vocab_size})", param)
+
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
-        """Tokenize and check lengths before anything is streamed, so errors are plain 400s.
-        Runs in a worker thread (see jobs()): a long prompt must not stall the event loop."""
+        """Tokenize and check lengths and ids before anything is streamed, so errors are plain 400s.
+        Runs on the tokenizer pool (see jobs()): a long prompt must not stall the event loop."""
         if isinstance(prompt, str):
-            # Every token covers at most max_token_bytes bytes: a prompt that long cannot fit, so it is
-            # refused without tokenizing it (megabytes of text would take seconds).
-            if len(prompt) > self.max_model_len * self.tokenizer.max_token_bytes:
-                raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                                    f"({len(prompt)} characters) is far longer", "prompt", "context_length_exceeded")
+            self.check_text_length(len(prompt), "prompt")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
         if not ids:
             raise APIError(400, "prompt must not be empty", "prompt")
-        if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {self.tokenizer.vocab_size})", "prompt")
+        self.check_token_ids(ids, "prompt")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)}", "prompt", "context_length_exceeded")
         if params.max_tokens is None:
             params.max_tokens = room
+            params.validate()  # min_tokens against the max_tokens just set
         elif params.max_tokens > room:
             raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} and max_tokens is {params.max_tokens}",
                            "max_tokens", "context_length_exceeded")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise APIError(400, f"stop_token_ids must be < {self.vocab_size} (this model's vocabulary)", "stop_token_ids")
         return ids, params
 
-    async def jobs(self, prompts: list[str | list[int]], params: SamplingParams, rid: str) -> list[tuple[str, list[int], SamplingParams]]:
-        """(engine request id, prompt ids, params) per prompt, tokenized off the event loop."""
+    async def jobs(self, prompts: list[str | list[int]] | Callable[[], list[int]], params: SamplingParams,
+                   rid: str) -> list[tuple[str, list[int], SamplingParams]]:
+        """(engine request id, prompt ids, params) per prompt, tokenized on the tokenizer pool; `prompts`
+        may be a function that makes one prompt's ids there (a chat's template and tokenization)."""
         def build():
+            made = [prompts()] if callable(prompts) else prompts
             return [(f"{rid}-{i}", *self.prepare(prompt, SamplingParams(**{f: getattr(params, f) for f in params.__slots__})))
-                    for i, prompt in enumerate(prompts)]
+                    for i, prompt in enumerate(made)]
 
-        return await asyncio.to_thread(build)
+        return await self.pool.run(build)
+
+    # --- tokenizer endpoints ----------------------------------------------------------------------
+    async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None, add_generation_prompt: bool) -> dict:
+        def run() -> list[int]:
+            if prompt is not None:
+                self.check_text_length(len(prompt), "prompt")
+                return self.tokenizer.encode(prompt)
+            return self.chat_ids(messages, add_generation_prompt)
+
+        ids = await self.pool.run(run)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
+    async def detokenize(self, ids: list[int]) -> dict:
+        self.check_token_ids(ids, "tokens")
+        return {"prompt": await self.pool.run(lambda: self.tokenizer.decode(ids))}
 
     async def _merged(self, jobs: list[tuple[str, list[int], SamplingParams]]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Read several submitted engine requests at once and yield (job index, output) as they come."""
@@ -240,17 +274,18 @@ class OpenAIServing:
         return {**base, "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
 
     # --- chat ----------------------------------------------------------------------------------
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        """The conversation's prompt ids, message text tokenized as text (Tokenizer.encode_chat)."""
+        self.check_text_length(sum(len(s) for m in messages for s in m.values() if isinstance(s, str)), "messages")
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
         except Exception as e:  # template errors (e.g. raise_exception for a bad role order) are the client's
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
 
     async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams, stream: bool,
                    include_usage: bool, top_logprobs: int, disconnected: Callable[[], Awaitable[None]]) -> dict | EventSource:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt = await asyncio.to_thread(self.chat_prompt, messages, add_generation_prompt)
-        jobs = await self.jobs([prompt], params, rid)
+        jobs = await self.jobs(lambda: self.chat_ids(messages, add_generation_prompt), params, rid)
         self.engine.submit(jobs)
         created = int(time.time())
         rlog = RequestLog(rid, "chat.completions", prompt_tokens=len(jobs[0][1]))

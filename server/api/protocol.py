@@ -41,7 +41,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(1, ge=1, le=16)
     temperature: float | None = None
     top_p: float | None = None
@@ -51,7 +51,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    user: Text | None = None  # OpenAI's end-user id: accepted, not used
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -90,7 +90,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
     def params(self) -> SamplingParams:
         if self.echo:
@@ -129,7 +129,7 @@ class ChatMessage(BaseModel):
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow")
-    type: str
+    type: Text
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -164,7 +164,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
@@ -172,5 +172,5 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: Text | None = None
     tokens: list[TokenId]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvpilot.server.engine.sampling_params import FLOAT32_MAX
 from kvpilot.server.engine.scheduler import ScheduledBatch
 from kvpilot.server.engine.sequence import Sequence
 
@@ -143,7 +144,9 @@ class SamplingTensors:
         longs, floats = Staging(torch.long, device), Staging(dtype, device)
         for values in ([p.top_k for p in params], banned_rows, banned_tokens, drafts, random_rows):
             longs.add(values)
-        for values in ([1.0 if p.greedy else p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]):
+        # A temperature past float32's range would be inf there, and a banned token's -inf / inf a NaN:
+        # it is taken as the largest float32 (sampling as good as uniform, as it asks).
+        for values in ([1.0 if p.greedy else min(p.temperature, FLOAT32_MAX) for p in params], [p.top_p for p in params], [p.min_p for p in params]):
             floats.add(values)
         (top_k, banned_rows_t, banned_tokens_t, drafts_t, random_index), (temperature, top_p, min_p) = longs.upload(), floats.upload()
         q = None

@@ -12,6 +12,8 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 SEED_RANGE = (-(2**63), 2**64 - 1)       # what torch.Generator.manual_seed takes
+MAX_TOP_K = 2**31 - 1                    # top_k goes into an int64 tensor; any value past the vocabulary means "off"
+FLOAT32_MAX = 3.4028234663852886e38      # sampling floats go into float32 tensors (a temperature past it is taken as this)
 
 
 @dataclass(slots=True)
@@ -54,8 +56,8 @@ class SamplingParams:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if not 0 <= self.temperature < float("inf"):  # also rejects NaN (JSON parsers accept it)
             bad("temperature", "must be a finite number >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", "must be -1, 0 (off) or a positive integer")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"must be -1, 0 (off) or a positive integer up to {MAX_TOP_K}")
         if not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
