@@ -1,6 +1,6 @@
-"""Generates the InferenceService CRD from the pydantic models (crd_types.py).
+"""Generates the InferenceService CRD, and its reference page, from the pydantic models (crd_types.py).
 
-    python -m kvpilot.operator.crd_gen [--check]     # writes (or checks) crds/ and charts/kvpilot/crds/
+    python -m kvpilot.operator.crd_gen [--check]     # writes (or checks) crds/, charts/kvpilot/crds/ and docs/crd-reference.md
 
 The OpenAPI v3 schema is made structural: $refs inlined, Optional[X] becomes X (absent = unset),
 titles dropped, objects with only defaulted fields default to {} so nested defaults apply.
@@ -20,6 +20,7 @@ from kvpilot.operator.crd_types import GROUP, KIND, PLURAL, VERSION, InferenceSe
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUTS = [ROOT / "crds" / f"{GROUP}_{PLURAL}.yaml", ROOT / "charts" / "kvpilot" / "crds" / f"{GROUP}_{PLURAL}.yaml"]
+REFERENCE = ROOT / "docs" / "crd-reference.md"
 _DROP = {"title", "examples"}
 
 
@@ -112,17 +113,86 @@ def render() -> str:
     return header + yaml.safe_dump(crd(), sort_keys=False, width=120)
 
 
+def _type(schema: dict) -> str:
+    kind = schema.get("type", "object" if "properties" in schema else "any")
+    if kind == "array":
+        return f"[]{_type(schema.get('items', {}))}"
+    if kind == "object" and "additionalProperties" in schema:
+        return f"map[string]{_type(schema['additionalProperties'])}"
+    return kind
+
+
+def _constraints(schema: dict) -> str:
+    out = []
+    if "enum" in schema:
+        out.append("one of " + ", ".join(f"`{v}`" for v in schema["enum"]))
+    for key, sign in (("minimum", ">"), ("maximum", "<")):
+        if key in schema:
+            exclusive = schema.get("exclusive" + key.capitalize(), False) is True
+            out.append(f"{sign}{'' if exclusive else '='} {schema[key]}")
+    for key, what in (("minLength", "length >="), ("maxLength", "length <="), ("minItems", "items >="), ("maxItems", "items <=")):
+        if key in schema:
+            out.append(f"{what} {schema[key]}")
+    if "pattern" in schema:
+        out.append(f"pattern `{schema['pattern']}`")
+    out += [f"CEL `{rule['rule']}`: {rule['message']}" for rule in schema.get("x-kubernetes-validations", [])]
+    return "; ".join(out)
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _rows(schema: dict, path: str, required: set[str]) -> list[str]:
+    rows = []
+    for name, sub in schema.get("properties", {}).items():
+        field = f"{path}.{name}"
+        default = f"`{sub['default']}`" if "default" in sub and sub["default"] != {} else ""
+        rows.append(f"| `{field}`{' (required)' if name in required else ''} | {_type(sub)} | {_cell(default)} | "
+                    f"{_cell(_constraints(sub))} | {_cell(sub.get('description', ''))} |")
+        nested = sub.get("items", sub) if sub.get("type") == "array" else sub
+        if "properties" in nested:
+            rows += _rows(nested, field + ("[]" if sub.get("type") == "array" else ""), set(nested.get("required", [])))
+    return rows
+
+
+def render_reference() -> str:
+    """docs/crd-reference.md: every field of spec and status with its type, default, bounds, CEL rules
+    and description, read from the same schema as the CRD (so the two cannot disagree)."""
+    version = crd()["spec"]["versions"][0]
+    root = version["schema"]["openAPIV3Schema"]["properties"]
+    spec, status = root["spec"], root["status"]
+    header = "| field | type | default | constraints | description |\n|---|---|---|---|---|"
+    lines = [
+        "<!-- Generated from operator/crd_types.py by `make crds`. Do not edit: a test fails when it is stale. -->",
+        f"# {KIND} reference (`{GROUP}/{VERSION}`)", "",
+        f"{spec['description']} Short names: `kvis`, `kvisvc`. The scale subresource acts on `.spec.replicas`.", "",
+        "Rules over the whole spec (CEL, checked by the API server):", "",
+        *[f"- `{r['rule']}`: {r['message']}" for r in spec.get("x-kubernetes-validations", [])], "",
+        "## spec", "", header, *_rows(spec, "spec", set(spec.get("required", []))), "",
+        "## status", "", "Written by the operator only.", "", header, *_rows(status, "status", set()), "",
+        "## `kubectl get kvis` columns", "", "| column | from | meaning |", "|---|---|---|",
+        *[f"| {c['name'].upper()} | `{c['jsonPath']}` | {_cell(c.get('description', ''))} |" for c in version["additionalPrinterColumns"]], "",
+    ]
+    return "\n".join(lines)
+
+
+def outputs() -> dict[Path, str]:
+    text = render()
+    return {**{p: text for p in OUTPUTS}, REFERENCE: render_reference()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="exit 1 if the files differ from what the models generate")
     args = ap.parse_args(argv)
-    text = render()
-    stale = [p for p in OUTPUTS if not p.exists() or p.read_text() != text]
+    files = outputs()
+    stale = [p for p, text in files.items() if not p.exists() or p.read_text() != text]
     if args.check:
         for p in stale:
             print(f"stale: {p.relative_to(ROOT)} (run make crds)", file=sys.stderr)
         return 1 if stale else 0
-    for p in OUTPUTS:
+    for p, text in files.items():
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
         print(f"wrote {p.relative_to(ROOT)}")

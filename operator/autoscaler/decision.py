@@ -1,4 +1,4 @@
-"""The scaling decision: a pure function of what was observed (shared/DESIGN.md §4).
+"""The scaling decision: a pure function of what was observed (docs/gateway-and-autoscaling.md, docs/observability.md).
 
 per signal s with target t: desired_s = ceil(ready x mean_s / t); desired = max over signals;
 no change while every ratio is within the tolerance. Up at once, at most max(+4, x2) per step;

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the engine (names and meanings: shared/DESIGN.md §4), labelled model_name.
+"""Prometheus metrics of the engine (names and meanings: docs/observability.md), labelled model_name.
 
 Gauges and the engine's own monotonic counters (prefix cache, preemptions) are read at scrape time,
 so they are never stale; per-request histograms and counters are recorded as outputs arrive.
