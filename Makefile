@@ -34,9 +34,11 @@ images:
 kind-up:
 	bash e2e/kind_up.sh
 
-# Python (ruff) and shell (shellcheck, installed by `make images` when missing) lint.
+# Python (ruff; import direction and cycles: lint-imports, contracts in pyproject.toml) and shell
+# (shellcheck, installed by `make images` when missing) lint.
 lint:
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	shellcheck -x .ci/run .ci/phase e2e/*.sh e2e/tools/build.sh
 
 test:

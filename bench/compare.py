@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import machine, refuse_if_busy, table  # noqa: E402
 from serve import combine, level, wait_ready, workload  # noqa: E402
 
-from kvpilot.server.cache import cache_root  # noqa: E402
+from kvpilot.kernels.cache import cache_root  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

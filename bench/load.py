@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
-    from kvpilot.server.cache import cache_root
+    from kvpilot.kernels.cache import cache_root
     from kvpilot.server.model_files import resolve_model_path
 
     checkpoints = write_checkpoints(cache_root() / "bench-load")

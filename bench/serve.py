@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import machine, refuse_if_busy, table  # noqa: E402
 
-from kvpilot.server.cache import cache_root  # noqa: E402
+from kvpilot.kernels.cache import cache_root  # noqa: E402
 from kvpilot.server.threads import OPENMP_ENV  # noqa: E402
 
 LLAMA_VERSION = "11434.0.0"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from e2e.net import free_port, require_loopback
-from kvpilot.server.cache import cache_root
+from kvpilot.kernels.cache import cache_root
 
 HERE = Path(__file__).resolve().parent
 TOKEN = "kvpilot-e2e-admin-token"  # local, loopback-only cluster: a fixed admin token is fine

@@ -110,7 +110,7 @@ def engine_argv(pod: dict, volumes: dict[str, Path] | None = None) -> tuple[list
 
 def podman() -> list[str]:
     """podman with the containers.conf that `make images` writes for this kind of machine."""
-    from kvpilot.server.cache import cache_root
+    from kvpilot.kernels.cache import cache_root
 
     conf = cache_root() / "podman" / "containers.conf"
     if not conf.is_file():

@@ -94,7 +94,7 @@ def build_key(lvl: str) -> str:
 
 
 def build_dir(lvl: str | None = None) -> Path:
-    from kvpilot.server.cache import cache_root
+    from kvpilot.kernels.cache import cache_root
 
     return cache_root() / "kernels" / build_key(lvl or level())
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpilot.kernels.ops import Rope
+from kvpilot.kernels.rope import Rope
 
 
 @triton.jit

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kvpilot.server.models.config import ModelConfig, ModelFormatError, config_from_hf
+from kvpilot.server.model_config import ModelConfig, ModelFormatError, config_from_hf
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"

@@ -21,7 +21,7 @@ from kvpilot.kernels.gguf_dequant import (
     dequantize_q6_k,
     dequantize_q8_0,
 )
-from kvpilot.server.models.config import ModelConfig, ModelFormatError, RopeScaling, gguf_family_for
+from kvpilot.server.model_config import ModelConfig, ModelFormatError, RopeScaling, gguf_family_for
 
 DEQUANTIZE = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1,
               "Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k}  # GGML type name -> raw blocks to float32

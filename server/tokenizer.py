@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as Tokenizer_
 
 from kvpilot.server.checkpoint import read_json
 from kvpilot.server.gguf_loader import GGUFError, GGUFFile
-from kvpilot.server.models.config import ModelFormatError
+from kvpilot.server.model_config import ModelFormatError
 
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 

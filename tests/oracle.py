@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.server.cache import cache_root
+from kvpilot.kernels.cache import cache_root
 
 # Fixed before the first run: varied lengths, languages, code, chat-formatted and plain text.
 ORACLE_PROMPTS = [

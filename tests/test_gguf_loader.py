@@ -114,7 +114,7 @@ def test_not_a_gguf_file(tmp_path):
 
 def test_unsupported_architecture(tmp_path):
     from kvpilot.server.gguf_loader import GGUFFile
-    from kvpilot.server.models.config import ModelFormatError
+    from kvpilot.server.model_config import ModelFormatError
 
     f = GGUFFile(write_gguf(tmp_path / "m.gguf", {"w": (np.ones((2, 32), np.float32), "F32")}, arch="mamba"))
     with pytest.raises(ModelFormatError, match="architecture 'mamba' is not supported.*llama, qwen2, qwen3"):

@@ -150,7 +150,7 @@ def test_unsupported_or_incomplete_checkpoints_are_clear_errors(family_checkpoin
     import torch
     from safetensors.torch import save_file
 
-    from kvpilot.server.models.config import ModelFormatError
+    from kvpilot.server.model_config import ModelFormatError
 
     directory, _ = family_checkpoints["qwen3"]
 

@@ -161,7 +161,7 @@ def test_a_k_quant_gguf_loads_in_every_mode(family_checkpoints, model_path, tmp_
     outs = {}
     # A row-parallel shard of the Q4_K projection must fall on its 256-column super-blocks, else it is refused by name.
     from kvpilot.server.gguf_loader import GGUFFile
-    from kvpilot.server.models.config import ModelFormatError
+    from kvpilot.server.model_config import ModelFormatError
     from kvpilot.server.models.decoder import _WeightReader
 
     reader = _WeightReader(GGUFFile(path), torch.float32, torch.device("cpu"), None, None, "gguf")
@@ -314,7 +314,7 @@ def test_the_cpu_kernels_refuse_half_activations_when_auto_lands_on_cpu(monkeypa
 
 def test_gguf_mode_needs_a_gguf_model(family_checkpoints):
     from kvpilot.server.llm import LLM
-    from kvpilot.server.models.config import ModelFormatError
+    from kvpilot.server.model_config import ModelFormatError
 
     with pytest.raises(ModelFormatError, match="needs a GGUF model"):
         LLM(model=str(next(iter(family_checkpoints.values()))[0]), quantization="gguf", show_progress=False, num_threads=1)

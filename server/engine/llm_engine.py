@@ -6,7 +6,6 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpilot.server.config import EngineConfig
@@ -15,6 +14,7 @@ from kvpilot.server.engine.outputs import RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.scheduler import ScheduledBatch
 from kvpilot.server.engine.sequence import Sequence
+from kvpilot.server.loading import draft_model, open_model
 from kvpilot.server.model_files import default_served_name, resolve_model_path
 from kvpilot.server.threads import configure_threads
 
@@ -58,12 +58,13 @@ class LLMEngine:
         if window and config.max_model_len and config.max_model_len > window:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window}: sliding-window attention is not "
                              f"implemented, so contexts are limited to the window (where full attention is exact); use --max-model-len {window}")
-        draft = _draft_model(config, self.tokenizer) if config.speculative_method == "draft" else None
+        draft = draft_model(config, self.tokenizer) if config.speculative_method == "draft" else None
         self.workers = None
         tp = None
         if config.tensor_parallel_size > 1:
             from kvpilot.server.engine.model_runner import resolve_device
-            from kvpilot.server.engine.parallel import TensorParallel, Workers, check_tensor_parallel
+            from kvpilot.server.engine.parallel import Workers
+            from kvpilot.server.models.sharding import TensorParallel, check_tensor_parallel
 
             check_tensor_parallel(self.model_config, config.tensor_parallel_size)
             tp = TensorParallel(0, config.tensor_parallel_size)
@@ -272,25 +273,3 @@ class StepInFlight:
     def sampled_rows(self) -> dict[int, int]:
         """seq_id -> its row among the step's sampled tokens (one row each: async scheduling runs without proposals)."""
         return {seq.seq_id: i for i, seq in enumerate(self.plan.sampled)}
-
-
-def open_model(path: Path):
-    """A GGUF file or a checkpoint directory -> (its weights, with .config, the model's shape; its tokenizer)."""
-    from kvpilot.server.checkpoint import Checkpoint, is_checkpoint_dir
-    from kvpilot.server.gguf_loader import GGUFFile
-    from kvpilot.server.tokenizer import Tokenizer
-
-    if is_checkpoint_dir(path):
-        checkpoint = Checkpoint(path)
-        return checkpoint, Tokenizer.from_checkpoint(path, checkpoint.hf_config.get("eos_token_id"))
-    gguf = GGUFFile(path)
-    return gguf, Tokenizer.from_gguf(gguf)
-
-
-def _draft_model(config: EngineConfig, tokenizer):
-    """The draft model's weights, refused unless it shares the target's vocabulary token
-    for token (verification compares token ids)."""
-    weights, draft_tokenizer = open_model(resolve_model_path(config.speculative_model))
-    if draft_tokenizer.vocabulary() != tokenizer.vocabulary():
-        raise ValueError(f"speculative_model {config.speculative_model!r} does not share the model's tokenizer (its vocabulary differs)")
-    return weights

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,9 +14,12 @@ from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.decode_graphs import DecodeGraphs
 from kvpilot.server.engine.model_io import ModelInput, ModelOutput, PromptLogprobRows
-from kvpilot.server.engine.parallel import TensorParallel, Workers
 from kvpilot.server.engine.sampler import PendingSample, Sampler
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
+from kvpilot.server.models.sharding import TensorParallel
+
+if TYPE_CHECKING:
+    from kvpilot.server.engine.parallel import Workers
 
 log = logging.getLogger(__name__)
 

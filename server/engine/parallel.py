@@ -21,13 +21,12 @@ import sys
 import tempfile
 import threading
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from kvpilot.server.config import EngineConfig
-from kvpilot.server.models.config import ModelConfig
+from kvpilot.server.models.sharding import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -35,44 +34,6 @@ log = logging.getLogger(__name__)
 # container's last-state message (what `kubectl describe` and the operator show).
 TERMINATION_LOG = Path(os.environ.get("KVPILOT_TERMINATION_LOG", "/dev/termination-log"))
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("KVPILOT_TP_TIMEOUT_SECONDS", "300")))
-
-
-@dataclass(frozen=True, slots=True)
-class TensorParallel:
-    """This process's place among the ranks, and the layout of the model's pieces over them."""
-
-    rank: int
-    world_size: int
-
-    def split(self, n: int) -> tuple[int, int]:
-        """This rank's [start, end) of n items split evenly (n is a multiple of the world size)."""
-        size = n // self.world_size
-        return self.rank * size, (self.rank + 1) * size
-
-    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
-        """This rank's KV heads: its share when there are at least as many as ranks, else the one
-        KV head its query heads read (replicated on world_size / num_kv_heads ranks)."""
-        if num_kv_heads >= self.world_size:
-            return self.split(num_kv_heads)
-        head = self.rank * num_kv_heads // self.world_size
-        return head, head + 1
-
-    def padded_vocab(self, vocab_size: int) -> int:
-        return -(-vocab_size // self.world_size) * self.world_size
-
-
-def check_tensor_parallel(c: ModelConfig, n: int) -> None:
-    """Refuses a world size the model cannot be split over, naming the counts that decide it."""
-    problems = []
-    if c.num_heads % n:
-        problems.append(f"the {c.num_heads} query heads")
-    if c.num_kv_heads % n and n % c.num_kv_heads:
-        problems.append(f"the {c.num_kv_heads} KV heads (or be a multiple of them)")
-    if c.intermediate_size % n:
-        problems.append(f"the FFN width {c.intermediate_size}")
-    if problems:
-        raise ValueError(f"tensor_parallel_size={n} does not fit {c.name}: it must divide {', '.join(problems)} "
-                         f"(the model has {c.num_heads} query heads, {c.num_kv_heads} KV heads, FFN width {c.intermediate_size})")
 
 
 def write_termination_message(message: str) -> None:
@@ -187,8 +148,8 @@ def worker_main(rank: int, world_size: int, init_method: str, config: dict, mode
     try:
         import torch.distributed as dist
 
-        from kvpilot.server.engine.llm_engine import open_model
         from kvpilot.server.engine.model_runner import ModelRunner
+        from kvpilot.server.loading import open_model
 
         dist.init_process_group(backend(device_type, world_size), init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT)

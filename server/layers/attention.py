@@ -3,8 +3,9 @@ from torch import nn
 
 from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.linear import Linear
-from kvpilot.kernels.ops import Ops, Rope
+from kvpilot.kernels.ops import Ops
 from kvpilot.kernels.paged_attention import AttentionMetadata
+from kvpilot.kernels.rope import Rope
 from kvpilot.server.layers.rmsnorm import RMSNorm
 
 

@@ -3,8 +3,8 @@ import math
 import torch
 from torch import nn
 
-from kvpilot.kernels.ops import Rope, apply_rope
-from kvpilot.server.models.config import RopeScaling
+from kvpilot.kernels.rope import Rope, apply_rope
+from kvpilot.server.model_config import RopeScaling
 
 
 def inverse_frequencies(head_dim: int, base: float, scaling: RopeScaling | None = None) -> torch.Tensor:

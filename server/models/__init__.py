@@ -1,1 +1,1 @@
-"""Model code: one decoder for the supported families (models/config.py lists them)."""
+"""Model code: one decoder for the supported families (model_config.py lists them)."""

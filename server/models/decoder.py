@@ -16,12 +16,12 @@ from kvpilot.kernels.linear import RowParallel, make_linear
 from kvpilot.kernels.ops import Ops, ops_for
 from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight, cat_rows, embedding, quantize_int4, quantize_int8
-from kvpilot.server.engine.parallel import TensorParallel
 from kvpilot.server.layers.attention import PagedSelfAttention
 from kvpilot.server.layers.mlp import SwiGLU
 from kvpilot.server.layers.rmsnorm import RMSNorm
 from kvpilot.server.layers.rotary import RotaryEmbedding
-from kvpilot.server.models.config import ModelConfig, ModelFormatError
+from kvpilot.server.model_config import ModelConfig, ModelFormatError
+from kvpilot.server.models.sharding import TensorParallel
 
 
 class WeightSource(Protocol):

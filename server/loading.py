@@ -1,0 +1,31 @@
+"""Opening a model for the engine: its weights (GGUF file or checkpoint directory) and its tokenizer.
+Used by the engine and by every tensor-parallel rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvpilot.server.config import EngineConfig
+from kvpilot.server.model_files import resolve_model_path
+
+
+def open_model(path: Path):
+    """A GGUF file or a checkpoint directory -> (its weights, with .config, the model's shape; its tokenizer)."""
+    from kvpilot.server.checkpoint import Checkpoint, is_checkpoint_dir
+    from kvpilot.server.gguf_loader import GGUFFile
+    from kvpilot.server.tokenizer import Tokenizer
+
+    if is_checkpoint_dir(path):
+        checkpoint = Checkpoint(path)
+        return checkpoint, Tokenizer.from_checkpoint(path, checkpoint.hf_config.get("eos_token_id"))
+    gguf = GGUFFile(path)
+    return gguf, Tokenizer.from_gguf(gguf)
+
+
+def draft_model(config: EngineConfig, tokenizer):
+    """The draft model's weights, refused unless it shares the target's vocabulary token
+    for token (verification compares token ids)."""
+    weights, draft_tokenizer = open_model(resolve_model_path(config.speculative_model))
+    if draft_tokenizer.vocabulary() != tokenizer.vocabulary():
+        raise ValueError(f"speculative_model {config.speculative_model!r} does not share the model's tokenizer (its vocabulary differs)")
+    return weights
