@@ -134,7 +134,7 @@ def test_abort_while_a_step_is_in_flight(sync_llm):
     for _ in range(4):
         for out in engine.step():
             seen[out.request_id] = out
-    assert engine.requests["aborted"].seqs[0].awaiting_token  # the 4th step, in flight, samples its next token
+    assert engine.requests["aborted"].seqs[0].num_placeholders == 1  # the 4th step, in flight, samples its next token
     final = engine.abort_request("aborted")
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert PLACEHOLDER_TOKEN not in final.outputs[0].token_ids

@@ -214,18 +214,17 @@ def test_batched_processing_equals_row_by_row():
 def test_several_tokens_appended_at_once_stop_at_the_first_stop(llm):
     """What speculative decoding will do: a run of tokens appended in one step ends the sequence at the
     first token that stops it (a stop token id here, max_tokens next), and nothing after it is kept."""
-    from kvpilot.server.engine.output_processor import OutputProcessor, Request
+    from kvpilot.server.engine.output_processor import OutputProcessor
     from kvpilot.server.engine.scheduler import Scheduler
 
     engine = llm.engine
     tok = llm.get_tokenizer()
     ids = tok.encode("one two three four five six")
-    out = OutputProcessor(Scheduler(engine.block_manager, 4, 64), tok.eos_token_ids, 512)
+    out = OutputProcessor(Scheduler(engine.block_manager, 4, 64), tok.eos_token_ids)
 
     def run(params, tokens):
         s = Sequence(0, "r", 0, [1, 2], params)
-        s.detokenizer = engine._detokenizer(tok, True)
-        out.requests["r"] = Request("r", None, [1, 2], [s])
+        out.add("r", None, [1, 2], [s], lambda: engine._detokenizer(tok, True), 0.0)
         out.scheduler.add(s)
         out.append(s, tokens, None, 0.0)
         return out.request_output("r").outputs[0]

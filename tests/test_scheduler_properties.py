@@ -57,7 +57,7 @@ def test_scheduler_properties(w):
     bm = BlockManager(w["num_blocks"], w["block_size"], w["prefix"])
     budget = w["budget"] if w["chunked"] else max(w["budget"], 64)
     sched = Scheduler(bm, w["max_num_seqs"], budget, w["chunked"])
-    seqs, finished = [], Counter()
+    seqs, finished, lengths = [], Counter(), {}
     for i, (plen, out, arrive, abort_at) in enumerate(w["reqs"]):
         prompt = [rng.randrange(w["vocab"]) for _ in range(plen)]
         seqs.append((arrive, abort_at, Sequence(i, f"r{i}", 0, prompt, SamplingParams(max_tokens=out, ignore_eos=True))))
@@ -66,7 +66,7 @@ def test_scheduler_properties(w):
             if arrive == step:
                 sched.add(seq)
             if abort_at == step and seq.status is not Status.FINISHED and arrive <= step:
-                sched.finish(seq, "abort")
+                sched.finish(seq)
                 finished[seq.seq_id] += 1
         batch = sched.schedule()
         assert batch.total_tokens <= budget
@@ -78,8 +78,9 @@ def test_scheduler_properties(w):
             bm.cache_full_blocks(seq, seq.num_computed_tokens)
             if seq.num_computed_tokens == seq.num_tokens:  # "sample" a token
                 seq.output_token_ids.append(rng.randrange(w["vocab"]))
-                if len(seq.output_token_ids) >= seq.params.max_tokens:
-                    sched.finish(seq, "length")
+                if seq.length_reached():
+                    sched.finish(seq)
+                    lengths[seq.seq_id] = len(seq.output_token_ids)
                     finished[seq.seq_id] += 1
         check_invariants(bm, sched)
         if step > 30 and not sched.has_unfinished():
@@ -87,8 +88,8 @@ def test_scheduler_properties(w):
     assert not sched.has_unfinished(), f"starved: {len(sched.waiting)} waiting, {len(sched.running)} running"
     assert all(finished[s.seq_id] == 1 for _, _, s in seqs), "a request finished more or less than once"
     for _, _, s in seqs:
-        if s.finish_reason == "length":
-            assert len(s.output_token_ids) == s.params.max_tokens
+        if s.seq_id in lengths:
+            assert lengths[s.seq_id] == s.params.max_tokens
     assert bm.usage() == 0.0 and len(bm.free) == bm.num_blocks
 
 
@@ -138,5 +139,5 @@ def test_abort_frees_blocks_at_once():
     sched.add(seq)
     sched.schedule()
     assert bm.usage() > 0
-    sched.finish(seq, "abort")
-    assert bm.usage() == 0 and seq.finish_reason == "abort" and not sched.has_unfinished()
+    sched.finish(seq)
+    assert bm.usage() == 0 and seq.is_finished and not sched.has_unfinished()

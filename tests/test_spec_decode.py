@@ -296,7 +296,7 @@ def test_off_switch_batch_size_and_low_acceptance():
     paused_steps = []
     while engine.has_unfinished_requests():
         engine.step()
-        paused_steps += [s.spec_paused_steps for s in engine.scheduler.running if s.spec_paused_steps]
+        paused_steps += [a.paused_steps for a in engine.proposer.acceptance.values() if a.paused_steps]
     assert PAUSE_STEPS in paused_steps and PAUSE_STEPS - 1 in paused_steps  # acceptance below 100% paused it, and the pause counts down
 
 
@@ -308,8 +308,8 @@ def test_low_acceptance_pauses_double_while_it_stays_low_and_reset_after_a_good_
     pauses = []
     for accepted in (0, 1, 0, 0, 0, 0, 0, 0, 4, 4, 0, 0):  # windows of two proposals of 4
         proposer.verified([(s, 4, accepted)])
-        pauses.append(s.spec_paused_steps)
-        s.spec_paused_steps = 0
+        pauses.append(proposer.acceptance[s.seq_id].paused_steps)
+        proposer.acceptance[s.seq_id].paused_steps = 0
     assert pauses[1] == PAUSE_STEPS and pauses[3] == 2 * PAUSE_STEPS and pauses[5] == 4 * PAUSE_STEPS and pauses[7] == 8 * PAUSE_STEPS
     assert pauses[9] == 0 and pauses[11] == PAUSE_STEPS  # 8 of 8 accepted reset the backoff
     assert max(pauses) <= MAX_PAUSE_STEPS and proposer.stats.num_accepted_tokens == 9 and proposer.stats.num_draft_tokens == 48

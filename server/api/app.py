@@ -22,6 +22,7 @@ from kvpilot.server.api.openai_serving import ClientDisconnected, OpenAIServing
 from kvpilot.server.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvpilot.server.api.tokenizer_pool import TokenizerPool
 from kvpilot.server.config import EngineConfig, ServerConfig
+from kvpilot.server.engine.limits import RequestRejected
 
 log = logging.getLogger("kvpilot.server")
 VERSION = "0.1.0"
@@ -85,6 +86,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, e: ClientDisconnected):
         return Response(status_code=499)  # nobody reads it: the connection is closed
+
+    @app.exception_handler(RequestRejected)
+    async def _rejected(request: Request, e: RequestRejected):
+        return errors.error_response(400, str(e), e.param, e.code)
 
     @app.exception_handler(ValueError)
     async def _value(request: Request, e: ValueError):
@@ -181,7 +186,7 @@ def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_
     metrics = EngineMetrics(engine, engine.served_model_name, pending=lambda: async_engine._pending)
     async_engine.on_step = lambda _engine, outputs, _dt: metrics.observe(outputs)
     pool = TokenizerPool(server_config.tokenizer_workers, server_config.max_pending_tokenizations)
-    serving = OpenAIServing(async_engine, engine.tokenizer, engine.served_model_name, engine.max_model_len, engine.model_config.vocab_size, pool)
+    serving = OpenAIServing(async_engine, engine.tokenizer, engine.served_model_name, engine.limits, pool)
     return ServerState(async_engine, serving, metrics, server_config)
 
 

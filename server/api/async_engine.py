@@ -15,9 +15,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from kvpilot.server.engine.limits import Admission
 from kvpilot.server.engine.llm_engine import LLMEngine
 from kvpilot.server.engine.outputs import RequestOutput
-from kvpilot.server.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvpilot.engine")
 
@@ -40,6 +40,14 @@ class RequestFailedError(RuntimeError):
 
 class ServerShutdownError(RuntimeError):
     """The server stopped before the request finished (its shutdown grace ran out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One engine request of an API request: its id and its admission (RequestLimits.admit)."""
+
+    request_id: str
+    admission: Admission
 
 
 @dataclass(slots=True)
@@ -113,13 +121,13 @@ class AsyncEngine:
         return len(self._streams)
 
     # --- asyncio side -----------------------------------------------------------------------
-    def submit(self, jobs: list[tuple[str, list[int], SamplingParams]]) -> None:
-        """Admit a request's jobs (request id, prompt ids, params) all or none, before any response
-        byte is sent; each of a job's n sequences counts against max_waiting_requests.
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue a request's jobs all or none, before any response byte is sent; each of a job's n
+        sequences counts against max_waiting_requests.
         Call from the event loop; then read each job with stream() (or release() them)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        units = sum(p.n for _, _, p in jobs)
+        units = sum(job.admission.params.n for job in jobs)
         if units > self.max_waiting_requests:
             raise RequestTooLargeError(f"this request needs {units} sequences (prompts x n) but at most {self.max_waiting_requests} "
                                        f"can wait (the server's max_waiting_requests)")
@@ -129,9 +137,9 @@ class AsyncEngine:
                                      f"(limit {self.max_waiting_requests})")
             self._pending += units
         loop = asyncio.get_running_loop()
-        for request_id, ids, params in jobs:
-            self._streams[request_id] = _Stream(loop, asyncio.Queue())
-            self._commands.put(("add", request_id, ids, params))
+        for job in jobs:
+            self._streams[job.request_id] = _Stream(loop, asyncio.Queue())
+            self._commands.put(("add", job))
         self._wake.set()
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
@@ -201,15 +209,15 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params = cmd
+                job: Job = cmd[1]
                 with self._lock:
-                    self._pending -= params.n
-                if rid not in self._streams:  # the client left before the engine saw it
+                    self._pending -= job.admission.params.n
+                if job.request_id not in self._streams:  # the client left before the engine saw it
                     continue
                 try:
-                    self.engine.add_request(prompt, params, request_id=rid)
+                    self.engine.add_admitted(job.admission, job.request_id)
                 except ValueError as e:
-                    self._deliver(rid, e)
+                    self._deliver(job.request_id, e)
             else:
                 out = self.engine.abort_request(cmd[1])
                 if out is not None and self.on_step:

@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, ServerShutdownError
+from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, Job, RequestFailedError, ServerShutdownError
 from kvpilot.server.api.errors import APIError, sse_error, status_of
 from kvpilot.server.api.tokenizer_pool import TokenizerPool
+from kvpilot.server.engine.limits import Admission, RequestLimits
 from kvpilot.server.engine.outputs import RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.tokenizer import Tokenizer
@@ -54,11 +55,11 @@ class ClientDisconnected(Exception):
 
 
 class OpenAIServing:
-    """vocab_size: the model's (stop ids are checked against it; it may be padded past the tokenizer's)."""
+    """limits: the engine's (RequestLimits), with which every request is admitted before it is submitted."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int, vocab_size: int, pool: TokenizerPool):
-        self.engine, self.tokenizer, self.model_name, self.max_model_len = engine, tokenizer, model_name, max_model_len
-        self.vocab_size, self.pool = vocab_size, pool
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, limits: RequestLimits, pool: TokenizerPool):
+        self.engine, self.tokenizer, self.model_name, self.limits, self.pool = engine, tokenizer, model_name, limits, pool
+        self.max_model_len = limits.max_model_len
 
     # --- shared -------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -79,38 +80,21 @@ class OpenAIServing:
         if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
             raise APIError(400, f"{param} token ids must be in [0, {self.tokenizer.vocab_size})", param)
 
-    def prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], SamplingParams]:
-        """Tokenize and check lengths and ids before anything is streamed, so errors are plain 400s.
-        Runs on the tokenizer pool (see jobs()): a long prompt must not stall the event loop."""
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> Admission:
+        """Tokenize, then admit with the engine's own limits, before anything is streamed (a refusal
+        is a plain 400). Runs on the tokenizer pool (see jobs()): a long prompt must not stall the
+        event loop."""
         if isinstance(prompt, str):
             self.check_text_length(len(prompt), "prompt")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise APIError(400, "prompt must not be empty", "prompt")
-        self.check_token_ids(ids, "prompt")
-        room = self.max_model_len - len(ids)
-        if room < 1:
-            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)}", "prompt", "context_length_exceeded")
-        if params.max_tokens is None:
-            params.max_tokens = room
-            params.validate()  # min_tokens against the max_tokens just set
-        elif params.max_tokens > room:
-            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} and max_tokens is {params.max_tokens}",
-                           "max_tokens", "context_length_exceeded")
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise APIError(400, f"stop_token_ids must be < {self.vocab_size} (this model's vocabulary)", "stop_token_ids")
-        return ids, params
+            prompt = self.tokenizer.encode(prompt)
+        return self.limits.admit(prompt, params)
 
-    async def jobs(self, prompts: list[str | list[int]] | Callable[[], list[int]], params: SamplingParams,
-                   rid: str) -> list[tuple[str, list[int], SamplingParams]]:
-        """(engine request id, prompt ids, params) per prompt, tokenized on the tokenizer pool; `prompts`
-        may be a function that makes one prompt's ids there (a chat's template and tokenization)."""
+    async def jobs(self, prompts: list[str | list[int]] | Callable[[], list[int]], params: SamplingParams, rid: str) -> list[Job]:
+        """One admitted engine request per prompt, tokenized on the tokenizer pool; `prompts` may be a
+        function that makes one prompt's ids there (a chat's template and tokenization)."""
         def build():
             made = [prompts()] if callable(prompts) else prompts
-            return [(f"{rid}-{i}", *self.prepare(prompt, SamplingParams(**{f: getattr(params, f) for f in params.__slots__})))
-                    for i, prompt in enumerate(made)]
+            return [Job(f"{rid}-{i}", self.prepare(prompt, params)) for i, prompt in enumerate(made)]
 
         return await self.pool.run(build)
 
@@ -129,7 +113,7 @@ class OpenAIServing:
         self.check_token_ids(ids, "tokens")
         return {"prompt": await self.pool.run(lambda: self.tokenizer.decode(ids))}
 
-    async def _merged(self, jobs: list[tuple[str, list[int], SamplingParams]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self, jobs: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Read several submitted engine requests at once and yield (job index, output) as they come."""
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -142,7 +126,7 @@ class OpenAIServing:
             finally:
                 await queue.put((i, None))
 
-        tasks = [asyncio.create_task(pump(i, rid)) for i, (rid, _, _) in enumerate(jobs)]
+        tasks = [asyncio.create_task(pump(i, job.request_id)) for i, job in enumerate(jobs)]
         remaining = len(tasks)
         try:
             while remaining:
@@ -157,7 +141,7 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()  # client gone or error: abort the engine requests still running
             await asyncio.gather(*tasks, return_exceptions=True)
-            self.engine.release([rid for rid, _, _ in jobs])
+            self.engine.release([job.request_id for job in jobs])
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -253,7 +237,7 @@ class OpenAIServing:
         jobs = await self.jobs(prompts, params, rid)
         self.engine.submit(jobs)  # admission: a 429 or 400 here is a plain HTTP error, before any byte of a stream
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
-        rlog = RequestLog(rid, "completions", prompt_tokens=sum(len(j[1]) for j in jobs))
+        rlog = RequestLog(rid, "completions", prompt_tokens=sum(len(j.admission.prompt_token_ids) for j in jobs))
         n = params.n
         offsets: dict[tuple[int, int], int] = {}  # streamed text_offset goes on from chunk to chunk
 
@@ -268,7 +252,7 @@ class OpenAIServing:
                 lp = o.logprobs[start:] if o.logprobs is not None else None
                 return {**base, "choices": [choice(i, o, o.text_delta, o.token_ids[start:], lp)]}
 
-            return EventSource(self._sse(jobs, rlog, render, base, include_usage), [j[0] for j in jobs])
+            return EventSource(self._sse(jobs, rlog, render, base, include_usage), [j.request_id for j in jobs])
         finals = await self._collect(jobs, rlog, disconnected)
         choices = [choice(i, o, o.text, o.token_ids, o.logprobs) for i in sorted(finals) for o in finals[i].outputs]
         return {**base, "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
@@ -288,7 +272,7 @@ class OpenAIServing:
         jobs = await self.jobs(lambda: self.chat_ids(messages, add_generation_prompt), params, rid)
         self.engine.submit(jobs)
         created = int(time.time())
-        rlog = RequestLog(rid, "chat.completions", prompt_tokens=len(jobs[0][1]))
+        rlog = RequestLog(rid, "chat.completions", prompt_tokens=len(jobs[0].admission.prompt_token_ids))
 
         def logprobs(o, start: int = 0):
             return self.chat_logprobs(o.logprobs[start:], o.token_ids[start:], top_logprobs) if o.logprobs is not None else None
@@ -304,7 +288,7 @@ class OpenAIServing:
                 return {**base, "choices": [{"index": o.index, "delta": delta, "logprobs": logprobs(o, start),
                                              "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]}
 
-            return EventSource(self._sse(jobs, rlog, render, base, include_usage, preamble), [j[0] for j in jobs])
+            return EventSource(self._sse(jobs, rlog, render, base, include_usage, preamble), [j.request_id for j in jobs])
         final = (await self._collect(jobs, rlog, disconnected))[0]
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text}, "logprobs": logprobs(o),
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in final.outputs]

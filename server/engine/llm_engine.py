@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpilot.server.config import EngineConfig
-from kvpilot.server.engine.output_processor import OutputProcessor, Request
+from kvpilot.server.engine.limits import Admission, RequestLimits
+from kvpilot.server.engine.output_processor import OutputProcessor
 from kvpilot.server.engine.outputs import RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.scheduler import ScheduledBatch
@@ -83,7 +84,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill)
         self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device)
-        self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids, self.max_model_len)
+        self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids)
+        self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size)
         self.proposer = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config, self.max_model_len)
@@ -97,48 +99,40 @@ class LLMEngine:
         self._request_ids = itertools.count()
 
     # --- requests ---------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), got {bad[:5]}")
-        return None, ids
-
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
                     arrival_time: float | None = None) -> str:
+        """Tokenize (a text prompt), admit (RequestRejected when the request breaks a limit) and queue."""
         params = params or SamplingParams()
-        text, ids = self.tokenize_prompt(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; this model's maximum context is {self.max_model_len} tokens including at least one output token")
-        if max(params.stop_token_ids, default=0) >= self.model_config.vocab_size:
-            raise ValueError(f"stop_token_ids must be < {self.model_config.vocab_size}")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.add_admitted(self.limits.admit(ids, params), request_id, arrival_time, text)
+
+    def add_admitted(self, admission: Admission, request_id: str | None = None, arrival_time: float | None = None,
+                     prompt_text: str | None = None) -> str:
+        """Queue a request already admitted by self.limits (the server admits in its own threads, before
+        it streams anything): one Sequence per output, the output processor's state for each."""
         request_id = request_id or f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = arrival_time if arrival_time is not None else time.monotonic()
+        params = admission.params
         seqs = []
         for i in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, i, list(ids), params, arrival_time=now)
-            seq.detokenizer = self._detokenizer(self.tokenizer, params.skip_special_tokens)
+            seq = Sequence(next(self._seq_ids), request_id, i, list(admission.prompt_token_ids), params, admission.max_output_tokens)
             if params.seed is not None:
                 seq.generator = self.runner.make_generator(params.seed + i)
             seqs.append(seq)
         for seq in seqs:
             self.scheduler.add(seq)
-        self.requests[request_id] = Request(request_id, text, ids, seqs)
+        self.output.add(request_id, prompt_text, admission.prompt_token_ids, seqs,
+                        lambda: self._detokenizer(self.tokenizer, params.skip_special_tokens), now)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once (its blocks are freed); returns its final output, or None if unknown."""
         if request_id not in self.requests:
             return None
-        for seq in self.requests[request_id].seqs:
-            self.scheduler.finish(seq, "abort")
-        return self.output.request_output(request_id)
+        return self.output.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -159,6 +153,7 @@ class LLMEngine:
         if self.proposer:
             self.proposer.plan(self.scheduler.running)
         batch = self.scheduler.schedule()
+        self.output.scheduled(batch.seqs, time.monotonic())
         launched = failed = None
         if batch:
             try:
@@ -208,7 +203,7 @@ class LLMEngine:
         step.updated = True
         for seq in step.plan.sampled:
             if not seq.is_finished:
-                seq.await_token(last=self.output.length_reached(seq, more=1))
+                seq.num_placeholders += 1
         self._in_flight = step
 
     def _complete(self, step: StepInFlight) -> list[RequestOutput]:
@@ -228,7 +223,7 @@ class LLMEngine:
         for i, seq in enumerate(plan.sampled):
             if seq.request_id in failed or seq.is_finished:
                 continue
-            seq.drop_awaited_token()  # its value is here
+            seq.num_placeholders = 0  # its value is here (appended below, as any token)
             if i in out.errors:
                 failed[seq.request_id] = out.errors[i]
                 continue

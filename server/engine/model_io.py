@@ -125,18 +125,18 @@ class SamplingTensors:
         if pen:
             col = lambda values: upload(values, dtype, device).unsqueeze(1)  # noqa: E731
             # a row's output so far: the sequence's, then the proposed tokens before the row
-            outputs = [rows[i][0].output_token_ids + rows[i][0].spec_token_ids[:rows[i][1]] for i in pen]
+            outputs = [rows[i][0].tokens_slice(rows[i][0].num_prompt_tokens, rows[i][0].num_tokens + rows[i][1]) for i in pen]
             out_ids, out_valid = _padded(outputs, device)
             prompt_ids, prompt_valid = _padded([rows[i][0].prompt_token_ids for i in pen], device)
             awaiting = [(k * out_ids.shape[1] + len(outputs[k]) - 1, previous[rows[i][0].seq_id])
-                        for k, i in enumerate(pen) if rows[i][0].awaiting_token]  # the placeholder is its output's last entry
+                        for k, i in enumerate(pen) if rows[i][0].num_placeholders]  # the placeholder is its output's last entry
             penalties = Penalties(upload(pen, torch.long, device), col([params[i].repetition_penalty for i in pen]),
                                   col([params[i].frequency_penalty for i in pen]), col([params[i].presence_penalty for i in pen]),
                                   out_ids, out_valid, prompt_ids, prompt_valid,
                                   upload([a for a, _ in awaiting] + [b for _, b in awaiting], torch.long, device).view(2, -1) if awaiting else None)
         banned_rows, banned_tokens = [], []
         for row, ((seq, j), p) in enumerate(zip(rows, params)):
-            if len(seq.output_token_ids) + j < p.min_tokens:  # until min_tokens are out, EOS and stop ids cannot be sampled
+            if seq.num_output_tokens + j < p.min_tokens:  # until min_tokens are out, EOS and stop ids cannot be sampled
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
                 banned_rows += [row] * len(banned)
                 banned_tokens += banned
@@ -255,7 +255,7 @@ class InputBuilder:
             start = seq.num_computed_tokens
             row0 = len(ids)
             ids += seq.tokens_slice(start, start + n)
-            if seq.awaiting_token:  # its last token, the placeholder, is the one this step computes
+            if seq.num_placeholders:  # its last token, the placeholder, is the one this step computes
                 if start + n != seq.num_tokens or previous is None or seq.seq_id not in previous:
                     raise AssertionError(f"sequence {seq.seq_id} awaits a token that no step in flight samples")
                 placeholder_rows.append(len(ids) - 1)

@@ -1,15 +1,38 @@
 """After a step, everything that happens to the requests' outputs, in one place: tokens appended
 (several at once when speculating, stopping at the first that ends the sequence), incremental
-detokenizing, EOS / stop token ids / stop strings / max_tokens, logprobs and prompt logprobs, and
-the RequestOutput handed back."""
+detokenizing, EOS / stop token ids / stop strings / the length limit, logprobs and prompt logprobs,
+timings, and the RequestOutput handed back.
+
+The output state of every sequence (OutputState: text, detokenizer, logprobs, timings, why it ended)
+is owned here, keyed by request id; the scheduler's Sequence holds none of it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvpilot.server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpilot.server.engine.scheduler import Scheduler
 from kvpilot.server.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class OutputState:
+    """One sequence's output as the client sees it."""
+
+    detokenizer: Any
+    text: str = ""
+    emitted_text_len: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None              # why it failed (finish_reason "error")
 
 
 @dataclass(slots=True)
@@ -18,37 +41,61 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
+    outputs: list[OutputState]            # per sequence, in the same order
+    arrival_time: float
+    scheduled_time: float | None = None
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # entry j: the token at j + 1
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], max_model_len: int):
-        self.scheduler, self.eos_token_ids, self.max_model_len = scheduler, eos_token_ids, max_model_len
+    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...]):
+        self.scheduler, self.eos_token_ids = scheduler, eos_token_ids
         self.requests: dict[str, Request] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: list[Sequence], detokenizer, arrival_time: float) -> None:
+        """Start the output state of a request's sequences; detokenizer() makes one per sequence."""
+        self.requests[request_id] = Request(request_id, prompt, prompt_token_ids, seqs, [OutputState(detokenizer()) for _ in seqs], arrival_time)
+
+    def state(self, seq: Sequence) -> OutputState:
+        return self.requests[seq.request_id].outputs[seq.index]
+
+    def scheduled(self, seqs: list[Sequence], now: float) -> None:
+        """A step was scheduled with these sequences: the first time a request's is, its queue time ends."""
+        for seq in seqs:
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.scheduled_time is None:
+                req.scheduled_time = now
 
     def append(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None, now: float) -> None:
         """Append tokens in order until one finishes the sequence; the ones after it are dropped."""
+        out = self.state(seq)
         for i, token in enumerate(tokens):
-            self._append_one(seq, token, logprobs[i] if logprobs is not None else None, now)
+            self._append_one(seq, out, token, logprobs[i] if logprobs is not None else None, now)
             if seq.is_finished:
                 return
 
     def record_prompt_logprobs(self, seq: Sequence, first_pos: int, entries: list[dict[int, float]]) -> None:
+        """The request's prompt logprobs, as its first sequence's prefill computes them (the others'
+        prefills compute the same values, or skip cached spans)."""
+        if seq.index != 0:
+            return
+        recorded = self.requests[seq.request_id].prompt_logprobs
         for j, entry in enumerate(entries):
-            if first_pos + j >= len(seq.prompt_logprobs):  # recomputed after a preemption: already recorded
-                seq.prompt_logprobs.append(entry)
+            if first_pos + j >= len(recorded):  # recomputed after a preemption: already recorded
+                recorded.append(entry)
 
-    def _append_one(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, now: float) -> None:
+    def _append_one(self, seq: Sequence, out: OutputState, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         p = seq.params
         seq.output_token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
+        if out.first_token_time is None:
+            out.first_token_time = now
+        out.last_token_time = now
         if logprobs is not None:
-            seq.logprobs.append(logprobs)
-            seq.cumulative_logprob += logprobs[token]
-        old_len = len(seq.text)
-        seq.detokenizer.add(token)
-        seq.text = seq.detokenizer.text
+            out.logprobs.append(logprobs)
+            out.cumulative_logprob += logprobs[token]
+        old_len = len(out.text)
+        out.detokenizer.add(token)
+        out.text = out.detokenizer.text
         reason, stop_reason = None, None
         enough = len(seq.output_token_ids) >= p.min_tokens
         if enough and not p.ignore_eos and token in self.eos_token_ids:
@@ -56,54 +103,60 @@ class OutputProcessor:
         elif enough and token in p.stop_token_ids:
             reason, stop_reason = "stop", token
         elif enough and p.stop:
-            hit = _find_stop(seq.text, old_len, p.stop)
+            hit = _find_stop(out.text, old_len, p.stop)
             if hit is not None:
                 at, stop = hit
-                seq.text = seq.text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
+                out.text = out.text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
                 reason, stop_reason = "stop", stop
-        if reason is None and self.length_reached(seq):
+        if reason is None and seq.length_reached():
             reason = "length"
         if reason is not None:
             if not isinstance(stop_reason, str):  # a stop string already cut the text
-                seq.text += seq.detokenizer.flush()
-            seq.stop_reason = stop_reason
-            self.scheduler.finish(seq, reason)
+                out.text += out.detokenizer.flush()
+            out.stop_reason = stop_reason
+            self.finish(seq, reason)
 
-    def length_reached(self, seq: Sequence, more: int = 0) -> bool:
-        """Whether seq, with `more` tokens after its current ones, is at max_tokens or the context limit."""
-        p = seq.params
-        return (p.max_tokens is not None and len(seq.output_token_ids) + more >= p.max_tokens) or seq.num_tokens + more >= self.max_model_len
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """End seq wherever it is (its blocks are freed at once) and record why and when."""
+        if seq.is_finished:
+            return
+        self.scheduler.finish(seq)
+        out = self.state(seq)
+        out.finish_reason, out.error, out.finish_time = reason, error, time.monotonic()
+
+    def abort(self, request_id: str) -> RequestOutput:
+        for seq in self.requests[request_id].seqs:
+            self.finish(seq, "abort")
+        return self.request_output(request_id)
 
     def fail(self, request_id: str, message: str) -> RequestOutput:
         """End every sequence of a request with finish_reason "error" (blocks freed); its final output."""
         for seq in self.requests[request_id].seqs:
-            if not seq.is_finished:
-                seq.error = message
-                self.scheduler.finish(seq, "error")
+            self.finish(seq, "error", message)
         return self.request_output(request_id)
 
     def request_output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
         outputs = []
-        for seq in req.seqs:
+        for seq, out in zip(req.seqs, req.outputs):
             # Text that could still turn out to be the start of a stop string is held back.
             hold = 0 if seq.is_finished else max((len(s) - 1 for s in seq.params.stop), default=0)
-            end = max(seq.emitted_text_len, len(seq.text) - hold)
-            delta = seq.text[seq.emitted_text_len:end]
-            seq.emitted_text_len = end
+            end = max(out.emitted_text_len, len(out.text) - hold)
+            delta = out.text[out.emitted_text_len:end]
+            out.emitted_text_len = end
             outputs.append(CompletionOutput(
-                index=seq.index, text=seq.text, token_ids=list(seq.output_token_ids), finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason, logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None, text_delta=delta))
+                index=seq.index, text=out.text, token_ids=list(seq.output_token_ids), finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason, logprobs=list(out.logprobs) if seq.params.logprobs is not None else None,
+                cumulative_logprob=out.cumulative_logprob if seq.params.logprobs is not None else None, text_delta=delta))
         finished = all(s.is_finished for s in req.seqs)
         first = req.seqs[0]
-        metrics = RequestMetrics(first.arrival_time, first.scheduled_time, min((s.first_token_time for s in req.seqs if s.first_token_time), default=None),
-                                 max((s.finish_time or 0 for s in req.seqs), default=None) if finished else None,
+        metrics = RequestMetrics(req.arrival_time, req.scheduled_time, min((o.first_token_time for o in req.outputs if o.first_token_time), default=None),
+                                 max((o.finish_time or 0 for o in req.outputs), default=None) if finished else None,
                                  first.num_cached_tokens, sum(s.num_preemptions for s in req.seqs))
-        prompt_lp = ([None] + list(first.prompt_logprobs)) if first.params.prompt_logprobs is not None else None
+        prompt_lp = ([None] + list(req.prompt_logprobs)) if first.params.prompt_logprobs is not None else None
         if finished:
             del self.requests[request_id]
-        error = next((s.error for s in req.seqs if s.error), None)
+        error = next((o.error for o in req.outputs if o.error), None)
         return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outputs, finished, prompt_lp, metrics, first.num_cached_tokens, error)
 
 

@@ -8,7 +8,6 @@ it returns to the front of the waiting queue. Nothing is dropped or duplicated.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -69,7 +68,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.awaiting_last_token:  # computing its final token would be wasted: it ends when that arrives
+            if seq.num_placeholders and seq.length_reached():  # its last token is in flight: computing after it would be wasted
                 i += 1
                 continue
             pending = seq.num_tokens - seq.num_computed_tokens
@@ -108,8 +107,6 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
-            if seq.scheduled_time is None:
-                seq.scheduled_time = time.monotonic()
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
@@ -143,8 +140,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End seq (stop, length or abort) wherever it is and free its blocks at once."""
+    def finish(self, seq: Sequence) -> None:
+        """End seq wherever it is and free its blocks at once (why it ended is the output processor's)."""
         if seq.status is Status.FINISHED:
             return
         if seq.status is Status.RUNNING:
@@ -153,7 +150,5 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
         seq.set_spec(None)
-        seq.drop_awaited_token()
+        seq.num_placeholders = 0
         seq.status = Status.FINISHED
-        seq.finish_reason = reason
-        seq.finish_time = time.monotonic()

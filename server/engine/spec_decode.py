@@ -56,6 +56,17 @@ class SpecDecodeStats:
             self.accepted_per_pos[i] += 1
 
 
+@dataclass(slots=True)
+class Acceptance:
+    """A sequence's recent proposals, for its off-switch (the proposer's own state, by seq_id)."""
+
+    seq: Sequence                    # dropped once it has ended
+    recent_proposed: int = 0
+    recent_accepted: int = 0
+    paused_steps: int = 0            # steps left without proposals
+    pause_length: int = 0            # the last pause's length (0: the last window passed)
+
+
 class Proposer:
     """What both methods share: which sequences get a proposal this step, how long, and the off-switch."""
 
@@ -65,9 +76,12 @@ class Proposer:
         self.disable_batch_size = config.speculative_disable_batch_size
         self.min_acceptance = config.speculative_min_acceptance
         self.stats = SpecDecodeStats(self.k)
+        self.acceptance: dict[int, Acceptance] = {}
 
     def plan(self, running: list[Sequence]) -> None:
         """Give each decoding sequence its proposal for the coming step (or none)."""
+        for seq_id in [i for i, a in self.acceptance.items() if a.seq.is_finished]:
+            del self.acceptance[seq_id]
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         if decoding:
             self.stats.num_steps += 1
@@ -77,14 +91,15 @@ class Proposer:
         if too_many:
             return
         for seq in decoding:
-            if seq.spec_paused_steps:
-                seq.spec_paused_steps -= 1
+            acc = self.acceptance.get(seq.seq_id)
+            if acc is not None and acc.paused_steps:
+                acc.paused_steps -= 1
                 continue
-            # Room: every position stays inside the context, and no more tokens than max_tokens can take
-            # (a proposal of k ends in k + 1 new tokens).
+            # Room: every position stays inside the context, and no more tokens than the length limit
+            # takes (a proposal of k ends in k + 1 new tokens).
             room = min(self.k, self.max_model_len - seq.num_tokens - 1)
-            if seq.params.max_tokens is not None:
-                room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+            if seq.max_output_tokens is not None:
+                room = min(room, seq.max_output_tokens - seq.num_output_tokens - 1)
             if room > 0:
                 self.plan_sequence(seq, room)
 
@@ -102,15 +117,16 @@ class Proposer:
         self.stats.num_spec_steps += bool(results)
         for seq, proposed, accepted in results:
             self.stats.record(proposed, accepted)
-            seq.spec_recent_proposed += proposed
-            seq.spec_recent_accepted += accepted
-            if seq.spec_recent_proposed >= PAUSE_WINDOW:
-                if seq.spec_recent_accepted < self.min_acceptance * seq.spec_recent_proposed:
-                    seq.spec_pause_length = min(2 * seq.spec_pause_length, MAX_PAUSE_STEPS) if seq.spec_pause_length else PAUSE_STEPS
-                    seq.spec_paused_steps = seq.spec_pause_length
+            acc = self.acceptance.setdefault(seq.seq_id, Acceptance(seq))
+            acc.recent_proposed += proposed
+            acc.recent_accepted += accepted
+            if acc.recent_proposed >= PAUSE_WINDOW:
+                if acc.recent_accepted < self.min_acceptance * acc.recent_proposed:
+                    acc.pause_length = min(2 * acc.pause_length, MAX_PAUSE_STEPS) if acc.pause_length else PAUSE_STEPS
+                    acc.paused_steps = acc.pause_length
                 else:
-                    seq.spec_pause_length = 0
-                seq.spec_recent_proposed = seq.spec_recent_accepted = 0
+                    acc.pause_length = 0
+                acc.recent_proposed = acc.recent_accepted = 0
 
 
 class NgramProposer(Proposer):

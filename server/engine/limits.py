@@ -1,0 +1,60 @@
+"""What a request must satisfy to enter the engine, checked once, where it enters, into a typed
+Admission; refusals are typed errors that name the field (the API maps them to HTTP 400s).
+torch-free: the API checks a request with the engine's own limits before it streams anything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpilot.server.engine.sampling_params import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """The engine cannot take this request as it is; `param` names the field, `code` the OpenAI error code."""
+
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthExceeded(RequestRejected):
+    code = "context_length_exceeded"
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A request the engine will take: its prompt ids, its parameters (never changed by the engine)
+    and the output's length limit they come to (max_tokens, else what the context leaves)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    max_model_len: int
+    vocab_size: int                      # the model's (it may be padded past the tokenizer's)
+
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> Admission:
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise RequestRejected("prompt must not be empty", "prompt")
+        bad = [t for t in ids if type(t) is not int or not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}", "prompt")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ContextLengthExceeded(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
+                                        "(at least one output token must fit)", "prompt")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ContextLengthExceeded(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
+                                        f"and max_tokens is {params.max_tokens}", "max_tokens")
+        max_output = room if params.max_tokens is None else params.max_tokens
+        if params.min_tokens > max_output:
+            raise RequestRejected(f"min_tokens must be <= the output's length limit ({max_output} tokens), got {params.min_tokens}", "min_tokens")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise RequestRejected(f"stop_token_ids must be < {self.vocab_size} (this model's vocabulary)", "stop_token_ids")
+        return Admission(ids, params, max_output)
