@@ -192,6 +192,21 @@ def test_metrics_are_true(server, client):
     assert after[p + "kv_cache_usage_perc"] == 0.0
 
 
+def test_vllm_metric_names_carry_the_same_values(server, client):
+    """Routers and autoscalers built for vLLM read vllm:-named series (#42): every aliased family is
+    there under both names with the same samples, and nothing else is renamed."""
+    from kvpilot.server.api.metrics import VLLM_ALIASED
+
+    client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    m = metrics(server.url)
+    ours = {k.removeprefix("kvpilot:"): v for k, v in m.items() if k.startswith("kvpilot:")}
+    theirs = {k.removeprefix("vllm:"): v for k, v in m.items() if k.startswith("vllm:")}
+    aliased = {k: v for k, v in ours.items() if any(k == n or k.startswith((n + "_", n + "{")) for n in VLLM_ALIASED)}
+    assert theirs == aliased
+    assert theirs["time_to_first_token_seconds_count"] >= 1 and theirs["generation_tokens_total"] >= 3
+    assert {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hits_total"} <= theirs.keys()
+
+
 def test_kv_usage_rises_while_requests_hold_blocks_and_returns(server):
     seen = []
     body = {"prompt": "Write a long essay about rivers.", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}

@@ -2,6 +2,10 @@
 
 Gauges and the engine's own monotonic counters (prefix cache, preemptions) are read at scrape time,
 so they are never stale; per-request histograms and counters are recorded as outputs arrive.
+
+The signals that routers and autoscalers built for vLLM read (llm-d's inference scheduler, the Gateway
+API Inference Extension's endpoint picker, KEDA recipes, vLLM's dashboards) are exported a second
+time under vLLM's names: the same samples, renamed at scrape time, so the two can never disagree.
 """
 
 from __future__ import annotations
@@ -9,13 +13,18 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvpilot.server.engine.llm_engine import LLMEngine
 from kvpilot.server.engine.outputs import RequestOutput
 
 disable_created_metrics()  # no *_created series: they double the output and nothing here reads them
 P = "kvpilot:"
+VLLM = "vllm:"
+# Our families that vLLM exports under the same name and meaning (its v1 engine's names).
+VLLM_ALIASED = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "time_to_first_token_seconds",
+                "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds", "prefix_cache_queries",
+                "prefix_cache_hits", "prompt_tokens", "generation_tokens", "num_preemptions", "request_success")
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -55,16 +64,37 @@ class _EngineCollector:
             yield per_pos
 
 
+class _WithVllmNames:
+    """Every family of `source`, and right after each aliased one the same samples renamed
+    kvpilot: -> vllm: (one collection: the two names always carry the same values)."""
+
+    def __init__(self, source: CollectorRegistry):
+        self.source = source
+        self.names = {P + name for name in VLLM_ALIASED}
+
+    def collect(self):
+        for family in self.source.collect():
+            yield family
+            if family.name in self.names:
+                alias = Metric(VLLM + family.name[len(P):], family.documentation, family.type, family.unit)
+                alias.samples = [s._replace(name=VLLM + s.name[len(P):]) for s in family.samples]
+                yield alias
+
+
 class EngineMetrics:
+    """`registry` is what /metrics serves: our families, each aliased one followed by its vLLM-named copy."""
+
     def __init__(self, engine: LLMEngine, model_name: str, pending: callable = lambda: 0):
+        own = CollectorRegistry()
         self.registry = CollectorRegistry()
+        self.registry.register(_WithVllmNames(own))
         self.model_name = model_name
-        self.registry.register(_EngineCollector(engine, model_name, pending))
-        kw = dict(labelnames=["model_name"], registry=self.registry)
+        own.register(_EngineCollector(engine, model_name, pending))
+        kw = dict(labelnames=["model_name"], registry=own)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", **kw).labels(model_name)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", **kw).labels(model_name)
         self.success = Counter(P + "request_success", "Finished requests by finish reason.",
-                               labelnames=["model_name", "finished_reason"], registry=self.registry)
+                               labelnames=["model_name", "finished_reason"], registry=own)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive output tokens.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
