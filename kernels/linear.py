@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.kernels import cpu_extension
 from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.ops import triton_kernels
 from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight
@@ -35,6 +36,18 @@ def gguf_linear_class(device: torch.device) -> type[nn.Module]:
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of this dtype on this CPU: float32 wherever it is available;
+    bfloat16 only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT — elsewhere (AVX2-only CPUs, e.g. many
+    AMD EPYC VMs) its reorder refuses, and the dense path runs."""
+    if not onednn_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    flags = cpu_extension._cpu_flags()
+    return dtype == torch.bfloat16 and ({"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags)
 
 
 @direct_call
@@ -116,7 +129,9 @@ def make_linear(weight: torch.Tensor | GGUFWeight, bias: torch.Tensor | None = N
     if isinstance(weight, GGUFWeight):
         return gguf_linear_class(weight.qs.device)(weight, bias)
     if use_onednn is None:
-        use_onednn = weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and onednn_available()
+        use_onednn = weight.device.type == "cpu" and onednn_packs(weight.dtype)
+    elif use_onednn and not onednn_packs(weight.dtype):
+        raise ValueError(f"oneDNN cannot pack {weight.dtype} weights on this CPU (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     # The packed copy is all the CPU path reads; keeping the dense one too would double the memory.
     w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if use_onednn else weight.contiguous()
     return Linear(w, packed=use_onednn, bias=bias)
