@@ -15,6 +15,7 @@ from kvpilot.server.engine.outputs import RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.scheduler import ScheduledBatch
 from kvpilot.server.engine.sequence import Sequence
+from kvpilot.server.engine.step_message import StepMessenger
 from kvpilot.server.loading import draft_model, open_model
 from kvpilot.server.model_files import default_served_name, resolve_model_path
 from kvpilot.server.threads import configure_threads
@@ -93,7 +94,8 @@ class LLMEngine:
             self.proposer = DraftModelProposer(config, self.max_model_len, self.runner, self.inputs, self.tokenizer.eos_token_ids)
         self.requests = self.output.requests
         self.async_scheduling = config.async_scheduling == "on" or (
-            config.async_scheduling == "auto" and self.runner.device.type == "cuda" and self.proposer is None and self.workers is None)
+            config.async_scheduling == "auto" and self.runner.device.type == "cuda" and self.proposer is None)
+        self.messenger = StepMessenger() if self.workers is not None else None
         self._in_flight: StepInFlight | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -191,8 +193,13 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch, previous: StepInFlight | None) -> StepInFlight:
         """Build the step's input and queue it on the device (on a CPU it runs here)."""
         draft_probs = self.proposer.propose(batch) if self.proposer else None
-        model_input, plan = self.inputs.build(batch, draft_probs, previous.sampled_rows() if previous else None)
-        launched = self.runner.launch(model_input, previous.launched.tokens if previous else None)
+        rows = previous.sampled_rows() if previous else None
+        model_input, plan = self.inputs.build(batch, draft_probs, rows)
+        tokens = previous.launched.tokens if previous else None
+        if self.messenger is not None:
+            awaited = tokens is not None and any(seq.num_placeholders for seq in batch.seqs)
+            self.runner.send_step(self.messenger.step(batch, rows, tokens.shape[0] if awaited else 0), tokens)
+        launched = self.runner.launch(model_input, tokens)
         return StepInFlight(batch, plan, launched)
 
     def _begin_awaiting(self, step: StepInFlight) -> None:

@@ -13,7 +13,7 @@ sampled or prompt-logprob row belongs to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -201,15 +201,6 @@ class ModelInput:
             at, source = index
             target[at] = tokens[source]
 
-    def for_worker(self) -> ModelInput:
-        """What a rank other than 0 needs: everything but sampling (rank 0 samples; the generators
-        of seeded requests stay there). The tensors as compact copies: they are views of one staged
-        upload, and a pickled view carries its whole storage."""
-        if self.from_previous is not None:
-            raise AssertionError("a step that takes inputs from the previous step's device tokens cannot be sent to other ranks")
-        tensors = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices")
-        return replace(self, sampling=None, **{name: getattr(self, name).clone() for name in tensors})
-
 
 @dataclass(slots=True)
 class StepPlan:
@@ -232,9 +223,11 @@ class InputBuilder:
         self.block_size, self.eos_token_ids, self.device = block_size, eos_token_ids, device
 
     def build(self, batch: ScheduledBatch, draft_probs: dict[int, torch.Tensor] | None = None,
-              previous: dict[int, int] | None = None) -> tuple[ModelInput, StepPlan]:
+              previous: dict[int, int] | None = None, sample: bool = True) -> tuple[ModelInput, StepPlan]:
         """draft_probs: what a draft model proposed from (see SamplingTensors.build). previous: seq_id ->
-        its row among the sampled tokens of the step in flight, for sequences awaiting that token."""
+        its row among the sampled tokens of the step in flight, for sequences awaiting that token.
+        sample=False: no SamplingTensors (tensor-parallel ranks other than 0, whose batch holds their
+        mirrors of the sequences: step_message.RankSeq)."""
         bs = self.block_size
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1 or batch.seqs[i].num_spec_tokens > 0)
         ids: list[int] = []
@@ -295,7 +288,8 @@ class InputBuilder:
             input_ids=ids_t, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
             block_tables=tables_t.view(len(tables), -1) if tables else tables_t.view(0, 0), logits_indices=rows_t,
             num_prefills=len(query_lens), query_lens=query_lens, context_lens=context_lens, prompt_logprobs=prompt_lp,
-            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, dev, draft_probs, previous=previous) if plan.sampled else None,
+            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, dev, draft_probs, previous=previous)
+            if plan.sampled and sample else None,
             from_previous=previous_t.view(2, -1) if placeholder_rows else None)
         return inp, plan
 

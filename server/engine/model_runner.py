@@ -13,13 +13,14 @@ from kvpilot.kernels.ops import triton_kernels
 from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.decode_graphs import DecodeGraphs
-from kvpilot.server.engine.model_io import ModelInput, ModelOutput, PromptLogprobRows
+from kvpilot.server.engine.model_io import InputBuilder, ModelInput, ModelOutput, PromptLogprobRows
 from kvpilot.server.engine.sampler import PendingSample, Sampler
+from kvpilot.server.engine.step_message import Describe, RankMirror, Step, Stop
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
 from kvpilot.server.models.sharding import TensorParallel
 
 if TYPE_CHECKING:
-    from kvpilot.server.engine.parallel import Workers
+    from kvpilot.server.engine.parallel import Channel, Workers
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,9 @@ class ModelRunner:
 
     With tensor parallelism every rank has a ModelRunner holding its shard and the KV cache of its
     heads (kv_cache_memory is per rank: every rank gets the same number of blocks). Rank 0's
-    (`workers` set) broadcasts each step's ModelInput before running it; the others run
-    `serve_steps`. Both run the same collective part of a step (`_forward`); rank 0 alone samples."""
+    (`workers` set) sends each step's Step message before running it; the others run `serve_steps`,
+    building the same ModelInput from it. All run the same collective part of a step (`_forward`);
+    rank 0 alone samples."""
 
     def __init__(self, config: EngineConfig, weights: WeightSource, show_progress: bool = True, draft: WeightSource | None = None,
                  tp: TensorParallel | None = None, workers: Workers | None = None):
@@ -262,6 +264,13 @@ class ModelRunner:
         ids = torch.tensor(token_ids, device=self.device)
         return self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)).float()
 
+    def send_step(self, message: Step, previous_tokens: torch.Tensor | None) -> None:
+        """Tensor parallelism, right before launch(): the step as the other ranks build it, and the
+        sampled tokens of the step in flight when its placeholders need them."""
+        self.workers.send(message)
+        if message.num_previous_tokens:
+            self.workers.broadcast_tokens(previous_tokens)
+
     @torch.inference_mode()
     def launch(self, inp: ModelInput, previous_tokens: torch.Tensor | None = None) -> LaunchedStep:
         """The one device call of a step: forward, prompt logprobs, sampling (verifying proposed tokens),
@@ -270,8 +279,6 @@ class ModelRunner:
         step before, still on the device, which the input's placeholders take."""
         inp.take_previous_tokens(previous_tokens)
         sampled = inp.sampling is not None
-        if self.workers is not None:
-            self.workers.broadcast(("execute", inp.for_worker(), sampled))
         prompt_logits, logits = self._forward(inp, sampled)
         prompt_logprobs = [self._prompt_logprobs(lg, r) for lg, r in zip(prompt_logits, inp.prompt_logprobs)]
         return LaunchedStep(self.sampler.draw(logits, inp.sampling) if sampled else None, prompt_logprobs)
@@ -289,20 +296,28 @@ class ModelRunner:
         prompt_logits = [self.model.compute_logits(hidden[r.first_row:r.first_row + len(r.target_ids)]) for r in inp.prompt_logprobs]
         return prompt_logits, (self.model.compute_logits(hidden[inp.logits_indices]) if sampled else None)
 
-    def serve_steps(self) -> None:
-        """Ranks 1…N−1: run what rank 0 broadcasts until it says stop."""
+    def serve_steps(self, channel: Channel) -> None:
+        """Ranks 1…N−1: run the steps rank 0 sends until it says stop. Each Step updates this rank's
+        mirror of the sequences and builds the step's ModelInput here (no sampling: rank 0 samples)."""
         import torch.distributed as dist
 
+        mirror = RankMirror()
+        builder = InputBuilder(self.block_size, (), self.device)
         while True:
-            message: list = [None]
-            dist.broadcast_object_list(message, src=0)
-            kind, *args = message[0]
-            if kind == "execute":
+            message = channel.receive()
+            if isinstance(message, Step):
+                batch, previous = mirror.apply(message)
+                inp, _ = builder.build(batch, previous=previous or None, sample=False)
+                tokens = None
+                if message.num_previous_tokens:
+                    tokens = torch.empty(message.num_previous_tokens, dtype=torch.long, device=self.device)
+                    dist.broadcast(tokens, src=0)
+                inp.take_previous_tokens(tokens)
                 with torch.inference_mode():
-                    self._forward(*args)
-            elif kind == "describe":
+                    self._forward(inp, inp.logits_indices.numel() > 0)
+            elif isinstance(message, Describe):
                 dist.gather_object(self.describe(), None, dst=0)
-            elif kind == "stop":
+            elif isinstance(message, Stop):
                 return
 
     def describe(self) -> dict:

@@ -3,7 +3,10 @@ NCCL on CUDA when there is a GPU per rank).
 
 Rank 0 is the engine: scheduler, block manager, tokenizer, HTTP server, sampling. It starts ranks
 1…N−1 (`Workers`), each of which loads its shard of the weights, allocates the KV cache of its heads
-and then runs every step from the `ModelInput` that rank 0 broadcasts — it holds no request state.
+and then runs every step from the Step message rank 0 sends (engine/step_message.py: what the
+scheduler decided, as bytes over a gloo `Channel`; each rank builds its own tensors from it and its
+mirror of the sequences' tokens and block tables). With async scheduling rank 0 also broadcasts the
+sampled tokens of the step in flight (a device tensor collective), which the placeholders take.
 Projections are split Megatron-style: q/k/v and gate/up by output rows (heads, FFN columns), o and
 down by input columns with one all-reduce each; the embedding and the LM head by vocabulary rows.
 
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.server.config import EngineConfig
+from kvpilot.server.engine.step_message import Describe, Message, Stop, decode, encode
 from kvpilot.server.models.sharding import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -61,6 +65,35 @@ def backend(device_type: str, world_size: int) -> str:
     return "gloo"  # CPU, or several ranks sharing one GPU (NCCL needs a device per rank)
 
 
+class Channel:
+    """Messages from rank 0 to every rank as bytes: a length, then the payload, over a gloo group of
+    its own (CPU tensors whatever the device's backend). Every rank makes it right after joining the
+    process group (new_group is collective)."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.group = dist.new_group(backend="gloo")
+
+    def send(self, message: Message) -> None:
+        import torch
+        import torch.distributed as dist
+
+        data = encode(message)
+        dist.broadcast(torch.tensor([len(data)], dtype=torch.long), src=0, group=self.group)
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.group)
+
+    def receive(self) -> Message:
+        import torch
+        import torch.distributed as dist
+
+        size = torch.empty(1, dtype=torch.long)
+        dist.broadcast(size, src=0, group=self.group)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=self.group)
+        return decode(data.numpy().tobytes())
+
+
 class Workers:
     """Rank 0's handle on ranks 1…N−1: starts them, joins the process group with them, sends each step."""
 
@@ -87,6 +120,7 @@ class Workers:
         try:
             dist.init_process_group(backend(device_type, self.world_size), init_method=init_method, rank=0, world_size=self.world_size,
                                     timeout=COLLECTIVE_TIMEOUT)
+            self.channel = Channel()
         except BaseException:
             self._closing = True
             for p in self.procs:
@@ -104,16 +138,20 @@ class Workers:
         cause = self._errors.get() if not self._errors.empty() else f"exit code {dead.exitcode}"
         fatal(f"tensor-parallel rank {self.procs.index(dead) + 1} of {self.world_size} stopped: {cause}")
 
-    def broadcast(self, message: Any) -> None:
+    def send(self, message: Message) -> None:
+        self.channel.send(message)
+
+    def broadcast_tokens(self, tokens) -> None:
+        """The sampled tokens of the step in flight, from rank 0's device to every rank's."""
         import torch.distributed as dist
 
-        dist.broadcast_object_list([message], src=0)
+        dist.broadcast(tokens.contiguous(), src=0)
 
     def describe(self, own: dict) -> list[dict]:
-        """Every rank's description of what it holds (rank 0's first)."""
+        """Every rank's description of what it holds (rank 0's first; not on the step path)."""
         import torch.distributed as dist
 
-        self.broadcast(("describe",))
+        self.send(Describe())
         out: list[Any] = [None] * self.world_size
         dist.gather_object(own, out, dst=0)
         return out
@@ -126,7 +164,7 @@ class Workers:
 
         atexit.unregister(self.close)
         try:
-            self.broadcast(("stop",))
+            self.send(Stop())
         except Exception:  # noqa: BLE001 - ranks already gone: nothing to tell
             pass
         for p in self.procs:
@@ -153,6 +191,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config: dict, mode
 
         dist.init_process_group(backend(device_type, world_size), init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT)
+        channel = Channel()
         weights, _ = open_model(Path(model_path))
         runner = ModelRunner(engine_config, weights, show_progress=False, tp=TensorParallel(rank, world_size))
         del weights
@@ -161,7 +200,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config: dict, mode
         traceback.print_exc()
         sys.exit(1)
     try:
-        runner.serve_steps()
+        runner.serve_steps(channel)
     except BaseException as e:  # rank 0 went away (connection closed) or a step failed here
         errors.put(f"failed in a step: {type(e).__name__}: {e}")
         sys.exit(1)
