@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 WORLD = 3
+CACHE = "2MiB"  # per rank: ~130 tokens, too few blocks for every request at once (preemptions)
 PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):"]
 
 
@@ -24,7 +25,7 @@ def tp_llm(**kw):
     from kvpilot.server import LLM
 
     # A small cache and a 16-token budget: prompts prefill in chunks, and decodes preempt each other.
-    return LLM(num_threads=1, show_progress=False, tensor_parallel_size=WORLD, max_num_batched_tokens=16, **kw)
+    return LLM(num_threads=1, show_progress=False, tensor_parallel_size=WORLD, max_num_batched_tokens=16, max_num_seqs=8, **kw)
 
 
 def outputs(outs):
@@ -63,7 +64,7 @@ def test_a_rank_builds_from_the_step_message_what_rank_0_builds(mode):
     inputs.build = both
     from kvpilot.server import SamplingParams
 
-    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)  # three of these outgrow the 160-token cache: preemptions
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)  # three of these outgrow the 160-token cache: preemptions
     llm.generate([p * 4 for p in PROMPTS] + PROMPTS[:3], params() + [long] * 3)
     assert llm.engine.scheduler.num_preemptions > 0 and len(checked) > 20
     assert any(checked) == (mode == "on")
@@ -71,82 +72,83 @@ def test_a_rank_builds_from_the_step_message_what_rank_0_builds(mode):
 
 @pytest.fixture(scope="module")
 def sync_outputs():
-    llm = tp_llm(kv_cache_memory="64MiB", async_scheduling="off")
+    llm = tp_llm(kv_cache_memory=CACHE, async_scheduling="off")
     try:
         return outputs(llm.generate(PROMPTS, params()))
     finally:
         llm.engine.close()
 
 
+@pytest.fixture(scope="module")
+def async_llm(sync_outputs):  # after the synchronous engine is closed: one tensor-parallel engine per process
+    llm = tp_llm(kv_cache_memory=CACHE, async_scheduling="on")
+    yield llm
+    llm.engine.close()
+
+
 @pytest.mark.timeout(300)
-def test_async_over_three_ranks_gives_the_synchronous_tokens_without_pickling_a_step(sync_outputs, monkeypatch):
+def test_async_over_three_ranks_gives_the_synchronous_tokens_without_pickling_a_step(sync_outputs, async_llm, monkeypatch):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    llm = tp_llm(kv_cache_memory="64MiB", async_scheduling="on")
-    try:
-        assert llm.engine.async_scheduling and llm.engine.workers is not None
-        pickled = []
+    llm = async_llm
+    assert llm.engine.async_scheduling and llm.engine.workers is not None
+    pickled = []
 
-        def refuse(*a, **k):
-            pickled.append(a)
-            raise AssertionError("an object was pickled on the step path")
+    def refuse(*a, **k):
+        pickled.append(a)
+        raise AssertionError("an object was pickled on the step path")
 
-        monkeypatch.setattr(dist, "broadcast_object_list", refuse)
-        monkeypatch.setattr(c10d, "_object_to_tensor", refuse)
-        runner, events = llm.engine.runner, []
-        launch = runner.launch
+    monkeypatch.setattr(dist, "broadcast_object_list", refuse)
+    monkeypatch.setattr(c10d, "_object_to_tensor", refuse)
+    runner, events = llm.engine.runner, []
+    launch = runner.launch
 
-        def spy_launch(inp, previous_tokens=None):
-            n = sum(1 for e in events if e[0] == "launch")
-            events.append(("launch", n, 0 if inp.from_previous is None else inp.from_previous.shape[1]))
-            step = launch(inp, previous_tokens)
-            output = step.output
+    def spy_launch(inp, previous_tokens=None):
+        n = sum(1 for e in events if e[0] == "launch")
+        events.append(("launch", n, 0 if inp.from_previous is None else inp.from_previous.shape[1]))
+        step = launch(inp, previous_tokens)
+        output = step.output
 
-            def spy_output():
-                events.append(("wait", n))
-                return output()
+        def spy_output():
+            events.append(("wait", n))
+            return output()
 
-            return type("Spied", (), {"tokens": step.tokens, "output": staticmethod(spy_output)})()
+        return type("Spied", (), {"tokens": step.tokens, "output": staticmethod(spy_output)})()
 
-        monkeypatch.setattr(runner, "launch", spy_launch)
-        got = outputs(llm.generate(PROMPTS, params()))
-        monkeypatch.undo()
-        assert got == sync_outputs
-        assert not pickled
-        assert any(e[2] for e in events if e[0] == "launch")  # placeholder rows (their tokens broadcast to the other ranks)
-        # step n + 1 is launched before step n is waited for, every time (counted)
-        position = {e[:2]: i for i, e in enumerate(events)}
-        launches = sum(1 for e in events if e[0] == "launch")
-        assert launches > 5 and all(position[("launch", n + 1)] < position[("wait", n)] for n in range(launches - 1))
-        assert llm.engine.block_manager.usage() == 0.0
-    finally:
-        llm.engine.close()
+    monkeypatch.setattr(runner, "launch", spy_launch)
+    got = outputs(llm.generate(PROMPTS, params()))
+    monkeypatch.undo()
+    assert got == sync_outputs
+    assert not pickled
+    assert any(e[2] for e in events if e[0] == "launch")  # placeholder rows (their tokens broadcast to the other ranks)
+    # step n + 1 is launched before step n is waited for, every time (counted)
+    position = {e[:2]: i for i, e in enumerate(events)}
+    launches = sum(1 for e in events if e[0] == "launch")
+    assert launches > 5 and all(position[("launch", n + 1)] < position[("wait", n)] for n in range(launches - 1))
+    assert llm.engine.block_manager.usage() == 0.0
 
 
 @pytest.mark.timeout(300)
-def test_abort_and_preemption_under_async_over_three_ranks_free_every_block(sync_outputs):
+def test_abort_and_preemption_under_async_over_three_ranks_free_every_block(sync_outputs, async_llm):
     from kvpilot.server import SamplingParams
 
-    llm = tp_llm(kv_cache_memory="2MiB", async_scheduling="on", max_num_seqs=8)  # too few blocks for all: preemptions
-    try:
-        engine = llm.engine
-        greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-        for i in range(6):
-            engine.add_request(PROMPTS[i % len(PROMPTS)] * 3, greedy, request_id=f"r{i}")
-        finals, steps = {}, 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-            steps += 1
-            if steps == 6:
-                assert engine.abort_request("r1").finished
-        assert engine.scheduler.num_preemptions > 0
-        assert set(finals) == {f"r{i}" for i in range(6) if i != 1}
-        assert all(len(f.outputs[0].token_ids) == 40 for f in finals.values())
-        assert engine.block_manager.usage() == 0.0 and not engine.scheduler.running and not engine.scheduler.waiting
-        # and the engine still gives the synchronous tokens afterwards
-        assert outputs(llm.generate(PROMPTS, params())) == sync_outputs
-    finally:
-        llm.engine.close()
+    llm = async_llm
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(PROMPTS[i % len(PROMPTS)] * 3, greedy, request_id=f"r{i}")
+    finals, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        steps += 1
+        if steps == 6:
+            assert engine.abort_request("r1").finished
+    assert engine.scheduler.num_preemptions > 0
+    assert set(finals) == {f"r{i}" for i in range(6) if i != 1}
+    assert all(len(f.outputs[0].token_ids) == 40 for f in finals.values())
+    assert engine.block_manager.usage() == 0.0 and not engine.scheduler.running and not engine.scheduler.waiting
+    # and the engine still gives the synchronous tokens afterwards
+    assert outputs(llm.generate(PROMPTS, params())) == sync_outputs
