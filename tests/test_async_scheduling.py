@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from launch_spy import spy_on_launches
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "1, 2, 3, 4,", "Write a poem about the sea:",
            "Question: what is the tallest mountain on Earth? Answer:", "def fibonacci(n):"]
@@ -93,21 +94,7 @@ def test_steps_interleave_and_placeholders_take_the_device_tokens(sync_llm):
     llm = LLM(num_threads=1, show_progress=False, async_scheduling="on")
     runner = llm.engine.runner
     events = []
-    launch = runner.launch
-
-    def spy_launch(inp, previous_tokens=None):
-        n = sum(1 for e in events if e[0] == "launch")
-        events.append(("launch", n, 0 if inp.from_previous is None else inp.from_previous.shape[1]))
-        step = launch(inp, previous_tokens)
-        output = step.output
-
-        def spy_output():
-            events.append(("wait", n))
-            return output()
-
-        return type("Spied", (), {"tokens": step.tokens, "output": staticmethod(spy_output)})()
-
-    runner.launch = spy_launch
+    spy_on_launches(runner, events)
     sync_tokens = [o.outputs[0].token_ids for o in sync_llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
     outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == sync_tokens

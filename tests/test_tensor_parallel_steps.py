@@ -6,6 +6,7 @@ aborts and preemptions that free every block."""
 from __future__ import annotations
 
 import pytest
+from launch_spy import spy_on_launches
 
 WORLD = 3
 CACHE = "2MiB"  # per rank: ~130 tokens, too few blocks for every request at once (preemptions)
@@ -102,22 +103,9 @@ def test_async_over_three_ranks_gives_the_synchronous_tokens_without_pickling_a_
     monkeypatch.setattr(dist, "broadcast_object_list", refuse)
     monkeypatch.setattr(c10d, "_object_to_tensor", refuse)
     runner, events = llm.engine.runner, []
-    launch = runner.launch
-
-    def spy_launch(inp, previous_tokens=None):
-        n = sum(1 for e in events if e[0] == "launch")
-        events.append(("launch", n, 0 if inp.from_previous is None else inp.from_previous.shape[1]))
-        step = launch(inp, previous_tokens)
-        output = step.output
-
-        def spy_output():
-            events.append(("wait", n))
-            return output()
-
-        return type("Spied", (), {"tokens": step.tokens, "output": staticmethod(spy_output)})()
-
-    monkeypatch.setattr(runner, "launch", spy_launch)
+    spy_on_launches(runner, events)
     got = outputs(llm.generate(PROMPTS, params()))
+    del runner.launch  # the class's launch again
     monkeypatch.undo()
     assert got == sync_outputs
     assert not pickled
