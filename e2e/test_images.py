@@ -1,6 +1,7 @@
 """The images `make images` built (a phase of `make test` before pytest), as shipped: non-root, the
 operator's without torch, the engine's with a C compiler (Triton compiles at run time) and with its
-prebuilt CPU kernels loading and matching the torch references at every level this CPU runs.
+prebuilt CPU kernels loading and matching the torch references at every level this CPU runs (and
+present, compiled for their level and refused by name at the levels above it).
 The full path — operator, gateway and engine pods from these images — is e2e/test_quickstart.py."""
 
 from __future__ import annotations
@@ -54,9 +55,21 @@ def test_engine_image_keeps_a_c_compiler_for_triton():
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("level", cpu_extension.X86_LEVELS)
 def test_engine_image_kernels_load_prebuilt_and_match_the_references(level):
+    """Each level's prebuilt kernels: on a level this CPU runs, loaded from the image (nothing compiled)
+    and equal to the torch references; on a level above it (x86-64-v4 on an AVX2-only CPU), present in
+    the image, compiled to AVX-512 code (zmm registers), and refused here by name rather than run into
+    an illegal instruction."""
+    env = {cpu_extension.LEVEL_ENV: level}
     if level not in cpu_extension.supported_levels():
-        pytest.fail(f"this CPU does not run {level}: the portability check needs a CPU with AVX-512 (CI's has it)")
-    r = run(ENGINE, "python", "-m", "kvpilot.kernels.cpu_extension", "--check", env={cpu_extension.LEVEL_ENV: level})
+        where = run(ENGINE, "python", "-c", f"from kvpilot.kernels import cpu_extension as c; print(c.find_prebuilt({level!r}))")
+        assert where.returncode == 0 and where.stdout.strip().startswith("/opt/kvpilot/kernels/cpu-" + level), where.stdout + where.stderr
+        so = where.stdout.strip()
+        code = run(ENGINE, "sh", "-c", f"objdump -d --no-show-raw-insn {so} | grep -c zmm")
+        assert int(code.stdout.strip() or 0) > 100, code.stdout + code.stderr
+        refused = run(ENGINE, "python", "-m", "kvpilot.kernels.cpu_extension", "--check", env=env)
+        assert refused.returncode == 1 and f"{cpu_extension.LEVEL_ENV}={level!r}: this CPU runs" in refused.stderr, refused.stderr[-2000:]
+        return
+    r = run(ENGINE, "python", "-m", "kvpilot.kernels.cpu_extension", "--check", env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout.splitlines()[-1])
     assert report["level"] == level and report["file"].startswith("/opt/kvpilot/kernels/cpu-" + level), report

@@ -92,8 +92,11 @@ def test_scale_from_zero_and_back(cluster, namespace, prometheus_factory, tmp_pa
         hold = prom.wait_for('kvpilot_gateway_hold_seconds_count{model="sleepy"}', timeout=10)
         assert float(hold[0]["value"][1]) >= 1  # held requests were counted as such
         # The chart's dashboard: every panel's query, as Grafana fills it in, returns data from this run.
+        # A rate() has data from its series' second scrape on: the last responses' counters may be one scrape old.
         queries = dashboard_queries(namespace, "sleepy", "sleepy")
-        empty = [title for title, expr in queries.items() if not prom.query(expr)]
+        deadline = time.monotonic() + 15
+        while (empty := [title for title, expr in queries.items() if not prom.query(expr)]) and time.monotonic() < deadline:
+            time.sleep(1)
         assert not empty, f"dashboard panels without data: {empty}"
 
         # Idle: back to zero after the window (the gateway's counter is present, fresh and still).

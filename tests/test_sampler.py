@@ -236,33 +236,3 @@ def test_several_tokens_appended_at_once_stop_at_the_first_stop(llm):
     assert capped.token_ids == ids[:2] and capped.finish_reason == "length"
     whole = run(SamplingParams(max_tokens=10, stop=[" four"]), ids)
     assert whole.finish_reason == "stop" and whole.text == "one two three" and len(whole.token_ids) <= 4
-
-
-def test_model_input_is_tensors_and_plain_data(llm):
-    """A rank other than 0 gets a ModelInput and nothing else: no Sequence, detokenizer or generator."""
-    import dataclasses
-
-    from kvpilot.server.engine.model_io import InputBuilder, ModelInput
-    from kvpilot.server.engine.sequence import Sequence as Seq
-
-    engine = llm.engine
-    engine.add_request("The capital of France is", SamplingParams(temperature=0.8, seed=5, max_tokens=2, prompt_logprobs=1))
-    batch = engine.scheduler.schedule()
-    inp, plan = InputBuilder(engine.config.block_size, 2, torch.device("cpu")).build(batch)
-    assert isinstance(inp, ModelInput) and plan.sampled == batch.seqs and inp.sampling.generators[0] is not None
-
-    def plain(value) -> bool:
-        if isinstance(value, (torch.Tensor, int, float, bool, type(None))):
-            return True
-        if isinstance(value, (list, tuple)):
-            return all(plain(v) for v in value)
-        if dataclasses.is_dataclass(value):
-            return all(plain(getattr(value, f.name)) for f in dataclasses.fields(value))
-        return False
-
-    worker = inp.for_worker()
-    assert plain(worker) and not plain(inp)  # the generator stays on rank 0
-    assert all(isinstance(s, Seq) for s in plan.sampled)  # the plan, with the sequences, stays on rank 0
-    assert torch.equal(worker.block_tables, inp.block_tables) and worker.query_start_loc.tolist() == [0, len(inp.input_ids)]
-    for rid in list(engine.requests):
-        engine.abort_request(rid)
