@@ -158,6 +158,38 @@ def test_kvpilot_speculative_settings_become_engine_flags_and_the_draft_is_fetch
     assert on_pvc["args"][on_pvc["args"].index("--speculative-model") + 1] == "/models/draft/pvc/d.gguf"
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_vllm_or_sglang_draft_model_is_mounted_or_fetched_like_the_served_model(engine):
+    """method draft: a draft on a claim is mounted and passed as its path, an https:// one downloaded by
+    the init container and passed as the file, a hub repo passed as its id (the engine fetches it)."""
+    import json
+
+    hub = {"source": "hf://Qwen/Qwen3-8B"}
+
+    def draft_argument(source: str) -> tuple[str, dict]:
+        d = deployment("m", "ns", "u", spec(model=hub, engine=engine,
+                                            engineSettings={"speculative": {"method": "draft", "draftModel": source}}))
+        args = container(d)["args"]
+        if engine == "vllm":
+            value = json.loads(args[args.index("--speculative-config") + 1])["model"]
+        else:
+            value = args[args.index("--speculative-draft-model-path") + 1]
+        return value, d["spec"]["template"]["spec"]
+
+    value, pod = draft_argument("pvc://drafts/qwen3-0.6b")
+    assert value == "/models/draft/pvc/qwen3-0.6b"
+    assert {"name": "draft-model", "persistentVolumeClaim": {"claimName": "drafts", "readOnly": True}} in pod["volumes"]
+    assert {"name": "draft-model", "mountPath": "/models/draft/pvc", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+    value, pod = draft_argument("https://models.example/d/small.gguf")
+    assert value == "/models/draft/download/small.gguf"
+    (init,) = pod["initContainers"]
+    assert init["name"] == "download-draft-model" and init["args"][:2] == ["https://models.example/d/small.gguf", value]
+    value, pod = draft_argument("hf://Qwen/Qwen3-0.6B")
+    assert value == "Qwen/Qwen3-0.6B" and "initContainers" not in pod
+    assert unsupported_settings(spec(model=hub, engine=engine, engineSettings={"speculative": {"method": "ngram", "draftModel": "hf://o/r"}})) == [
+        "engineSettings.speculative.draftModel is only used with method draft"]
+
+
 def test_kv_cache_dtype_is_passed_to_kvpilot_and_refused_by_name_elsewhere():
     cpu = {"cpuOnly": True}
     s = spec(engineSettings={"kvCacheDtype": "bfloat16", "quantization": "gguf"}, resources=cpu)

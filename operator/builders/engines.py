@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from kvpilot.operator.crd_types import InferenceServiceSpec
@@ -56,17 +57,23 @@ class ModelFiles:
 
 
 def model_files(spec: InferenceServiceSpec) -> list[ModelFiles]:
-    """The served model, then (kvpilot engine, speculative method draft) the draft model, which is
+    """The served model, then (speculative method draft, any engine) the draft model, which is
     fetched and mounted the same way."""
     files = [ModelFiles(spec.model.source, "model", MODEL_DIR)]
     spec_settings = spec.engine_settings.speculative
-    if spec.engine == "kvpilot" and spec_settings and spec_settings.draft_model:
+    if spec_settings and spec_settings.method == "draft" and spec_settings.draft_model:
         files.append(ModelFiles(spec_settings.draft_model, "draft-model", f"{MODEL_DIR}/draft"))
     return files
 
 
 def model_argument(spec: InferenceServiceSpec) -> str:
     return model_files(spec)[0].argument(spec.engine)
+
+
+def draft_model_argument(spec: InferenceServiceSpec) -> str:
+    """Where the engine finds the draft model (method draft): mounted from its claim, downloaded by the
+    init container, or a hub repo the engine fetches itself — as the served model."""
+    return model_files(spec)[1].argument(spec.engine)
 
 
 def served_name(spec: InferenceServiceSpec, name: str) -> str:
@@ -85,7 +92,7 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     if s.speculative:
         values |= {"speculative_method": s.speculative.method, "num_speculative_tokens": s.speculative.num_speculative_tokens}
         if s.speculative.method == "draft":
-            values["speculative_model"] = model_files(spec)[1].argument(spec.engine)
+            values["speculative_model"] = draft_model_argument(spec)
     if spec.resources.cpu_only:
         values["device"] = "cpu"
     # EngineConfig validates here, in the operator, so a bad combination is a status condition, not a crash loop.
@@ -114,10 +121,8 @@ def vllm_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     if s.speculative:
         cfg = {"method": "ngram" if s.speculative.method == "ngram" else "draft_model",
                "num_speculative_tokens": s.speculative.num_speculative_tokens}
-        if s.speculative.draft_model:
-            cfg["model"] = s.speculative.draft_model.removeprefix("hf://")
-        import json
-
+        if s.speculative.method == "draft":
+            cfg["model"] = draft_model_argument(spec)
         args += ["--speculative-config", json.dumps(cfg, separators=(",", ":"))]
     return EngineContainer(spec.image or DEFAULT_IMAGES["vllm"], ["vllm", "serve"], args, "/health", "/health")
 
@@ -141,8 +146,8 @@ def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     if s.speculative:
         algo = "NGRAM" if s.speculative.method == "ngram" else "STANDALONE"
         args += ["--speculative-algorithm", algo, "--speculative-num-draft-tokens", str(s.speculative.num_speculative_tokens)]
-        if s.speculative.draft_model:
-            args += ["--speculative-draft-model-path", s.speculative.draft_model.removeprefix("hf://")]
+        if s.speculative.method == "draft":
+            args += ["--speculative-draft-model-path", draft_model_argument(spec)]
     return EngineContainer(spec.image or DEFAULT_IMAGES["sglang"], ["python3", "-m", "sglang.launch_server"], args, "/health", "/health")
 
 
@@ -163,8 +168,6 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
                             f"engine vllm takes {', '.join(sorted(ENGINE_QUANTIZATION['vllm']))})")
         if s.quantization == "gguf" and not _is_gguf_source(spec.model.source):
             problems.append(f"engineSettings.quantization=gguf needs a GGUF model (a bundled name or a .gguf file), not {spec.model.source!r}")
-        if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:
-            problems.append("engineSettings.speculative.draftModel is only used with method draft")
     else:
         if s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION[spec.engine]:
             problems.append(f"engineSettings.quantization={s.quantization} is not a {spec.engine} quantization method "
@@ -172,6 +175,8 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
         if s.kv_cache_dtype not in (None, "auto"):  # their --kv-cache-dtype takes auto and fp8 kinds, not a bfloat16 cache under float32
             problems.append(f"engineSettings.kvCacheDtype={s.kv_cache_dtype} is a kvpilot setting; {spec.engine} keeps its cache in the "
                             "compute dtype (auto), or fp8 through extraArgs --kv-cache-dtype")
+    if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:
+        problems.append("engineSettings.speculative.draftModel is only used with method draft")
     return problems
 
 
