@@ -96,7 +96,7 @@ class EngineSettings(_Model):
     quantization: Literal["none", "gguf", "int8", "int4", "fp8", "awq", "gptq"] | None = Field(None, description=(
         "Weight quantization, each engine's own: kvpilot takes gguf (a GGUF model's Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks kept and multiplied as they "
         "are), int8 and int4 (weight-only, quantized at load; int4 groups of 32 columns unless extraArgs sets "
-        "--quantization-group-size), on CPU and GPU; vLLM and SGLang take fp8, awq, gptq, gguf. A value the engine does not take is reported as Degraded."))
+        "--quantization-group-size), on CPU and GPU; vLLM takes fp8, awq, gptq; SGLang fp8, awq, gptq, gguf. A value the engine does not take is reported as Degraded."))
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="Ranks the model is split over; also the GPUs per pod.")
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (off when absent).")
 
@@ -162,7 +162,9 @@ class InferenceServiceSpec(_Model):
     env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables of the engine container.")
     api_key_secret_ref: SecretKeyRef | None = Field(None, description=(
         "The API key the engine requires (Authorization: Bearer), read from a Secret into KVPILOT_API_KEY; absent = no key."))
-    extra_args: list[str] = Field(default_factory=list, max_length=64, description="Extra engine command-line arguments (appended).")
+    extra_args: list[str] = Field(default_factory=list, max_length=64, description=(
+        "Extra engine command-line arguments (appended). For vLLM and SGLang on their pinned images (no `image` set), each flag is "
+        "checked against that release's own parser (a snapshot): an unknown, deprecated or mis-valued flag is reported as Degraded."))
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations of the engine pods.")
     pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels of the engine pods.")
 

@@ -385,3 +385,59 @@ def test_min_replicas_above_max_is_refused_by_the_spec_model_too():
     parsed, problems = parse_spec({"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "minReplicas": 4, "maxReplicas": 2}})
     assert parsed is None and problems[0][0] == "InvalidSpec" and "must be <= maxReplicas" in problems[0][1]
     assert InferenceServiceSpec.model_validate({"model": {"source": "smollm2-135m"}, "minReplicas": 2, "maxReplicas": 2}).min_replicas == 2
+
+
+def _every_setting(engine: str) -> list[InferenceServiceSpec]:
+    """Specs that together make the builder emit every flag it can, with every value it can give."""
+    from kvpilot.operator.builders.engines import ENGINE_QUANTIZATION
+
+    hub = {"source": "hf://Qwen/Qwen3-8B"}
+    full = {"maxModelLen": 4096, "maxNumSeqs": 64, "maxNumBatchedTokens": 2048, "gpuMemoryUtilization": 0.85, "dtype": "bfloat16",
+            "enablePrefixCaching": True, "enableChunkedPrefill": True, "enforceEager": True, "tensorParallelSize": 2}
+    specs = [spec(model=hub, engine=engine, engineSettings=full),
+             spec(model=hub, engine=engine, engineSettings={"enablePrefixCaching": False, "enableChunkedPrefill": False, "dtype": "float16"}),
+             spec(model=hub, engine=engine, engineSettings={"speculative": {"method": "ngram", "numSpeculativeTokens": 4}}),
+             spec(model=hub, engine=engine, engineSettings={"speculative": {"method": "draft", "draftModel": "pvc://d/qwen3-0.6b"}})]
+    specs += [spec(model=hub, engine=engine, engineSettings={"quantization": q}) for q in sorted(ENGINE_QUANTIZATION[engine])]
+    if engine == "vllm":
+        specs.append(spec(model=hub, engine=engine, engineSettings={"blockSize": 32}))
+    return specs
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_every_flag_the_builders_emit_parses_in_the_pinned_release(engine):
+    """Against the committed snapshot of the pinned release's own argument parser (engine_flags/)."""
+    from kvpilot.operator.builders.engine_flags import flag_problems, image_version
+    from kvpilot.operator.builders.engines import DEFAULT_IMAGES, engine_container
+
+    version = image_version(DEFAULT_IMAGES[engine])
+    emitted = set()
+    for s in _every_setting(engine):
+        assert unsupported_settings(s) == [], s
+        args = engine_container(s, "m").args
+        assert flag_problems(engine, version, args) == [], args
+        emitted |= {a for a in args if a.startswith("--")}
+    assert len(emitted) >= 15, emitted
+
+
+def test_the_flag_check_finds_what_would_crash_loop_a_pod():
+    from kvpilot.operator.builders.engine_flags import flag_problems
+
+    assert flag_problems("vllm", "0.33.0", ["--max-num-seq", "8"]) == ["--max-num-seq is not a flag of vllm 0.33.0"]
+    assert flag_problems("vllm", "0.33.0", ["--no-enable-prefix-caching"]) == ["--no-enable-prefix-caching is a hidden spelling in vllm 0.33.0"]
+    assert flag_problems("vllm", "0.33.0", ["--enforce-eager=1", "--max-model-len"]) == [
+        "--enforce-eager is a switch: it takes no value", "--max-model-len needs a value"]
+    [bad_dtype] = flag_problems("vllm", "0.33.0", ["--dtype", "fp64"])
+    assert bad_dtype.startswith("--dtype fp64: vllm 0.33.0 takes one of auto, bfloat16")
+    [gguf] = flag_problems("vllm", "0.33.0", ["--quantization", "gguf"])
+    assert gguf.startswith("--quantization gguf: vllm 0.33.0 takes one of")
+    assert flag_problems("vllm", "0.33.0", ["--speculative-config", '{"method":"medusa2","k":1}']) == [
+        "--speculative-config key 'k' is not one of vllm 0.33.0's",
+        flag_problems("vllm", "0.33.0", ["--speculative-config", '{"method":"medusa2"}'])[0]]
+    assert flag_problems("sglang", "0.5.23", ["--speculative-algorithm", "ngram", "--enable-metrics"]) == []
+    assert flag_problems("sglang", "0.5.23", ["--speculative-algorithm", "MEDUSA"])[0].startswith("--speculative-algorithm MEDUSA: sglang 0.5.23")
+    # extraArgs on a pinned image are checked the same way, and reported rather than crash-looping the pods
+    hub = {"source": "hf://Qwen/Qwen3-8B"}
+    assert unsupported_settings(spec(model=hub, engine="vllm", extraArgs=["--seed", "7", "--max-num-seq", "8"])) == [
+        "extraArgs: --max-num-seq is not a flag of vllm 0.33.0"]
+    assert unsupported_settings(spec(model=hub, engine="vllm", image="my/vllm:dev", extraArgs=["--max-num-seq", "8"])) == []

@@ -44,6 +44,12 @@ def test_wheel_has_kernel_sources(wheel):
     assert {"kvpilot/kernels/csrc/paged_attention_cpu.cpp", "kvpilot/kernels/csrc/layers_cpu.cpp"} <= set(wheel.namelist())
 
 
+def test_wheel_has_the_engine_flag_snapshots(wheel):
+    """The operator checks vLLM/SGLang extraArgs against them at run time: they ship with it."""
+    snapshots = {f"kvpilot/operator/builders/engine_flags/{p.name}" for p in (ROOT / "operator" / "builders" / "engine_flags").glob("*.json")}
+    assert len(snapshots) >= 2 and snapshots <= set(wheel.namelist())
+
+
 def test_wheel_has_no_top_level_operator(wheel):
     tops = {n.split("/")[0] for n in wheel.namelist()}
     assert "operator" not in tops and "operator.py" not in tops

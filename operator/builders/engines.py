@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from kvpilot.operator.builders.engine_flags import flag_problems, image_version
 from kvpilot.operator.crd_types import InferenceServiceSpec
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.model_source import ModelSource, parse_model_source
@@ -13,8 +14,9 @@ PORT = 8000
 MODEL_DIR = "/models"
 DEFAULT_IMAGES = {
     "kvpilot": "kvpilot/engine:0.1.0",
-    "vllm": "vllm/vllm-openai:v0.11.0",
-    "sglang": "lmsysorg/sglang:v0.5.3",
+    # The releases PyPI serves today; their flags are snapshotted in engine_flags/ (checked in CI).
+    "vllm": "vllm/vllm-openai:v0.33.0",
+    "sglang": "lmsysorg/sglang:v0.5.23",
 }
 SHUTDOWN_GRACE_SECONDS = 30
 
@@ -111,9 +113,9 @@ def vllm_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         if getattr(s, f) is not None:
             args += [flag, str(getattr(s, f))]
     if s.enable_prefix_caching is not None:
-        args.append("--enable-prefix-caching" if s.enable_prefix_caching else "--no-enable-prefix-caching")
+        args.append("--enable-prefix-caching" if s.enable_prefix_caching else "--disable-prefix-caching")
     if s.enable_chunked_prefill is not None:
-        args.append("--enable-chunked-prefill" if s.enable_chunked_prefill else "--no-enable-chunked-prefill")
+        args.append("--enable-chunked-prefill" if s.enable_chunked_prefill else "--disable-chunked-prefill")
     if s.enforce_eager:
         args.append("--enforce-eager")
     if s.quantization not in (None, "none"):
@@ -154,8 +156,8 @@ def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
 # engineSettings.quantization values each engine's own --quantization flag takes (a value an engine
 # does not take would crash-loop its pods, so it is a status condition instead). kvpilot: gguf (a
 # GGUF model's own blocks), int8/int4 (weight-only, quantized at load); vLLM and SGLang have no
-# int8/int4 values at all.
-ENGINE_QUANTIZATION = {"kvpilot": {"gguf", "int8", "int4"}, "vllm": {"fp8", "awq", "gptq", "gguf"}, "sglang": {"fp8", "awq", "gptq", "gguf"}}
+# int8/int4 values at all, and vLLM 0.33 no gguf (checked against the flag snapshots in CI).
+ENGINE_QUANTIZATION = {"kvpilot": {"gguf", "int8", "int4"}, "vllm": {"fp8", "awq", "gptq"}, "sglang": {"fp8", "awq", "gptq", "gguf"}}
 
 
 def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
@@ -175,6 +177,9 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
         if s.kv_cache_dtype not in (None, "auto"):  # their --kv-cache-dtype takes auto and fp8 kinds, not a bfloat16 cache under float32
             problems.append(f"engineSettings.kvCacheDtype={s.kv_cache_dtype} is a kvpilot setting; {spec.engine} keeps its cache in the "
                             "compute dtype (auto), or fp8 through extraArgs --kv-cache-dtype")
+        if spec.image is None:  # the pinned release: its flags are known (a custom image's are not)
+            version = image_version(DEFAULT_IMAGES[spec.engine])
+            problems += [f"extraArgs: {p}" for p in flag_problems(spec.engine, version, list(spec.extra_args))]
     if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:
         problems.append("engineSettings.speculative.draftModel is only used with method draft")
     return problems
