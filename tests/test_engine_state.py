@@ -56,3 +56,44 @@ def test_limits_admit_once_into_an_admission_and_never_touch_params():
             limits.admit(ids, p)
         assert e.value.param == param
     assert ContextLengthExceeded.code == "context_length_exceeded"
+
+
+def test_input_buffers_alternate_two_arenas_and_grow_without_moving_a_live_view():
+    import torch
+
+    from kvpilot.server.engine.model_io import InputBuffers
+
+    buffers = InputBuffers(torch.device("cpu"), capacity=8)
+    buffers.begin_step()
+    a, b = buffers.upload([1, 2, 3], torch.long), buffers.upload([4, 5], torch.long)
+    assert a.data_ptr() + 3 * 8 == b.data_ptr()  # one step's uploads follow each other: they never share memory
+    grown = buffers.upload(list(range(20)), torch.long)  # past the arena: a new one, twice the size or more
+    assert grown.tolist() == list(range(20)) and a.tolist() == [1, 2, 3] and b.tolist() == [4, 5]
+    buffers.begin_step()
+    c = buffers.upload([7, 8, 9], torch.long)  # the other arena: the step in flight keeps its inputs
+    assert a.tolist() == [1, 2, 3] and c.untyped_storage().data_ptr() != grown.untyped_storage().data_ptr()
+    buffers.begin_step()
+    d = buffers.upload([6], torch.long)  # back to the first arena, from its start
+    assert d.data_ptr() == grown.data_ptr() and grown[0].item() == 6
+
+
+def test_a_running_engine_writes_its_inputs_into_persistent_buffers():
+    """Once warm, steps allocate no input tensors: every step's input ids live in one of two buffers."""
+    from kvpilot.server import LLM
+
+    llm = LLM(num_threads=1, show_progress=False, max_num_seqs=4)
+    storages = []
+    launch = llm.engine.runner.launch
+
+    def spy(inp, previous_tokens=None):
+        storages.append((inp.input_ids.untyped_storage().data_ptr(), inp.sampling.temperature.untyped_storage().data_ptr()))
+        return launch(inp, previous_tokens)
+
+    llm.engine.runner.launch = spy
+    params = SamplingParams(temperature=0.7, seed=1, max_tokens=12, ignore_eos=True, repetition_penalty=1.1)
+    outs = llm.generate(["The capital of France is", "One, two, three,", "Hello"], params)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs) and len(storages) >= 12
+    warm = storages[2:]  # the first step of each arena may grow it
+    assert len({ids for ids, _ in warm}) == 2 and len({temps for _, temps in warm}) == 2, storages
+    # reused buffers carry nothing over: the seeded first prompt, alone now, gets the tokens it got in the batch
+    assert llm.generate("The capital of France is", params)[0].outputs[0].token_ids == outs[0].outputs[0].token_ids

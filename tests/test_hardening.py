@@ -57,7 +57,7 @@ def test_probe_parameters_are_refused_by_name():
 
 
 def test_a_row_with_nothing_to_sample_fails_alone():
-    from kvpilot.server.engine.model_io import SamplingTensors
+    from kvpilot.server.engine.model_io import InputBuffers, SamplingTensors
     from kvpilot.server.engine.sampler import Sampler
     from kvpilot.server.engine.sampling_params import SamplingParams
     from kvpilot.server.engine.sequence import Sequence
@@ -66,7 +66,7 @@ def test_a_row_with_nothing_to_sample_fails_alone():
     banned = SamplingParams(temperature=1.0, stop_token_ids=[0, 1], min_tokens=1, max_tokens=4)  # with EOS 2: every token banned
     seqs = [Sequence(0, "ok", 0, [1], SamplingParams(temperature=1.0, seed=1)), Sequence(1, "banned", 0, [1], banned),
             Sequence(2, "nan", 0, [1], SamplingParams(temperature=0))]
-    result = Sampler(torch.Generator().manual_seed(0))(logits, SamplingTensors.build(seqs, (2,), torch.float32, torch.device("cpu")))
+    result = Sampler(torch.Generator().manual_seed(0))(logits, SamplingTensors.build(seqs, (2,), torch.float32, InputBuffers(torch.device("cpu"))))
     assert set(result.errors) == {1, 2} and "no token can be sampled" in result.errors[1]
     assert result.token_ids[0][0] in (0, 1, 2)
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.server.engine.model_io import SamplingTensors
+from kvpilot.server.engine.model_io import InputBuffers, SamplingTensors
 from kvpilot.server.engine.sampler import Sampler, apply_penalties, filter_logits, processed_logits
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.sequence import Sequence
@@ -41,7 +41,7 @@ def test_min_p_mask_exact():
 
 
 def tensors(seqs, eos_token_ids=()) -> SamplingTensors:
-    return SamplingTensors.build(seqs, eos_token_ids, torch.float32, torch.device("cpu"))
+    return SamplingTensors.build(seqs, eos_token_ids, torch.float32, InputBuffers(torch.device("cpu")))
 
 
 def sample(logits, seqs, eos_token_ids=()):

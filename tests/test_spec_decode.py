@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvpilot.server.config import EngineConfig
-from kvpilot.server.engine.model_io import SamplingTensors
+from kvpilot.server.engine.model_io import InputBuffers, SamplingTensors
 from kvpilot.server.engine.sampler import Sampler
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.sequence import Sequence
@@ -32,7 +32,7 @@ def proposing(prompt, proposal, seq_id=0, **params) -> Sequence:
 
 
 def verify(logits, seqs, draft_probs=None, generator=None):
-    t = SamplingTensors.build(seqs, None, torch.float32, torch.device("cpu"), draft_probs)
+    t = SamplingTensors.build(seqs, None, torch.float32, InputBuffers(torch.device("cpu")), draft_probs)
     return Sampler(generator or torch.Generator().manual_seed(0))(logits, t)
 
 

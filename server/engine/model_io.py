@@ -22,22 +22,69 @@ from kvpilot.server.engine.scheduler import ScheduledBatch
 from kvpilot.server.engine.sequence import Sequence
 
 
-def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor: on CUDA staged in pinned memory and copied without blocking."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
+class InputBuffers:
+    """The persistent buffers every step's inputs are written into: no allocation per step once warm.
+
+    Per dtype, two arenas used on alternate steps (`begin_step`); a step's uploads are carved one
+    after another from its arena, so several inputs of one step (a draft model's proposal steps, the
+    verification step, their sampling tensors) never share memory, and the next step writes the
+    other arena: under async scheduling the step in flight keeps its inputs. An arena is a host
+    buffer (pinned on CUDA) and its device twin (on CPU the host buffer itself); on CUDA an arena's
+    host half is rewritten only once its last copies to the device are done (an event, long done by
+    then: a step later). An arena that runs out is replaced by one twice the size; views of the old
+    one stay valid."""
+
+    def __init__(self, device: torch.device, capacity: int = 4096):
+        self.device, self.capacity = device, capacity
+        self.cuda = device.type == "cuda"
+        self.turn = 0
+        self.arenas: list[dict[torch.dtype, _Arena]] = [{}, {}]
+        self.copied = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+
+    def begin_step(self) -> None:
+        """The next step's uploads go to the other arena, from its start."""
+        if self.cuda:
+            self.copied[self.turn].record()
+        self.turn ^= 1
+        if self.cuda:
+            self.copied[self.turn].synchronize()
+        for arena in self.arenas[self.turn].values():
+            arena.used = 0
+
+    def upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a device tensor (a view of this step's arena; on CUDA copied without blocking)."""
+        n = len(values)
+        arenas = self.arenas[self.turn]
+        arena = arenas.get(dtype)
+        if arena is None or arena.used + n > arena.host.numel():
+            size = max(self.capacity, n, 2 * arena.host.numel() if arena is not None else 0)
+            arena = arenas[dtype] = _Arena(size, dtype, self.device)
+        start, arena.used = arena.used, arena.used + n
+        host = arena.host[start:start + n]
+        host.copy_(torch.tensor(values, dtype=dtype))
+        if not self.cuda:
+            return host
+        device = arena.device[start:start + n]
+        device.copy_(host, non_blocking=True)
+        return device
+
+
+class _Arena:
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device):
+        cuda = device.type == "cuda"
+        self.host = torch.empty(size, dtype=dtype, pin_memory=cuda)
+        self.device = torch.empty(size, dtype=dtype, device=device) if cuda else self.host
+        self.used = 0
 
 
 class Staging:
-    """A step's host lists of one dtype, uploaded together: one host tensor (on CUDA one pinned buffer
-    and one copy) instead of one per list, each list coming back as a view of it. A step's inputs
-    are a dozen short lists; uploaded one by one, each costs a tensor, a pinned allocation and a copy
-    launch, host work that lengthens every step (bench/host_overhead.py)."""
+    """A step's host lists of one dtype, uploaded together: one host-to-device copy instead of one per
+    list, each list coming back as a view of it. A step's inputs are a dozen short lists; uploaded one
+    by one, each costs a tensor and a copy launch, host work that lengthens every step
+    (bench/host_overhead.py)."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device):
-        self.dtype, self.device = dtype, device
+    def __init__(self, dtype: torch.dtype, buffers: InputBuffers):
+        self.dtype, self.buffers = dtype, buffers
         self.values: list = []
         self.spans: list[tuple[int, int]] = []
 
@@ -47,15 +94,15 @@ class Staging:
         self.values += values
 
     def upload(self) -> list[torch.Tensor]:
-        whole = upload(self.values, self.dtype, self.device)
+        whole = self.buffers.upload(self.values, self.dtype)
         return [whole[start:start + n] for start, n in self.spans]
 
 
-def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded(rows: list[list[int]], buffers: InputBuffers) -> tuple[torch.Tensor, torch.Tensor]:
     """Token id lists as one [rows, longest] tensor (padding points at column 0) and its validity mask."""
     width = max((len(r) for r in rows), default=0)
-    ids = upload([r + [0] * (width - len(r)) for r in rows], torch.long, device).reshape(len(rows), width)
-    valid = upload([[True] * len(r) + [False] * (width - len(r)) for r in rows], torch.bool, device).reshape(len(rows), width)
+    ids = buffers.upload([t for r in rows for t in r + [0] * (width - len(r))], torch.long).view(len(rows), width)
+    valid = buffers.upload([v for r in rows for v in [True] * len(r) + [False] * (width - len(r))], torch.bool).view(len(rows), width)
     return ids, valid
 
 
@@ -108,7 +155,7 @@ class SamplingTensors:
     draft_probs: torch.Tensor | None = None      # [len(random_rows), V]: the proposer's distribution for it (None: n-gram, a certain proposal)
 
     @classmethod
-    def build(cls, seqs: list[Sequence], eos_token_ids: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    def build(cls, seqs: list[Sequence], eos_token_ids: tuple[int, ...], dtype: torch.dtype, buffers: InputBuffers,
               draft_probs: dict[int, torch.Tensor] | None = None, proposing: bool = False,
               previous: dict[int, int] | None = None) -> SamplingTensors:
         """draft_probs: seq_id -> [k, V] distributions a draft model drew the proposal of a random-sampling
@@ -123,17 +170,17 @@ class SamplingTensors:
         pen = [i for i, p in enumerate(params) if p.has_penalties]
         penalties = None
         if pen:
-            col = lambda values: upload(values, dtype, device).unsqueeze(1)  # noqa: E731
+            col = lambda values: buffers.upload(values, dtype).unsqueeze(1)  # noqa: E731
             # a row's output so far: the sequence's, then the proposed tokens before the row
             outputs = [rows[i][0].tokens_slice(rows[i][0].num_prompt_tokens, rows[i][0].num_tokens + rows[i][1]) for i in pen]
-            out_ids, out_valid = _padded(outputs, device)
-            prompt_ids, prompt_valid = _padded([rows[i][0].prompt_token_ids for i in pen], device)
+            out_ids, out_valid = _padded(outputs, buffers)
+            prompt_ids, prompt_valid = _padded([rows[i][0].prompt_token_ids for i in pen], buffers)
             awaiting = [(k * out_ids.shape[1] + len(outputs[k]) - 1, previous[rows[i][0].seq_id])
                         for k, i in enumerate(pen) if rows[i][0].num_placeholders]  # the placeholder is its output's last entry
-            penalties = Penalties(upload(pen, torch.long, device), col([params[i].repetition_penalty for i in pen]),
+            penalties = Penalties(buffers.upload(pen, torch.long), col([params[i].repetition_penalty for i in pen]),
                                   col([params[i].frequency_penalty for i in pen]), col([params[i].presence_penalty for i in pen]),
                                   out_ids, out_valid, prompt_ids, prompt_valid,
-                                  upload([a for a, _ in awaiting] + [b for _, b in awaiting], torch.long, device).view(2, -1) if awaiting else None)
+                                  buffers.upload([a for a, _ in awaiting] + [b for _, b in awaiting], torch.long).view(2, -1) if awaiting else None)
         banned_rows, banned_tokens = [], []
         for row, ((seq, j), p) in enumerate(zip(rows, params)):
             if seq.num_output_tokens + j < p.min_tokens:  # until min_tokens are out, EOS and stop ids cannot be sampled
@@ -141,7 +188,7 @@ class SamplingTensors:
                 banned_rows += [row] * len(banned)
                 banned_tokens += banned
         drafts = [seq.spec_token_ids[j] if j < len(seq.spec_token_ids) and not proposing else -1 for seq, j in rows]
-        longs, floats = Staging(torch.long, device), Staging(dtype, device)
+        longs, floats = Staging(torch.long, buffers), Staging(dtype, buffers)
         for values in ([p.top_k for p in params], banned_rows, banned_tokens, drafts, random_rows):
             longs.add(values)
         # A temperature past float32's range would be inf there, and a banned token's -inf / inf a NaN:
@@ -152,7 +199,7 @@ class SamplingTensors:
         q = None
         if draft_probs and random_rows:
             vocab = next(iter(draft_probs.values())).shape[-1]
-            none = torch.zeros(vocab, dtype=dtype, device=device)
+            none = torch.zeros(vocab, dtype=dtype, device=buffers.device)
             q = torch.stack([draft_probs[rows[i][0].seq_id][rows[i][1]] if drafts[i] >= 0 and rows[i][0].seq_id in draft_probs else none
                              for i in random_rows]).to(dtype)
         return cls(temperature.unsqueeze(1), top_k, top_p, min_p, random_rows, random_index, [rows[i][0].generator for i in random_rows],
@@ -220,7 +267,8 @@ class ModelOutput:
 
 class InputBuilder:
     def __init__(self, block_size: int, eos_token_ids: tuple[int, ...], device: torch.device):
-        self.block_size, self.eos_token_ids, self.device = block_size, eos_token_ids, device
+        self.block_size, self.eos_token_ids = block_size, eos_token_ids
+        self.buffers = InputBuffers(device)
 
     def build(self, batch: ScheduledBatch, draft_probs: dict[int, torch.Tensor] | None = None,
               previous: dict[int, int] | None = None, sample: bool = True) -> tuple[ModelInput, StepPlan]:
@@ -228,6 +276,7 @@ class InputBuilder:
         its row among the sampled tokens of the step in flight, for sequences awaiting that token.
         sample=False: no SamplingTensors (tensor-parallel ranks other than 0, whose batch holds their
         mirrors of the sequences: step_message.RankSeq)."""
+        self.buffers.begin_step()
         bs = self.block_size
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1 or batch.seqs[i].num_spec_tokens > 0)
         ids: list[int] = []
@@ -279,8 +328,7 @@ class InputBuilder:
             if start + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 plan.sampled.append(seq)
-        dev = self.device
-        staged = Staging(torch.long, dev)
+        staged = Staging(torch.long, self.buffers)
         for values in (ids, positions, slots, starts, seq_lens, sample_rows, placeholder_rows + previous_rows, _padded_tables(tables)):
             staged.add(values)
         ids_t, positions_t, slots_t, starts_t, seq_lens_t, rows_t, previous_t, tables_t = staged.upload()
@@ -288,7 +336,7 @@ class InputBuilder:
             input_ids=ids_t, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
             block_tables=tables_t.view(len(tables), -1) if tables else tables_t.view(0, 0), logits_indices=rows_t,
             num_prefills=len(query_lens), query_lens=query_lens, context_lens=context_lens, prompt_logprobs=prompt_lp,
-            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, dev, draft_probs, previous=previous)
+            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, self.buffers, draft_probs, previous=previous)
             if plan.sampled and sample else None,
             from_previous=previous_t.view(2, -1) if placeholder_rows else None)
         return inp, plan
@@ -299,7 +347,7 @@ class InputBuilder:
         bs = self.block_size
         ids = [seq.tokens_slice(p, p + 1)[0] for seq, p in zip(seqs, positions)]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
-        staged = Staging(torch.long, self.device)
+        staged = Staging(torch.long, self.buffers)
         for values in (ids, positions, slots, list(range(len(seqs) + 1)), [p + 1 for p in positions], _padded_tables([s.block_table for s in seqs])):
             staged.add(values)
         ids_t, positions_t, slots_t, starts_t, seq_lens_t, tables_t = staged.upload()

@@ -181,7 +181,7 @@ class DraftModelProposer(Proposer):
             active = [s for s in seqs if s.num_spec_tokens > i]
             inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active])
             # Each row drawn as the target will judge it: with the proposed tokens so far counted as output.
-            inp.sampling = SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.runner.device, proposing=True)
+            inp.sampling = SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.inputs.buffers, proposing=True)
             tokens, q = self.runner.draft_propose(inp)
             for j, seq in enumerate(active):
                 seq.spec_token_ids.append(tokens[j])
