@@ -135,7 +135,9 @@ class Cluster:
                                            f"--service-account-key-file={certs / 'sa.pub'}",
                                            f"--service-account-signing-key-file={certs / 'sa.key'}",
                                            "--service-cluster-ip-range=10.96.0.0/24", "--allow-privileged=true",
-                                           "--enable-priority-and-fairness=false", "--profiling=false", "-v=1"])
+                                           "--enable-priority-and-fairness=false", "--profiling=false", "-v=1",
+                                           f"--audit-policy-file={self._write_audit_policy()}", f"--audit-log-path={self.audit_log}",
+                                           "--audit-log-format=json"])
             self._wait("kube-apiserver", lambda: self._api_ok("/readyz"), deadline)
             self._write_kubeconfig()
             common = [f"--kubeconfig={self.kubeconfig}", "--leader-elect=false", "--bind-address=127.0.0.1", "-v=1"]
@@ -273,6 +275,21 @@ class Cluster:
         items = self.api("/api/v1/nodes")["items"]
         ready = [x for x in items if any(c["type"] == "Ready" and c["status"] == "True" for c in x.get("status", {}).get("conditions", []))]
         return len(ready) >= n
+
+    @property
+    def audit_log(self) -> Path:
+        """Every request to the kinds the operator works with (watches and the rest left out): who asked, how."""
+        return self.state_dir / "logs" / "audit.log"
+
+    def _write_audit_policy(self) -> Path:
+        path = self.state_dir / "certs" / "audit-policy.json"
+        path.write_text(json.dumps({"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived", "ResponseStarted"],
+                                    "rules": [{"level": "None", "verbs": ["watch"]},
+                                              {"level": "Metadata", "resources": [{"group": "serving.kvpilot.dev"},
+                                                                                  {"group": "", "resources": ["pods", "services"]},
+                                                                                  {"group": "apps", "resources": ["deployments"]}]},
+                                              {"level": "None"}]}))
+        return path
 
     def _write_credentials(self) -> None:
         certs = self.state_dir / "certs"

@@ -12,9 +12,10 @@ import kopf
 from kvpilot.operator import metrics
 from kvpilot.operator.autoscaler.loop import AutoscalerState, evaluate
 from kvpilot.operator.autoscaler.promql import PrometheusSource
-from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, MANAGED_BY, PLURAL, VERSION
+from kvpilot.operator.cache import CACHE, DEPLOYMENT, ISVC, POD
+from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, PLURAL, VERSION
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.reconcile import reconcile
+from kvpilot.operator.reconcile import forget, reconcile, refresh_status
 
 log = logging.getLogger("kvpilot.operator")
 _kube: Kube | None = None
@@ -33,7 +34,8 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.serving.kvpilot.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.serving.kvpilot.dev", key="last-handled-configuration")
     settings.posting.level = logging.WARNING
-    settings.watching.server_timeout = 120
+    # A watch stream that ends is followed by a full listing (kopf relists): ten minutes between them.
+    settings.watching.server_timeout = 600
     settings.execution.max_workers = 8
 
 
@@ -44,26 +46,67 @@ def on_inference_service(body, **_) -> None:
     reconcile(kube(), dict(body))
 
 
+def _cached(kind: str, event_type: str | None, body) -> bool:
+    """Put a watched object into the cache (or drop it); True when it changed (a relist's unchanged
+    objects are not news)."""
+    meta = body["metadata"]
+    if event_type == "DELETED":
+        CACHE.delete(kind, meta.get("namespace", ""), meta["name"])
+        return True
+    return CACHE.put(kind, dict(body))
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def on_inference_service_event(type, body, meta, namespace, **_) -> None:  # noqa: A002 - kopf's keyword
+    if _cached(ISVC, type, body) and type == "DELETED":
+        forget(namespace, meta["name"])
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY[0]: MANAGED_BY[1]})
+def on_deployment(type, body, meta, namespace, **_) -> None:  # noqa: A002
+    """Drift (a hand edit, a deletion) is undone; status changes refresh ours."""
+    if _cached(DEPLOYMENT, type, body):
+        _reconcile_owner(namespace, meta.get("labels", {}).get(ISVC_LABEL))
+
+
+@kopf.on.event("", "v1", "services", labels={MANAGED_BY[0]: MANAGED_BY[1]})
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={MANAGED_BY[0]: MANAGED_BY[1]})
+def on_owned_object(type, namespace, meta, **_) -> None:  # noqa: A002
+    """A deletion or an edit is undone (our own apply's echo converges: a no-op apply is no event);
+    a relist's objects (type None) are not news."""
+    if type is not None:
+        _reconcile_owner(namespace, meta.get("labels", {}).get(ISVC_LABEL))
+
+
 def _reconcile_owner(namespace: str, name: str | None) -> None:
     if not name:
         return
-    body = kube().get_isvc(name, namespace)
+    body = CACHE.get(ISVC, namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return
     reconcile(kube(), body)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY[0]: MANAGED_BY[1]})
-@kopf.on.event("", "v1", "services", labels={MANAGED_BY[0]: MANAGED_BY[1]})
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={MANAGED_BY[0]: MANAGED_BY[1]})
-def on_owned_object(body, meta, namespace, **_) -> None:
-    """Drift (a hand edit, a deletion) is undone; Deployment status changes refresh ours."""
-    _reconcile_owner(namespace, meta.get("labels", {}).get(ISVC_LABEL))
-
-
 @kopf.on.event("", "v1", "pods", labels={ISVC_LABEL: kopf.PRESENT})
-def on_engine_pod(meta, namespace, **_) -> None:
-    _reconcile_owner(namespace, meta.get("labels", {}).get(ISVC_LABEL))
+def on_engine_pod(type, body, meta, namespace, **_) -> None:  # noqa: A002
+    """A pod came, went or changed: status only (the Deployment owns pods: nothing to apply)."""
+    if _cached(POD, type, body) and (name := meta.get("labels", {}).get(ISVC_LABEL)):
+        refresh_status(kube(), namespace, name)
+
+
+@kopf.on.startup()
+def prime_cache(**_) -> None:
+    """One listing of each kind before the handlers run: the first reconciles see the pods and
+    Deployments that exist (the watch streams then keep the cache current)."""
+    namespaces = _watched_namespaces() or [None]
+    k = kube()
+    CACHE.replace_all(ISVC, [o for ns in namespaces for o in k.list(f"{GROUP}/{VERSION}", KIND, ns)])
+    CACHE.replace_all(POD, [o for ns in namespaces for o in k.list("v1", "Pod", ns, ISVC_LABEL)])
+    CACHE.replace_all(DEPLOYMENT, [o for ns in namespaces for o in k.list("apps/v1", "Deployment", ns, "=".join(MANAGED_BY))])
+
+
+def _watched_namespaces() -> list[str]:
+    return [n for n in os.environ.get("KVPILOT_WATCH_NAMESPACES", "").split(",") if n]
 
 
 class AutoscalerLoop:
@@ -72,26 +115,15 @@ class AutoscalerLoop:
     One loop for all objects rather than a kopf timer per object: kopf guards timers with a
     finalizer, so deleting an InferenceService would then hang whenever the operator is down."""
 
-    def __init__(self, namespaces: list[str]):
-        self.namespaces = namespaces
+    def __init__(self) -> None:
         self.states: dict[str, AutoscalerState] = {}
         self.names: set[tuple[str, str]] = set()  # (namespace, name) last listed: whose metrics to drop when gone
         self.stop = threading.Event()
 
-    def _objects(self) -> list[dict]:
-        api = kube().custom
-        if not self.namespaces:
-            return api.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
-        return [o for ns in self.namespaces for o in api.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]]
-
     def run(self) -> None:
         source = PrometheusSource(os.environ.get("KVPILOT_PROMETHEUS_URL", "http://127.0.0.1:9090"))
         while not self.stop.wait(1.0):
-            try:
-                objects = self._objects()
-            except Exception as e:  # noqa: BLE001 - the API server blinked: try again next second
-                log.warning("autoscaler: cannot list InferenceServices: %s", e)
-                continue
+            objects = CACHE.all(ISVC)  # the watch cache: no LIST per pass
             live = set()
             for body in objects:
                 uid = body["metadata"]["uid"]
@@ -116,8 +148,7 @@ _loop: AutoscalerLoop | None = None
 @kopf.on.startup()
 def start_autoscaler(**_) -> None:
     global _loop
-    namespaces = [n for n in os.environ.get("KVPILOT_WATCH_NAMESPACES", "").split(",") if n]
-    _loop = AutoscalerLoop(namespaces)
+    _loop = AutoscalerLoop()
     threading.Thread(target=_loop.run, name="autoscaler", daemon=True).start()
 
 

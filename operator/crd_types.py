@@ -232,7 +232,7 @@ class MetricsSnapshot(_Model):
     kv_cache_utilization: str | None = Field(None, description="Mean KV-cache utilization of ready pods (0-1), as last seen.")
     queue_depth: str | None = Field(None, description="Mean waiting requests per ready pod, as last seen.")
     pods: int | None = Field(None, description="Pods the metrics came from.")
-    time: str | None = Field(None, description="When they were read (RFC 3339).")
+    time: str | None = Field(None, description="When they were read (RFC 3339); rewritten only with changed values (status is not written for a timestamp alone).")
 
 
 class ScalingEvent(_Model):
@@ -240,6 +240,22 @@ class ScalingEvent(_Model):
     from_replicas: int = Field(alias="from", description="Replicas before.")
     to_replicas: int = Field(alias="to", description="Replicas after.")
     reason: str = Field(description="Why, with the numbers behind it.")
+
+
+class RecommendationLevel(_Model):
+    replicas: int = Field(description="Replicas recommended.")
+    until: str | None = Field(None, description="The last time they were (RFC 3339, rounded up); absent: the latest recommendation, still standing.")
+
+
+class ScaleDownWindow(_Model):
+    """The autoscaler's scale-down stabilization window, kept so that a new leader resumes it (a scale-down
+    waits for the highest recommendation of the window): written only when a level appears or goes,
+    never because time passed."""
+
+    since: str | None = Field(None, description="When recommendations began (RFC 3339, rounded up): a scale-down waits until a whole window of them has been seen.")
+    levels: list[RecommendationLevel] = Field(default_factory=list, description=(
+        "Each recommendation not outdone by a later one, oldest (highest) first: the window's highest recommendation at any "
+        "later time is the first level still inside it."))
 
 
 class InferenceServiceStatus(_Model):
@@ -254,6 +270,7 @@ class InferenceServiceStatus(_Model):
     last_metrics: MetricsSnapshot | None = Field(None, description="Engine metrics last seen by the autoscaler.")
     last_scale_time: str | None = Field(None, description="When replicas last changed (RFC 3339).")
     scaling_history: list[ScalingEvent] = Field(default_factory=list, description="The last few scaling decisions, newest last.")
+    scale_down_window: ScaleDownWindow | None = Field(None, description="The autoscaler's scale-down window (survives a leader change).")
 
 
 class InferenceService(_Model):

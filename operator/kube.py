@@ -17,6 +17,7 @@ from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 from kvpilot.operator.crd_types import GROUP, KIND, PLURAL, VERSION
 
 FIELD_MANAGER = "kvpilot-operator"
+USER_AGENT = "kvpilot-operator"
 log = logging.getLogger("kvpilot.operator")
 _identity = os.environ.get("HOSTNAME", "local")
 
@@ -38,6 +39,7 @@ def load_config() -> None:
 class Kube:
     def __init__(self, api_client: client.ApiClient | None = None):
         self.api_client = api_client or client.ApiClient()
+        self.api_client.user_agent = USER_AGENT  # what audit logs and API server metrics know it by
         self.dyn = DynamicClient(self.api_client)
         self.core = client.CoreV1Api(self.api_client)
         self.custom = client.CustomObjectsApi(self.api_client)
@@ -81,8 +83,13 @@ class Kube:
         except NotFoundError:
             return None
 
-    def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict]:
-        return self._resource(api_version, kind).get(namespace=namespace, label_selector=label_selector).to_dict().get("items", [])
+    def list(self, api_version: str, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict]:
+        """Objects of a kind in a namespace (None: every namespace). Only the cache's priming lists."""
+        items = self._resource(api_version, kind).get(namespace=namespace, label_selector=label_selector).to_dict().get("items", [])
+        for item in items:  # a list's items carry neither: put them back so that they read as watched objects
+            item.setdefault("apiVersion", api_version)
+            item.setdefault("kind", kind)
+        return items
 
     def get_isvc(self, name: str, namespace: str) -> dict | None:
         try:
@@ -92,8 +99,9 @@ class Kube:
                 return None
             raise
 
-    def patch_isvc_status(self, name: str, namespace: str, status: dict) -> None:
-        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
+    def patch_isvc_status(self, name: str, namespace: str, status: dict) -> dict:
+        """The object as written (for the cache)."""
+        return self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, {"status": status})
 
     def scale_isvc(self, name: str, namespace: str, replicas: int) -> None:
         """Through the scale subresource: the operator is the one writer of spec.replicas."""

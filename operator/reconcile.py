@@ -14,9 +14,10 @@ from pydantic import ValidationError
 from kvpilot.operator import metrics
 from kvpilot.operator.builders.engines import engine_container, unsupported_settings
 from kvpilot.operator.builders.manifests import desired_replicas, endpoint_url, render, selector_labels
+from kvpilot.operator.cache import CACHE, DEPLOYMENT, ISVC, POD
 from kvpilot.operator.crd_types import InferenceServiceSpec, InferenceServiceStatus
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.status import compute_status
+from kvpilot.operator.status import AutoscalerReport, compute_status, now_rfc3339, unchanged
 from kvpilot.server.model_files import BUNDLED
 
 log = logging.getLogger("kvpilot.operator")
@@ -25,12 +26,22 @@ FAULT_ENV = "KVPILOT_TEST_FAULT_POINT"  # test-only: "point" or "point@namespace
 
 _locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
 _locks_guard = threading.Lock()
+# Per InferenceService, in memory: the autoscaler's latest report, and the problems the last apply met
+# (a status written between two reconciles keeps saying so).
+REPORTS: dict[tuple[str, str], AutoscalerReport] = {}
+_apply_problems: dict[tuple[str, str], list[tuple[str, str]]] = {}
 
 
 def isvc_lock(namespace: str, name: str) -> threading.Lock:
-    """Reconcile and the autoscaler both write status: one at a time per InferenceService, each from a fresh read."""
+    """One reconcile or status write at a time per InferenceService."""
     with _locks_guard:
         return _locks[(namespace, name)]
+
+
+def forget(namespace: str, name: str) -> None:
+    """An InferenceService is gone: drop what is kept for it."""
+    REPORTS.pop((namespace, name), None)
+    _apply_problems.pop((namespace, name), None)
 
 
 def fault_point(name: str, namespace: str, isvc: str) -> None:
@@ -63,14 +74,15 @@ def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str,
 
 
 def reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
+    """Apply what the spec asks for (drift undone), then write status."""
     meta = body["metadata"]
     labels = (meta["namespace"], meta["name"])
     metrics.RECONCILES.labels(*labels).inc()
     metrics.touch(*labels)
     try:
-        with isvc_lock(meta["namespace"], meta["name"]):
-            fresh = kube.get_isvc(meta["name"], meta["namespace"])
-            if fresh is None or fresh["metadata"].get("deletionTimestamp"):
+        with isvc_lock(*labels):
+            fresh = CACHE.newest(ISVC, body)
+            if fresh["metadata"].get("deletionTimestamp"):
                 return InferenceServiceStatus()
             status = _reconcile(kube, fresh)
     except Exception:
@@ -81,34 +93,55 @@ def reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
     return status
 
 
+def refresh_status(kube: Kube, namespace: str, name: str) -> InferenceServiceStatus | None:
+    """Status alone, from the cache (a pod changed; the autoscaler reported): nothing applied."""
+    with isvc_lock(namespace, name):
+        body = CACHE.get(ISVC, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        spec, problems = parse_spec(body)
+        return write_status(kube, body, spec, problems + _apply_problems.get((namespace, name), []))
+
+
 def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
     meta = body["metadata"]
-    name, namespace, uid, generation = meta["name"], meta["namespace"], meta["uid"], meta.get("generation", 1)
-    prev_raw = body.get("status") or {}
-    prev = InferenceServiceStatus.model_validate(prev_raw) if prev_raw else None
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     spec, problems = parse_spec(body)
-    deployment = None
+    applying: list[tuple[str, str]] = []
     if spec is not None and not problems:
         try:
             with_monitor = kube.has_kind("monitoring.coreos.com/v1", "PodMonitor")
             for obj in render(name, namespace, uid, spec, with_pod_monitor=with_monitor):
                 applied = kube.apply(obj)
                 if obj["kind"] == "Deployment":
-                    deployment = applied
+                    CACHE.put(DEPLOYMENT, applied)
                     fault_point("after-deployment", namespace, name)
         except (ApiException, DynamicApiError) as e:
             reason = getattr(e, "reason", None) or type(e).__name__
-            problems.append(("ApplyFailed", f"{reason}: {getattr(e, 'body', None) or e}"[:500]))
-    if deployment is None:
-        deployment = kube.get("apps/v1", "Deployment", name, namespace)
+            applying.append(("ApplyFailed", f"{reason}: {getattr(e, 'body', None) or e}"[:500]))
+    _apply_problems[(namespace, name)] = applying
+    return write_status(kube, body, spec, problems + applying)
+
+
+def write_status(kube: Kube, body: dict, spec: InferenceServiceSpec | None, problems: list[tuple[str, str]]) -> InferenceServiceStatus:
+    """The one writer of status (under the service's lock): computed from the cached Deployment and pods,
+    with the autoscaler's latest report applied; written only when more than a timestamp changed."""
+    meta = body["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
+    prev_raw = body.get("status") or {}
+    prev = InferenceServiceStatus.model_validate(prev_raw) if prev_raw else None
+    deployment = CACHE.get(DEPLOYMENT, namespace, name)
+    pods = CACHE.with_labels(POD, namespace, selector_labels(name))
     selector = ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
-    pods = kube.list("v1", "Pod", namespace, selector)
     desired = desired_replicas(spec) if spec is not None else 0
     status = compute_status(prev, generation, desired, selector, endpoint_url(name, namespace), deployment, pods, problems,
                             wakes_from_zero=spec is not None and spec.min_replicas == 0 and spec.autoscaling.enabled)
+    report = REPORTS.get((namespace, name))
+    if report is not None:
+        report.apply(status, now_rfc3339())
     new_raw = status.model_dump(by_alias=True, exclude_none=True, mode="json")
-    if new_raw != prev_raw:
-        kube.patch_isvc_status(name, namespace, new_raw)
+    if not unchanged(prev_raw, new_raw):
+        CACHE.put(ISVC, kube.patch_isvc_status(name, namespace, new_raw))
         _emit_transitions(kube, body, prev, status)
     return status
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from kvpilot.operator.crd_types import Condition, InferenceServiceStatus
+from kvpilot.operator.crd_types import Condition, InferenceServiceStatus, MetricsSnapshot, ScaleDownWindow, ScalingEvent
 
 
 def now_rfc3339() -> str:
@@ -82,3 +83,45 @@ def compute_status(prev: InferenceServiceStatus | None, generation: int, desired
         conds = set_condition(conds, "Ready", "False", reason, f"0/{desired} pods ready", generation, stamp)
     status.conditions = conds
     return status
+
+
+@dataclass(slots=True)
+class AutoscalerReport:
+    """The autoscaler's part of status, handed to the one status writer (reconcile.write_status), which
+    applies the latest report to every status it writes."""
+
+    active: tuple[str, str, str]                    # ScalingActive: status, reason, message
+    generation: int | None
+    last_metrics: MetricsSnapshot | None = None
+    scaling_history: list[ScalingEvent] | None = None  # the whole list, once the autoscaler has scaled
+    last_scale_time: str | None = None
+    window: ScaleDownWindow | None = None
+    written: bool = False                           # a status with it applied has been written (or found current)
+
+    def apply(self, status: InferenceServiceStatus, now: str) -> None:
+        status.conditions = set_condition(status.conditions, "ScalingActive", *self.active, self.generation, now)
+        if self.last_metrics is not None:
+            status.last_metrics = self.last_metrics
+        if self.scaling_history is not None:
+            status.scaling_history, status.last_scale_time = self.scaling_history, self.last_scale_time
+        if self.window is not None:
+            status.scale_down_window = self.window
+
+
+    def same_as(self, other: AutoscalerReport) -> bool:
+        """Equal but for when the metrics were read."""
+        def seen(m: MetricsSnapshot | None):
+            return None if m is None else m.model_copy(update={"time": None})
+        return (self.active, self.generation, seen(self.last_metrics), self.scaling_history, self.last_scale_time, self.window) == \
+            (other.active, other.generation, seen(other.last_metrics), other.scaling_history, other.last_scale_time, other.window)
+
+
+def unchanged(old: dict, new: dict) -> bool:
+    """Whether two statuses (as written) differ in nothing but when metrics were last read: such a
+    status is not written (each autoscaler pass would otherwise write every service's status)."""
+    def strip(raw: dict) -> dict:
+        out = dict(raw)
+        if "lastMetrics" in out:
+            out["lastMetrics"] = {k: v for k, v in out["lastMetrics"].items() if k != "time"}
+        return out
+    return strip(old) == strip(new)

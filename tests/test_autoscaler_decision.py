@@ -198,3 +198,47 @@ def test_wake_request_counts_only_after_the_last_scale():
     assert wake_requested(meta("2026-11-22T10:00:00.5Z"), {"lastScaleTime": "2026-11-22T10:00:00Z"}) is not None  # same second: woken
     assert wake_requested(meta("2026-11-22T09:59:59.9Z"), {"lastScaleTime": "2026-11-22T10:00:00Z"}) is None  # before the scale to zero
     assert wake_requested(meta("yesterday"), {}) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(loads=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 30)), min_size=2, max_size=40), cut=st.integers(0, 39),
+       start=st.integers(1, 8))
+def test_a_window_resumed_from_its_levels_decides_as_the_uninterrupted_one(loads, cut, start):
+    """A new leader rebuilds the history from status.scaleDownWindow (when recommendations began, and
+    window_levels, written only when they change): it makes the decisions the old leader would have
+    made, until, at most, one scale-down comes later (the latest recommendation resumes as standing
+    now, and times are rounded up to the second) — a resumed window never scales down earlier or further."""
+    from kvpilot.operator.autoscaler.decision import history_from_levels, window_levels
+
+    policy = Policy(min_replicas=1, max_replicas=10, target_kv_cache_utilization=0.7, target_queue_depth=4, tolerance=0.1,
+                    scale_down_window=60, stale_after=45)
+    straight, resumed = Loop(replicas=start, policy=policy), Loop(replicas=start, policy=policy)
+    written, since = [], None
+    cut %= len(loads)
+    for i, (kv, queue) in enumerate(loads):
+        t = 15.0 * i
+        current = straight.replicas
+        if i == cut:  # the leader changes before this step: only the last levels written survive
+            levels = written[-1] if written else []
+            resumed.history = history_from_levels(None if since is None else float(math.ceil(since)),
+                                                  [(r, None if u is None else float(math.ceil(u))) for r, u in levels], t)
+        a, b = straight.step(t, kv=kv, queue=queue), resumed.step(t, kv=kv, queue=queue)
+        if a.desired != b.desired:
+            assert i >= cut and a.desired < current and current >= b.desired > a.desired, (i, cut, a.reason, b.reason)
+            return  # from here on they run at different sizes
+        if since is None and straight.history:
+            since = straight.history[0].time
+        levels = window_levels(straight.history, policy.scale_down_window, t)
+        if not written or written[-1] != levels:
+            written.append(levels)
+
+
+def test_window_levels_change_only_with_a_new_size_of_recommendation():
+    from kvpilot.operator.autoscaler.decision import window_levels
+
+    history = [Recommendation(0, 4), Recommendation(15, 4), Recommendation(30, 2), Recommendation(45, 2), Recommendation(60, 3)]
+    assert window_levels(history[:2], 300, 15) == [(4, None)]
+    assert window_levels(history[:2], 300, 15) == window_levels(history[:1], 300, 0)  # time passing writes nothing
+    assert window_levels(history[:4], 300, 45) == [(4, 15), (2, None)] == window_levels(history[:3], 300, 30)
+    assert window_levels(history, 300, 60) == [(4, 15), (3, None)]  # 2 is outdone by the later 3
+    assert window_levels(history, 40, 60) == [(3, None)]  # 4 has left the window

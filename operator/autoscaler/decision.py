@@ -144,6 +144,31 @@ def decide(now: float, current: int, ready_pods: list[str], starting: int, sampl
                     f"clamped {current} -> {clamped} to [{policy.min_replicas}, {policy.max_replicas}]", not partial, active_reason, keep, **numbers)
 
 
+# --- the window across a leader change ------------------------------------------------------------
+
+def window_levels(history: list[Recommendation], window: float, now: float) -> list[tuple[int, float | None]]:
+    """What of a recommendation history the scale-down still depends on: the recommendations inside the
+    window not outdone by a later one (oldest, highest first), the latest as (replicas, None) — still
+    standing. It changes only when a recommendation of another size comes or an old one leaves the
+    window, not as time passes: persisted, it is rarely written. (Whether a whole window has been
+    observed is the time of the first recommendation, which never changes.)"""
+    levels: list[tuple[int, float]] = []
+    for r in history:
+        while levels and levels[-1][0] <= r.replicas:
+            levels.pop()
+        levels.append((r.replicas, r.time))
+    levels = [lv for lv in levels if lv[1] > now - window] or levels[-1:]  # older ones no longer bound the window
+    return [(replicas, t) for replicas, t in levels[:-1]] + [(levels[-1][0], None)] if levels else []
+
+
+def history_from_levels(since: float | None, levels: list[tuple[int, float | None]], now: float) -> list[Recommendation]:
+    """A history that decide() treats as the one `levels` came from: a recommendation of nothing when
+    recommendations began (`since`: the window counts as observed once that is a window old), then each
+    level recommended last at its time, the standing one now."""
+    history = [Recommendation(since, 0)] if since is not None else []
+    return history + [Recommendation(now if t is None else t, replicas) for replicas, t in levels]
+
+
 # --- scale to zero ---------------------------------------------------------------------------------
 
 @dataclass(slots=True)

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 
 from kvpilot.operator import metrics
-from kvpilot.operator.autoscaler.decision import Decision, IdleTracker, Policy, Recommendation, decide, observe_idle
+from kvpilot.operator.autoscaler.decision import Decision, IdleTracker, Policy, Recommendation, decide, history_from_levels, observe_idle, window_levels
 from kvpilot.operator.autoscaler.promql import MetricsUnavailable, PrometheusSource
 from kvpilot.operator.builders.engines import served_name
 from kvpilot.operator.builders.manifests import selector_labels
-from kvpilot.operator.crd_types import WAKE_ANNOTATION, InferenceServiceSpec, InferenceServiceStatus, MetricsSnapshot, ScalingEvent
+from kvpilot.operator.cache import CACHE, POD
+from kvpilot.operator.crd_types import WAKE_ANNOTATION, InferenceServiceSpec, MetricsSnapshot, RecommendationLevel, ScaleDownWindow, ScalingEvent
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.status import now_rfc3339, set_condition
+from kvpilot.operator.status import AutoscalerReport, now_rfc3339
 
 log = logging.getLogger("kvpilot.autoscaler")
 HISTORY_LENGTH = 10
@@ -22,11 +24,14 @@ HISTORY_LENGTH = 10
 
 @dataclass
 class AutoscalerState:
-    """Per InferenceService, in memory: when it was last evaluated and the recommendation history."""
+    """Per InferenceService, in memory: when it was last evaluated and the recommendation history (resumed
+    from status.scaleDownWindow when this process starts leading: a leader change keeps the window)."""
 
     last_eval: float = 0.0
     history: list[Recommendation] = field(default_factory=list)
     idle: IdleTracker = field(default_factory=IdleTracker)
+    resumed: bool = False
+    since: float | None = None      # the first recommendation's time (the window is whole once it is a window old)
 
 
 def _is_ready(pod: dict) -> bool:
@@ -68,8 +73,15 @@ def evaluate(kube: Kube, source: PrometheusSource, body: dict, state: Autoscaler
     if now - state.last_eval < spec.autoscaling.interval_seconds:
         return None
     state.last_eval = now
-    selector = ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
-    pods = live_pods(kube.list("v1", "Pod", namespace, selector))
+    policy = policy_of(spec)
+    if not state.resumed:
+        state.resumed = True
+        saved = (body.get("status") or {}).get("scaleDownWindow")
+        if saved and not state.history:
+            window = ScaleDownWindow.model_validate(saved)
+            state.since = _unix(window.since)
+            state.history = history_from_levels(state.since, [(lv.replicas, _unix(lv.until)) for lv in window.levels], now)
+    pods = live_pods(CACHE.with_labels(POD, namespace, selector_labels(name)))
     ready = [p["metadata"]["name"] for p in pods if _is_ready(p)]
     starting = len(pods) - len(ready)
     error, samples = None, []
@@ -77,12 +89,31 @@ def evaluate(kube: Kube, source: PrometheusSource, body: dict, state: Autoscaler
         samples = source.pod_samples(spec.engine, namespace, name)
     except MetricsUnavailable as e:
         error = str(e)
-    decision = decide(now, current, ready, starting, samples, policy_of(spec), state.history, error)
+    decision = decide(now, current, ready, starting, samples, policy, state.history, error)
     state.history = decision.history
+    if state.since is None and state.history:
+        state.since = state.history[0].time
     if spec.min_replicas == 0:
         _maybe_scale_to_zero(source, spec, name, namespace, state, decision, current, now)
-    _actuate(kube, body, decision, current, spec)
+    _actuate(kube, body, decision, current, spec, window_status(state, policy.scale_down_window, now))
     return decision
+
+
+def window_status(state: AutoscalerState, window: float, now: float) -> ScaleDownWindow | None:
+    if state.since is None:
+        return None
+    levels = window_levels(state.history, window, now)
+    return ScaleDownWindow(since=_rfc3339_up(state.since),
+                           levels=[RecommendationLevel(replicas=r, until=None if t is None else _rfc3339_up(t)) for r, t in levels])
+
+
+def _rfc3339_up(t: float) -> str:
+    """Rounded up to the second: a resumed window never ends earlier than the one it continues."""
+    return datetime.fromtimestamp(math.ceil(t), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _unix(stamp: str | None) -> float | None:
+    return None if stamp is None else datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 def _maybe_scale_to_zero(source: PrometheusSource, spec: InferenceServiceSpec, name: str, namespace: str, state: AutoscalerState,
@@ -101,7 +132,8 @@ def _maybe_scale_to_zero(source: PrometheusSource, spec: InferenceServiceSpec, n
     if why_not is not None:
         decision.reason += f"; not idle: {why_not}"
     elif now - state.idle.since < window:
-        decision.reason += f"; idle for {now - state.idle.since:.0f}s of the {window}s before scaling to zero"
+        # the start of the idle time, not its length: a reason that changes every pass would be a status write every pass
+        decision.reason += f"; idle since {_rfc3339_up(state.idle.since)}, scaling to zero {window}s after"
     else:
         decision.desired, decision.reason = 0, f"scale down 1 -> 0: no request for {now - state.idle.since:.0f}s (scaleToZeroIdleSeconds {window})"
         decision.active_reason = "ScaledToZero"
@@ -127,7 +159,7 @@ def wake_requested(meta: dict, status: dict) -> str | None:
 METRICS_PROBLEMS = ("MetricsUnavailable", "MetricsStale", "MetricsMissing")
 
 
-def _actuate(kube: Kube, body: dict, decision: Decision, current: int, spec: InferenceServiceSpec) -> None:
+def _actuate(kube: Kube, body: dict, decision: Decision, current: int, spec: InferenceServiceSpec, window: ScaleDownWindow | None = None) -> None:
     meta = body["metadata"]
     labels = (meta["namespace"], meta["name"])
     metrics.METRICS_AVAILABLE.labels(*labels).set(0 if decision.active_reason in METRICS_PROBLEMS else 1)
@@ -138,37 +170,38 @@ def _actuate(kube: Kube, body: dict, decision: Decision, current: int, spec: Inf
         kind = "ScaledUp" if decision.desired > current else "ScaledDown"
         kube.event(body, "Normal", kind, decision.reason)
         log.info("%s/%s: %s", meta["namespace"], meta["name"], decision.reason)
-    _report(kube, body, decision, spec, current=current)
+    _report(kube, body, decision, spec, current=current, window=window)
 
 
 def _report(kube: Kube, body: dict, decision: Decision | None, spec: InferenceServiceSpec, current: int | None = None,
-            note: tuple[str, str, str] | None = None) -> None:
-    """Write the autoscaler's part of status (fresh read first: reconcile writes status too)."""
-    from kvpilot.operator.reconcile import isvc_lock
+            note: tuple[str, str, str] | None = None, window: ScaleDownWindow | None = None) -> None:
+    """Hand the autoscaler's part of status to the status writer (reconcile.write_status), which writes
+    it when it changed. The autoscaler itself writes only the scale subresource."""
+    from kvpilot.operator.reconcile import REPORTS, refresh_status
 
     meta = body["metadata"]
-    with isvc_lock(meta["namespace"], meta["name"]):
-        fresh = kube.get_isvc(meta["name"], meta["namespace"])
-        if fresh is None:
-            return
-        raw = fresh.get("status") or {}
-        status = InferenceServiceStatus.model_validate(raw) if raw else InferenceServiceStatus()
+    key = (meta["namespace"], meta["name"])
+    gen = meta.get("generation")
+    previous = REPORTS.get(key)
+    if decision is None:
+        report = AutoscalerReport(note, gen)
+    else:
         stamp = now_rfc3339()
-        gen = fresh["metadata"].get("generation")
-        if decision is None:
-            status.conditions = set_condition(status.conditions, "ScalingActive", *note, gen, stamp)
-        else:
-            status.desired_replicas = decision.desired
-            status.last_metrics = MetricsSnapshot(
-                kv_cache_utilization=f"{decision.mean_kv:.2f}" if decision.mean_kv is not None else None,
-                queue_depth=f"{decision.mean_queue:.2f}" if decision.mean_queue is not None else None,
-                pods=decision.pods_with_metrics, time=stamp)
-            status.conditions = set_condition(status.conditions, "ScalingActive", "True" if decision.scaling_active else "False",
-                                              decision.active_reason, decision.reason, gen, stamp)
-            if current is not None and decision.desired != current:
-                status.last_scale_time = stamp
-                status.scaling_history = (status.scaling_history + [ScalingEvent(time=stamp, from_replicas=current, to_replicas=decision.desired,
-                                                                                 reason=decision.reason)])[-HISTORY_LENGTH:]
-        new = status.model_dump(by_alias=True, exclude_none=True, mode="json")
-        if new != raw:
-            kube.patch_isvc_status(meta["name"], meta["namespace"], new)
+        report = AutoscalerReport(("True" if decision.scaling_active else "False", decision.active_reason, decision.reason), gen,
+                                  MetricsSnapshot(kv_cache_utilization=f"{decision.mean_kv:.2f}" if decision.mean_kv is not None else None,
+                                                  queue_depth=f"{decision.mean_queue:.2f}" if decision.mean_queue is not None else None,
+                                                  pods=decision.pods_with_metrics, time=stamp),
+                                  previous.scaling_history if previous else None, previous.last_scale_time if previous else None, window)
+        if current is not None and decision.desired != current:
+            history = report.scaling_history
+            if history is None:  # the first scaling of this process: continue the history status holds
+                history = [ScalingEvent.model_validate(h) for h in (body.get("status") or {}).get("scalingHistory", [])]
+            report.scaling_history = (history + [ScalingEvent(time=stamp, from_replicas=current, to_replicas=decision.desired,
+                                                              reason=decision.reason)])[-HISTORY_LENGTH:]
+            report.last_scale_time = stamp
+    REPORTS[key] = report
+    if previous is not None and previous.written and report.same_as(previous):
+        report.written = True  # nothing new to write
+        return
+    refresh_status(kube, *key)
+    report.written = True
