@@ -53,8 +53,10 @@ def isvc_list(namespace: str, spec: dict, count: int) -> str:
 @pytest.mark.timeout(420)
 def test_fifty_idle_services_cost_the_api_server_almost_nothing(cluster, namespace, tmp_path):
     cluster.kubectl("apply", "-f", CRDS)
+    # this namespace only (earlier tests' objects may still be going away elsewhere); nobody at the
+    # Prometheus URL: metrics unavailable, a steady hold
     op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log", lease_namespace=namespace,
-                         args=["--prometheus-url", f"http://127.0.0.1:{free_port()}"])  # nobody there: metrics unavailable, a steady hold
+                         args=["--namespace", namespace, "--prometheus-url", f"http://127.0.0.1:{free_port()}"])
     try:
         spec = {"model": {"source": "smollm2-135m"}, "minReplicas": 1, "maxReplicas": 2, "resources": {"cpuOnly": True},
                 "autoscaling": {"intervalSeconds": 5}}
@@ -100,7 +102,8 @@ def test_killing_the_leader_mid_window_keeps_the_scale_down_window(cluster, name
         return [p["metadata"]["name"] for p in items if not p["metadata"].get("deletionTimestamp")]
 
     # pods first (the first operator makes them), then their metrics: idle engines
-    first = OperatorProcess(cluster.kubeconfig, tmp_path / "op-start.log", env={"POD_NAME": "op-start"}, lease_namespace=namespace)
+    first = OperatorProcess(cluster.kubeconfig, tmp_path / "op-start.log", env={"POD_NAME": "op-start"}, lease_namespace=namespace,
+                            args=["--namespace", namespace])
     second = None
     exporters = []
     try:
@@ -113,10 +116,9 @@ def test_killing_the_leader_mid_window_keeps_the_scale_down_window(cluster, name
             prom.add_static(f"engine-{pod}", [f"127.0.0.1:{exporters[-1].port}"], {"namespace": namespace, "inferenceservice": name, "pod": pod})
         start_prometheus(prom)
         first.stop()  # now lead with Prometheus known: the first leader of the window, and the standby
-        first = OperatorProcess(cluster.kubeconfig, tmp_path / "op-a.log", env={"POD_NAME": "op-a"}, lease_namespace=namespace,
-                                args=["--prometheus-url", prom.url])
-        second = OperatorProcess(cluster.kubeconfig, tmp_path / "op-b.log", env={"POD_NAME": "op-b"}, lease_namespace=namespace,
-                                 args=["--prometheus-url", prom.url])
+        args = ["--namespace", namespace, "--prometheus-url", prom.url]
+        first = OperatorProcess(cluster.kubeconfig, tmp_path / "op-a.log", env={"POD_NAME": "op-a"}, lease_namespace=namespace, args=args)
+        second = OperatorProcess(cluster.kubeconfig, tmp_path / "op-b.log", env={"POD_NAME": "op-b"}, lease_namespace=namespace, args=args)
         saved = wait_until(lambda: ((get_isvc(cluster, namespace, name) or {}).get("status") or {}).get("scaleDownWindow"),
                            timeout=60, what="the window in status")
         began = datetime.fromisoformat(saved["since"].replace("Z", "+00:00")).timestamp()

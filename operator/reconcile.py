@@ -141,7 +141,16 @@ def write_status(kube: Kube, body: dict, spec: InferenceServiceSpec | None, prob
         report.apply(status, now_rfc3339())
     new_raw = status.model_dump(by_alias=True, exclude_none=True, mode="json")
     if not unchanged(prev_raw, new_raw):
-        CACHE.put(ISVC, kube.patch_isvc_status(name, namespace, new_raw))
+        try:
+            written = kube.patch_isvc_status(name, namespace, new_raw)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            # deleted since the cache last heard of it (its DELETED event is on its way): nothing to write
+            CACHE.delete(ISVC, namespace, name)
+            forget(namespace, name)
+            return status
+        CACHE.put(ISVC, written)
         _emit_transitions(kube, body, prev, status)
     return status
 
