@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level.lower() != "debug":  # kopf logs every handler run at INFO (the autoscaler timer runs each second)
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per Prometheus query, every pass
     os.environ["KVPILOT_PROMETHEUS_URL"] = args.prometheus_url
     os.environ["KVPILOT_WATCH_NAMESPACES"] = ",".join(args.namespace)
 
