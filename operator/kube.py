@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from kvpilot.operator.crd_types import GROUP, KIND, PLURAL, VERSION
 
@@ -77,12 +77,6 @@ class Kube:
         return res.server_side_apply(body=obj, name=meta["name"], namespace=meta.get("namespace"),
                                      field_manager=FIELD_MANAGER, force_conflicts=True).to_dict()
 
-    def get(self, api_version: str, kind: str, name: str, namespace: str) -> dict | None:
-        try:
-            return self._resource(api_version, kind).get(name=name, namespace=namespace).to_dict()
-        except NotFoundError:
-            return None
-
     def list(self, api_version: str, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict]:
         """Objects of a kind in a namespace (None: every namespace). Only the cache's priming lists."""
         items = self._resource(api_version, kind).get(namespace=namespace, label_selector=label_selector).to_dict().get("items", [])
@@ -90,14 +84,6 @@ class Kube:
             item.setdefault("apiVersion", api_version)
             item.setdefault("kind", kind)
         return items
-
-    def get_isvc(self, name: str, namespace: str) -> dict | None:
-        try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
 
     def patch_isvc_status(self, name: str, namespace: str, status: dict) -> dict:
         """The object as written (for the cache)."""

@@ -16,6 +16,7 @@ from kvpilot.operator.builders.manifests import selector_labels
 from kvpilot.operator.cache import CACHE, POD
 from kvpilot.operator.crd_types import WAKE_ANNOTATION, InferenceServiceSpec, MetricsSnapshot, RecommendationLevel, ScaleDownWindow, ScalingEvent
 from kvpilot.operator.kube import Kube
+from kvpilot.operator.reconcile import REPORTS, refresh_status
 from kvpilot.operator.status import AutoscalerReport, now_rfc3339
 
 log = logging.getLogger("kvpilot.autoscaler")
@@ -177,8 +178,6 @@ def _report(kube: Kube, body: dict, decision: Decision | None, spec: InferenceSe
             note: tuple[str, str, str] | None = None, window: ScaleDownWindow | None = None) -> None:
     """Hand the autoscaler's part of status to the status writer (reconcile.write_status), which writes
     it when it changed. The autoscaler itself writes only the scale subresource."""
-    from kvpilot.operator.reconcile import REPORTS, refresh_status
-
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
     gen = meta.get("generation")
