@@ -145,6 +145,10 @@ class Tokenizer:
             add_bos = bos is not None and tk.encode("a", add_special_tokens=True).ids[:1] == [bos]
         return cls(tk, tokens, token_bytes, special_ids, bos, [i for i in eos if i is not None], bool(add_bos), _chat_template(directory, tk_config))
 
+    def backend_json(self) -> str:
+        """The tokenizer as the tokenizers library serializes it (what grammar libraries build from)."""
+        return self._tk.to_str()
+
     def encode(self, text: str) -> list[int]:
         """A prompt's ids; special tokens spelled in the text are the control tokens (a raw prompt is the caller's to shape)."""
         return self._with_bos(self._tk.encode(text, add_special_tokens=False).ids)

@@ -62,7 +62,7 @@ def param_of(error: ValueError) -> str | None:
     param = getattr(error, "param", None)
     if param:
         return param
-    first = str(error).split(" ", 1)[0]
+    first = str(error).split(" ", 1)[0].rstrip(":")
     return first if first.isidentifier() else None
 
 

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvpilot.server.engine.llm_engine import LLMEngine
 from kvpilot.server.engine.outputs import RequestOutput
+from kvpilot.server.engine.sampling_params import STRUCTURED_KINDS
 
 disable_created_metrics()  # no *_created series: they double the output and nothing here reads them
 P = "kvpilot:"
@@ -25,6 +26,7 @@ VLLM = "vllm:"
 VLLM_ALIASED = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "time_to_first_token_seconds",
                 "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds", "prefix_cache_queries",
                 "prefix_cache_hits", "prompt_tokens", "generation_tokens", "num_preemptions", "request_success")
+COMPILE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -62,6 +64,14 @@ class _EngineCollector:
             for position, count in enumerate(spec.accepted_per_pos):
                 per_pos.add_metric([self.model_name, str(position)], count)
             yield per_pos
+        grammars = self.engine.grammars
+        by_kind = CounterMetricFamily(P + "structured_output_requests", "Requests with a structured-output constraint, by kind.",
+                                      labels=["model_name", "kind"])
+        for kind in STRUCTURED_KINDS:
+            by_kind.add_metric([self.model_name, kind], grammars.requests_by_kind.get(kind, 0))
+        yield by_kind
+        yield counter("structured_output_grammar_cache_hits", "Structured-output constraints found compiled in the grammar cache.",
+                      grammars.cache_hits)
 
 
 class _WithVllmNames:
@@ -99,6 +109,9 @@ class EngineMetrics:
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive output tokens.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
         self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
+        self.grammar_compile = Histogram(P + "structured_output_compile_seconds", "Time to compile a structured-output constraint "
+                                         "(cache misses).", buckets=COMPILE_BUCKETS, **kw).labels(model_name)
+        engine.grammars.observe_compile = self.grammar_compile.observe
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (output tokens so far, time of last token)
 
     def observe(self, outputs: list[RequestOutput]) -> None:

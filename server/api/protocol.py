@@ -6,11 +6,12 @@ implement are declared so that setting them gets a 400 that says so by name.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
-from kvpilot.server.engine.sampling_params import MAX_STOP_TOKEN_IDS, SEED_RANGE, SamplingParams
+from kvpilot.server.engine.sampling_params import MAX_STOP_TOKEN_IDS, SEED_RANGE, SamplingParams, StructuredOutput
 
 
 def _valid_unicode(text: str) -> str:
@@ -38,6 +39,45 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Text = Field(max_length=64)
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    description: Text | None = None
+    strict: bool | None = None  # outputs always match the schema, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or a JSON schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's structured_outputs: exactly one constraint. Grammars are Lark (llguidance's dialect) or
+    GBNF (llama.cpp's, rules written `name ::= ...`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
+def _json_schema(value: dict[str, Any] | str, param: str) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{param}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{param}: a JSON schema must be an object")
+    return value
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -61,15 +101,53 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
     # OpenAI fields we do not implement: a 400 names them when set
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
 
+    def token_biases(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        if not all(k.isascii() and k.isdigit() for k in self.logit_bias):
+            raise ValueError("logit_bias keys must be token ids (non-negative integers as strings)")
+        return {int(k): v for k, v in self.logit_bias.items()}
+
     def _check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise UnsupportedParameter("logit_bias")
         if self.best_of is not None and self.best_of != self.n:
             raise UnsupportedParameter("best_of", "use n")
+
+    def structured(self) -> StructuredOutput | None:
+        """The request's one output constraint, from whichever field states it."""
+        found: list[StructuredOutput] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(StructuredOutput("json_object", None, "response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise ValueError("response_format: type json_schema needs json_schema.schema")
+            found.append(StructuredOutput("json", _json_schema(rf.json_schema.json_schema, "response_format"), "response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            given = [name for name in ("json_", "regex", "choice", "grammar", "json_object") if getattr(so, name) not in (None, False)]
+            if len(given) != 1:
+                raise ValueError("structured_outputs: set exactly one of json, regex, choice, grammar, json_object")
+            kind = given[0].rstrip("_")
+            value = _json_schema(so.json_, "structured_outputs") if kind == "json" else None if kind == "json_object" else getattr(so, kind)
+            found.append(StructuredOutput(kind, value, "structured_outputs"))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append(StructuredOutput(kind, _json_schema(value, "guided_json") if kind == "json" else value, f"guided_{kind}"))
+        if len(found) > 1:
+            raise ValueError(f"{found[1].param}: only one output constraint per request ({found[0].param} sets one already)")
+        return found[0] if found else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._check_unsupported()
@@ -82,7 +160,7 @@ class _SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, structured=self.structured(), logit_bias=self.token_biases())
 
 
 class CompletionRequest(_SamplingFields):
@@ -127,11 +205,6 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Text
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -139,12 +212,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    # not implemented: tools and structured output
+    # not implemented yet: tools
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: ResponseFormat | None = None
     parallel_tool_calls: bool | None = None
 
     def params(self) -> SamplingParams:
@@ -154,8 +226,6 @@ class ChatCompletionRequest(_SamplingFields):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
                 raise UnsupportedParameter(name)
-        if self.response_format is not None and self.response_format.type != "text":
-            raise UnsupportedParameter("response_format", f"only type 'text', not {self.response_format.type!r}")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -5,8 +5,12 @@ torch-free: the API checks a request with the engine's own limits before it stre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpilot.server.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvpilot.server.engine.structured import Grammar, GrammarCompiler
 
 
 class RequestRejected(ValueError):
@@ -31,12 +35,14 @@ class Admission:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_output_tokens: int
+    grammar: Grammar | None = None       # params.structured, compiled
 
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
     max_model_len: int
     vocab_size: int                      # the model's (it may be padded past the tokenizer's)
+    grammars: GrammarCompiler | None = None  # compiles structured-output constraints (None: they are refused)
 
     def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> Admission:
         ids = list(prompt_token_ids)
@@ -57,4 +63,11 @@ class RequestLimits:
             raise RequestRejected(f"min_tokens must be <= the output's length limit ({max_output} tokens), got {params.min_tokens}", "min_tokens")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise RequestRejected(f"stop_token_ids must be < {self.vocab_size} (this model's vocabulary)", "stop_token_ids")
-        return Admission(ids, params, max_output)
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise RequestRejected(f"logit_bias token ids must be < {self.vocab_size} (this model's vocabulary)", "logit_bias")
+        grammar = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise RequestRejected("structured outputs are not available in this engine", params.structured.param)
+            grammar = self.grammars.compile(params.structured)
+        return Admission(ids, params, max_output, grammar)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,6 +49,7 @@ class LLMEngine:
         from kvpilot.server.engine.model_runner import ModelRunner
         from kvpilot.server.engine.scheduler import Scheduler
         from kvpilot.server.engine.spec_decode import DraftModelProposer, NgramProposer
+        from kvpilot.server.engine.structured import GrammarCompiler
         from kvpilot.server.tokenizer import IncrementalDetokenizer
 
         self.config = config
@@ -84,9 +86,11 @@ class LLMEngine:
         budget = config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill)
-        self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device)
+        self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
+                                        num_threads=config.num_threads or os.cpu_count() or 1)
+        self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device, self.grammars)
         self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids)
-        self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size)
+        self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size, self.grammars)
         self.proposer = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config, self.max_model_len)
@@ -123,6 +127,8 @@ class LLMEngine:
             seq = Sequence(next(self._seq_ids), request_id, i, list(admission.prompt_token_ids), params, admission.max_output_tokens)
             if params.seed is not None:
                 seq.generator = self.runner.make_generator(params.seed + i)
+            if admission.grammar is not None:
+                seq.guide = admission.grammar.matcher()
             seqs.append(seq)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -152,6 +158,11 @@ class LLMEngine:
         step n - 1 ends still runs in step n; that row is dropped."""
         outputs: list[RequestOutput] = []
         previous, self._in_flight = self._in_flight, None
+        if previous is not None and any(seq.guide is not None for seq in self.scheduler.running):
+            # A constrained sequence's mask for the next step needs the token the step in flight
+            # samples: while any runs, steps do not overlap (the previous one completes first).
+            outputs += self._complete(previous)
+            previous = None
         if self.proposer:
             self.proposer.plan(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -232,7 +243,8 @@ class LLMEngine:
                 continue
             seq.num_placeholders = 0  # its value is here (appended below, as any token)
             if i in out.errors:
-                failed[seq.request_id] = out.errors[i]
+                guide_error = seq.guide.get_error() if seq.guide is not None and seq.guide.is_error() else None
+                failed[seq.request_id] = f"structured output: {guide_error[:300]}" if guide_error else out.errors[i]
                 continue
             try:
                 self.output.append(seq, out.token_ids[i], out.logprobs[i], now)

@@ -14,12 +14,16 @@ sampled or prompt-logprob row belongs to.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvpilot.server.engine.sampling_params import FLOAT32_MAX
 from kvpilot.server.engine.scheduler import ScheduledBatch
 from kvpilot.server.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvpilot.server.engine.structured import GrammarCompiler
 
 
 class InputBuffers:
@@ -51,8 +55,9 @@ class InputBuffers:
         for arena in self.arenas[self.turn].values():
             arena.used = 0
 
-    def upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A host list as a device tensor (a view of this step's arena; on CUDA copied without blocking)."""
+    def upload(self, values: list | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A host list (or flat CPU tensor) as a device tensor (a view of this step's arena; on CUDA
+        copied without blocking)."""
         n = len(values)
         arenas = self.arenas[self.turn]
         arena = arenas.get(dtype)
@@ -61,7 +66,7 @@ class InputBuffers:
             arena = arenas[dtype] = _Arena(size, dtype, self.device)
         start, arena.used = arena.used, arena.used + n
         host = arena.host[start:start + n]
-        host.copy_(torch.tensor(values, dtype=dtype))
+        host.copy_(values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype))
         if not self.cuda:
             return host
         device = arena.device[start:start + n]
@@ -149,19 +154,26 @@ class SamplingTensors:
     penalties: Penalties | None
     banned_rows: torch.Tensor      # [N] long: (row, token) pairs that min_tokens bans this step
     banned_tokens: torch.Tensor    # [N] long
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # logit_bias: (rows, tokens, values), [B] each
     top_logprobs: list[int | None]  # per row: None (no logprobs) or how many top entries
     row_counts: list[int]          # per sampled sequence: its rows (1, or k + 1 with a proposal)
     draft_token_ids: torch.Tensor | None = None  # [S] long: the proposed token each row checks (-1: none); None: no proposals
     draft_probs: torch.Tensor | None = None      # [len(random_rows), V]: the proposer's distribution for it (None: n-gram, a certain proposal)
+    # Structured outputs: the constrained rows and their allowed tokens, as bitmasks (bit t of a row's
+    # [ceil(V / 32)] int32 words: token t allowed). None: no row is constrained.
+    guided_rows: torch.Tensor | None = None      # [G] long
+    allowed: torch.Tensor | None = None          # [G, ceil(V / 32)] int32
 
     @classmethod
     def build(cls, seqs: list[Sequence], eos_token_ids: tuple[int, ...], dtype: torch.dtype, buffers: InputBuffers,
               draft_probs: dict[int, torch.Tensor] | None = None, proposing: bool = False,
-              previous: dict[int, int] | None = None) -> SamplingTensors:
+              previous: dict[int, int] | None = None, grammars: GrammarCompiler | None = None) -> SamplingTensors:
         """draft_probs: seq_id -> [k, V] distributions a draft model drew the proposal of a random-sampling
         sequence from. proposing: the rows of a draft model's proposal step instead: one per sequence,
         after its proposed tokens so far, checking nothing. previous: as InputBuilder.build's (a
-        sequence awaiting its last token counts it in its penalties from the device)."""
+        sequence awaiting its last token counts it in its penalties from the device). grammars: fills
+        the masks of constrained sequences (their guides have taken every known output token); a draft
+        model's proposal rows are not masked (the target's verification is)."""
         rows = [(seq, j) for seq in seqs for j in ([len(seq.spec_token_ids)] if proposing else range(len(seq.spec_token_ids) + 1))]
         params = [seq.params for seq, _ in rows]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -187,24 +199,49 @@ class SamplingTensors:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
                 banned_rows += [row] * len(banned)
                 banned_tokens += banned
+        biased = [(row, token, value) for row, p in enumerate(params) if p.logit_bias for token, value in p.logit_bias.items()]
         drafts = [seq.spec_token_ids[j] if j < len(seq.spec_token_ids) and not proposing else -1 for seq, j in rows]
         longs, floats = Staging(torch.long, buffers), Staging(dtype, buffers)
-        for values in ([p.top_k for p in params], banned_rows, banned_tokens, drafts, random_rows):
+        for values in ([p.top_k for p in params], banned_rows, banned_tokens, drafts, random_rows, [b[0] for b in biased], [b[1] for b in biased]):
             longs.add(values)
         # A temperature past float32's range would be inf there, and a banned token's -inf / inf a NaN:
         # it is taken as the largest float32 (sampling as good as uniform, as it asks).
-        for values in ([1.0 if p.greedy else min(p.temperature, FLOAT32_MAX) for p in params], [p.top_p for p in params], [p.min_p for p in params]):
+        for values in ([1.0 if p.greedy else min(p.temperature, FLOAT32_MAX) for p in params], [p.top_p for p in params], [p.min_p for p in params],
+                       [b[2] for b in biased]):
             floats.add(values)
-        (top_k, banned_rows_t, banned_tokens_t, drafts_t, random_index), (temperature, top_p, min_p) = longs.upload(), floats.upload()
+        (top_k, banned_rows_t, banned_tokens_t, drafts_t, random_index, bias_rows, bias_tokens), (temperature, top_p, min_p, bias_values) = (
+            longs.upload(), floats.upload())
         q = None
         if draft_probs and random_rows:
             vocab = next(iter(draft_probs.values())).shape[-1]
             none = torch.zeros(vocab, dtype=dtype, device=buffers.device)
             q = torch.stack([draft_probs[rows[i][0].seq_id][rows[i][1]] if drafts[i] >= 0 and rows[i][0].seq_id in draft_probs else none
                              for i in random_rows]).to(dtype)
+        guided_rows = allowed = None
+        if grammars is not None and not proposing:
+            guided_rows, allowed = _allowed_tokens(seqs, grammars, buffers)
         return cls(temperature.unsqueeze(1), top_k, top_p, min_p, random_rows, random_index, [rows[i][0].generator for i in random_rows],
-                   use_top_k_p, use_min_p, penalties, banned_rows_t, banned_tokens_t, [p.logprobs for p in params],
-                   [1 if proposing else len(seq.spec_token_ids) + 1 for seq in seqs], drafts_t if any(d >= 0 for d in drafts) else None, q)
+                   use_top_k_p, use_min_p, penalties, banned_rows_t, banned_tokens_t, (bias_rows, bias_tokens, bias_values) if biased else None,
+                   [p.logprobs for p in params],
+                   [1 if proposing else len(seq.spec_token_ids) + 1 for seq in seqs], drafts_t if any(d >= 0 for d in drafts) else None, q,
+                   guided_rows, allowed)
+
+
+def _allowed_tokens(seqs: list[Sequence], grammars: GrammarCompiler, buffers: InputBuffers) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """The constrained rows of a step (a sequence's rows are consecutive: one, or k + 1 when it
+    carries k proposed tokens) and their bitmasks, filled by the grammar library into host memory."""
+    rows, entries, row = [], [], 0
+    for seq in seqs:
+        count = len(seq.spec_token_ids) + 1
+        if seq.guide is not None:
+            entries.append((seq.guide, len(rows), list(seq.spec_token_ids)))
+            rows += range(row, row + count)
+        row += count
+    if not rows:
+        return None, None
+    masks = torch.zeros(len(rows), grammars.mask_words, dtype=torch.int32)
+    grammars.fill_masks(entries, masks.data_ptr(), len(rows))
+    return buffers.upload(rows, torch.long), buffers.upload(masks.view(-1), torch.int32).view(len(rows), -1)
 
 
 @dataclass(slots=True)
@@ -266,8 +303,8 @@ class ModelOutput:
 
 
 class InputBuilder:
-    def __init__(self, block_size: int, eos_token_ids: tuple[int, ...], device: torch.device):
-        self.block_size, self.eos_token_ids = block_size, eos_token_ids
+    def __init__(self, block_size: int, eos_token_ids: tuple[int, ...], device: torch.device, grammars: GrammarCompiler | None = None):
+        self.block_size, self.eos_token_ids, self.grammars = block_size, eos_token_ids, grammars
         self.buffers = InputBuffers(device)
 
     def build(self, batch: ScheduledBatch, draft_probs: dict[int, torch.Tensor] | None = None,
@@ -336,7 +373,8 @@ class InputBuilder:
             input_ids=ids_t, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
             block_tables=tables_t.view(len(tables), -1) if tables else tables_t.view(0, 0), logits_indices=rows_t,
             num_prefills=len(query_lens), query_lens=query_lens, context_lens=context_lens, prompt_logprobs=prompt_lp,
-            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, self.buffers, draft_probs, previous=previous)
+            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, self.buffers, draft_probs, previous=previous,
+                                           grammars=self.grammars)
             if plan.sampled and sample else None,
             from_previous=previous_t.view(2, -1) if placeholder_rows else None)
         return inp, plan

@@ -87,6 +87,9 @@ class OutputProcessor:
     def _append_one(self, seq: Sequence, out: OutputState, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         p = seq.params
         seq.output_token_ids.append(token)
+        if seq.guide is not None and not seq.guide.consume_token(token):
+            # The mask allowed only tokens the constraint takes: this is the grammar library's own failure.
+            raise StructuredOutputError(f"the output left its structured-output constraint: {seq.guide.get_error()[:300]}")
         if out.first_token_time is None:
             out.first_token_time = now
         out.last_token_time = now
@@ -108,6 +111,8 @@ class OutputProcessor:
                 at, stop = hit
                 out.text = out.text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
                 reason, stop_reason = "stop", stop
+        if reason is None and seq.guide is not None and seq.guide.is_stopped():
+            reason = "stop"  # the constraint is complete and takes nothing more
         if reason is None and seq.length_reached():
             reason = "length"
         if reason is not None:
@@ -158,6 +163,10 @@ class OutputProcessor:
             del self.requests[request_id]
         error = next((o.error for o in req.outputs if o.error), None)
         return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outputs, finished, prompt_lp, metrics, first.num_cached_tokens, error)
+
+
+class StructuredOutputError(RuntimeError):
+    pass
 
 
 def _find_stop(text: str, old_len: int, stops: list[str]) -> tuple[int, str] | None:

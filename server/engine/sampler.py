@@ -1,7 +1,7 @@
 """Turns the sampled rows' logits into next tokens (and logprobs), batched, from SamplingTensors alone.
 
 Two stages: `processed_logits` applies every sampling parameter to all rows at once (penalties,
-min_tokens bans, temperature, top-k, top-p, min-p; the vocabulary is sorted only when some row asks
+logit_bias, min_tokens bans, structured-output masks, temperature, top-k, top-p, min-p; the vocabulary is sorted only when some row asks
 for top-k or top-p) and `Sampler` draws from the result. The first stage is what rejection sampling
 needs for the target's and the draft's distributions alike. No step syncs with the host per row:
 each row's parameters are tensors, random rows are drawn by inverse CDF all at once, and the
@@ -110,6 +110,19 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     return logits
 
 
+BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
+    """Structured outputs: on the given rows, every token whose bit in `allowed` ([G, ceil(V / 32)]
+    int32) is 0 becomes -inf (in place)."""
+    shifts = BIT_SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = BIT_SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = ((allowed.unsqueeze(-1) >> shifts) & 1).view(allowed.shape[0], -1)[:, :logits.shape[1]]
+    logits[rows] = logits[rows].masked_fill(bits == 0, NEG_INF)
+
+
 def filter_logits_batch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                         use_top_k_p: bool = True, use_min_p: bool = True) -> torch.Tensor:
     """Top-k, then top-p (nucleus) over what top-k kept, then min-p over what top-p kept; per row, on
@@ -145,14 +158,20 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
 
 
 def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sampling parameter applied: (all rows' penalised and min_tokens-masked logits, which greedy
-    rows argmax; the random rows' temperature-scaled, filtered logits, whose softmax they draw from)."""
-    if t.penalties is not None or t.banned_rows.numel():
+    """Every sampling parameter applied (penalties, logit_bias, min_tokens bans, structured-output
+    masks, then temperature and the filters): (all rows' penalised and masked logits, which greedy rows
+    argmax; the random rows' temperature-scaled, filtered logits, whose softmax they draw from)."""
+    if t.penalties is not None or t.banned_rows.numel() or t.allowed is not None or t.bias is not None:
         logits = logits.clone()
     if t.penalties is not None:
         apply_penalties(logits, t.penalties)
+    if t.bias is not None:
+        rows, tokens, values = t.bias
+        logits.index_put_((rows, tokens), values, accumulate=True)
     if t.banned_rows.numel():
         logits[t.banned_rows, t.banned_tokens] = NEG_INF
+    if t.allowed is not None:
+        apply_token_bitmask(logits, t.guided_rows, t.allowed)
     if not t.random_rows:
         return logits, logits[:0]
     rows = t.random_index  # a device index: a host list would be uploaded with a blocking copy

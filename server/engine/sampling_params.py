@@ -12,8 +12,33 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 SEED_RANGE = (-(2**63), 2**64 - 1)       # what torch.Generator.manual_seed takes
+MAX_LOGIT_BIAS_ENTRIES = 300               # OpenAI's limits
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_TOP_K = 2**31 - 1                    # top_k goes into an int64 tensor; any value past the vocabulary means "off"
 FLOAT32_MAX = 3.4028234663852886e38      # sampling floats go into float32 tensors (a temperature past it is taken as this)
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """The output must match this: a JSON schema (dict), any JSON object, a regex, one of a list of
+    strings, or a grammar (Lark or GBNF text). `param` is the request field it came from (errors name it)."""
+
+    kind: str
+    value: dict | str | list[str] | None = None
+    param: str = "structured_outputs"
+
+    def validate(self) -> None:
+        ok = {"json": lambda v: isinstance(v, dict), "json_object": lambda v: v is None,
+              "regex": lambda v: isinstance(v, str) and v != "", "grammar": lambda v: isinstance(v, str) and v.strip() != "",
+              "choice": lambda v: isinstance(v, list) and 0 < len(v) <= MAX_CHOICES and all(isinstance(c, str) and c for c in v)}
+        if self.kind not in ok:
+            raise ValueError(f"{self.param}: kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if not ok[self.kind](self.value):
+            what = {"json": "a JSON schema (an object)", "json_object": "nothing", "regex": "a non-empty regex",
+                    "grammar": "a non-empty grammar", "choice": f"a list of 1 to {MAX_CHOICES} non-empty strings"}[self.kind]
+            raise ValueError(f"{self.param}: {self.kind} takes {what}")
 
 
 @dataclass(slots=True)
@@ -36,6 +61,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # top-n logprobs per prompt position (plus the actual next token)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None  # the output must match it (engine/structured.py)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's logit_bias)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +106,13 @@ class SamplingParams:
             bad("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
         if self.seed is not None and (type(self.seed) is not int or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             bad("seed", f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
+        if self.structured is not None:
+            self.structured.validate()
+        if self.logit_bias is not None:
+            lo, hi = LOGIT_BIAS_RANGE
+            if (not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES
+                    or any(type(t) is not int or t < 0 or not lo <= v <= hi for t, v in self.logit_bias.items())):
+                bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids >= 0 to biases in [{lo:g}, {hi:g}]")
 
     @property
     def greedy(self) -> bool:

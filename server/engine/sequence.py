@@ -40,6 +40,7 @@ class Sequence:
     num_cached_tokens: int = 0            # of the prompt, found in the prefix cache at admission
     num_preemptions: int = 0
     generator: Any = None                 # torch.Generator when the request is seeded (its rows draw from it)
+    guide: Any = None                     # structured outputs: the matcher of its constraint, advanced on each output token
     # Speculative decoding: this step's proposal (verified in the step, then cleared).
     num_spec_tokens: int = 0              # tokens proposed (reserved) for this step
     spec_token_ids: list[int] = field(default_factory=list)  # the proposed tokens themselves, once known
