@@ -110,17 +110,11 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     return logits
 
 
-BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
-
-
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
-    """Structured outputs: on the given rows, every token whose bit in `allowed` ([G, ceil(V / 32)]
-    int32) is 0 becomes -inf (in place)."""
-    shifts = BIT_SHIFTS.get(logits.device)
-    if shifts is None:
-        shifts = BIT_SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = ((allowed.unsqueeze(-1) >> shifts) & 1).view(allowed.shape[0], -1)[:, :logits.shape[1]]
-    logits[rows] = logits[rows].masked_fill(bits == 0, NEG_INF)
+def apply_allowed_tokens(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
+    """Structured outputs: on the given rows, every token `allowed` ([G, V] bool) does not allow
+    becomes -inf (in place)."""
+    constrained = logits[rows]
+    logits[rows] = constrained.masked_fill_(~allowed, NEG_INF)
 
 
 def filter_logits_batch(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -171,7 +165,7 @@ def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Te
     if t.banned_rows.numel():
         logits[t.banned_rows, t.banned_tokens] = NEG_INF
     if t.allowed is not None:
-        apply_token_bitmask(logits, t.guided_rows, t.allowed)
+        apply_allowed_tokens(logits, t.guided_rows, t.allowed)
     if not t.random_rows:
         return logits, logits[:0]
     rows = t.random_index  # a device index: a host list would be uploaded with a blocking copy
