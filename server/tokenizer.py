@@ -171,15 +171,15 @@ class Tokenizer:
         them, the messages' control text restored, is tokenized with special tokens spelled out. Piece
         boundaries are the ones the plain encoding has, so no BPE merge changes."""
         rendered = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        found = {m for text in _strings(messages) for m in (self._special_text.findall(text) if self._special_text else ())}
+        found = {m for text in _strings([messages, kwargs]) for m in (self._special_text.findall(text) if self._special_text else ())}
         if not found:
             return self.encode(rendered)
-        taken = {ord(c) for text in [*_strings(messages), self.chat_template] for c in text if ord(c) >= _PRIVATE_USE}
+        taken = {ord(c) for text in [*_strings([messages, kwargs]), self.chat_template] for c in text if ord(c) >= _PRIVATE_USE}
         free = (chr(c) for c in range(_PRIVATE_USE, 0x10FFFE) if c not in taken)
         stand_in = {text: next(free) for text in sorted(found)}
         swap = re.compile("|".join(re.escape(t) for t in sorted(found, key=len, reverse=True)))
-        masked = self.apply_chat_template(_map_strings(messages, lambda s: swap.sub(lambda m: stand_in[m.group(0)], s)),
-                                          add_generation_prompt, **kwargs)
+        hide = lambda s: swap.sub(lambda m: stand_in[m.group(0)], s)  # noqa: E731
+        masked = self.apply_chat_template(_map_strings(messages, hide), add_generation_prompt, **_map_strings(kwargs, hide))
         restore = str.maketrans({c: text for text, c in stand_in.items()})
         if masked.translate(restore) != rendered:  # the template treats that text specially: no safe way to tell the two apart
             raise ValueError(f"message text holds control-token text ({', '.join(sorted(found))}) that this model's chat template "
@@ -206,6 +206,11 @@ class Tokenizer:
 
     def vocabulary(self) -> list[str]:
         return self._tokens
+
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a `tools` variable (Qwen2.5/3's, Llama 3.1's do; ChatML's does not)."""
+        return bool(self.chat_template) and _renders_tools(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not self.chat_template:
@@ -279,6 +284,14 @@ def _inverse_byte_alphabet() -> dict[str, int]:
 
 
 @lru_cache(maxsize=8)
+@lru_cache(maxsize=8)
+def _renders_tools(source: str) -> bool:
+    from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return "tools" in meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(source))
+
+
 def _compile_template(source: str):
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -289,6 +302,10 @@ def _compile_template(source: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    # As transformers renders templates (the oracle): keys in their order, no HTML escaping of <, > and &
+    # (jinja's own tojson sorts keys and writes \u003c: tools and tool-call arguments would differ).
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
     return env.from_string(source)
 
 

@@ -126,7 +126,7 @@ def test_tokenize_detokenize_version(server):
     ("/v1/completions", {"prompt": "x", "logit_bias": {"49152": 1}}, 400, "logit_bias", "vocabulary"),
     ("/v1/completions", {"prompt": "x", "frobnicate": True}, 400, "frobnicate", "unknown parameter"),
     ("/v1/completions", {"prompt": []}, 400, None, "empty"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
+    ("/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions", "not supported"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format", "json_schema.schema"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "role"),

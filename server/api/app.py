@@ -123,7 +123,7 @@ def build_app(state: ServerState) -> FastAPI:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         messages = [m.as_template_dict() for m in req.messages]
         return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, include_usage, req.top_logprobs or 0,
-                                          lambda: wait_for_disconnect(request)))
+                                          lambda: wait_for_disconnect(request), req.tool_use()))
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi():

@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.server.api import tool_calls
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, Job, RequestFailedError, ServerShutdownError
 from kvpilot.server.api.errors import APIError, sse_error, status_of
+from kvpilot.server.api.protocol import ToolUse
 from kvpilot.server.api.tokenizer_pool import TokenizerPool
 from kvpilot.server.engine.limits import Admission, RequestLimits
 from kvpilot.server.engine.outputs import RequestOutput
@@ -258,18 +260,25 @@ class OpenAIServing:
         return {**base, "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
 
     # --- chat ----------------------------------------------------------------------------------
-    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
-        """The conversation's prompt ids, message text tokenized as text (Tokenizer.encode_chat)."""
-        self.check_text_length(sum(len(s) for m in messages for s in m.values() if isinstance(s, str)), "messages")
+    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: ToolUse | None = None) -> list[int]:
+        """The conversation's prompt ids, message text tokenized as text (Tokenizer.encode_chat); tools
+        rendered by the template when it takes them, else in a system turn (api/tool_calls.py)."""
+        self.check_text_length(len(json.dumps(messages)) + (len(json.dumps(tools.tools)) if tools else 0), "messages")
+        takes_tools = self.tokenizer.template_takes_tools
+        extra = {"tools": tools.tools} if tools and takes_tools else {}
         try:
-            return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.encode_chat(tool_calls.template_messages(messages, tools.tools if tools else None, takes_tools),
+                                              add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:  # template errors (e.g. raise_exception for a bad role order) are the client's
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
 
     async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams, stream: bool,
-                   include_usage: bool, top_logprobs: int, disconnected: Callable[[], Awaitable[None]]) -> dict | EventSource:
+                   include_usage: bool, top_logprobs: int, disconnected: Callable[[], Awaitable[None]],
+                   tools: ToolUse | None = None) -> dict | EventSource:
+        """tools: the request's tools (None: none, or tool_choice none); calls in the output are
+        returned as message.tool_calls / delta.tool_calls with finish_reason tool_calls."""
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = await self.jobs(lambda: self.chat_ids(messages, add_generation_prompt), params, rid)
+        jobs = await self.jobs(lambda: self.chat_ids(messages, add_generation_prompt, tools), params, rid)
         self.engine.submit(jobs)
         created = int(time.time())
         rlog = RequestLog(rid, "chat.completions", prompt_tokens=len(jobs[0].admission.prompt_token_ids))
@@ -280,17 +289,39 @@ class OpenAIServing:
         if stream:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
             # the role comes first, as OpenAI sends it
-            preamble = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+            # as OpenAI's: content null when the output is calls alone (tool_choice required or a named function)
+            opening = None if tools and tools.choice != "auto" else ""
+            preamble = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": opening}, "logprobs": None, "finish_reason": None}]}
                         for i in range(params.n)]
 
+            parsers = {i: tool_calls.StreamParser(tools.names) for i in range(params.n)} if tools else {}
+
             def render(i, out, o, start):
-                delta = {"content": o.text_delta} if o.text_delta or not o.finish_reason else {}
+                text, calls = (o.text_delta, []) if not tools else parsers[o.index].feed(o.text_delta, final=o.finish_reason is not None)
+                delta = {"content": text} if text or not (o.finish_reason or tools) else {}  # held-back text is not an empty content
+                if calls:
+                    first = parsers[o.index].calls - len(calls)
+                    delta["tool_calls"] = [{"index": first + k, **c.message()} for k, c in enumerate(calls)]
                 return {**base, "choices": [{"index": o.index, "delta": delta, "logprobs": logprobs(o, start),
-                                             "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]}
+                                             "finish_reason": finish(o.finish_reason, tools and parsers[o.index].calls),
+                                             "stop_reason": o.stop_reason}]}
 
             return EventSource(self._sse(jobs, rlog, render, base, include_usage, preamble), [j.request_id for j in jobs])
         final = (await self._collect(jobs, rlog, disconnected))[0]
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text}, "logprobs": logprobs(o),
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in final.outputs]
+        choices = []
+        for o in final.outputs:
+            message: dict[str, Any] = {"role": "assistant", "content": o.text}
+            calls = []
+            if tools:
+                message["content"], calls = tool_calls.parse(o.text, tools.names)
+                if calls:
+                    message["tool_calls"] = [c.message() for c in calls]
+            choices.append({"index": o.index, "message": message, "logprobs": logprobs(o),
+                            "finish_reason": finish(o.finish_reason, bool(calls)), "stop_reason": o.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
+
+
+def finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason: tool_calls when the output ended by itself after calling tools."""
+    return "tool_calls" if called and reason == "stop" else reason

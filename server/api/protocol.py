@@ -7,10 +7,12 @@ implement are declared so that setting them gets a 400 that says so by name.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
+from kvpilot.server.api import tool_calls
 from kvpilot.server.engine.sampling_params import MAX_STOP_TOKEN_IDS, SEED_RANGE, SamplingParams, StructuredOutput
 
 
@@ -194,15 +196,76 @@ class TextPart(BaseModel):
     text: Text
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text
+    arguments: Text                      # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None                    # a tool message: the call it answers
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content if isinstance(self.content, str) or self.content is None else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise ValueError("messages: only assistant messages carry tool_calls")
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id or ""
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None                # calls always match the parameters, strict or not
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """A chat request's tools as the server uses them: the definitions for the template, the functions
+    a call may name, and the mode (auto, required, or one function's name)."""
+
+    tools: list[dict[str, Any]]
+    functions: list[dict[str, Any]]
+    choice: str
+
+    @property
+    def names(self) -> set[str]:
+        return {f["name"] for f in self.functions}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -212,24 +275,48 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
-    # not implemented yet: tools
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # OpenAI's deprecated forms of tools: a 400 names them
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
+
+    def tool_use(self) -> ToolUse | None:
+        """The tools this request renders and parses (None: no tools, or tool_choice none)."""
+        choice = self.tool_choice
+        if choice is not None and not self.tools:
+            raise ValueError("tool_choice: only allowed when tools are given")
+        if not self.tools:
+            return None
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        names = [f["name"] for f in functions]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise ValueError(f"tool_choice: names {choice.function.name!r}, which is not among the tools ({', '.join(names)})")
+            return ToolUse([t.model_dump(exclude_none=True) for t in self.tools], [f for f in functions if f["name"] == choice.function.name],
+                           choice.function.name)
+        if choice == "none":
+            return None
+        return ToolUse([t.model_dump(exclude_none=True) for t in self.tools], functions, choice or "auto")
 
     def params(self) -> SamplingParams:
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise UnsupportedParameter(name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise UnsupportedParameter(name)
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise UnsupportedParameter(name, "use tools and tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        params = self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        use = self.tool_use()
+        if use is not None:
+            if params.structured is not None:
+                raise ValueError(f"tools: a call is a constraint of its own; {params.structured.param} sets another")
+            params.structured = tool_calls.constraint(use.functions, "auto" if use.choice == "auto" else "required",
+                                                      self.parallel_tool_calls and use.choice in ("auto", "required"))
+        return params
 
 
 class TokenizeRequest(BaseModel):

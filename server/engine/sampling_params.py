@@ -16,14 +16,15 @@ MAX_LOGIT_BIAS_ENTRIES = 300               # OpenAI's limits
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_TOP_K = 2**31 - 1                    # top_k goes into an int64 tensor; any value past the vocabulary means "off"
 FLOAT32_MAX = 3.4028234663852886e38      # sampling floats go into float32 tensors (a temperature past it is taken as this)
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 MAX_CHOICES = 1024
 
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """The output must match this: a JSON schema (dict), any JSON object, a regex, one of a list of
-    strings, or a grammar (Lark or GBNF text). `param` is the request field it came from (errors name it)."""
+    strings, a grammar (Lark or GBNF text), or tool calls (the Lark grammar server/api/tool_calls.py
+    builds from a request's tools). `param` is the request field it came from (errors name it)."""
 
     kind: str
     value: dict | str | list[str] | None = None
@@ -32,12 +33,13 @@ class StructuredOutput:
     def validate(self) -> None:
         ok = {"json": lambda v: isinstance(v, dict), "json_object": lambda v: v is None,
               "regex": lambda v: isinstance(v, str) and v != "", "grammar": lambda v: isinstance(v, str) and v.strip() != "",
+              "tool_calls": lambda v: isinstance(v, str) and v.strip() != "",
               "choice": lambda v: isinstance(v, list) and 0 < len(v) <= MAX_CHOICES and all(isinstance(c, str) and c for c in v)}
         if self.kind not in ok:
             raise ValueError(f"{self.param}: kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
         if not ok[self.kind](self.value):
             what = {"json": "a JSON schema (an object)", "json_object": "nothing", "regex": "a non-empty regex",
-                    "grammar": "a non-empty grammar", "choice": f"a list of 1 to {MAX_CHOICES} non-empty strings"}[self.kind]
+                    "grammar": "a non-empty grammar", "tool_calls": "a Lark grammar", "choice": f"a list of 1 to {MAX_CHOICES} non-empty strings"}[self.kind]
             raise ValueError(f"{self.param}: {self.kind} takes {what}")
 
 

@@ -119,6 +119,8 @@ def grammar_text(kind: str, text: str) -> str:
     if kind == "choice":
         # One alternative per choice, each a Lark string literal (JSON's escapes are the same).
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text)))
+    if kind == "tool_calls":
+        return llguidance.LLMatcher.grammar_from_lark(text)
     if kind == "grammar":
         # Lark (llguidance's dialect); a GBNF grammar (llama.cpp's, rules written `name ::= ...`) is converted.
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))
