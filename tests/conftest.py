@@ -48,3 +48,14 @@ def family_checkpoints(tmp_path_factory, model_path):
         directory = build_checkpoint(case, root / name, tokenizer_dir)
         out[name] = (directory, write_family_gguf(directory, model_path, root / f"{name}.gguf"))
     return out
+
+
+@pytest.fixture(scope="session")
+def constrained_server(tmp_path_factory):
+    """One `kvpilot serve` for the structured-output and tool-calling tests (their files share it)."""
+    from server_harness import ServerProcess
+
+    log = tmp_path_factory.mktemp("constrained-server") / "server.log"
+    s = ServerProcess("--max-model-len", "2048", "--kv-cache-memory", "256MiB", log_path=log).wait_ready()
+    yield s
+    assert s.terminate() == 0

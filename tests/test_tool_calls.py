@@ -9,8 +9,6 @@ import httpx
 import jsonschema
 import pytest
 
-from server_harness import ServerProcess
-
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
                           "required": ["city", "unit"], "additionalProperties": False}}
@@ -105,15 +103,12 @@ def test_a_tool_conversation_renders_through_a_qwen_style_template_as_transforme
 # --- over HTTP --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    s = ServerProcess("--max-model-len", "2048", "--kv-cache-memory", "256MiB", log_path=log).wait_ready()
-    yield s
-    assert s.terminate() == 0
+@pytest.fixture
+def server(constrained_server):
+    return constrained_server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(server):
     from openai import OpenAI
 
@@ -141,7 +136,7 @@ def test_required_and_named_calls_parse_validate_and_stream_the_same(client, cho
 
 def test_parallel_required_calls_each_validate(client):
     out = client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0.8, seed=2,
-                                         max_tokens=200).choices[0]
+                                         max_tokens=120).choices[0]
     if out.finish_reason == "tool_calls":
         assert out.message.tool_calls
     for call in out.message.tool_calls or []:
