@@ -59,3 +59,10 @@ def constrained_server(tmp_path_factory):
     s = ServerProcess("--max-model-len", "2048", "--kv-cache-memory", "256MiB", log_path=log).wait_ready()
     yield s
     assert s.terminate() == 0
+
+
+@pytest.fixture(scope="session")
+def constrained_client(constrained_server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=constrained_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

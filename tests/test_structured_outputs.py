@@ -183,19 +183,7 @@ def test_compile_errors_are_request_rejections_naming_the_field(base_llm):
 # --- HTTP -------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def server(constrained_server):
-    return constrained_server
-
-
-@pytest.fixture
-def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def test_openai_client_parse_returns_the_pydantic_object(client):
+def test_openai_client_parse_returns_the_pydantic_object(constrained_client):
     from pydantic import BaseModel, Field
 
     class City(BaseModel):
@@ -203,7 +191,7 @@ def test_openai_client_parse_returns_the_pydantic_object(client):
         country: str = Field(max_length=20)
         population_millions: int = Field(ge=0, le=100)
 
-    completion = client.chat.completions.parse(model="smollm2-135m", messages=[{"role": "user", "content": "Describe Paris in JSON."}],
+    completion = constrained_client.chat.completions.parse(model="smollm2-135m", messages=[{"role": "user", "content": "Describe Paris in JSON."}],
                                                response_format=City, temperature=0, max_tokens=80)
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
@@ -218,11 +206,11 @@ def test_openai_client_parse_returns_the_pydantic_object(client):
     {"structured_outputs": {"grammar": GBNF}},
     {"guided_json": json.dumps(SCHEMAS[0][1])},
 ])
-def test_streamed_equals_non_streamed_and_matches(server, constraint):
+def test_streamed_equals_non_streamed_and_matches(constrained_server, constraint):
     body = {"messages": [{"role": "user", "content": "Answer in the required format."}], "temperature": 0, "max_tokens": 60, **constraint}
-    whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    whole = httpx.post(constrained_server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
     text, reason = "", None
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+    with httpx.stream("POST", constrained_server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 choice = json.loads(line[6:])["choices"][0]
@@ -230,7 +218,7 @@ def test_streamed_equals_non_streamed_and_matches(server, constraint):
                 reason = choice["finish_reason"] or reason
     assert (text, reason) == (whole["message"]["content"], whole["finish_reason"]) and reason == "stop"
     # Completions take the same fields.
-    done = httpx.post(server.url + "/v1/completions", json={"prompt": "Answer:", "temperature": 0, "max_tokens": 60, **constraint},
+    done = httpx.post(constrained_server.url + "/v1/completions", json={"prompt": "Answer:", "temperature": 0, "max_tokens": 60, **constraint},
                       timeout=60).json()["choices"][0]
     assert done["finish_reason"] in ("stop", "length")
     if "guided_choice" in constraint:
@@ -252,29 +240,29 @@ def test_streamed_equals_non_streamed_and_matches(server, constraint):
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one output constraint"),
     ({"guided_json": [1, 2]}, "guided_json", None),
 ])
-def test_bad_constraints_are_400s_naming_the_field(server, body, param, needle):
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, **body}, timeout=30)
+def test_bad_constraints_are_400s_naming_the_field(constrained_server, body, param, needle):
+    r = httpx.post(constrained_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, **body}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param, err
     assert needle is None or needle in err["message"], err
 
 
-def test_a_grammar_past_the_librarys_limits_is_a_400_in_bounded_time_and_the_server_goes_on(server):
+def test_a_grammar_past_the_librarys_limits_is_a_400_in_bounded_time_and_the_server_goes_on(constrained_server):
     started = time.monotonic()
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "guided_json": {"enum": [f"v{i}" for i in range(100000)]}},
+    r = httpx.post(constrained_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "guided_json": {"enum": [f"v{i}" for i in range(100000)]}},
                    timeout=60)
     assert r.status_code == 400 and "too big" in r.json()["error"]["message"], r.text
     assert time.monotonic() - started < 10
-    assert httpx.get(server.url + "/health").status_code == 200
-    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "guided_choice": ["a", "b"]}, timeout=60).json()
+    assert httpx.get(constrained_server.url + "/health").status_code == 200
+    ok = httpx.post(constrained_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 5, "guided_choice": ["a", "b"]}, timeout=60).json()
     assert ok["choices"][0]["text"] in ("a", "b")
 
 
-def test_metrics_count_constrained_requests_compiles_and_cache_hits(server):
+def test_metrics_count_constrained_requests_compiles_and_cache_hits(constrained_server):
     for _ in range(2):
-        httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "guided_regex": "[ab]{3}"}, timeout=60).raise_for_status()
-    text = httpx.get(server.url + "/metrics").text
+        httpx.post(constrained_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "guided_regex": "[ab]{3}"}, timeout=60).raise_for_status()
+    text = httpx.get(constrained_server.url + "/metrics").text
     value = lambda name: float(re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M).group(1))  # noqa: E731
     assert value('kvpilot:structured_output_requests_total{kind="regex",model_name="smollm2-135m"}') >= 2
     assert value("kvpilot:structured_output_grammar_cache_hits_total") >= 1

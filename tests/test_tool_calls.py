@@ -103,39 +103,27 @@ def test_a_tool_conversation_renders_through_a_qwen_style_template_as_transforme
 # --- over HTTP --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def server(constrained_server):
-    return constrained_server
-
-
-@pytest.fixture
-def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}], ids=["required", "named"])
-def test_required_and_named_calls_parse_validate_and_stream_the_same(client, choice):
+def test_required_and_named_calls_parse_validate_and_stream_the_same(constrained_client, choice):
     kw = dict(model="smollm2-135m", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=80, parallel_tool_calls=False)
-    whole = client.chat.completions.create(**kw).choices[0]
+    whole = constrained_client.chat.completions.create(**kw).choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
     (call,) = whole.message.tool_calls
     assert call.type == "function" and call.id.startswith("call_")
     if isinstance(choice, dict):
         assert call.function.name == "add"
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
-    with client.chat.completions.stream(**kw) as stream:
+    with constrained_client.chat.completions.stream(**kw) as stream:
         streamed = stream.get_final_completion().choices[0]
     assert streamed.finish_reason == "tool_calls" and streamed.message.content is None
     assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [(call.function.name, call.function.arguments)]
 
 
-def test_parallel_required_calls_each_validate(client):
-    out = client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0.8, seed=2,
+def test_parallel_required_calls_each_validate(constrained_client):
+    out = constrained_client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0.8, seed=2,
                                          max_tokens=120).choices[0]
     if out.finish_reason == "tool_calls":
         assert out.message.tool_calls
@@ -143,15 +131,15 @@ def test_parallel_required_calls_each_validate(client):
         jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
 
 
-def test_auto_answers_in_text_or_calls_and_a_tool_result_round_trips(client):
-    first = client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=TOOLS, temperature=0, max_tokens=40).choices[0]
+def test_auto_answers_in_text_or_calls_and_a_tool_result_round_trips(constrained_client):
+    first = constrained_client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=TOOLS, temperature=0, max_tokens=40).choices[0]
     assert (first.finish_reason == "tool_calls") == bool(first.message.tool_calls)
     for call in first.message.tool_calls or []:
         jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
                       "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
                      {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"}]
-    answer = client.chat.completions.create(model="smollm2-135m", messages=history, tools=TOOLS, tool_choice="none", temperature=0,
+    answer = constrained_client.chat.completions.create(model="smollm2-135m", messages=history, tools=TOOLS, tool_choice="none", temperature=0,
                                             max_tokens=20).choices[0]
     assert answer.message.tool_calls is None and answer.message.content
 
@@ -167,8 +155,8 @@ def test_auto_answers_in_text_or_calls_and_a_tool_result_round_trips(client):
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages", "only assistant messages"),
 ])
-def test_bad_tool_requests_are_400s_naming_the_field(server, body, param, needle):
-    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, **body}, timeout=30)
+def test_bad_tool_requests_are_400s_naming_the_field(constrained_server, body, param, needle):
+    r = httpx.post(constrained_server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, **body}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and needle in err["message"], err
