@@ -140,8 +140,11 @@ def test_auto_answers_in_text_or_calls_and_a_tool_result_round_trips(constrained
                       "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
                      {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"}]
     answer = constrained_client.chat.completions.create(model="smollm2-135m", messages=history, tools=TOOLS, tool_choice="none", temperature=0,
-                                            max_tokens=20).choices[0]
-    assert answer.message.tool_calls is None and answer.message.content
+                                                        max_tokens=20)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
+    # tool_choice none still shows the tools (as OpenAI does): the prompt is the longer for them
+    without = constrained_client.chat.completions.create(model="smollm2-135m", messages=history, temperature=0, max_tokens=1)
+    assert answer.usage.prompt_tokens > without.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("body, param, needle", [

@@ -275,8 +275,8 @@ class OpenAIServing:
     async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams, stream: bool,
                    include_usage: bool, top_logprobs: int, disconnected: Callable[[], Awaitable[None]],
                    tools: ToolUse | None = None) -> dict | EventSource:
-        """tools: the request's tools (None: none, or tool_choice none); calls in the output are
-        returned as message.tool_calls / delta.tool_calls with finish_reason tool_calls."""
+        """tools: the request's tools (rendered into the prompt); unless tool_choice is none, calls in
+        the output are returned as message.tool_calls / delta.tool_calls with finish_reason tool_calls."""
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = await self.jobs(lambda: self.chat_ids(messages, add_generation_prompt, tools), params, rid)
         self.engine.submit(jobs)
@@ -290,20 +290,21 @@ class OpenAIServing:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
             # the role comes first, as OpenAI sends it
             # as OpenAI's: content null when the output is calls alone (tool_choice required or a named function)
-            opening = None if tools and tools.choice != "auto" else ""
+            opening = None if tools and tools.choice not in ("auto", "none") else ""
+            parsing = tools if tools and tools.calls else None
             preamble = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": opening}, "logprobs": None, "finish_reason": None}]}
                         for i in range(params.n)]
 
-            parsers = {i: tool_calls.StreamParser(tools.names) for i in range(params.n)} if tools else {}
+            parsers = {i: tool_calls.StreamParser(parsing.names) for i in range(params.n)} if parsing else {}
 
             def render(i, out, o, start):
-                text, calls = (o.text_delta, []) if not tools else parsers[o.index].feed(o.text_delta, final=o.finish_reason is not None)
-                delta = {"content": text} if text or not (o.finish_reason or tools) else {}  # held-back text is not an empty content
+                text, calls = (o.text_delta, []) if not parsing else parsers[o.index].feed(o.text_delta, final=o.finish_reason is not None)
+                delta = {"content": text} if text or not (o.finish_reason or parsing) else {}  # held-back text is not an empty content
                 if calls:
                     first = parsers[o.index].calls - len(calls)
                     delta["tool_calls"] = [{"index": first + k, **c.message()} for k, c in enumerate(calls)]
                 return {**base, "choices": [{"index": o.index, "delta": delta, "logprobs": logprobs(o, start),
-                                             "finish_reason": finish(o.finish_reason, tools and parsers[o.index].calls),
+                                             "finish_reason": finish(o.finish_reason, bool(parsing) and parsers[o.index].calls > 0),
                                              "stop_reason": o.stop_reason}]}
 
             return EventSource(self._sse(jobs, rlog, render, base, include_usage, preamble), [j.request_id for j in jobs])
@@ -312,7 +313,7 @@ class OpenAIServing:
         for o in final.outputs:
             message: dict[str, Any] = {"role": "assistant", "content": o.text}
             calls = []
-            if tools:
+            if tools and tools.calls:
                 message["content"], calls = tool_calls.parse(o.text, tools.names)
                 if calls:
                     message["tool_calls"] = [c.message() for c in calls]

@@ -257,7 +257,7 @@ class NamedToolChoice(BaseModel):
 @dataclass(frozen=True, slots=True)
 class ToolUse:
     """A chat request's tools as the server uses them: the definitions for the template, the functions
-    a call may name, and the mode (auto, required, or one function's name)."""
+    a call may name, and the mode (none, auto, required, or one function's name)."""
 
     tools: list[dict[str, Any]]
     functions: list[dict[str, Any]]
@@ -266,6 +266,11 @@ class ToolUse:
     @property
     def names(self) -> set[str]:
         return {f["name"] for f in self.functions}
+
+    @property
+    def calls(self) -> bool:
+        """Whether the output is parsed for calls (tool_choice none: the tools are only shown)."""
+        return self.choice != "none"
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -283,7 +288,7 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Any = None
 
     def tool_use(self) -> ToolUse | None:
-        """The tools this request renders and parses (None: no tools, or tool_choice none)."""
+        """The tools this request renders (and, unless tool_choice is none, parses); None: no tools."""
         choice = self.tool_choice
         if choice is not None and not self.tools:
             raise ValueError("tool_choice: only allowed when tools are given")
@@ -298,8 +303,6 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError(f"tool_choice: names {choice.function.name!r}, which is not among the tools ({', '.join(names)})")
             return ToolUse([t.model_dump(exclude_none=True) for t in self.tools], [f for f in functions if f["name"] == choice.function.name],
                            choice.function.name)
-        if choice == "none":
-            return None
         return ToolUse([t.model_dump(exclude_none=True) for t in self.tools], functions, choice or "auto")
 
     def params(self) -> SamplingParams:
@@ -311,7 +314,7 @@ class ChatCompletionRequest(_SamplingFields):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         params = self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
         use = self.tool_use()
-        if use is not None:
+        if use is not None and use.calls:
             if params.structured is not None:
                 raise ValueError(f"tools: a call is a constraint of its own; {params.structured.param} sets another")
             params.structured = tool_calls.constraint(use.functions, "auto" if use.choice == "auto" else "required",
