@@ -182,6 +182,12 @@ class ServerConfig(BaseModel):
         "Threads that tokenize prompts, apply chat templates and serve /tokenize and /detokenize (off the event loop)."))
     max_pending_tokenizations: int = Field(64, ge=0, description=(
         "Tokenization tasks that may wait for a tokenizer thread; beyond it, 429 with Retry-After."))
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(None, description=(
+        "The format of tool calls: hermes (<tool_call> blocks: Qwen2/3) or llama3_json (Llama 3.x JSON calls); unset: the one the "
+        "chat template writes (a template with <|python_tag|> or \"parameters\" calls: llama3_json; otherwise hermes)."))
+    reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(None, description=(
+        "Return <think>...</think> as reasoning_content: qwen3 (the block opens the output) or deepseek_r1 (the template opens "
+        "it: everything before </think> is reasoning); unset: reasoning stays in content."))
 
     @field_validator("max_request_body_bytes", "max_buffered_request_bytes", mode="before")
     @classmethod

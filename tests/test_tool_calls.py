@@ -34,20 +34,83 @@ FIXTURES = [
 ]
 
 
-@pytest.mark.parametrize("text", FIXTURES)
-def test_streamed_parse_split_at_every_character_equals_the_whole_parse(text):
-    from kvpilot.server.api.tool_calls import StreamParser, parse
+LLAMA_W = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+LLAMA_A = '{"name": "add", "parameters": {"a": 1, "b": 2}}'
+LLAMA_FIXTURES = [
+    "Just text, no call.",
+    LLAMA_W,
+    "<|python_tag|>" + LLAMA_W,
+    LLAMA_W + "; " + LLAMA_A,
+    '  {"name": "unknown", "parameters": {}}',      # not one of the tools: text
+    '{"name": "add", "parameters": {"a": 1',       # cut short: text
+    LLAMA_W + " and then some words",              # not calls alone: text
+    "<|python",
+]
+THINKING = [
+    ("qwen3", "<think>\nLet me see.\n</think>\n\nThe answer."),
+    ("qwen3", "No thinking here."),
+    ("qwen3", "<think>\nstill thinking when cut"),
+    ("qwen3", "<thin"),
+    ("deepseek_r1", "Reasoning first.\n</think>\n\nThen the answer."),
+    ("deepseek_r1", "<think>\nOwn tag.</think>Answer."),
+    ("deepseek_r1", "All reasoning, never closed."),
+]
 
-    content, calls = parse(text, NAMES)
-    for cut in range(len(text) + 1):
-        parser = StreamParser(NAMES)
-        pieces = [parser.feed(text[:cut]), parser.feed(text[cut:], final=True)]
-        streamed = "".join(p[0] for p in pieces)
-        assert [(c.name, c.arguments) for p in pieces for c in p[1]] == [(c.name, c.arguments) for c in calls]
-        assert (streamed.strip() or None) == (content.strip() if content else None), cut
-    one_by_one = StreamParser(NAMES)
-    pieces = [one_by_one.feed(ch) for ch in text] + [one_by_one.feed("", final=True)]
-    assert [(c.name, c.arguments) for p in pieces for c in p[1]] == [(c.name, c.arguments) for c in calls]
+
+def streamed_equals_whole(fmt, text, names):
+    content, calls = fmt.parse(text, names)
+    expected = [(c.name, c.arguments) for c in calls]
+    for cut in list(range(len(text) + 1)) + [None]:
+        parser = fmt.stream(names)
+        pieces = ([parser.feed(text[:cut]), parser.feed(text[cut:], final=True)] if cut is not None
+                  else [parser.feed(ch) for ch in text] + [parser.feed("", final=True)])
+        assert [(c.name, c.arguments) for p in pieces for c in p[1]] == expected, cut
+        assert ("".join(p[0] for p in pieces).strip() or None) == (content.strip() if content else None), cut
+        assert parser.calls == len(expected)
+
+
+@pytest.mark.parametrize("text", FIXTURES)
+def test_hermes_streamed_parse_split_anywhere_equals_the_whole_parse(text):
+    from kvpilot.server.api.tool_calls import Hermes
+
+    streamed_equals_whole(Hermes(), text, NAMES)
+
+
+@pytest.mark.parametrize("text", LLAMA_FIXTURES)
+def test_llama3_json_streamed_parse_split_anywhere_equals_the_whole_parse(text):
+    from kvpilot.server.api.tool_calls import Llama3Json
+
+    streamed_equals_whole(Llama3Json(), text, NAMES)
+    content, calls = Llama3Json().parse(text, NAMES)
+    assert bool(calls) == (text in (LLAMA_W, "<|python_tag|>" + LLAMA_W, LLAMA_W + "; " + LLAMA_A))
+
+
+@pytest.mark.parametrize("kind, text", THINKING)
+def test_reasoning_streamed_split_anywhere_equals_the_whole_split(kind, text):
+    from kvpilot.server.api.reasoning import ReasoningParser
+
+    parser = ReasoningParser(kind)
+    whole = parser.split(text)
+    for cut in list(range(len(text) + 1)) + [None]:
+        stream = parser.stream()
+        pieces = ([stream.feed(text[:cut]), stream.feed(text[cut:], final=True)] if cut is not None
+                  else [stream.feed(ch) for ch in text] + [stream.feed("", final=True)])
+        reasoning, content = "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
+        assert ((reasoning if stream.reasoned else None), content or None) == whole, cut
+    if "</think>" in text:
+        assert whole[1] and "think>" not in whole[1] and whole[0] and "think>" not in whole[0]
+    if kind == "qwen3" and not text.startswith("<think>"):
+        assert whole[0] is None
+
+
+def test_the_format_follows_the_flag_or_the_chat_template():
+    from kvpilot.server.api.tool_calls import parser_for
+
+    assert parser_for(None, None).name == "hermes"
+    assert parser_for(None, "{{ '<tool_call>' }}").name == "hermes"
+    assert parser_for(None, "{{- '<|python_tag|>' }}").name == "llama3_json"
+    assert parser_for(None, '{"name": fn, "parameters": args}').name == "llama3_json"
+    assert parser_for("llama3_json", "{{ '<tool_call>' }}").name == "llama3_json"
 
 
 # --- a Qwen-style template with tools -------------------------------------------------------------
@@ -163,3 +226,39 @@ def test_bad_tool_requests_are_400s_naming_the_field(constrained_server, body, p
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and needle in err["message"], err
+
+
+@pytest.fixture(scope="module")
+def llama_thinking_server(tmp_path_factory):
+    from server_harness import ServerProcess
+
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    s = ServerProcess("--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--tool-call-parser", "llama3_json",
+                      "--reasoning-parser", "deepseek_r1", log_path=log).wait_ready()
+    yield s
+    assert s.terminate() == 0
+
+
+def test_the_parser_flags_llama3_json_calls_and_deepseek_r1_reasoning(llama_thinking_server):
+    """--tool-call-parser llama3_json: a required call is written and parsed as Llama 3's JSON; the
+    constrained output is not split for reasoning. --reasoning-parser deepseek_r1: an output that
+    never closes </think> is reasoning throughout, streamed and not."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=llama_thinking_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = dict(model="smollm2-135m", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=80, parallel_tool_calls=False)
+    call = client.chat.completions.create(**kw).choices[0]
+    assert call.finish_reason == "tool_calls" and call.message.content is None
+    (tc,) = call.message.tool_calls
+    jsonschema.validate(json.loads(tc.function.arguments), PARAMETERS[tc.function.name])
+    body = {"model": "smollm2-135m", "messages": ASK, "temperature": 0, "max_tokens": 12}
+    whole = httpx.post(llama_thinking_server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    assert whole["content"] is None and whole["reasoning_content"]
+    thought = ""
+    with httpx.stream("POST", llama_thinking_server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                assert not delta.get("content")
+                thought += delta.get("reasoning_content", "")
+    assert thought == whole["reasoning_content"]

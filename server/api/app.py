@@ -119,7 +119,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(req: ChatCompletionRequest, request: Request):
         serving.check_model(req.model)
-        params = req.params()
+        params = req.params(serving.tool_format)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         messages = [m.as_template_dict() for m in req.messages]
         return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, include_usage, req.top_logprobs or 0,
@@ -186,7 +186,8 @@ def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_
     metrics = EngineMetrics(engine, engine.served_model_name, pending=lambda: async_engine._pending)
     async_engine.on_step = lambda _engine, outputs, _dt: metrics.observe(outputs)
     pool = TokenizerPool(server_config.tokenizer_workers, server_config.max_pending_tokenizations)
-    serving = OpenAIServing(async_engine, engine.tokenizer, engine.served_model_name, engine.limits, pool)
+    serving = OpenAIServing(async_engine, engine.tokenizer, engine.served_model_name, engine.limits, pool,
+                            server_config.tool_call_parser, server_config.reasoning_parser)
     return ServerState(async_engine, serving, metrics, server_config)
 
 

@@ -15,6 +15,7 @@ from kvpilot.server.api import tool_calls
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, Job, RequestFailedError, ServerShutdownError
 from kvpilot.server.api.errors import APIError, sse_error, status_of
 from kvpilot.server.api.protocol import ToolUse
+from kvpilot.server.api.reasoning import ReasoningParser
 from kvpilot.server.api.tokenizer_pool import TokenizerPool
 from kvpilot.server.engine.limits import Admission, RequestLimits
 from kvpilot.server.engine.outputs import RequestOutput
@@ -59,8 +60,11 @@ class ClientDisconnected(Exception):
 class OpenAIServing:
     """limits: the engine's (RequestLimits), with which every request is admitted before it is submitted."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, limits: RequestLimits, pool: TokenizerPool):
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, limits: RequestLimits, pool: TokenizerPool,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.engine, self.tokenizer, self.model_name, self.limits, self.pool = engine, tokenizer, model_name, limits, pool
+        self.tool_format = tool_calls.parser_for(tool_call_parser, tokenizer.chat_template)
+        self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.max_model_len = limits.max_model_len
 
     # --- shared -------------------------------------------------------------------------------
@@ -267,7 +271,7 @@ class OpenAIServing:
         takes_tools = self.tokenizer.template_takes_tools
         extra = {"tools": tools.tools} if tools and takes_tools else {}
         try:
-            return self.tokenizer.encode_chat(tool_calls.template_messages(messages, tools.tools if tools else None, takes_tools),
+            return self.tokenizer.encode_chat(tool_calls.template_messages(messages, tools.tools if tools else None, takes_tools, self.tool_format),
                                               add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:  # template errors (e.g. raise_exception for a bad role order) are the client's
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
@@ -276,7 +280,8 @@ class OpenAIServing:
                    include_usage: bool, top_logprobs: int, disconnected: Callable[[], Awaitable[None]],
                    tools: ToolUse | None = None) -> dict | EventSource:
         """tools: the request's tools (rendered into the prompt); unless tool_choice is none, calls in
-        the output are returned as message.tool_calls / delta.tool_calls with finish_reason tool_calls."""
+        the output are returned as message.tool_calls / delta.tool_calls with finish_reason tool_calls.
+        With a reasoning parser, the <think> block is reasoning_content and only the rest is parsed."""
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = await self.jobs(lambda: self.chat_ids(messages, add_generation_prompt, tools), params, rid)
         self.engine.submit(jobs)
@@ -286,35 +291,45 @@ class OpenAIServing:
         def logprobs(o, start: int = 0):
             return self.chat_logprobs(o.logprobs[start:], o.token_ids[start:], top_logprobs) if o.logprobs is not None else None
 
+        parsing = tools if tools and tools.calls else None
+        # A constrained output is the constraint's from its first token: it holds no <think> block (auto
+        # tool calls excepted: free text until a call).
+        thinking = self.reasoning if params.structured is None or (tools and tools.choice == "auto") else None
         if stream:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-            # the role comes first, as OpenAI sends it
-            # as OpenAI's: content null when the output is calls alone (tool_choice required or a named function)
+            # the role comes first, as OpenAI sends it; content null when the output is calls alone
+            # (tool_choice required or a named function)
             opening = None if tools and tools.choice not in ("auto", "none") else ""
-            parsing = tools if tools and tools.calls else None
             preamble = [{**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": opening}, "logprobs": None, "finish_reason": None}]}
                         for i in range(params.n)]
-
-            parsers = {i: tool_calls.StreamParser(parsing.names) for i in range(params.n)} if parsing else {}
+            calls_seen = dict.fromkeys(range(params.n), 0)
+            splitters = {i: thinking.stream() for i in range(params.n)} if thinking else {}
+            parsers = {i: self.tool_format.stream(parsing.names) for i in range(params.n)} if parsing else {}
 
             def render(i, out, o, start):
-                text, calls = (o.text_delta, []) if not parsing else parsers[o.index].feed(o.text_delta, final=o.finish_reason is not None)
-                delta = {"content": text} if text or not (o.finish_reason or parsing) else {}  # held-back text is not an empty content
+                ended = o.finish_reason is not None
+                thought, text = splitters[o.index].feed(o.text_delta, final=ended) if splitters else ("", o.text_delta)
+                text, calls = parsers[o.index].feed(text, final=ended) if parsing else (text, [])
+                held = bool(parsing or splitters)
+                delta = {"content": text} if text or not (ended or held) else {}  # held-back text is not an empty content
+                if thought:
+                    delta["reasoning_content"] = thought
                 if calls:
-                    first = parsers[o.index].calls - len(calls)
-                    delta["tool_calls"] = [{"index": first + k, **c.message()} for k, c in enumerate(calls)]
+                    delta["tool_calls"] = [{"index": calls_seen[o.index] + k, **c.message()} for k, c in enumerate(calls)]
+                    calls_seen[o.index] += len(calls)
                 return {**base, "choices": [{"index": o.index, "delta": delta, "logprobs": logprobs(o, start),
-                                             "finish_reason": finish(o.finish_reason, bool(parsing) and parsers[o.index].calls > 0),
-                                             "stop_reason": o.stop_reason}]}
+                                             "finish_reason": finish(o.finish_reason, calls_seen[o.index] > 0), "stop_reason": o.stop_reason}]}
 
             return EventSource(self._sse(jobs, rlog, render, base, include_usage, preamble), [j.request_id for j in jobs])
         final = (await self._collect(jobs, rlog, disconnected))[0]
         choices = []
         for o in final.outputs:
             message: dict[str, Any] = {"role": "assistant", "content": o.text}
+            if self.reasoning:
+                message["reasoning_content"], message["content"] = thinking.split(o.text) if thinking else (None, o.text or None)
             calls = []
-            if tools and tools.calls:
-                message["content"], calls = tool_calls.parse(o.text, tools.names)
+            if parsing and message["content"]:
+                message["content"], calls = self.tool_format.parse(message["content"], parsing.names)
                 if calls:
                     message["tool_calls"] = [c.message() for c in calls]
             choices.append({"index": o.index, "message": message, "logprobs": logprobs(o),

@@ -305,7 +305,8 @@ class ChatCompletionRequest(_SamplingFields):
                            choice.function.name)
         return ToolUse([t.model_dump(exclude_none=True) for t in self.tools], functions, choice or "auto")
 
-    def params(self) -> SamplingParams:
+    def params(self, tool_format: tool_calls.ToolFormat | None = None) -> SamplingParams:
+        """tool_format: the server's format of tool calls (api/tool_calls.py), whose constraint a call gets."""
         for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 raise UnsupportedParameter(name, "use tools and tool_choice")
@@ -317,8 +318,8 @@ class ChatCompletionRequest(_SamplingFields):
         if use is not None and use.calls:
             if params.structured is not None:
                 raise ValueError(f"tools: a call is a constraint of its own; {params.structured.param} sets another")
-            params.structured = tool_calls.constraint(use.functions, "auto" if use.choice == "auto" else "required",
-                                                      self.parallel_tool_calls and use.choice in ("auto", "required"))
+            params.structured = (tool_format or tool_calls.Hermes()).constraint(
+                use.functions, "auto" if use.choice == "auto" else "required", self.parallel_tool_calls and use.choice in ("auto", "required"))
         return params
 
 

@@ -1,8 +1,13 @@
-"""Tool calling in the Hermes format (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, what
-Qwen2/Qwen3 and the models trained on it write): the prompt side (tools for the chat template, or a
-system prompt for templates that take none), the constraint that makes `required` and named calls
-always parse and validate, the structural tag that makes `auto` calls parse, and the parsers of the
-output, whole and streamed. torch-free."""
+"""Tool calling: the formats models write calls in, and for each the prompt side (tools for the chat
+template, or a system turn for templates that take none), the constraint that makes `required` and
+named calls always parse and validate, the one that makes `auto` calls parse, and the parsers of the
+output, whole and streamed. torch-free.
+
+- hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call (Qwen2,
+  Qwen3 and the models trained on Hermes' format);
+- llama3_json: the whole output is `{"name": ..., "parameters": {...}}`, calls joined by `; `, after
+  an optional `<|python_tag|>` (Llama 3.1/3.2's JSON tool calls).
+"""
 
 from __future__ import annotations
 
@@ -14,39 +19,11 @@ from typing import Any
 
 import llguidance
 
+from kvpilot.server.api.reasoning import partial_tag_suffix
 from kvpilot.server.engine.sampling_params import StructuredOutput
 from kvpilot.server.engine.structured import JSON_LAYOUT
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
-
-# For chat templates without a `tools` variable (the bundled SmolLM2's is plain ChatML): the tools and
-# the format, in a system turn of their own before the conversation's (Hermes' wording, shortened).
-SYSTEM_PROMPT = ("You are a function calling AI model. You are provided with function signatures within <tools></tools> XML tags. "
-                 "You may call one or more functions to assist with the user query. Here are the available tools:\n<tools>\n{tools}\n</tools>\n"
-                 "For each function call, return a json object with the function name and arguments within <tool_call></tool_call> XML tags:\n"
-                 '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
-
-
-def call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
-    """The JSON of one call to any of the functions: its name and arguments matching its parameters."""
-    options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object", "properties": {}}}}
-               for f in functions]
-    schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": JSON_LAYOUT}
-
-
-def constraint(functions: list[dict[str, Any]], choice: str, parallel: bool) -> StructuredOutput | None:
-    """required / a named function: one call (or several, parallel) and nothing else; auto: free text,
-    and from an opening tag on, a call that parses (a lazy trigger: the text before it is free)."""
-    schema = call_schema(functions)
-    if choice == "auto":
-        tag = llguidance.StructTag(trigger=OPEN, begin=OPEN + "\n", grammar=schema, end="\n" + CLOSE)
-        return StructuredOutput("tool_calls", llguidance.StructTag.to_grammar([tag], assume_special=False), "tools")
-    more = ' ("\\n" call)*' if parallel else ""
-    lark = f'start: call{more}\ncall: {json.dumps(OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + CLOSE)}\n'
-    return StructuredOutput("tool_calls", lark, "tools")
+PARSERS = ("hermes", "llama3_json")
 
 
 @dataclass(slots=True)
@@ -59,50 +36,122 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def parse_call(body: str, names: set[str]) -> ToolCall | None:
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or value.get("name") not in names or not isinstance(value.get("arguments", {}), dict):
-        return None
-    return ToolCall(value["name"], json.dumps(value.get("arguments", {}), ensure_ascii=False))
+def parser_for(name: str | None, chat_template: str | None) -> ToolFormat:
+    """The format named, or (unset) the one the chat template writes: a template that writes
+    `<|python_tag|>` or calls with "parameters" is Llama 3's, anything else gets Hermes'."""
+    if name is None:
+        template = chat_template or ""
+        name = "llama3_json" if "<tool_call>" not in template and ("<|python_tag|>" in template or '"parameters"' in template) else "hermes"
+    return {"hermes": Hermes, "llama3_json": Llama3Json}[name]()
 
 
-def parse(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
-    """(the text outside the calls, or None when there is none; the calls that parse). A block that is
-    not a call to one of the functions stays in the text."""
-    calls, kept, start = [], [], 0
-    for m in CALL.finditer(text):
-        call = parse_call(m.group(1), names)
-        if call is None:
-            continue
-        calls.append(call)
-        kept.append(text[start:m.start()])
-        start = m.end()
-    kept.append(text[start:])
-    content = "".join(kept).strip() if calls else text
-    return (content or None), calls
+def _arguments_object(value: dict[str, Any], key: str, names: set[str]) -> ToolCall | None:
+    if not isinstance(value, dict) or value.get("name") not in names or not isinstance(value.get(key, {}), dict):
+        return None
+    return ToolCall(value["name"], json.dumps(value.get(key, {}), ensure_ascii=False))
+
+
+def _schema(functions: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The JSON of one call to any of the functions: its name, and under `key` arguments matching its parameters."""
+    options = [{"type": "object", "additionalProperties": False, "required": ["name", key],
+                "properties": {"name": {"const": f["name"]}, key: f.get("parameters") or {"type": "object", "properties": {}}}}
+               for f in functions]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": JSON_LAYOUT}
+
+
+class ToolFormat:
+    name: str
+    system_prompt: str     # for templates without a `tools` variable: {tools} is the listing
+
+    def constraint(self, functions: list[dict[str, Any]], choice: str, parallel: bool) -> StructuredOutput:
+        raise NotImplementedError
+
+    def parse(self, text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+        """(the text outside the calls, or None when there is none; the calls that parse)."""
+        raise NotImplementedError
+
+    def stream(self, names: set[str]) -> StreamParser:
+        raise NotImplementedError
+
+    def write_calls(self, calls: list[dict[str, Any]]) -> str:
+        """Earlier calls (name + arguments object) as the model would have written them."""
+        raise NotImplementedError
 
 
 class StreamParser:
-    """Splits streamed text into content deltas and whole calls: text that may be the start of a call
-    is held back until it is one (emitted as a call) or cannot be (emitted as content)."""
+    """Splits streamed text into content deltas and whole calls; `calls`: how many so far."""
 
-    def __init__(self, names: set[str]):
-        self.names, self.buffer, self.calls = names, "", 0
+    calls: int
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+
+class Hermes(ToolFormat):
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+    # Hermes' wording, shortened.
+    system_prompt = ("You are a function calling AI model. You are provided with function signatures within <tools></tools> XML tags. "
+                     "You may call one or more functions to assist with the user query. Here are the available tools:\n<tools>\n{tools}\n"
+                     "</tools>\nFor each function call, return a json object with the function name and arguments within "
+                     '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+
+    def constraint(self, functions, choice, parallel):
+        schema = _schema(functions, "arguments")
+        if choice == "auto":  # free text; from an opening tag on, a call that parses (a lazy trigger)
+            tag = llguidance.StructTag(trigger=self.OPEN, begin=self.OPEN + "\n", grammar=schema, end="\n" + self.CLOSE)
+            return StructuredOutput("tool_calls", llguidance.StructTag.to_grammar([tag], assume_special=False), "tools")
+        more = ' ("\\n" call)*' if parallel else ""
+        lark = f"start: call{more}\ncall: {json.dumps(self.OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + self.CLOSE)}\n"
+        return StructuredOutput("tool_calls", lark, "tools")
+
+    def call(self, body: str, names: set[str]) -> ToolCall | None:
+        try:
+            return _arguments_object(json.loads(body), "arguments", names)
+        except ValueError:
+            return None
+
+    def parse(self, text, names):
+        calls, kept, start = [], [], 0
+        for m in self.CALL.finditer(text):
+            call = self.call(m.group(1), names)
+            if call is None:  # not a call to one of the functions: it stays text
+                continue
+            calls.append(call)
+            kept.append(text[start:m.start()])
+            start = m.end()
+        kept.append(text[start:])
+        content = "".join(kept).strip() if calls else text
+        return (content or None), calls
+
+    def stream(self, names):
+        return HermesStream(self, names)
+
+    def write_calls(self, calls):
+        return "\n".join(f"{self.OPEN}\n{json.dumps({'name': c['name'], 'arguments': c['arguments']}, ensure_ascii=False)}\n{self.CLOSE}"
+                         for c in calls)
+
+
+class HermesStream(StreamParser):
+    """Text that may be the start of a call is held back until it is one (a call) or cannot be (content)."""
+
+    def __init__(self, fmt: Hermes, names: set[str]):
+        self.fmt, self.names, self.buffer, self.calls, self.pending = fmt, names, "", 0, ""
+
+    def feed(self, delta, final=False):
+        open_, close = self.fmt.OPEN, self.fmt.CLOSE
         self.buffer += delta
         content, calls = "", []
         while True:
-            at = self.buffer.find(OPEN)
+            at = self.buffer.find(open_)
             if at < 0:
-                keep = 0 if final else _partial_suffix(self.buffer, OPEN)
+                keep = 0 if final else partial_tag_suffix(self.buffer, open_)
                 content += self.buffer[:len(self.buffer) - keep]
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
-            end = self.buffer.find(CLOSE, at)
+            end = self.buffer.find(close, at)
             if end < 0:
                 content += self.buffer[:at]
                 self.buffer = self.buffer[at:]
@@ -110,33 +159,107 @@ class StreamParser:
                     content += self.buffer
                     self.buffer = ""
                 break
-            block = self.buffer[at:end + len(CLOSE)]
-            call = parse_call(CALL.fullmatch(block).group(1), self.names)
+            call = self.fmt.call(self.fmt.CALL.fullmatch(self.buffer[at:end + len(close)]).group(1), self.names)
             if call is None:
-                content += self.buffer[:end + len(CLOSE)]
+                content += self.buffer[:end + len(close)]
             else:
                 content += self.buffer[:at]
                 calls.append(call)
-            self.buffer = self.buffer[end + len(CLOSE):]
+            self.buffer = self.buffer[end + len(close):]
         self.calls += len(calls)
-        if self.calls and not final:
-            content = content if content.strip() else ""  # the newlines between calls are not content
+        if self.calls:  # whitespace after a call is content only once more text follows it (as the whole parse strips it)
+            content, self.pending = (self.pending + content, "") if content.strip() else ("", "" if final else self.pending + content)
         return content, calls
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of text that is a beginning of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+class Llama3Json(ToolFormat):
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+    SEPARATOR = "; "
+    system_prompt = ("You have access to the following functions:\n{tools}\nTo call functions, respond only with JSON of the form "
+                     '{{"name": function name, "parameters": dictionary of argument name and its value}}; '
+                     "separate several calls with \"; \". Otherwise answer in plain text.")
+
+    def constraint(self, functions, choice, parallel):
+        call = f"%json {json.dumps(_schema(functions, 'parameters'))}"
+        calls = f"call ({json.dumps(self.SEPARATOR)} call)*" if parallel else "call"
+        if choice == "auto":  # plain text that does not open with "{", or calls alone
+            lark = f'start: calls | TEXT\ncalls: {calls}\ncall: {call}\nTEXT: /([^{{](.|\\n)*)?/\n'
+        else:
+            lark = f"start: {calls}\ncall: {call}\n"
+        return StructuredOutput("tool_calls", lark, "tools")
+
+    def split(self, text: str, names: set[str]) -> list[ToolCall] | None:
+        """The calls the whole output is, or None when it is not calls."""
+        body = text.strip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG):].strip()
+        if not body.startswith("{"):
+            return None
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(body):
+            try:
+                value, end = decoder.raw_decode(body, at)
+            except ValueError:
+                return None
+            call = _arguments_object(value, "parameters", names) or _arguments_object(value, "arguments", names)
+            if call is None:
+                return None
+            calls.append(call)
+            at = end
+            rest = body[at:].lstrip()
+            if rest.startswith(";"):
+                rest = rest[1:].lstrip()
+            elif rest:
+                return None
+            at = len(body) - len(rest)
+        return calls
+
+    def parse(self, text, names):
+        calls = self.split(text, names)
+        return (None, calls) if calls else ((text or None), [])
+
+    def stream(self, names):
+        return Llama3Stream(self, names)
+
+    def write_calls(self, calls):
+        return self.SEPARATOR.join(json.dumps({"name": c["name"], "parameters": c["arguments"]}, ensure_ascii=False) for c in calls)
 
 
-def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template_takes_tools: bool) -> list[dict[str, Any]]:
+class Llama3Stream(StreamParser):
+    """An output that opens with `{` (or the python tag) may be calls: held back to the end, then
+    emitted as calls or, if it is not calls, as content; any other output streams as content."""
+
+    def __init__(self, fmt: Llama3Json, names: set[str]):
+        self.fmt, self.names, self.buffer, self.calls, self.text = fmt, names, "", 0, None
+
+    def feed(self, delta, final=False):
+        self.buffer += delta
+        if self.text is None:
+            head = self.buffer.lstrip()
+            maybe_calls = head.startswith("{") or head.startswith(self.fmt.TAG) or self.fmt.TAG.startswith(head)
+            if maybe_calls and not final:
+                return "", []
+            if not maybe_calls:
+                self.text = True  # plain text from here on
+        if self.text:
+            content, self.buffer = self.buffer, ""
+            return content, []
+        if not final:
+            return "", []
+        text, self.buffer = self.buffer, ""
+        calls = self.fmt.split(text, self.names)
+        self.calls += len(calls or [])
+        return ("", calls) if calls else (text, [])
+
+
+def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template_takes_tools: bool,
+                      fmt: ToolFormat | None = None) -> list[dict[str, Any]]:
     """The messages as the chat template gets them. A template with a `tools` variable renders tools,
     assistant tool_calls and tool results itself (tool_calls' arguments as objects, as transformers
     passes them). For one without, the tools go in a system turn and calls and results are written
-    into the text in the Hermes format."""
+    into the text in the format's own syntax (Hermes' by default)."""
+    fmt = fmt or Hermes()
     out = []
     for m in messages:
         m = dict(m)
@@ -146,15 +269,14 @@ def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
                 m["tool_calls"] = calls
             else:
                 del m["tool_calls"]
-                text = "\n".join(f"{OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n{CLOSE}"
-                                 for c in calls)
+                text = fmt.write_calls([c["function"] for c in calls])
                 m["content"] = ((m.get("content") or "") + "\n" + text).lstrip("\n")
         if m["role"] == "tool" and not template_takes_tools:
             m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
         out.append(m)
     if tools and not template_takes_tools:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        out.insert(0, {"role": "system", "content": SYSTEM_PROMPT.format(tools=listing)})
+        out.insert(0, {"role": "system", "content": fmt.system_prompt.format(tools=listing)})
     return out
 
 
