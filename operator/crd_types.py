@@ -74,6 +74,17 @@ class SpeculativeSpec(_Model):
     _valid_draft = field_validator("draft_model")(_check_source)
 
 
+class OutputParsers(_Model):
+    """How the engine reads tool calls and reasoning out of the model's outputs, in the model's own format."""
+
+    tool_calls: Literal["hermes", "llama3_json"] | None = Field(None, description=(
+        "Format of tool calls: hermes (<tool_call> blocks: Qwen2/3) or llama3_json (Llama 3.x JSON calls). kvpilot: "
+        "--tool-call-parser (unset: the chat template's); vLLM: --enable-auto-tool-choice --tool-call-parser (unset: tools refused); "
+        "SGLang: --tool-call-parser hermes or llama3."))
+    reasoning: Literal["qwen3", "deepseek_r1"] | None = Field(None, description=(
+        "Return <think> blocks as reasoning_content: qwen3 or deepseek_r1 (SGLang: deepseek-r1); unset: reasoning stays in content."))
+
+
 class EngineSettings(_Model):
     """Engine settings; each maps to the engine's own flag (for kvpilot: kvpilot.server.config.EngineConfig)."""
 
@@ -99,6 +110,7 @@ class EngineSettings(_Model):
         "--quantization-group-size), on CPU and GPU; vLLM takes fp8, awq, gptq; SGLang fp8, awq, gptq, gguf. A value the engine does not take is reported as Degraded."))
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="Ranks the model is split over; also the GPUs per pod.")
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (off when absent).")
+    parsers: OutputParsers | None = Field(None, description="Tool-call and reasoning formats of the model's outputs.")
 
 
 class Toleration(_Model):

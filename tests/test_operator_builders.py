@@ -401,6 +401,8 @@ def _every_setting(engine: str) -> list[InferenceServiceSpec]:
     specs += [spec(model=hub, engine=engine, engineSettings={"quantization": q}) for q in sorted(ENGINE_QUANTIZATION[engine])]
     if engine == "vllm":
         specs.append(spec(model=hub, engine=engine, engineSettings={"blockSize": 32}))
+    specs += [spec(model=hub, engine=engine, engineSettings={"parsers": {"toolCalls": "hermes", "reasoning": "qwen3"}}),
+              spec(model=hub, engine=engine, engineSettings={"parsers": {"toolCalls": "llama3_json", "reasoning": "deepseek_r1"}})]
     return specs
 
 
@@ -441,3 +443,22 @@ def test_the_flag_check_finds_what_would_crash_loop_a_pod():
     assert unsupported_settings(spec(model=hub, engine="vllm", extraArgs=["--seed", "7", "--max-num-seq", "8"])) == [
         "extraArgs: --max-num-seq is not a flag of vllm 0.33.0"]
     assert unsupported_settings(spec(model=hub, engine="vllm", image="my/vllm:dev", extraArgs=["--max-num-seq", "8"])) == []
+
+
+@pytest.mark.parametrize("engine, expected", [
+    ("kvpilot", ["--tool-call-parser", "llama3_json", "--reasoning-parser", "deepseek_r1"]),
+    ("vllm", ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json", "--reasoning-parser", "deepseek_r1"]),
+    ("sglang", ["--tool-call-parser", "llama3", "--reasoning-parser", "deepseek-r1"]),
+])
+def test_output_parsers_become_each_engines_flags(engine, expected):
+    s = spec(model={"source": "hf://meta-llama/Llama-3.1-8B-Instruct"}, engine=engine,
+             engineSettings={"parsers": {"toolCalls": "llama3_json", "reasoning": "deepseek_r1"}})
+    args = container(deployment("m", "ns", "u", s))["args"]
+    at = args.index(expected[0])
+    assert args[at:at + len(expected)] == expected
+    assert spec(model={"source": "smollm2-135m"}, engine=engine).engine_settings.parsers is None
+    if engine == "kvpilot":  # `kvpilot serve` parses them
+        from kvpilot.server.cli import build_parser
+
+        ns = build_parser().parse_args([a.replace("$(POD_IP)", "10.0.0.1") for a in args])
+        assert (ns.tool_call_parser, ns.reasoning_parser) == ("llama3_json", "deepseek_r1")

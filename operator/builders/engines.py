@@ -100,6 +100,10 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     # EngineConfig validates here, in the operator, so a bad combination is a status condition, not a crash loop.
     engine_args = EngineConfig(**values).to_cli_args()
     args = ["serve", "--host", "$(POD_IP)", "--port", str(PORT), "--shutdown-grace-seconds", str(SHUTDOWN_GRACE_SECONDS), *engine_args]
+    if s.parsers and s.parsers.tool_calls:
+        args += ["--tool-call-parser", s.parsers.tool_calls]
+    if s.parsers and s.parsers.reasoning:
+        args += ["--reasoning-parser", s.parsers.reasoning]
     return EngineContainer(spec.image or DEFAULT_IMAGES["kvpilot"], ["kvpilot"], args, "/ready", "/health")
 
 
@@ -126,6 +130,10 @@ def vllm_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         if s.speculative.method == "draft":
             cfg["model"] = draft_model_argument(spec)
         args += ["--speculative-config", json.dumps(cfg, separators=(",", ":"))]
+    if s.parsers and s.parsers.tool_calls:  # vLLM answers tool_choice auto only with both
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", s.parsers.tool_calls]
+    if s.parsers and s.parsers.reasoning:
+        args += ["--reasoning-parser", s.parsers.reasoning]
     return EngineContainer(spec.image or DEFAULT_IMAGES["vllm"], ["vllm", "serve"], args, "/health", "/health")
 
 
@@ -150,8 +158,15 @@ def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         args += ["--speculative-algorithm", algo, "--speculative-num-draft-tokens", str(s.speculative.num_speculative_tokens)]
         if s.speculative.method == "draft":
             args += ["--speculative-draft-model-path", draft_model_argument(spec)]
+    if s.parsers and s.parsers.tool_calls:
+        args += ["--tool-call-parser", SGLANG_PARSERS[s.parsers.tool_calls]]
+    if s.parsers and s.parsers.reasoning:
+        args += ["--reasoning-parser", SGLANG_PARSERS[s.parsers.reasoning]]
     return EngineContainer(spec.image or DEFAULT_IMAGES["sglang"], ["python3", "-m", "sglang.launch_server"], args, "/health", "/health")
 
+
+# engineSettings.parsers values as SGLang names its parsers (kvpilot's and vLLM's names are the CRD's).
+SGLANG_PARSERS = {"hermes": "hermes", "llama3_json": "llama3", "qwen3": "qwen3", "deepseek_r1": "deepseek-r1"}
 
 # engineSettings.quantization values each engine's own --quantization flag takes (a value an engine
 # does not take would crash-loop its pods, so it is a status condition instead). kvpilot: gguf (a
