@@ -12,7 +12,13 @@ import jsonschema
 import pytest
 from structured_corpus import SCHEMAS
 
+from kvpilot.server.api.tool_calls import Hermes, Llama3Json
+
 SUBSET = SCHEMAS[:10]
+ADD = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+                                     "required": ["a", "b"], "additionalProperties": False}}
+OTHERS = 7  # other_requests()
 PLAIN = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):"]
 REGEX = r"[0-9]{3}-[a-z]{2,8}"
 CHOICES = ["positive", "negative", "neutral \"quoted\" ü"]
@@ -50,7 +56,9 @@ def other_requests(llm, **kw):
             (ask("Is 'I love it' positive or negative?"), params(structured=structured("choice", CHOICES), **kw)),
             (ask("Write a sum."), params(structured=structured("grammar", LARK), **kw)),
             (ask("Name a color."), params(structured=structured("grammar", GBNF), **kw)),
-            (ask("Describe a cat."), params(structured=structured("json_object"), max_tokens=60, **kw))]
+            (ask("Describe a cat."), params(structured=structured("json_object"), max_tokens=60, **kw)),
+            (ask("What is 2 + 3? Use the tool."), params(structured=Hermes().constraint([ADD], "required", True), max_tokens=60, **kw)),
+            (ask("What is 2 + 3? Use the tool."), params(structured=Llama3Json().constraint([ADD], "required", True), max_tokens=60, **kw))]
 
 
 def plain_requests(llm):
@@ -74,7 +82,11 @@ def check_json(outputs, schemas) -> int:
 
 
 def check_others(outputs) -> None:
-    regex, choice, lark, gbnf, obj = (o for (o,) in outputs)
+    regex, choice, lark, gbnf, obj, hermes, llama = (o for (o,) in outputs)
+    for fmt, o in ((Hermes(), hermes), (Llama3Json(), llama)):  # tool calls: the constraint a required call gets
+        if o.finish_reason == "stop":
+            content, calls = fmt.parse(o.text, {"add"})
+            assert content is None and calls and all(set(json.loads(c.arguments)) == {"a", "b"} for c in calls), o.text
     for o, pattern in ((regex, REGEX), (lark, LARK_RE), (gbnf, GBNF_RE)):
         assert o.finish_reason == "stop" and re.fullmatch(pattern, o.text), (pattern, o.text)
     assert choice.finish_reason == "stop" and choice.text in CHOICES
@@ -120,7 +132,7 @@ def test_json_corpus_in_mixed_batches_with_gguf_weights(capsys):
 def test_other_constraints_and_seeds_alone_and_batched(base_llm, base_outputs):
     check_json(base_outputs[:10], SUBSET)
     check_json(base_outputs[10:20], SUBSET)
-    check_others(base_outputs[20:25])
+    check_others(base_outputs[20:20 + OTHERS])
     # Sampled: the kinds again, seeded; a seeded constrained request alone draws what it drew in the batch.
     check_others(generate(base_llm, other_requests(base_llm, temperature=0.9, seed=11)))
     alone = generate(base_llm, json_requests(base_llm, SUBSET[:3], temperature=0.8, seed=3))
