@@ -6,6 +6,7 @@ two modes; the mask's share of a step (bitmask fill on the host + its applicatio
 reported beside it.
 
     .venv/bin/python bench/structured.py --clients 16 --steps 48 --rounds 3
+    .venv/bin/python bench/structured.py --speculation --clients 4 --steps 128 --rounds 2   (n-gram speculates at <= 4 running)
 """
 
 from __future__ import annotations
@@ -86,6 +87,36 @@ def decode_steps(llm, clients: int, steps: int, constrained: bool, seed: int) ->
         engine.grammars.fill_masks, sampler.apply_allowed_tokens = fill, apply
 
 
+def speculation_choice(clients: int, steps: int, threads: int, rounds: int) -> list[dict]:
+    """Constrained requests with n-gram speculation whose drafts are checked against the matcher (what
+    the engine does) against no speculation for them (the alternative: every row here is constrained),
+    in output tokens per second over whole requests, rounds alternating."""
+    from kvpilot.server import LLM, SamplingParams
+    from kvpilot.server.engine.sampling_params import StructuredOutput
+
+    engines = {"n-gram drafts checked by the matcher": LLM(num_threads=threads, show_progress=False, max_num_seqs=clients,
+                                                           speculative_method="ngram", num_speculative_tokens=4),
+               "no speculation for constrained rows": LLM(num_threads=threads, show_progress=False, max_num_seqs=clients)}
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    accepted = {}
+    for r in range(rounds):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            llm = engines[name]
+            tok = llm.get_tokenizer()
+            prompts = [tok.encode_chat([{"role": "user", "content": f"List {i + 5} people with their name, age, city and membership, as JSON."}])
+                       for i in range(clients)]
+            params = [SamplingParams(max_tokens=steps, temperature=0, structured=StructuredOutput("json", SCHEMA)) for _ in prompts]
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
+            if llm.engine.proposer is not None:
+                st = llm.engine.proposer.stats
+                accepted[name] = st.num_accepted_tokens / max(1, st.num_draft_tokens)
+    base = statistics.median(rates["no speculation for constrained rows"])
+    return [{"mode": name, "output tok/s p50": f"{statistics.median(v):.1f}", "vs no speculation": f"{statistics.median(v) / base:.3f}",
+             "draft acceptance": f"{accepted[name]:.2f}" if name in accepted else "-"} for name, v in rates.items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", type=int, default=16)
@@ -93,9 +124,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--speculation", action="store_true", help="instead: the speculative-decoding choice for constrained rows")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
     from kvpilot.server import LLM
+
+    if args.speculation:
+        print(f"# bench/structured.py --speculation on {machine()}, {args.threads} threads, greedy, {args.clients} clients")
+        rows = speculation_choice(args.clients, args.steps, args.threads, args.rounds)
+        print(table(rows, list(rows[0])))
+        return
 
     llm = LLM(num_threads=args.threads, show_progress=False, max_num_seqs=args.clients)
     print(f"# bench/structured.py on {machine()}, {args.threads} threads")
