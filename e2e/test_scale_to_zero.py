@@ -81,6 +81,7 @@ def test_scale_from_zero_and_back(cluster, namespace, prometheus_factory, tmp_pa
         # 6 requests, one every 2 s: the first ones are held through the cold start, later ones arrive while it scales up.
         t0 = time.monotonic()
         results = send_all(gateway.url, 6, spacing=2.0)
+        t_last = time.monotonic()  # the last response: the idle window runs from here (the checks below take seconds)
         assert [r[1] for r in results] == [200] * 6, results
         first = results[0][2]
         assert WAKE_ANNOTATION in isvc()["metadata"]["annotations"]
@@ -100,7 +101,6 @@ def test_scale_from_zero_and_back(cluster, namespace, prometheus_factory, tmp_pa
         assert not empty, f"dashboard panels without data: {empty}"
 
         # Idle: back to zero after the window (the gateway's counter is present, fresh and still).
-        t_last = time.monotonic()
         # spec.replicas and the status's history are two writes: wait for both (a busy machine widens the gap)
         wait_until(lambda: isvc()["spec"].get("replicas") == 0 and isvc()["status"]["scalingHistory"][-1]["to"] == 0,
                    timeout=IDLE_SECONDS + 60, what="scaled back to zero")
