@@ -53,12 +53,9 @@ def family_checkpoints(tmp_path_factory, model_path):
 @pytest.fixture(scope="session")
 def constrained_server(tmp_path_factory):
     """One `kvpilot serve` for the structured-output and tool-calling tests (their files share it)."""
-    from server_harness import ServerProcess
+    from server_harness import serve_for_tests
 
-    log = tmp_path_factory.mktemp("constrained-server") / "server.log"
-    s = ServerProcess("--max-model-len", "2048", "--kv-cache-memory", "256MiB", log_path=log).wait_ready()
-    yield s
-    assert s.terminate() == 0
+    yield from serve_for_tests(tmp_path_factory, "--max-model-len", "2048", "--kv-cache-memory", "256MiB")
 
 
 @pytest.fixture(scope="session")

@@ -80,3 +80,12 @@ def wait_until_freed(url: str, timeout: float = 20) -> bool:
     while not freed() and time.monotonic() < deadline:
         time.sleep(0.2)
     return freed()
+
+
+def serve_for_tests(tmp_path_factory, *args: str):
+    """A fixture body: a ready `kvpilot serve` with these flags (its log in a temporary directory),
+    terminated after the tests, which checks that it exits cleanly."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server = ServerProcess(*args, log_path=log).wait_ready()
+    yield server
+    assert server.terminate() == 0

@@ -9,18 +9,15 @@ import time
 import httpx
 import pytest
 
-from server_harness import ServerProcess, metrics, wait_until_freed
+from server_harness import metrics, serve_for_tests, wait_until_freed
 
 MODEL = "smollm2-135m"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    s = ServerProcess("--max-num-seqs", "8", "--max-waiting-requests", "16", "--kv-cache-memory", "256MiB",
-                      "--max-model-len", "2048", log_path=log).wait_ready()
-    yield s
-    assert s.terminate() == 0
+    yield from serve_for_tests(tmp_path_factory, "--max-num-seqs", "8", "--max-waiting-requests", "16", "--kv-cache-memory", "256MiB",
+                               "--max-model-len", "2048")
 
 
 @pytest.fixture(scope="module")
