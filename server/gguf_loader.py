@@ -6,6 +6,10 @@ GGUF stores `attn_q`/`attn_k` rows permuted for llama.cpp's interleaved RoPE; we
 
 from __future__ import annotations
 
+import math
+import mmap
+import struct
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -50,7 +54,7 @@ def checkpoint_name(gguf_name: str) -> str:
 
 
 def _field_value(field: Any) -> Any:
-    """A GGUF metadata value as a Python value (str, number, or list of them)."""
+    """A GGUF metadata value, as gguf's GGUFReader holds it, as a Python value (for write_truncated)."""
     from gguf import GGUFValueType
 
     kind = field.types[0]
@@ -64,23 +68,125 @@ def _field_value(field: Any) -> Any:
     return field.parts[field.data[0]].tolist()[0]
 
 
+# GGUF value types (gguf.GGUFValueType) with a fixed size -> their little-endian numpy dtype.
+_SCALAR_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRING, _ARRAY = 8, 9
+_FLOAT_TENSOR_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its GGUF (ggml) shape, innermost dimension first, and its bytes as a
+    read-only view of the mapped file — float and integer types as their numpy type, [outer dims...,
+    row bytes] uint8 for block-quantized ones (gguf's GGUFReader's layout)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray
+    n_bytes: int
+    data: np.ndarray
+
+
+class _HeaderCursor:
+    """Reads a GGUF header front to back. gguf's GGUFReader makes a numpy view per value (seconds for a
+    tokenizer's 100k strings; 6 s of the bundled model's 8 s load); this decodes straight from the map."""
+
+    def __init__(self, buf: mmap.mmap):
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        end = self.pos + n
+        if end > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
+        text = self.buf[self.pos:end].decode("utf-8", errors="replace")
+        self.pos = end
+        return text
+
+    def value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self.string()
+        if kind == _ARRAY:
+            item, count = self.scalar("<I"), self.scalar("<Q")
+            if item == _STRING:
+                return [self.string() for _ in range(count)]
+            if item not in _SCALAR_DTYPES:
+                raise ValueError(f"array of GGUF value type {item} is not supported")
+            dtype = np.dtype(_SCALAR_DTYPES[item])
+            values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
+            self.pos += dtype.itemsize * count
+            return values
+        if kind not in _SCALAR_DTYPES:
+            raise ValueError(f"unknown GGUF value type {kind}")
+        dtype = np.dtype(_SCALAR_DTYPES[kind])
+        value = np.frombuffer(self.buf, dtype, 1, self.pos)[0].item()
+        self.pos += dtype.itemsize
+        return value
+
+
+def _read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    """A little-endian GGUF v2/v3 file's metadata and tensors (views of the mapped file)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    cursor = _HeaderCursor(buf)
+    if cursor.scalar("<I") != 0x46554747:
+        raise ValueError("no GGUF magic")
+    version = cursor.scalar("<I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (big-endian files are not read; versions 2 and 3 are)")
+    n_tensors, n_kv = cursor.scalar("<Q"), cursor.scalar("<Q")
+    metadata = {}
+    for _ in range(n_kv):
+        key = cursor.string()
+        metadata[key] = cursor.value(cursor.scalar("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = cursor.string()
+        dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
+        infos.append((name, dims, GGMLQuantizationType(cursor.scalar("<I")), cursor.scalar("<Q")))
+    alignment = metadata.get("general.alignment", 32)
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment} is not a power of two")
+    start = -(-cursor.pos // alignment) * alignment
+    tensors = {}
+    for name, dims, kind, offset in infos:
+        if name in tensors:
+            raise ValueError(f"tensor {name!r} appears twice")
+        block, type_size = GGML_QUANT_SIZES[kind]
+        elements = math.prod(dims)
+        n_bytes = elements * type_size // block
+        outer = tuple(reversed(dims[1:]))
+        if kind.name in _FLOAT_TENSOR_DTYPES:
+            dtype, count, shape = np.dtype(_FLOAT_TENSOR_DTYPES[kind.name]), elements, (*outer, dims[0])
+        else:
+            dtype, count, shape = np.dtype(np.uint8), n_bytes, (*outer, dims[0] // block * type_size)
+        if start + offset + n_bytes > len(buf):
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        data = np.frombuffer(buf, dtype, count, start + offset).reshape(shape)
+        tensors[name] = GGUFTensor(name, kind, np.array(dims, dtype=np.uint64), n_bytes, data)
+    return metadata, tensors
+
+
 class GGUFFile:
     """Metadata and tensors of one GGUF file (memory-mapped; tensors are read on demand, as copies)."""
 
     memory_mapped = False  # tensor() and load() return owned tensors
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         try:
-            self._reader = GGUFReader(self.path)
+            self.metadata, self.tensors = _read_gguf(self.path)
         except FileNotFoundError:
             raise
-        except Exception as e:  # the gguf reader raises plain ValueError/struct errors on bad files
+        except (ValueError, KeyError, struct.error, OverflowError) as e:  # a truncated or foreign file
             raise GGUFError(f"{self.path}: not a readable GGUF file ({e})") from e
-        self.metadata = {name: _field_value(f) for name, f in self._reader.fields.items() if not name.startswith("GGUF.")}
-        self.tensors = {t.name: t for t in self._reader.tensors}
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -210,9 +316,9 @@ def write_truncated(src: str | Path, dest: str | Path, num_layers: int) -> Path:
     """A copy of a llama GGUF keeping only its first num_layers decoder blocks (tensors byte for byte,
     metadata as is but the block count): a draft model for speculative decoding that shares the
     tokenizer by construction."""
-    from gguf import GGUFValueType, GGUFWriter
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-    reader = GGUFFile(src)._reader
+    reader = GGUFReader(src)
     arch = _field_value(reader.fields["general.architecture"])
     total = _field_value(reader.fields[f"{arch}.block_count"])
     if not 1 <= num_layers <= total:

@@ -103,6 +103,82 @@ def test_missing_model_is_a_clear_error(tmp_path):
         resolve_model_path(str(tmp_path / "nope.gguf"))
 
 
+def _reader_view(path):
+    """gguf's own GGUFReader on a file: metadata as Python values, tensors as (type, shape, bytes)."""
+    import gguf
+
+    from kvpilot.server.gguf_loader import _field_value
+
+    reader = gguf.GGUFReader(path)
+    metadata = {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return metadata, {t.name: (t.tensor_type, t.shape.tolist(), int(t.n_bytes), t.data) for t in reader.tensors}
+
+
+def _assert_read_like_gguf_reader(path):
+    from kvpilot.server.gguf_loader import GGUFFile
+
+    ours = GGUFFile(path)
+    metadata, tensors = _reader_view(path)
+    assert ours.metadata == metadata
+    assert list(ours.tensors) == list(tensors)
+    for name, (kind, shape, n_bytes, data) in tensors.items():
+        t = ours.tensors[name]
+        assert (t.tensor_type, t.shape.tolist(), t.n_bytes) == (kind, shape, n_bytes), name
+        assert t.data.dtype == data.dtype and t.data.shape == data.shape and np.array_equal(t.data, data), name
+
+
+def test_header_reader_agrees_with_gguf_reader_on_every_value_type_and_tensor_kind(tmp_path):
+    """Our header reader (gguf's GGUFReader takes 6 s on the bundled model's tokenizer arrays) gives
+    GGUFReader's metadata and tensor views: every scalar type, string and numeric arrays, odd-shaped
+    float and block-quantized tensors, a custom alignment."""
+    import gguf
+
+    rng = np.random.default_rng(1)
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    for kind in gguf.GGUFValueType:
+        if kind not in (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING):
+            w.add_key_value(f"t.{kind.name.lower()}", True if kind == gguf.GGUFValueType.BOOL else 7, kind)
+    w.add_string("t.string", "héllo ▁wörld")
+    w.add_array("t.strings", ["a", "", "ĠThe", "<|im_start|>", "日本"] * 50)
+    w.add_array("t.ints", list(range(-3, 300)))
+    w.add_array("t.floats", [0.5, -1.25, 3.0])
+    w.add_array("t.bools", [True, False, True])
+    tensors = {"f32": (rng.standard_normal((3, 5)), "F32"), "f16": (rng.standard_normal((4, 7)), "F16"), "vec": (rng.standard_normal(9), "F32"),
+               "q8": (rng.standard_normal((5, 64)), "Q8_0"), "q4": (rng.standard_normal((2, 96)), "Q4_1"), "bf": (rng.standard_normal((3, 32)), "BF16")}
+    for name, (data, kind) in tensors.items():
+        qtype = gguf.GGMLQuantizationType[kind]
+        if kind in ("F32", "F16"):
+            w.add_tensor(name, data.astype(np.float32 if kind == "F32" else np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _assert_read_like_gguf_reader(path)
+
+
+def test_header_reader_agrees_with_gguf_reader_on_the_bundled_model():
+    from kvpilot.server.model_files import resolve_model_path
+
+    _assert_read_like_gguf_reader(resolve_model_path("smollm2-135m"))
+
+
+def test_truncated_gguf_files_are_clear_errors(tmp_path):
+    """Cut anywhere — in the header, the metadata, the tensor infos or the data — a file is refused
+    with one error naming it, never an IndexError or a crash."""
+    from kvpilot.server.gguf_loader import GGUFError, GGUFFile
+
+    whole = write_gguf(tmp_path / "m.gguf", {"w": (np.ones((4, 64), np.float32), "Q8_0")}, metadata={"k": ["x"] * 10}).read_bytes()
+    for cut in (0, 3, 10, 30, 60, len(whole) // 2, len(whole) - 32):  # the writer pads the end to 32 bytes
+        part = tmp_path / f"cut{cut}.gguf"
+        part.write_bytes(whole[:cut])
+        with pytest.raises(GGUFError, match=f"cut{cut}.gguf: not a readable GGUF"):
+            GGUFFile(part)
+
+
 def test_not_a_gguf_file(tmp_path):
     from kvpilot.server.gguf_loader import GGUFError, GGUFFile
 
