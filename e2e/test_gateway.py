@@ -1,6 +1,6 @@
 """kvpilot-gateway in front of real engines (part of #18): 4 replicas of SmolLM2 whose KV caches
 (30 MiB: 42 blocks of 16 tokens) each hold about 3 of the 8 shared system prompts (~13 blocks each).
-8 system prompts × 10 users, sent 4 at a time in a seeded order: once through the gateway (prefix
+8 system prompts × 6 users, sent 4 at a time in a seeded order: once through the gateway (prefix
 affinity), once round-robin straight to the same pods (8 other system prompts, so that neither phase
 inherits the other's cache); each set has 2 prompts per pod on the gateway's ring (balanced_prompts). The engines' own prefix-cache counters give each phase's hit rate; the
 gateway's must be at least twice round-robin's, with TTFT p50 no worse."""
@@ -30,7 +30,7 @@ from e2e.waiting import wait_until
 from kvpilot.operator.gateway.routing import HashRing, prefix_key
 
 pytestmark = pytest.mark.cluster
-USERS = 10  # per system prompt: 80 requests per phase
+USERS = 6  # per system prompt: 48 requests per phase (10 users gave the same verdict in twice the time: bench/RESULTS.md)
 WORDS = ("cache block token prefix engine replica gateway route hash ring load queue batch decode prefill "
          "kernel tensor rank shard metric scale pod node cluster service model weight layer head vocabulary").split()
 
@@ -148,8 +148,8 @@ def test_prefix_affinity_beats_round_robin(cluster, namespace, tmp_path):
             done.set()
 
         threading.Thread(target=scale_down_soon, daemon=True).start()
-        results = run_phase(itertools.repeat(gw), system_prompts(3), seed=3)[0] + run_phase(itertools.repeat(gw), system_prompts(3), seed=4)[0]
-        assert done.is_set() and len(results) == 16 * USERS and all(t is not None for t in results)
+        results = run_phase(itertools.repeat(gw), system_prompts(3), seed=3)[0]
+        assert done.is_set() and len(results) == 8 * USERS and all(t is not None for t in results)
         wait_until(lambda: len(ready_endpoints(api, cluster.server, namespace, "chat")) == 3, timeout=60, what="3 replicas left")
     finally:
         gateway.stop()

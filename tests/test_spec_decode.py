@@ -210,33 +210,43 @@ def _chi_square_p_value(a: Counter, b: Counter) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+DISTRIBUTION_PROMPT = "one two three four one two three four one two three four one two three"
+DISTRIBUTION_PARAMS = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, seed=s) for s in range(300)]
+DISTRIBUTION_KW = dict(kv_cache_memory="64MiB", max_num_seqs=64)
+
+
+def _sample_all(engine) -> list[list[int]]:
+    for i, p in enumerate(DISTRIBUTION_PARAMS):
+        engine.add_request(DISTRIBUTION_PROMPT, p, request_id=f"s{i}")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain_samples():
+    """The no-speculation side of the distribution test, shared by both methods (seeded: the same
+    300 samples either way)."""
+    return _sample_all(make_engine(**DISTRIBUTION_KW))
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_sampling_distribution_is_unchanged_by_speculation(method, draft_path):
+def test_sampling_distribution_is_unchanged_by_speculation(method, draft_path, plain_samples):
     """Temperature 1 (top-k 4 keeps the support small enough to test), 300 seeds each way: the tokens at
     output positions 2 and 3 (the first comes from the prefill and is never speculated) are distributed
     the same with and without speculation (chi-square homogeneity, p > 0.001 on this fixed seed set),
     while rejections did happen."""
-    prompt = "one two three four one two three four one two three four one two three"
-    params = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, seed=s) for s in range(300)]
-    kw = dict(kv_cache_memory="64MiB", max_num_seqs=64)
-    spec_kw = dict(kw, speculative_method=method, **FORCED)
+    spec_kw = dict(DISTRIBUTION_KW, speculative_method=method, **FORCED)
     if method == "draft":
         spec_kw["speculative_model"] = draft_path
-    samples = {}
-    for name, engine_kw in (("plain", kw), ("spec", spec_kw)):
-        engine = make_engine(**engine_kw)
-        for i, p in enumerate(params):
-            engine.add_request(prompt, p, request_id=f"s{i}")
-        outs = []
-        while engine.has_unfinished_requests():
-            outs += [o for o in engine.step() if o.finished]
-        samples[name] = [o.outputs[0].token_ids for o in outs]
-        if name == "spec":
-            s = engine.proposer.stats
-            assert s.num_drafts > 100 and 0 < s.num_accepted_tokens < s.num_draft_tokens
+    engine = make_engine(**spec_kw)
+    spec_samples = _sample_all(engine)
+    s = engine.proposer.stats
+    assert s.num_drafts > 100 and 0 < s.num_accepted_tokens < s.num_draft_tokens
     for position in (1, 2):
-        a = Counter(ids[position] for ids in samples["plain"])
-        b = Counter(ids[position] for ids in samples["spec"])
+        a = Counter(ids[position] for ids in plain_samples)
+        b = Counter(ids[position] for ids in spec_samples)
         assert _chi_square_p_value(a, b) > 1e-3, (position, a, b)
 
 
