@@ -32,6 +32,7 @@ ENGINE_LABEL = "serving.kvpilot.dev/inferenceservice"
 ENGINE_READY_ANNOTATION = "serving.kvpilot.dev/engine-ready"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 POD_CIDR = "127.1.0.0/16"
+LOCAL_STORAGE_CLASS = "kvpilot-local"  # the pre-made host-directory PersistentVolumes (add_host_volumes)
 
 
 def versions() -> dict[str, str]:
@@ -220,6 +221,24 @@ class Cluster:
                 "status": {"capacity": resources, "allocatable": resources}}
         self.api("/api/v1/nodes", "POST", node)
 
+    def add_host_volumes(self, count: int, directory: Path, storage_class: str = LOCAL_STORAGE_CLASS, size: str = "10Gi",
+                         prefix: str = "local") -> list[str]:
+        """Pre-made PersistentVolumes, each a directory of this host (ReadWriteMany: every pod runs
+        here), that the controller-manager's binder gives to claims of `storage_class`; Retain: a
+        released volume keeps its files and is not bound again."""
+        names = []
+        for i in range(count):
+            path = Path(directory) / f"{prefix}-{i}"
+            path.mkdir(parents=True, exist_ok=True)
+            path.chmod(0o777)  # written by the pods' non-root user under the podman runtime
+            name = f"{prefix}-{i}"
+            self.api("/api/v1/persistentvolumes", "POST", {
+                "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name, "labels": {"kvpilot.dev/host-volume": prefix}},
+                "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteMany", "ReadWriteOnce"], "persistentVolumeReclaimPolicy": "Retain",
+                         "storageClassName": storage_class, "hostPath": {"path": str(path), "type": "Directory"}}})
+            names.append(name)
+        return names
+
     def logs(self) -> str:
         parts = []
         for f in sorted(self.log_dir.glob("*.log")):
@@ -234,6 +253,7 @@ class Cluster:
         from e2e.prometheus import Prometheus
 
         self.kubectl("apply", "-f", str(HERE.parent / "crds"))
+        self.add_host_volumes(8, self.state_dir / "volumes")  # for the model cache (modelCache.mode Shared, storageClassName kvpilot-local)
         prom = Prometheus(self.state_dir / "prometheus", scrape_interval)
         prom.add_kubernetes_pods(self.server, TOKEN, str(self.state_dir / "certs" / "apiserver.crt")).start()
         self.pids["prometheus"], self.ports["prometheus"] = prom.pid, prom.port

@@ -39,10 +39,15 @@ from e2e.cluster import ENGINE_LABEL, ENGINE_READY_ANNOTATION, TOKEN, _insecure
 from e2e.net import require_loopback
 
 ENGINE_KIND_LABEL = "serving.kvpilot.dev/engine"
+LOADER_LABEL = "serving.kvpilot.dev/model-cache-entry"  # a model cache entry's loader (a Job's pod): run once, to completion
 RUNTIMES = ("process", "podman")
 CONTAINER_KUBECONFIG = "/var/run/kvpilot/kubeconfig"
 RUNNER_LABEL = "dev.kvpilot.pod-runner=1"  # every container the runner starts: `down` removes any left behind
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def now_rfc3339() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def expand(value: str, env: dict[str, str]) -> str:
@@ -196,6 +201,7 @@ class PodRunner:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engines: dict[str, PodProcess] = {}  # pod uid -> engine
+        self.loaders_run: set[str] = set()  # loader pod uids run to completion
         self.init_backoff: dict[str, float] = {}  # pod uid -> when its failed init containers may run again
         self.restart_backoff: dict[str, tuple[float, float]] = {}  # pod uid -> (when its engine may start again, the delay)
         self._stop = threading.Event()
@@ -268,6 +274,7 @@ class PodRunner:
     def step(self) -> None:
         if self.kubeconfig is not None:
             self._step_operators()
+        self._step_loaders()
         pods = {p["metadata"]["uid"]: p for p in self._pods()}
         for uid in list(self.engines):
             pod = pods.get(uid)
@@ -293,6 +300,42 @@ class PodRunner:
                 self._annotate(pod, ok)
                 self.events.append((time.time(), pod["metadata"]["name"], "ready" if ok else "not ready"))
             eng.ready = ok
+
+    def _step_loaders(self) -> None:
+        """Each Running loader pod's container to completion, then the pod's phase as a kubelet
+        reports it (Succeeded or Failed, the container's exit code and termination message): what the
+        Job controller counts. Blocking, like init containers: loopback-sized downloads."""
+        r = self._http.get(f"{self.server}/api/v1/pods", params={"labelSelector": LOADER_LABEL})
+        r.raise_for_status()
+        for pod in r.json()["items"]:
+            uid, m = pod["metadata"]["uid"], pod["metadata"]
+            if uid in self.loaders_run or m.get("deletionTimestamp") or pod["status"].get("phase") != "Running":
+                continue
+            self.loaders_run.add(uid)
+            container = pod["spec"]["containers"][0]
+            volumes = self._volumes(uid, pod)
+            termination_log = self._termination_log(uid)
+            termination_log.write_text("")
+            if self.runtime == "process":
+                argv, env = container_argv(container, pod, volumes)
+                env = {**os.environ, **env, "KVPILOT_TERMINATION_LOG": str(termination_log)}
+            else:
+                termination_log.chmod(0o666)
+                argv, env = podman_run(uid, pod, container, volumes, files={termination_log: "/dev/termination-log"})[1], None
+            started = now_rfc3339()
+            with open(self.log_dir / f"{m['namespace']}_{m['name']}.log", "ab") as log:
+                code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=600).returncode
+            self.events.append((time.time(), m["name"], f"loader exited {code}"))
+            terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error", "startedAt": started, "finishedAt": now_rfc3339(),
+                          "message": termination_log.read_text(errors="replace")[-4096:]}
+            status = {"phase": "Succeeded" if code == 0 else "Failed",
+                      "conditions": [{"type": "Ready", "status": "False", "reason": "PodCompleted", "lastTransitionTime": now_rfc3339()}],
+                      "containerStatuses": [{"name": container["name"], "image": container.get("image", ""), "imageID": "", "ready": False,
+                                             "restartCount": 0, "started": False, "state": {"terminated": terminated}}]}
+            r = self._http.patch(f"{self.server}/api/v1/namespaces/{m['namespace']}/pods/{m['name']}/status", content=json.dumps({"status": status}),
+                                 headers={"Content-Type": "application/strategic-merge-patch+json"})
+            if r.status_code != 200:
+                raise RuntimeError(f"loader pod {m['namespace']}/{m['name']}: status not written: {r.status_code} {r.text[:500]}")
 
     def _ready(self, eng: PodProcess) -> bool:
         try:
@@ -351,11 +394,27 @@ class PodRunner:
         self._http.patch(f"{self.server}/api/v1/namespaces/{m['namespace']}/pods/{m['name']}/status", content=json.dumps({"status": status}),
                          headers={"Content-Type": "application/strategic-merge-patch+json"})
 
+    def _claim_directory(self, namespace: str, claim: str) -> Path:
+        """The host directory of the PersistentVolume bound to a claim (the local control plane's PVs
+        are hostPath or local volumes: this host's directories)."""
+        r = self._http.get(f"{self.server}/api/v1/namespaces/{namespace}/persistentvolumeclaims/{claim}")
+        r.raise_for_status()
+        volume = r.json()["spec"].get("volumeName")
+        if not volume:
+            raise RuntimeError(f"claim {namespace}/{claim} is not bound")
+        r = self._http.get(f"{self.server}/api/v1/persistentvolumes/{volume}")
+        r.raise_for_status()
+        spec = r.json()["spec"]
+        return Path((spec.get("hostPath") or spec.get("local"))["path"])
+
     def _volumes(self, uid: str, pod: dict) -> dict[str, Path]:
-        """The pod's emptyDir volumes as host directories (kept for the pod's life, like the kubelet's)."""
+        """The pod's emptyDir volumes as host directories (kept for the pod's life, like the kubelet's),
+        its claims as their volumes' directories."""
         volumes = {}
         for v in pod["spec"].get("volumes") or []:
-            if "emptyDir" in v:
+            if "persistentVolumeClaim" in v:
+                volumes[v["name"]] = self._claim_directory(pod["metadata"]["namespace"], v["persistentVolumeClaim"]["claimName"])
+            elif "emptyDir" in v:
                 volumes[v["name"]] = self.log_dir / "volumes" / uid / v["name"]
                 volumes[v["name"]].mkdir(parents=True, exist_ok=True)
                 if self.runtime == "podman":  # fsGroup: the pod's user owns its emptyDirs

@@ -23,6 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease-duration-seconds", type=float, default=15.0, help="how long a Lease is valid without renewal")
     ap.add_argument("--lease-renew-deadline-seconds", type=float, default=None, help="step down when renewal has failed this long (default: 2/3 of the duration)")
     ap.add_argument("--lease-retry-seconds", type=float, default=None, help="renew/retry period (default: 1/7 of the duration)")
+    cache = ap.add_argument_group("model cache (defaults for what an InferenceService's spec.model.cache leaves unset)")
+    cache.add_argument("--model-cache-mode", choices=["PerPod", "Shared"], default=os.environ.get("KVPILOT_MODEL_CACHE_MODE", "PerPod"),
+                       help="PerPod: each pod downloads its model; Shared: one ReadWriteMany claim per source, filled once (default: PerPod)")
+    cache.add_argument("--model-cache-storage-class", default=os.environ.get("KVPILOT_MODEL_CACHE_STORAGE_CLASS", ""),
+                       help="StorageClass of the cache's claims (default: the cluster's default class)")
+    cache.add_argument("--model-cache-size", default=os.environ.get("KVPILOT_MODEL_CACHE_SIZE", "20Gi"), help="storage of an entry's claim (default: 20Gi)")
+    cache.add_argument("--compile-cache-size", default=os.environ.get("KVPILOT_COMPILE_CACHE_SIZE", "5Gi"),
+                       help="storage of a namespace's compile-cache claim (default: 5Gi)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level.lower() != "debug":  # kopf logs every handler run at INFO (the autoscaler timer runs each second)
@@ -30,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per Prometheus query, every pass
     os.environ["KVPILOT_PROMETHEUS_URL"] = args.prometheus_url
     os.environ["KVPILOT_WATCH_NAMESPACES"] = ",".join(args.namespace)
+    os.environ.update(KVPILOT_MODEL_CACHE_MODE=args.model_cache_mode, KVPILOT_MODEL_CACHE_STORAGE_CLASS=args.model_cache_storage_class,
+                      KVPILOT_MODEL_CACHE_SIZE=args.model_cache_size, KVPILOT_COMPILE_CACHE_SIZE=args.compile_cache_size)
 
     import kopf
     from kubernetes import client

@@ -18,6 +18,7 @@ import copy
 import threading
 
 ISVC, POD, DEPLOYMENT = "inferenceservice", "pod", "deployment"
+CLAIM, LOADER = "claim", "loader"  # the model cache's claims, and its loader Jobs' pods
 
 
 def _version(obj: dict) -> int | None:
@@ -28,7 +29,7 @@ def _version(obj: dict) -> int | None:
 class ObjectCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._objects: dict[str, dict[tuple[str, str], dict]] = {ISVC: {}, POD: {}, DEPLOYMENT: {}}
+        self._objects: dict[str, dict[tuple[str, str], dict]] = {ISVC: {}, POD: {}, DEPLOYMENT: {}, CLAIM: {}, LOADER: {}}
 
     def put(self, kind: str, obj: dict) -> bool:
         """Store `obj` unless the cache holds a newer version; True when what is stored changed."""

@@ -12,10 +12,11 @@ import kopf
 from kvpilot.operator import metrics
 from kvpilot.operator.autoscaler.loop import AutoscalerState, evaluate
 from kvpilot.operator.autoscaler.promql import PrometheusSource
-from kvpilot.operator.cache import CACHE, DEPLOYMENT, ISVC, POD
+from kvpilot.operator.builders.model_cache import ENTRY_LABEL
+from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, POD
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, PLURAL, VERSION
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.reconcile import forget, reconcile, refresh_status
+from kvpilot.operator.reconcile import entry_users, forget, reconcile, record_fill, refresh_status
 
 log = logging.getLogger("kvpilot.operator")
 _kube: Kube | None = None
@@ -94,6 +95,30 @@ def on_engine_pod(type, body, meta, namespace, **_) -> None:  # noqa: A002
         refresh_status(kube(), namespace, name)
 
 
+@kopf.on.event("", "v1", "persistentvolumeclaims", labels={MANAGED_BY[0]: MANAGED_BY[1]})
+def on_cache_claim(type, body, meta, namespace, **_) -> None:  # noqa: A002
+    """A model cache entry changed (filled: its users' Deployments can be applied; deleted: made again)."""
+    if _cached(CLAIM, type, body) and (key := meta.get("labels", {}).get(ENTRY_LABEL)):
+        for user in entry_users(namespace, key):
+            reconcile(kube(), user)
+
+
+@kopf.on.event("", "v1", "pods", labels={ENTRY_LABEL: kopf.PRESENT})
+def on_loader_pod(type, body, meta, namespace, **_) -> None:  # noqa: A002
+    """A model cache loader finished: success is recorded on its claim and the users' Deployments are
+    applied; a failure is shown in the users' status (the Job retries)."""
+    if not _cached(LOADER, type, body) or type == "DELETED":
+        return
+    phase = (body.get("status") or {}).get("phase")
+    users = entry_users(namespace, meta.get("labels", {}).get(ENTRY_LABEL))
+    if phase == "Succeeded" and record_fill(kube(), dict(body)):
+        for user in users:
+            reconcile(kube(), user)
+    elif phase == "Failed":
+        for user in users:
+            refresh_status(kube(), namespace, user["metadata"]["name"])
+
+
 @kopf.on.startup()
 def prime_cache(**_) -> None:
     """One listing of each kind before the handlers run: the first reconciles see the pods and
@@ -103,6 +128,8 @@ def prime_cache(**_) -> None:
     CACHE.replace_all(ISVC, [o for ns in namespaces for o in k.list(f"{GROUP}/{VERSION}", KIND, ns)])
     CACHE.replace_all(POD, [o for ns in namespaces for o in k.list("v1", "Pod", ns, ISVC_LABEL)])
     CACHE.replace_all(DEPLOYMENT, [o for ns in namespaces for o in k.list("apps/v1", "Deployment", ns, "=".join(MANAGED_BY))])
+    CACHE.replace_all(CLAIM, [o for ns in namespaces for o in k.list("v1", "PersistentVolumeClaim", ns, "=".join(MANAGED_BY))])
+    CACHE.replace_all(LOADER, [o for ns in namespaces for o in k.list("v1", "Pod", ns, ENTRY_LABEL)])
 
 
 def _watched_namespaces() -> list[str]:

@@ -59,7 +59,27 @@ class ModelSpec(_Model):
         "hf://org/repo/file.gguf, or pvc://claim/path (a GGUF file or a checkpoint directory on a PersistentVolumeClaim). "
         "Path segments use letters, digits and ._+- only; '.' and '..' segments are refused."))
     served_name: str | None = Field(None, max_length=128, description="Model name in the OpenAI API and in metrics (default: the InferenceService name).")
+    cache: ModelCacheSpec | None = Field(None, description=(
+        "Where downloaded models (https:// and hf:// sources, the draft model too) are kept: unset, the operator's default "
+        "(the chart's modelCache.mode)."))
     _valid_source = field_validator("source")(_check_source)
+
+
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|K|M|G|T|P)?$"
+
+
+class ModelCacheSpec(_Model):
+    """A model cache entry: a PersistentVolumeClaim per source in the namespace, filled once by a loader Job and mounted
+    read-only by every engine pod of every InferenceService that serves that source."""
+
+    mode: Literal["Shared", "PerPod"] | None = Field(None, description=(
+        "Shared: one ReadWriteMany claim per source, filled once, shared by every pod and InferenceService of the namespace "
+        "(needs ReadWriteMany storage); PerPod: each pod downloads into its own emptyDir (no shared storage needed). "
+        "Unset: the operator's default."))
+    storage_class_name: str | None = Field(None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                                           description="StorageClass of the entry's claim (unset: the operator's default, then the cluster's).")
+    size: str | None = Field(None, max_length=32, pattern=QUANTITY_PATTERN,
+                             description="Storage the entry's claim requests, e.g. 20Gi (unset: the operator's default). Set when the claim is made.")
 
 
 class SpeculativeSpec(_Model):
@@ -226,6 +246,7 @@ class SecretKeyRef(_Model):
     key: str = Field(max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key in the Secret.")
 
 
+ModelSpec.model_rebuild()
 InferenceServiceSpec.model_rebuild()
 
 
@@ -270,6 +291,15 @@ class ScaleDownWindow(_Model):
         "later time is the first level still inside it."))
 
 
+class ModelCacheEntryStatus(_Model):
+    claim: str = Field(description="The entry's PersistentVolumeClaim.")
+    source: str = Field(description="The model source it holds.")
+    state: Literal["Filling", "Ready", "Failed"] = Field(description="Filling: its loader Job runs (or retries); Ready: pods mount it; Failed: the last fill failed.")
+    revision: str | None = Field(None, description="What was fetched: an hf:// source's commit, resolved when the entry was filled.")
+    bytes: int | None = Field(None, description="Bytes of model files in the entry.")
+    message: str | None = Field(None, description="Why the last fill failed (the loader's own words).")
+
+
 class InferenceServiceStatus(_Model):
     observed_generation: int | None = Field(None, description="The spec generation last reconciled.")
     conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded, ScalingActive.")
@@ -283,6 +313,7 @@ class InferenceServiceStatus(_Model):
     last_scale_time: str | None = Field(None, description="When replicas last changed (RFC 3339).")
     scaling_history: list[ScalingEvent] = Field(default_factory=list, description="The last few scaling decisions, newest last.")
     scale_down_window: ScaleDownWindow | None = Field(None, description="The autoscaler's scale-down window (survives a leader change).")
+    model_cache: list[ModelCacheEntryStatus] = Field(default_factory=list, description="The model cache entries the pods mount (mode Shared).")
 
 
 class InferenceService(_Model):

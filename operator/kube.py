@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import ResourceNotFoundError
+from kubernetes.dynamic.exceptions import DynamicApiError, ResourceNotFoundError
 
 from kvpilot.operator.crd_types import GROUP, KIND, PLURAL, VERSION
 
@@ -71,11 +71,25 @@ class Kube:
                 self._absent[key] = time.monotonic()
                 return False
 
-    def apply(self, obj: dict) -> dict:
+    def apply(self, obj: dict, field_manager: str = FIELD_MANAGER) -> dict:
         meta = obj["metadata"]
         res = self._resource(obj["apiVersion"], obj["kind"])
         return res.server_side_apply(body=obj, name=meta["name"], namespace=meta.get("namespace"),
-                                     field_manager=FIELD_MANAGER, force_conflicts=True).to_dict()
+                                     field_manager=field_manager, force_conflicts=True).to_dict()
+
+    def create_unless_present(self, obj: dict) -> None:
+        """Create `obj`; one of that name already there is left as it is (a Job's template is immutable)."""
+        res = self._resource(obj["apiVersion"], obj["kind"])
+        try:
+            res.create(body=obj, namespace=obj["metadata"].get("namespace"))
+        except DynamicApiError as e:
+            if e.status != 409:
+                raise
+
+    def annotate_claim(self, name: str, namespace: str, annotations: dict[str, str]) -> dict:
+        """The claim as written (for the cache)."""
+        return self._resource("v1", "PersistentVolumeClaim").patch(body={"metadata": {"annotations": annotations}}, name=name, namespace=namespace,
+                                                                   content_type="application/merge-patch+json").to_dict()
 
     def list(self, api_version: str, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict]:
         """Objects of a kind in a namespace (None: every namespace). Only the cache's priming lists."""

@@ -12,10 +12,11 @@ from kubernetes.dynamic.exceptions import DynamicApiError
 from pydantic import ValidationError
 
 from kvpilot.operator import metrics
+from kvpilot.operator.builders import model_cache
 from kvpilot.operator.builders.engines import engine_container, unsupported_settings
-from kvpilot.operator.builders.manifests import desired_replicas, endpoint_url, render, selector_labels
-from kvpilot.operator.cache import CACHE, DEPLOYMENT, ISVC, POD
-from kvpilot.operator.crd_types import InferenceServiceSpec, InferenceServiceStatus
+from kvpilot.operator.builders.manifests import desired_replicas, endpoint_url, hf_token_env, render, selector_labels
+from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, POD
+from kvpilot.operator.crd_types import InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.status import AutoscalerReport, compute_status, now_rfc3339, unchanged
 from kvpilot.server.model_files import BUNDLED
@@ -51,10 +52,19 @@ def fault_point(name: str, namespace: str, isvc: str) -> None:
         os._exit(17)
 
 
+def cache_defaults() -> model_cache.CacheDefaults:
+    """The operator's model cache defaults (its flags, passed on through the environment)."""
+    d = model_cache.CacheDefaults()
+    return model_cache.CacheDefaults(mode=os.environ.get("KVPILOT_MODEL_CACHE_MODE") or d.mode,
+                                     storage_class_name=os.environ.get("KVPILOT_MODEL_CACHE_STORAGE_CLASS") or None,
+                                     size=os.environ.get("KVPILOT_MODEL_CACHE_SIZE") or d.size,
+                                     compile_cache_size=os.environ.get("KVPILOT_COMPILE_CACHE_SIZE") or d.compile_cache_size)
+
+
 def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str, str]]]:
-    """The spec as our model, or the problems that the schema could not catch."""
+    """The spec as our model (the operator's defaults filled in), or the problems that the schema could not catch."""
     try:
-        spec = InferenceServiceSpec.model_validate(body.get("spec") or {})
+        spec = model_cache.with_defaults(InferenceServiceSpec.model_validate(body.get("spec") or {}), cache_defaults())
     except ValidationError as e:
         msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:5])
         return None, [("InvalidSpec", msgs)]
@@ -110,8 +120,11 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
     applying: list[tuple[str, str]] = []
     if spec is not None and not problems:
         try:
+            cache_ready = _apply_model_cache(kube, body, spec)
             with_monitor = kube.has_kind("monitoring.coreos.com/v1", "PodMonitor")
             for obj in render(name, namespace, uid, spec, with_pod_monitor=with_monitor):
+                if obj["kind"] == "Deployment" and not cache_ready:
+                    continue  # pods start once their model cache entries are filled (the running ones keep serving)
                 applied = kube.apply(obj)
                 if obj["kind"] == "Deployment":
                     CACHE.put(DEPLOYMENT, applied)
@@ -121,6 +134,76 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
             applying.append(("ApplyFailed", f"{reason}: {getattr(e, 'body', None) or e}"[:500]))
     _apply_problems[(namespace, name)] = applying
     return write_status(kube, body, spec, problems + applying)
+
+
+def _apply_model_cache(kube: Kube, body: dict, spec: InferenceServiceSpec) -> bool:
+    """The entries this service's pods mount (mode Shared): each claim with this service among its
+    owners, a loader Job for each entry not yet filled; entries it no longer uses are let go of (the
+    garbage collector deletes one whose last owner lets go). True when every entry is Ready."""
+    meta = body["metadata"]
+    namespace, user = meta["namespace"], (meta["name"], meta["uid"])
+    manager = model_cache.user_field_manager(meta["uid"])
+    files = model_cache.cached_files(spec)
+    used = {model_cache.claim_name(f.source) for f in files}
+    previous = ((body.get("status") or {}).get("modelCache") or [])
+    for entry in previous:
+        if entry.get("claim") not in used and (existing := CACHE.get(CLAIM, namespace, entry["claim"])) is not None:
+            CACHE.put(CLAIM, kube.apply(model_cache.entry_claim(entry["source"], namespace, spec, None, existing), field_manager=manager))
+    compile_claim = CACHE.get(CLAIM, namespace, model_cache.COMPILE_CACHE_CLAIM)
+    if model_cache.shared(spec) or (compile_claim is not None and any(o.get("uid") == meta["uid"] for o in compile_claim["metadata"].get("ownerReferences") or [])):
+        CACHE.put(CLAIM, kube.apply(model_cache.compile_cache_claim(namespace, spec, cache_defaults(), user if model_cache.shared(spec) else None,
+                                                                     compile_claim), field_manager=manager))
+    ready = True
+    for files_ in files:
+        name = model_cache.claim_name(files_.source)
+        claim = kube.apply(model_cache.entry_claim(files_.source, namespace, spec, user, CACHE.get(CLAIM, namespace, name)), field_manager=manager)
+        CACHE.put(CLAIM, claim)
+        state = model_cache.entry_state(claim, _loader_pods(namespace, files_.source))[0]
+        if state != "Ready":
+            ready = False
+            kube.create_unless_present(model_cache.fill_job(files_, namespace, spec, claim, hf_token_env(spec)))
+    return ready
+
+
+def _loader_pods(namespace: str, source: str) -> list[dict]:
+    return CACHE.with_labels(LOADER, namespace, {model_cache.ENTRY_LABEL: model_cache.entry_key(source)})
+
+
+def model_cache_status(namespace: str, spec: InferenceServiceSpec | None) -> list[ModelCacheEntryStatus]:
+    entries = []
+    for files in model_cache.cached_files(spec) if spec is not None else []:
+        claim = model_cache.claim_name(files.source)
+        state, revision, size, message = model_cache.entry_state(CACHE.get(CLAIM, namespace, claim), _loader_pods(namespace, files.source))
+        entries.append(ModelCacheEntryStatus(claim=claim, source=files.source, state=state, revision=revision, bytes=size, message=message))
+    return entries
+
+
+def record_fill(kube: Kube, loader_pod: dict) -> bool:
+    """A loader pod succeeded: what it fetched goes on its entry's claim (the entry is then Ready).
+    True when this recorded it (the claim's own watch event will not say so: the cache has it first)."""
+    key = (loader_pod["metadata"].get("labels") or {}).get(model_cache.ENTRY_LABEL)
+    namespace = loader_pod["metadata"]["namespace"]
+    claim = next((c for c in CACHE.with_labels(CLAIM, namespace, {model_cache.ENTRY_LABEL: key})), None) if key else None
+    if claim is None or model_cache.FILLED_ANNOTATION in (claim["metadata"].get("annotations") or {}):
+        return False
+    annotations = model_cache.filled_annotations(model_cache.termination_message(loader_pod), now_rfc3339())
+    if annotations is None:
+        log.warning("loader pod %s/%s succeeded without a fetch summary", namespace, loader_pod["metadata"]["name"])
+        return False
+    CACHE.put(CLAIM, kube.annotate_claim(claim["metadata"]["name"], namespace, annotations))
+    return True
+
+
+def entry_users(namespace: str, key: str) -> list[dict]:
+    """The InferenceServices of a namespace whose pods mount the entry `key`."""
+    users = []
+    for body in CACHE.all(ISVC):
+        if body["metadata"]["namespace"] != namespace or body["metadata"].get("deletionTimestamp"):
+            continue
+        spec, problems = parse_spec(body)
+        if spec is not None and any(model_cache.entry_key(f.source) == key for f in model_cache.cached_files(spec)):
+            users.append(body)
+    return users
 
 
 def write_status(kube: Kube, body: dict, spec: InferenceServiceSpec | None, problems: list[tuple[str, str]]) -> InferenceServiceStatus:
@@ -134,8 +217,13 @@ def write_status(kube: Kube, body: dict, spec: InferenceServiceSpec | None, prob
     pods = CACHE.with_labels(POD, namespace, selector_labels(name))
     selector = ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
     desired = desired_replicas(spec) if spec is not None else 0
+    entries = model_cache_status(namespace, spec)
+    problems = problems + [("ModelCacheFillFailed", f"model cache entry {e.claim} ({e.source}): {e.message}") for e in entries if e.state == "Failed"]
+    filling = [e for e in entries if e.state == "Filling"]
     status = compute_status(prev, generation, desired, selector, endpoint_url(name, namespace), deployment, pods, problems,
-                            wakes_from_zero=spec is not None and spec.min_replicas == 0 and spec.autoscaling.enabled)
+                            wakes_from_zero=spec is not None and spec.min_replicas == 0 and spec.autoscaling.enabled,
+                            filling="; ".join(f"model cache entry {e.claim} ({e.source}) is being filled" for e in filling) or None)
+    status.model_cache = entries
     report = REPORTS.get((namespace, name))
     if report is not None:
         report.apply(status, now_rfc3339())

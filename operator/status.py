@@ -43,8 +43,9 @@ def pod_problems(pods: list[dict]) -> list[tuple[str, str]]:
 
 def compute_status(prev: InferenceServiceStatus | None, generation: int, desired: int, selector: str, endpoint: str,
                    deployment: dict | None, pods: list[dict], spec_problems: list[tuple[str, str]], now: datetime | None = None,
-                   wakes_from_zero: bool = False) -> InferenceServiceStatus:
-    """wakes_from_zero: at 0 replicas, a request through the gateway scales the service up again (minReplicas 0 with
+                   wakes_from_zero: bool = False, filling: str | None = None) -> InferenceServiceStatus:
+    """filling: what the pods wait for (model cache entries being filled), if anything.
+    wakes_from_zero: at 0 replicas, a request through the gateway scales the service up again (minReplicas 0 with
     autoscaling on): it is then Ready (reason ScaledToZero) — it serves, after a cold start."""
     now = now or datetime.now(UTC)
     stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -68,6 +69,8 @@ def compute_status(prev: InferenceServiceStatus | None, generation: int, desired
     ready, updated = status.ready_replicas or 0, status.updated_replicas or 0
     if spec_problems:
         conds = set_condition(conds, "Progressing", "False", spec_problems[0][0], "spec cannot be rolled out", generation, stamp)
+    elif filling:
+        conds = set_condition(conds, "Progressing", "True", "ModelCacheFilling", filling, generation, stamp)
     elif deployment is None or updated < desired or ready < desired or (status.replicas or 0) > desired:
         conds = set_condition(conds, "Progressing", "True", "RollingOut", f"{updated}/{desired} pods updated, {ready}/{desired} ready", generation, stamp)
     else:

@@ -51,9 +51,12 @@ def _serve(ns: argparse.Namespace) -> int:
 def _fetch_model(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from kvpilot.server.engine.parallel import write_termination_message
     from kvpilot.server.fetch import fetch
 
-    fetch(ns.source, Path(ns.dest), timeout=ns.timeout, max_bytes=parse_size(ns.max_size))
+    fetched = fetch(ns.source, Path(ns.dest), timeout=ns.timeout, max_bytes=parse_size(ns.max_size))
+    # A model cache's loader Job: the operator reads what was fetched from the pod's termination message.
+    write_termination_message(fetched.summary())
     return 0
 
 
@@ -110,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         write_termination_message(f"kvpilot: error: {e}")  # what the pod's status shows (Kubernetes' termination message)
         return 2
     except FetchError as e:
+        from kvpilot.server.engine.parallel import write_termination_message
+
         print(f"kvpilot: fetch failed: {e}", file=sys.stderr)
+        write_termination_message(f"kvpilot: fetch failed: {e}")
         return 1
 
 

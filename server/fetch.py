@@ -26,7 +26,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpilot.server.model_source import ModelSource, parse_model_source
@@ -50,6 +50,29 @@ class _Download:
     max_bytes: int
     log: object
     written: int = 0  # bytes written by this run, over all files
+    revisions: set[str] = field(default_factory=set)  # what the server says it sent: the hub's X-Repo-Commit, else an ETag
+
+    def note_revision(self, response) -> None:
+        """One download is one revision: a repository that moves to another commit half way (a push
+        during a checkpoint's download) is an error, not a mix of two commits."""
+        revision = response.headers.get("X-Repo-Commit") or response.headers.get("ETag")
+        if revision:
+            self.revisions.add(revision.strip('"'))
+        if len(self.revisions) > 1:
+            raise FetchError(f"{self.source}: the source changed during the download ({', '.join(sorted(self.revisions))}): run again")
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What a download left at `path`: its bytes on disk and the revision the server named (an hf://
+    source's commit), for a model cache's record."""
+
+    path: Path
+    bytes: int
+    revision: str | None
+
+    def summary(self) -> str:
+        return json.dumps({"revision": self.revision, "bytes": self.bytes})
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
@@ -144,7 +167,7 @@ def checkpoint_files(src: ModelSource, read_timeout: float) -> list[tuple[str, i
     return sorted(files)
 
 
-def fetch(source: str, dest: Path, timeout: float = 1800, read_timeout: float = 60, max_bytes: int = DEFAULT_MAX_BYTES, log=sys.stderr) -> Path:
+def fetch(source: str, dest: Path, timeout: float = 1800, read_timeout: float = 60, max_bytes: int = DEFAULT_MAX_BYTES, log=sys.stderr) -> Fetched:
     """Download `source` to `dest` (a file, or for a whole hf:// repository a directory)."""
     src = parse_model_source(source)
     dest = Path(dest)
@@ -163,10 +186,14 @@ def fetch(source: str, dest: Path, timeout: float = 1800, read_timeout: float = 
                 continue
             _download(job, f"{endpoint}/{src.name}/resolve/{revision}/{name}", credentials, target, read_timeout)
         print(f"fetch-model: {dest} complete ({len(files)} files)", file=log, flush=True)
-        return dest
+        return Fetched(dest, sum((dest / name).stat().st_size for name, _ in files), _revision(job))
     url, credentials = source_url(source)
     _download(job, url, credentials, dest, read_timeout)
-    return dest
+    return Fetched(dest, dest.stat().st_size, _revision(job))
+
+
+def _revision(job: _Download) -> str | None:
+    return next(iter(job.revisions), None)
 
 
 def _download(job: _Download, url: str, credentials: Credentials, dest: Path, read_timeout: float) -> None:
@@ -176,6 +203,7 @@ def _download(job: _Download, url: str, credentials: Credentials, dest: Path, re
     request = credentials.apply(urllib.request.Request(url, headers={"User-Agent": "kvpilot-fetch-model", **({"Range": f"bytes={have}-"} if have else {})}))
     try:
         with _opener(credentials).open(request, timeout=read_timeout) as response:
+            job.note_revision(response)
             resumed = have and response.status == 206
             done = have if resumed else 0
             total = int(response.headers.get("Content-Length") or 0) + done

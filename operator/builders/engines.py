@@ -39,12 +39,25 @@ class ModelFiles:
     source: str
     volume: str
     directory: str
+    shared_cache: bool = False  # spec.model.cache.mode Shared
+
+    @property
+    def cached(self) -> bool:
+        """Held by a model cache entry (a claim filled once, mounted read-only): a downloadable source
+        (https://, hf://) with the shared cache on — for every engine, hub repos included."""
+        return self.shared_cache and parse_model_source(self.source).kind in ("https", "hf")
+
+    @property
+    def file_name(self) -> str:
+        return parse_model_source(self.source).filename
 
     def downloaded(self, engine: str) -> ModelSource | None:
-        """The source an init container downloads before the engine starts: an https:// file, or for
-        the kvpilot engine an hf:// file or whole checkpoint (vLLM and SGLang fetch hub repos
-        themselves); None otherwise."""
+        """The source an init container downloads before the engine starts (no shared cache): an
+        https:// file, or for the kvpilot engine an hf:// file or whole checkpoint (vLLM and SGLang
+        fetch hub repos themselves); None otherwise."""
         src = parse_model_source(self.source)
+        if self.cached:
+            return None
         return src if src.kind == "https" or (src.kind == "hf" and engine == "kvpilot") else None
 
     def argument(self, engine: str) -> str:
@@ -53,6 +66,8 @@ class ModelFiles:
         src = parse_model_source(self.source)
         if src.kind == "pvc":
             return f"{self.directory}/pvc/{src.path}"
+        if self.cached:
+            return f"{self.directory}/cache/{src.filename}"
         if self.downloaded(engine) is not None:
             return f"{self.directory}/download/{src.filename}"
         return src.name  # a bundled name, or the hub repo org/repo that vLLM/SGLang fetch themselves
@@ -61,10 +76,11 @@ class ModelFiles:
 def model_files(spec: InferenceServiceSpec) -> list[ModelFiles]:
     """The served model, then (speculative method draft, any engine) the draft model, which is
     fetched and mounted the same way."""
-    files = [ModelFiles(spec.model.source, "model", MODEL_DIR)]
+    shared = spec.model.cache is not None and spec.model.cache.mode == "Shared"
+    files = [ModelFiles(spec.model.source, "model", MODEL_DIR, shared)]
     spec_settings = spec.engine_settings.speculative
     if spec_settings and spec_settings.method == "draft" and spec_settings.draft_model:
-        files.append(ModelFiles(spec_settings.draft_model, "draft-model", f"{MODEL_DIR}/draft"))
+        files.append(ModelFiles(spec_settings.draft_model, "draft-model", f"{MODEL_DIR}/draft", shared))
     return files
 
 

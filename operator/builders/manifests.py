@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 from kvpilot.operator.builders.engines import DEFAULT_IMAGES, PORT, SHUTDOWN_GRACE_SECONDS, engine_container, model_files
+from kvpilot.operator.builders.model_cache import COMPILE_CACHE_CLAIM, COMPILE_CACHE_DIR, claim_name, shared
+from kvpilot.operator.builders.pod_defaults import CACHE_DIR, CACHE_ENV, CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, VERSION, EnvVar, InferenceServiceSpec, SecretKeyRef
 from kvpilot.server.model_source import parse_model_source
 
 ENGINE_LABEL = f"{GROUP}/engine"
 STARTUP_BUDGET_SECONDS = 1800  # model download + load on a cold node
 DOWNLOAD_TIMEOUT_SECONDS = 1500
-CACHE_DIR = "/cache"           # emptyDir: kernel and Triton caches, HOME (the root filesystem is read-only)
-RUN_AS = 65532                 # the engine image's user (Dockerfile.engine)
-POD_SECURITY_CONTEXT = {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
-                        "seccompProfile": {"type": "RuntimeDefault"}}
-CONTAINER_SECURITY_CONTEXT = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-                              "capabilities": {"drop": ["ALL"]}}
-CACHE_ENV = [{"name": "HOME", "value": CACHE_DIR}, {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
-             {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"}]
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -52,18 +46,30 @@ def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], 
         if src.kind == "pvc":
             volumes.append({"name": files.volume, "persistentVolumeClaim": {"claimName": src.name, "readOnly": True}})
             mounts.append({"name": files.volume, "mountPath": f"{files.directory}/pvc", "readOnly": True})
+        elif files.cached:  # the model cache entry, filled before the Deployment is applied
+            volumes.append({"name": files.volume, "persistentVolumeClaim": {"claimName": claim_name(files.source), "readOnly": True}})
+            mounts.append({"name": files.volume, "mountPath": f"{files.directory}/cache", "readOnly": True})
         elif files.downloaded(spec.engine) is not None:
             mount = {"name": files.volume, "mountPath": f"{files.directory}/download"}
             # The kvpilot engine image downloads it: arguments as a list (no shell), as the same non-root user.
             inits.append({"name": f"download-{files.volume}", "image": spec.image if spec.engine == "kvpilot" and spec.image else DEFAULT_IMAGES["kvpilot"],
                           "command": ["kvpilot", "fetch-model"],
                           "args": [src.raw, files.argument(spec.engine), "--timeout", str(DOWNLOAD_TIMEOUT_SECONDS)],
-                          "env": [*CACHE_ENV, *_hf_token_env(spec)],
+                          "env": [*CACHE_ENV, *hf_token_env(spec)],
                           "securityContext": CONTAINER_SECURITY_CONTEXT,
                           "volumeMounts": [mount, {"name": "cache", "mountPath": CACHE_DIR}]})
             volumes.append({"name": files.volume, "emptyDir": {}})
             mounts.append(mount)
     return volumes, mounts, inits
+
+
+def _cache_env(spec: InferenceServiceSpec) -> list[dict]:
+    """HOME and the caches on the pod's emptyDir; with the shared model cache, Triton's and torch's
+    compile caches on the namespace's compile-cache claim."""
+    if not shared(spec):
+        return CACHE_ENV
+    return [*(e for e in CACHE_ENV if e["name"] != "TRITON_CACHE_DIR"), {"name": "TRITON_CACHE_DIR", "value": f"{COMPILE_CACHE_DIR}/triton"},
+            {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{COMPILE_CACHE_DIR}/inductor"}]
 
 
 def _secret_env(name: str, ref: SecretKeyRef) -> dict:
@@ -76,7 +82,7 @@ def _env_entry(e: EnvVar) -> dict:
     return _secret_env(e.name, e.value_from.secret_key_ref) if e.value_from is not None else {"name": e.name, "value": e.value}
 
 
-def _hf_token_env(spec: InferenceServiceSpec) -> list[dict]:
+def hf_token_env(spec: InferenceServiceSpec) -> list[dict]:
     """HF_TOKEN and HF_ENDPOINT from the user's env reach the download too (gated or mirrored hub files)."""
     return [_env_entry(e) for e in spec.env if e.name in ("HF_TOKEN", "HF_ENDPOINT")]
 
@@ -100,10 +106,14 @@ def _resources(spec: InferenceServiceSpec) -> dict:
 def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
     c = engine_container(spec, name)
     volumes, mounts, inits = _model_volumes(spec)
+    compile_mounts = []
+    if shared(spec):  # compiled kernels outlive the pod: a warm start does not compile again
+        volumes.append({"name": "compile-cache", "persistentVolumeClaim": {"claimName": COMPILE_CACHE_CLAIM}})
+        compile_mounts.append({"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR})
     # The user's entries come first: the names the operator sets last are reserved (the spec refuses them),
     # and Kubernetes lets a later entry of the same name win.
     env = [*(_env_entry(e) for e in spec.env),
-           {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}, *c.env, *CACHE_ENV,
+           {"name": "OMP_WAIT_POLICY", "value": "PASSIVE"}, *c.env, *_cache_env(spec),
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     if spec.api_key_secret_ref is not None:
         env.append(_secret_env("KVPILOT_API_KEY", spec.api_key_secret_ref))
@@ -116,7 +126,7 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) 
         "readinessProbe": {"httpGet": {"path": c.ready_path, "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": c.health_path, "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
         "volumeMounts": [*mounts, {"name": "shm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": CACHE_DIR},
-                         {"name": "tmp", "mountPath": "/tmp"}],
+                         {"name": "tmp", "mountPath": "/tmp"}, *compile_mounts],
         "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
     node_selector = dict(spec.resources.node_selector)
