@@ -20,6 +20,7 @@ import pytest
 from e2e.cluster import TOKEN, _insecure
 from e2e.isvc import apply_isvc, condition, get_isvc
 from e2e.load import ready_endpoints
+from e2e.net import free_port
 from e2e.operator_proc import OperatorProcess
 from e2e.pod_runner import PodRunner
 from e2e.waiting import wait_until
@@ -84,6 +85,22 @@ def first_token_after_scale_up(cluster, namespace: str, name: str, body: dict, a
     return time.monotonic() - start
 
 
+def cold_start(cluster, namespace: str, name: str) -> dict:
+    """The service's lastColdStart, once the operator has measured its pod."""
+    started = wait_until(lambda: ((get_isvc(cluster, namespace, name) or {}).get("status") or {}).get("lastColdStart"), timeout=30,
+                         what=f"{name}: the cold start in the status")
+    phases = {p["name"]: p["seconds"] for p in started["phases"]}
+    assert list(phases) == ["scheduling", "model", "import", "load", "warmup", "listen", "ready"], started
+    # whole-second pod timestamps: the phases add up to the total within that resolution
+    assert abs(sum(phases.values()) - started["totalSeconds"]) <= 2.0, started
+    assert phases["load"] > 0 and phases["import"] > 0, started
+    return started
+
+
+def phase_line(started: dict) -> str:
+    return ", ".join(f"{p['name']} {p['seconds']:.1f}" for p in started["phases"]) + f"; total {started['totalSeconds']:.1f} s"
+
+
 def claim(cluster, namespace: str, name: str) -> dict | None:
     r = cluster.kubectl("get", "pvc", name, "-n", namespace, "-o", "json", check=False)
     return json.loads(r.stdout) if r.returncode == 0 else None
@@ -95,7 +112,8 @@ def test_shared_cache_fills_once_serves_every_pod_and_is_freed_with_its_last_use
     cluster.add_host_volumes(4, tmp_path / "volumes", prefix=f"mc-{namespace}")  # Retain: a released one is not bound again
     hub = FileHub(resolve_model_path("smollm2-135m"))
     runner = PodRunner(cluster.server, tmp_path / "pods").start()
-    op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log")
+    operator_metrics = f"127.0.0.1:{free_port()}"
+    op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log", args=["--liveness", operator_metrics])
     api = httpx.Client(verify=_insecure(), headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
     cache = {"mode": "Shared", "storageClassName": "kvpilot-local", "size": "1Gi"}
     entry = claim_name(SOURCE)
@@ -107,6 +125,7 @@ def test_shared_cache_fills_once_serves_every_pod_and_is_freed_with_its_last_use
                    timeout=60, what="plain at 0 replicas")
         plain_seconds = first_token_after_scale_up(cluster, namespace, "plain", uncached, api)
         assert len(hub.downloads) == 1
+        plain_start = cold_start(cluster, namespace, "plain")
         cluster.kubectl("delete", "kvis", "plain", "-n", namespace, "--wait=true")
 
         # Shared: the entry is filled while the service is at 0 replicas.
@@ -122,6 +141,7 @@ def test_shared_cache_fills_once_serves_every_pod_and_is_freed_with_its_last_use
         assert status == {"claim": entry, "source": SOURCE, "state": "Ready", "revision": COMMIT, "bytes": size}, status
         assert len(hub.downloads) == 2  # the uncached pod's, then the loader's
         cached_seconds = first_token_after_scale_up(cluster, namespace, "first", first, api)
+        cached_start = cold_start(cluster, namespace, "first")
         apply_isvc(cluster, namespace, "first", {**first, "replicas": 3})
         wait_until(lambda: len(ready_endpoints(api, cluster.server, namespace, "first")) == 3, timeout=180, what="3 cached replicas Ready")
         pods = json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-l", "serving.kvpilot.dev/inferenceservice=first", "-o", "json").stdout)["items"]
@@ -133,7 +153,11 @@ def test_shared_cache_fills_once_serves_every_pod_and_is_freed_with_its_last_use
             r = httpx.post(f"{endpoint}/v1/completions", timeout=60, json={"model": "smol", "prompt": "The capital of France is", "max_tokens": 4})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         assert len(hub.downloads) == 2  # three pods, one fill
-        print(f"\nreplicas 0 -> 1 to a first token: {plain_seconds:.1f} s downloading in the pod, {cached_seconds:.1f} s from the cache")
+        print(f"\nreplicas 0 -> 1 to a first token: {plain_seconds:.1f} s downloading in the pod, {cached_seconds:.1f} s from the cache\n"
+              f"cold start, downloading: {phase_line(plain_start)}\ncold start, from the cache: {phase_line(cached_start)}")
+        histogram = httpx.get(f"http://{operator_metrics}/metrics").text
+        for phase in ("model", "load", "total"):  # the three first-wave pods and the uncached one
+            assert f'kvpilot_operator_cold_start_seconds_count{{phase="{phase}"}} 4.0' in histogram, histogram
 
         # A second service of the same source: the same entry, Ready at once, no download.
         apply_isvc(cluster, namespace, "second", spec(SOURCE, 0, hub, cache))

@@ -16,7 +16,7 @@ from kvpilot.operator.builders.model_cache import ENTRY_LABEL
 from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, POD
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, PLURAL, VERSION
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.reconcile import entry_users, forget, reconcile, record_fill, refresh_status
+from kvpilot.operator.reconcile import entry_users, forget, forget_pod, reconcile, record_cold_start, record_fill, refresh_status
 
 log = logging.getLogger("kvpilot.operator")
 _kube: Kube | None = None
@@ -90,8 +90,13 @@ def _reconcile_owner(namespace: str, name: str | None) -> None:
 
 @kopf.on.event("", "v1", "pods", labels={ISVC_LABEL: kopf.PRESENT})
 def on_engine_pod(type, body, meta, namespace, **_) -> None:  # noqa: A002
-    """A pod came, went or changed: status only (the Deployment owns pods: nothing to apply)."""
+    """A pod came, went or changed: status only (the Deployment owns pods: nothing to apply). A pod
+    that just turned Ready has its cold start measured."""
     if _cached(POD, type, body) and (name := meta.get("labels", {}).get(ISVC_LABEL)):
+        if type == "DELETED":
+            forget_pod(meta["uid"])
+        else:
+            record_cold_start(namespace, name, dict(body))
         refresh_status(kube(), namespace, name)
 
 

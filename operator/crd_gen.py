@@ -80,6 +80,8 @@ def crd() -> dict:
         {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas", "description": "Pods the autoscaler wants"},
         {"name": "KV", "type": "string", "jsonPath": ".status.lastMetrics.kvCacheUtilization", "description": "Mean KV-cache utilization"},
         {"name": "Queue", "type": "string", "jsonPath": ".status.lastMetrics.queueDepth", "description": "Mean waiting requests per pod"},
+        {"name": "ColdStart", "type": "number", "jsonPath": ".status.lastColdStart.totalSeconds", "priority": 1,
+         "description": "The newest engine pod's start, created to Ready, seconds (phases: kubectl describe)"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     return {

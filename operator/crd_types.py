@@ -300,6 +300,21 @@ class ModelCacheEntryStatus(_Model):
     message: str | None = Field(None, description="Why the last fill failed (the loader's own words).")
 
 
+class ColdStartPhase(_Model):
+    name: Literal["scheduling", "model", "import", "load", "warmup", "listen", "ready"] = Field(description=(
+        "scheduling: created to scheduled; model: scheduled to the engine's process start (image pull, the model download, "
+        "or nothing with the model cache); import, load (weights, KV cache), warmup (graphs, grammar compiler), listen: the "
+        "kvpilot engine's own; ready: to the pod Ready (probes)."))
+    seconds: float = Field(description="Seconds (pod timestamps have whole-second resolution).")
+
+
+class ColdStart(_Model):
+    pod: str = Field(description="The pod.")
+    ready_time: str = Field(description="When it turned Ready (RFC 3339).")
+    total_seconds: float = Field(description="Created to Ready, seconds.")
+    phases: list[ColdStartPhase] = Field(default_factory=list, description="Where the time went, in order.")
+
+
 class InferenceServiceStatus(_Model):
     observed_generation: int | None = Field(None, description="The spec generation last reconciled.")
     conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded, ScalingActive.")
@@ -314,6 +329,7 @@ class InferenceServiceStatus(_Model):
     scaling_history: list[ScalingEvent] = Field(default_factory=list, description="The last few scaling decisions, newest last.")
     scale_down_window: ScaleDownWindow | None = Field(None, description="The autoscaler's scale-down window (survives a leader change).")
     model_cache: list[ModelCacheEntryStatus] = Field(default_factory=list, description="The model cache entries the pods mount (mode Shared).")
+    last_cold_start: ColdStart | None = Field(None, description="The newest engine pod's start, phase by phase.")
 
 
 class InferenceService(_Model):

@@ -4,7 +4,7 @@ scaling-event panels and the autoscaler-metrics alert read these. Only the leade
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry()
 _LABELS = ["namespace", "inferenceservice"]
@@ -18,6 +18,9 @@ METRICS_AVAILABLE = Gauge("kvpilot_operator_autoscaler_metrics_available",
 RECONCILES = Counter("kvpilot_operator_reconciles", "Reconciles run.", _LABELS, registry=REGISTRY)
 RECONCILE_ERRORS = Counter("kvpilot_operator_reconcile_errors", "Reconciles that failed with an exception (kopf retries them).",
                            _LABELS, registry=REGISTRY)
+COLD_START = Histogram("kvpilot_operator_cold_start_seconds", "Engine pod starts, created to Ready, by phase (scheduling, model, import, "
+                       "load, warmup, listen, ready; total: all of them).", ["phase"], registry=REGISTRY,
+                       buckets=(0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800))
 _PER_SERVICE = (DESIRED, READY, METRICS_AVAILABLE, RECONCILES, RECONCILE_ERRORS)
 
 

@@ -5,18 +5,20 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import defaultdict
+from datetime import datetime
 
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic.exceptions import DynamicApiError
 from pydantic import ValidationError
 
-from kvpilot.operator import metrics
+from kvpilot.operator import cold_start, metrics
 from kvpilot.operator.builders import model_cache
 from kvpilot.operator.builders.engines import engine_container, unsupported_settings
-from kvpilot.operator.builders.manifests import desired_replicas, endpoint_url, hf_token_env, render, selector_labels
+from kvpilot.operator.builders.manifests import ENGINE_LABEL, desired_replicas, endpoint_url, hf_token_env, render, selector_labels
 from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, POD
-from kvpilot.operator.crd_types import InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus
+from kvpilot.operator.crd_types import ColdStart, InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.status import AutoscalerReport, compute_status, now_rfc3339, unchanged
 from kvpilot.server.model_files import BUNDLED
@@ -39,10 +41,45 @@ def isvc_lock(namespace: str, name: str) -> threading.Lock:
         return _locks[(namespace, name)]
 
 
+_cold_starts: dict[tuple[str, str], ColdStart] = {}  # the newest measured engine pod start, until written
+_measured: set[str] = set()  # pod uids whose start was measured
+COLD_START_FRESH_SECONDS = 120  # a pod Ready for longer (seen after an operator restart) is not measured again
+
+
 def forget(namespace: str, name: str) -> None:
     """An InferenceService is gone: drop what is kept for it."""
     REPORTS.pop((namespace, name), None)
     _apply_problems.pop((namespace, name), None)
+    _cold_starts.pop((namespace, name), None)
+
+
+def forget_pod(uid: str) -> None:
+    _measured.discard(uid)
+
+
+def record_cold_start(namespace: str, name: str, pod: dict) -> None:
+    """A pod that turned Ready in the last two minutes: its start by phase, from its timestamps and (a
+    kvpilot engine) its /metrics; into the operator's histograms and, as the newest, the status."""
+    uid = pod["metadata"]["uid"]
+    if uid in _measured or pod["metadata"].get("deletionTimestamp"):
+        return
+    first = cold_start.cold_start(pod, None, {})
+    if first is None or time.time() - datetime.fromisoformat(first.ready_time.replace("Z", "+00:00")).timestamp() > COLD_START_FRESH_SECONDS:
+        return
+    _measured.add(uid)
+    engine = next((c for c in pod["spec"]["containers"] if c["name"] == "engine"), None)
+    measured = first
+    ip = (pod.get("status") or {}).get("podIP")
+    if ip and engine is not None and pod["metadata"].get("labels", {}).get(ENGINE_LABEL) == "kvpilot":
+        port = next((p["containerPort"] for p in engine.get("ports") or [] if p.get("name") == "http"), 8000)
+        measured = cold_start.cold_start(pod, *cold_start.read_engine_startup(f"http://{ip}:{port}/metrics")) or first
+    for phase in measured.phases:
+        metrics.COLD_START.labels(phase.name).observe(phase.seconds)
+    metrics.COLD_START.labels("total").observe(measured.total_seconds)
+    with isvc_lock(namespace, name):
+        newest = _cold_starts.get((namespace, name))
+        if newest is None or newest.ready_time <= measured.ready_time:
+            _cold_starts[(namespace, name)] = measured
 
 
 def fault_point(name: str, namespace: str, isvc: str) -> None:
@@ -224,6 +261,8 @@ def write_status(kube: Kube, body: dict, spec: InferenceServiceSpec | None, prob
                             wakes_from_zero=spec is not None and spec.min_replicas == 0 and spec.autoscaling.enabled,
                             filling="; ".join(f"model cache entry {e.claim} ({e.source}) is being filled" for e in filling) or None)
     status.model_cache = entries
+    if (started := _cold_starts.get((namespace, name))) is not None:
+        status.last_cold_start = started
     report = REPORTS.get((namespace, name))
     if report is not None:
         report.apply(status, now_rfc3339())

@@ -96,7 +96,7 @@ class FakeHub:
     """A hub endpoint on loopback: the tree listing of org/repo and its files. `cut` names a file whose
     first GET sends only half of it and drops the connection; later GETs honour Range."""
 
-    def __init__(self, files: dict[str, bytes], cut: str | None = None):
+    def __init__(self, files: dict[str, bytes], cut: str | None = None, commits: dict[str, str] | None = None):
         seen = self.seen = []
         cut_done = []
 
@@ -123,6 +123,8 @@ class FakeHub:
                 else:
                     self.send_response(200)
                 self.send_header("Content-Length", str(len(data) - start))
+                if commits and name in commits:
+                    self.send_header("X-Repo-Commit", commits[name])
                 self.end_headers()
                 if name == cut and not cut_done:
                     cut_done.append(True)
@@ -327,3 +329,28 @@ def test_token_is_never_sent_over_plain_http_to_a_non_loopback_hub(tmp_path):
     r = fetch("hf://org/repo/model.gguf", str(tmp_path / "m.gguf"), env={"HF_ENDPOINT": "http://hub.invalid", "HF_TOKEN": "hf_secret"})
     assert r.returncode == 1 and "would travel unencrypted" in r.stderr and "hf_secret" not in r.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_the_fetch_summary_names_the_commit_and_a_moving_repository_is_refused(tmp_path):
+    """What a model cache's loader leaves in its termination message: the commit the hub named
+    (X-Repo-Commit) and the bytes; a repository whose files come from two commits (a push during the
+    download) is an error, not a mix."""
+    wanted = {n for n in CHECKPOINT if n.endswith((".json", ".safetensors"))}
+    hub = FakeHub(CHECKPOINT, commits={n: "c0ffee" for n in CHECKPOINT})
+    log = tmp_path / "termination-log"
+    try:
+        log.write_text("")
+        ok = fetch("hf://org/repo", str(tmp_path / "a"), env={**hub.env, "KVPILOT_TERMINATION_LOG": str(log)})
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(log.read_text()) == {"revision": "c0ffee", "bytes": sum(len(CHECKPOINT[n]) for n in wanted)}
+    finally:
+        hub.close()
+    moved = FakeHub(CHECKPOINT, commits={n: "c0ffee" if n != "tokenizer.json" else "beef42" for n in CHECKPOINT})
+    try:
+        log.write_text("")
+        bad = fetch("hf://org/repo", str(tmp_path / "b"), env={**moved.env, "KVPILOT_TERMINATION_LOG": str(log)})
+        assert bad.returncode == 1 and "the source changed during the download (beef42, c0ffee)" in bad.stderr, bad.stderr
+        assert log.read_text().startswith("kvpilot: fetch failed: hf://org/repo: the source changed")
+    finally:
+        moved.close()

@@ -194,6 +194,9 @@ def test_a_request_for_a_model_without_pods_is_held_then_served(gateway):
     metrics = httpx.get(url + "/metrics").text
     assert 'kvpilot_gateway_held_requests{model="cold"} 0.0' in metrics and 'kvpilot_gateway_held_requests{model="m"} 0.0' in metrics
     assert 'kvpilot_gateway_hold_seconds_count{model="cold"} 2.0' in metrics
+    # arrival to the first byte, for the held requests only (each waited at least the 0.5 s before the pod came)
+    assert 'kvpilot_gateway_cold_start_first_token_seconds_count{model="cold"} 2.0' in metrics
+    assert 'kvpilot_gateway_cold_start_first_token_seconds_bucket{le="0.5",model="cold"} 0.0' in metrics
 
 
 def test_endpoint_table_from_inference_services_and_pods():

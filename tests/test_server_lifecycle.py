@@ -36,8 +36,16 @@ def test_overload_gets_429_with_retry_after_and_server_survives(tmp_path):
 
 
 def test_api_key(tmp_path):
+    launched = time.time()
     s = ServerProcess("--kv-cache-memory", "64MiB", env={"KVPILOT_API_KEY": "sekret-key-123"}, log_path=tmp_path / "log").wait_ready()
     try:
+        # The start-up record the operator reads for a pod's cold start (from /metrics, open to it without the key).
+        from kvpilot.operator.cold_start import engine_startup
+
+        start, phases = engine_startup(httpx.get(s.url + "/metrics").text)
+        assert launched - 1 <= start <= time.time(), (launched, start)
+        assert list(phases) == ["import", "load", "warmup", "listen"] and phases["import"] > 0 and phases["load"] > 0, phases
+        assert start + sum(phases.values()) <= time.time()
         body = {"prompt": "hi", "max_tokens": 2}
         r = httpx.post(s.url + "/v1/completions", json=body)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

@@ -96,6 +96,9 @@ class GatewayMetrics:
 
         self.hold_seconds = Histogram("kvpilot_gateway_hold_seconds", "How long held requests waited for a ready pod (served ones).", ["model"],
                                       buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=self.registry)
+        self.cold_first_token = Histogram("kvpilot_gateway_cold_start_first_token_seconds", "Held requests (no ready pod when they came: "
+                                          "scale from zero, cold start): arrival to the first byte of the engine's answer.", ["model"],
+                                          buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=self.registry)
 
 
 class Gateway:
@@ -170,7 +173,9 @@ class Gateway:
         endpoints = self.source.endpoints(model)
         if endpoints is None:
             return error(404, f"the model '{model}' does not exist", "not_found_error")
+        held_since = None
         if not endpoints:
+            held_since = time.monotonic()
             held = await self._hold(request, model)
             if isinstance(held, Response):
                 return held
@@ -202,14 +207,17 @@ class Gateway:
                 continue
             self.metrics.routed.labels(model, endpoint, decision).inc()
             self.metrics.in_flight.labels(model, endpoint).inc()
-            return StreamingResponse(self._relay(upstream, model, endpoint), status_code=upstream.status_code,
+            return StreamingResponse(self._relay(upstream, model, endpoint, held_since), status_code=upstream.status_code,
                                      headers={**{k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS},
                                               "x-kvpilot-endpoint": endpoint})
         return error(502, f"no ready replica of '{model}' accepted the connection", "bad_gateway", {"Retry-After": str(self.config.retry_after_seconds)})
 
-    async def _relay(self, upstream: httpx.Response, model: str, endpoint: str):
+    async def _relay(self, upstream: httpx.Response, model: str, endpoint: str, held_since: float | None = None):
         try:
             async for chunk in upstream.aiter_raw():
+                if held_since is not None:
+                    self.metrics.cold_first_token.labels(model).observe(time.monotonic() - held_since)
+                    held_since = None
                 yield chunk
         finally:
             await upstream.aclose()

@@ -13,6 +13,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from kvpilot.server import startup
 from kvpilot.server.api import errors
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTooLargeError, ServerShutdownError
 from kvpilot.server.api.errors import APIError, param_of
@@ -250,6 +251,7 @@ class DrainingServer:
         while not self.server.started and not serve.done():
             await asyncio.sleep(0.05)
         if self.server.started:
+            startup.mark("listening")
             sock = self.server.servers[0].sockets[0].getsockname() if self.server.servers else None
             host, port = (sock[0], sock[1]) if sock else (self.server.config.host, self.server.config.port)
             print(f"kvpilot: serving {self.state.serving.model_name} — ready at http://{host}:{port}", file=sys.stderr, flush=True)

@@ -15,6 +15,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvpilot.server import startup
 from kvpilot.server.engine.llm_engine import LLMEngine
 from kvpilot.server.engine.outputs import RequestOutput
 from kvpilot.server.engine.sampling_params import STRUCTURED_KINDS
@@ -48,6 +49,14 @@ class _EngineCollector:
             c.add_metric(labels, value)
             return c
 
+        yield gauge("engine_start_time_seconds", "When the engine process started (Unix time): where its start-up phases begin.",
+                    startup.process_start_time())
+        phases = GaugeMetricFamily(P + "engine_startup_phase_seconds", "Seconds of each start-up phase: import (process start to the engine's "
+                                   "construction), load (weights, KV cache), warmup (decode graphs, grammar compiler), listen (HTTP server up).",
+                                   labels=["model_name", "phase"])
+        for phase, seconds in startup.phases().items():
+            phases.add_metric([self.model_name, phase], seconds)
+        yield phases
         yield gauge("kv_cache_usage_perc", "KV-cache blocks held by live requests, 0-1 (evictable prefix-cache blocks count as free).", s.kv_cache_usage)
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting + self.pending())

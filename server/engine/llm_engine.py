@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvpilot.server import startup
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.limits import Admission, RequestLimits
 from kvpilot.server.engine.output_processor import OutputProcessor
@@ -52,6 +53,7 @@ class LLMEngine:
         from kvpilot.server.engine.structured import GrammarCompiler
         from kvpilot.server.tokenizer import IncrementalDetokenizer
 
+        startup.mark("engine_init")
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.served_model_name = config.served_model_name or default_served_name(config.model)
@@ -74,6 +76,7 @@ class LLMEngine:
             tp = TensorParallel(0, config.tensor_parallel_size)
             self.workers = Workers(config, self.model_path, resolve_device(config).type)
         self.runner = ModelRunner(config, weights, show_progress=show_progress, draft=draft, tp=tp, workers=self.workers)
+        startup.mark("loaded")
         capacity = self.runner.num_blocks * config.block_size
         limits = [self.model_config.max_position, capacity] + ([window] if window else [])
         self.max_model_len = min(config.max_model_len or min(limits), *limits)
@@ -89,6 +92,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
                                         num_threads=config.num_threads or os.cpu_count() or 1)
         self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device, self.grammars)
+        startup.mark("warm")
         self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids)
         self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size, self.grammars)
         self.proposer = None
