@@ -15,9 +15,10 @@ from kvpilot.operator.cold_start import cold_start
 from kvpilot.operator.crd_types import InferenceServiceSpec
 
 HF = "hf://org/repo/model.Q4_0.gguf"
+OPERATOR_DEFAULTS = mc.CacheDefaults()
 
 
-def spec(source: str = HF, cache: dict | None = None, defaults: mc.CacheDefaults = mc.CacheDefaults(), **kw) -> InferenceServiceSpec:
+def spec(source: str = HF, cache: dict | None = None, defaults: mc.CacheDefaults = OPERATOR_DEFAULTS, **kw) -> InferenceServiceSpec:
     body = {"model": {"source": source, **({"cache": cache} if cache else {})}, **kw}
     return mc.with_defaults(InferenceServiceSpec.model_validate(body), defaults)
 
