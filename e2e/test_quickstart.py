@@ -1,7 +1,7 @@
 """The README's local quick start, step by step, as a user runs it: `python -m e2e.cluster up` (what
 `make cluster-up` runs) on its own cluster, the chart installed with the helm line it prints (its
-operator and gateway pods run by the pod runner), the CPU example applied with kubectl, Ready, a
-completion through the pod IP and through the gateway, the KV column filled from Prometheus, then `down` leaving no process behind.
+operator and gateway pods run by the pod runner), the CPU example applied with kubectl, Ready, its
+cold start by phase in `kubectl describe`, a completion through the pod IP and through the gateway, the KV column filled from Prometheus, then `down` leaving no process behind.
 
 Twice: with the pods as local processes, and with every pod run from its image by podman (`make
 images` built them; `.ci/run` builds them before the tests): the operator, the gateway and the
@@ -70,6 +70,11 @@ def test_readme_local_quick_start(tmp_path, runtime):
         kubectl("apply", "-f", str(ROOT / "crds" / "examples" / "smollm2-cpu.yaml"))
         wait_until(lambda: json.loads(kubectl("get", "kvis", "smollm2", "-o", "json")).get("status", {}).get("readyReplicas") == 1,
                    timeout=120, what="smollm2 Ready (model load)")
+        # the README's describe line: the pod's start, phase by phase, measured by the operator when it turned Ready
+        described = wait_until(lambda: (lambda d: d if "Last Cold Start" in d else None)(kubectl("describe", "kvis", "smollm2")), timeout=30,
+                               what="the cold start in the status")
+        phases = kubectl("get", "kvis", "smollm2", "-o", "jsonpath={.status.lastColdStart.phases[*].name}").split()
+        assert phases == ["scheduling", "model", "import", "load", "warmup", "listen", "ready"], described
         pod_ip = kubectl("get", "pods", "-l", "serving.kvpilot.dev/inferenceservice=smollm2", "-o", "jsonpath={.items[0].status.podIP}")
         r = httpx.post(f"http://{require_loopback(pod_ip)}:8000/v1/completions", timeout=60,
                        json={"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
