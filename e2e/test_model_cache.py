@@ -9,15 +9,14 @@ engine pod is started. Time from replicas 0 -> 1 to a first token is printed wit
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 
 from e2e.cluster import TOKEN, _insecure
+from e2e.hub import COMMIT, FileHub
 from e2e.isvc import apply_isvc, condition, get_isvc
 from e2e.load import ready_endpoints
 from e2e.net import free_port
@@ -29,39 +28,7 @@ from kvpilot.server.model_files import resolve_model_path
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = "hf://org/smol/smol.gguf"
-COMMIT = "3f0e4c2a9b7d1e5f6a8b9c0d1e2f3a4b5c6d7e8f"
-
-
-class FileHub:
-    """/org/smol/resolve/main/smol.gguf: the bundled GGUF, with the hub's X-Repo-Commit; counts full GETs."""
-
-    def __init__(self, path: Path):
-        self.downloads: list[str] = []
-        downloads, data = self.downloads, path.read_bytes()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                if self.path != "/org/smol/resolve/main/smol.gguf":
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                downloads.append(self.path)
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.send_header("X-Repo-Commit", COMMIT)
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
+SOURCE = "hf://org/smol/smol.gguf"  # what FileHub serves
 
 
 def spec(source: str, replicas: int, hub: FileHub, cache: dict | None) -> dict:
