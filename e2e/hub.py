@@ -1,5 +1,6 @@
-"""A loopback stand-in for the Hugging Face hub serving one GGUF file, as `hf://org/smol/smol.gguf`
-(with the hub's X-Repo-Commit header): model cache tests and the cold-start benchmark count its downloads."""
+"""A loopback stand-in for the Hugging Face hub serving one GGUF file, as `hf://org/smol/smol.gguf` and
+`hf://org/smol/copy.gguf` (with the hub's X-Repo-Commit header): model cache tests and the cold-start
+benchmark count its downloads."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ COMMIT = "3f0e4c2a9b7d1e5f6a8b9c0d1e2f3a4b5c6d7e8f"
 
 
 class FileHub:
-    """/org/smol/resolve/main/smol.gguf: the bundled GGUF, with the hub's X-Repo-Commit; counts full GETs."""
+    """/org/smol/resolve/main/{smol,copy}.gguf: the bundled GGUF, with the hub's X-Repo-Commit; counts full GETs."""
 
     def __init__(self, path: Path):
         self.downloads: list[str] = []
@@ -19,7 +20,7 @@ class FileHub:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
-                if self.path != "/org/smol/resolve/main/smol.gguf":
+                if self.path not in ("/org/smol/resolve/main/smol.gguf", "/org/smol/resolve/main/copy.gguf"):
                     self.send_response(404)
                     self.end_headers()
                     return

@@ -2,8 +2,9 @@
 and an hf:// GGUF source (a loopback hub serving the bundled model's file, X-Repo-Commit included) gets a
 ReadWriteMany claim (bound by the controller-manager to a pre-made host-directory PersistentVolume) and
 a loader Job that fills it once; scaled 0 -> 1 -> 3, every pod mounts the claim and the hub served the
-file exactly once. A second service of the same source reuses the entry; deleting one keeps it, deleting
-both frees it (the garbage collector, by ownerReferences). A bad source is a condition + Event, and no
+file exactly once. A second service of the same source reuses the entry; deleting one keeps it; the
+other's source change fills a new entry and frees the old (the garbage collector, by ownerReferences);
+deleting it frees the new one. A bad source is a condition + Event, and no
 engine pod is started. Time from replicas 0 -> 1 to a first token is printed with and without the cache."""
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def claim(cluster, namespace: str, name: str) -> dict | None:
 @pytest.mark.timeout(420)
 def test_shared_cache_fills_once_serves_every_pod_and_is_freed_with_its_last_user(cluster, namespace, tmp_path):
     cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    cluster.add_host_volumes(4, tmp_path / "volumes", prefix=f"mc-{namespace}")  # Retain: a released one is not bound again
+    cluster.add_host_volumes(6, tmp_path / "volumes", prefix=f"mc-{namespace}")  # Retain: a released one is not bound again
     hub = FileHub(resolve_model_path("smollm2-135m"))
     runner = PodRunner(cluster.server, tmp_path / "pods").start()
     operator_metrics = f"127.0.0.1:{free_port()}"
@@ -135,9 +136,16 @@ def test_shared_cache_fills_once_serves_every_pod_and_is_freed_with_its_last_use
         cluster.kubectl("delete", "kvis", "first", "-n", namespace, "--wait=true")
         wait_until(lambda: owners() == ["second"], timeout=60, what="the first owner gone from the entry")
         assert claim(cluster, namespace, entry)["metadata"].get("deletionTimestamp") is None
+        # A source change: a new entry is filled; the old one, let go of by its last user, is freed
+        # (once its loader's Job, a user of the claim while it exists, has gone: 15 s after it ended).
+        copy = "hf://org/smol/copy.gguf"
+        apply_isvc(cluster, namespace, "second", spec(copy, 0, hub, cache))
+        wait_until(lambda: entry_status("second")[0].get("claim") == claim_name(copy) and entry_status("second")[0].get("state") == "Ready",
+                   timeout=90, what="the new source's entry filled")
+        assert len(hub.downloads) == 3
+        wait_until(lambda: claim(cluster, namespace, entry) is None, timeout=60, what="the old entry freed with its last user")
         cluster.kubectl("delete", "kvis", "second", "-n", namespace, "--wait=true")
-        # (the loader's Job, a user of the claim while it exists, goes a minute after it ended)
-        wait_until(lambda: claim(cluster, namespace, entry) is None, timeout=90, what="the entry freed with its last user")
+        wait_until(lambda: claim(cluster, namespace, claim_name(copy)) is None, timeout=60, what="the new entry freed with its last user")
 
         # A bad source: a condition and an Event with the loader's own words; no engine pod.
         apply_isvc(cluster, namespace, "bad", spec("hf://org/missing/x.gguf", 1, hub, cache))

@@ -86,6 +86,14 @@ class Kube:
             if e.status != 409:
                 raise
 
+    def delete_claim(self, name: str, namespace: str) -> None:
+        """A model cache claim nobody uses any more (one already gone is fine)."""
+        try:
+            self._resource("v1", "PersistentVolumeClaim").delete(name=name, namespace=namespace)
+        except DynamicApiError as e:
+            if e.status != 404:
+                raise
+
     def annotate_claim(self, name: str, namespace: str, annotations: dict[str, str]) -> dict:
         """The claim as written (for the cache)."""
         return self._resource("v1", "PersistentVolumeClaim").patch(body={"metadata": {"annotations": annotations}}, name=name, namespace=namespace,

@@ -185,11 +185,12 @@ def _apply_model_cache(kube: Kube, body: dict, spec: InferenceServiceSpec) -> bo
     previous = ((body.get("status") or {}).get("modelCache") or [])
     for entry in previous:
         if entry.get("claim") not in used and (existing := CACHE.get(CLAIM, namespace, entry["claim"])) is not None:
-            CACHE.put(CLAIM, kube.apply(model_cache.entry_claim(entry["source"], namespace, spec, None, existing), field_manager=manager))
+            _let_go(kube, model_cache.entry_claim(entry["source"], namespace, spec, None, existing), manager)
     compile_claim = CACHE.get(CLAIM, namespace, model_cache.COMPILE_CACHE_CLAIM)
-    if model_cache.shared(spec) or (compile_claim is not None and any(o.get("uid") == meta["uid"] for o in compile_claim["metadata"].get("ownerReferences") or [])):
-        CACHE.put(CLAIM, kube.apply(model_cache.compile_cache_claim(namespace, spec, cache_defaults(), user if model_cache.shared(spec) else None,
-                                                                     compile_claim), field_manager=manager))
+    if model_cache.shared(spec):
+        CACHE.put(CLAIM, kube.apply(model_cache.compile_cache_claim(namespace, spec, cache_defaults(), user, compile_claim), field_manager=manager))
+    elif compile_claim is not None and any(o.get("uid") == meta["uid"] for o in compile_claim["metadata"].get("ownerReferences") or []):
+        _let_go(kube, model_cache.compile_cache_claim(namespace, spec, cache_defaults(), None, compile_claim), manager)
     ready = True
     for files_ in files:
         name = model_cache.claim_name(files_.source)
@@ -200,6 +201,19 @@ def _apply_model_cache(kube: Kube, body: dict, spec: InferenceServiceSpec) -> bo
             ready = False
             kube.create_unless_present(model_cache.fill_job(files_, namespace, spec, claim, hf_token_env(spec)))
     return ready
+
+
+def _let_go(kube: Kube, claim: dict, manager: str) -> None:
+    """This service no longer uses a shared claim: its ownerReference goes (its field manager applies
+    the claim without it). With no owner left the claim is deleted — the garbage collector deletes only
+    what lost its owners by their deletion, not by their letting go."""
+    meta = claim["metadata"]
+    applied = kube.apply(claim, field_manager=manager)
+    if applied["metadata"].get("ownerReferences"):
+        CACHE.put(CLAIM, applied)
+    else:
+        kube.delete_claim(meta["name"], meta["namespace"])
+        CACHE.delete(CLAIM, meta["namespace"], meta["name"])
 
 
 def _loader_pods(namespace: str, source: str) -> list[dict]:

@@ -32,10 +32,11 @@ COMPILE_CACHE_DIR = "/cache/compile"
 ENTRY_DIR = "/entry"                                # where the loader writes, in its pod
 FILL_BACKOFF_LIMIT = 6                              # the Job controller's retries: 10 s, doubling, capped at 6 min
 FILL_TIMEOUT_SECONDS = 1500
-# A finished loader pod still counts as a user of its claim (pvc-protection): the Job goes a minute after
-# it ends (the operator records the fill from the pod's Succeeded event well before), or the claim could
-# never be freed. A Job that failed for good goes too, and the next reconcile starts another.
-FILL_JOB_TTL_SECONDS = 60
+# A finished loader pod still counts as a user of its claim (pvc-protection): the Job goes 15 s after it
+# ends (the operator records the fill from the pod's Succeeded event, sub-second; should it miss that, the
+# next reconcile fills the entry again), or the claim could never be freed. A Job that failed for good
+# goes too, and the next reconcile starts another.
+FILL_JOB_TTL_SECONDS = 15
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +117,7 @@ def compile_cache_claim(namespace: str, spec: InferenceServiceSpec, defaults: Ca
 
 def fill_job(files: ModelFiles, namespace: str, spec: InferenceServiceSpec, claim: dict, env: list[dict]) -> dict:
     """The loader: `kvpilot fetch-model SOURCE /entry/NAME` into the claim, as the engine image's
-    non-root user, retried by the Job controller; owned by the claim, and gone a minute after it ends.
+    non-root user, retried by the Job controller; owned by the claim, and gone 15 s after it ends.
     Its termination message is the fetch summary (revision, bytes) or the error."""
     key = entry_key(files.source)
     image = spec.image if spec.engine == "kvpilot" and spec.image else DEFAULT_IMAGES["kvpilot"]
