@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.common import machine, refuse_if_busy, table  # noqa: E402
 from e2e.cluster import TOKEN, Cluster, _insecure  # noqa: E402
-from e2e.hub import FileHub  # noqa: E402
+from e2e.hub import LoopbackHub, smol_hub  # noqa: E402
 from e2e.isvc import apply_isvc, get_isvc  # noqa: E402
 from e2e.load import ready_endpoints  # noqa: E402
 from e2e.operator_proc import OperatorProcess  # noqa: E402
@@ -35,14 +35,14 @@ NS = "bench"
 PHASES = ["scheduling", "model", "import", "load", "warmup", "listen", "ready"]
 
 
-def service(hub: FileHub, mode: str, replicas: int) -> dict:
+def service(hub: LoopbackHub, mode: str, replicas: int) -> dict:
     cache = {"mode": mode} if mode == "PerPod" else {"mode": mode, "storageClassName": "kvpilot-local", "size": "1Gi"}
     return {"model": {"source": "hf://org/smol/smol.gguf", "servedName": "smol", "cache": cache}, "replicas": replicas, "minReplicas": 0,
             "maxReplicas": 1, "autoscaling": {"enabled": False}, "resources": {"cpuOnly": True}, "env": [{"name": "HF_ENDPOINT", "value": hub.url}],
             "engineSettings": {"kvCacheMemory": "16MiB", "maxModelLen": 256}}
 
 
-def start_once(cluster: Cluster, api: httpx.Client, hub: FileHub, name: str, mode: str, previous: str | None) -> dict:
+def start_once(cluster: Cluster, api: httpx.Client, hub: LoopbackHub, name: str, mode: str, previous: str | None) -> dict:
     t = time.monotonic()
     apply_isvc(cluster, NS, name, service(hub, mode, 1))
 
@@ -69,7 +69,7 @@ def main() -> int:
     refuse_if_busy(force=args.force)
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(name="bench-cold-start", state_dir=Path(tmp) / "cluster").up(nodes=1)
-        hub = FileHub(resolve_model_path("smollm2-135m"))
+        hub = smol_hub(resolve_model_path("smollm2-135m"))
         runner = op = None
         try:
             cluster.kubectl("apply", "-f", str(ROOT / "crds"))

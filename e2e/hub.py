@@ -1,9 +1,10 @@
-"""A loopback stand-in for the Hugging Face hub serving one GGUF file, as `hf://org/smol/smol.gguf` and
-`hf://org/smol/copy.gguf` (with the hub's X-Repo-Commit header): model cache tests and the cold-start
-benchmark count its downloads."""
+"""A loopback stand-in for the Hugging Face hub: one repository's files at /{repo}/resolve/main/{name}
+(with the hub's X-Repo-Commit header) and its listing at /api/models/{repo}/tree/main. The checkpoint
+and model cache tests and the cold-start benchmark count what it served."""
 
 from __future__ import annotations
 
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -11,25 +12,36 @@ from pathlib import Path
 COMMIT = "3f0e4c2a9b7d1e5f6a8b9c0d1e2f3a4b5c6d7e8f"
 
 
-class FileHub:
-    """/org/smol/resolve/main/{smol,copy}.gguf: the bundled GGUF, with the hub's X-Repo-Commit; counts full GETs."""
+class LoopbackHub:
+    """`files`: name in the repository -> the file served. `requests`: every path asked for;
+    `downloads`: the file paths served."""
 
-    def __init__(self, path: Path):
+    def __init__(self, repo: str, files: dict[str, Path]):
+        self.requests: list[str] = []
         self.downloads: list[str] = []
-        downloads, data = self.downloads, path.read_bytes()
+        requests, downloads = self.requests, self.downloads
+        listing = json.dumps([{"type": "file", "path": name, "size": path.stat().st_size} for name, path in files.items()]).encode()
+        prefix = f"/{repo}/resolve/main/"
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
-                if self.path not in ("/org/smol/resolve/main/smol.gguf", "/org/smol/resolve/main/copy.gguf"):
+                requests.append(self.path)
+                name = self.path.removeprefix(prefix) if self.path.startswith(prefix) else None
+                if self.path == f"/api/models/{repo}/tree/main":
+                    body = listing
+                elif name in files:
+                    downloads.append(self.path)
+                    body = files[name].read_bytes()
+                else:
                     self.send_response(404)
                     self.end_headers()
                     return
-                downloads.append(self.path)
                 self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.send_header("X-Repo-Commit", COMMIT)
+                self.send_header("Content-Length", str(len(body)))
+                if name in files:
+                    self.send_header("X-Repo-Commit", COMMIT)
                 self.end_headers()
-                self.wfile.write(data)
+                self.wfile.write(body)
 
             def log_message(self, *a):
                 pass
@@ -40,3 +52,8 @@ class FileHub:
 
     def close(self):
         self.server.shutdown()
+
+
+def smol_hub(model: Path) -> LoopbackHub:
+    """The bundled GGUF as hf://org/smol/smol.gguf and, a second source of the same bytes, hf://org/smol/copy.gguf."""
+    return LoopbackHub("org/smol", {"smol.gguf": model, "copy.gguf": model})

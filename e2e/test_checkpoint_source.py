@@ -5,16 +5,14 @@ into the pod's volume; the engine loads that directory, becomes Ready and answer
 
 from __future__ import annotations
 
-import json
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
 
 from e2e.cluster import TOKEN, _insecure
+from e2e.hub import LoopbackHub
 from e2e.isvc import apply_isvc, condition, get_isvc
 from e2e.load import ready_endpoints
 from e2e.operator_proc import OperatorProcess
@@ -25,41 +23,6 @@ pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class LoopbackHub:
-    """GET /api/models/org/repo/tree/main and /org/repo/resolve/main/FILE for one directory."""
-
-    def __init__(self, directory: Path):
-        self.requests: list[str] = []
-        requests = self.requests
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                requests.append(self.path)
-                if self.path == "/api/models/org/tiny-qwen3/tree/main":
-                    body = json.dumps([{"type": "file", "path": f.name, "size": f.stat().st_size} for f in sorted(directory.iterdir())]).encode()
-                else:
-                    name = self.path.removeprefix("/org/tiny-qwen3/resolve/main/")
-                    if "/" in name or not (directory / name).is_file():
-                        self.send_response(404)
-                        self.end_headers()
-                        return
-                    body = (directory / name).read_bytes()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-
-
 @pytest.mark.timeout(300)
 def test_hf_checkpoint_source_is_fetched_and_served(cluster, namespace, tmp_path):
     sys.path.insert(0, str(ROOT / "tests"))
@@ -67,7 +30,7 @@ def test_hf_checkpoint_source_is_fetched_and_served(cluster, namespace, tmp_path
     from kvpilot.server.model_files import resolve_model_path
 
     checkpoint = build_checkpoint(CASES["qwen3"], tmp_path / "hub" / "tiny-qwen3", save_tokenizer(resolve_model_path("smollm2-135m"), tmp_path / "tok"))
-    hub = LoopbackHub(checkpoint)
+    hub = LoopbackHub("org/tiny-qwen3", {f.name: f for f in sorted(checkpoint.iterdir())})
     cluster.kubectl("apply", "-f", str(ROOT / "crds"))
     runner = PodRunner(cluster.server, tmp_path / "pods").start()
     op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log")

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from e2e.cluster import TOKEN, _insecure
-from e2e.hub import COMMIT, FileHub
+from e2e.hub import COMMIT, LoopbackHub, smol_hub
 from e2e.isvc import apply_isvc, condition, get_isvc
 from e2e.load import ready_endpoints
 from e2e.net import free_port
@@ -29,10 +29,10 @@ from kvpilot.server.model_files import resolve_model_path
 
 pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = "hf://org/smol/smol.gguf"  # what FileHub serves
+SOURCE = "hf://org/smol/smol.gguf"  # what smol_hub serves
 
 
-def spec(source: str, replicas: int, hub: FileHub, cache: dict | None) -> dict:
+def spec(source: str, replicas: int, hub: LoopbackHub, cache: dict | None) -> dict:
     return {"model": {"source": source, "servedName": "smol", **({"cache": cache} if cache else {})}, "replicas": replicas, "minReplicas": 0, "maxReplicas": 3,
             "autoscaling": {"enabled": False}, "resources": {"cpuOnly": True}, "env": [{"name": "HF_ENDPOINT", "value": hub.url}],
             "engineSettings": {"kvCacheMemory": "16MiB", "maxModelLen": 256}}
@@ -78,7 +78,7 @@ def claim(cluster, namespace: str, name: str) -> dict | None:
 def test_shared_cache_fills_once_serves_every_pod_and_is_freed_with_its_last_user(cluster, namespace, tmp_path):
     cluster.kubectl("apply", "-f", str(ROOT / "crds"))
     cluster.add_host_volumes(6, tmp_path / "volumes", prefix=f"mc-{namespace}")  # Retain: a released one is not bound again
-    hub = FileHub(resolve_model_path("smollm2-135m"))
+    hub = smol_hub(resolve_model_path("smollm2-135m"))
     runner = PodRunner(cluster.server, tmp_path / "pods").start()
     operator_metrics = f"127.0.0.1:{free_port()}"
     op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log", args=["--liveness", operator_metrics])

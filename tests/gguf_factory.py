@@ -7,11 +7,17 @@ from pathlib import Path
 import numpy as np
 
 
-def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: str = "llama", metadata: dict | None = None) -> Path:
-    """tensors: name -> (float32 data [rows, cols], GGML type name such as "Q4_0", "F16", "BF16")."""
+def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: str = "llama", metadata: dict | None = None,
+               alignment: int | None = None, typed_metadata: list[tuple[str, object, object]] | None = None) -> Path:
+    """tensors: name -> (float32 data [rows, cols], GGML type name such as "Q4_0", "F16", "BF16");
+    typed_metadata: (key, value, gguf.GGUFValueType) written as that type; alignment: general.alignment."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    for key, value, kind in typed_metadata or []:
+        w.add_key_value(key, value, kind)
     for key, value in (metadata or {}).items():
         if isinstance(value, str):
             w.add_string(key, value)

@@ -134,29 +134,13 @@ def test_header_reader_agrees_with_gguf_reader_on_every_value_type_and_tensor_ki
     import gguf
 
     rng = np.random.default_rng(1)
-    path = tmp_path / "all.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_custom_alignment(64)
-    for kind in gguf.GGUFValueType:
-        if kind not in (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING):
-            w.add_key_value(f"t.{kind.name.lower()}", True if kind == gguf.GGUFValueType.BOOL else 7, kind)
-    w.add_string("t.string", "héllo ▁wörld")
-    w.add_array("t.strings", ["a", "", "ĠThe", "<|im_start|>", "日本"] * 50)
-    w.add_array("t.ints", list(range(-3, 300)))
-    w.add_array("t.floats", [0.5, -1.25, 3.0])
-    w.add_array("t.bools", [True, False, True])
+    scalars = [(f"t.{k.name.lower()}", True if k == gguf.GGUFValueType.BOOL else 7, k) for k in gguf.GGUFValueType
+               if k not in (gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING)]
+    metadata = {"t.string": "héllo ▁wörld", "t.strings": ["a", "", "ĠThe", "<|im_start|>", "日本"] * 50, "t.ints": list(range(-3, 300)),
+                "t.floats": [0.5, -1.25, 3.0], "t.bools": [True, False, True]}
     tensors = {"f32": (rng.standard_normal((3, 5)), "F32"), "f16": (rng.standard_normal((4, 7)), "F16"), "vec": (rng.standard_normal(9), "F32"),
                "q8": (rng.standard_normal((5, 64)), "Q8_0"), "q4": (rng.standard_normal((2, 96)), "Q4_1"), "bf": (rng.standard_normal((3, 32)), "BF16")}
-    for name, (data, kind) in tensors.items():
-        qtype = gguf.GGMLQuantizationType[kind]
-        if kind in ("F32", "F16"):
-            w.add_tensor(name, data.astype(np.float32 if kind == "F32" else np.float16))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_gguf(tmp_path / "all.gguf", tensors, metadata=metadata, alignment=64, typed_metadata=scalars)
     _assert_read_like_gguf_reader(path)
 
 
