@@ -37,6 +37,7 @@ import httpx
 
 from e2e.cluster import ENGINE_LABEL, ENGINE_READY_ANNOTATION, TOKEN, _insecure
 from e2e.net import require_loopback
+from kvpilot.operator.status import now_rfc3339
 
 ENGINE_KIND_LABEL = "serving.kvpilot.dev/engine"
 LOADER_LABEL = "serving.kvpilot.dev/model-cache-entry"  # a model cache entry's loader (a Job's pod): run once, to completion
@@ -44,10 +45,6 @@ RUNTIMES = ("process", "podman")
 CONTAINER_KUBECONFIG = "/var/run/kvpilot/kubeconfig"
 RUNNER_LABEL = "dev.kvpilot.pod-runner=1"  # every container the runner starts: `down` removes any left behind
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def now_rfc3339() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def expand(value: str, env: dict[str, str]) -> str:

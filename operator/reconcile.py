@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from kvpilot.operator import cold_start, metrics
 from kvpilot.operator.builders import model_cache
-from kvpilot.operator.builders.engines import engine_container, unsupported_settings
+from kvpilot.operator.builders.engines import engine_container, shared_cache, unsupported_settings
 from kvpilot.operator.builders.manifests import ENGINE_LABEL, desired_replicas, endpoint_url, hf_token_env, render, selector_labels
 from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, POD
 from kvpilot.operator.crd_types import ColdStart, InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus
@@ -175,8 +175,8 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
 
 def _apply_model_cache(kube: Kube, body: dict, spec: InferenceServiceSpec) -> bool:
     """The entries this service's pods mount (mode Shared): each claim with this service among its
-    owners, a loader Job for each entry not yet filled; entries it no longer uses are let go of (the
-    garbage collector deletes one whose last owner lets go). True when every entry is Ready."""
+    owners, a loader Job for each entry not yet filled; entries it no longer uses are let go of
+    (`_let_go`). True when every entry is Ready."""
     meta = body["metadata"]
     namespace, user = meta["namespace"], (meta["name"], meta["uid"])
     manager = model_cache.user_field_manager(meta["uid"])
@@ -187,7 +187,7 @@ def _apply_model_cache(kube: Kube, body: dict, spec: InferenceServiceSpec) -> bo
         if entry.get("claim") not in used and (existing := CACHE.get(CLAIM, namespace, entry["claim"])) is not None:
             _let_go(kube, model_cache.entry_claim(entry["source"], namespace, spec, None, existing), manager)
     compile_claim = CACHE.get(CLAIM, namespace, model_cache.COMPILE_CACHE_CLAIM)
-    if model_cache.shared(spec):
+    if shared_cache(spec):
         CACHE.put(CLAIM, kube.apply(model_cache.compile_cache_claim(namespace, spec, cache_defaults(), user, compile_claim), field_manager=manager))
     elif compile_claim is not None and any(o.get("uid") == meta["uid"] for o in compile_claim["metadata"].get("ownerReferences") or []):
         _let_go(kube, model_cache.compile_cache_claim(namespace, spec, cache_defaults(), None, compile_claim), manager)

@@ -73,10 +73,15 @@ class ModelFiles:
         return src.name  # a bundled name, or the hub repo org/repo that vLLM/SGLang fetch themselves
 
 
+def shared_cache(spec: InferenceServiceSpec) -> bool:
+    """spec.model.cache.mode is Shared (the operator's default filled in: model_cache.with_defaults)."""
+    return spec.model.cache is not None and spec.model.cache.mode == "Shared"
+
+
 def model_files(spec: InferenceServiceSpec) -> list[ModelFiles]:
     """The served model, then (speculative method draft, any engine) the draft model, which is
     fetched and mounted the same way."""
-    shared = spec.model.cache is not None and spec.model.cache.mode == "Shared"
+    shared = shared_cache(spec)
     files = [ModelFiles(spec.model.source, "model", MODEL_DIR, shared)]
     spec_settings = spec.engine_settings.speculative
     if spec_settings and spec_settings.method == "draft" and spec_settings.draft_model:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvpilot.operator.builders.engines import DEFAULT_IMAGES, PORT, SHUTDOWN_GRACE_SECONDS, engine_container, model_files
-from kvpilot.operator.builders.model_cache import COMPILE_CACHE_CLAIM, COMPILE_CACHE_DIR, claim_name, shared
+from kvpilot.operator.builders.engines import DEFAULT_IMAGES, PORT, SHUTDOWN_GRACE_SECONDS, engine_container, model_files, shared_cache
+from kvpilot.operator.builders.model_cache import COMPILE_CACHE_CLAIM, COMPILE_CACHE_DIR, claim_name
 from kvpilot.operator.builders.pod_defaults import CACHE_DIR, CACHE_ENV, CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, VERSION, EnvVar, InferenceServiceSpec, SecretKeyRef
 from kvpilot.server.model_source import parse_model_source
@@ -66,7 +66,7 @@ def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], 
 def _cache_env(spec: InferenceServiceSpec) -> list[dict]:
     """HOME and the caches on the pod's emptyDir; with the shared model cache, Triton's and torch's
     compile caches on the namespace's compile-cache claim."""
-    if not shared(spec):
+    if not shared_cache(spec):
         return CACHE_ENV
     return [*(e for e in CACHE_ENV if e["name"] != "TRITON_CACHE_DIR"), {"name": "TRITON_CACHE_DIR", "value": f"{COMPILE_CACHE_DIR}/triton"},
             {"name": "TORCHINDUCTOR_CACHE_DIR", "value": f"{COMPILE_CACHE_DIR}/inductor"}]
@@ -107,7 +107,7 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) 
     c = engine_container(spec, name)
     volumes, mounts, inits = _model_volumes(spec)
     compile_mounts = []
-    if shared(spec):  # compiled kernels outlive the pod: a warm start does not compile again
+    if shared_cache(spec):  # compiled kernels outlive the pod: a warm start does not compile again
         volumes.append({"name": "compile-cache", "persistentVolumeClaim": {"claimName": COMPILE_CACHE_CLAIM}})
         compile_mounts.append({"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR})
     # The user's entries come first: the names the operator sets last are reserved (the spec refuses them),

@@ -59,10 +59,6 @@ def with_defaults(spec: InferenceServiceSpec, defaults: CacheDefaults) -> Infere
     return spec.model_copy(update={"model": spec.model.model_copy(update={"cache": cache})})
 
 
-def shared(spec: InferenceServiceSpec) -> bool:
-    return spec.model.cache is not None and spec.model.cache.mode == "Shared"
-
-
 def entry_key(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
