@@ -9,6 +9,7 @@ loaded and the KV cache allocated (`loaded`), decode graphs captured and the gra
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -18,6 +19,7 @@ PHASES = {"import": ("process_start", "engine_init"), "load": ("engine_init", "l
 _marks: dict[str, float] = {}
 
 
+@functools.cache  # read once: every /metrics scrape asks
 def process_start_time() -> float:
     """This process's start (epoch seconds) from /proc; the time of the first call elsewhere."""
     try:
@@ -27,7 +29,7 @@ def process_start_time() -> float:
             boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
         return boot + ticks_after_boot / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
-        return _marks.setdefault("process_start", time.time())
+        return time.time()
 
 
 def mark(name: str) -> None:
