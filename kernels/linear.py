@@ -10,6 +10,7 @@ into the matmul's output pass instead of another trip over the activations.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,13 +120,16 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
 
 
 def make_linear(weight: torch.Tensor | GGUFWeight, bias: torch.Tensor | None = None, shard: RowParallel | None = None,
-                use_onednn: bool | None = None) -> nn.Module:
+                use_onednn: bool | None = None, adapt: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
     """The one factory the model loader calls for every projection: (weight [out, in] — this rank's
     rows or columns under tensor parallelism, or a GGUF-block weight —, bias, shard) -> a Linear.
     Column-parallel projections need nothing here (a rank's rows are a smaller projection); `shard`
-    marks a row-parallel one."""
+    marks a row-parallel one. adapt: wraps this rank's projection (LoRA slots: kernels/lora.py) —
+    inside a row-parallel one's all-reduce, which then sums the ranks' deltas too."""
     if shard is not None:
-        return RowParallelLinear(make_linear(weight, bias if shard.rank == 0 else None, use_onednn=use_onednn), shard.rank)
+        return RowParallelLinear(make_linear(weight, bias if shard.rank == 0 else None, use_onednn=use_onednn, adapt=adapt), shard.rank)
+    if adapt is not None:
+        return adapt(make_linear(weight, bias, use_onednn=use_onednn))
     if isinstance(weight, GGUFWeight):
         return gguf_linear_class(weight.qs.device)(weight, bias)
     if use_onednn is None:

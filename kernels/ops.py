@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.kernels import cpu_extension
+from kvpilot.kernels.lora import lora_add_ref_, lora_add_runs_
 from kvpilot.kernels.paged_attention import decode_attention_grouped, paged_attention
 from kvpilot.kernels.rope import Rope, apply_rope
 
@@ -65,7 +66,8 @@ def _cpu_ops(ext) -> Ops:
         ext.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads + num_kv_heads, head_dim)
         return False
 
-    return Ops("cpu-c++", rms_norm, rotary_qkv_, partial(paged_attention, decode=ext.paged_decode_attention), graph_safe=False)
+    return Ops("cpu-c++", rms_norm, rotary_qkv_, partial(paged_attention, decode=ext.paged_decode_attention), graph_safe=False,
+               lora_add_=lora_add_runs_)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,7 @@ class Ops:
     paged_attention: Callable[..., torch.Tensor]  # (q, k, v, k_cache, v_cache, meta, scale, kv_stored=False)
     graph_safe: bool  # a decode step on these ops never reads a device value on the host: a CUDA graph can capture it
     check_shapes: Callable[[int, int], None] = lambda head_dim, block_size: None  # raises for a head_dim / block size they cannot take
+    lora_add_: Callable[..., None] = lora_add_ref_  # (y, x, lora_a, lora_b, LoRABatch): y += each row's adapter delta (kernels/lora.py)
 
 
 # The torch decode attention sizes its gather by int(context_lens.max()): a host sync, not capturable.
@@ -102,8 +105,10 @@ def triton_kernels(device: torch.device) -> bool:
 def _triton_ops() -> Ops:
     from kvpilot.kernels import triton_attention
     from kvpilot.kernels.triton_layers import rms_norm, rotary_qkv_
+    from kvpilot.kernels.triton_lora import lora_add_
 
-    return Ops("triton", rms_norm, rotary_qkv_, triton_attention.paged_attention, graph_safe=True, check_shapes=triton_attention.check_shapes)
+    return Ops("triton", rms_norm, rotary_qkv_, triton_attention.paged_attention, graph_safe=True, check_shapes=triton_attention.check_shapes,
+               lora_add_=lora_add_)
 
 
 def ops_for(device: torch.device) -> Ops:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import types
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -74,6 +76,12 @@ class EngineConfig(BaseModel):
         0.05, ge=0, le=1, description="A sequence whose recent proposed tokens are accepted less often than this pauses speculation (16 steps, "
                                       "doubling while it stays low; 0: never).")
 
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (PEFT format) over the base model: --lora-modules at start, more at run time.")
+    lora_modules: list[str] | None = Field(None, description="Adapters loaded at start, as name=path (a PEFT adapter directory); requests pick one by its name as `model`.")
+    max_loras: int = Field(1, ge=1, le=64, description="Adapters in the compute device's slots at once: rows of at most this many distinct adapters run in one step.")
+    max_cpu_loras: int | None = Field(None, ge=1, description="Adapters whose weights are kept in host memory (default: max_loras); others are re-read from disk when they get a slot.")
+    max_lora_rank: int = Field(16, ge=1, le=512, description="Largest adapter rank accepted (the slots are sized for it).")
+
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
     def _size(cls, v: Any) -> int:
@@ -122,6 +130,28 @@ class EngineConfig(BaseModel):
             raise ValueError("quantization_group_size is only used with quantization=int4")
         return self
 
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules(cls, v: list[str] | None) -> list[str] | None:
+        from kvpilot.server.adapters import parse_lora_module
+
+        names = [parse_lora_module(spec)[0] for spec in v or ()]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names must differ, got {names}")
+        return v
+
+    @model_validator(mode="after")
+    def _lora_consistent(self) -> EngineConfig:
+        lora_set = [f for f in ("lora_modules", "max_cpu_loras") if getattr(self, f) is not None]
+        lora_set += [f for f in ("max_loras", "max_lora_rank") if getattr(self, f) != type(self).model_fields[f].default]
+        if lora_set and not self.enable_lora:
+            raise ValueError(f"{', '.join(lora_set)} need enable_lora")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
+        if self.enable_lora and self.speculative_method == "draft":
+            raise ValueError("enable_lora with speculative_method=draft is not implemented (ngram is)")
+        return self
+
     def to_cli_args(self, include_defaults: bool = False) -> list[str]:
         """The flags that reproduce this config (only non-defaults unless asked)."""
         return model_to_args(self, include_defaults)
@@ -144,6 +174,8 @@ def add_model_args(parser: argparse.ArgumentParser, model: type[BaseModel]) -> N
         help_text = f"{field.description} (default: {default})"
         if isinstance(default, bool):
             parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif typing.get_origin(field.annotation) is types.UnionType and list[str] in typing.get_args(field.annotation):
+            parser.add_argument(_flag(name), dest=name, nargs="+", default=None, help=help_text)
         else:
             parser.add_argument(_flag(name), dest=name, default=None, help=help_text)
 
@@ -156,6 +188,8 @@ def model_to_args(config: BaseModel, include_defaults: bool = False) -> list[str
             continue
         if isinstance(value, bool):
             args.append(_flag(name) if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, list):
+            args += [_flag(name), *map(str, value)]
         else:
             args += [_flag(name), str(value)]
     return args
@@ -185,6 +219,10 @@ class ServerConfig(BaseModel):
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(None, description=(
         "The format of tool calls: hermes (<tool_call> blocks: Qwen2/3) or llama3_json (Llama 3.x JSON calls); unset: the one the "
         "chat template writes (a template with <|python_tag|> or \"parameters\" calls: llama3_json; otherwise hermes)."))
+    allow_runtime_lora: bool = Field(False, description=(
+        "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key when one is set); adapters load only from "
+        "under --lora-dir. Needs the engine's --enable-lora."))
+    lora_dir: str | None = Field(None, description="The directory run-time loaded adapters must be in (no path or symlink leads out of it).")
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(None, description=(
         "Return <think>...</think> as reasoning_content: qwen3 (the block opens the output) or deepseek_r1 (the template opens "
         "it: everything before </think> is reasoning); unset: reasoning stays in content."))
@@ -193,6 +231,14 @@ class ServerConfig(BaseModel):
     @classmethod
     def _body_size(cls, v: Any) -> int:
         return parse_size(v)
+
+    @model_validator(mode="after")
+    def _runtime_lora(self) -> ServerConfig:
+        if self.allow_runtime_lora and not self.lora_dir:
+            raise ValueError("allow_runtime_lora needs lora_dir (the only directory adapters are loaded from at run time)")
+        if self.lora_dir and not self.allow_runtime_lora:
+            raise ValueError("lora_dir is only used with allow_runtime_lora")
+        return self
 
     @model_validator(mode="after")
     def _one_body_fits(self) -> ServerConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from kvpilot.server.adapters import LoRARequest
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.llm_engine import LLMEngine
 from kvpilot.server.engine.outputs import RequestOutput
@@ -21,14 +22,18 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (batched by the scheduler); outputs come back in prompt order."""
+                 use_tqdm: bool = False, lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (batched by the scheduler); outputs come back in prompt order.
+        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        adapters = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(adapters)} lora requests")
+        ids = [self.engine.add_request(p, sp, lora_request=lr) for p, sp, lr in zip(prompts, params, adapters)]
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

@@ -63,3 +63,19 @@ def constrained_client(constrained_server):
     from openai import OpenAI
 
     return OpenAI(base_url=constrained_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def lora_peft_case(hf_oracle_session, model_path, tmp_path_factory):  # noqa: F811
+    """LoRA adapters made by peft (tests/lora_factory.py) and the oracle's greedy results on the oracle
+    prompts: (adapter paths, peft's results per adapter, the base model's results)."""
+    import hashlib
+
+    from lora_factory import STEPS, peft_outputs
+    from oracle import ORACLE_PROMPTS, OracleResult
+
+    sha = hashlib.sha256(model_path.read_bytes()).hexdigest()
+    prompt_ids = [hf_oracle_session.tokenizer(p).input_ids for p in ORACLE_PROMPTS]
+    paths, results = peft_outputs(hf_oracle_session.model, sha, prompt_ids, STEPS, tmp_path_factory.mktemp("adapters"))
+    base = [OracleResult(r.prompt_ids, r.tokens[:STEPS], r.topk[:STEPS], r.prompt_logprobs) for r in hf_oracle_session.run()]
+    return paths, results, base

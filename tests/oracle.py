@@ -87,22 +87,27 @@ class HFOracle:
         return results
 
     def _greedy(self, prompt: str, steps: int) -> OracleResult:
-        import torch
+        return hf_greedy(self.model, self.tokenizer(prompt).input_ids, steps)
 
-        ids = self.tokenizer(prompt).input_ids
-        with torch.inference_mode():
-            out = self.model(torch.tensor([ids]), use_cache=True)
-            lps = torch.log_softmax(out.logits[0].float(), -1)
-            prompt_lps = [float(lps[j, ids[j + 1]]) for j in range(len(ids) - 1)]
-            past, last = out.past_key_values, lps[-1]
-            tokens, topk = [], []
-            for _ in range(steps):
-                topk.append(torch.topk(last, TOPK).indices.tolist())
-                nxt = int(last.argmax())
-                tokens.append(nxt)
-                out = self.model(torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
-                past, last = out.past_key_values, torch.log_softmax(out.logits[0, -1].float(), -1)
-        return OracleResult(ids, tokens, topk, prompt_lps)
+
+def hf_greedy(model, ids: list[int], steps: int) -> OracleResult:
+    """A transformers (or peft) model's greedy continuation of one unpadded prompt, with the top-5 at
+    each step and the prompt's logprobs."""
+    import torch
+
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids]), use_cache=True)
+        lps = torch.log_softmax(out.logits[0].float(), -1)
+        prompt_lps = [float(lps[j, ids[j + 1]]) for j in range(len(ids) - 1)]
+        past, last = out.past_key_values, lps[-1]
+        tokens, topk = [], []
+        for _ in range(steps):
+            topk.append(torch.topk(last, TOPK).indices.tolist())
+            nxt = int(last.argmax())
+            tokens.append(nxt)
+            out = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+            past, last = out.past_key_values, torch.log_softmax(out.logits[0, -1].float(), -1)
+    return OracleResult(ids, tokens, topk, prompt_lps)
 
 
 @pytest.fixture(scope="session")

@@ -113,7 +113,7 @@ def test_tokenize_detokenize_version(server):
     ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "top_p"),
-    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 400, "model", "does not exist"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
     ("/v1/completions", {"prompt": "hello " * 3000}, 400, "prompt", "maximum context length"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", "maximum context length"),
     ("/v1/completions", {"prompt": 42}, 400, "prompt", "prompt"),
@@ -129,7 +129,7 @@ def test_tokenize_detokenize_version(server):
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "role"),
     ("/detokenize", {"tokens": [10**7]}, 400, "tokens", "token ids"),
 ])
-def test_bad_input_is_a_clear_400(server, path, body, status, param, needle):
+def test_bad_input_is_a_clear_4xx(server, path, body, status, param, needle):
     r = httpx.post(server.url + path, json=body, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]

@@ -23,7 +23,9 @@ def tp_llm():
     from kvpilot.server import LLM
 
     # A 24-token budget: the long prompts prefill in chunks while the short ones already decode.
-    llm = LLM(num_threads=1, show_progress=False, tensor_parallel_size=WORLD, kv_cache_memory="64MiB", max_num_batched_tokens=24)
+    # LoRA slots too (test_adapters_over_three_ranks_equal_peft): steps without adapter rows never use them.
+    llm = LLM(num_threads=1, show_progress=False, tensor_parallel_size=WORLD, kv_cache_memory="64MiB", max_num_batched_tokens=24,
+              enable_lora=True, max_loras=2, max_lora_rank=16)
     yield llm
     llm.engine.close()
 
@@ -45,6 +47,24 @@ def test_three_ranks_match_hf_batched_with_chunked_prefill(tp_llm, hf_oracle_ses
         worst = max(worst, max(abs(e[t] - lp) for e, t, lp in zip(out.prompt_logprobs[1:], ref.prompt_ids[1:], ref.prompt_logprobs)))
     print(f"TP={WORLD}: max |prompt logprob - HF| = {worst:.2e}")
     assert worst < 2e-4
+
+
+def test_adapters_over_three_ranks_equal_peft(tp_llm, lora_peft_case):
+    """LoRA A/B split as their base projections are (each rank reads its share of an adapter when rank
+    0's step message fills a slot): base rows and two adapters in one batch equal peft's tokens."""
+    from kvpilot.server import SamplingParams
+    from kvpilot.server.adapters import LoRARequest
+
+    paths, results, base = lora_peft_case
+    names = [None, "all7-r8", "mixed-r16"]
+    requests = [LoRARequest(names[i % 3], 1, str(paths[names[i % 3]])) if names[i % 3] else None for i in range(len(ORACLE_PROMPTS))]
+    oracle = [(results[names[i % 3]] if names[i % 3] else base)[i] for i in range(len(ORACLE_PROMPTS))]
+    outs = tp_llm.generate(ORACLE_PROMPTS, SamplingParams(temperature=0, max_tokens=len(oracle[0].tokens), ignore_eos=True, logprobs=5),
+                           lora_request=requests)
+    result = compare_greedy([o.outputs[0].token_ids for o in outs],
+                            [[sorted(e, key=e.get, reverse=True)[:5] for e in o.outputs[0].logprobs] for o in outs], oracle)
+    print(f"TP={WORLD} with adapters vs peft: {result}")
+    assert result["exact"] >= result["total"] - 1 and not result["violations"], result
 
 
 def test_each_rank_holds_a_third(tp_llm):

@@ -49,11 +49,11 @@ def test_a_rank_builds_from_the_step_message_what_rank_0_builds(mode):
     inputs, messenger, mirror, checked = llm.engine.inputs, StepMessenger(), RankMirror(), []
     build = inputs.build
 
-    def both(batch, draft_probs=None, previous=None, sample=True):
-        inp, plan = build(batch, draft_probs, previous, sample)
-        step = decode(encode(messenger.step(batch, previous, 0)))
-        rank_batch, rank_previous = mirror.apply(step)
-        theirs, _ = build(rank_batch, None, rank_previous or None, False)
+    def both(batch, draft_probs=None, previous=None, sample=True, adapter_slots=None):
+        inp, plan = build(batch, draft_probs, previous, sample, adapter_slots)
+        step = decode(encode(messenger.step(batch, previous, 0, adapter_slots)))
+        rank_batch, rank_previous, rank_slots = mirror.apply(step)
+        theirs, _ = build(rank_batch, None, rank_previous or None, False, rank_slots)
         for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices", "from_previous"):
             a, b = getattr(inp, name), getattr(theirs, name)
             assert (a is None and b is None) or torch.equal(a, b), name

@@ -14,16 +14,24 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from kvpilot.server import startup
+from kvpilot.server.adapters import AdapterError
 from kvpilot.server.api import errors
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTooLargeError, ServerShutdownError
 from kvpilot.server.api.errors import APIError, param_of
 from kvpilot.server.api.http_limits import ApiKeyMiddleware, BodyLimitMiddleware, protocol_with_header_timeout
 from kvpilot.server.api.metrics import EngineMetrics
 from kvpilot.server.api.openai_serving import ClientDisconnected, OpenAIServing
-from kvpilot.server.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvpilot.server.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    TokenizeRequest,
+    UnloadLoRAAdapterRequest,
+)
 from kvpilot.server.api.tokenizer_pool import TokenizerPool
 from kvpilot.server.config import EngineConfig, ServerConfig
-from kvpilot.server.engine.limits import RequestRejected
+from kvpilot.server.engine.limits import ModelNotFound, RequestRejected
 
 log = logging.getLogger("kvpilot.server")
 VERSION = "0.1.0"
@@ -90,7 +98,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestRejected)
     async def _rejected(request: Request, e: RequestRejected):
-        return errors.error_response(400, str(e), e.param, e.code)
+        return errors.error_response(404 if isinstance(e, ModelNotFound) else 400, str(e), e.param, e.code)
 
     @app.exception_handler(ValueError)
     async def _value(request: Request, e: ValueError):
@@ -111,20 +119,20 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(req: CompletionRequest, request: Request):
-        serving.check_model(req.model)
+        adapter = serving.check_model(req.model)
         params = req.params()
         prompts = req.prompts()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return respond(await serving.completions(prompts, params, req.stream, include_usage, lambda: wait_for_disconnect(request)))
+        return respond(await serving.completions(prompts, params, req.stream, include_usage, lambda: wait_for_disconnect(request), adapter))
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(req: ChatCompletionRequest, request: Request):
-        serving.check_model(req.model)
+        adapter = serving.check_model(req.model)
         params = req.params(serving.tool_format)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         messages = [m.as_template_dict() for m in req.messages]
         return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, include_usage, req.top_logprobs or 0,
-                                          lambda: wait_for_disconnect(request), req.tool_use()))
+                                          lambda: wait_for_disconnect(request), req.tool_use(), adapter))
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi():
@@ -136,8 +144,41 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": int(state.started),
-                                             "owned_by": "kvpilot", "max_model_len": serving.max_model_len}]}
+        base = {"id": serving.model_name, "object": "model", "created": int(state.started), "owned_by": "kvpilot",
+                "root": serving.model_name, "parent": None, "max_model_len": serving.max_model_len}
+        lora = state.engine.engine.lora
+        adapters = [{**base, "id": a.name, "root": a.name, "parent": serving.model_name, "created": int(a.loaded_at)}
+                    for a in (list(lora.by_name.values()) if lora else [])]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/load_lora_adapter", dependencies=guarded)
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        lora = runtime_lora()
+        try:  # read and checked off the step loop; registered on it
+            adapter = await asyncio.to_thread(lora.read, req.lora_name, req.lora_path, config.lora_dir)
+            await state.engine.call(lambda engine: engine.load_adapter(adapter))
+        except AdapterError as e:
+            about_name = str(e).startswith("adapter name") or "already loaded" in str(e)
+            raise APIError(400, str(e), "lora_name" if about_name else "lora_path", "invalid_adapter") from None
+        log.info("LoRA adapter %r loaded (rank %d)", adapter.name, adapter.rank)
+        return PlainTextResponse(f"Success: LoRA adapter '{adapter.name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=guarded)
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+        runtime_lora()
+        try:
+            await state.engine.call(lambda engine: engine.unload_adapter(req.lora_name))
+        except KeyError:
+            raise APIError(404, f"no LoRA adapter named '{req.lora_name}' is loaded", "lora_name", "model_not_found") from None
+        log.info("LoRA adapter %r unloaded", req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    def runtime_lora():
+        lora = state.engine.engine.lora
+        if lora is None or not config.allow_runtime_lora:
+            raise APIError(400, "run-time LoRA loading is off (the server needs --enable-lora, --allow-runtime-lora and --lora-dir)",
+                           code="runtime_lora_disabled")
+        return lora
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -181,6 +222,9 @@ def build_app(state: ServerState) -> FastAPI:
 
 def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_progress: bool = True) -> ServerState:
     from kvpilot.server.engine.llm_engine import LLMEngine
+
+    if server_config.allow_runtime_lora and not engine_config.enable_lora:
+        raise ValueError("allow_runtime_lora needs the engine's enable_lora")
 
     async_engine = AsyncEngine.launch(lambda: LLMEngine(engine_config, show_progress=show_progress), server_config.max_waiting_requests)
     engine = async_engine.engine

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpilot.server.engine.limits import Admission
 from kvpilot.server.engine.llm_engine import LLMEngine
@@ -178,6 +179,17 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps (a change to engine state, e.g. registering
+        an adapter); its result, or its exception raised here."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("call", fn, loop, done))
+        self._wake.set()
+        return await done
+
     # --- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -218,6 +230,13 @@ class AsyncEngine:
                     self.engine.add_admitted(job.admission, job.request_id)
                 except ValueError as e:
                     self._deliver(job.request_id, e)
+            elif cmd[0] == "call":
+                _, fn, loop, done = cmd
+                try:
+                    result, error = fn(self.engine), None
+                except Exception as e:  # noqa: BLE001 - the caller's to handle
+                    result, error = None, e
+                loop.call_soon_threadsafe(_settle, done, result, error)
             else:
                 out = self.engine.abort_request(cmd[1])
                 if out is not None and self.on_step:
@@ -236,6 +255,15 @@ class AsyncEngine:
                 by_loop.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _settle(done: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if done.done():  # the caller went away
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:

@@ -26,7 +26,7 @@ VLLM = "vllm:"
 # Our families that vLLM exports under the same name and meaning (its v1 engine's names).
 VLLM_ALIASED = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "time_to_first_token_seconds",
                 "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds", "prefix_cache_queries",
-                "prefix_cache_hits", "prompt_tokens", "generation_tokens", "num_preemptions", "request_success")
+                "prefix_cache_hits", "prompt_tokens", "generation_tokens", "num_preemptions", "request_success", "lora_requests_info")
 COMPILE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -73,6 +73,18 @@ class _EngineCollector:
             for position, count in enumerate(spec.accepted_per_pos):
                 per_pos.add_metric([self.model_name, str(position)], count)
             yield per_pos
+        lora = self.engine.lora
+        if lora is not None:  # vLLM's lora_requests_info: the adapters of running and waiting requests in its labels, a timestamp as its value
+            names = lambda seqs: ",".join(sorted({lora.by_id[s.adapter].name for s in list(seqs) if s.adapter in lora.by_id}))
+            info = GaugeMetricFamily(P + "lora_requests_info", "LoRA adapters of the running and waiting requests (labels); the value is when "
+                                     "it was read.", labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([self.model_name, names(self.engine.scheduler.running), names(self.engine.scheduler.waiting), str(lora.max_loras)],
+                            time.time())
+            yield info
+            per_adapter = CounterMetricFamily(P + "lora_requests", "Requests run with each loaded LoRA adapter.", labels=["model_name", "adapter"])
+            for adapter in list(lora.by_name.values()):
+                per_adapter.add_metric([self.model_name, adapter.name], adapter.requests)
+            yield per_adapter
         grammars = self.engine.grammars
         by_kind = CounterMetricFamily(P + "structured_output_requests", "Requests with a structured-output constraint, by kind.",
                                       labels=["model_name", "kind"])

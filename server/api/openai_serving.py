@@ -68,9 +68,15 @@ class OpenAIServing:
         self.max_model_len = limits.max_model_len
 
     # --- shared -------------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(400, f"model '{model}' does not exist; this server serves '{self.model_name}'", "model", "model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for any other name."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.engine.engine.lora
+        if lora is not None and lora.lookup(model) is not None:
+            return model
+        served = ", ".join(repr(n) for n in self.engine.engine.model_names())
+        raise APIError(404, f"the model '{model}' does not exist; this server serves {served}", "model", "model_not_found")
 
     def check_text_length(self, characters: int, param: str) -> None:
         """Every token covers at most max_token_bytes bytes: a text longer than the context could hold at
@@ -86,21 +92,22 @@ class OpenAIServing:
         if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
             raise APIError(400, f"{param} token ids must be in [0, {self.tokenizer.vocab_size})", param)
 
-    def prepare(self, prompt: str | list[int], params: SamplingParams) -> Admission:
+    def prepare(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None) -> Admission:
         """Tokenize, then admit with the engine's own limits, before anything is streamed (a refusal
         is a plain 400). Runs on the tokenizer pool (see jobs()): a long prompt must not stall the
         event loop."""
         if isinstance(prompt, str):
             self.check_text_length(len(prompt), "prompt")
             prompt = self.tokenizer.encode(prompt)
-        return self.limits.admit(prompt, params)
+        return self.limits.admit(prompt, params, adapter)
 
-    async def jobs(self, prompts: list[str | list[int]] | Callable[[], list[int]], params: SamplingParams, rid: str) -> list[Job]:
+    async def jobs(self, prompts: list[str | list[int]] | Callable[[], list[int]], params: SamplingParams, rid: str,
+                   adapter: str | None = None) -> list[Job]:
         """One admitted engine request per prompt, tokenized on the tokenizer pool; `prompts` may be a
         function that makes one prompt's ids there (a chat's template and tokenization)."""
         def build():
             made = [prompts()] if callable(prompts) else prompts
-            return [Job(f"{rid}-{i}", self.prepare(prompt, params)) for i, prompt in enumerate(made)]
+            return [Job(f"{rid}-{i}", self.prepare(prompt, params, adapter)) for i, prompt in enumerate(made)]
 
         return await self.pool.run(build)
 
@@ -238,11 +245,11 @@ class OpenAIServing:
             rlog.emit()
 
     async def completions(self, prompts: list[str | list[int]], params: SamplingParams, stream: bool, include_usage: bool,
-                          disconnected: Callable[[], Awaitable[None]]) -> dict | EventSource:
+                          disconnected: Callable[[], Awaitable[None]], adapter: str | None = None) -> dict | EventSource:
         rid = f"cmpl-{uuid.uuid4().hex}"
-        jobs = await self.jobs(prompts, params, rid)
+        jobs = await self.jobs(prompts, params, rid, adapter)
         self.engine.submit(jobs)  # admission: a 429 or 400 here is a plain HTTP error, before any byte of a stream
-        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
+        base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": adapter or self.model_name}
         rlog = RequestLog(rid, "completions", prompt_tokens=sum(len(j.admission.prompt_token_ids) for j in jobs))
         n = params.n
         offsets: dict[tuple[int, int], int] = {}  # streamed text_offset goes on from chunk to chunk
@@ -278,12 +285,12 @@ class OpenAIServing:
 
     async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams, stream: bool,
                    include_usage: bool, top_logprobs: int, disconnected: Callable[[], Awaitable[None]],
-                   tools: ToolUse | None = None) -> dict | EventSource:
+                   tools: ToolUse | None = None, adapter: str | None = None) -> dict | EventSource:
         """tools: the request's tools (rendered into the prompt); unless tool_choice is none, calls in
         the output are returned as message.tool_calls / delta.tool_calls with finish_reason tool_calls.
         With a reasoning parser, the <think> block is reasoning_content and only the rest is parsed."""
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = await self.jobs(lambda: self.chat_ids(messages, add_generation_prompt, tools), params, rid)
+        jobs = await self.jobs(lambda: self.chat_ids(messages, add_generation_prompt, tools), params, rid, adapter)
         self.engine.submit(jobs)
         created = int(time.time())
         rlog = RequestLog(rid, "chat.completions", prompt_tokens=len(jobs[0].admission.prompt_token_ids))
@@ -296,7 +303,7 @@ class OpenAIServing:
         # tool calls excepted: free text until a call).
         thinking = self.reasoning if params.structured is None or (tools and tools.choice == "auto") else None
         if stream:
-            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": adapter or self.model_name}
             # the role comes first, as OpenAI sends it; content null when the output is calls alone
             # (tool_choice required or a named function)
             opening = None if tools and tools.choice not in ("auto", "none") else ""
@@ -334,7 +341,7 @@ class OpenAIServing:
                     message["tool_calls"] = [c.message() for c in calls]
             choices.append({"index": o.index, "message": message, "logprobs": logprobs(o),
                             "finish_reason": finish(o.finish_reason, bool(calls)), "stop_reason": o.stop_reason})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+        return {"id": rid, "object": "chat.completion", "created": created, "model": adapter or self.model_name,
                 "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
 
 

@@ -335,3 +335,19 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: Text | None = None
     tokens: list[TokenId]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body): the adapter's name and its directory (under --lora-dir)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: Text
+    lora_path: Text
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; lora_int_id is accepted and not needed)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: Text
+    lora_int_id: int | None = None

@@ -26,6 +26,12 @@ def block_hash(parent: int | None, token_ids: tuple[int, ...], extra: object = N
     return hash((parent, token_ids, extra))
 
 
+def root_hash(seq: Sequence) -> int | None:
+    """The parent key of a sequence's first block: the KV of a LoRA adapter's tokens is its own (the
+    adapter changes K and V), shared with no other adapter nor the base model."""
+    return block_hash(None, (), ("adapter", seq.adapter)) if seq.adapter else None
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1:
@@ -65,7 +71,7 @@ class BlockManager:
         tokens = seq.token_ids()
         usable = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
-        parent = None
+        parent = root_hash(seq)
         for i in range(usable):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = block_hash(parent, chunk)
@@ -122,7 +128,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = num_computed_tokens // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
         for i in range(len(seq.block_hashes), full):
             chunk = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
             h = block_hash(parent, chunk)

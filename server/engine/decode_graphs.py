@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvpilot.kernels.lora import LoRABatch, LoRAContext
 from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.server.engine.model_io import ModelInput
 
@@ -47,9 +48,14 @@ def batch_buckets(max_rows: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """lora: the model's LoRA context (when it has adapter slots): each row's slot is one more static
+    input (padding rows -1), so one graph serves any mix of adapters; a graph is captured with the
+    delta kernels in it (rows without an adapter skip them on the device)."""
+
     def __init__(self, step: DecodeStep, max_rows: int, table_width: int, scratch_block: int, block_size: int, device: torch.device,
-                 capture: bool = True):
+                 capture: bool = True, lora: LoRAContext | None = None):
         self.step = step
+        self.lora = lora
         self.buckets = batch_buckets(max_rows)
         self.table_width = table_width
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
@@ -59,6 +65,9 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((rows,), self.scratch_slot, dtype=torch.long, device=device)
         self.block_tables = torch.full((rows, table_width), scratch_block, dtype=torch.long, device=device)
         self.context_lens = torch.ones(rows, dtype=torch.long, device=device)
+        self.token_slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.runs: list[tuple[int, int, int]] = []  # eager static steps: the step's runs of rows per slot (host)
+        self.capturing = False
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self._capture_all()
@@ -67,13 +76,21 @@ class DecodeGraphs:
         return AttentionMetadata(self.slot_mapping[:rows], [], [], [], self.block_tables[:rows], self.context_lens[:rows])
 
     def _run_static(self, rows: int) -> torch.Tensor:
-        return self.step(self.input_ids[:rows], self.positions[:rows], self._meta(rows))
+        if self.lora is None:
+            return self.step(self.input_ids[:rows], self.positions[:rows], self._meta(rows))
+        # Captured: always with the delta kernels, the slots read on the device. Eager: as the step has it.
+        self.lora.batch = LoRABatch(self.token_slots[:rows], None if self.capturing else self.runs) if self.capturing or self.runs else None
+        try:
+            return self.step(self.input_ids[:rows], self.positions[:rows], self._meta(rows))
+        finally:
+            self.lora.batch = None
 
     def _capture_all(self) -> None:
         """Largest bucket first, all graphs in one memory pool (a smaller graph reuses the larger one's
         blocks: they never run at once). Each bucket runs once eagerly first, so that Triton compiles
         its kernels outside the capture."""
         pool = None
+        self.capturing = True
         with torch.inference_mode():  # as the steps run (ModelRunner.launch)
             for rows in reversed(self.buckets):
                 self._run_static(rows)
@@ -84,6 +101,7 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[rows] = (graph, logits)
         torch.cuda.synchronize()
+        self.capturing = False
         log.info("decode steps captured as CUDA graphs for batch sizes %s", self.buckets)
 
     def takes(self, inp: ModelInput) -> bool:
@@ -102,6 +120,13 @@ class DecodeGraphs:
         self.slot_mapping[:rows].copy_(inp.slot_mapping)
         self.block_tables[:rows, :inp.block_tables.shape[1]].copy_(inp.block_tables)
         self.context_lens[:rows].copy_(inp.seq_lens)
+        if self.lora is not None:
+            if inp.lora is not None:
+                self.token_slots[:rows].copy_(inp.lora.token_slots)
+            else:
+                self.token_slots[:rows].fill_(-1)
+            self.token_slots[rows:bucket].fill_(-1)
+            self.runs = inp.lora.runs if inp.lora is not None else []
         if rows < bucket:
             # Padding rows may hold a previous, larger step's slots: live sequences' cache slots, which
             # they would overwrite. Back to the scratch block, context one token.

@@ -27,6 +27,12 @@ class ContextLengthExceeded(RequestRejected):
     code = "context_length_exceeded"
 
 
+class ModelNotFound(RequestRejected):
+    """The request names a model or LoRA adapter this engine does not serve (HTTP 404)."""
+
+    code = "model_not_found"
+
+
 @dataclass(frozen=True, slots=True)
 class Admission:
     """A request the engine will take: its prompt ids, its parameters (never changed by the engine)
@@ -36,6 +42,7 @@ class Admission:
     params: SamplingParams
     max_output_tokens: int
     grammar: Grammar | None = None       # params.structured, compiled
+    adapter: str | None = None           # the LoRA adapter it runs with, by name (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +51,7 @@ class RequestLimits:
     vocab_size: int                      # the model's (it may be padded past the tokenizer's)
     grammars: GrammarCompiler | None = None  # compiles structured-output constraints (None: they are refused)
 
-    def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> Admission:
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None) -> Admission:
         ids = list(prompt_token_ids)
         if not ids:
             raise RequestRejected("prompt must not be empty", "prompt")
@@ -70,4 +77,4 @@ class RequestLimits:
             if self.grammars is None:
                 raise RequestRejected("structured outputs are not available in this engine", params.structured.param)
             grammar = self.grammars.compile(params.structured)
-        return Admission(ids, params, max_output, grammar)
+        return Admission(ids, params, max_output, grammar, adapter)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from kvpilot.server import startup
 from kvpilot.server.config import EngineConfig
-from kvpilot.server.engine.limits import Admission, RequestLimits
+from kvpilot.server.engine.limits import Admission, ModelNotFound, RequestLimits, RequestRejected
 from kvpilot.server.engine.output_processor import OutputProcessor
 from kvpilot.server.engine.outputs import RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
@@ -23,6 +23,8 @@ from kvpilot.server.model_files import default_served_name, resolve_model_path
 from kvpilot.server.threads import configure_threads
 
 if TYPE_CHECKING:  # torch-side: imported in LLMEngine.__init__, after the thread settings
+    from kvpilot.server.adapters import LoRARequest
+    from kvpilot.server.engine.lora import Adapter, LoRARegistry
     from kvpilot.server.engine.model_io import StepPlan
     from kvpilot.server.engine.model_runner import LaunchedStep
 
@@ -88,7 +90,17 @@ class LLMEngine:
         self.runner.start_decode_graphs(self.max_model_len)
         budget = config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
+                                   config.max_loras if config.enable_lora else 0)
+        self.lora: LoRARegistry | None = None
+        if config.enable_lora:
+            from kvpilot.server.adapters import parse_lora_module
+            from kvpilot.server.engine.lora import LoRARegistry
+
+            self.lora = LoRARegistry(self.model_config, config.max_loras, config.max_cpu_loras or config.max_loras, config.max_lora_rank,
+                                     self.runner.set_adapter)
+            for spec in config.lora_modules or ():
+                self.lora.add(*parse_lora_module(spec))
         self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
                                         num_threads=config.num_threads or os.cpu_count() or 1)
         self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device, self.grammars)
@@ -110,12 +122,36 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Tokenize (a text prompt), admit (RequestRejected when the request breaks a limit) and queue."""
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> str:
+        """Tokenize (a text prompt), admit (RequestRejected when the request breaks a limit) and queue.
+        lora_request: the adapter it runs with (registered here on first use)."""
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return self.add_admitted(self.limits.admit(ids, params), request_id, arrival_time, text)
+        adapter = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise RequestRejected("a LoRA adapter was asked for, and this engine has none (enable_lora)", "lora_request")
+            adapter = lora_request.lora_name
+            if self.lora.lookup(adapter) is None:
+                self.lora.add(adapter, lora_request.lora_path)
+        return self.add_admitted(self.limits.admit(ids, params, adapter), request_id, arrival_time, text)
+
+    def model_names(self) -> list[str]:
+        """The served model's name, then the LoRA adapters' (what a request's `model` may name)."""
+        return [self.served_model_name, *(self.lora.names() if self.lora else ())]
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        """Register an adapter read by self.lora.read (AdapterError when the name is taken meanwhile)."""
+        self.lora.register(adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        """Unregister an adapter (KeyError: none by that name); its running sequences finish with it."""
+        self.lora.remove(name, self._adapters_in_use())
+
+    def _adapters_in_use(self) -> set[int]:
+        return {seq.adapter for seq in (*self.scheduler.running, *self.scheduler.waiting)} | (
+            {seq.adapter for seq in self._in_flight.batch.seqs} if self._in_flight else set())
 
     def add_admitted(self, admission: Admission, request_id: str | None = None, arrival_time: float | None = None,
                      prompt_text: str | None = None) -> str:
@@ -126,9 +162,16 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = arrival_time if arrival_time is not None else time.monotonic()
         params = admission.params
+        adapter = 0
+        if admission.adapter is not None:
+            registered = self.lora.lookup(admission.adapter) if self.lora else None
+            if registered is None:
+                raise ModelNotFound(f"the model {admission.adapter!r} does not exist (an adapter unloaded meanwhile?)", "model")
+            registered.requests += 1
+            adapter = registered.id
         seqs = []
         for i in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, i, list(admission.prompt_token_ids), params, admission.max_output_tokens)
+            seq = Sequence(next(self._seq_ids), request_id, i, list(admission.prompt_token_ids), params, admission.max_output_tokens, adapter)
             if params.seed is not None:
                 seq.generator = self.runner.make_generator(params.seed + i)
             if admission.grammar is not None:
@@ -169,6 +212,8 @@ class LLMEngine:
             previous = None
         if self.proposer:
             self.proposer.plan(self.scheduler.running)
+        if self.lora is not None and len(self.lora.by_id) > len(self.lora.by_name):  # an unloaded adapter may be done with
+            self.lora.release_unused(self._adapters_in_use())
         batch = self.scheduler.schedule()
         self.output.scheduled(batch.seqs, time.monotonic())
         launched = failed = None
@@ -209,11 +254,14 @@ class LLMEngine:
         """Build the step's input and queue it on the device (on a CPU it runs here)."""
         draft_probs = self.proposer.propose(batch) if self.proposer else None
         rows = previous.sampled_rows() if previous else None
-        model_input, plan = self.inputs.build(batch, draft_probs, rows)
+        slots = None
+        if self.lora is not None and any(seq.adapter for seq in batch.seqs):
+            slots = self.lora.slots_for([seq.adapter for seq in batch.seqs], {seq.adapter for seq in self.scheduler.running})
+        model_input, plan = self.inputs.build(batch, draft_probs, rows, adapter_slots=slots)
         tokens = previous.launched.tokens if previous else None
         if self.messenger is not None:
             awaited = tokens is not None and any(seq.num_placeholders for seq in batch.seqs)
-            self.runner.send_step(self.messenger.step(batch, rows, tokens.shape[0] if awaited else 0), tokens)
+            self.runner.send_step(self.messenger.step(batch, rows, tokens.shape[0] if awaited else 0, slots), tokens)
         launched = self.runner.launch(model_input, tokens)
         return StepInFlight(batch, plan, launched)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvpilot.kernels.lora import LoRABatch
 from kvpilot.server.engine.sampling_params import FLOAT32_MAX
 from kvpilot.server.engine.scheduler import ScheduledBatch
 from kvpilot.server.engine.sequence import Sequence
@@ -274,6 +275,7 @@ class ModelInput:
     # Async scheduling: [2, R] long: input rows whose token the previous step is sampling (the host
     # has a placeholder there), and the row of the previous step's sampled tokens that holds it.
     from_previous: torch.Tensor | None = None
+    lora: LoRABatch | None = None  # each row's adapter slot (None: no row has an adapter)
 
     def take_previous_tokens(self, tokens: torch.Tensor | None) -> None:
         """Fill the placeholders (async scheduling) from the previous step's sampled tokens, on the
@@ -312,14 +314,18 @@ class InputBuilder:
         self.buffers = InputBuffers(device)
 
     def build(self, batch: ScheduledBatch, draft_probs: dict[int, torch.Tensor] | None = None,
-              previous: dict[int, int] | None = None, sample: bool = True) -> tuple[ModelInput, StepPlan]:
+              previous: dict[int, int] | None = None, sample: bool = True, adapter_slots: list[int] | None = None) -> tuple[ModelInput, StepPlan]:
         """draft_probs: what a draft model proposed from (see SamplingTensors.build). previous: seq_id ->
         its row among the sampled tokens of the step in flight, for sequences awaiting that token.
         sample=False: no SamplingTensors (tensor-parallel ranks other than 0, whose batch holds their
-        mirrors of the sequences: step_message.RankSeq)."""
+        mirrors of the sequences: step_message.RankSeq). adapter_slots: each sequence's LoRA slot (-1:
+        none); a sequence's rows are laid out next to those of others with its slot (prefills and
+        decodes each grouped by slot), so that each slot's rows are few runs."""
         self.buffers.begin_step()
         bs = self.block_size
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] == 1 or batch.seqs[i].num_spec_tokens > 0)
+        slot_of = adapter_slots or [-1] * len(batch.seqs)
+        order = sorted(range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] == 1 or batch.seqs[i].num_spec_tokens > 0, slot_of[i]))
+        row_slots: list[int] = []
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -338,6 +344,7 @@ class InputBuilder:
             start = seq.num_computed_tokens
             row0 = len(ids)
             ids += seq.tokens_slice(start, start + n)
+            row_slots += [slot_of[i]] * n
             if seq.num_placeholders:  # its last token, the placeholder, is the one this step computes
                 if start + n != seq.num_tokens or previous is None or seq.seq_id not in previous:
                     raise AssertionError(f"sequence {seq.seq_id} awaits a token that no step in flight samples")
@@ -380,8 +387,18 @@ class InputBuilder:
             sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, self.buffers, draft_probs, previous=previous,
                                            grammars=self.grammars)
             if plan.sampled and sample else None,
-            from_previous=previous_t.view(2, -1) if placeholder_rows else None)
+            from_previous=previous_t.view(2, -1) if placeholder_rows else None,
+            lora=self._lora_batch(row_slots) if adapter_slots and max(adapter_slots) >= 0 else None)
         return inp, plan
+
+    def _lora_batch(self, row_slots: list[int]) -> LoRABatch:
+        runs: list[tuple[int, int, int]] = []
+        for row, slot in enumerate(row_slots):
+            if runs and runs[-1][0] == slot and runs[-1][2] == row:
+                runs[-1] = (slot, runs[-1][1], row + 1)
+            else:
+                runs.append((slot, row, row + 1))
+        return LoRABatch(self.buffers.upload(row_slots, torch.long), [r for r in runs if r[0] >= 0])
 
     def build_decode(self, seqs: list[Sequence], positions: list[int]) -> ModelInput:
         """A decode-only step over given positions (a draft model's proposal steps): one row per

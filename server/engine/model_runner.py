@@ -13,9 +13,10 @@ from kvpilot.kernels.ops import triton_kernels
 from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.decode_graphs import DecodeGraphs
+from kvpilot.server.engine.lora import Adapter, read_adapter
 from kvpilot.server.engine.model_io import InputBuilder, ModelInput, ModelOutput, PromptLogprobRows
 from kvpilot.server.engine.sampler import PendingSample, Sampler
-from kvpilot.server.engine.step_message import Describe, RankMirror, Step, Stop
+from kvpilot.server.engine.step_message import Describe, RankMirror, SetAdapter, Step, Stop
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
 from kvpilot.server.models.sharding import TensorParallel
 
@@ -106,7 +107,8 @@ class ModelRunner:
         if config.quantization != "none" and self.dtype != torch.float32 and not triton_kernels(self.device):
             raise ValueError(f"quantization={config.quantization} on {self.device} computes in float32 (the C++ kernels take float32 "
                              f"activations), not {self.dtype}")
-        self.model = self._load(weights, show_progress, config.quantization, config.quantization_group_size)
+        self.model = self._load(weights, show_progress, config.quantization, config.quantization_group_size,
+                                lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None)
         self.draft = self._load(draft, show_progress, "none") if draft else None  # the draft is small: kept dense
         _return_freed_heap()
         self.block_size = config.block_size
@@ -131,7 +133,8 @@ class ModelRunner:
                  self.dtype, self.model.weight_bytes() / 2**20, config.quantization, self.num_blocks, self.block_size,
                  self.num_blocks * self.bytes_per_block / 2**20, self.kv_dtype)
 
-    def _load(self, weights: WeightSource, show_progress: bool, quantization: str, group_size: int = 32) -> DecoderModel:
+    def _load(self, weights: WeightSource, show_progress: bool, quantization: str, group_size: int = 32,
+              lora: tuple[int, int] | None = None) -> DecoderModel:
         bar = None
         if show_progress:
             from tqdm import tqdm
@@ -139,7 +142,7 @@ class ModelRunner:
             bar = tqdm(total=len(weights.checkpoint_names()), desc=f"loading {weights.path.name}", unit="tensor", leave=False)
         with torch.inference_mode():
             model = DecoderModel.load(weights, weights.config, self.dtype, self.device, progress=bar.update if bar else None, tp=self.tp,
-                                      quantization=quantization, group_size=group_size)
+                                      quantization=quantization, group_size=group_size, lora=lora)
         if bar:
             bar.close()
         return model
@@ -211,9 +214,9 @@ class ModelRunner:
                 log.info("decode steps run eagerly: %s", why_not)
             return
         width = -(-max_model_len // self.block_size)
-        graphs = lambda step: DecodeGraphs(step, self.config.max_num_seqs, width, self.scratch_block, self.block_size,  # noqa: E731
-                                           self.device, capture)
-        self.decode_graphs = graphs(self._decode_logits)
+        graphs = lambda step, lora=None: DecodeGraphs(step, self.config.max_num_seqs, width, self.scratch_block, self.block_size,  # noqa: E731
+                                                      self.device, capture, lora)
+        self.decode_graphs = graphs(self._decode_logits, self.model.lora.context if self.model.lora else None)
         if self.draft is not None:
             self.draft_graphs = graphs(self._draft_logits)
 
@@ -264,6 +267,13 @@ class ModelRunner:
         ids = torch.tensor(token_ids, device=self.device)
         return self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)).float()
 
+    def set_adapter(self, slot: int, adapter: Adapter | None) -> None:
+        """Write an adapter into a LoRA slot (None: clear it), on every rank (each reads its share from
+        the adapter's directory)."""
+        if self.workers is not None:
+            self.workers.send(SetAdapter(slot, adapter.path if adapter else None))
+        self.model.set_adapter(slot, adapter.tensors if adapter else None)
+
     def send_step(self, message: Step, previous_tokens: torch.Tensor | None) -> None:
         """Tensor parallelism, right before launch(): the step as the other ranks build it, and the
         sampled tokens of the step in flight when its placeholders need them."""
@@ -290,7 +300,13 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.takes(inp):
             return [], self.decode_graphs.run(inp)
         meta = AttentionMetadata.from_input(inp)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
+        if self.model.lora is not None:
+            self.model.lora.context.batch = inp.lora
+        try:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
+        finally:
+            if self.model.lora is not None:
+                self.model.lora.context.batch = None
         if self.draft is not None:
             self.draft(inp.input_ids, inp.positions, self.draft_kv_caches, meta)
         prompt_logits = [self.model.compute_logits(hidden[r.first_row:r.first_row + len(r.target_ids)]) for r in inp.prompt_logprobs]
@@ -306,8 +322,8 @@ class ModelRunner:
         while True:
             message = channel.receive()
             if isinstance(message, Step):
-                batch, previous = mirror.apply(message)
-                inp, _ = builder.build(batch, previous=previous or None, sample=False)
+                batch, previous, slots = mirror.apply(message)
+                inp, _ = builder.build(batch, previous=previous or None, sample=False, adapter_slots=slots)
                 tokens = None
                 if message.num_previous_tokens:
                     tokens = torch.empty(message.num_previous_tokens, dtype=torch.long, device=self.device)
@@ -315,6 +331,9 @@ class ModelRunner:
                 inp.take_previous_tokens(tokens)
                 with torch.inference_mode():
                     self._forward(inp, inp.logits_indices.numel() > 0)
+            elif isinstance(message, SetAdapter):
+                tensors = read_adapter(message.path, self.model.config, self.config.max_lora_rank)[0] if message.path else None
+                self.model.set_adapter(message.slot, tensors)
             elif isinstance(message, Describe):
                 dist.gather_object(self.describe(), None, dst=0)
             elif isinstance(message, Stop):

@@ -42,8 +42,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool = True):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
+                 max_loras: int = 0):
         self.bm = block_manager
+        self.max_loras = max_loras  # LoRA: most distinct adapters among running sequences (0: no adapters)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
@@ -94,9 +96,15 @@ class Scheduler:
                 continue
             break
 
-        # Waiting sequences are admitted only when nothing had to be preempted this step.
+        # Waiting sequences are admitted only when nothing had to be preempted this step. A sequence
+        # whose adapter would be one too many for the slots waits, and those behind it go first.
+        adapters = {seq.adapter for seq in self.running} - {0}
+        passed: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
+            if seq.adapter and seq.adapter not in adapters and len(adapters) >= self.max_loras:
+                passed.append(self.waiting.popleft())
+                continue
             cached = self.bm.match_prefix(seq) if not seq.block_table else None
             n = seq.num_tokens - seq.num_computed_tokens - len(cached or ()) * self.bm.block_size
             if n > budget:
@@ -106,11 +114,14 @@ class Scheduler:
             if not self.bm.allocate(seq, n, cached):
                 break
             self.waiting.popleft()
+            if seq.adapter:
+                adapters.add(seq.adapter)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(passed))  # back at the front, in their order
         return batch
 
     def update(self, batch: ScheduledBatch, rejected: dict[int, int] | None = None) -> None:

@@ -31,6 +31,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_output_tokens: int | None = None  # the output's length limit (max_tokens, and the context); set at admission
+    adapter: int = 0                      # its LoRA adapter's id (0: the base model): scheduling caps the adapters of a step, KV is keyed by it
     output_token_ids: list[int] = field(default_factory=list)  # known output tokens
     num_placeholders: int = 0             # output tokens counted but not known yet (async scheduling: 0 or 1)
     status: Status = Status.WAITING

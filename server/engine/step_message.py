@@ -44,6 +44,7 @@ class Row(msgspec.Struct, array_like=True, frozen=True):
     spec_token_ids: list[int]
     num_spec_tokens: int
     prompt_logprobs: int            # -1: none; else the top-n of the request's prompt logprobs
+    adapter_slot: int               # its LoRA adapter's slot, -1: none
 
 
 class Step(msgspec.Struct, tag="step", array_like=True, frozen=True):
@@ -54,6 +55,11 @@ class Step(msgspec.Struct, tag="step", array_like=True, frozen=True):
     num_previous_tokens: int        # sampled tokens of the step in flight that rank 0 broadcasts after this (0: none)
 
 
+class SetAdapter(msgspec.Struct, tag="set_adapter", array_like=True, frozen=True):
+    slot: int
+    path: str | None                # the adapter's directory (each rank reads its share), None: clear the slot
+
+
 class Describe(msgspec.Struct, tag="describe", array_like=True, frozen=True):
     pass
 
@@ -62,7 +68,7 @@ class Stop(msgspec.Struct, tag="stop", array_like=True, frozen=True):
     pass
 
 
-Message = Step | Describe | Stop
+Message = Step | SetAdapter | Describe | Stop
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -88,12 +94,12 @@ class StepMessenger:
     def __init__(self) -> None:
         self.sent: dict[int, _Sent] = {}
 
-    def step(self, batch: ScheduledBatch, previous: dict[int, int] | None, num_previous_tokens: int) -> Step:
+    def step(self, batch: ScheduledBatch, previous: dict[int, int] | None, num_previous_tokens: int, adapter_slots: list[int] | None = None) -> Step:
         finished = [sid for sid, s in self.sent.items() if s.seq.is_finished]
         for sid in finished:
             del self.sent[sid]
         new, updates, rows = [], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n, slot in zip(batch.seqs, batch.num_new_tokens, adapter_slots or [-1] * len(batch.seqs)):
             num_known = seq.num_prompt_tokens + len(seq.output_token_ids)
             sent = self.sent.get(seq.seq_id)
             if sent is None:
@@ -106,7 +112,7 @@ class StepMessenger:
             prompt_lp = seq.params.prompt_logprobs
             rows.append(Row(seq.seq_id, seq.num_computed_tokens, n, seq.num_placeholders,
                             previous.get(seq.seq_id, -1) if previous else -1, list(seq.spec_token_ids), seq.num_spec_tokens,
-                            -1 if prompt_lp is None else prompt_lp))
+                            -1 if prompt_lp is None else prompt_lp, slot))
         return Step(new, updates, finished, rows, num_previous_tokens)
 
 
@@ -156,8 +162,9 @@ class RankMirror:
     def __init__(self) -> None:
         self.seqs: dict[int, RankSeq] = {}
 
-    def apply(self, step: Step) -> tuple[ScheduledBatch, dict[int, int]]:
-        """The step's batch over this rank's mirrors, and seq_id -> previous row for its placeholders."""
+    def apply(self, step: Step) -> tuple[ScheduledBatch, dict[int, int], list[int]]:
+        """The step's batch over this rank's mirrors, seq_id -> previous row for its placeholders, and
+        each sequence's adapter slot."""
         for sid in step.finished:
             self.seqs.pop(sid, None)
         for s in step.new:
@@ -166,7 +173,7 @@ class RankMirror:
             seq = self.seqs[u.seq_id]
             seq.known_token_ids += u.new_token_ids
             seq.block_table = seq.block_table[:u.num_blocks_kept] + list(u.new_block_ids)
-        batch, previous = ScheduledBatch(), {}
+        batch, previous, slots = ScheduledBatch(), {}, []
         for row in step.rows:
             seq = self.seqs[row.seq_id]
             seq.num_computed_tokens, seq.num_placeholders = row.num_computed_tokens, row.num_placeholders
@@ -176,4 +183,5 @@ class RankMirror:
                 previous[row.seq_id] = row.previous_row
             batch.seqs.append(seq)
             batch.num_new_tokens.append(row.num_new_tokens)
-        return batch, previous
+            slots.append(row.adapter_slot)
+        return batch, previous, slots

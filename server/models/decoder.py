@@ -5,6 +5,7 @@ weights come by their transformers names from a GGUF file or a checkpoint direct
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.linear import RowParallel, make_linear
+from kvpilot.kernels.lora import LoRAContext, LoRALinear, LoRAShape
 from kvpilot.kernels.ops import Ops, ops_for
 from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight, cat_rows, embedding, quantize_int4, quantize_int8
@@ -53,9 +55,10 @@ class DecoderModel(nn.Module):
     lookups all-reduced) and the LM head (its logits all-gathered)."""
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: torch.Tensor | None,
-                 rotary: RotaryEmbedding, num_kv_heads: int, tp: TensorParallel | None = None):
+                 rotary: RotaryEmbedding, num_kv_heads: int, tp: TensorParallel | None = None, lora: LoRAModules | None = None):
         super().__init__()
         self.config = config
+        self.lora = lora
         self.num_kv_heads = num_kv_heads  # this rank's (all of them without tensor parallelism)
         self.tp = tp
         self.vocab_rows = embed.shape[0]  # this rank's
@@ -90,6 +93,12 @@ class DecoderModel(nn.Module):
                 total += t.untyped_storage().nbytes()
         return total
 
+    def set_adapter(self, slot: int, tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """Write an adapter's (layer, target) -> (A, B) into `slot` of every adapted projection (None: clear it)."""
+        with torch.inference_mode():
+            for module, layer, targets in self.lora.modules:
+                module.set_slot(slot, [tensors.get((layer, t)) if tensors else None for t in targets])
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x = self._embed(input_ids).to(self.norm.weight.dtype)  # GGUF-block rows dequantize to float32
         rope = self.rotary.rope(positions, x.dtype)  # once per forward, shared by every layer
@@ -122,12 +131,26 @@ class DecoderModel(nn.Module):
     @classmethod
     def load(cls, source: WeightSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
              progress: Callable[[int], None] | None = None, tp: TensorParallel | None = None, quantization: str = "none",
-             group_size: int = 32) -> DecoderModel:
+             group_size: int = 32, lora: tuple[int, int] | None = None) -> DecoderModel:
         """quantization gguf: projections, the embedding and the LM head stay in the GGUF's blocks; int8 /
-        int4: they are quantized as they are read (the embedding and LM head int8 in both)."""
+        int4: they are quantized as they are read (the embedding and LM head int8 in both). lora:
+        (max_loras, max_rank): every projection gets that many adapter slots (kernels/lora.py)."""
         c = config
         w = _WeightReader(source, dtype, device, progress, tp, quantization, group_size)
         ops = ops_for(device)
+        adapted = LoRAModules(LoRAContext(), []) if lora else None
+
+        def adapt(layer: int, targets: tuple[str, ...], in_range: list[int], *part_ranges: list[int]):
+            if adapted is None:
+                return None
+
+            def wrap(base: nn.Module) -> LoRALinear:
+                module = LoRALinear(base, LoRAShape(tuple(in_range), tuple(map(tuple, part_ranges)), lora[1]), lora[0], adapted.context,
+                                    ops.lora_add_, dtype, device)
+                adapted.modules.append((module, layer, targets))
+                return module
+            return wrap
+
         norm = lambda name: RMSNorm(w(name), c.rms_norm_eps, ops)
         heads = tp.split(c.num_heads) if tp else (0, c.num_heads)
         kv_heads = tp.kv_heads(c.num_kv_heads) if tp else (0, c.num_kv_heads)
@@ -143,23 +166,36 @@ class DecoderModel(nn.Module):
             qkv_bias = None
             if c.family.qkv_bias or c.attention_bias:
                 qkv_bias = torch.cat([w(a + "q_proj.bias", rows=q_rows), w(a + "k_proj.bias", rows=kv_rows), w(a + "v_proj.bias", rows=kv_rows)])
+            hidden = [0, c.hidden_size]
             attn = PagedSelfAttention(
-                make_linear(qkv, bias=qkv_bias),
-                make_linear(w.weight(a + "o_proj.weight", cols=q_rows), bias=w(a + "o_proj.bias") if c.attention_bias else None, shard=row_parallel),
+                make_linear(qkv, bias=qkv_bias, adapt=adapt(i, ("q_proj", "k_proj", "v_proj"), hidden, q_rows, kv_rows, kv_rows)),
+                make_linear(w.weight(a + "o_proj.weight", cols=q_rows), bias=w(a + "o_proj.bias") if c.attention_bias else None, shard=row_parallel,
+                            adapt=adapt(i, ("o_proj",), q_rows, hidden)),
                 heads[1] - heads[0], kv_heads[1] - kv_heads[0], c.head_dim, ops,
                 qk_norms=(norm(a + "q_norm.weight"), norm(a + "k_norm.weight")) if c.family.qk_norm else None)
             bias = lambda name, rows=None: w(name, rows=rows) if c.mlp_bias else None
-            mlp = SwiGLU(make_linear(w.weight(m + "gate_proj.weight", rows=ffn), bias=bias(m + "gate_proj.bias", ffn)),
-                         make_linear(w.weight(m + "up_proj.weight", rows=ffn), bias=bias(m + "up_proj.bias", ffn)),
-                         make_linear(w.weight(m + "down_proj.weight", cols=ffn), bias=bias(m + "down_proj.bias"), shard=row_parallel))
+            mlp = SwiGLU(make_linear(w.weight(m + "gate_proj.weight", rows=ffn), bias=bias(m + "gate_proj.bias", ffn),
+                                     adapt=adapt(i, ("gate_proj",), hidden, ffn)),
+                         make_linear(w.weight(m + "up_proj.weight", rows=ffn), bias=bias(m + "up_proj.bias", ffn), adapt=adapt(i, ("up_proj",), hidden, ffn)),
+                         make_linear(w.weight(m + "down_proj.weight", cols=ffn), bias=bias(m + "down_proj.bias"), shard=row_parallel,
+                                     adapt=adapt(i, ("down_proj",), ffn, hidden)))
             layers.append(DecoderLayer(attn, mlp, norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")))
         vocab = tp.split(tp.padded_vocab(c.vocab_size)) if tp else None
         embed = w.weight("model.embed_tokens.weight", rows=vocab, pad_rows=True, table=True)
         head = None if c.tie_word_embeddings else w.weight("lm_head.weight", rows=vocab, pad_rows=True, table=True)
         rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling).to(device)
-        model = cls(c, embed, layers, norm("model.norm.weight"), head, rotary, kv_heads[1] - kv_heads[0], tp)
+        model = cls(c, embed, layers, norm("model.norm.weight"), head, rotary, kv_heads[1] - kv_heads[0], tp, adapted)
         w.check_all_read(ignored={"lm_head.weight"} if c.tie_word_embeddings else set())
         return model
+
+
+@dataclass(slots=True)
+class LoRAModules:
+    """A model's adapted projections: the step's LoRABatch they all read, and each projection with its
+    layer and the adapter targets of its parts (q/k/v for the fused QKV projection)."""
+
+    context: LoRAContext
+    modules: list[tuple[LoRALinear, int, tuple[str, ...]]]
 
 
 class _WeightReader:

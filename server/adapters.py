@@ -1,0 +1,145 @@
+"""LoRA adapters as PEFT writes them (adapter_config.json + adapter_model.safetensors): what an adapter
+declares, checked before a byte of its weights is read, and where one may be loaded from. torch-free
+(the server checks names and paths with it; server/engine/lora.py reads the weights).
+
+Refused by name, never half-applied: DoRA, LoRA biases, modules_to_save, embedding or LM-head
+adapters, fan_in_fan_out, layer replication, target_parameters, a pickled adapter_model.bin.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The projections an adapter may target, as transformers names them (q/k/v map onto our fused QKV
+# projection, gate/up onto the MLP's).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+class AdapterError(ValueError):
+    """An adapter the engine will not load, and why (the engine is unaffected)."""
+
+
+def check_adapter_name(name: str) -> str:
+    if not _NAME.fullmatch(name or ""):
+        raise AdapterError(f"adapter name {name!r} must be 1-128 characters of letters, digits and . _ : / - (starting with a letter or digit)")
+    return name
+
+
+def parse_lora_module(spec: str) -> tuple[str, str]:
+    """`name=path` (vLLM's --lora-modules form) -> (name, path)."""
+    name, sep, path = spec.partition("=")
+    if not sep or not path:
+        raise AdapterError(f"lora module {spec!r} must be name=path")
+    return check_adapter_name(name.strip()), path.strip()
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """Which adapter a request runs with (vLLM's offline form): a name, a positive id of the caller's
+    choosing (not used: the engine numbers adapters itself) and the adapter's directory."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterConfig:
+    rank: int
+    alpha: float
+    use_rslora: bool
+    targets: tuple[str, ...]                              # of TARGETS
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+
+    def scale(self, module: str, rank: int) -> float:
+        """The factor B is multiplied by for `module` (its full name, e.g. model.layers.0.self_attn.q_proj)
+        of rank `rank`: alpha / rank, or alpha / sqrt(rank) with rsLoRA; alpha from alpha_pattern when a key
+        matches the module's name (PEFT's rule: the key matches a suffix of the name at a dot)."""
+        alpha = next((v for k, v in self.alpha_pattern.items() if re.match(rf"(.*\.)?({k})$", module)), self.alpha)
+        return alpha / (math.sqrt(rank) if self.use_rslora else rank)
+
+
+def _refuse_if(condition: object, what: str, where: Path) -> None:
+    if condition:
+        raise AdapterError(f"{where}: {what} is not supported (refused rather than served differently)")
+
+
+def read_adapter_config(directory: Path) -> AdapterConfig:
+    path = directory / ADAPTER_CONFIG
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise AdapterError(f"{directory}: no {ADAPTER_CONFIG} (not a PEFT adapter)") from None
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{path}: unreadable ({e})") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{path}: not a JSON object")
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{path}: peft_type {raw.get('peft_type')!r} is not a LoRA adapter")
+    _refuse_if(raw.get("use_dora"), "DoRA (use_dora)", path)
+    _refuse_if(raw.get("bias", "none") != "none" or raw.get("lora_bias"), "a LoRA bias (bias / lora_bias)", path)
+    _refuse_if(raw.get("modules_to_save"), f"modules_to_save {raw.get('modules_to_save')}", path)
+    _refuse_if(raw.get("fan_in_fan_out"), "fan_in_fan_out", path)
+    _refuse_if(raw.get("layer_replication"), "layer_replication", path)
+    _refuse_if(raw.get("target_parameters"), "target_parameters", path)
+    _refuse_if(raw.get("trainable_token_indices"), "trainable_token_indices", path)
+    _refuse_if(raw.get("alora_invocation_tokens"), "activated LoRA (alora_invocation_tokens)", path)
+    _refuse_if(raw.get("use_qalora"), "QA-LoRA (use_qalora)", path)
+    rank, alpha = raw.get("r"), raw.get("lora_alpha", 8)
+    if not isinstance(rank, int) or rank < 1:
+        raise AdapterError(f"{path}: r must be a positive integer, got {rank!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise AdapterError(f"{path}: lora_alpha must be a number, got {alpha!r}")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str):
+        # "all-linear" or a regex over module names: the weights file says which projections it reaches
+        names = TARGETS
+    elif isinstance(targets, list) and all(isinstance(t, str) for t in targets):
+        unknown = sorted({t.rsplit(".", 1)[-1] for t in targets} - set(TARGETS))
+        if unknown:
+            raise AdapterError(f"{path}: target modules {unknown} are not supported (embedding and LM-head adapters are refused; "
+                               f"supported: {', '.join(TARGETS)})")
+        names = tuple(t for t in TARGETS if t in {x.rsplit('.', 1)[-1] for x in targets})
+    else:
+        raise AdapterError(f"{path}: target_modules must be a list of module names or a regex, got {targets!r}")
+    if not names:
+        raise AdapterError(f"{path}: target_modules {targets!r} names none of {', '.join(TARGETS)}")
+    patterns = {k: raw.get(k) or {} for k in ("alpha_pattern", "rank_pattern")}
+    for k, v in patterns.items():
+        if not isinstance(v, dict) or not all(isinstance(x, (int, float)) for x in v.values()):
+            raise AdapterError(f"{path}: {k} must map module names to numbers")
+    return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora")), names, patterns["alpha_pattern"], patterns["rank_pattern"])
+
+
+def adapter_files(directory: str | Path, root: str | Path | None = None) -> tuple[Path, Path]:
+    """The adapter's config and weights files, checked: a directory (under `root` when given, nothing
+    reached through a symlink out of it), weights in safetensors (a pickled adapter_model.bin is never
+    loaded)."""
+    d = Path(directory)
+    if root is not None:
+        real_root = Path(os.path.realpath(root))
+        real = Path(os.path.realpath(d if d.is_absolute() else real_root / d))
+        if real != real_root and real_root not in real.parents:
+            raise AdapterError(f"adapter path {str(directory)!r} is outside the adapter directory (--lora-dir)")
+        d = real
+    if not d.is_dir():
+        raise AdapterError(f"adapter path {str(directory)!r} is not a directory")
+    config, weights = d / ADAPTER_CONFIG, d / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        pickled = " (adapter_model.bin is pickled: never loaded; convert it to safetensors)" if (d / "adapter_model.bin").exists() else ""
+        raise AdapterError(f"{d}: no {ADAPTER_WEIGHTS}{pickled}")
+    if root is not None:
+        for f in (config, weights):
+            real = Path(os.path.realpath(f))
+            if real_root not in real.parents:
+                raise AdapterError(f"{f.name} of {str(directory)!r} links outside the adapter directory (--lora-dir)")
+    return config, weights

@@ -1,0 +1,332 @@
+"""LoRA adapters: the delta kernels against their reference, adapters refused by name, and the engine's
+greedy outputs with adapters against Hugging Face peft's (one at a time, one mixed batch with base rows,
+over GGUF-block base weights, through the decode graphs' static buffers, with n-gram speculation,
+with fewer slots than adapters)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lora_factory import SPECS, STEPS
+from oracle import ORACLE_PROMPTS, compare_greedy
+
+# --- kernels ---------------------------------------------------------------------------------------
+
+def _random_case(t=13, k=40, n=56, slots=3, r=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g)
+    a = torch.randn(slots, r, k, generator=g)
+    b = torch.randn(slots, n, r, generator=g)
+    y = torch.randn(t, n, generator=g)
+    token_slots = [2, 2, 0, 0, 0, -1, -1, 1, 2, 2, -1, 0, 1][:t]
+    return x, a, b, y, token_slots
+
+
+def _runs(token_slots):
+    runs = []
+    for row, slot in enumerate(token_slots):
+        if runs and runs[-1][0] == slot and runs[-1][2] == row:
+            runs[-1] = (slot, runs[-1][1], row + 1)
+        else:
+            runs.append((slot, row, row + 1))
+    return [r for r in runs if r[0] >= 0]
+
+
+def _expected(y, x, a, b, token_slots):
+    out = y.clone()
+    for row, slot in enumerate(token_slots):
+        if slot >= 0:
+            out[row] += (a[slot] @ x[row]) @ b[slot].t()
+    return out
+
+
+@pytest.mark.parametrize("kernel", ["runs", "reference", "triton"])
+def test_lora_delta_kernels(kernel):
+    from kvpilot.kernels.lora import LoRABatch, lora_add_ref_, lora_add_runs_
+
+    x, a, b, y, token_slots = _random_case()
+    batch = LoRABatch(torch.tensor(token_slots), _runs(token_slots))
+    if kernel == "triton":
+        from kvpilot.kernels.triton_lora import lora_add_ as add
+    else:
+        add = lora_add_runs_ if kernel == "runs" else lora_add_ref_
+    got = y.clone()
+    add(got, x, a, b, batch)
+    torch.testing.assert_close(got, _expected(y, x, a, b, token_slots), rtol=1e-4, atol=1e-4)
+    assert not torch.equal(got, y)
+
+
+# --- the engine against peft ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def peft_case(lora_peft_case):
+    return lora_peft_case
+
+
+@pytest.fixture(scope="module")
+def lora_llm(peft_case):
+    from kvpilot.server import LLM
+
+    return LLM(num_threads=1, show_progress=False, enable_lora=True, max_loras=3, max_lora_rank=16)
+
+
+def _request(paths, name):
+    from kvpilot.server.adapters import LoRARequest
+
+    return LoRARequest(name, 1, str(paths[name]))
+
+
+def _greedy():
+    from kvpilot.server import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
+
+
+def _check(outs, oracle):
+    top5 = lambda e: sorted(e, key=e.get, reverse=True)[:5]
+    result = compare_greedy([o.outputs[0].token_ids for o in outs], [[top5(e) for e in o.outputs[0].logprobs] for o in outs], oracle)
+    assert result["exact"] >= result["total"] - 1, result
+    assert not result["violations"], result
+    return result
+
+
+def test_adapters_change_the_base_model(peft_case):
+    """The fixtures are worth testing with: each adapter changes peft's greedy output on >= 8 of 10 prompts."""
+    _, results, base = peft_case
+    for name, rs in results.items():
+        changed = sum(r.tokens != b.tokens for r, b in zip(rs, base))
+        assert changed >= 8, (name, changed)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_greedy_equals_peft_one_at_a_time(lora_llm, peft_case, name):
+    paths, results, _ = peft_case
+    outs = [lora_llm.generate(p, _greedy(), lora_request=_request(paths, name))[0] for p in ORACLE_PROMPTS[:4]]
+    print(name, _check(outs, results[name][:4]))
+
+
+def test_one_batch_of_base_rows_and_three_adapters_equals_peft(lora_llm, peft_case):
+    paths, results, base = peft_case
+    names = [None, *SPECS]
+    prompts, requests, oracle = [], [], []
+    for i, p in enumerate(ORACLE_PROMPTS):
+        for name in (names[i % 4], names[(i + 1) % 4]):
+            prompts.append(p)
+            requests.append(_request(paths, name) if name else None)
+            oracle.append((results[name] if name else base)[i])
+    outs = lora_llm.generate(prompts, _greedy(), lora_request=requests)
+    print(_check(outs, oracle))
+
+
+def test_prompt_logprobs_equal_peft(lora_llm, peft_case):
+    from kvpilot.server import SamplingParams
+
+    paths, results, _ = peft_case
+    name = "all7-r8"
+    out = lora_llm.generate(ORACLE_PROMPTS[7], SamplingParams(max_tokens=1, prompt_logprobs=0), lora_request=_request(paths, name))[0]
+    ids = out.prompt_token_ids
+    ours = [entry[ids[j + 1]] for j, entry in enumerate(out.prompt_logprobs[1:])]
+    assert max(abs(a - b) for a, b in zip(ours, results[name][7].prompt_logprobs)) < 1e-3
+
+
+def test_prefix_cache_is_keyed_by_adapter(lora_llm, peft_case):
+    """The same prompt under the base model, then an adapter: no KV is shared (an adapter changes K and
+    V), and the adapter's output is still peft's; the same adapter again hits its own blocks."""
+    from kvpilot.server.adapters import LoRARequest
+
+    paths, results, _ = peft_case
+    prompt = ORACLE_PROMPTS[7]  # long enough for full blocks
+    lora_llm.generate(prompt, _greedy())
+    # The same weights under a new name: a new adapter id, so not even mixed-r16's own blocks are its.
+    fresh = LoRARequest("mixed-r16-fresh", 1, str(paths["mixed-r16"]))
+    first = lora_llm.generate(prompt, _greedy(), lora_request=fresh)[0]
+    again = lora_llm.generate(prompt, _greedy(), lora_request=fresh)[0]
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens > 0
+    _check([first, again], [results["mixed-r16"][7]] * 2)
+
+
+def test_fewer_slots_than_adapters_same_tokens(peft_case):
+    """max_loras=2 with four adapters (one loaded twice under two names), all at once and in rotation:
+    the same tokens as with a slot for each."""
+    from kvpilot.server import LLM
+    from kvpilot.server.adapters import LoRARequest
+
+    paths, results, _ = peft_case
+    llm = LLM(num_threads=1, show_progress=False, enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=16)
+    four = [*(LoRARequest(n, 1, str(paths[n])) for n in SPECS), LoRARequest("all7-r8-again", 1, str(paths["all7-r8"]))]
+    expected = [*(results[n] for n in SPECS), results["all7-r8"]]
+    prompts = ORACLE_PROMPTS[:4]
+    requests = [four[(i + j) % 4] for i in range(len(prompts)) for j in range(4)]
+    oracle = [expected[(i + j) % 4][i] for i in range(len(prompts)) for j in range(4)]
+    outs = llm.generate([p for p in prompts for _ in range(4)], _greedy(), lora_request=requests)
+    print("concurrent", _check(outs, oracle))
+    rotation = [llm.generate(prompts[0], _greedy(), lora_request=r)[0] for r in four * 2]
+    print("rotation", _check(rotation, [e[0] for e in expected] * 2))
+    assert llm.engine.lora.by_id[1].tensors is None or llm.engine.lora.by_id[2].tensors is None  # host copies bounded by max_cpu_loras
+
+
+def test_ngram_speculation_with_an_adapter_equals_without(lora_llm, peft_case):
+    from kvpilot.server import LLM
+
+    paths, _, _ = peft_case
+    spec = LLM(num_threads=1, show_progress=False, enable_lora=True, max_lora_rank=16, speculative_method="ngram")
+    request = _request(paths, "all7-r8")
+    prompts = ORACLE_PROMPTS[:6]
+    want = [o.outputs[0].token_ids for o in lora_llm.generate(prompts, _greedy(), lora_request=request)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, _greedy(), lora_request=request)]
+    assert got == want
+
+
+def test_gguf_base_weights_with_adapters_equal_peft(peft_case):
+    """QLoRA-style: adapters over the GGUF's blocks (peft's base: the same GGUF dequantized)."""
+    from kvpilot.server import LLM
+
+    paths, results, _ = peft_case
+    llm = LLM(num_threads=1, show_progress=False, quantization="gguf", enable_lora=True, max_loras=2, max_lora_rank=16)
+    names = ["all7-r8", "mixed-r16"]
+    outs = llm.generate(ORACLE_PROMPTS * 2, _greedy(), lora_request=[_request(paths, n) for n in names for _ in ORACLE_PROMPTS])
+    print(_check(outs, [r for n in names for r in results[n]]))
+
+
+def test_decode_graph_buffers_with_adapters_equal_peft(peft_case):
+    """Decode steps through the graphs' static buffers (not captured on CPU): each row's slot is one
+    more static input, padding rows have none."""
+    from kvpilot.server import LLM
+
+    paths, results, base = peft_case
+    llm = LLM(num_threads=1, show_progress=False, enable_lora=True, max_loras=3, max_lora_rank=16, max_num_seqs=8)
+    llm.engine.runner.start_decode_graphs(llm.engine.max_model_len, capture=False)
+    calls = []
+    run = llm.engine.runner.decode_graphs.run
+    llm.engine.runner.decode_graphs.run = lambda inp: calls.append(inp.input_ids.shape[0]) or run(inp)
+    names = [None, "all7-r8", "qv-r4-rslora"]
+    outs = llm.generate(ORACLE_PROMPTS[:6], _greedy(), lora_request=[_request(paths, names[i % 3]) if names[i % 3] else None for i in range(6)])
+    assert calls and max(calls) == 6
+    print(_check(outs, [(results[names[i % 3]] if names[i % 3] else base)[i] for i in range(6)]))
+
+
+# --- adapters refused by name ----------------------------------------------------------------------
+
+def _edit(src, dest, config=None, rename=None, drop_weights=False):
+    shutil.copytree(src, dest)
+    if config:
+        cfg = json.loads((dest / "adapter_config.json").read_text())
+        cfg.update(config)
+        (dest / "adapter_config.json").write_text(json.dumps(cfg))
+    if rename or drop_weights:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(dest / "adapter_model.safetensors"))
+        if drop_weights:
+            (dest / "adapter_model.safetensors").unlink()
+            torch.save(tensors, dest / "adapter_model.bin")
+        else:
+            save_file(rename(tensors), str(dest / "adapter_model.safetensors"))
+    return dest
+
+
+@pytest.mark.parametrize("case,message", [
+    ("dora", "DoRA"), ("bias", "LoRA bias"), ("modules_to_save", "modules_to_save"), ("lm_head", "LM-head"),
+    ("pickled", "never loaded"), ("rank", "max-lora-rank"), ("size", "refused unread"), ("shape", "another model"), ("outside", "outside the adapter directory"),
+    ("symlink", "outside the adapter directory"), ("layer", "layer 99"), ("half", "without its other half"),
+])
+def test_adapters_refused_by_name(lora_llm, peft_case, tmp_path, case, message):
+    from kvpilot.server.adapters import AdapterError
+
+    paths, _, _ = peft_case
+    src = paths["all7-r8"]
+    root = tmp_path / "adapters"
+    root.mkdir()
+    target = root / case
+    if case == "dora":
+        _edit(src, target, {"use_dora": True})
+    elif case == "bias":
+        _edit(src, target, {"bias": "lora_only"})
+    elif case == "modules_to_save":
+        _edit(src, target, {"modules_to_save": ["lm_head"]})
+    elif case == "lm_head":
+        _edit(src, target, {"target_modules": ["q_proj", "lm_head"]})
+    elif case == "pickled":
+        _edit(src, target, drop_weights=True)
+    elif case in ("rank", "size"):
+        target = paths["mixed-r16"]
+    elif case == "shape":
+        _edit(src, target, rename=lambda t: {k: (v[:, :100].contiguous() if "lora_A" in k and "q_proj" in k else v) for k, v in t.items()})
+    elif case == "outside":
+        target = src
+    elif case == "symlink":
+        (root / case).symlink_to(src)
+    elif case == "layer":
+        _edit(src, target, rename=lambda t: {k.replace("layers.0.", "layers.99."): v for k, v in t.items()})
+    elif case == "half":
+        _edit(src, target, rename=lambda t: {k: v for k, v in t.items() if not ("layers.3." in k and "lora_B" in k)})
+    registry = lora_llm.engine.lora
+    if case in ("rank", "size"):
+        # Slots of rank 14: the rank-16 adapter on five projections is within the file-size bound of a
+        # rank-14 adapter on all seven, and refused for its rank; at rank 8 its file is too big to read.
+        from kvpilot.server.engine.lora import LoRARegistry
+
+        registry = LoRARegistry(registry.config, 1, 1, 14 if case == "rank" else 8, lambda slot, adapter: None)
+    before = registry.names()
+    with pytest.raises(AdapterError, match=message):
+        registry.add(case, target, root=None if case in ("rank", "size") else root)
+    assert registry.names() == before
+
+
+# --- over HTTP -------------------------------------------------------------------------------------
+
+def test_runtime_load_request_unload_over_http(peft_case, hf_oracle_session, tmp_path):
+    """An adapter from --lora-modules and one loaded at run time answer as peft does; /v1/models lists
+    them with their parent; unloaded, the name is a 404; a path out of --lora-dir and a missing API key
+    are refused; the adapter metrics count the requests."""
+    import httpx
+
+    from server_harness import ServerProcess, metrics
+
+    paths, results, _ = peft_case
+    root = tmp_path / "adapters"
+    root.mkdir()
+    for name in ("all7-r8", "mixed-r16"):
+        shutil.copytree(paths[name], root / name)
+    server = ServerProcess("--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--allow-runtime-lora", "--lora-dir", str(root),
+                           "--lora-modules", f"first={root / 'all7-r8'}", "--api-key", "sekret", log_path=tmp_path / "server.log").wait_ready()
+    try:
+        auth = {"Authorization": "Bearer sekret"}
+        post = lambda path, body, headers=auth: httpx.post(server.url + path, json=body, headers=headers, timeout=120)
+
+        def completion(model: str, i: int) -> httpx.Response:
+            return post("/v1/completions", {"model": model, "prompt": ORACLE_PROMPTS[i], "max_tokens": STEPS, "temperature": 0, "ignore_eos": True})
+
+        def peft_text(name: str, i: int) -> str:
+            return hf_oracle_session.tokenizer.decode(results[name][i].tokens, skip_special_tokens=True)
+
+        models = httpx.get(server.url + "/v1/models", headers=auth, timeout=10).json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [("smollm2-135m", None), ("first", "smollm2-135m")]
+        r = completion("first", 0)
+        assert r.status_code == 200 and r.json()["model"] == "first"
+        assert r.json()["choices"][0]["text"] == peft_text("all7-r8", 0)
+
+        assert post("/v1/load_lora_adapter", {"lora_name": "second", "lora_path": "mixed-r16"}, headers={}).status_code == 401
+        outside = post("/v1/load_lora_adapter", {"lora_name": "second", "lora_path": str(paths["mixed-r16"])})
+        assert outside.status_code == 400 and "outside the adapter directory" in outside.json()["error"]["message"]
+        loaded = post("/v1/load_lora_adapter", {"lora_name": "second", "lora_path": "mixed-r16"})
+        assert loaded.status_code == 200, loaded.text
+        taken = post("/v1/load_lora_adapter", {"lora_name": "second", "lora_path": "mixed-r16"})
+        assert taken.status_code == 400 and taken.json()["error"]["param"] == "lora_name"
+        r = completion("second", 3)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == peft_text("mixed-r16", 3)
+        m = metrics(server.url)
+        assert m["kvpilot:lora_requests_total{adapter=first}"] == 1 and m["kvpilot:lora_requests_total{adapter=second}"] == 1
+
+        assert post("/v1/unload_lora_adapter", {"lora_name": "second"}).status_code == 200
+        gone = completion("second", 3)
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+        assert post("/v1/unload_lora_adapter", {"lora_name": "second"}).status_code == 404
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models", headers=auth, timeout=10).json()["data"]] == ["smollm2-135m", "first"]
+    finally:
+        assert server.terminate() == 0
