@@ -31,7 +31,9 @@ def _printable(text: str | None) -> str | None:
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": _printable(message), "type": _TYPES.get(status, "server_error"), "param": _printable(param), "code": code}}
+    # OpenAI answers an unknown model with a 404 of type invalid_request_error (code model_not_found).
+    kind = "invalid_request_error" if code == "model_not_found" else _TYPES.get(status, "server_error")
+    return {"error": {"message": _printable(message), "type": kind, "param": _printable(param), "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None) -> JSONResponse:
