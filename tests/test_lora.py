@@ -19,8 +19,8 @@ from oracle import ORACLE_PROMPTS, compare_greedy
 def _random_case(t=13, k=40, n=56, slots=3, r=12, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, k, generator=g)
-    a = torch.randn(slots, r, k, generator=g)
-    b = torch.randn(slots, n, r, generator=g)
+    a = torch.randn(slots, k, r, generator=g)  # A^T per slot
+    b = torch.randn(slots, r, n, generator=g)  # B^T per slot
     y = torch.randn(t, n, generator=g)
     token_slots = [2, 2, 0, 0, 0, -1, -1, 1, 2, 2, -1, 0, 1][:t]
     return x, a, b, y, token_slots
@@ -40,7 +40,7 @@ def _expected(y, x, a, b, token_slots):
     out = y.clone()
     for row, slot in enumerate(token_slots):
         if slot >= 0:
-            out[row] += (a[slot] @ x[row]) @ b[slot].t()
+            out[row] += (x[row] @ a[slot]) @ b[slot]
     return out
 
 
@@ -160,14 +160,14 @@ def test_fewer_slots_than_adapters_same_tokens(peft_case):
     llm = LLM(num_threads=1, show_progress=False, enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=16)
     four = [*(LoRARequest(n, 1, str(paths[n])) for n in SPECS), LoRARequest("all7-r8-again", 1, str(paths["all7-r8"]))]
     expected = [*(results[n] for n in SPECS), results["all7-r8"]]
-    prompts = ORACLE_PROMPTS[:4]
+    prompts = ORACLE_PROMPTS[:2]
     requests = [four[(i + j) % 4] for i in range(len(prompts)) for j in range(4)]
     oracle = [expected[(i + j) % 4][i] for i in range(len(prompts)) for j in range(4)]
     outs = llm.generate([p for p in prompts for _ in range(4)], _greedy(), lora_request=requests)
     print("concurrent", _check(outs, oracle))
-    rotation = [llm.generate(prompts[0], _greedy(), lora_request=r)[0] for r in four * 2]
-    print("rotation", _check(rotation, [e[0] for e in expected] * 2))
-    assert llm.engine.lora.by_id[1].tensors is None or llm.engine.lora.by_id[2].tensors is None  # host copies bounded by max_cpu_loras
+    rotation = [llm.generate(prompts[0], _greedy(), lora_request=r)[0] for r in [four[0], four[2], four[1], four[3], four[0]]]
+    print("rotation", _check(rotation, [expected[i][0] for i in (0, 2, 1, 3, 0)]))
+    assert sum(a.tensors is not None for a in llm.engine.lora.by_id.values()) <= 2  # host copies bounded by max_cpu_loras
 
 
 def test_ngram_speculation_with_an_adapter_equals_without(lora_llm, peft_case):

@@ -1,8 +1,9 @@
 """Properties of BlockManager + Scheduler over random workloads (no model: tokens are faked).
 
 Checked after every step: no block leaked or double-freed, ref counts equal the block tables that
-hold them, free and held blocks partition the cache, step budgets hold, and in the end every request
-finishes exactly once (none dropped, duplicated or starved)."""
+hold them, free and held blocks partition the cache, step budgets hold, running sequences use at most
+max_loras LoRA adapters, cached blocks chain from their sequence's adapter, and in the end every
+request finishes exactly once (none dropped, duplicated or starved)."""
 
 import random
 from collections import Counter
@@ -10,7 +11,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.server.engine.block_manager import BlockManager
+from kvpilot.server.engine.block_manager import BlockManager, block_hash, root_hash
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.scheduler import Scheduler
 from kvpilot.server.engine.sequence import Sequence, Status
@@ -28,6 +29,8 @@ def check_invariants(bm: BlockManager, sched: Scheduler) -> None:
     for s in sched.running:
         assert len(s.block_table) * bm.block_size >= s.num_computed_tokens
         assert len(s.block_hashes) <= len(s.block_table)
+        if s.block_hashes:  # a sequence's cached blocks chain from its own adapter's root: no KV shared across adapters
+            assert s.block_hashes[0] == block_hash(root_hash(s), tuple(s.tokens_slice(0, bm.block_size)))
     assert 0.0 <= bm.usage() <= 1.0
 
 
@@ -44,8 +47,8 @@ def workloads(draw):
         out = draw(st.integers(1, max_len - plen))
         arrive = draw(st.integers(0, 30))
         abort_at = draw(st.one_of(st.none(), st.integers(0, 60)))
-        reqs.append((plen, out, arrive, abort_at))
-    return dict(block_size=block_size, num_blocks=num_blocks, vocab=vocab, reqs=reqs,
+        reqs.append((plen, out, arrive, abort_at, draw(st.integers(0, 3))))  # its LoRA adapter (0: none)
+    return dict(block_size=block_size, num_blocks=num_blocks, vocab=vocab, reqs=reqs, max_loras=draw(st.integers(1, 2)),
                 max_num_seqs=draw(st.integers(1, 8)), budget=draw(st.integers(max(16, block_size), 96)),
                 chunked=draw(st.booleans()), prefix=draw(st.booleans()), seed=draw(st.integers(0, 10**6)))
 
@@ -56,11 +59,11 @@ def test_scheduler_properties(w):
     rng = random.Random(w["seed"])
     bm = BlockManager(w["num_blocks"], w["block_size"], w["prefix"])
     budget = w["budget"] if w["chunked"] else max(w["budget"], 64)
-    sched = Scheduler(bm, w["max_num_seqs"], budget, w["chunked"])
+    sched = Scheduler(bm, w["max_num_seqs"], budget, w["chunked"], w["max_loras"])
     seqs, finished, lengths = [], Counter(), {}
-    for i, (plen, out, arrive, abort_at) in enumerate(w["reqs"]):
+    for i, (plen, out, arrive, abort_at, adapter) in enumerate(w["reqs"]):
         prompt = [rng.randrange(w["vocab"]) for _ in range(plen)]
-        seqs.append((arrive, abort_at, Sequence(i, f"r{i}", 0, prompt, SamplingParams(max_tokens=out, ignore_eos=True))))
+        seqs.append((arrive, abort_at, Sequence(i, f"r{i}", 0, prompt, SamplingParams(max_tokens=out, ignore_eos=True), adapter=adapter)))
     for step in range(5000):
         for arrive, abort_at, seq in seqs:
             if arrive == step:
@@ -70,6 +73,7 @@ def test_scheduler_properties(w):
                 finished[seq.seq_id] += 1
         batch = sched.schedule()
         assert batch.total_tokens <= budget
+        assert len({s.adapter for s in sched.running} - {0}) <= w["max_loras"]  # the adapters' slots always suffice
         assert len(batch.seqs) <= w["max_num_seqs"] and len(set(id(s) for s in batch.seqs)) == len(batch.seqs)
         assert all(n >= 1 for n in batch.num_new_tokens)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
