@@ -330,3 +330,29 @@ def test_runtime_load_request_unload_over_http(peft_case, hf_oracle_session, tmp
         assert [m["id"] for m in httpx.get(server.url + "/v1/models", headers=auth, timeout=10).json()["data"]] == ["smollm2-135m", "first"]
     finally:
         assert server.terminate() == 0
+
+
+def test_int4_base_weights_with_an_adapter_equal_peft_on_the_dequantized_base(peft_case, hf_oracle_session):
+    """QLoRA-style over our int4 (embedding and head int8): peft's base is the same model with every
+    weight replaced by its quantize-dequantize round trip, so the two differ only in summation order."""
+    import copy
+
+    from peft import PeftModel
+
+    from kvpilot.kernels.quantized import quantize_int4, quantize_int8
+    from kvpilot.server import LLM
+    from lora_factory import peft_greedy
+
+    paths, _, _ = peft_case
+    base = copy.deepcopy(hf_oracle_session.model)
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if name.endswith("proj.weight"):
+                p.copy_(quantize_int4(p, 32).dequantize())
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(quantize_int8(p).dequantize())
+    prompts = [hf_oracle_session.tokenizer(p).input_ids for p in ORACLE_PROMPTS[:4]]
+    oracle = peft_greedy(PeftModel.from_pretrained(base, str(paths["all7-r8"])).eval(), prompts, STEPS, set())
+    llm = LLM(num_threads=1, show_progress=False, quantization="int4", enable_lora=True, max_lora_rank=16)
+    outs = llm.generate(ORACLE_PROMPTS[:4], _greedy(), lora_request=_request(paths, "all7-r8"))
+    print(_check(outs, oracle))
