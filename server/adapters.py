@@ -24,12 +24,18 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
 class AdapterError(ValueError):
-    """An adapter the engine will not load, and why (the engine is unaffected)."""
+    """An adapter the engine will not load, and why (the engine is unaffected); `param`: the field of a
+    load request at fault (its name, or by default its path)."""
+
+    def __init__(self, message: str, param: str = "lora_path"):
+        super().__init__(message)
+        self.param = param
 
 
 def check_adapter_name(name: str) -> str:
     if not _NAME.fullmatch(name or ""):
-        raise AdapterError(f"adapter name {name!r} must be 1-128 characters of letters, digits and . _ : / - (starting with a letter or digit)")
+        raise AdapterError(f"adapter name {name!r} must be 1-128 characters of letters, digits and . _ : / - (starting with a letter or digit)",
+                           "lora_name")
     return name
 
 
@@ -57,8 +63,7 @@ class AdapterConfig:
     alpha: float
     use_rslora: bool
     targets: tuple[str, ...]                              # of TARGETS
-    alpha_pattern: dict[str, float] = field(default_factory=dict)
-    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)  # (per-module ranks, rank_pattern, are read from the tensors)
 
     def scale(self, module: str, rank: int) -> float:
         """The factor B is multiplied by for `module` (its full name, e.g. model.layers.0.self_attn.q_proj)
@@ -117,7 +122,7 @@ def read_adapter_config(directory: Path) -> AdapterConfig:
     for k, v in patterns.items():
         if not isinstance(v, dict) or not all(isinstance(x, (int, float)) for x in v.values()):
             raise AdapterError(f"{path}: {k} must map module names to numbers")
-    return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora")), names, patterns["alpha_pattern"], patterns["rank_pattern"])
+    return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora")), names, patterns["alpha_pattern"])
 
 
 def adapter_files(directory: str | Path, root: str | Path | None = None) -> tuple[Path, Path]:

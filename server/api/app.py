@@ -158,8 +158,7 @@ def build_app(state: ServerState) -> FastAPI:
             adapter = await asyncio.to_thread(lora.read, req.lora_name, req.lora_path, config.lora_dir)
             await state.engine.call(lambda engine: engine.load_adapter(adapter))
         except AdapterError as e:
-            about_name = str(e).startswith("adapter name") or "already loaded" in str(e)
-            raise APIError(400, str(e), "lora_name" if about_name else "lora_path", "invalid_adapter") from None
+            raise APIError(400, str(e), e.param, "invalid_adapter") from None
         log.info("LoRA adapter %r loaded (rank %d)", adapter.name, adapter.rank)
         return PlainTextResponse(f"Success: LoRA adapter '{adapter.name}' added successfully.")
 

@@ -79,7 +79,10 @@ class DecodeGraphs:
         if self.lora is None:
             return self.step(self.input_ids[:rows], self.positions[:rows], self._meta(rows))
         # Captured: always with the delta kernels, the slots read on the device. Eager: as the step has it.
-        self.lora.batch = LoRABatch(self.token_slots[:rows], None if self.capturing else self.runs) if self.capturing or self.runs else None
+        if self.capturing:
+            self.lora.batch = LoRABatch(self.token_slots[:rows], None)
+        elif self.runs:
+            self.lora.batch = LoRABatch(self.token_slots[:rows], self.runs)
         try:
             return self.step(self.input_ids[:rows], self.positions[:rows], self._meta(rows))
         finally:

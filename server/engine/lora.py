@@ -43,12 +43,12 @@ def max_adapter_bytes(config: ModelConfig, max_rank: int) -> int:
     return config.num_layers * max_rank * 4 * sum(i + o for i, o in target_shapes(config).values()) + (1 << 20)
 
 
-def read_adapter(path: str | Path, config: ModelConfig, max_rank: int, root: str | Path | None = None) -> tuple[AdapterTensors, int]:
+def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> tuple[AdapterTensors, int]:
     """An adapter's tensors, checked against the base model (targets, layers, shapes, rank <= max_rank),
     and its largest rank. AdapterError names whatever does not fit."""
     from safetensors import SafetensorError, safe_open
 
-    config_file, weights_file = adapter_files(path, root)
+    config_file, weights_file = adapter_files(path)
     adapter = read_adapter_config(config_file.parent)
     limit = max_adapter_bytes(config, max_rank)
     if weights_file.stat().st_size > limit:
@@ -132,14 +132,14 @@ class LoRARegistry:
         off the step loop, then registers on it). AdapterError: refused."""
         check_adapter_name(name)
         if name in self.by_name:
-            raise AdapterError(f"an adapter named {name!r} is already loaded")
+            raise AdapterError(f"an adapter named {name!r} is already loaded", "lora_name")
         directory = adapter_files(path, root)[0].parent  # under root, links resolved: where it is re-read from
         tensors, rank = read_adapter(directory, self.config, self.max_rank)
         return Adapter(name, 0, str(directory), rank, tensors)
 
     def register(self, adapter: Adapter) -> Adapter:
         if adapter.name in self.by_name:
-            raise AdapterError(f"an adapter named {adapter.name!r} is already loaded")
+            raise AdapterError(f"an adapter named {adapter.name!r} is already loaded", "lora_name")
         adapter.id = next(self._ids)
         self.by_name[adapter.name] = self.by_id[adapter.id] = adapter
         self._keep_host(adapter)
@@ -204,6 +204,3 @@ class LoRARegistry:
         while len(self.host) > self.max_cpu_loras:
             aid, _ = self.host.popitem(last=False)
             self.by_id[aid].tensors = None
-
-    def in_slots(self) -> list[str]:
-        return [self.by_id[a].name for a in self.slots if a is not None]
