@@ -125,6 +125,47 @@ def read_adapter_config(directory: Path) -> AdapterConfig:
     return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora")), names, patterns["alpha_pattern"])
 
 
+FETCHED_DIR = "hf"  # under --lora-dir: where hf:// adapter sources are downloaded to
+
+
+def adapter_directory(lora_path: str, root: str | Path | None, max_bytes: int, timeout: float = 600) -> Path:
+    """Where a load request's `lora_path` is on disk: a directory (under `root` when given), or an
+    hf://org/repo source (the model-source grammar) downloaded first into `root`/hf/org/repo — its
+    adapter_config.json and adapter_model.safetensors only, at most `max_bytes`. Blocking (network)."""
+    if "://" not in lora_path:
+        return Path(lora_path)
+    from kvpilot.server.fetch import ADAPTER, FetchError, fetch
+    from kvpilot.server.model_source import InvalidModelSource, parse_model_source
+
+    try:
+        src = parse_model_source(lora_path)
+    except InvalidModelSource as e:
+        raise AdapterError(str(e)) from None
+    if src.kind != "hf" or src.path:
+        raise AdapterError(f"adapter source {lora_path!r}: an adapter is a directory (adapter_config.json + adapter_model.safetensors): "
+                           "give hf://org/repo or a directory under --lora-dir")
+    if root is None:
+        raise AdapterError(f"adapter source {lora_path!r}: downloading an adapter needs --lora-dir (where it is written)")
+    dest = Path(root) / FETCHED_DIR / src.name
+    try:
+        fetch(lora_path, dest, timeout=timeout, max_bytes=max_bytes, wanted=ADAPTER, log=_FetchLog())
+    except FetchError as e:
+        raise AdapterError(str(e)) from None
+    return dest
+
+
+class _FetchLog:
+    """fetch's progress lines, into the server's log."""
+
+    def write(self, text: str) -> None:
+        if text.strip():
+            import logging
+            logging.getLogger("kvpilot.server").info("%s", text.strip())
+
+    def flush(self) -> None:
+        pass
+
+
 def adapter_files(directory: str | Path, root: str | Path | None = None) -> tuple[Path, Path]:
     """The adapter's config and weights files, checked: a directory (under `root` when given, nothing
     reached through a symlink out of it), weights in safetensors (a pickled adapter_model.bin is never

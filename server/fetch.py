@@ -36,6 +36,22 @@ CHUNK = 1 << 20
 # never PyTorch pickles (.bin, .pt: code execution on load), training state or alternative formats.
 CHECKPOINT_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                        "chat_template.jinja", "model.safetensors.index.json", "*.safetensors")
+
+
+@dataclass(frozen=True, slots=True)
+class RepoFiles:
+    """Which top-level files of a hub repository a whole-repository source downloads, and which it must have."""
+
+    patterns: tuple[str, ...]
+    required: tuple[str, ...]   # patterns each matched by at least one file
+    what: str                   # for the refusal: what the repository is not
+
+
+CHECKPOINT = RepoFiles(CHECKPOINT_PATTERNS, ("config.json", "*.safetensors"),
+                       "a safetensors checkpoint (needs config.json and *.safetensors at the top level; for a GGUF give hf://{repo}/FILE.gguf)")
+# A PEFT LoRA adapter (server/adapters.py): never its pickled adapter_model.bin.
+ADAPTER = RepoFiles(("adapter_config.json", "adapter_model.safetensors"), ("adapter_config.json", "adapter_model.safetensors"),
+                    "a PEFT adapter (needs adapter_config.json and adapter_model.safetensors at the top level)")
 DEFAULT_MAX_BYTES = 256 << 30
 
 
@@ -144,8 +160,8 @@ def source_url(source: str) -> tuple[str, Credentials]:
     raise FetchError(f"{source}: only https://…/file.gguf and hf://org/repo[/file] sources are downloaded")
 
 
-def checkpoint_files(src: ModelSource, read_timeout: float) -> list[tuple[str, int | None]]:
-    """The repository's top-level files that a checkpoint needs, with their sizes (hub API)."""
+def repo_files(src: ModelSource, read_timeout: float, wanted: RepoFiles = CHECKPOINT) -> list[tuple[str, int | None]]:
+    """The repository's top-level files that `wanted` names, with their sizes (hub API)."""
     endpoint, revision, credentials = _hf_endpoint()
     url = f"{endpoint}/api/models/{src.name}/tree/{urllib.parse.quote(revision, safe='')}"
     request = credentials.apply(urllib.request.Request(url, headers={"User-Agent": "kvpilot-fetch-model"}))
@@ -159,21 +175,21 @@ def checkpoint_files(src: ModelSource, read_timeout: float) -> list[tuple[str, i
     if not isinstance(entries, list):
         raise FetchError(f"{src.raw}: unexpected answer from the hub listing")
     files = [(e["path"], e.get("size")) for e in entries if isinstance(e, dict) and e.get("type") == "file" and isinstance(e.get("path"), str)
-             and "/" not in e["path"] and any(fnmatch.fnmatchcase(e["path"], p) for p in CHECKPOINT_PATTERNS)]
+             and "/" not in e["path"] and any(fnmatch.fnmatchcase(e["path"], p) for p in wanted.patterns)]
     names = {name for name, _ in files}
-    if not any(n.endswith(".safetensors") for n in names) or "config.json" not in names:
-        raise FetchError(f"{src.raw}: not a safetensors checkpoint (needs config.json and *.safetensors at the top level; "
-                         f"for a GGUF give hf://{src.name}/FILE.gguf)")
+    if not all(any(fnmatch.fnmatchcase(n, p) for n in names) for p in wanted.required):
+        raise FetchError(f"{src.raw}: not {wanted.what.format(repo=src.name)}")
     return sorted(files)
 
 
-def fetch(source: str, dest: Path, timeout: float = 1800, read_timeout: float = 60, max_bytes: int = DEFAULT_MAX_BYTES, log=sys.stderr) -> Fetched:
-    """Download `source` to `dest` (a file, or for a whole hf:// repository a directory)."""
+def fetch(source: str, dest: Path, timeout: float = 1800, read_timeout: float = 60, max_bytes: int = DEFAULT_MAX_BYTES, log=sys.stderr,
+          wanted: RepoFiles = CHECKPOINT) -> Fetched:
+    """Download `source` to `dest` (a file, or for a whole hf:// repository a directory of the files `wanted` names)."""
     src = parse_model_source(source)
     dest = Path(dest)
     job = _Download(source, time.monotonic() + timeout, max_bytes, log)
     if src.kind == "hf" and not src.path:
-        files = checkpoint_files(src, read_timeout)
+        files = repo_files(src, read_timeout, wanted)
         known = sum(size or 0 for _, size in files)
         if known > max_bytes:
             raise FetchError(f"{source}: {known} bytes, more than the limit of {max_bytes}")

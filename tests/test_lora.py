@@ -282,10 +282,12 @@ def test_adapters_refused_by_name(lora_llm, peft_case, tmp_path, case, message):
 
 def test_runtime_load_request_unload_over_http(peft_case, hf_oracle_session, tmp_path):
     """An adapter from --lora-modules and one loaded at run time answer as peft does; /v1/models lists
-    them with their parent; unloaded, the name is a 404; a path out of --lora-dir and a missing API key
-    are refused; the adapter metrics count the requests."""
+    them with their parent and source; unloaded, the name is a 404; a path out of --lora-dir and a missing
+    API key are refused; the adapter metrics count the requests. An hf://org/repo source is downloaded
+    into --lora-dir (its two adapter files only, never the pickle beside them) and answers as peft does."""
     import httpx
 
+    from e2e.hub import LoopbackHub
     from server_harness import ServerProcess, metrics
 
     paths, results, _ = peft_case
@@ -293,8 +295,13 @@ def test_runtime_load_request_unload_over_http(peft_case, hf_oracle_session, tmp
     root.mkdir()
     for name in ("all7-r8", "mixed-r16"):
         shutil.copytree(paths[name], root / name)
+    qv = paths["qv-r4-rslora"]
+    (tmp_path / "adapter_model.bin").write_bytes(b"a pickle")
+    hub = LoopbackHub("org/qv", {"adapter_config.json": qv / "adapter_config.json", "adapter_model.safetensors": qv / "adapter_model.safetensors",
+                                 "adapter_model.bin": tmp_path / "adapter_model.bin"})
     server = ServerProcess("--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--allow-runtime-lora", "--lora-dir", str(root),
-                           "--lora-modules", f"first={root / 'all7-r8'}", "--api-key", "sekret", log_path=tmp_path / "server.log").wait_ready()
+                           "--lora-modules", f"first={root / 'all7-r8'}", "--api-key", "sekret", env={"HF_ENDPOINT": hub.url},
+                           log_path=tmp_path / "server.log").wait_ready()
     try:
         auth = {"Authorization": "Bearer sekret"}
         post = lambda path, body, headers=auth: httpx.post(server.url + path, json=body, headers=headers, timeout=120)
@@ -328,8 +335,20 @@ def test_runtime_load_request_unload_over_http(peft_case, hf_oracle_session, tmp
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
         assert post("/v1/unload_lora_adapter", {"lora_name": "second"}).status_code == 404
         assert [m["id"] for m in httpx.get(server.url + "/v1/models", headers=auth, timeout=10).json()["data"]] == ["smollm2-135m", "first"]
+
+        fetched = post("/v1/load_lora_adapter", {"lora_name": "third", "lora_path": "hf://org/qv"})
+        assert fetched.status_code == 200, fetched.text
+        assert sorted(p.name for p in (root / "hf" / "org" / "qv").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        r = completion("third", 5)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == peft_text("qv-r4-rslora", 5)
+        models = httpx.get(server.url + "/v1/models", headers=auth, timeout=10).json()["data"]
+        assert [(m["id"], m["root"]) for m in models[1:]] == [("first", str(root / "all7-r8")), ("third", "hf://org/qv")]
+        for source, why in (("hf://org/qv/adapter_model.safetensors", "an adapter is a directory"), ("hf://org/missing", "HTTP 404")):
+            refused = post("/v1/load_lora_adapter", {"lora_name": "fourth", "lora_path": source})
+            assert refused.status_code == 400 and why in refused.json()["error"]["message"], refused.text
     finally:
         assert server.terminate() == 0
+        hub.close()
 
 
 def test_int4_base_weights_with_an_adapter_equal_peft_on_the_dequantized_base(peft_case, hf_oracle_session):

@@ -147,7 +147,7 @@ def build_app(state: ServerState) -> FastAPI:
         base = {"id": serving.model_name, "object": "model", "created": int(state.started), "owned_by": "kvpilot",
                 "root": serving.model_name, "parent": None, "max_model_len": serving.max_model_len}
         lora = state.engine.engine.lora
-        adapters = [{**base, "id": a.name, "root": a.name, "parent": serving.model_name, "created": int(a.loaded_at)}
+        adapters = [{**base, "id": a.name, "root": a.source, "parent": serving.model_name, "created": int(a.loaded_at)}
                     for a in (list(lora.by_name.values()) if lora else [])]
         return {"object": "list", "data": [base, *adapters]}
 

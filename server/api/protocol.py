@@ -338,7 +338,7 @@ class DetokenizeRequest(BaseModel):
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    """POST /v1/load_lora_adapter (vLLM's body): the adapter's name and its directory (under --lora-dir)."""
+    """POST /v1/load_lora_adapter (vLLM's body): the adapter's name and its directory under --lora-dir, or hf://org/repo (downloaded there)."""
 
     model_config = ConfigDict(extra="forbid")
     lora_name: Text

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.server.adapters import TARGETS, AdapterError, adapter_files, check_adapter_name, read_adapter_config
+from kvpilot.server.adapters import TARGETS, AdapterError, adapter_directory, adapter_files, check_adapter_name, read_adapter_config
 from kvpilot.server.model_config import ModelConfig
 
 # (layer, target) -> (A [rank, in], B [out, rank] with the adapter's scale folded in), float32
@@ -99,12 +99,13 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> tuple[
 class Adapter:
     name: str
     id: int
-    path: str
+    path: str                                # the directory it is (re-)read from
     rank: int
     tensors: AdapterTensors | None           # host copy (None: dropped, re-read when it needs a slot)
     slot: int | None = None
     requests: int = 0                        # requests run with it (metrics)
     loaded_at: float = field(default_factory=time.time)
+    source: str = ""                         # as the load named it (a path, or hf://org/repo): /v1/models' root
 
 
 class LoRARegistry:
@@ -129,13 +130,15 @@ class LoRARegistry:
 
     def read(self, name: str, path: str | Path, root: str | Path | None = None) -> Adapter:
         """Read and check an adapter, not yet registered (no engine state touched: the server reads
-        off the step loop, then registers on it). AdapterError: refused."""
+        off the step loop, then registers on it); an hf:// source is downloaded into `root` first.
+        AdapterError: refused."""
         check_adapter_name(name)
         if name in self.by_name:
             raise AdapterError(f"an adapter named {name!r} is already loaded", "lora_name")
-        directory = adapter_files(path, root)[0].parent  # under root, links resolved: where it is re-read from
+        local = adapter_directory(str(path), root, max_adapter_bytes(self.config, self.max_rank))
+        directory = adapter_files(local, root)[0].parent  # under root, links resolved: where it is re-read from
         tensors, rank = read_adapter(directory, self.config, self.max_rank)
-        return Adapter(name, 0, str(directory), rank, tensors)
+        return Adapter(name, 0, str(directory), rank, tensors, source=str(path))
 
     def register(self, adapter: Adapter) -> Adapter:
         if adapter.name in self.by_name:
