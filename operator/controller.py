@@ -10,13 +10,24 @@ import time
 import kopf
 
 from kvpilot.operator import metrics
+from kvpilot.operator.adapter_sync import AdapterSync
 from kvpilot.operator.autoscaler.loop import AutoscalerState, evaluate
 from kvpilot.operator.autoscaler.promql import PrometheusSource
 from kvpilot.operator.builders.model_cache import ENTRY_LABEL
 from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, POD
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, PLURAL, VERSION
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.reconcile import entry_users, forget, forget_pod, reconcile, record_cold_start, record_fill, refresh_status
+from kvpilot.operator.reconcile import (
+    entry_users,
+    forget,
+    forget_pod,
+    parse_spec,
+    reconcile,
+    record_adapter_report,
+    record_cold_start,
+    record_fill,
+    refresh_status,
+)
 
 log = logging.getLogger("kvpilot.operator")
 _kube: Kube | None = None
@@ -45,6 +56,8 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
 def on_inference_service(body, **_) -> None:
     reconcile(kube(), dict(body))
+    if _adapters is not None:
+        _adapters.poke()
 
 
 def _cached(kind: str, event_type: str | None, body) -> bool:
@@ -98,6 +111,8 @@ def on_engine_pod(type, body, meta, namespace, **_) -> None:  # noqa: A002
         else:
             record_cold_start(namespace, name, dict(body))
         refresh_status(kube(), namespace, name)
+        if _adapters is not None:  # a pod that turned Ready gets the service's adapters now, not at the next pass
+            _adapters.poke()
 
 
 @kopf.on.event("", "v1", "persistentvolumeclaims", labels={MANAGED_BY[0]: MANAGED_BY[1]})
@@ -184,7 +199,20 @@ def start_autoscaler(**_) -> None:
     threading.Thread(target=_loop.run, name="autoscaler", daemon=True).start()
 
 
+_adapters: AdapterSync | None = None
+
+
+@kopf.on.startup()
+def start_adapter_sync(**_) -> None:
+    global _adapters
+    _adapters = AdapterSync(kube(), parse_spec, lambda namespace, name, report: record_adapter_report(kube(), namespace, name, report))
+    threading.Thread(target=_adapters.run, name="adapter-sync", daemon=True).start()
+
+
 @kopf.on.cleanup()
 def stop_autoscaler(**_) -> None:
     if _loop is not None:
         _loop.stop.set()
+    if _adapters is not None:
+        _adapters.stop.set()
+        _adapters.poke()

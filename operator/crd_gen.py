@@ -80,6 +80,7 @@ def crd() -> dict:
         {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas", "description": "Pods the autoscaler wants"},
         {"name": "KV", "type": "string", "jsonPath": ".status.lastMetrics.kvCacheUtilization", "description": "Mean KV-cache utilization"},
         {"name": "Queue", "type": "string", "jsonPath": ".status.lastMetrics.queueDepth", "description": "Mean waiting requests per pod"},
+        {"name": "Adapters", "type": "integer", "jsonPath": ".status.adapterCount", "description": "LoRA adapters in spec.adapters (per-adapter pods: kubectl describe)"},
         {"name": "ColdStart", "type": "number", "jsonPath": ".status.lastColdStart.totalSeconds", "priority": 1,
          "description": "The newest engine pod's start, created to Ready, seconds (phases: kubectl describe)"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -20,6 +20,8 @@ ISVC_LABEL = f"{GROUP}/inferenceservice"     # on every object we create, and ev
 # Set by kvpilot-gateway (an RFC 3339 time) on an InferenceService at 0 replicas when a request for it
 # arrives; the autoscaler — the one writer of spec.replicas — answers by scaling to 1.
 WAKE_ANNOTATION = f"{GROUP}/scale-from-zero-requested"
+# Set by the operator on each engine pod: the LoRA adapters it holds, comma-separated (kvpilot-gateway routes on it).
+ADAPTERS_ANNOTATION = f"{GROUP}/adapters"
 MANAGED_BY = ("app.kubernetes.io/managed-by", "kvpilot")
 # Set by the operator on every engine container: a user's env entry must not replace them.
 RESERVED_ENV = ("POD_IP", "KVPILOT_API_KEY", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "HOME")
@@ -94,6 +96,33 @@ class SpeculativeSpec(_Model):
     _valid_draft = field_validator("draft_model")(_check_source)
 
 
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+
+
+class AdapterSpec(_Model):
+    """A LoRA adapter (PEFT: adapter_config.json + adapter_model.safetensors) served over the model, by its own name."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              json_schema_extra={"x-kubernetes-validations": [
+                                  cel("self.source.startsWith('hf://') || self.source.startsWith('pvc://')",
+                                      "an adapter is a directory: hf://org/repo or pvc://claim/path", ".source")]})
+    name: str = Field(max_length=63, pattern=ADAPTER_NAME_PATTERN, description=(
+        "The adapter's name: what clients put in `model`, in /v1/models and in metrics. It must not be another served "
+        "model's or adapter's name in the namespace (a collision is Degraded)."))
+    source: str = _source_field(..., (
+        "Where the adapter comes from, in model.source's grammar: hf://org/repo (the repository's adapter_config.json and "
+        "adapter_model.safetensors, downloaded by each engine pod; never a pickled adapter_model.bin) or pvc://claim/path "
+        "(a directory on a PersistentVolumeClaim, mounted read-only: adding a claim no pod mounts yet rolls the pods)."))
+
+    @field_validator("source")
+    @classmethod
+    def _adapter_source(cls, v: str) -> str:
+        src = parse_model_source(v)
+        if src.kind not in ("hf", "pvc") or (src.kind == "hf" and src.path):
+            raise ValueError(f"adapter source {v!r}: an adapter is a directory: hf://org/repo or pvc://claim/path")
+        return v
+
+
 class OutputParsers(_Model):
     """How the engine reads tool calls and reasoning out of the model's outputs, in the model's own format."""
 
@@ -131,6 +160,11 @@ class EngineSettings(_Model):
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="Ranks the model is split over; also the GPUs per pod.")
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (off when absent).")
     parsers: OutputParsers | None = Field(None, description="Tool-call and reasoning formats of the model's outputs.")
+    max_loras: int | None = Field(None, ge=1, le=64, description=(
+        "With spec.adapters: adapters in the compute device's slots at once (--max-loras; default 1, as vLLM's); requests of "
+        "other adapters wait for a slot."))
+    max_lora_rank: int | None = Field(None, ge=1, le=512, description=(
+        "With spec.adapters: the largest adapter rank accepted (--max-lora-rank; default 16, as vLLM's); a bigger adapter is refused at load."))
 
 
 class Toleration(_Model):
@@ -179,11 +213,19 @@ class InferenceServiceSpec(_Model):
                 "replicas must be within [minReplicas, maxReplicas]", ".replicas"),
             cel("self.engine == 'kvpilot' || !has(self.resources) || !self.resources.cpuOnly",
                 "resources.cpuOnly is only possible with engine kvpilot", ".resources.cpuOnly"),
+            cel("self.engine != 'sglang' || !has(self.adapters) || size(self.adapters) == 0",
+                "adapters are loaded into engine kvpilot or vllm pods", ".adapters"),
         ]})
     model: ModelSpec = Field(description="The model to serve.")
     engine: Literal["kvpilot", "vllm", "sglang"] = Field("kvpilot", description="Inference engine: kvpilot (bundled), vllm or sglang.")
     image: str | None = Field(None, max_length=512, description="Engine image (default per engine).")
     engine_settings: EngineSettings = Field(default_factory=EngineSettings, description="Engine settings.")
+    adapters: list[AdapterSpec] = Field(default_factory=list, max_length=32, description=(
+        "LoRA adapters served over the model, each by its name. The operator loads each into every Ready pod through the engine's "
+        "run-time loading API (no restart; new pods get them too), unloads removed ones, and reports per adapter how many pods hold "
+        "it (status.adapters, condition AdaptersReady). The first adapter (or removing the last) rolls the pods once: LoRA compute is "
+        "on only with adapters."),
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
     resources: ResourceSpec = Field(default_factory=ResourceSpec, description="GPUs, CPU/memory and placement.")
     replicas: int | None = Field(None, ge=0, description="Desired pods; written by the autoscaler (scale subresource) when autoscaling is on.")
     min_replicas: int = Field(1, ge=0, description=(
@@ -199,6 +241,15 @@ class InferenceServiceSpec(_Model):
         "checked against that release's own parser (a snapshot): an unknown, deprecated or mis-valued flag is reported as Degraded."))
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations of the engine pods.")
     pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels of the engine pods.")
+
+    @model_validator(mode="after")
+    def _adapters_unique(self) -> InferenceServiceSpec:
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapters: names must be unique ({', '.join(sorted({n for n in names if names.count(n) > 1}))} repeated)")
+        if self.adapters and self.engine == "sglang":
+            raise ValueError("adapters are loaded into engine kvpilot or vllm pods")
+        return self
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> InferenceServiceSpec:
@@ -253,7 +304,7 @@ InferenceServiceSpec.model_rebuild()
 # --- status -------------------------------------------------------------------------------------
 
 class Condition(_Model):
-    type: str = Field(description="Ready, Progressing, Degraded or ScalingActive.")
+    type: str = Field(description="Ready, Progressing, Degraded, ScalingActive or AdaptersReady.")
     status: Literal["True", "False", "Unknown"] = Field(description="Condition status.")
     reason: str = Field("", description="CamelCase reason.")
     message: str = Field("", description="Human-readable details.")
@@ -315,6 +366,13 @@ class ColdStart(_Model):
     phases: list[ColdStartPhase] = Field(default_factory=list, description="Where the time went, in order.")
 
 
+class AdapterStatus(_Model):
+    name: str = Field(description="The adapter.")
+    source: str = Field(description="Its source, as the spec gives it.")
+    loaded_pods: int = Field(0, description="Ready pods that hold it (as their own /v1/models says).")
+    message: str | None = Field(None, description="Why the last load failed (the engine's own words).")
+
+
 class InferenceServiceStatus(_Model):
     observed_generation: int | None = Field(None, description="The spec generation last reconciled.")
     conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded, ScalingActive.")
@@ -330,6 +388,8 @@ class InferenceServiceStatus(_Model):
     scale_down_window: ScaleDownWindow | None = Field(None, description="The autoscaler's scale-down window (survives a leader change).")
     model_cache: list[ModelCacheEntryStatus] = Field(default_factory=list, description="The model cache entries the pods mount (mode Shared).")
     last_cold_start: ColdStart | None = Field(None, description="The newest engine pod's start, phase by phase.")
+    adapters: list[AdapterStatus] = Field(default_factory=list, description="spec.adapters, each with how many Ready pods hold it.")
+    adapter_count: int | None = Field(None, description="How many adapters spec.adapters names (kubectl get's ADAPTERS column).")
 
 
 class InferenceService(_Model):

@@ -99,6 +99,15 @@ class Kube:
         return self._resource("v1", "PersistentVolumeClaim").patch(body={"metadata": {"annotations": annotations}}, name=name, namespace=namespace,
                                                                    content_type="application/merge-patch+json").to_dict()
 
+    def annotate_pod(self, name: str, namespace: str, annotations: dict[str, str]) -> dict:
+        """The pod as written (for the cache): the adapters it holds (operator/adapter_sync.py)."""
+        return self._resource("v1", "Pod").patch(body={"metadata": {"annotations": annotations}}, name=name, namespace=namespace,
+                                                 content_type="application/merge-patch+json").to_dict()
+
+    def secret_data(self, name: str, namespace: str) -> dict[str, str]:
+        """A Secret's data (base64 values): an InferenceService's API key, to load adapters into its pods."""
+        return self.core.read_namespaced_secret(name, namespace).data or {}
+
     def list(self, api_version: str, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict]:
         """Objects of a kind in a namespace (None: every namespace). Only the cache's priming lists."""
         items = self._resource(api_version, kind).get(namespace=namespace, label_selector=label_selector).to_dict().get("items", [])

@@ -14,13 +14,14 @@ from kubernetes.dynamic.exceptions import DynamicApiError
 from pydantic import ValidationError
 
 from kvpilot.operator import cold_start, metrics
+from kvpilot.operator.adapter_sync import AdapterReport
 from kvpilot.operator.builders import model_cache
-from kvpilot.operator.builders.engines import engine_container, shared_cache, unsupported_settings
+from kvpilot.operator.builders.engines import engine_container, served_name, shared_cache, unsupported_settings
 from kvpilot.operator.builders.manifests import ENGINE_LABEL, desired_replicas, endpoint_url, hf_token_env, render, selector_labels
 from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, POD
-from kvpilot.operator.crd_types import ColdStart, InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus
+from kvpilot.operator.crd_types import AdapterStatus, ColdStart, InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.status import AutoscalerReport, compute_status, now_rfc3339, unchanged
+from kvpilot.operator.status import AutoscalerReport, compute_status, now_rfc3339, set_condition, unchanged
 from kvpilot.server.model_files import BUNDLED
 
 log = logging.getLogger("kvpilot.operator")
@@ -32,6 +33,7 @@ _locks_guard = threading.Lock()
 # Per InferenceService, in memory: the autoscaler's latest report, and the problems the last apply met
 # (a status written between two reconciles keeps saying so).
 REPORTS: dict[tuple[str, str], AutoscalerReport] = {}
+ADAPTER_REPORTS: dict[tuple[str, str], AdapterReport] = {}  # the adapter sync's latest, per service
 _apply_problems: dict[tuple[str, str], list[tuple[str, str]]] = {}
 
 
@@ -49,6 +51,7 @@ COLD_START_FRESH_SECONDS = 120  # a pod Ready for longer (seen after an operator
 def forget(namespace: str, name: str) -> None:
     """An InferenceService is gone: drop what is kept for it."""
     REPORTS.pop((namespace, name), None)
+    ADAPTER_REPORTS.pop((namespace, name), None)
     _apply_problems.pop((namespace, name), None)
     _cold_starts.pop((namespace, name), None)
 
@@ -138,6 +141,52 @@ def reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
     metrics.DESIRED.labels(*labels).set(status.desired_replicas or 0)
     metrics.READY.labels(*labels).set(status.ready_replicas or 0)
     return status
+
+
+def record_adapter_report(kube: Kube, namespace: str, name: str, report: AdapterReport) -> None:
+    """The adapter sync's pass over one service: status is written when what it found changed."""
+    if ADAPTER_REPORTS.get((namespace, name)) != report:
+        ADAPTER_REPORTS[(namespace, name)] = report
+        refresh_status(kube, namespace, name)
+
+
+def name_collisions(body: dict, spec: InferenceServiceSpec | None) -> list[tuple[str, str]]:
+    """Adapter names that clash with a served model or adapter name: with the service's own served
+    name, or with another service's created earlier (the gateway routes a name to the older one; the
+    younger is Degraded)."""
+    if spec is None or not spec.adapters:
+        mine: set[str] = set()
+    else:
+        mine = {a.name for a in spec.adapters}
+    meta = body["metadata"]
+    served = served_name(spec, meta["name"]) if spec is not None else meta["name"]
+    problems = [("AdapterNameCollision", f"adapter {n!r} has the service's own served model name") for n in sorted(mine & {served})]
+    age = (meta.get("creationTimestamp") or "", meta["namespace"], meta["name"])
+    for other in CACHE.all(ISVC):
+        om, ospec = other["metadata"], other.get("spec") or {}
+        if om.get("deletionTimestamp") or (om.get("creationTimestamp") or "", om["namespace"], om["name"]) >= age:
+            continue
+        their_adapters = {a.get("name") for a in ospec.get("adapters") or [] if isinstance(a, dict)}
+        theirs = their_adapters | {(ospec.get("model") or {}).get("servedName") or om["name"]}
+        for n in sorted((mine & theirs) | ({served} & their_adapters)):
+            problems.append(("AdapterNameCollision", f"{n!r} is also served by InferenceService {om['namespace']}/{om['name']} (older: "
+                                                     "the gateway routes the name there)"))
+    return problems
+
+
+def _adapter_status(status: InferenceServiceStatus, spec: InferenceServiceSpec | None, report: AdapterReport | None, generation: int) -> None:
+    """status.adapters and the AdaptersReady condition, from the adapter sync's report when it is for the current spec."""
+    if spec is None or not spec.adapters:
+        status.adapters, status.adapter_count = [], 0 if spec is not None else None
+        status.conditions = [c for c in status.conditions if c.type != "AdaptersReady"]
+        return
+    status.adapter_count = len(spec.adapters)
+    if report is not None and report.desired == {a.name: a.source for a in spec.adapters}:
+        status.adapters, ready = report.adapters, report.ready
+    else:
+        status.adapters = [AdapterStatus(name=a.name, source=a.source) for a in spec.adapters]
+        ready = ("False", "Loading", "the adapters are being loaded into the Ready pods")
+    status.conditions = set_condition(status.conditions, "AdaptersReady", *ready, generation, now_rfc3339())
 
 
 def refresh_status(kube: Kube, namespace: str, name: str) -> InferenceServiceStatus | None:
@@ -273,8 +322,10 @@ def write_status(kube: Kube, body: dict, spec: InferenceServiceSpec | None, prob
     filling = [e for e in entries if e.state == "Filling"]
     status = compute_status(prev, generation, desired, selector, endpoint_url(name, namespace), deployment, pods, problems,
                             wakes_from_zero=spec is not None and spec.min_replicas == 0 and spec.autoscaling.enabled,
-                            filling="; ".join(f"model cache entry {e.claim} ({e.source}) is being filled" for e in filling) or None)
+                            filling="; ".join(f"model cache entry {e.claim} ({e.source}) is being filled" for e in filling) or None,
+                            serving_problems=name_collisions(body, spec))
     status.model_cache = entries
+    _adapter_status(status, spec, ADAPTER_REPORTS.get((namespace, name)), generation)
     if (started := _cold_starts.get((namespace, name))) is not None:
         status.last_cold_start = started
     report = REPORTS.get((namespace, name))
@@ -308,3 +359,5 @@ def _emit_transitions(kube: Kube, body: dict, prev: InferenceServiceStatus | Non
             kube.event(body, "Normal" if c.status == "True" else "Warning", "Ready" if c.status == "True" else "NotReady", c.message)
         elif c.type == "Progressing" and c.status == "True" and c.reason == "RollingOut":
             kube.event(body, "Normal", "RollingOut", c.message)
+        elif c.type == "AdaptersReady" and (c.status == "True" or c.reason not in ("Loading", "NoReadyPods")):
+            kube.event(body, "Normal" if c.status == "True" else "Warning", "AdaptersLoaded" if c.status == "True" else c.reason, c.message)

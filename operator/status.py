@@ -43,8 +43,10 @@ def pod_problems(pods: list[dict]) -> list[tuple[str, str]]:
 
 def compute_status(prev: InferenceServiceStatus | None, generation: int, desired: int, selector: str, endpoint: str,
                    deployment: dict | None, pods: list[dict], spec_problems: list[tuple[str, str]], now: datetime | None = None,
-                   wakes_from_zero: bool = False, filling: str | None = None) -> InferenceServiceStatus:
+                   wakes_from_zero: bool = False, filling: str | None = None,
+                   serving_problems: list[tuple[str, str]] = ()) -> InferenceServiceStatus:
     """filling: what the pods wait for (model cache entries being filled), if anything.
+    serving_problems: what is wrong with how the running service is reached (a name collision): Degraded, nothing held back.
     wakes_from_zero: at 0 replicas, a request through the gateway scales the service up again (minReplicas 0 with
     autoscaling on): it is then Ready (reason ScaledToZero) — it serves, after a cold start."""
     now = now or datetime.now(UTC)
@@ -60,7 +62,7 @@ def compute_status(prev: InferenceServiceStatus | None, generation: int, desired
     if status.desired_replicas is None or not spec_problems:
         status.desired_replicas = desired
     conds = status.conditions
-    problems = spec_problems + pod_problems(pods)
+    problems = spec_problems + list(serving_problems) + pod_problems(pods)
     if problems:
         reason = problems[0][0]
         conds = set_condition(conds, "Degraded", "True", reason, "; ".join(m for _, m in problems)[:1000], generation, stamp)

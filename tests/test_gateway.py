@@ -161,7 +161,8 @@ def test_sse_is_streamed_through_without_buffering(gateway):
 def test_errors_are_openai_json(gateway):
     url = gateway[0]
     r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x"})
-    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert r.status_code == 404 and r.json()["error"] == {"message": "the model 'nope' does not exist", "type": "invalid_request_error",
+                                                          "param": "model", "code": "model_not_found"}
     r = httpx.post(url + "/v1/completions", json={"model": "idle", "prompt": "x"})  # held 1 s for a pod that never comes
     assert r.status_code == 503 and r.headers["retry-after"] == "5" and "no replica of 'idle' became ready within 1s" in r.json()["error"]["message"]
     r = httpx.post(url + "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
@@ -220,3 +221,28 @@ def test_endpoint_table_from_inference_services_and_pods():
          pod("b", "chat", "127.0.0.5"), pod("a", "gone", "127.0.0.6")])
     assert table == {"smollm2": ModelRoute("a", "chat", ["127.0.0.2:8000"]), "idle": ModelRoute("a", "idle", [], at_zero=True),
                      "chat": ModelRoute("b", "chat", ["127.0.0.5:8000"]), "woken": ModelRoute("b", "woken", [], at_zero=False)}
+
+
+def test_adapters_route_to_the_pods_that_hold_them():
+    """An adapter name routes to its service's Ready pods whose adapters annotation lists it (all of them
+    while none does); a name served twice goes to the older service, and an adapter never takes a model's name."""
+    from kvpilot.operator.gateway.discovery import ModelRoute, endpoint_table
+
+    def isvc(name, created, served=None, adapters=()):
+        return {"metadata": {"namespace": "a", "name": name, "creationTimestamp": created},
+                "spec": {"model": {"source": "smollm2-135m", **({"servedName": served} if served else {})},
+                         "adapters": [{"name": n, "source": f"hf://org/{n}"} for n in adapters]}}
+
+    def pod(owner, ip, held):
+        return {"metadata": {"namespace": "a", "name": f"{owner}-{ip}", "labels": {"serving.kvpilot.dev/inferenceservice": owner},
+                             "annotations": {"serving.kvpilot.dev/adapters": held}},
+                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    table = endpoint_table(
+        [isvc("young", "2026-11-25T10:00:00Z", adapters=["sql", "base"]), isvc("base", "2026-11-25T09:00:00Z", adapters=["sql", "chat", "new"])],
+        [pod("base", "127.0.0.2", "sql,chat"), pod("base", "127.0.0.3", "sql"), pod("young", "127.0.0.4", "sql,base")])
+    assert table == {"base": ModelRoute("a", "base", ["127.0.0.2:8000", "127.0.0.3:8000"]),
+                     "young": ModelRoute("a", "young", ["127.0.0.4:8000"]),
+                     "sql": ModelRoute("a", "base", ["127.0.0.2:8000", "127.0.0.3:8000"]),
+                     "chat": ModelRoute("a", "base", ["127.0.0.2:8000"]),
+                     "new": ModelRoute("a", "base", ["127.0.0.2:8000", "127.0.0.3:8000"])}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pydantic.alias_generators import to_camel
+
 from kvpilot.operator.builders.engine_flags import flag_problems, image_version
 from kvpilot.operator.crd_types import InferenceServiceSpec
 from kvpilot.server.config import EngineConfig
@@ -19,6 +21,9 @@ DEFAULT_IMAGES = {
     "sglang": "lmsysorg/sglang:v0.5.23",
 }
 SHUTDOWN_GRACE_SECONDS = 30
+# With spec.adapters: a writable directory (an emptyDir) where the kvpilot engine downloads hf:// adapters,
+# and under it pvc/CLAIM, each adapter claim mounted read-only. The kvpilot engine's --lora-dir.
+LORA_DIR = "/var/lib/kvpilot/adapters"
 
 
 @dataclass(slots=True)
@@ -103,6 +108,26 @@ def served_name(spec: InferenceServiceSpec, name: str) -> str:
     return spec.model.served_name or name
 
 
+def adapter_claims(spec: InferenceServiceSpec) -> list[str]:
+    """The claims of pvc:// adapters, each mounted once at LORA_DIR/pvc/CLAIM."""
+    return sorted({src.name for a in spec.adapters if (src := parse_model_source(a.source)).kind == "pvc"})
+
+
+def adapter_load_path(spec: InferenceServiceSpec, source: str) -> str:
+    """The lora_path an engine's load API is given for an adapter source: pvc:// the mounted directory;
+    hf:// the source itself for kvpilot (it downloads into its --lora-dir), the repo id for vLLM
+    (which resolves hub repos itself)."""
+    src = parse_model_source(source)
+    if src.kind == "pvc":
+        return f"{LORA_DIR}/pvc/{src.name}/{src.path}"
+    return src.raw if spec.engine == "kvpilot" else src.name
+
+
+def _lora_values(spec: InferenceServiceSpec) -> dict:
+    s = spec.engine_settings
+    return {f: getattr(s, f) for f in ("max_loras", "max_lora_rank") if getattr(s, f) is not None}
+
+
 def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     s = spec.engine_settings
     values = {"model": model_argument(spec), "served_model_name": served_name(spec, name),
@@ -118,6 +143,8 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
             values["speculative_model"] = draft_model_argument(spec)
     if spec.resources.cpu_only:
         values["device"] = "cpu"
+    if spec.adapters:
+        values |= {"enable_lora": True, **_lora_values(spec)}
     # EngineConfig validates here, in the operator, so a bad combination is a status condition, not a crash loop.
     engine_args = EngineConfig(**values).to_cli_args()
     args = ["serve", "--host", "$(POD_IP)", "--port", str(PORT), "--shutdown-grace-seconds", str(SHUTDOWN_GRACE_SECONDS), *engine_args]
@@ -125,6 +152,8 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         args += ["--tool-call-parser", s.parsers.tool_calls]
     if s.parsers and s.parsers.reasoning:
         args += ["--reasoning-parser", s.parsers.reasoning]
+    if spec.adapters:  # loaded at run time by the operator (operator/adapter_sync.py)
+        args += ["--allow-runtime-lora", "--lora-dir", LORA_DIR]
     return EngineContainer(spec.image or DEFAULT_IMAGES["kvpilot"], ["kvpilot"], args, "/ready", "/health")
 
 
@@ -155,7 +184,13 @@ def vllm_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", s.parsers.tool_calls]
     if s.parsers and s.parsers.reasoning:
         args += ["--reasoning-parser", s.parsers.reasoning]
-    return EngineContainer(spec.image or DEFAULT_IMAGES["vllm"], ["vllm", "serve"], args, "/health", "/health")
+    env = []
+    if spec.adapters:  # loaded at run time through vLLM's own /v1/load_lora_adapter, which this variable turns on
+        args.append("--enable-lora")
+        for f, v in _lora_values(spec).items():
+            args += [f"--{f.replace('_', '-')}", str(v)]
+        env.append({"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"})
+    return EngineContainer(spec.image or DEFAULT_IMAGES["vllm"], ["vllm", "serve"], args, "/health", "/health", env)
 
 
 def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
@@ -218,6 +253,8 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
             problems += [f"extraArgs: {p}" for p in flag_problems(spec.engine, version, list(spec.extra_args))]
     if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:
         problems.append("engineSettings.speculative.draftModel is only used with method draft")
+    if not spec.adapters and _lora_values(spec):
+        problems.append(f"engineSettings.{', '.join(to_camel(f) for f in _lora_values(spec))} only apply with spec.adapters")
     return problems
 
 

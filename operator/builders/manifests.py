@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from kvpilot.operator.builders.engines import DEFAULT_IMAGES, PORT, SHUTDOWN_GRACE_SECONDS, engine_container, model_files, shared_cache
+from kvpilot.operator.builders.engines import (
+    DEFAULT_IMAGES,
+    LORA_DIR,
+    PORT,
+    SHUTDOWN_GRACE_SECONDS,
+    adapter_claims,
+    engine_container,
+    model_files,
+    shared_cache,
+)
 from kvpilot.operator.builders.model_cache import COMPILE_CACHE_CLAIM, COMPILE_CACHE_DIR, claim_name
 from kvpilot.operator.builders.pod_defaults import CACHE_DIR, CACHE_ENV, CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, VERSION, EnvVar, InferenceServiceSpec, SecretKeyRef
@@ -63,6 +72,17 @@ def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], 
     return volumes, mounts, inits
 
 
+def _adapter_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
+    """With adapters: the writable LORA_DIR (hf:// adapters downloaded into it) and each adapter claim under it."""
+    if not spec.adapters:
+        return [], []
+    volumes, mounts = [{"name": "adapters", "emptyDir": {}}], [{"name": "adapters", "mountPath": LORA_DIR}]
+    for i, claim in enumerate(adapter_claims(spec)):
+        volumes.append({"name": f"adapter-claim-{i}", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": f"adapter-claim-{i}", "mountPath": f"{LORA_DIR}/pvc/{claim}", "readOnly": True})
+    return volumes, mounts
+
+
 def _cache_env(spec: InferenceServiceSpec) -> list[dict]:
     """HOME and the caches on the pod's emptyDir; with the shared model cache, Triton's and torch's
     compile caches on the namespace's compile-cache claim."""
@@ -106,6 +126,8 @@ def _resources(spec: InferenceServiceSpec) -> dict:
 def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
     c = engine_container(spec, name)
     volumes, mounts, inits = _model_volumes(spec)
+    adapter_volumes, adapter_mounts = _adapter_volumes(spec)
+    volumes, mounts = volumes + adapter_volumes, mounts + adapter_mounts
     compile_mounts = []
     if shared_cache(spec):  # compiled kernels outlive the pod: a warm start does not compile again
         volumes.append({"name": "compile-cache", "persistentVolumeClaim": {"claimName": COMPILE_CACHE_CLAIM}})

@@ -1,7 +1,7 @@
 """Which pods serve which model: InferenceServices and their ready engine pods, read from the API
 server (in-cluster service account, or $KUBECONFIG) and kept current by watches. A model's name is its
 InferenceService's `model.servedName`, else the InferenceService's name — what clients put in
-`model`. While the API server cannot be reached, the last table keeps serving.
+`model` — or the name of one of its `adapters`, routed to the pods that hold it. While the API server cannot be reached, the last table keeps serving.
 A service at zero replicas is woken by annotating it (WAKE_ANNOTATION): the autoscaler scales it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kvpilot.operator.builders.engines import PORT
-from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, PLURAL, VERSION, WAKE_ANNOTATION
+from kvpilot.operator.crd_types import ADAPTERS_ANNOTATION, GROUP, ISVC_LABEL, PLURAL, VERSION, WAKE_ANNOTATION
 
 log = logging.getLogger("kvpilot.gateway")
 
@@ -32,24 +32,39 @@ class ModelRoute:
 
 
 def endpoint_table(isvcs: list[dict], pods: list[dict]) -> dict[str, ModelRoute]:
-    """served model name -> its InferenceService and ready engine pods."""
-    ready: dict[tuple[str, str], list[str]] = {}
+    """served model name or adapter name -> its InferenceService and ready engine pods (for an adapter,
+    those whose ADAPTERS_ANNOTATION lists it; all of them while none does: the engine then answers). A
+    name served twice goes to the older InferenceService."""
+    ready: dict[tuple[str, str], list[tuple[str, set[str]]]] = {}
     for pod in pods:
         m, status = pod.get("metadata", {}), pod.get("status", {})
         owner = (m.get("labels") or {}).get(ISVC_LABEL)
         is_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
         if owner and is_ready and status.get("podIP") and not m.get("deletionTimestamp"):
-            ready.setdefault((m.get("namespace", ""), owner), []).append(f"{status['podIP']}:{PORT}")
+            held = set(filter(None, ((m.get("annotations") or {}).get(ADAPTERS_ANNOTATION) or "").split(",")))
+            ready.setdefault((m.get("namespace", ""), owner), []).append((f"{status['podIP']}:{PORT}", held))
     table: dict[str, ModelRoute] = {}
-    for isvc in isvcs:
+    by_age = sorted(isvcs, key=lambda o: ((o.get("metadata") or {}).get("creationTimestamp") or "", _key(o)))
+    adapters = []
+    for isvc in by_age:
         m, spec = isvc.get("metadata", {}), isvc.get("spec") or {}
         model = (spec.get("model") or {}).get("servedName") or m.get("name")
         if model in table:
-            log.warning("model name %r is served by more than one InferenceService; routing to %s/%s", model, m.get("namespace"), m.get("name"))
+            log.warning("model name %r is served by more than one InferenceService; routing to %s/%s", model, table[model].namespace, table[model].name)
+            continue
         replicas = spec.get("replicas", spec.get("minReplicas", 1))
-        table[model] = ModelRoute(m.get("namespace", ""), m.get("name"), sorted(ready.get((m.get("namespace", ""), m.get("name")), [])),
-                                  at_zero=replicas == 0)
+        pods_ = ready.get(_key(isvc), [])
+        table[model] = ModelRoute(m.get("namespace", ""), m.get("name"), sorted(e for e, _ in pods_), at_zero=replicas == 0)
+        adapters += [(a["name"], table[model], pods_) for a in spec.get("adapters") or [] if isinstance(a, dict) and a.get("name")]
+    for name, route, pods_ in adapters:  # after every served name: an adapter never takes a model's name
+        if name not in table:
+            table[name] = ModelRoute(route.namespace, route.name, sorted(e for e, held in pods_ if name in held) or route.endpoints, route.at_zero)
     return table
+
+
+def _key(obj: dict) -> tuple[str, str]:
+    m = obj.get("metadata") or {}
+    return m.get("namespace", ""), m.get("name", "")
 
 
 class KubeEndpoints:
@@ -107,25 +122,20 @@ class KubeEndpoints:
                 log.warning("watching %s failed (%s: %s); listing again in 1s", kind, type(e).__name__, e)
                 self._stop.wait(1.0)
 
-    @staticmethod
-    def _key(obj: dict) -> tuple[str, str]:
-        m = obj.get("metadata") or {}
-        return m.get("namespace", ""), m.get("name", "")
-
     def _replace(self, kind: str, namespace: str | None, items: list[dict]) -> None:
         with self._lock:
             objects = self._objects[kind]
             for key in [k for k in objects if namespace is None or k[0] == namespace]:
                 del objects[key]
-            objects.update((self._key(o), o) for o in items)
+            objects.update((_key(o), o) for o in items)
             self._rebuild()
 
     def _apply(self, kind: str, event: str, obj: dict) -> None:
         with self._lock:
             if event == "DELETED":
-                self._objects[kind].pop(self._key(obj), None)
+                self._objects[kind].pop(_key(obj), None)
             elif event in ("ADDED", "MODIFIED"):
-                self._objects[kind][self._key(obj)] = obj
+                self._objects[kind][_key(obj)] = obj
             else:  # BOOKMARK: nothing changed
                 return
             self._rebuild()

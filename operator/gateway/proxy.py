@@ -77,6 +77,12 @@ def error(status: int, message: str, kind: str, headers: Mapping[str, str] | Non
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status, headers=dict(headers or {}))
 
 
+def model_not_found(model: str) -> JSONResponse:
+    """As OpenAI (and the engines) answer an unknown model or adapter."""
+    return JSONResponse({"error": {"message": f"the model '{model}' does not exist", "type": "invalid_request_error", "param": "model",
+                                   "code": "model_not_found"}}, status_code=404)
+
+
 class GatewayMetrics:
     """kvpilot_gateway_* series, in their own registry (served at /metrics)."""
 
@@ -157,7 +163,7 @@ class Gateway:
                     await asyncio.sleep(0.1)
                     endpoints = self.source.endpoints(model)
                     if endpoints is None:
-                        return error(404, f"the model '{model}' does not exist", "not_found_error")
+                        return model_not_found(model)
                     if endpoints:
                         self.metrics.hold_seconds.labels(model).observe(time.monotonic() - start)
                         return endpoints
@@ -172,7 +178,7 @@ class Gateway:
     async def _route(self, request: Request, raw: bytes, body: dict, model: str) -> Response:
         endpoints = self.source.endpoints(model)
         if endpoints is None:
-            return error(404, f"the model '{model}' does not exist", "not_found_error")
+            return model_not_found(model)
         held_since = None
         if not endpoints:
             held_since = time.monotonic()
