@@ -1,4 +1,4 @@
-"""A loopback stand-in for the Hugging Face hub: one repository's files at /{repo}/resolve/main/{name}
+"""A loopback stand-in for the Hugging Face hub: repositories' files at /{repo}/resolve/main/{name}
 (with the hub's X-Repo-Commit header) and its listing at /api/models/{repo}/tree/main. The checkpoint
 and model cache tests and the cold-start benchmark count what it served."""
 
@@ -13,32 +13,32 @@ COMMIT = "3f0e4c2a9b7d1e5f6a8b9c0d1e2f3a4b5c6d7e8f"
 
 
 class LoopbackHub:
-    """`files`: name in the repository -> the file served. `requests`: every path asked for;
-    `downloads`: the file paths served."""
+    """`repos`: repository ("org/name") -> its files (name in the repository -> the file served).
+    `requests`: every path asked for; `downloads`: the file paths served."""
 
-    def __init__(self, repo: str, files: dict[str, Path]):
+    def __init__(self, repos: dict[str, dict[str, Path]]):
         self.requests: list[str] = []
         self.downloads: list[str] = []
         requests, downloads = self.requests, self.downloads
-        listing = json.dumps([{"type": "file", "path": name, "size": path.stat().st_size} for name, path in files.items()]).encode()
-        prefix = f"/{repo}/resolve/main/"
+        listings = {f"/api/models/{repo}/tree/main": json.dumps([{"type": "file", "path": name, "size": path.stat().st_size}
+                                                                 for name, path in files.items()]).encode() for repo, files in repos.items()}
+        served = {f"/{repo}/resolve/main/{name}": path for repo, files in repos.items() for name, path in files.items()}
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
                 requests.append(self.path)
-                name = self.path.removeprefix(prefix) if self.path.startswith(prefix) else None
-                if self.path == f"/api/models/{repo}/tree/main":
-                    body = listing
-                elif name in files:
+                if self.path in listings:
+                    body = listings[self.path]
+                elif self.path in served:
                     downloads.append(self.path)
-                    body = files[name].read_bytes()
+                    body = served[self.path].read_bytes()
                 else:
                     self.send_response(404)
                     self.end_headers()
                     return
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
-                if name in files:
+                if self.path in served:
                     self.send_header("X-Repo-Commit", COMMIT)
                 self.end_headers()
                 self.wfile.write(body)
@@ -56,4 +56,4 @@ class LoopbackHub:
 
 def smol_hub(model: Path) -> LoopbackHub:
     """The bundled GGUF as hf://org/smol/smol.gguf and, a second source of the same bytes, hf://org/smol/copy.gguf."""
-    return LoopbackHub("org/smol", {"smol.gguf": model, "copy.gguf": model})
+    return LoopbackHub({"org/smol": {"smol.gguf": model, "copy.gguf": model}})

@@ -30,7 +30,7 @@ def test_hf_checkpoint_source_is_fetched_and_served(cluster, namespace, tmp_path
     from kvpilot.server.model_files import resolve_model_path
 
     checkpoint = build_checkpoint(CASES["qwen3"], tmp_path / "hub" / "tiny-qwen3", save_tokenizer(resolve_model_path("smollm2-135m"), tmp_path / "tok"))
-    hub = LoopbackHub("org/tiny-qwen3", {f.name: f for f in sorted(checkpoint.iterdir())})
+    hub = LoopbackHub({"org/tiny-qwen3": {f.name: f for f in sorted(checkpoint.iterdir())}})
     cluster.kubectl("apply", "-f", str(ROOT / "crds"))
     runner = PodRunner(cluster.server, tmp_path / "pods").start()
     op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log")

@@ -297,8 +297,8 @@ def test_runtime_load_request_unload_over_http(peft_case, hf_oracle_session, tmp
         shutil.copytree(paths[name], root / name)
     qv = paths["qv-r4-rslora"]
     (tmp_path / "adapter_model.bin").write_bytes(b"a pickle")
-    hub = LoopbackHub("org/qv", {"adapter_config.json": qv / "adapter_config.json", "adapter_model.safetensors": qv / "adapter_model.safetensors",
-                                 "adapter_model.bin": tmp_path / "adapter_model.bin"})
+    hub = LoopbackHub({"org/qv": {"adapter_config.json": qv / "adapter_config.json", "adapter_model.safetensors": qv / "adapter_model.safetensors",
+                                  "adapter_model.bin": tmp_path / "adapter_model.bin"}})
     server = ServerProcess("--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--allow-runtime-lora", "--lora-dir", str(root),
                            "--lora-modules", f"first={root / 'all7-r8'}", "--api-key", "sekret", env={"HF_ENDPOINT": hub.url},
                            log_path=tmp_path / "server.log").wait_ready()
