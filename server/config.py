@@ -64,10 +64,13 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores).")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Ranks (processes; GPUs on CUDA) the model is split over; kv_cache_memory is per rank.")
-    speculative_method: Literal["ngram", "draft"] | None = Field(
-        None, description="Speculative decoding: ngram (prompt lookup) or draft (a small model given by --speculative-model); off when unset.")
+    speculative_method: Literal["ngram", "draft", "eagle3"] | None = Field(
+        None, description="Speculative decoding: ngram (prompt lookup), draft (a small model given by --speculative-model) or eagle3 (an "
+                          "EAGLE-3 head, --speculative-model its directory, drafting from the model's own hidden states); off when unset.")
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Most tokens proposed per sequence and step.")
-    speculative_model: str | None = Field(None, description="Draft model (bundled name, GGUF file or checkpoint directory) sharing the target's tokenizer; method draft only.")
+    speculative_model: str | None = Field(None, description=(
+        "Method draft: the draft model (bundled name, GGUF file or checkpoint directory) sharing the target's tokenizer; method eagle3: "
+        "the EAGLE-3 head's directory (config.json + safetensors, the published layout)."))
     prompt_lookup_max: int = Field(4, ge=1, le=32, description="ngram: longest suffix of the sequence looked up in its earlier tokens.")
     prompt_lookup_min: int = Field(2, ge=1, le=32, description="ngram: shortest suffix looked up.")
     speculative_disable_batch_size: int = Field(
@@ -98,10 +101,12 @@ class EngineConfig(BaseModel):
         # Refused, never ignored: a draft model without method draft (or the reverse) is a mistake.
         if self.speculative_method == "draft" and not self.speculative_model:
             raise ValueError("speculative_method=draft needs speculative_model (a model sharing the target's tokenizer)")
-        if self.speculative_model and self.speculative_method != "draft":
-            raise ValueError("speculative_model is only used with speculative_method=draft")
-        if self.speculative_method == "draft" and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_method=draft is not implemented with tensor_parallel_size > 1 (ngram is)")
+        if self.speculative_method == "eagle3" and not self.speculative_model:
+            raise ValueError("speculative_method=eagle3 needs speculative_model (the EAGLE-3 head's directory)")
+        if self.speculative_model and self.speculative_method not in ("draft", "eagle3"):
+            raise ValueError("speculative_model is only used with speculative_method=draft or eagle3")
+        if self.speculative_method in ("draft", "eagle3") and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_method={self.speculative_method} is not implemented with tensor_parallel_size > 1 (ngram is)")
         if self.async_scheduling == "on" and self.speculative_method:
             raise ValueError("async_scheduling=on is not implemented with speculative decoding (proposals need each step's tokens on "
                              "the host): use auto or off")

@@ -1,5 +1,5 @@
-"""Speculative decoding: the verification rule on hand-built distributions, then the engine with both
-proposers on the bundled model (greedy output identical to plain decoding, sampling distribution
+"""Speculative decoding: the verification rule on hand-built distributions, then the engine with every
+proposer (n-gram, draft model, a random EAGLE-3 head) on the bundled model (greedy output identical to plain decoding, sampling distribution
 unchanged), its bookkeeping (KV slots given back, metrics) and its off-switch.
 
 Correctness tests force speculation on (no batch-size or acceptance off-switch)."""
@@ -111,6 +111,23 @@ def draft_path(tmp_path_factory, model_path):
     return str(write_truncated(model_path, tmp_path_factory.mktemp("draft") / "draft4.gguf", 4))
 
 
+@pytest.fixture(scope="module")
+def eagle_path(tmp_path_factory, model_path):
+    """A random EAGLE-3 head for the bundled model. Its draft vocabulary is the distribution prompt's
+    tokens and a few hundred others: random logits over it still hit the target's choices now and then."""
+    from eagle_factory import write_eagle3_head
+    from kvpilot.server.loading import open_model
+
+    weights, tokenizer = open_model(model_path)
+    draft = set(tokenizer.encode(DISTRIBUTION_PROMPT)) | set(range(300))
+    return str(write_eagle3_head(tmp_path_factory.mktemp("eagle") / "head", weights.config, sorted(draft)))
+
+
+def method_kw(method: str, draft_path: str, eagle_path: str) -> dict:
+    return {"speculative_method": method, **({"speculative_model": draft_path} if method == "draft" else {}),
+            **({"speculative_model": eagle_path} if method == "eagle3" else {})}
+
+
 def make_engine(**kw):
     from kvpilot.server.engine.llm_engine import LLMEngine
 
@@ -152,14 +169,12 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, plain_greedy, draft_path):
-    kw = dict(SETTINGS[setting], speculative_method=method, **FORCED)
-    if method == "draft":
-        kw["speculative_model"] = draft_path
-        if setting == "preempted":  # a block now also holds the draft's 4 layers
-            kw["kv_cache_memory"] = kw["kv_cache_memory"] * 34 // 30
+# An EAGLE-3 head reads each step's hidden states: its engine runs no decode graphs (checked below).
+@pytest.mark.parametrize(("method", "setting"), [(m, s) for m in ("ngram", "draft", "eagle3") for s in SETTINGS if (m, s) != ("eagle3", "graph-buffers")])
+def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, plain_greedy, draft_path, eagle_path):
+    kw = dict(SETTINGS[setting], **method_kw(method, draft_path, eagle_path), **FORCED)
+    if setting == "preempted":  # a block now also holds the draft's 4 layers, or the head's one
+        kw["kv_cache_memory"] = kw["kv_cache_memory"] * {"ngram": 30, "draft": 34, "eagle3": 31}[method] // 30
     engine = make_engine(**kw)
     graph_rows = []
     if setting == "graph-buffers":
@@ -175,7 +190,12 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
         assert graph_rows and any(rows not in engine.runner.decode_graphs.buckets for rows in graph_rows)  # padded steps ran
     assert streamed == [o.outputs[0].text for o in outs]  # multi-token deltas stream the same text
     stats = engine.proposer.stats
-    assert stats.num_accepted_tokens > 0 and stats.num_drafts > 0
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
+    if method != "eagle3":  # a random head's proposals are all but never right: counted, and exact all the same
+        assert stats.num_accepted_tokens > 0
+    else:
+        engine.runner.start_decode_graphs(engine.max_model_len, capture=False)
+        assert engine.runner.decode_graphs is None and engine.runner.head_kv_cache[0].shape[0] == engine.runner.num_blocks + 1
     if setting == "preempted":
         assert engine.scheduler.num_preemptions > 0
     bm = engine.block_manager
@@ -231,16 +251,13 @@ def plain_samples():
     return _sample_all(make_engine(**DISTRIBUTION_KW))
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_sampling_distribution_is_unchanged_by_speculation(method, draft_path, plain_samples):
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle3"])
+def test_sampling_distribution_is_unchanged_by_speculation(method, draft_path, eagle_path, plain_samples):
     """Temperature 1 (top-k 4 keeps the support small enough to test), 300 seeds each way: the tokens at
     output positions 2 and 3 (the first comes from the prefill and is never speculated) are distributed
     the same with and without speculation (chi-square homogeneity, p > 0.001 on this fixed seed set),
     while rejections did happen."""
-    spec_kw = dict(DISTRIBUTION_KW, speculative_method=method, **FORCED)
-    if method == "draft":
-        spec_kw["speculative_model"] = draft_path
-    engine = make_engine(**spec_kw)
+    engine = make_engine(**DISTRIBUTION_KW, **method_kw(method, draft_path, eagle_path), **FORCED)
     spec_samples = _sample_all(engine)
     s = engine.proposer.stats
     assert s.num_drafts > 100 and 0 < s.num_accepted_tokens < s.num_draft_tokens

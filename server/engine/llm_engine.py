@@ -25,7 +25,7 @@ from kvpilot.server.threads import configure_threads
 if TYPE_CHECKING:  # torch-side: imported in LLMEngine.__init__, after the thread settings
     from kvpilot.server.adapters import LoRARequest
     from kvpilot.server.engine.lora import Adapter, LoRARegistry
-    from kvpilot.server.engine.model_io import StepPlan
+    from kvpilot.server.engine.model_io import ModelInput, StepPlan
     from kvpilot.server.engine.model_runner import LaunchedStep
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class LLMEngine:
         from kvpilot.server.engine.model_io import InputBuilder
         from kvpilot.server.engine.model_runner import ModelRunner
         from kvpilot.server.engine.scheduler import Scheduler
-        from kvpilot.server.engine.spec_decode import DraftModelProposer, NgramProposer
+        from kvpilot.server.engine.spec_decode import DraftModelProposer, EagleProposer, NgramProposer
         from kvpilot.server.engine.structured import GrammarCompiler
         from kvpilot.server.tokenizer import IncrementalDetokenizer
 
@@ -77,7 +77,8 @@ class LLMEngine:
             check_tensor_parallel(self.model_config, config.tensor_parallel_size)
             tp = TensorParallel(0, config.tensor_parallel_size)
             self.workers = Workers(config, self.model_path, resolve_device(config).type)
-        self.runner = ModelRunner(config, weights, show_progress=show_progress, draft=draft, tp=tp, workers=self.workers)
+        self.runner = ModelRunner(config, weights, show_progress=show_progress, draft=draft, tp=tp, workers=self.workers,
+                                  eagle_head=str(resolve_model_path(config.speculative_model)) if config.speculative_method == "eagle3" else None)
         startup.mark("loaded")
         capacity = self.runner.num_blocks * config.block_size
         limits = [self.model_config.max_position, capacity] + ([window] if window else [])
@@ -112,6 +113,8 @@ class LLMEngine:
             self.proposer = NgramProposer(config, self.max_model_len)
         elif config.speculative_method == "draft":
             self.proposer = DraftModelProposer(config, self.max_model_len, self.runner, self.inputs, self.tokenizer.eos_token_ids)
+        elif config.speculative_method == "eagle3":
+            self.proposer = EagleProposer(config, self.max_model_len, self.runner, self.inputs, self.tokenizer.eos_token_ids)
         self.requests = self.output.requests
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.runner.device.type == "cuda" and self.proposer is None)
@@ -263,7 +266,7 @@ class LLMEngine:
             awaited = tokens is not None and any(seq.num_placeholders for seq in batch.seqs)
             self.runner.send_step(self.messenger.step(batch, rows, tokens.shape[0] if awaited else 0, slots), tokens)
         launched = self.runner.launch(model_input, tokens)
-        return StepInFlight(batch, plan, launched)
+        return StepInFlight(batch, plan, launched, model_input if self.config.speculative_method == "eagle3" else None)
 
     def _begin_awaiting(self, step: StepInFlight) -> None:
         """Async scheduling, after the step before `step` is complete: account for `step`'s computed
@@ -309,6 +312,8 @@ class LLMEngine:
             for seq, _, _ in verified:
                 self.scheduler.end_speculation(seq)
             self.proposer.verified(verified)
+        if step.model_input is not None:  # the head's pass over the step's rows, now that their next tokens are known
+            self.proposer.catch_up(step.model_input, plan)
         outputs = [self.output.request_output(rid) for rid in touched if rid not in failed]
         return outputs + [self.fail_request(rid, why) for rid, why in failed.items()]
 
@@ -334,6 +339,7 @@ class StepInFlight:
     batch: ScheduledBatch
     plan: StepPlan
     launched: LaunchedStep
+    model_input: ModelInput | None = None  # kept for an EAGLE-3 head's pass over the same rows
     updated: bool = False           # the scheduler has counted its computed tokens
 
     def sampled_rows(self) -> dict[int, int]:

@@ -298,6 +298,7 @@ class StepPlan:
 
     sampled: list[Sequence]
     prompt_logprobs: list[tuple[Sequence, int]]  # with the prompt position of the span's first row
+    spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # each sequence's rows: (seq, first row, first position, rows)
 
 
 @dataclass(slots=True)
@@ -352,6 +353,7 @@ class InputBuilder:
                 previous_rows.append(previous[seq.seq_id])
             pos = range(start, start + n)
             positions += pos
+            plan.spans.append((seq, row0, start, n))
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in pos]
             if seq.num_spec_tokens:  # a verification: k + 1 decode rows (one per position), each one sampled

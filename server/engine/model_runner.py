@@ -18,6 +18,7 @@ from kvpilot.server.engine.model_io import InputBuilder, ModelInput, ModelOutput
 from kvpilot.server.engine.sampler import PendingSample, Sampler
 from kvpilot.server.engine.step_message import Describe, RankMirror, SetAdapter, Step, Stop
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
+from kvpilot.server.models.eagle import Eagle3Head, load_head
 from kvpilot.server.models.sharding import TensorParallel
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class ModelRunner:
     rank 0 alone samples."""
 
     def __init__(self, config: EngineConfig, weights: WeightSource, show_progress: bool = True, draft: WeightSource | None = None,
-                 tp: TensorParallel | None = None, workers: Workers | None = None):
+                 tp: TensorParallel | None = None, workers: Workers | None = None, eagle_head: str | None = None):
         self.config = config
         self.tp, self.workers = tp, workers
         self.device = resolve_device(config, tp)
@@ -110,10 +111,14 @@ class ModelRunner:
         self.model = self._load(weights, show_progress, config.quantization, config.quantization_group_size,
                                 lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None)
         self.draft = self._load(draft, show_progress, "none") if draft else None  # the draft is small: kept dense
+        self.head: Eagle3Head | None = None
+        self._aux: torch.Tensor | None = None  # with an EAGLE-3 head: the last step's target hidden states it reads
+        if eagle_head is not None:
+            self.head = load_head(eagle_head, self.model.config, self.model.embed, self.device, self.dtype)
         _return_freed_heap()
         self.block_size = config.block_size
         self.model.ops.check_shapes(self.model.config.head_dim, self.block_size)  # before a step fails on them
-        self.bytes_per_block = sum(self._block_bytes(m) for m in (self.model, self.draft) if m)
+        self.bytes_per_block = sum(self._block_bytes(m) for m in (self.model, self.draft) if m) + self._head_block_bytes()
         # One block of the budget is the scratch block, past those the block manager hands out: the
         # padding rows of a decode graph write there (decode_graphs.py).
         self.num_blocks = self._kv_cache_bytes() // self.bytes_per_block - 1
@@ -123,6 +128,7 @@ class ModelRunner:
         self.scratch_block = self.num_blocks
         self.kv_caches = self._kv_caches(self.model)
         self.draft_kv_caches = self._kv_caches(self.draft) if self.draft else None
+        self.head_kv_cache = self._head_kv_cache() if self.head else None  # beside the target's: the same block tables index it
         self.decode_graphs: DecodeGraphs | None = None
         self.draft_graphs: DecodeGraphs | None = None  # the draft model's proposal steps (speculative method draft)
         c = self.model.config
@@ -150,6 +156,17 @@ class ModelRunner:
     def _block_bytes(self, model: DecoderModel) -> int:
         c = model.config
         return 2 * c.num_layers * self.block_size * model.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.kv_dtype).element_size()
+
+    def _head_block_bytes(self) -> int:
+        if self.head is None:
+            return 0
+        c = self.head.config
+        return 2 * self.block_size * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.kv_dtype).element_size()
+
+    def _head_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.head.config
+        shape = (self.num_blocks + 1, self.block_size, c.num_kv_heads, c.head_dim)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _kv_caches(self, model: DecoderModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = model.config
@@ -209,6 +226,9 @@ class ModelRunner:
         """Run decode-only steps through DecodeGraphs (tables wide enough for max_model_len):
         captured as CUDA graphs where that can work, else left eager (logged). capture=False builds the
         static-buffer path without graphs on any device (what tests check on CPU)."""
+        if self.head is not None:  # its pass reads each step's hidden states, which the graphs do not give out
+            log.info("decode steps run eagerly: an EAGLE-3 head reads each step's hidden states")
+            return
         if capture and (why_not := self._why_no_graphs()):
             if self.device.type == "cuda":
                 log.info("decode steps run eagerly: %s", why_not)
@@ -303,7 +323,10 @@ class ModelRunner:
         if self.model.lora is not None:
             self.model.lora.context.batch = inp.lora
         try:
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
+            if self.head is not None:
+                hidden, self._aux = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, self.head.config.aux_layers)
+            else:
+                hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
         finally:
             if self.model.lora is not None:
                 self.model.lora.context.batch = None
@@ -352,6 +375,28 @@ class ModelRunner:
         return self.workers.describe(self.describe()) if self.workers is not None else [self.describe()]
 
     @torch.inference_mode()
+    @torch.inference_mode()
+    def head_catch_up(self, inp: ModelInput, next_ids: list[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The EAGLE-3 head over every row of the step just run (`inp`): row i takes the target's hidden
+        states at its position and `next_ids[i]`, the token after it, writing the head's K/V there (its
+        cache stays as complete as the target's, proposals or not); returns the head's (normed, prenorm)
+        output at `rows`."""
+        ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)
+        normed, prenorm = self.head(ids, inp.positions, self.head.fc(self._aux), self.head_kv_cache, AttentionMetadata.from_input(inp))
+        self._aux = None
+        at = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return normed[at], prenorm[at]
+
+    @torch.inference_mode()
+    def head_propose(self, inp: ModelInput, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of the head (its own previous output as the hidden state); (normed, prenorm) per row."""
+        return self.head(inp.input_ids, inp.positions, hidden, self.head_kv_cache, AttentionMetadata.from_input(inp))
+
+    @torch.inference_mode()
+    def head_draw(self, normed: torch.Tensor, sampling) -> tuple[list[int], torch.Tensor | None]:
+        """Draft tokens from the head's outputs, each drawn as the target will judge it."""
+        return self.sampler.propose(self.head.logits(normed), sampling)
+
     def draft_propose(self, inp: ModelInput) -> tuple[list[int], torch.Tensor | None]:
         """One decode step of the draft model (it writes its own cache) and its draw per row."""
         if self.draft_graphs is not None and self.draft_graphs.takes(inp):

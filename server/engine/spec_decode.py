@@ -189,3 +189,71 @@ class DraftModelProposer(Proposer):
                 for j, row in enumerate(inp.sampling.random_rows):
                     probs.setdefault(active[row].seq_id, []).append(q[j])
         return {sid: torch.stack(rows) for sid, rows in probs.items()} or None
+
+
+class EagleProposer(Proposer):
+    """An EAGLE-3 head (server/models/eagle.py) drafts from the target's own hidden states. After every
+    step the head runs over all of that step's rows (`catch_up`: its K/V cache stays as complete as the
+    target's whether or not anything is proposed — above the batch threshold too — for about one target
+    layer's cost); a sequence's row before its newest token gives the first proposed token, and each
+    further one is a decode step of the head fed its own output. Proposals are drawn with the request's
+    sampling parameters, as a draft model's are, for the exact acceptance rule."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int, runner, inputs: InputBuilder, eos_token_ids: tuple[int, ...]):
+        super().__init__(config, max_model_len)
+        self.runner, self.inputs, self.eos_token_ids = runner, inputs, eos_token_ids
+        # seq_id -> (the sequence, its num_tokens then, the head's normed and prenorm output at its row before the newest token)
+        self.last: dict[int, tuple[Sequence, int, torch.Tensor, torch.Tensor]] = {}
+
+    def catch_up(self, inp, plan) -> None:
+        """The head over the rows of the step just completed (`inp`, laid out as `plan.spans`): each row
+        gets the token after its position (rows past the accepted tokens of a verification get a dummy:
+        their K/V is rewritten before it is read)."""
+        next_ids, rows, seqs = [], [], []
+        for seq, row0, start, n in plan.spans:
+            known = seq.tokens_slice(start + 1, min(start + n + 1, seq.num_tokens))
+            next_ids += known + [0] * (n - len(known))
+            before_newest = seq.num_tokens - 2
+            if start <= before_newest < start + n and not seq.is_finished:
+                rows.append(row0 + before_newest - start)
+                seqs.append(seq)
+        normed, prenorm = self.runner.head_catch_up(inp, next_ids, rows)
+        for i, seq in enumerate(seqs):
+            self.last[seq.seq_id] = (seq, seq.num_tokens, normed[i], prenorm[i])
+
+    def plan(self, running: list[Sequence]) -> None:
+        for seq_id in [i for i, entry in self.last.items() if entry[0].is_finished]:
+            del self.last[seq_id]
+        super().plan(running)
+
+    def plan_sequence(self, seq: Sequence, room: int) -> None:
+        entry = self.last.get(seq.seq_id)
+        if entry is not None and entry[1] == seq.num_tokens:  # the head has seen every token (not so after a preemption's re-prefill began)
+            seq.set_spec(None, room)  # the tokens come in propose(), once the slots are reserved
+
+    def propose(self, batch: ScheduledBatch) -> dict[int, torch.Tensor] | None:
+        seqs = [s for s in batch.seqs if s.num_spec_tokens]
+        if not seqs:
+            return None
+        for seq in seqs:
+            seq.spec_token_ids = []  # a re-run of a failed step proposes again
+        normed = torch.stack([self.last[s.seq_id][2] for s in seqs])
+        prenorm = torch.stack([self.last[s.seq_id][3] for s in seqs])
+        probs: dict[int, list[torch.Tensor]] = {}
+        active = seqs
+        for i in range(max(s.num_spec_tokens for s in seqs)):
+            if i:
+                keep = [j for j, s in enumerate(active) if s.num_spec_tokens > i]
+                active = [active[j] for j in keep]
+                # The row after the last proposed token's: that token in, the head's previous output as the hidden state.
+                inp = self.inputs.build_decode(active, [s.num_tokens - 2 + i for s in active])
+                inp.input_ids = torch.tensor([s.spec_token_ids[-1] for s in active], dtype=torch.long, device=prenorm.device)
+                normed, prenorm = self.runner.head_propose(inp, prenorm[keep])
+            sampling = SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.inputs.buffers, proposing=True)
+            tokens, q = self.runner.head_draw(normed, sampling)
+            for j, seq in enumerate(active):
+                seq.spec_token_ids.append(tokens[j])
+            if q is not None:
+                for j, row in enumerate(sampling.random_rows):
+                    probs.setdefault(active[row].seq_id, []).append(q[j])
+        return {sid: torch.stack(rows) for sid, rows in probs.items()} or None

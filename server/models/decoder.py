@@ -99,12 +99,18 @@ class DecoderModel(nn.Module):
             for module, layer, targets in self.lora.modules:
                 module.set_slot(slot, [tensors.get((layer, t)) if tensors else None for t in targets])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states; with aux_layers, also the residual stream entering each of those
+        layers, concatenated (an EAGLE-3 head drafts from them: server/models/eagle.py)."""
         x = self._embed(input_ids).to(self.norm.weight.dtype)  # GGUF-block rows dequantize to float32
         rope = self.rotary.rope(positions, x.dtype)  # once per forward, shared by every layer
-        for layer, kv in zip(self.layers, kv_caches):
+        aux = []
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            if i in aux_layers:
+                aux.append(x)  # every layer returns a new tensor: x is not written to later
             x = layer(x, rope, kv, meta)
-        return self.norm(x)
+        return (self.norm(x), torch.cat(aux, dim=-1)) if aux_layers else self.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
