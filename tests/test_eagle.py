@@ -1,0 +1,122 @@
+"""EAGLE-3 heads (server/models/eagle.py): the layout our loader reads, pinned to a reference loader's
+source; the target hidden states a head reads, against transformers' own; heads that do not fit the
+target refused by name at start. (Exactness with a head: tests/test_spec_decode.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eagle_factory import write_eagle3_head
+from kvpilot.server.model_config import ModelFormatError
+
+# The tensors vLLM's EAGLE-3 loader takes (vllm/model_executor/models/llama_eagle3.py at commit
+# 00bd1493b3e82d6c13c68ee8a0e1c5a96707e190): `LlamaDecoderLayer` (qkv over 2 x hidden_size; its
+# input_layernorm, hidden_norm and post_attention_layernorm; the Llama MLP), `LlamaModel` (fc over
+# 3 x target_hidden_size, norm; "midlayer." renamed to "layers.0."; embed_tokens only when present) and
+# `Eagle3LlamaForCausalLM.load_weights` (lm_head of draft_vocab_size rows; d2t -> draft_id_to_target_id;
+# t2d skipped). Written here from that source, not from our loader.
+REFERENCE_LAYOUT = {
+    "fc.weight": lambda h, t, i, q, kv, dv, v: (h, 3 * t),
+    "midlayer.input_layernorm.weight": lambda h, t, i, q, kv, dv, v: (h,),
+    "midlayer.hidden_norm.weight": lambda h, t, i, q, kv, dv, v: (h,),
+    "midlayer.self_attn.q_proj.weight": lambda h, t, i, q, kv, dv, v: (q, 2 * h),
+    "midlayer.self_attn.k_proj.weight": lambda h, t, i, q, kv, dv, v: (kv, 2 * h),
+    "midlayer.self_attn.v_proj.weight": lambda h, t, i, q, kv, dv, v: (kv, 2 * h),
+    "midlayer.self_attn.o_proj.weight": lambda h, t, i, q, kv, dv, v: (h, q),
+    "midlayer.post_attention_layernorm.weight": lambda h, t, i, q, kv, dv, v: (h,),
+    "midlayer.mlp.gate_proj.weight": lambda h, t, i, q, kv, dv, v: (i, h),
+    "midlayer.mlp.up_proj.weight": lambda h, t, i, q, kv, dv, v: (i, h),
+    "midlayer.mlp.down_proj.weight": lambda h, t, i, q, kv, dv, v: (h, i),
+    "norm.weight": lambda h, t, i, q, kv, dv, v: (h,),
+    "lm_head.weight": lambda h, t, i, q, kv, dv, v: (dv, h),
+    "d2t": lambda h, t, i, q, kv, dv, v: (dv,),
+    "t2d": lambda h, t, i, q, kv, dv, v: (v,),
+    "embed_tokens.weight": lambda h, t, i, q, kv, dv, v: (v, h),
+}
+
+
+@pytest.fixture(scope="module")
+def target(model_path):
+    from kvpilot.server.loading import open_model
+
+    return open_model(model_path)[0].config
+
+
+def test_layout_is_the_reference_loaders(target, tmp_path):
+    from kvpilot.server.models.eagle import OPTIONAL, head_tensor_shapes, read_head_config
+
+    config = read_head_config(write_eagle3_head(tmp_path / "h", target, list(range(100))), target)
+    c = config
+    args = (c.hidden_size, c.target_hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+            c.draft_vocab_size, c.vocab_size)
+    assert head_tensor_shapes(config) == {name: shape(*args) for name, shape in REFERENCE_LAYOUT.items()}
+    assert OPTIONAL == {"embed_tokens.weight", "t2d"}
+    # vLLM's default target layers when the head names none: (2, L // 2, L - 3)
+    assert config.aux_layers == (2, target.num_layers // 2, target.num_layers - 3)
+
+
+def test_the_head_reads_the_hidden_states_transformers_numbers_as_the_layer_ids(target, model_path, hf_oracle_session):
+    """vLLM's aux layer id j is the residual stream entering layer j: transformers' hidden_states[j]
+    (hidden_states[0] the embeddings)."""
+    from kvpilot.kernels.paged_attention import AttentionMetadata
+    from kvpilot.server.config import EngineConfig
+    from kvpilot.server.engine.model_runner import ModelRunner
+    from kvpilot.server.loading import open_model
+
+    weights, tokenizer = open_model(model_path)
+    runner = ModelRunner(EngineConfig(num_threads=1, kv_cache_memory="16MiB"), weights, show_progress=False)
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    n = len(ids)
+    meta = AttentionMetadata(torch.arange(n), [n], [n], [torch.arange(-(-n // runner.block_size))], torch.zeros(0, 0, dtype=torch.long),
+                             torch.zeros(0, dtype=torch.long))
+    with torch.inference_mode():
+        _, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, (0, 2, 29))
+        hf = hf_oracle_session.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for k, layer in enumerate((0, 2, 29)):
+        ours = aux[:, k * target.hidden_size:(k + 1) * target.hidden_size]
+        torch.testing.assert_close(ours, hf[layer][0].float(), rtol=1e-3, atol=1e-3)
+        assert not torch.allclose(ours, hf[layer + 1][0].float(), rtol=1e-2, atol=1e-2)  # one layer off is far off
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(hidden_size=512), "no embed_tokens.weight, and its hidden size 512 is not the target's 576"),
+    (dict(vocab_size=1000), "vocab_size 1000 is not the target's 49152"),
+    (dict(aux_layers=[2, 15, 30]), "must be three of the target's layers 0..29"),
+    (dict(config={"num_hidden_layers": 2}), "num_hidden_layers=2"),
+    (dict(config={"architectures": ["LlamaForCausalLM"]}), "is not ['LlamaForCausalLMEagle3']"),
+    (dict(config={"target_hidden_size": 960}), "its target hidden size is 960, the target's is 576"),
+    (dict(tensors={"lm_head.weight": torch.zeros(7, 576)}), "lm_head.weight has shape (7, 576), the target needs (100, 576)"),
+    (dict(tensors={"midlayer.extra.weight": torch.zeros(3)}), "not in the EAGLE-3 layout: midlayer.extra.weight"),
+    (dict(tensors={"d2t": torch.full((100,), 49100, dtype=torch.long)}), "d2t does not map the draft vocabulary onto distinct target ids"),
+])
+def test_heads_that_do_not_fit_are_refused_by_name(target, tmp_path, change, message):
+    from safetensors.torch import load_file, save_file
+
+    from kvpilot.server.models.eagle import load_head
+
+    head = write_eagle3_head(tmp_path / "head", target, list(range(100)), **{k: v for k, v in change.items() if k in ("hidden_size", "vocab_size", "aux_layers")})
+    if "config" in change:
+        config = json.loads((head / "config.json").read_text())
+        (head / "config.json").write_text(json.dumps({**config, **change["config"]}))
+    if "tensors" in change:
+        tensors = load_file(str(head / "model.safetensors"))
+        save_file({**tensors, **change["tensors"]}, str(head / "model.safetensors"))
+    with pytest.raises(ModelFormatError) as e:
+        load_head(head, target, None, torch.device("cpu"), torch.float32)
+    assert message in str(e.value)
+
+
+def test_a_bad_head_stops_the_engine_at_start(target, tmp_path):
+    from kvpilot.server.config import EngineConfig
+    from kvpilot.server.engine.llm_engine import LLMEngine
+
+    head = write_eagle3_head(tmp_path / "head", target, list(range(100)), vocab_size=1000)
+    with pytest.raises(ModelFormatError, match="vocab_size 1000"):
+        LLMEngine(EngineConfig(num_threads=1, kv_cache_memory="16MiB", speculative_method="eagle3", speculative_model=str(head)), show_progress=False)
+    with pytest.raises(ValueError, match="eagle3 needs speculative_model"):
+        EngineConfig(speculative_method="eagle3")
+    with pytest.raises(ValueError, match="not implemented with tensor_parallel_size > 1"):
+        EngineConfig(speculative_method="eagle3", speculative_model=str(head), tensor_parallel_size=2)
