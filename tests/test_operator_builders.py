@@ -120,7 +120,7 @@ def test_unsupported_settings_for_kvpilot():
     [problem] = unsupported_settings(spec(model={"source": "hf://org/repo"}, engineSettings={"quantization": "gguf"}, resources=cpu))
     assert "needs a GGUF model" in problem
     assert unsupported_settings(spec(engineSettings={"speculative": {"method": "ngram", "draftModel": "hf://o/r/d.gguf"}})) == [
-        "engineSettings.speculative.draftModel is only used with method draft"]
+        "engineSettings.speculative.draftModel is only used with methods draft and eagle3"]
 
 
 
@@ -187,7 +187,7 @@ def test_a_vllm_or_sglang_draft_model_is_mounted_or_fetched_like_the_served_mode
     value, pod = draft_argument("hf://Qwen/Qwen3-0.6B")
     assert value == "Qwen/Qwen3-0.6B" and "initContainers" not in pod
     assert unsupported_settings(spec(model=hub, engine=engine, engineSettings={"speculative": {"method": "ngram", "draftModel": "hf://o/r"}})) == [
-        "engineSettings.speculative.draftModel is only used with method draft"]
+        "engineSettings.speculative.draftModel is only used with methods draft and eagle3"]
 
 
 def test_kv_cache_dtype_is_passed_to_kvpilot_and_refused_by_name_elsewhere():
@@ -537,3 +537,29 @@ def test_adapter_sync_plan_and_report():
     assert r.ready[:2] == ("False", "AdapterLoadFailed") and r.adapters[1].message == "pod p1: rank 64 > --max-lora-rank 16"
     assert report(s, 1, {"p0": PodSync({"sql": "x", "poet": "y"})}).ready == ("True", "Loaded", "2 adapters on each of 1 Ready pods")
     assert report(s, 0, {}).ready[1] == "NoReadyPods"
+
+
+def test_an_eagle3_head_is_fetched_like_a_draft_model_for_every_engine():
+    """method eagle3: the head (a checkpoint directory) is downloaded or mounted as a draft model is, and
+    each engine gets its own spelling: kvpilot --speculative-method eagle3, vLLM's eagle3 method,
+    SGLang's EAGLE3 algorithm — names the pinned releases know."""
+    import json
+
+    from kvpilot.operator.builders.engine_flags import flag_problems, image_version
+    from kvpilot.operator.builders.engines import DEFAULT_IMAGES
+
+    head = {"speculative": {"method": "eagle3", "draftModel": "hf://org/smollm2-eagle3", "numSpeculativeTokens": 3}}
+    d = deployment("m", "ns", "u", spec(engineSettings=head, resources={"cpuOnly": True}))
+    config = EngineConfig.from_cli_args(engine_args(container(d)))
+    assert (config.speculative_method, config.speculative_model, config.num_speculative_tokens) == ("eagle3", "/models/draft/download/smollm2-eagle3", 3)
+    (init,) = d["spec"]["template"]["spec"]["initContainers"]
+    assert init["args"][:2] == ["hf://org/smollm2-eagle3", "/models/draft/download/smollm2-eagle3"]
+    for engine in ("vllm", "sglang"):
+        args = container(deployment("m", "ns", "u", spec(model={"source": "hf://meta-llama/Llama-3.1-8B-Instruct"}, engine=engine,
+                                                         engineSettings={"speculative": {"method": "eagle3", "draftModel": "hf://org/llama-eagle3"}})))["args"]
+        if engine == "vllm":
+            assert json.loads(args[args.index("--speculative-config") + 1]) == {"method": "eagle3", "num_speculative_tokens": 4, "model": "org/llama-eagle3"}
+        else:
+            assert args[args.index("--speculative-algorithm") + 1] == "EAGLE3" and args[args.index("--speculative-draft-model-path") + 1] == "org/llama-eagle3"
+        start = args.index("--speculative-config" if engine == "vllm" else "--speculative-algorithm")
+        assert flag_problems(engine, image_version(DEFAULT_IMAGES[engine]), args[start:start + 2]) == []

@@ -89,7 +89,7 @@ def model_files(spec: InferenceServiceSpec) -> list[ModelFiles]:
     shared = shared_cache(spec)
     files = [ModelFiles(spec.model.source, "model", MODEL_DIR, shared)]
     spec_settings = spec.engine_settings.speculative
-    if spec_settings and spec_settings.method == "draft" and spec_settings.draft_model:
+    if spec_settings and spec_settings.method in ("draft", "eagle3") and spec_settings.draft_model:
         files.append(ModelFiles(spec_settings.draft_model, "draft-model", f"{MODEL_DIR}/draft", shared))
     return files
 
@@ -139,7 +139,7 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
             values[f] = v
     if s.speculative:
         values |= {"speculative_method": s.speculative.method, "num_speculative_tokens": s.speculative.num_speculative_tokens}
-        if s.speculative.method == "draft":
+        if s.speculative.method != "ngram":
             values["speculative_model"] = draft_model_argument(spec)
     if spec.resources.cpu_only:
         values["device"] = "cpu"
@@ -175,9 +175,9 @@ def vllm_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     if s.quantization not in (None, "none"):
         args += ["--quantization", s.quantization]
     if s.speculative:
-        cfg = {"method": "ngram" if s.speculative.method == "ngram" else "draft_model",
+        cfg = {"method": {"ngram": "ngram", "draft": "draft_model", "eagle3": "eagle3"}[s.speculative.method],
                "num_speculative_tokens": s.speculative.num_speculative_tokens}
-        if s.speculative.method == "draft":
+        if s.speculative.method != "ngram":
             cfg["model"] = draft_model_argument(spec)
         args += ["--speculative-config", json.dumps(cfg, separators=(",", ":"))]
     if s.parsers and s.parsers.tool_calls:  # vLLM answers tool_choice auto only with both
@@ -210,9 +210,9 @@ def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     if s.quantization not in (None, "none"):
         args += ["--quantization", s.quantization]
     if s.speculative:
-        algo = "NGRAM" if s.speculative.method == "ngram" else "STANDALONE"
+        algo = {"ngram": "NGRAM", "draft": "STANDALONE", "eagle3": "EAGLE3"}[s.speculative.method]
         args += ["--speculative-algorithm", algo, "--speculative-num-draft-tokens", str(s.speculative.num_speculative_tokens)]
-        if s.speculative.method == "draft":
+        if s.speculative.method != "ngram":
             args += ["--speculative-draft-model-path", draft_model_argument(spec)]
     if s.parsers and s.parsers.tool_calls:
         args += ["--tool-call-parser", SGLANG_PARSERS[s.parsers.tool_calls]]
@@ -252,7 +252,7 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
             version = image_version(DEFAULT_IMAGES[spec.engine])
             problems += [f"extraArgs: {p}" for p in flag_problems(spec.engine, version, list(spec.extra_args))]
     if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:
-        problems.append("engineSettings.speculative.draftModel is only used with method draft")
+        problems.append("engineSettings.speculative.draftModel is only used with methods draft and eagle3")
     if not spec.adapters and _lora_values(spec):
         problems.append(f"engineSettings.{', '.join(to_camel(f) for f in _lora_values(spec))} only apply with spec.adapters")
     return problems
