@@ -1,5 +1,6 @@
-"""`kvpilot` command line: `generate` (offline, one prompt), `serve` (the HTTP server), `fetch-model`
-and `make-draft` (a layer-truncated copy of a GGUF, a draft model for speculative decoding).
+"""`kvpilot` command line: `generate` (offline, one prompt), `serve` (the HTTP server), `fetch-model`,
+`make-draft` (a layer-truncated copy of a GGUF, a draft model for speculative decoding) and `train-eagle`
+(an EAGLE-3 head trained on CPU).
 
 Engine flags come from EngineConfig (one flag per field), so they mean the same everywhere.
 """
@@ -69,6 +70,14 @@ def _make_draft(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _train_eagle(ns: argparse.Namespace) -> int:
+    from kvpilot.server.eagle_training import train_eagle
+
+    train_eagle(ns.dest, ns.model, ns.prompts, ns.max_tokens, ns.draft_vocab, ns.epochs, ns.seed, ns.threads,
+                log=lambda line: print(line, file=sys.stderr, flush=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     draft.add_argument("dest", help="the GGUF file to write")
     draft.add_argument("--layers", type=int, required=True, help="decoder blocks to keep")
     draft.set_defaults(func=_make_draft)
+    eagle = sub.add_parser("train-eagle", help="train an EAGLE-3 head for a model on CPU, from text the model writes itself (no network)")
+    eagle.add_argument("dest", help="the head's directory to write (config.json, model.safetensors, TRAINING.json)")
+    eagle.add_argument("--model", default="smollm2-135m", help="bundled model name, GGUF file or checkpoint directory")
+    eagle.add_argument("--prompts", type=int, default=400, help="prompts the model answers (of the 520 made in kvpilot.server.eagle_training)")
+    eagle.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
+    eagle.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary: the model's most frequent choices")
+    eagle.add_argument("--epochs", type=int, default=8)
+    eagle.add_argument("--seed", type=int, default=0)
+    eagle.add_argument("--threads", type=int, default=2, help="torch threads (fixed: the same command writes the same head)")
+    eagle.set_defaults(func=_train_eagle)
     return parser
 
 

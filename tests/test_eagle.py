@@ -120,3 +120,41 @@ def test_a_bad_head_stops_the_engine_at_start(target, tmp_path):
         EngineConfig(speculative_method="eagle3")
     with pytest.raises(ValueError, match="not implemented with tensor_parallel_size > 1"):
         EngineConfig(speculative_method="eagle3", speculative_model=str(head), tensor_parallel_size=2)
+
+
+def test_training_math_is_the_serving_heads(target, model_path, tmp_path):
+    """kvpilot train-eagle's differentiable head and the engine's serving head compute the same thing:
+    a head written by the trainer, loaded by the engine, gives step 1's logits over a prompt as the
+    trainer's module does (the same RoPE layout, norms, GQA grouping and draft-vocabulary mapping)."""
+    from kvpilot.kernels.paged_attention import AttentionMetadata
+    from kvpilot.server.config import EngineConfig
+    from kvpilot.server.eagle_training import TrainingHead, _dense_embedding, save
+    from kvpilot.server.engine.model_runner import ModelRunner
+    from kvpilot.server.loading import open_model
+
+    weights, tokenizer = open_model(model_path)
+    runner = ModelRunner(EngineConfig(num_threads=1, kv_cache_memory="16MiB"), weights, show_progress=False)
+    torch.manual_seed(0)
+    draft_ids = sorted(torch.randperm(target.vocab_size)[:500].tolist())
+    trainer = TrainingHead(target, _dense_embedding(runner.model), len(draft_ids), runner.model.rotary.cos, runner.model.rotary.sin)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.copy_((p + 0.1 * torch.randn_like(p)).half().float())  # norms not all ones; what the float16 file will hold
+    aux_layers = (2, 15, 27)
+    save(trainer, target, draft_ids, aux_layers, tmp_path / "head", {})
+    ids = tokenizer.encode("Write three short facts about the moon and the tides.")
+    n = len(ids)
+    meta = AttentionMetadata(torch.arange(n), [n], [n], [torch.arange(-(-n // runner.block_size))], torch.zeros(0, 0, dtype=torch.long),
+                             torch.zeros(0, dtype=torch.long))
+    runner_with_head = ModelRunner(EngineConfig(num_threads=1, kv_cache_memory="16MiB", speculative_method="eagle3",
+                                                speculative_model=str(tmp_path / "head")), weights, show_progress=False, eagle_head=str(tmp_path / "head"))
+    head = runner_with_head.head
+    assert head.config.aux_layers == aux_layers
+    with torch.inference_mode():
+        _, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, aux_layers)
+        # the engine's rows: position p takes the token at p + 1 (the last row's is a dummy here and left out)
+        next_ids = torch.tensor(ids[1:] + [0])
+        normed, _ = head(next_ids, torch.arange(n), head.fc(aux), runner_with_head.head_kv_cache, meta)
+        served = head.logits(normed)[:-1][:, torch.tensor(draft_ids)]
+        trained, _ = trainer(next_ids[None, :-1], aux[None, :-1].float(), torch.arange(n - 1)[None])
+    torch.testing.assert_close(served, trained[0], rtol=1e-3, atol=1e-3)

@@ -1,0 +1,284 @@
+"""`kvpilot train-eagle OUT_DIR`: an EAGLE-3 head for a model, trained on CPU from text the model
+writes itself, saved in the published layout (server/models/eagle.py loads it).
+
+1. Prompts (`training_prompts`): made here from templates and subjects written for this repository —
+   no dataset, no network — none of them bench/spec.py's; `--prompts` of them, in a fixed shuffle.
+2. Text: the model answers each prompt greedily through its chat template (`--max-tokens`).
+3. What the head learns from: one forward of the model over each prompt + answer gives the residual
+   stream entering the head's three layers, and the model's own greedy choice at every position (the
+   head is trained to predict what the model would pick, which is what verification accepts).
+4. Draft vocabulary: the `--draft-vocab` most frequent of those choices; positions whose choice is
+   outside it do not count.
+5. Training (`--epochs`, AdamW, a fixed seed and thread count: the same command writes the same head):
+   two unrolled steps per position, as it drafts — step 1 from the model's states, step 2 from the
+   head's own output at the position before, attending to step 1's keys before it and its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUBJECTS = [
+    "volcanoes", "the water cycle", "photosynthesis", "the moon landing", "honey bees", "glaciers", "the printing press",
+    "electric cars", "coral reefs", "the Roman Empire", "solar panels", "black holes", "chess", "bread baking", "rainforests",
+    "the human heart", "earthquakes", "the internet", "penguins", "ancient Egypt", "recycling", "the piano", "tea",
+    "the Olympic Games", "wind turbines", "octopuses", "the Great Wall of China", "vaccines", "deserts", "submarines",
+    "the speed of light", "mushrooms", "trains", "the stock market", "owls", "gardening", "the periodic table", "bicycles",
+    "rain", "libraries", "the Amazon river", "dinosaurs", "clocks", "coffee", "hurricanes", "bridges", "elephants",
+    "the alphabet", "satellites", "museums",
+]
+TEMPLATES = [
+    "Explain {s} to a ten-year-old.",
+    "Write three short facts about {s}.",
+    "Write a short poem about {s}.",
+    "What are the main benefits and drawbacks of {s}?",
+    "Summarize the history of {s} in a few sentences.",
+    "Give me a quiz question about {s} and its answer.",
+    "Describe {s} in one paragraph.",
+    "Write a short story that involves {s}.",
+    "List five words related to {s}.",
+    "Why do people find {s} interesting?",
+]
+# Copying and editing: the model repeats or changes text it was given (what n-gram lookup is best at).
+SENTENCES = [
+    "The old train left the station at noon and crossed the river before sunset.",
+    "Please bring two notebooks, a blue pen and your lunch to the meeting tomorrow.",
+    "Our garden has tomatoes, beans and a small apple tree near the fence.",
+    "The library will be closed on Monday for cleaning and will open again on Tuesday.",
+    "She painted the kitchen yellow and hung three pictures of the sea.",
+]
+COPY_TEMPLATES = [
+    "Repeat this sentence exactly: {t}",
+    "Rewrite this sentence in the past tense if needed and keep its meaning: {t}",
+    "Write this sentence twice, on two lines: {t}",
+    "Change every number word in this sentence to a digit: {t}",
+]
+
+
+def training_prompts(count: int, seed: int = 0) -> list[str]:
+    """`count` prompts (at most len(SUBJECTS) x len(TEMPLATES) + len(SENTENCES) x len(COPY_TEMPLATES)), in a fixed shuffle."""
+    prompts = [t.format(s=s) for t in TEMPLATES for s in SUBJECTS] + [t.format(t=s) for t in COPY_TEMPLATES for s in SENTENCES]
+    random.Random(seed).shuffle(prompts)
+    if count > len(prompts):
+        raise ValueError(f"--prompts {count}: there are {len(prompts)}")
+    return prompts[:count]
+
+
+@dataclass
+class Example:
+    tokens: torch.Tensor   # [L] the prompt and the answer
+    aux: torch.Tensor      # [L, 3T] bfloat16: the residual stream entering the head's layers
+    choice: torch.Tensor   # [L] the model's greedy choice after each position
+
+
+def write_texts(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from kvpilot.server.engine.sampling_params import SamplingParams
+
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
+    return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+
+
+@torch.inference_mode()
+def read_states(runner, sequences: list[list[int]], aux_layers: tuple[int, ...]) -> list[Example]:
+    from kvpilot.kernels.paged_attention import AttentionMetadata
+
+    examples = []
+    for ids in sequences:
+        n = len(ids)
+        blocks = torch.arange(-(-n // runner.block_size))
+        meta = AttentionMetadata(torch.arange(n), [n], [n], [blocks], torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+        hidden, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, aux_layers)
+        choice = runner.model.compute_logits(hidden).argmax(-1)
+        examples.append(Example(torch.tensor(ids), aux.to(torch.bfloat16), choice))
+    return examples
+
+
+class TrainingHead(nn.Module):
+    """The head's math in plain, differentiable torch (the serving module uses the engine's kernels)."""
+
+    def __init__(self, target, embed: torch.Tensor, draft_vocab: int, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        super().__init__()
+        c = target
+        h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.heads, self.kv_heads, self.head_dim, self.eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        self.register_buffer("embed", embed, persistent=False)
+        self.register_buffer("cos", rope_cos, persistent=False)
+        self.register_buffer("sin", rope_sin, persistent=False)
+        lin = lambda i, o: nn.Linear(i, o, bias=False)  # noqa: E731
+        self.fc, self.q, self.k, self.v, self.o = lin(3 * h, h), lin(2 * h, q), lin(2 * h, kv), lin(2 * h, kv), lin(q, h)
+        self.gate, self.up, self.down = lin(h, c.intermediate_size), lin(h, c.intermediate_size), lin(c.intermediate_size, h)
+        self.lm_head = lin(h, draft_vocab)
+        self.norms = nn.ParameterDict({n: nn.Parameter(torch.ones(h)) for n in ("embed", "hidden", "post", "final")})
+
+    def rms(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.norms[name]
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[B, L, heads, d], the half-split pairs (i, i + d/2) as the engine rotates them."""
+        cos, sin = self.cos[positions][:, :, None, :], self.sin[positions][:, :, None, :]
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    def project(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """(q, k, v) of rows taking `tokens` with `hidden`; q [B, heads, L, d], k/v [B, heads, L, d] (KV heads repeated)."""
+        b, n, _ = hidden.shape
+        x = torch.cat([self.rms(F.embedding(tokens, self.embed), "embed"), self.rms(hidden, "hidden")], dim=-1)
+        q = self.rope(self.q(x).view(b, n, self.heads, self.head_dim), positions)
+        k = self.rope(self.k(x).view(b, n, self.kv_heads, self.head_dim), positions)
+        v = self.v(x).view(b, n, self.kv_heads, self.head_dim)
+        repeat = self.heads // self.kv_heads
+        return q.transpose(1, 2), k.repeat_interleave(repeat, dim=2).transpose(1, 2), v.repeat_interleave(repeat, dim=2).transpose(1, 2)
+
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: o + residual, then the MLP; the pre-norm output."""
+        b, _, n, _ = attn.shape
+        a = self.o(attn.transpose(1, 2).reshape(b, n, -1)) + residual
+        m = self.rms(a, "post")
+        return a + self.down(F.silu(self.gate(m)) * self.up(m))
+
+    def forward(self, tokens: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft-vocabulary logits of step 1 and step 2 at every position ([B, L, V'] each)."""
+        h1 = self.fc(aux)
+        q1, k1, v1 = self.project(tokens, h1, positions)
+        pre1 = self.finish(F.scaled_dot_product_attention(q1, k1, v1, is_causal=True), h1)
+        # Step 2 at position p: the head's own output at p - 1 as the hidden state, step 1's keys before p and its own.
+        h2 = torch.cat([torch.zeros_like(pre1[:, :1]), pre1[:, :-1]], dim=1)
+        q2, k2, v2 = self.project(tokens, h2, positions)
+        n = tokens.shape[1]
+        before = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril(-1)
+        scores = (q2 @ k1.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~before, float("-inf"))
+        own = (q2 * k2).sum(-1, keepdim=True) / math.sqrt(self.head_dim)
+        weights = torch.softmax(torch.cat([scores, own], dim=-1), dim=-1)
+        attn2 = weights[..., :n] @ v1 + weights[..., n:] * v2
+        pre2 = self.finish(attn2, h2)
+        return self.lm_head(self.rms(pre1, "final")), self.lm_head(self.rms(pre2, "final"))
+
+
+def _batches(examples: list[Example], size: int, rng: random.Random):
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    for i in range(0, len(order), size):
+        yield [examples[j] for j in order[i:i + size]]
+
+
+def _pad(batch: list[Example], to_draft: torch.Tensor):
+    """Row p takes the token at p + 1 and predicts the model's choice after it; labels -100 where not counted."""
+    n = max(len(e.tokens) for e in batch) - 1
+    tokens = torch.zeros(len(batch), n, dtype=torch.long)
+    aux = torch.zeros(len(batch), n, batch[0].aux.shape[-1])
+    labels = torch.full((len(batch), n), -100, dtype=torch.long)
+    for i, e in enumerate(batch):
+        m = len(e.tokens) - 1
+        tokens[i, :m] = e.tokens[1:]
+        aux[i, :m] = e.aux[:m].float()
+        labels[i, :m] = to_draft[e.choice[1:]]
+    return tokens, aux, labels
+
+
+def train(examples: list[Example], target, embed: torch.Tensor, draft_ids: list[int], rope_cos, rope_sin, epochs: int, seed: int,
+          batch_size: int = 8, lr: float = 1e-3, log=print) -> TrainingHead:
+    torch.manual_seed(seed)
+    head = TrainingHead(target, embed, len(draft_ids), rope_cos, rope_sin)
+    to_draft = torch.full((target.vocab_size,), -100, dtype=torch.long)
+    to_draft[torch.tensor(draft_ids)] = torch.arange(len(draft_ids))
+    steps = epochs * -(-len(examples) // batch_size)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(steps, 1), pct_start=0.05)
+    rng = random.Random(seed)
+    for epoch in range(epochs):
+        started, total, right, counted = time.monotonic(), 0.0, [0, 0], 0
+        for batch in _batches(examples, batch_size, rng):
+            tokens, aux, labels = _pad(batch, to_draft)
+            positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+            logits1, logits2 = head(tokens, aux, positions)
+            loss = F.cross_entropy(logits1.flatten(0, 1), labels.flatten()) + 0.5 * F.cross_entropy(logits2[:, 1:].flatten(0, 1), labels[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            schedule.step()
+            valid = labels >= 0
+            total += loss.item() * int(valid.sum())
+            counted += int(valid.sum())
+            right[0] += int((logits1.argmax(-1) == labels)[valid].sum())
+            right[1] += int((logits2[:, 1:].argmax(-1) == labels[:, 1:])[valid[:, 1:]].sum())
+        log(f"train-eagle: epoch {epoch + 1}/{epochs}: loss {total / max(counted, 1):.3f}, step-1 accuracy {right[0] / max(counted, 1):.3f}, "
+            f"step-2 {right[1] / max(counted, 1):.3f} ({time.monotonic() - started:.0f} s)")
+    return head
+
+
+def save(head: TrainingHead, target, draft_ids: list[int], aux_layers: tuple[int, ...], out: Path, provenance: dict) -> None:
+    """The published layout: config.json + model.safetensors (float16) + how it was made."""
+    from safetensors.torch import save_file
+
+    q, kv = target.num_heads * target.head_dim, target.num_kv_heads * target.head_dim
+    m = "midlayer."
+    tensors = {"fc.weight": head.fc.weight, m + "input_layernorm.weight": head.norms["embed"], m + "hidden_norm.weight": head.norms["hidden"],
+               m + "self_attn.q_proj.weight": head.q.weight, m + "self_attn.k_proj.weight": head.k.weight,
+               m + "self_attn.v_proj.weight": head.v.weight, m + "self_attn.o_proj.weight": head.o.weight,
+               m + "post_attention_layernorm.weight": head.norms["post"], m + "mlp.gate_proj.weight": head.gate.weight,
+               m + "mlp.up_proj.weight": head.up.weight, m + "mlp.down_proj.weight": head.down.weight,
+               "norm.weight": head.norms["final"], "lm_head.weight": head.lm_head.weight}
+    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in tensors.items()}
+    assert tensors[m + "self_attn.q_proj.weight"].shape[0] == q and tensors[m + "self_attn.k_proj.weight"].shape[0] == kv
+    ids = torch.tensor(draft_ids, dtype=torch.long)
+    tensors["d2t"] = ids - torch.arange(len(draft_ids))
+    tensors["t2d"] = torch.zeros(target.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": target.hidden_size,
+              "intermediate_size": target.intermediate_size, "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
+              "head_dim": target.head_dim, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": target.rms_norm_eps,
+              "vocab_size": target.vocab_size, "draft_vocab_size": len(draft_ids), "target_hidden_size": target.hidden_size,
+              "rope_theta": target.rope_theta, "max_position_embeddings": target.max_position, "tie_word_embeddings": False,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True}}
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    (out / "TRAINING.json").write_text(json.dumps(provenance, indent=1) + "\n")
+
+
+def train_eagle(out: str | Path, model: str = "smollm2-135m", prompts: int = 400, max_tokens: int = 128, draft_vocab: int = 8192,
+                epochs: int = 8, seed: int = 0, threads: int = 2, log=print) -> Path:
+    from kvpilot.server.llm import LLM
+
+    torch.manual_seed(seed)
+    started = time.monotonic()
+    llm = LLM(model=model, num_threads=threads, show_progress=False, kv_cache_memory="256MiB", max_model_len=512)
+    engine = llm.engine
+    target, runner = engine.model_config, engine.runner
+    aux_layers = (2, target.num_layers // 2, target.num_layers - 3)
+    texts = write_texts(llm, training_prompts(prompts, seed), max_tokens)
+    log(f"train-eagle: {len(texts)} texts, {sum(map(len, texts))} tokens written by {model} ({time.monotonic() - started:.0f} s)")
+    examples = read_states(runner, texts, aux_layers)
+    counts = Counter(int(t) for e in examples for t in e.choice[1:])
+    draft_ids = sorted(t for t, _ in counts.most_common(draft_vocab))
+    covered = sum(c for t, c in counts.items() if t in set(draft_ids)) / max(sum(counts.values()), 1)
+    log(f"train-eagle: draft vocabulary {len(draft_ids)} tokens ({100 * covered:.1f}% of the model's choices); states read "
+        f"({time.monotonic() - started:.0f} s)")
+    embed = _dense_embedding(runner.model)
+    rotary = runner.model.rotary
+    head = train(examples, target, embed, draft_ids, rotary.cos, rotary.sin, epochs, seed, log=log)
+    provenance = {"command": f"kvpilot train-eagle OUT --model {model} --prompts {prompts} --max-tokens {max_tokens} --draft-vocab {draft_vocab} "
+                             f"--epochs {epochs} --seed {seed} --threads {threads}",
+                  "prompts": prompts, "tokens": sum(map(len, texts)), "seconds": round(time.monotonic() - started), "torch": torch.__version__}
+    save(head, target, draft_ids, aux_layers, Path(out), provenance)
+    log(f"train-eagle: wrote {out} ({time.monotonic() - started:.0f} s)")
+    return Path(out)
+
+
+def _dense_embedding(model) -> torch.Tensor:
+    """The model's embedding table as float32 (GGUF blocks dequantized): the head embeds with it."""
+    from kvpilot.kernels.quantized import embedding
+
+    with torch.inference_mode():
+        return embedding(torch.arange(model.config.vocab_size), model.embed).float().clone()
