@@ -1,10 +1,12 @@
 """Speculative decoding: tok/s with and without it, same engine settings, one run, interleaved.
 
-    .venv/bin/python bench/spec.py [--force] [--rounds 3] [--draft-layers 8] [--threads N]
+    .venv/bin/python bench/spec.py [--force] [--rounds 3] [--draft-layers 8] [--threads N] [--quantization gguf]
+                                   [--eagle-head DIR] [--engines plain,ngram,eagle3]
 
-Engines: plain decoding, n-gram prompt lookup, and a draft model (the bundled model cut to its first
+Engines: plain decoding, n-gram prompt lookup, a draft model (the bundled model cut to its first
 --draft-layers blocks by `kvpilot make-draft`; a truncated model is a weak draft, so this measures the
-machinery and its cost more than what a trained small draft would give). The default off-switch
+machinery and its cost more than what a trained small draft would give), and with --eagle-head an
+EAGLE-3 head (e.g. one `kvpilot train-eagle` wrote). The default off-switch
 applies (speculative_disable_batch_size, speculative_min_acceptance), as a user would run it.
 
 Workloads, greedy (temperature 0), chat-formatted prompts:
@@ -55,18 +57,22 @@ CHAT = [
 ]
 
 
-def engines(threads: int, draft_layers: int, workdir: Path) -> dict:
+def engines(threads: int, draft_layers: int, workdir: Path, quantization: str, eagle_head: str | None, wanted: list[str] | None) -> dict:
     from kvpilot.server.config import EngineConfig
     from kvpilot.server.engine.llm_engine import LLMEngine
     from kvpilot.server.gguf_loader import write_truncated
     from kvpilot.server.model_files import resolve_model_path
 
     draft = write_truncated(resolve_model_path("smollm2-135m"), workdir / f"draft{draft_layers}.gguf", draft_layers)
-    base = dict(num_threads=threads, kv_cache_memory="512MiB")
-    return {"plain": LLMEngine(EngineConfig(**base), show_progress=False),
-            "ngram": LLMEngine(EngineConfig(**base, speculative_method="ngram"), show_progress=False),
-            f"draft ({draft_layers} layers)": LLMEngine(EngineConfig(**base, speculative_method="draft", speculative_model=str(draft)),
-                                                        show_progress=False)}
+    base = dict(num_threads=threads, kv_cache_memory="512MiB", quantization=quantization)
+    configs = {"plain": {}, "ngram": dict(speculative_method="ngram"),
+               "draft": dict(speculative_method="draft", speculative_model=str(draft))}
+    if eagle_head:
+        configs["eagle3"] = dict(speculative_method="eagle3", speculative_model=eagle_head, num_speculative_tokens=3)
+    unknown = set(wanted or ()) - set(configs)
+    if unknown:
+        raise SystemExit(f"--engines: {', '.join(sorted(unknown))} unknown here (have: {', '.join(configs)}; eagle3 needs --eagle-head)")
+    return {name: LLMEngine(EngineConfig(**base, **kw), show_progress=False) for name, kw in configs.items() if not wanted or name in wanted}
 
 
 def run(engine, prompts: list[str], concurrent: bool, max_tokens: int) -> tuple[int, float]:
@@ -84,9 +90,9 @@ def run(engine, prompts: list[str], concurrent: bool, max_tokens: int) -> tuple[
     return tokens, time.perf_counter() - t
 
 
-def counters(engine) -> tuple[int, int, int, int]:
+def counters(engine) -> tuple[int, ...]:
     s = engine.proposer.stats if engine.proposer else None
-    return (s.num_steps, s.num_spec_steps, s.num_draft_tokens, s.num_accepted_tokens) if s else (0, 0, 0, 0)
+    return (s.num_steps, s.num_spec_steps, s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts, *s.accepted_per_pos) if s else (0,) * 5
 
 
 def main() -> None:
@@ -95,12 +101,16 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--quantization", default="none", help="the model's weights (gguf: the GGUF's own blocks)")
+    ap.add_argument("--eagle-head", help="an EAGLE-3 head's directory: adds the eagle3 engine (3 proposed tokens)")
+    ap.add_argument("--engines", help="comma-separated subset of plain,ngram,draft,eagle3 (plain always)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
     workloads = {"copy": (COPY, False), "chat": (CHAT, False), "16x": ((COPY + CHAT) * 2, True)}
     with tempfile.TemporaryDirectory() as tmp:
-        eng = engines(args.threads, args.draft_layers, Path(tmp))
+        wanted = ["plain", *args.engines.split(",")] if args.engines else None
+        eng = engines(args.threads, args.draft_layers, Path(tmp), args.quantization, args.eagle_head, wanted)
         for e in eng.values():
             run(e, CHAT[:1], False, 8)  # warm-up
         rates: dict[tuple[str, str], list[float]] = {}
@@ -113,18 +123,20 @@ def main() -> None:
                     tokens, dt = run(eng[name], prompts, concurrent, args.max_tokens)
                     rates.setdefault((name, w), []).append(tokens / dt)
                     delta = [a - b for a, b in zip(counters(eng[name]), before)]
-                    spec[(name, w)] = [x + y for x, y in zip(spec.get((name, w), [0, 0, 0, 0]), delta)]
+                    spec[(name, w)] = [x + y for x, y in zip(spec.get((name, w), [0] * len(delta)), delta)]
     rows = []
     for w in workloads:
         plain = statistics.median(rates[("plain", w)])
         for name in names:
             tput = statistics.median(rates[(name, w)])
-            steps, spec_steps, drafted, accepted = spec[(name, w)]
+            steps, spec_steps, drafted, accepted, proposals, *per_pos = spec[(name, w)]
             rows.append({"workload": w, "engine": name, "output tok/s": f"{tput:.1f}", "vs plain": f"{tput / plain:.2f}x",
                          "steps speculating": f"{spec_steps / steps:.0%}" if steps else "",
-                         "acceptance": f"{accepted / drafted:.0%} of {drafted}" if drafted else ""})
-    print(f"machine: {machine()}; threads {args.threads}; rounds {args.rounds} (median); max_tokens {args.max_tokens}")
-    print(table(rows, ["workload", "engine", "output tok/s", "vs plain", "steps speculating", "acceptance"]))
+                         "acceptance": f"{accepted / drafted:.0%} of {drafted}" if drafted else "",
+                         # the share of proposals whose token i was accepted (i = 0, 1, …)
+                         "accepted by position": " ".join(f"{a / proposals:.2f}" for a in per_pos) if proposals else ""})
+    print(f"machine: {machine()}; threads {args.threads}; quantization {args.quantization}; rounds {args.rounds} (median); max_tokens {args.max_tokens}")
+    print(table(rows, ["workload", "engine", "output tok/s", "vs plain", "steps speculating", "acceptance", "accepted by position"]))
 
 
 if __name__ == "__main__":

@@ -158,3 +158,24 @@ def test_training_math_is_the_serving_heads(target, model_path, tmp_path):
         served = head.logits(normed)[:-1][:, torch.tensor(draft_ids)]
         trained, _ = trainer(next_ids[None, :-1], aux[None, :-1].float(), torch.arange(n - 1)[None])
     torch.testing.assert_close(served, trained[0], rtol=1e-3, atol=1e-3)
+
+
+def test_train_eagle_writes_a_head_the_engine_serves_exactly(tmp_path):
+    """A tiny `kvpilot train-eagle` (four prompts, a few seconds): the head it writes loads, drafts, and
+    greedy output with it is plain decoding's."""
+    from kvpilot.server.cli import main
+    from kvpilot.server.engine.sampling_params import SamplingParams
+    from kvpilot.server.llm import LLM
+
+    out = tmp_path / "head"
+    assert main(["train-eagle", str(out), "--prompts", "4", "--max-tokens", "12", "--draft-vocab", "128", "--epochs", "2", "--threads", "1"]) == 0
+    provenance = json.loads((out / "TRAINING.json").read_text())
+    assert provenance["prompts"] == 4 and provenance["command"].startswith("kvpilot train-eagle OUT --model smollm2-135m --prompts 4")
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] <= 128
+    prompts = ["Tell me about the sea.", "Repeat this sentence exactly: the cat sat on the mat."]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = [o.outputs[0].token_ids for o in LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB").generate(prompts, params)]
+    llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB", speculative_method="eagle3", speculative_model=str(out),
+              speculative_disable_batch_size=0, speculative_min_acceptance=0.0)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert llm.engine.proposer.stats.num_draft_tokens > 0
