@@ -169,8 +169,10 @@ SETTINGS = {
 }
 
 
-# An EAGLE-3 head reads each step's hidden states: its engine runs no decode graphs (checked below).
-@pytest.mark.parametrize(("method", "setting"), [(m, s) for m in ("ngram", "draft", "eagle3") for s in SETTINGS if (m, s) != ("eagle3", "graph-buffers")])
+# An EAGLE-3 head reads each step's hidden states: its engine runs no decode graphs (checked below); its
+# chunked and preempted runs batch all the prompts too.
+@pytest.mark.parametrize(("method", "setting"), [(m, s) for m in ("ngram", "draft", "eagle3") for s in SETTINGS
+                                                 if m != "eagle3" or s in ("chunked", "preempted")])
 def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, plain_greedy, draft_path, eagle_path):
     kw = dict(SETTINGS[setting], **method_kw(method, draft_path, eagle_path), **FORCED)
     if setting == "preempted":  # a block now also holds the draft's 4 layers, or the head's one
