@@ -375,3 +375,27 @@ def test_int4_base_weights_with_an_adapter_equal_peft_on_the_dequantized_base(pe
     llm = LLM(num_threads=1, show_progress=False, quantization="int4", enable_lora=True, max_lora_rank=16)
     outs = llm.generate(ORACLE_PROMPTS[:4], _greedy(), lora_request=_request(paths, "all7-r8"))
     print(_check(outs, oracle))
+
+
+def test_qwen2_checkpoint_with_qkv_biases_and_an_adapter_equals_peft(family_checkpoints, tmp_path):
+    """A Qwen2-family checkpoint (q/k/v biases beside the adapted fused QKV, tied head): an adapter on all
+    seven projections, made by peft on transformers' own model of the checkpoint, changes its greedy output
+    and ours equals peft's, one batch with base rows."""
+    from transformers import AutoModelForCausalLM
+
+    from kvpilot.server import LLM
+    from kvpilot.server.adapters import LoRARequest
+    from lora_factory import peft_greedy, save_adapter
+
+    directory, _ = family_checkpoints["qwen2"]
+    base = AutoModelForCausalLM.from_pretrained(str(directory), torch_dtype=torch.float32).eval()
+    assert base.model.layers[0].self_attn.q_proj.bias is not None
+    adapted, path = save_adapter(base, "all7-r8", tmp_path)
+    llm = LLM(model=str(directory), num_threads=1, show_progress=False, enable_lora=True, max_loras=1, max_lora_rank=8,
+              kv_cache_memory="32MiB")
+    prompts = [llm.engine.tokenizer.encode(p) for p in ORACLE_PROMPTS]
+    oracle, plain = peft_greedy(adapted, prompts, STEPS, set()), peft_greedy(base, prompts, STEPS, set())
+    assert sum(a.tokens != b.tokens for a, b in zip(oracle, plain)) >= 8
+    request = LoRARequest("qwen2-all7", 1, str(path))
+    outs = llm.generate(prompts * 2, _greedy(), lora_request=[request] * len(prompts) + [None] * len(prompts))
+    print(_check(outs, oracle + plain))
