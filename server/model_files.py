@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from pathlib import Path
 
@@ -45,3 +46,38 @@ def default_served_name(model: str) -> str:
         return model
     path = Path(model.rstrip("/"))
     return path.name if path.is_dir() else path.stem
+
+
+SAMPLE_WINDOWS, WINDOW_BYTES = 16, 1 << 16
+
+
+def model_fingerprint(path: Path) -> str:
+    """A hex SHA-256 that tells one model's files from another's without reading gigabytes at start:
+    per file (a GGUF, or a checkpoint's config.json, tokenizer.json and *.safetensors), its size (and its
+    name in a checkpoint: where a copy is kept does not matter) and SAMPLE_WINDOWS windows of WINDOW_BYTES spread evenly over it (the whole file when that is smaller).
+    Fine-tunes differ in every weight, so in every window; a header, config or tokenizer change shows
+    too. The KV cache's keys start from it (block_manager.cache_salt)."""
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.name in ("config.json", "tokenizer.json") or p.suffix == ".safetensors")
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name if file != path else ''}\0{size}\0".encode())
+        with file.open("rb") as f:
+            if size <= SAMPLE_WINDOWS * WINDOW_BYTES:
+                digest.update(f.read())
+                continue
+            step = (size - WINDOW_BYTES) // (SAMPLE_WINDOWS - 1)
+            for i in range(SAMPLE_WINDOWS):
+                f.seek(i * step)
+                digest.update(f.read(WINDOW_BYTES))
+    return digest.hexdigest()
+
+
+def files_digest(*files: Path) -> bytes:
+    """SHA-256 over whole files, each length-prefixed (an adapter's config and weights: small enough)."""
+    digest = hashlib.sha256()
+    for file in files:
+        data = file.read_bytes()
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.digest()

@@ -135,19 +135,25 @@ def test_prompt_logprobs_equal_peft(lora_llm, peft_case):
 
 def test_prefix_cache_is_keyed_by_adapter(lora_llm, peft_case):
     """The same prompt under the base model, then an adapter: no KV is shared (an adapter changes K and
-    V), and the adapter's output is still peft's; the same adapter again hits its own blocks."""
+    V), and the adapter's output is still peft's; the same adapter files again, under another name, hit
+    its blocks (keys start from the digest of the adapter's files, not its name or id)."""
     from kvpilot.server.adapters import LoRARequest
 
     paths, results, _ = peft_case
     prompt = ORACLE_PROMPTS[7]  # long enough for full blocks
     lora_llm.generate(prompt, _greedy())
-    # The same weights under a new name: a new adapter id, so not even mixed-r16's own blocks are its.
-    fresh = LoRARequest("mixed-r16-fresh", 1, str(paths["mixed-r16"]))
-    first = lora_llm.generate(prompt, _greedy(), lora_request=fresh)[0]
-    again = lora_llm.generate(prompt, _greedy(), lora_request=fresh)[0]
+    copy = paths["mixed-r16"].parent / "mixed-r16-copy"
+    shutil.copytree(paths["mixed-r16"], copy, dirs_exist_ok=True)
+    (copy / "adapter_config.json").write_text(json.dumps({**json.loads((copy / "adapter_config.json").read_text()), "lora_alpha": 17}))
+    changed = LoRARequest("mixed-r16-alpha17", 1, str(copy))  # other files: never the blocks of mixed-r16
+    first = lora_llm.generate(prompt, _greedy(), lora_request=changed)[0]
     assert first.num_cached_tokens == 0
-    assert again.num_cached_tokens > 0
-    _check([first, again], [results["mixed-r16"][7]] * 2)
+    (copy / "adapter_config.json").write_bytes((paths["mixed-r16"] / "adapter_config.json").read_bytes())
+    same = LoRARequest("mixed-r16-same-files", 1, str(copy))
+    runs = [lora_llm.generate(prompt, _greedy(), lora_request=same)[0], lora_llm.generate(prompt, _greedy(), lora_request=_request(paths, "mixed-r16"))[0]]
+    assert runs[1].num_cached_tokens > 0  # the blocks the same files computed under the other name
+    assert first.outputs[0].logprobs != runs[0].outputs[0].logprobs  # alpha 17 is another adapter (its tokens may agree)
+    _check(runs, [results["mixed-r16"][7]] * 2)
 
 
 def test_fewer_slots_than_adapters_same_tokens(peft_case):

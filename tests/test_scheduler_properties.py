@@ -11,7 +11,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.server.engine.block_manager import BlockManager, block_hash, root_hash
+from kvpilot.server.engine.block_manager import BlockManager, block_hash
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.scheduler import Scheduler
 from kvpilot.server.engine.sequence import Sequence, Status
@@ -30,7 +30,7 @@ def check_invariants(bm: BlockManager, sched: Scheduler) -> None:
         assert len(s.block_table) * bm.block_size >= s.num_computed_tokens
         assert len(s.block_hashes) <= len(s.block_table)
         if s.block_hashes:  # a sequence's cached blocks chain from its own adapter's root: no KV shared across adapters
-            assert s.block_hashes[0] == block_hash(root_hash(s), tuple(s.tokens_slice(0, bm.block_size)))
+            assert s.block_hashes[0] == block_hash(bm.root(s), tuple(s.tokens_slice(0, bm.block_size)))
     assert 0.0 <= bm.usage() <= 1.0
 
 
@@ -57,7 +57,7 @@ def workloads(draw):
 @given(workloads())
 def test_scheduler_properties(w):
     rng = random.Random(w["seed"])
-    bm = BlockManager(w["num_blocks"], w["block_size"], w["prefix"])
+    bm = BlockManager(w["num_blocks"], w["block_size"], w["prefix"], adapter_fingerprint=lambda adapter: bytes([adapter]))
     budget = w["budget"] if w["chunked"] else max(w["budget"], 64)
     sched = Scheduler(bm, w["max_num_seqs"], budget, w["chunked"], w["max_loras"])
     seqs, finished, lengths = [], Counter(), {}

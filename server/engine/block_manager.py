@@ -1,14 +1,24 @@
 """KV-cache block bookkeeping with prefix caching. Pure Python: no tensors.
 
-A full block's key is hash(parent key, its token ids, extra key); identical prefixes share blocks by
-reference count. A block whose count drops to zero stays cached (its hash remains findable) and sits
-in the free queue, in least-recently-freed order; it is evicted only when a fresh block is needed.
-Usage counts blocks held by live sequences: evictable cached blocks count as free.
+A full block's key is SHA-256 over its parent's key and its token ids; the first block's parent is the
+cache's root: a salt of everything that makes K/V differ (the model's files, block size, dtypes,
+quantization, tensor-parallel layout, a speculative head's layer in the same blocks) and, for a LoRA
+adapter's sequences, the adapter's files. Keys are the same in every process and replica (Python's
+`hash` is salted per process for strings), and a crafted collision would need a SHA-256 one: the
+property that lets blocks leave the process (a KV tier shared by replicas). Identical prefixes share
+blocks by reference count. A block whose count drops to zero stays cached (its key remains findable)
+and sits in the free queue, in least-recently-freed order; it is evicted only when a fresh block is
+needed. Usage counts blocks held by live sequences: evictable cached blocks count as free.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
 from collections import OrderedDict
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from kvpilot.server.engine.sequence import Sequence
@@ -18,29 +28,44 @@ from kvpilot.server.engine.sequence import Sequence
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
     token_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
-def block_hash(parent: int | None, token_ids: tuple[int, ...], extra: object = None) -> int:
-    return hash((parent, token_ids, extra))
+def cache_salt(identity: dict) -> bytes:
+    """The root key of a cache: SHA-256 of the canonical JSON of what its K/V depend on."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).digest()
 
 
-def root_hash(seq: Sequence) -> int | None:
-    """The parent key of a sequence's first block: the KV of a LoRA adapter's tokens is its own (the
-    adapter changes K and V), shared with no other adapter nor the base model."""
-    return block_hash(None, (), ("adapter", seq.adapter)) if seq.adapter else None
+def block_hash(parent: bytes, token_ids: Seq[int]) -> bytes:
+    """A block's key: SHA-256 over its parent's key (32 bytes) and its token ids (little-endian uint32;
+    a token id outside that range, such as an async placeholder, is an error, never a key)."""
+    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+
+
+def adapter_root(salt: bytes, fingerprint: bytes) -> bytes:
+    """The root of a LoRA adapter's blocks: its K/V are its own (an adapter changes K and V), shared with
+    the base model's by no key; the same adapter files give the same root in every process."""
+    return hashlib.sha256(salt + b"lora-adapter\0" + fingerprint).digest()
+
+
+# Tests and tools that build a BlockManager without an engine: a fixed salt, still the same everywhere.
+TEST_SALT = cache_salt({"model": "none"})
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: bytes = TEST_SALT,
+                 adapter_fingerprint: Callable[[int], bytes] | None = None):
+        """salt: cache_salt of the engine's identity; adapter_fingerprint: a LoRA adapter id -> the
+        digest of its files (the registry's)."""
         if num_blocks < 1:
             raise ValueError("the KV cache must hold at least one block")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.salt, self.adapter_fingerprint = salt, adapter_fingerprint
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}   # block hash -> block id
+        self.cached: dict[bytes, int] = {}   # block key -> block id
         # Counters for metrics (tokens).
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -61,6 +86,14 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def root(self, seq: Sequence) -> bytes:
+        """The parent key of seq's first block: the salt, or its adapter's root."""
+        if not seq.adapter:
+            return self.salt
+        if self.adapter_fingerprint is None:
+            raise AssertionError(f"sequence {seq.seq_id} has LoRA adapter {seq.adapter}, and this cache knows no adapters")
+        return adapter_root(self.salt, self.adapter_fingerprint(seq.adapter))
+
     # --- prefix cache -----------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int] | None:
         """Cached blocks holding seq's leading full blocks (at least one token is always left to
@@ -71,12 +104,12 @@ class BlockManager:
         tokens = seq.token_ids()
         usable = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
-        parent = root_hash(seq)
+        parent = self.root(seq)
         for i in range(usable):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = block_hash(parent, chunk)
             block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:  # re-check: hashes can collide
+            if block_id is None or self.blocks[block_id].token_ids != chunk:  # re-checked all the same (cheap)
                 break
             hits.append(block_id)
             parent = h
@@ -128,7 +161,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = num_computed_tokens // self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq)
+        parent = seq.block_hashes[-1] if seq.block_hashes else self.root(seq)
         for i in range(len(seq.block_hashes), full):
             chunk = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
             h = block_hash(parent, chunk)

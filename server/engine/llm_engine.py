@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import itertools
 import logging
 import os
@@ -19,7 +20,7 @@ from kvpilot.server.engine.scheduler import ScheduledBatch
 from kvpilot.server.engine.sequence import Sequence
 from kvpilot.server.engine.step_message import StepMessenger
 from kvpilot.server.loading import draft_model, open_model
-from kvpilot.server.model_files import default_served_name, resolve_model_path
+from kvpilot.server.model_files import default_served_name, model_fingerprint, resolve_model_path
 from kvpilot.server.threads import configure_threads
 
 if TYPE_CHECKING:  # torch-side: imported in LLMEngine.__init__, after the thread settings
@@ -47,7 +48,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, show_progress: bool = True):
         configure_threads(config.num_threads)
         # torch-side modules are imported only now, after the thread settings are in place.
-        from kvpilot.server.engine.block_manager import BlockManager
+        from kvpilot.server.engine.block_manager import BlockManager, cache_salt
         from kvpilot.server.engine.model_io import InputBuilder
         from kvpilot.server.engine.model_runner import ModelRunner
         from kvpilot.server.engine.scheduler import Scheduler
@@ -90,7 +91,8 @@ class LLMEngine:
                         "full attention is exact)", window)
         self.runner.start_decode_graphs(self.max_model_len)
         budget = config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          cache_salt(self._kv_identity()), lambda adapter: self.lora.by_id[adapter].fingerprint)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
                                    config.max_loras if config.enable_lora else 0)
         self.lora: LoRARegistry | None = None
@@ -122,6 +124,17 @@ class LLMEngine:
         self._in_flight: StepInFlight | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+
+    def _kv_identity(self) -> dict:
+        """What this engine's K/V depend on, the root of its prefix cache's keys: equal in every replica
+        of the same model and settings, different wherever a cached block would differ."""
+        config = self.config
+        speculative = None
+        if config.speculative_method in ("draft", "eagle3"):  # their K/V share the target's blocks
+            speculative = [config.speculative_method, model_fingerprint(resolve_model_path(config.speculative_model))]
+        return {"kvpilot": importlib.metadata.version("kvpilot"), "model": model_fingerprint(self.model_path),
+                "block_size": config.block_size, "dtype": str(self.runner.dtype), "kv_dtype": str(self.runner.kv_dtype),
+                "quantization": config.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative}
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,

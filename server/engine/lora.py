@@ -4,8 +4,9 @@ dropped and re-read on demand) and the compute device's slots (max_loras).
 
 Slots: a step's adapters must all be in slots (kernels/lora.py); the scheduler admits rows of at most
 max_loras distinct adapters at a time, so a step's adapters always fit, and a slot is only given to
-another adapter when no running sequence uses its adapter. Adapter ids are never reused: the prefix
-cache keys blocks by them, so an adapter loaded again under the same name shares no KV with the old one.
+another adapter when no running sequence uses its adapter. The prefix cache keys an adapter's blocks
+by the digest of its files (the same files under two names share KV; changed files never do), and an
+adapter re-read into host memory must still be those files.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from kvpilot.server.adapters import TARGETS, AdapterError, adapter_directory, adapter_files, check_adapter_name, read_adapter_config
 from kvpilot.server.model_config import ModelConfig
+from kvpilot.server.model_files import files_digest
 
 # (layer, target) -> (A [rank, in], B [out, rank] with the adapter's scale folded in), float32
 AdapterTensors = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -106,6 +108,7 @@ class Adapter:
     requests: int = 0                        # requests run with it (metrics)
     loaded_at: float = field(default_factory=time.time)
     source: str = ""                         # as the load named it (a path, or hf://org/repo): /v1/models' root
+    fingerprint: bytes = b""                 # SHA-256 of its two files: the root of its KV blocks' keys (block_manager.py)
 
 
 class LoRARegistry:
@@ -136,9 +139,9 @@ class LoRARegistry:
         if name in self.by_name:
             raise AdapterError(f"an adapter named {name!r} is already loaded", "lora_name")
         local = adapter_directory(str(path), root, max_adapter_bytes(self.config, self.max_rank))
-        directory = adapter_files(local, root)[0].parent  # under root, links resolved: where it is re-read from
-        tensors, rank = read_adapter(directory, self.config, self.max_rank)
-        return Adapter(name, 0, str(directory), rank, tensors, source=str(path))
+        files = adapter_files(local, root)  # under root, links resolved: where it is re-read from
+        tensors, rank = read_adapter(files[0].parent, self.config, self.max_rank)  # the size bound checked before the files are read
+        return Adapter(name, 0, str(files[0].parent), rank, tensors, source=str(path), fingerprint=files_digest(*files))
 
     def register(self, adapter: Adapter) -> Adapter:
         if adapter.name in self.by_name:
@@ -195,7 +198,9 @@ class LoRARegistry:
         old = self.slots[slot]
         if old is not None:
             self.by_id[old].slot = None
-        if adapter.tensors is None:  # dropped from host memory: read again
+        if adapter.tensors is None:  # dropped from host memory: read again, the same files (its KV is keyed by them)
+            if files_digest(*adapter_files(adapter.path)) != adapter.fingerprint:
+                raise AdapterError(f"adapter {adapter.name!r}: its files in {adapter.path} changed since it was loaded (unload and load it again)")
             adapter.tensors, _ = read_adapter(adapter.path, self.config, self.max_rank)
         self._keep_host(adapter)
         self.load_slot(slot, adapter)

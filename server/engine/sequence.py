@@ -36,7 +36,7 @@ class Sequence:
     num_placeholders: int = 0             # output tokens counted but not known yet (async scheduling: 0 or 1)
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full, cached blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained keys of its full, cached blocks (block_manager.py)
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
     num_cached_tokens: int = 0            # of the prompt, found in the prefix cache at admission
     num_preemptions: int = 0
