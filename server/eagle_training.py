@@ -86,10 +86,26 @@ class Example:
 
 
 def write_texts(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    from kvpilot.server.engine.sampling_params import SamplingParams
+    """The model's greedy answers (prompt + answer ids), cached under the kvpilot cache by the model's
+    files, the prompts and max_tokens: the slowest part of training (tens of minutes on 2 cores), the
+    same every time, so a second training run with other settings starts from the cache."""
+    import hashlib
 
+    from kvpilot.kernels.cache import cache_root
+    from kvpilot.server.engine.sampling_params import SamplingParams
+    from kvpilot.server.model_files import model_fingerprint
+
+    key = hashlib.sha256(json.dumps([model_fingerprint(llm.engine.model_path), prompts, max_tokens]).encode()).hexdigest()[:24]
+    cached = cache_root() / "eagle-texts" / f"{key}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
-    return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    texts = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text(json.dumps(texts))
+    tmp.replace(cached)
+    return texts
 
 
 @torch.inference_mode()
