@@ -78,9 +78,20 @@ def on_inference_service_event(type, body, meta, namespace, **_) -> None:  # noq
 
 @kopf.on.event("apps", "v1", "deployments", labels={MANAGED_BY[0]: MANAGED_BY[1]})
 def on_deployment(type, body, meta, namespace, **_) -> None:  # noqa: A002
-    """Drift (a hand edit, a deletion) is undone; status changes refresh ours."""
-    if _cached(DEPLOYMENT, type, body):
-        _reconcile_owner(namespace, meta.get("labels", {}).get(ISVC_LABEL))
+    """Drift (a hand edit, a deletion) is undone; status changes refresh ours (an apply for each of
+    them would be two requests per pod that turns Ready, per service)."""
+    before = CACHE.get(DEPLOYMENT, namespace, meta["name"])
+    if not _cached(DEPLOYMENT, type, body) or not (owner := meta.get("labels", {}).get(ISVC_LABEL)):
+        return
+    if type != "DELETED" and before is not None and _same_but_status(before["metadata"], dict(body)["metadata"]):
+        refresh_status(kube(), namespace, owner)
+    else:
+        _reconcile_owner(namespace, owner)
+
+
+def _same_but_status(old: dict, new: dict) -> bool:
+    """Whether only a Deployment's status changed: its spec's generation, labels and annotations are as they were."""
+    return all(old.get(k) == new.get(k) for k in ("generation", "labels", "annotations"))
 
 
 @kopf.on.event("", "v1", "services", labels={MANAGED_BY[0]: MANAGED_BY[1]})
