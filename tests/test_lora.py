@@ -405,3 +405,22 @@ def test_qwen2_checkpoint_with_qkv_biases_and_an_adapter_equals_peft(family_chec
     request = LoRARequest("qwen2-all7", 1, str(path))
     outs = llm.generate(prompts * 2, _greedy(), lora_request=[request] * len(prompts) + [None] * len(prompts))
     print(_check(outs, oracle + plain))
+
+
+def test_an_adapter_whose_files_changed_is_refused_when_read_again(lora_llm, peft_case, tmp_path):
+    """Its KV blocks are keyed by its files' digest: dropped from host memory and needed again, an
+    adapter must still be those files, or it is refused by name (not served with other weights)."""
+    from kvpilot.server.adapters import AdapterError
+    from kvpilot.server.engine.lora import LoRARegistry
+
+    paths, _, _ = peft_case
+    for name in ("qv-r4-rslora", "all7-r8"):
+        shutil.copytree(paths[name], tmp_path / name)
+    registry = LoRARegistry(lora_llm.engine.model_config, 1, 1, 16, lambda slot, adapter: None)
+    first = registry.add("first", tmp_path / "qv-r4-rslora")
+    registry.add("second", tmp_path / "all7-r8")  # one host copy: the first's is dropped
+    assert first.tensors is None
+    config = tmp_path / "qv-r4-rslora" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "lora_alpha": 9}))
+    with pytest.raises(AdapterError, match="'first': its files in .* changed since it was loaded"):
+        registry.slots_for([first.id], set())
