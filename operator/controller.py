@@ -21,6 +21,7 @@ from kvpilot.operator.reconcile import (
     entry_users,
     forget,
     forget_pod,
+    is_own_write,
     parse_spec,
     reconcile,
     record_adapter_report,
@@ -86,6 +87,7 @@ def on_deployment(type, body, meta, namespace, **_) -> None:  # noqa: A002
     if type != "DELETED" and before is not None and _same_but_status(before["metadata"], dict(body)["metadata"]):
         refresh_status(kube(), namespace, owner)
     else:
+        log.info("Deployment %s/%s %s: reconciling %s", namespace, meta["name"], (type or "listed").lower(), owner)
         _reconcile_owner(namespace, owner)
 
 
@@ -96,11 +98,14 @@ def _same_but_status(old: dict, new: dict) -> bool:
 
 @kopf.on.event("", "v1", "services", labels={MANAGED_BY[0]: MANAGED_BY[1]})
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={MANAGED_BY[0]: MANAGED_BY[1]})
-def on_owned_object(type, namespace, meta, **_) -> None:  # noqa: A002
-    """A deletion or an edit is undone (our own apply's echo converges: a no-op apply is no event);
+def on_owned_object(type, body, namespace, meta, **_) -> None:  # noqa: A002
+    """A deletion or an edit is undone; the echo of our own apply (the resourceVersion it returned) and
     a relist's objects (type None) are not news."""
-    if type is not None:
-        _reconcile_owner(namespace, meta.get("labels", {}).get(ISVC_LABEL))
+    owner = meta.get("labels", {}).get(ISVC_LABEL)
+    if type is None or (type != "DELETED" and owner and is_own_write(namespace, owner, dict(body))):
+        return
+    log.info("%s %s/%s %s: reconciling %s", body.get("kind"), namespace, meta["name"], type.lower(), owner)
+    _reconcile_owner(namespace, owner)
 
 
 def _reconcile_owner(namespace: str, name: str | None) -> None:

@@ -35,6 +35,9 @@ _locks_guard = threading.Lock()
 REPORTS: dict[tuple[str, str], AutoscalerReport] = {}
 ADAPTER_REPORTS: dict[tuple[str, str], AdapterReport] = {}  # the adapter sync's latest, per service
 _apply_problems: dict[tuple[str, str], list[tuple[str, str]]] = {}
+# Per InferenceService, the resourceVersion each owned object had after our last apply: the watch's
+# echo of our own write is not drift (a reconcile for it would apply everything again).
+_applied_versions: dict[tuple[str, str], dict[str, str]] = {}
 
 
 def isvc_lock(namespace: str, name: str) -> threading.Lock:
@@ -53,6 +56,7 @@ def forget(namespace: str, name: str) -> None:
     REPORTS.pop((namespace, name), None)
     ADAPTER_REPORTS.pop((namespace, name), None)
     _apply_problems.pop((namespace, name), None)
+    _applied_versions.pop((namespace, name), None)
     _cold_starts.pop((namespace, name), None)
 
 
@@ -212,6 +216,7 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
                 if obj["kind"] == "Deployment" and not cache_ready:
                     continue  # pods start once their model cache entries are filled (the running ones keep serving)
                 applied = kube.apply(obj)
+                _applied_versions.setdefault((namespace, name), {})[obj["kind"]] = applied["metadata"].get("resourceVersion")
                 if obj["kind"] == "Deployment":
                     CACHE.put(DEPLOYMENT, applied)
                     fault_point("after-deployment", namespace, name)
@@ -220,6 +225,12 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
             applying.append(("ApplyFailed", f"{reason}: {getattr(e, 'body', None) or e}"[:500]))
     _apply_problems[(namespace, name)] = applying
     return write_status(kube, body, spec, problems + applying)
+
+
+def is_own_write(namespace: str, owner: str, obj: dict) -> bool:
+    """Whether `obj` (an owned object from a watch event) is exactly what our last apply of it wrote."""
+    version = obj["metadata"].get("resourceVersion")
+    return version is not None and _applied_versions.get((namespace, owner), {}).get(obj.get("kind")) == version
 
 
 def _apply_model_cache(kube: Kube, body: dict, spec: InferenceServiceSpec) -> bool:

@@ -41,6 +41,11 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts over several steps.")
     kv_cache_memory: int = Field(1 << 30, ge=1 << 20, description="Bytes of KV cache on CPU (e.g. 1GiB).")
+    kv_offload_dir: str | None = Field(None, description=(
+        "A disk tier for the prefix cache: full KV blocks are saved here as files named by their key, and a prompt whose prefix "
+        "fell out of the cache (or was computed by another engine sharing the directory, or before a restart) is read back "
+        "instead of recomputed. Off when unset."))
+    kv_offload_size: int = Field(16 << 30, ge=1 << 20, description="Most bytes the disk tier's directory holds (least recently used files go first).")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache (CUDA).")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
@@ -85,7 +90,7 @@ class EngineConfig(BaseModel):
     max_cpu_loras: int | None = Field(None, ge=1, description="Adapters whose weights are kept in host memory (default: max_loras); others are re-read from disk when they get a slot.")
     max_lora_rank: int = Field(16, ge=1, le=512, description="Largest adapter rank accepted (the slots are sized for it).")
 
-    @field_validator("kv_cache_memory", mode="before")
+    @field_validator("kv_cache_memory", "kv_offload_size", mode="before")
     @classmethod
     def _size(cls, v: Any) -> int:
         return parse_size(v)
@@ -94,6 +99,21 @@ class EngineConfig(BaseModel):
     def _budget_fits(self) -> EngineConfig:
         if self.max_model_len is not None and not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("max_num_batched_tokens must be >= max_model_len when chunked prefill is off")
+        return self
+
+    @model_validator(mode="after")
+    def _offload_consistent(self) -> EngineConfig:
+        if self.kv_offload_dir is None:
+            if "kv_offload_size" in self.model_fields_set:
+                raise ValueError("kv_offload_size needs kv_offload_dir")
+            return self
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir needs enable_prefix_caching (the disk tier holds the prefix cache's blocks)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_offload_dir with tensor_parallel_size > 1 is not implemented (each rank's shard would need its own files)")
+        if self.speculative_method in ("draft", "eagle3"):
+            raise ValueError(f"kv_offload_dir with speculative_method={self.speculative_method} is not implemented (the draft's K/V "
+                             "shares the blocks and is not saved; ngram is)")
         return self
 
     @model_validator(mode="after")

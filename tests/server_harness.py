@@ -21,6 +21,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def machine_state() -> str:
+    """Load and the busiest processes: what a start-up that stalled was competing with."""
+    busiest = subprocess.run(["ps", "-eo", "pid,ppid,pcpu,rss,etimes,stat,args", "--sort=-pcpu"], capture_output=True, text=True).stdout
+    return f"load average {os.getloadavg()}; busiest processes:\n" + "\n".join(line[:200] for line in busiest.splitlines()[:12])
+
+
 class ServerProcess:
     def __init__(self, *args: str, env: dict | None = None, log_path: Path | None = None):
         self.port = free_port()
@@ -42,7 +48,7 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"server not ready: {self.log()[-3000:]}")
+        raise TimeoutError(f"server not ready in {timeout:g} s: {self.log()[-3000:]}\n{machine_state()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""

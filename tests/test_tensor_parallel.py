@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from oracle import ORACLE_PROMPTS, ORACLE_STEPS, compare_greedy
-from server_harness import ServerProcess
+from server_harness import ServerProcess, machine_state
 
 WORLD = 3
 
@@ -107,8 +108,9 @@ def test_a_dead_rank_stops_the_server_with_its_cause(tmp_path):
     termination = tmp_path / "termination-log"
     termination.write_text("")
     s = ServerProcess("--tensor-parallel-size", str(WORLD), "--kv-cache-memory", "32MiB", log_path=tmp_path / "log",
-                      env={"KVPILOT_TERMINATION_LOG": str(termination)}).wait_ready()
+                      env={"KVPILOT_TERMINATION_LOG": str(termination)})
     try:
+        s.wait_ready()
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
         ranks = _rank_pids(s.proc.pid)
@@ -132,7 +134,12 @@ def test_a_refused_world_size_reaches_the_termination_message(tmp_path):
     termination = tmp_path / "termination-log"
     termination.write_text("")
     s = ServerProcess("--tensor-parallel-size", "2", log_path=tmp_path / "log", env={"KVPILOT_TERMINATION_LOG": str(termination)})
-    assert s.proc.wait(60) == 2
+    try:
+        assert s.proc.wait(60) == 2
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a refused world size did not exit in 60 s: {s.log()[-2000:]}\n{machine_state()}")
+    finally:
+        s.terminate()
     assert "9 query heads" in s.log() and "9 query heads" in termination.read_text()
 
 

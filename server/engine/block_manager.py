@@ -55,9 +55,12 @@ TEST_SALT = cache_salt({"model": "none"})
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: bytes = TEST_SALT,
-                 adapter_fingerprint: Callable[[int], bytes] | None = None):
+                 adapter_fingerprint: Callable[[int], bytes] | None = None,
+                 on_cached: Callable[[int, bytes, bytes, tuple[int, ...]], None] | None = None):
         """salt: cache_salt of the engine's identity; adapter_fingerprint: a LoRA adapter id -> the
-        digest of its files (the registry's)."""
+        digest of its files (the registry's); on_cached(block id, key, parent key, token ids): a block
+        just joined the prefix cache (a KV tier saves it)."""
+        self.on_cached = on_cached
         if num_blocks < 1:
             raise ValueError("the KV cache must hold at least one block")
         self.block_size = block_size
@@ -168,7 +171,8 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.hash, block.token_ids = h, chunk
-                self.cached.setdefault(h, block.block_id)  # an identical block computed alongside keeps the first
+                if self.cached.setdefault(h, block.block_id) == block.block_id and self.on_cached is not None:
+                    self.on_cached(block.block_id, h, parent, chunk)  # (an identical block computed alongside keeps the first)
             seq.block_hashes.append(h)
             parent = h
 

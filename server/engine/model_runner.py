@@ -287,6 +287,26 @@ class ModelRunner:
         ids = torch.tensor(token_ids, device=self.device)
         return self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)).float()
 
+    # --- KV tiers: one block's K/V as bytes, every layer's keys then values ---------------------
+    def block_layout(self) -> tuple[str, tuple[int, ...]]:
+        """The dtype and shape of block_bytes(): (layers, keys|values, block_size, KV heads, head dim)."""
+        k = self.kv_caches[0][0]
+        return str(self.kv_dtype), (len(self.kv_caches), 2, *k.shape[1:])
+
+    def block_bytes(self, block_id: int) -> bytes:
+        """A copy of one cache block's K/V, off the device (before the block can be reused)."""
+        stacked = torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches])
+        return stacked.view(torch.uint8).cpu().numpy().tobytes()
+
+    def write_blocks(self, loads: list[tuple[int, bytes]]) -> None:
+        """Fill cache blocks with K/V read from a tier (block_bytes' layout), before the step that reads them."""
+        _, shape = self.block_layout()
+        for block_id, payload in loads:
+            stacked = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv_dtype).view(shape).to(self.device)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k[block_id].copy_(stacked[layer, 0])
+                v[block_id].copy_(stacked[layer, 1])
+
     def set_adapter(self, slot: int, adapter: Adapter | None) -> None:
         """Write an adapter into a LoRA slot (None: clear it), on every rank (each reads its share from
         the adapter's directory)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -104,8 +105,8 @@ class Workers:
             raise RuntimeError("a tensor-parallel engine is already running in this process: close it first (LLM.engine.close())")
         self.world_size = config.tensor_parallel_size
         self._closing = False
-        store = Path(tempfile.mkdtemp(prefix="kvpilot-tp-")) / "store"
-        init_method = f"file://{store}"
+        self._store_dir = tempfile.mkdtemp(prefix="kvpilot-tp-")  # the rendezvous file; removed at close
+        init_method = f"file://{Path(self._store_dir) / 'store'}"
         ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of rank 0's threads or torch state
         self._errors = ctx.SimpleQueue()
         self.procs = [ctx.Process(target=worker_main, name=f"kvpilot-tp-rank{rank}", daemon=True,
@@ -125,6 +126,7 @@ class Workers:
             self._closing = True
             for p in self.procs:
                 p.kill()
+            shutil.rmtree(self._store_dir, ignore_errors=True)
             raise
 
     def _watch(self) -> None:
@@ -175,6 +177,7 @@ class Workers:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
 
 
 def worker_main(rank: int, world_size: int, init_method: str, config: dict, model_path: str, device_type: str, errors) -> None:

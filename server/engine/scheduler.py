@@ -9,7 +9,9 @@ it returns to the front of the waiting queue. Nothing is dropped or duplicated.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpilot.server.engine.block_manager import BlockManager
 from kvpilot.server.engine.sequence import Sequence, Status
@@ -20,6 +22,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)  # (block id, K/V read from a tier): written before the step runs
 
     @property
     def total_tokens(self) -> int:
@@ -43,8 +46,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 max_loras: int = 0):
+                 max_loras: int = 0, tier_lookup: Callable[[Sequence, list[int]], Any] | None = None):
+        """tier_lookup(seq, its in-memory prefix hits): a read of the blocks after them from a KV tier
+        (kv_tiers.BlockLoad: .done, .first_index, .payloads), or None."""
         self.bm = block_manager
+        self.tier_lookup = tier_lookup
         self.max_loras = max_loras  # LoRA: most distinct adapters among running sequences (0: no adapters)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -106,13 +112,28 @@ class Scheduler:
                 passed.append(self.waiting.popleft())
                 continue
             cached = self.bm.match_prefix(seq) if not seq.block_table else None
-            n = seq.num_tokens - seq.num_computed_tokens - len(cached or ()) * self.bm.block_size
+            loaded: list[bytes] = []
+            if cached is not None and self.tier_lookup is not None:
+                if not seq.tier_looked_up:
+                    seq.tier_looked_up, seq.kv_load = True, self.tier_lookup(seq, cached)
+                if seq.kv_load is not None and not seq.kv_load.done.is_set():  # read in flight: the others go on
+                    passed.append(self.waiting.popleft())
+                    continue
+                loaded = self._loaded_after(seq, len(cached))
+            computed = (len(cached or ()) + len(loaded)) * self.bm.block_size
+            n = seq.num_tokens - seq.num_computed_tokens - computed
             if n > budget:
                 if not self.chunked:
                     break
                 n = budget
-            if not self.bm.allocate(seq, n, cached):
+            if not self.bm.allocate(seq, n + len(loaded) * self.bm.block_size, cached):
                 break
+            if loaded:  # fresh blocks after the in-memory hits, holding what the tier read
+                first = len(cached)
+                batch.kv_loads += zip(seq.block_table[first:first + len(loaded)], loaded)
+                seq.num_computed_tokens += len(loaded) * self.bm.block_size
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.kv_load = None
             self.waiting.popleft()
             if seq.adapter:
                 adapters.add(seq.adapter)
@@ -123,6 +144,15 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(passed))  # back at the front, in their order
         return batch
+
+    def _loaded_after(self, seq: Sequence, num_cached: int) -> list[bytes]:
+        """The tier's blocks that continue seq's in-memory hits (none when the hits changed so that they
+        do not), short of its last prompt token (always computed: its logits are needed)."""
+        load = seq.kv_load
+        if load is None or not load.first_index <= num_cached < load.first_index + len(load.payloads):
+            return []
+        usable = (seq.num_tokens - 1) // self.bm.block_size - num_cached
+        return load.payloads[num_cached - load.first_index:][:max(0, usable)]
 
     def update(self, batch: ScheduledBatch, rejected: dict[int, int] | None = None) -> None:
         """After the batch ran: its tokens' K/V are in the cache, and full blocks join the prefix cache.
@@ -146,6 +176,7 @@ class Scheduler:
         seq.set_spec(None)
         self.bm.free_seq(seq)
         seq.num_computed_tokens = 0
+        seq.tier_looked_up = False
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
