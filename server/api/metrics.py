@@ -73,6 +73,22 @@ class _EngineCollector:
             for position, count in enumerate(spec.accepted_per_pos):
                 per_pos.add_metric([self.model_name, str(position)], count)
             yield per_pos
+        tier = self.engine.kv_tier
+        if tier is not None:  # the disk tier (kv_tiers.py)
+            t = tier.stats
+            yield counter("kv_offload_hit_blocks", "KV blocks read back from the disk tier instead of computed.", t.hit_blocks)
+            yield counter("kv_offload_miss_blocks", "Prompt blocks past the prefix cache's hits that the disk tier did not have (or refused).",
+                          t.miss_blocks)
+            yield counter("kv_offload_refused_files", "Disk tier files refused on read: torn, corrupted, foreign or another block's.",
+                          t.refused_files)
+            yield counter("kv_offload_loaded_bytes", "Bytes of K/V read from the disk tier.", t.loaded_bytes)
+            yield counter("kv_offload_saved_blocks", "KV blocks written to the disk tier.", t.saved_blocks)
+            yield counter("kv_offload_saved_bytes", "Bytes written to the disk tier.", t.saved_bytes)
+            yield counter("kv_offload_dropped_saves", "Blocks not saved: the disk tier's writer was too far behind.", t.dropped_saves)
+            yield counter("kv_offload_evicted_files", "Disk tier files removed to keep it within kv_offload_size.", t.evicted_files)
+            yield counter("kv_offload_load_seconds", "Seconds spent reading and verifying disk tier files.", t.load_seconds)
+            yield counter("kv_offload_save_seconds", "Seconds spent writing disk tier files.", t.save_seconds)
+            yield gauge("kv_offload_bytes", "Bytes of the disk tier's files this engine knows of.", tier.total_bytes())
         lora = self.engine.lora
         if lora is not None:  # vLLM's lora_requests_info: the adapters of running and waiting requests in its labels, a timestamp as its value
             names = lambda seqs: ",".join(sorted({lora.by_id[s.adapter].name for s in list(seqs) if s.adapter in lora.by_id}))

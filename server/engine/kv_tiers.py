@@ -180,6 +180,8 @@ class DiskTier:
                         data = b""
                     payload = self.decode(data, key, parent, chunk) if data else None
                     if payload is None:
+                        if data:
+                            self._discard(key)  # the block is computed and saved again
                         with self._lock:
                             self.stats.miss_blocks += 1
                         break
@@ -194,6 +196,15 @@ class DiskTier:
                 log.exception("disk tier: reading blocks failed")
             finally:
                 load.done.set()
+
+    def _discard(self, key: bytes) -> None:
+        path = self.path(key)
+        with self._lock:
+            self._index.pop(path.name, None)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
 
     def _touch(self, key: bytes, size: int) -> None:
         name = self.path(key).name

@@ -91,10 +91,17 @@ class LLMEngine:
                         "full attention is exact)", window)
         self.runner.start_decode_graphs(self.max_model_len)
         budget = config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len)
+        self.kv_tier = None
+        if config.kv_offload_dir:
+            from kvpilot.server.engine.kv_tiers import DiskTier
+
+            dtype, shape, nbytes = self.runner.block_layout()
+            self.kv_tier = DiskTier(config.kv_offload_dir, config.kv_offload_size, (dtype, shape), nbytes)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          cache_salt(self._kv_identity()), lambda adapter: self.lora.by_id[adapter].fingerprint)
+                                          cache_salt(self._kv_identity()), lambda adapter: self.lora.by_id[adapter].fingerprint,
+                                          on_cached=self._save_block if self.kv_tier else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
-                                   config.max_loras if config.enable_lora else 0)
+                                   config.max_loras if config.enable_lora else 0, tier_lookup=self._tier_lookup if self.kv_tier else None)
         self.lora: LoRARegistry | None = None
         if config.enable_lora:
             from kvpilot.server.adapters import parse_lora_module
@@ -135,6 +142,27 @@ class LLMEngine:
         return {"kvpilot": importlib.metadata.version("kvpilot"), "model": model_fingerprint(self.model_path),
                 "block_size": config.block_size, "dtype": str(self.runner.dtype), "kv_dtype": str(self.runner.kv_dtype),
                 "quantization": config.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative}
+
+    # --- the disk tier -----------------------------------------------------------------------
+    def _save_block(self, block_id: int, key: bytes, parent: bytes, token_ids: tuple[int, ...]) -> None:
+        self.kv_tier.save(key, parent, token_ids, lambda: self.runner.block_bytes(block_id))
+
+    def _await_tier_read(self, timeout: float = 0.01) -> None:
+        """Nothing to run while waiting sequences' reads are in flight: wait for one (no busy loop)."""
+        load = next((seq.kv_load for seq in self.scheduler.waiting if seq.kv_load is not None and not seq.kv_load.done.is_set()), None)
+        if load is not None:
+            load.done.wait(timeout)
+
+    def _tier_lookup(self, seq: Sequence, cached: list[int]):
+        """A read of seq's prompt blocks after its in-memory hits from the disk tier (None: none there)."""
+        bm, size = self.block_manager, self.config.block_size
+        tokens = seq.token_ids()
+        usable = (len(tokens) - 1) // size
+        if len(cached) >= usable:
+            return None
+        parent = bm.blocks[cached[-1]].hash if cached else bm.root(seq)
+        chunks = [tuple(tokens[i * size:(i + 1) * size]) for i in range(len(cached), usable)]
+        return self.kv_tier.lookup(parent, chunks, len(cached))
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -243,6 +271,8 @@ class LLMEngine:
                 log.warning("engine step of %d sequences failed (%s: %s): re-running it request by request", len(batch.seqs), type(e).__name__, e)
                 self.runner.recover()
                 failed = batch
+        elif previous is None and self.kv_tier is not None:
+            self._await_tier_read()
         if previous is not None:
             outputs += self._complete(previous)
         if launched is not None:
@@ -273,6 +303,9 @@ class LLMEngine:
         slots = None
         if self.lora is not None and any(seq.adapter for seq in batch.seqs):
             slots = self.lora.slots_for([seq.adapter for seq in batch.seqs], {seq.adapter for seq in self.scheduler.running})
+        if batch.kv_loads:
+            self.runner.write_blocks(batch.kv_loads)
+            batch.kv_loads = []
         model_input, plan = self.inputs.build(batch, draft_probs, rows, adapter_slots=slots)
         tokens = previous.launched.tokens if previous else None
         if self.messenger is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -288,10 +289,11 @@ class ModelRunner:
         return self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)).float()
 
     # --- KV tiers: one block's K/V as bytes, every layer's keys then values ---------------------
-    def block_layout(self) -> tuple[str, tuple[int, ...]]:
-        """The dtype and shape of block_bytes(): (layers, keys|values, block_size, KV heads, head dim)."""
+    def block_layout(self) -> tuple[str, tuple[int, ...], int]:
+        """The dtype, shape and size of block_bytes(): (layers, keys|values, block_size, KV heads, head dim)."""
         k = self.kv_caches[0][0]
-        return str(self.kv_dtype), (len(self.kv_caches), 2, *k.shape[1:])
+        shape = (len(self.kv_caches), 2, *k.shape[1:])
+        return str(self.kv_dtype), shape, math.prod(shape) * k.element_size()
 
     def block_bytes(self, block_id: int) -> bytes:
         """A copy of one cache block's K/V, off the device (before the block can be reused)."""
@@ -300,7 +302,7 @@ class ModelRunner:
 
     def write_blocks(self, loads: list[tuple[int, bytes]]) -> None:
         """Fill cache blocks with K/V read from a tier (block_bytes' layout), before the step that reads them."""
-        _, shape = self.block_layout()
+        _, shape, _ = self.block_layout()
         for block_id, payload in loads:
             stacked = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv_dtype).view(shape).to(self.device)
             for layer, (k, v) in enumerate(self.kv_caches):

@@ -1,0 +1,140 @@
+"""The disk tier of the KV cache (server/engine/kv_tiers.py): greedy tokens equal the plain engine's
+after a tier hit (the engine's own cache evicted in between, and after a restart on the same directory);
+torn, corrupted, foreign and mismatched files are misses, never wrong tokens; the directory stays
+within its size bound; what is not implemented is refused."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+BLOCK = 16
+# Four prompts of about 150 tokens, different from their first token on (no shared blocks).
+PROMPTS = [f"{subject} " + " ".join(f"Note {i} about {subject.lower()}: it matters for reason {i * 7 % 13}." for i in range(12))
+           for subject in ("Volcanoes", "Glaciers", "Harbours", "Orchards")]
+
+
+def greedy(llm, prompts, tokens=6):
+    from kvpilot.server import SamplingParams
+
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from kvpilot.server import LLM
+
+    llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB", enable_prefix_caching=False)
+    return greedy(llm, PROMPTS)
+
+
+def tiered(directory, **kwargs):
+    from kvpilot.server import LLM
+
+    # 16 MiB: 22 blocks of 16 tokens (float32), two of these prompts at a time
+    return LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB", kv_offload_dir=str(directory), **kwargs)
+
+
+@pytest.mark.timeout(240)
+def test_tier_hits_equal_plain_decoding_after_eviction_and_after_a_restart(tmp_path, reference):
+    llm = tiered(tmp_path)
+    tier = llm.engine.kv_tier
+    assert [greedy(llm, [p])[0] for p in PROMPTS] == reference  # one by one: each evicts the one before it
+    tier.drain()
+    assert tier.stats.saved_blocks >= 4 * 8 and tier.stats.hit_blocks == 0
+    assert llm.engine.block_manager.match_prefix(_seq(llm, PROMPTS[0])) == []  # out of the engine's own cache
+    assert greedy(llm, [PROMPTS[0]]) == reference[:1]
+    hits = tier.stats.hit_blocks
+    prompt_blocks = (len(llm.engine.tokenizer.encode(PROMPTS[0])) - 1) // BLOCK
+    assert hits == prompt_blocks, (hits, prompt_blocks)  # every block but the last token's came from disk
+
+    from kvpilot.server.api.metrics import _EngineCollector
+
+    samples = {s.name: s.value for family in _EngineCollector(llm.engine, "m", lambda: 0).collect() for s in family.samples}
+    assert samples["kvpilot:kv_offload_hit_blocks_total"] == hits and samples["kvpilot:kv_offload_saved_bytes_total"] > 0
+    assert samples["kvpilot:kv_offload_bytes"] == tier.total_bytes() > 0
+
+    restarted = tiered(tmp_path)  # a new engine (or another replica) on the same directory
+    assert greedy(restarted, PROMPTS[1:3]) == reference[1:3]  # batched, both read back
+    assert restarted.engine.kv_tier.stats.hit_blocks >= 2 * prompt_blocks - 2
+    assert restarted.engine.kv_tier.stats.refused_files == 0
+
+
+def _seq(llm, prompt):
+    from kvpilot.server import SamplingParams
+    from kvpilot.server.engine.sequence import Sequence
+
+    return Sequence(0, "probe", 0, llm.engine.tokenizer.encode(prompt), SamplingParams())
+
+
+def _files(tier):
+    return sorted(tier.dir.glob("*/*.kvblock"), key=lambda f: f.stat().st_mtime)
+
+
+@pytest.mark.timeout(240)
+def test_torn_corrupted_foreign_and_mismatched_files_are_misses(tmp_path, reference):
+    from kvpilot.server.engine.block_manager import block_hash
+    from kvpilot.server.engine.kv_tiers import MAGIC
+
+    llm = tiered(tmp_path)
+    assert greedy(llm, [PROMPTS[0]]) == reference[:1]
+    llm.engine.kv_tier.drain()
+    first = llm.engine.kv_tier.path(block_hash(llm.engine.block_manager.salt, llm.engine.tokenizer.encode(PROMPTS[0])[:BLOCK]))
+    pristine = first.read_bytes()
+    other = next(f for f in _files(llm.engine.kv_tier) if f != first).read_bytes()
+    header_size = struct.unpack_from("<I", pristine, len(MAGIC))[0]
+    header = json.loads(pristine[len(MAGIC) + 4:len(MAGIC) + 4 + header_size])
+    lying = dict(header, tokens=[t + 1 for t in header["tokens"]])  # another block's tokens under this key
+    lying_bytes = json.dumps(lying).encode()
+    flipped = bytearray(pristine)
+    flipped[-100] ^= 0xFF
+    bad = {"truncated": pristine[:-1000], "torn header": pristine[:len(MAGIC) + 10], "corrupted payload": bytes(flipped),
+           "foreign (another block's file)": other, "mismatched header": MAGIC + struct.pack("<I", len(lying_bytes)) + lying_bytes +
+           pristine[len(MAGIC) + 4 + header_size:], "not a block file": b"hello"}
+    for kind, data in bad.items():
+        first.write_bytes(data)
+        fresh = tiered(tmp_path)
+        assert greedy(fresh, [PROMPTS[0]]) == reference[:1], kind
+        stats = fresh.engine.kv_tier.stats
+        assert stats.hit_blocks == 0 and stats.refused_files == 1 and stats.miss_blocks == 1, (kind, stats)
+        fresh.engine.kv_tier.drain()  # the block is computed and saved again: the next case starts whole
+        assert first.read_bytes() == pristine, kind
+
+
+def test_the_directory_stays_within_its_size_bound(tmp_path):
+    from kvpilot.server.engine.block_manager import TEST_SALT, block_hash
+    from kvpilot.server.engine.kv_tiers import DiskTier
+
+    payload = bytes(range(256)) * 16
+    tier = DiskTier(tmp_path, max_bytes=10 * 4500, layout=("torch.float32", (1, 2, 16, 1, 32)), payload_bytes=len(payload))
+    keys = []
+    parent = TEST_SALT
+    for i in range(25):
+        chunk = tuple(range(i * 16, i * 16 + 16))
+        key = block_hash(parent, chunk)
+        tier.save(key, parent, chunk, lambda: payload)
+        tier.drain()
+        keys.append(key)
+        parent = key
+    files = list(tmp_path.glob("*/*.kvblock"))
+    assert tier.total_bytes() <= 10 * 4500 and sum(f.stat().st_size for f in files) == tier.total_bytes()
+    assert len(files) < 25 and tier.stats.evicted_files == 25 - len(files)
+    assert tier.path(keys[-1]).is_file() and not tier.path(keys[0]).is_file()  # the least recently used went first
+
+
+@pytest.mark.parametrize("settings,refusal", [
+    ({"tensor_parallel_size": 3}, "tensor_parallel_size > 1 is not implemented"),
+    ({"enable_prefix_caching": False}, "needs enable_prefix_caching"),
+    ({"speculative_method": "draft", "speculative_model": "smollm2-135m"}, "speculative_method=draft is not implemented"),
+])
+def test_what_the_disk_tier_does_not_do_is_refused(tmp_path, settings, refusal):
+    from pydantic import ValidationError
+
+    from kvpilot.server.config import EngineConfig
+
+    with pytest.raises(ValidationError, match=refusal):
+        EngineConfig(kv_offload_dir=str(tmp_path), **settings)
+    with pytest.raises(ValidationError, match="kv_offload_size needs kv_offload_dir"):
+        EngineConfig(kv_offload_size="1GiB")
