@@ -138,6 +138,22 @@ class OutputParsers(_Model):
         "Return <think> blocks as reasoning_content: qwen3 or deepseek_r1 (SGLang: deepseek-r1); unset: reasoning stays in content."))
 
 
+class KVOffloadSpec(_Model):
+    """The disk tier of the KV cache (engine kvpilot, --kv-offload-dir): full KV blocks kept as files named by their key, read back
+    instead of recomputed when a prompt's prefix fell out of an engine's cache, after a restart, or (Shared) when another pod
+    computed it."""
+
+    mode: Literal["Shared", "PerPod"] = Field("Shared", description=(
+        "Shared: one ReadWriteMany claim per InferenceService (<name>-kv-tier), mounted by every pod: a prefix one pod computed is a "
+        "tier hit on the others, and it outlives pods (needs ReadWriteMany storage); PerPod: an emptyDir per pod (sizeLimit: size), "
+        "which outlives the engine's restarts within the pod only."))
+    size: str = Field("10Gi", max_length=32, pattern=QUANTITY_PATTERN, description=(
+        "The tier's storage (the claim's request, or the emptyDir's sizeLimit); the engine keeps its files within 90% of it "
+        "(least recently used files go first)."))
+    storage_class_name: str | None = Field(None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                                           description="Shared: the claim's StorageClass (unset: the cluster's default).")
+
+
 class EngineSettings(_Model):
     """Engine settings; each maps to the engine's own flag (for kvpilot: kvpilot.server.config.EngineConfig)."""
 
@@ -163,6 +179,7 @@ class EngineSettings(_Model):
         "--quantization-group-size), on CPU and GPU; vLLM takes fp8, awq, gptq; SGLang fp8, awq, gptq, gguf. A value the engine does not take is reported as Degraded."))
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="Ranks the model is split over; also the GPUs per pod.")
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (off when absent).")
+    kv_offload: KVOffloadSpec | None = Field(None, description="The KV cache's disk tier (engine kvpilot; off when absent).")
     parsers: OutputParsers | None = Field(None, description="Tool-call and reasoning formats of the model's outputs.")
     max_loras: int | None = Field(None, ge=1, le=64, description=(
         "With spec.adapters: adapters in the compute device's slots at once (--max-loras; default 1, as vLLM's); requests of "

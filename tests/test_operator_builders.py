@@ -563,3 +563,37 @@ def test_an_eagle3_head_is_fetched_like_a_draft_model_for_every_engine():
             assert args[args.index("--speculative-algorithm") + 1] == "EAGLE3" and args[args.index("--speculative-draft-model-path") + 1] == "org/llama-eagle3"
         start = args.index("--speculative-config" if engine == "vllm" else "--speculative-algorithm")
         assert flag_problems(engine, image_version(DEFAULT_IMAGES[engine]), args[start:start + 2]) == []
+
+
+def test_the_kv_disk_tier_is_a_shared_claim_or_a_per_pod_directory():
+    """Shared: a ReadWriteMany claim owned by the service, mounted by every pod at the engine's
+    --kv-offload-dir; PerPod: an emptyDir of that size; the engine's bound is 90% of the volume; other
+    engines get the setting reported, and a combination the engine refuses is a problem, not a crash."""
+    from kvpilot.operator.builders.engines import KV_TIER_DIR
+    from kvpilot.operator.reconcile import parse_spec
+
+    s = spec(resources={"cpuOnly": True}, engineSettings={"kvOffload": {"size": "20Gi", "storageClassName": "fast-rwx"}})
+    objs = render("svc", "ns", "uid-1", s)
+    assert [o["kind"] for o in objs][:2] == ["PersistentVolumeClaim", "Deployment"]
+    claim = objs[0]
+    assert claim["metadata"]["name"] == "svc-kv-tier" and claim["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "20Gi"}}, "storageClassName": "fast-rwx"}
+    c = container(objs[1])
+    cfg = EngineConfig.from_cli_args(engine_args(c))
+    assert (cfg.kv_offload_dir, cfg.kv_offload_size) == (KV_TIER_DIR, 20 * 2**30 * 9 // 10)
+    assert {"name": "kv-tier", "mountPath": KV_TIER_DIR} in c["volumeMounts"]
+    volumes = {v["name"]: v for v in objs[1]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["kv-tier"]["persistentVolumeClaim"] == {"claimName": "svc-kv-tier"}
+
+    per_pod = spec(resources={"cpuOnly": True}, engineSettings={"kvOffload": {"mode": "PerPod", "size": "2Gi"}})
+    objs = render("svc", "ns", "uid-1", per_pod)
+    assert "PersistentVolumeClaim" not in [o["kind"] for o in objs]
+    assert {v["name"]: v for v in objs[0]["spec"]["template"]["spec"]["volumes"]}["kv-tier"]["emptyDir"] == {"sizeLimit": "2Gi"}
+    assert "kv-tier" not in str(render("svc", "ns", "u", spec(resources={"cpuOnly": True})))
+
+    [problem] = unsupported_settings(spec(engine="vllm", model={"source": "hf://org/m"}, engineSettings={"kvOffload": {}}))
+    assert "kvOffload is the kvpilot engine's disk tier" in problem
+    body = {"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"},
+                                                "engineSettings": {"kvOffload": {}, "tensorParallelSize": 3}}}
+    parsed, problems = parse_spec(body)
+    assert problems and "tensor_parallel_size > 1 is not implemented" in problems[0][1], problems

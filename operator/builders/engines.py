@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from kubernetes.utils.quantity import parse_quantity
 from pydantic.alias_generators import to_camel
 
 from kvpilot.operator.builders.engine_flags import flag_problems, image_version
-from kvpilot.operator.crd_types import InferenceServiceSpec
+from kvpilot.operator.crd_types import InferenceServiceSpec, KVOffloadSpec
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.model_source import ModelSource, parse_model_source
 
@@ -145,6 +146,8 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         values["device"] = "cpu"
     if spec.adapters:
         values |= {"enable_lora": True, **_lora_values(spec)}
+    if s.kv_offload:
+        values |= {"kv_offload_dir": KV_TIER_DIR, "kv_offload_size": kv_offload_bytes(s.kv_offload)}
     # EngineConfig validates here, in the operator, so a bad combination is a status condition, not a crash loop.
     engine_args = EngineConfig(**values).to_cli_args()
     args = ["serve", "--host", "$(POD_IP)", "--port", str(PORT), "--shutdown-grace-seconds", str(SHUTDOWN_GRACE_SECONDS), *engine_args]
@@ -231,6 +234,14 @@ SGLANG_PARSERS = {"hermes": "hermes", "llama3_json": "llama3", "qwen3": "qwen3",
 ENGINE_QUANTIZATION = {"kvpilot": {"gguf", "int8", "int4"}, "vllm": {"fp8", "awq", "gptq"}, "sglang": {"fp8", "awq", "gptq", "gguf"}}
 
 
+KV_TIER_DIR = "/var/lib/kvpilot/kv-tier"  # where the pods mount the disk tier's volume
+
+
+def kv_offload_bytes(tier: KVOffloadSpec) -> int:
+    """The engine's bound on the tier's files: 90% of the volume (temporary files, the filesystem's own)."""
+    return int(parse_quantity(tier.size) * 9 // 10)
+
+
 def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
     """Settings the chosen engine cannot honour yet: reported as Degraded instead of starting pods
     that would fail or silently ignore them."""
@@ -248,6 +259,9 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
         if s.kv_cache_dtype not in (None, "auto"):  # their --kv-cache-dtype takes auto and fp8 kinds, not a bfloat16 cache under float32
             problems.append(f"engineSettings.kvCacheDtype={s.kv_cache_dtype} is a kvpilot setting; {spec.engine} keeps its cache in the "
                             "compute dtype (auto), or fp8 through extraArgs --kv-cache-dtype")
+        if s.kv_offload is not None:
+            problems.append(f"engineSettings.kvOffload is the kvpilot engine's disk tier; {spec.engine} offloads KV through its own connectors "
+                            "(extraArgs)")
         if spec.image is None:  # the pinned release: its flags are known (a custom image's are not)
             version = image_version(DEFAULT_IMAGES[spec.engine])
             problems += [f"extraArgs: {p}" for p in flag_problems(spec.engine, version, list(spec.extra_args))]

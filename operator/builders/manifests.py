@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvpilot.operator.builders.engines import (
     DEFAULT_IMAGES,
+    KV_TIER_DIR,
     LORA_DIR,
     PORT,
     SHUTDOWN_GRACE_SECONDS,
@@ -123,11 +124,37 @@ def _resources(spec: InferenceServiceSpec) -> dict:
     return out
 
 
+def kv_tier_claim_name(name: str) -> str:
+    return f"{name}-kv-tier"
+
+
+def _kv_tier_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
+    tier = spec.engine_settings.kv_offload
+    if tier is None or spec.engine != "kvpilot":
+        return [], []
+    source = {"persistentVolumeClaim": {"claimName": kv_tier_claim_name(name)}} if tier.mode == "Shared" else {"emptyDir": {"sizeLimit": tier.size}}
+    return [{"name": "kv-tier", **source}], [{"name": "kv-tier", "mountPath": KV_TIER_DIR}]
+
+
+def kv_tier_claim(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict | None:
+    """The Shared disk tier's ReadWriteMany claim, owned by the InferenceService (deleted with it)."""
+    tier = spec.engine_settings.kv_offload
+    if tier is None or tier.mode != "Shared" or spec.engine != "kvpilot":
+        return None
+    claim_spec = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": tier.size}}}
+    if tier.storage_class_name:
+        claim_spec["storageClassName"] = tier.storage_class_name
+    meta = _meta(name, namespace, uid, spec)
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {**meta, "name": kv_tier_claim_name(name)}, "spec": claim_spec}
+
+
 def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
     c = engine_container(spec, name)
     volumes, mounts, inits = _model_volumes(spec)
     adapter_volumes, adapter_mounts = _adapter_volumes(spec)
     volumes, mounts = volumes + adapter_volumes, mounts + adapter_mounts
+    tier_volumes, tier_mounts = _kv_tier_volumes(name, spec)
+    volumes, mounts = volumes + tier_volumes, mounts + tier_mounts
     compile_mounts = []
     if shared_cache(spec):  # compiled kernels outlive the pod: a warm start does not compile again
         volumes.append({"name": "compile-cache", "persistentVolumeClaim": {"claimName": COMPILE_CACHE_CLAIM}})
@@ -216,7 +243,9 @@ def endpoint_url(name: str, namespace: str) -> str:
 
 def render(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, with_pod_monitor: bool = False) -> list[dict]:
     """Every object an InferenceService owns, in apply order."""
-    objs = [deployment(name, namespace, uid, spec), service(name, namespace, uid, spec), pod_disruption_budget(name, namespace, uid, spec)]
+    claim = kv_tier_claim(name, namespace, uid, spec)
+    objs = [*([claim] if claim else []), deployment(name, namespace, uid, spec), service(name, namespace, uid, spec),
+            pod_disruption_budget(name, namespace, uid, spec)]
     if with_pod_monitor:
         objs.append(pod_monitor(name, namespace, uid, spec))
     return objs
