@@ -109,8 +109,6 @@ class EngineConfig(BaseModel):
             return self
         if not self.enable_prefix_caching:
             raise ValueError("kv_offload_dir needs enable_prefix_caching (the disk tier holds the prefix cache's blocks)")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("kv_offload_dir with tensor_parallel_size > 1 is not implemented (each rank's shard would need its own files)")
         if self.speculative_method in ("draft", "eagle3"):
             raise ValueError(f"kv_offload_dir with speculative_method={self.speculative_method} is not implemented (the draft's K/V "
                              "shares the blocks and is not saved; ngram is)")

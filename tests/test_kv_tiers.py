@@ -1,12 +1,14 @@
 """The disk tier of the KV cache (server/engine/kv_tiers.py): greedy tokens equal the plain engine's
 after a tier hit (the engine's own cache evicted in between, and after a restart on the same directory);
 torn, corrupted, foreign and mismatched files are misses, never wrong tokens; the directory stays
-within its size bound; what is not implemented is refused."""
+within its size bound; three tensor-parallel ranks each keep their shard; what is not implemented is
+refused."""
 
 from __future__ import annotations
 
 import json
 import struct
+import time
 
 import pytest
 
@@ -33,8 +35,9 @@ def reference():
 def tiered(directory, **kwargs):
     from kvpilot.server import LLM
 
-    # 16 MiB: 22 blocks of 16 tokens (float32), two of these prompts at a time
-    return LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB", kv_offload_dir=str(directory), **kwargs)
+    # 16 MiB: 22 blocks of 16 tokens (float32), two of these prompts at a time (per rank: a third of it under 3 ranks)
+    kv = "16MiB" if kwargs.get("tensor_parallel_size", 1) == 1 else "6MiB"
+    return LLM(num_threads=1, show_progress=False, kv_cache_memory=kv, kv_offload_dir=str(directory), **kwargs)
 
 
 @pytest.mark.timeout(240)
@@ -125,7 +128,6 @@ def test_the_directory_stays_within_its_size_bound(tmp_path):
 
 
 @pytest.mark.parametrize("settings,refusal", [
-    ({"tensor_parallel_size": 3}, "tensor_parallel_size > 1 is not implemented"),
     ({"enable_prefix_caching": False}, "needs enable_prefix_caching"),
     ({"speculative_method": "draft", "speculative_model": "smollm2-135m"}, "speculative_method=draft is not implemented"),
 ])
@@ -138,3 +140,34 @@ def test_what_the_disk_tier_does_not_do_is_refused(tmp_path, settings, refusal):
         EngineConfig(kv_offload_dir=str(tmp_path), **settings)
     with pytest.raises(ValidationError, match="kv_offload_size needs kv_offload_dir"):
         EngineConfig(kv_offload_size="1GiB")
+
+
+@pytest.mark.timeout(300)
+def test_three_ranks_save_and_read_back_their_shards(tmp_path, reference):
+    """Each rank saves its own shard (<key>-<rank>.kvblock); rank 0 reads and verifies all three before a
+    block counts as found and sends the others theirs: after eviction and after a restart, greedy
+    tokens are the plain engine's. A missing shard makes its block a miss on every rank."""
+    from kvpilot.server.engine.block_manager import block_hash
+
+    llm = tiered(tmp_path, tensor_parallel_size=3)
+    try:
+        assert [greedy(llm, [p])[0] for p in PROMPTS] == reference
+        llm.engine.kv_tier.drain()
+        deadline = time.monotonic() + 30  # the other ranks' writers: every block's three shards on disk
+        while len(list(tmp_path.glob("*/*-[12].kvblock"))) < 2 * len(list(tmp_path.glob("*/*-0.kvblock"))) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert greedy(llm, [PROMPTS[0]]) == reference[:1]
+        assert llm.engine.kv_tier.stats.hit_blocks == (len(llm.engine.tokenizer.encode(PROMPTS[0])) - 1) // BLOCK
+        first = block_hash(llm.engine.block_manager.salt, llm.engine.tokenizer.encode(PROMPTS[1])[:BLOCK])
+    finally:
+        llm.engine.close()
+    shards = sorted(f.name for f in tmp_path.glob(f"{first.hex()[:2]}/{first.hex()}-*.kvblock"))
+    assert shards == [f"{first.hex()}-{r}.kvblock" for r in range(3)], shards
+    (tmp_path / first.hex()[:2] / shards[2]).unlink()  # rank 2's shard of PROMPTS[1]'s first block is gone
+    restarted = tiered(tmp_path, tensor_parallel_size=3)
+    try:
+        assert greedy(restarted, PROMPTS[1:3]) == reference[1:3]
+        stats = restarted.engine.kv_tier.stats
+        assert stats.hit_blocks == (len(restarted.engine.tokenizer.encode(PROMPTS[2])) - 1) // BLOCK, stats  # PROMPTS[1]: all computed
+    finally:
+        restarted.engine.close()

@@ -593,7 +593,7 @@ def test_the_kv_disk_tier_is_a_shared_claim_or_a_per_pod_directory():
 
     [problem] = unsupported_settings(spec(engine="vllm", model={"source": "hf://org/m"}, engineSettings={"kvOffload": {}}))
     assert "kvOffload is the kvpilot engine's disk tier" in problem
-    body = {"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"},
-                                                "engineSettings": {"kvOffload": {}, "tensorParallelSize": 3}}}
+    body = {"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "engineSettings": {
+        "kvOffload": {}, "speculative": {"method": "draft", "draftModel": "smollm2-135m"}}}}
     parsed, problems = parse_spec(body)
-    assert problems and "tensor_parallel_size > 1 is not implemented" in problems[0][1], problems
+    assert problems and "speculative_method=draft is not implemented" in problems[0][1], problems

@@ -8,12 +8,18 @@ verified by a reader thread while other sequences' steps go on; the scheduler pa
 read is done, then admits it with those blocks counted as computed, and the runner writes them into the
 fresh cache blocks before the step's forward pass.
 
+Under tensor parallelism each rank saves its own shard of a block (`<key>-<rank>.kvblock`; the keys
+of a tensor-parallel engine differ from a single-process one's, its salt holds the world size). Rank 0
+reads and verifies every rank's shard before a block counts as found, and sends each rank its shard
+with the step: a block is loaded on all ranks or on none. Rank 0 keeps the directory's index and
+evicts a block's shards together.
+
 A file is trusted only when everything in it matches what the reader asked for: the magic, its key,
-parent key and token ids (and the key recomputed from those two), the K/V layout (dtype and shape) and
-the SHA-256 of its payload. A torn, truncated, corrupted, foreign (another model's keys differ: the
-engine's salt is the chain's root) or mismatched file is a miss — its block is computed — never wrong
-tokens. The directory is bounded by size: least recently used files (by modification time, touched on
-each hit) go first.
+parent key and token ids (and the key recomputed from those two), its rank, the K/V layout (dtype and
+shape) and the SHA-256 of its payload. A torn, truncated, corrupted, foreign (another model's keys
+differ: the engine's salt is the chain's root) or mismatched file is a miss — its block is computed —
+never wrong tokens. The directory is bounded by size: least recently used blocks (by modification
+time, touched on each hit) go first.
 """
 
 from __future__ import annotations
@@ -58,47 +64,53 @@ class TierStats:
 @dataclass(slots=True)
 class BlockLoad:
     """A waiting sequence's read from the disk tier: blocks first_index, first_index + 1, ... of its
-    prompt, as far as the files were found and verified (payloads in chain order)."""
+    prompt, as far as the files were found and verified (per block, every rank's shard)."""
 
     first_index: int
     parent: bytes                      # the key before the first block's
     keys: list[bytes]
     chunks: list[tuple[int, ...]]      # each block's token ids
-    payloads: list[bytes] = field(default_factory=list)
+    payloads: list[list[bytes]] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
 
 class DiskTier:
     def __init__(self, directory: str | Path, max_bytes: int, layout: tuple[str, tuple[int, ...]], payload_bytes: int,
-                 max_pending_bytes: int = 256 << 20):
-        """layout: the K/V's dtype name and shape of one block as the runner gives it; payload_bytes:
-        its size. Saves beyond max_pending_bytes in the writer's queue are dropped (counted)."""
+                 rank: int = 0, world_size: int = 1, max_pending_bytes: int = 256 << 20):
+        """layout: the K/V's dtype name and shape of one block (one rank's shard) as the runner gives
+        it; payload_bytes: its size. Rank 0 reads and keeps the index (every rank's files); the other
+        ranks only write their shards. Saves beyond max_pending_bytes in the writer's queue are dropped
+        (counted)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.layout, self.payload_bytes = max_bytes, [layout[0], list(layout[1])], payload_bytes
+        self.rank, self.world_size = rank, world_size
         self.max_pending_bytes = max_pending_bytes
         self.stats = TierStats()
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # file name -> size, least recently used first
+        self._index: OrderedDict[str, int] = OrderedDict()  # key (hex) -> bytes of its files, least recently used first
         self._pending_bytes = 0
         self._queued: set[bytes] = set()
-        self._scan()
+        if rank == 0:
+            self._scan()
         self._saves: queue.Queue = queue.Queue()
-        self._loads: queue.Queue = queue.Queue()
         threading.Thread(target=self._writer, name="kvpilot-kv-tier-writer", daemon=True).start()
-        threading.Thread(target=self._reader, name="kvpilot-kv-tier-reader", daemon=True).start()
+        if rank == 0:
+            self._loads: queue.Queue = queue.Queue()
+            threading.Thread(target=self._reader, name="kvpilot-kv-tier-reader", daemon=True).start()
 
     # --- files ----------------------------------------------------------------------------
-    def path(self, key: bytes) -> Path:
+    def path(self, key: bytes, rank: int | None = None) -> Path:
         name = key.hex()
-        return self.dir / name[:2] / (name + SUFFIX)
+        shard = "" if self.world_size == 1 else f"-{self.rank if rank is None else rank}"
+        return self.dir / name[:2] / f"{name}{shard}{SUFFIX}"
 
     def has(self, key: bytes) -> bool:
         return key in self._queued or self.path(key).is_file()
 
     def _scan(self) -> None:
-        """The directory's files, oldest first (what other engines wrote too)."""
-        found = []
+        """The directory's blocks, least recently used first (what other engines wrote too)."""
+        found: dict[str, list] = {}
         for sub in self.dir.iterdir() if self.dir.is_dir() else ():
             if sub.is_dir() and len(sub.name) == 2:
                 for f in sub.iterdir():
@@ -107,19 +119,20 @@ class DiskTier:
                             st = f.stat()
                         except OSError:
                             continue
-                        found.append((st.st_mtime, f.name, st.st_size))
+                        entry = found.setdefault(f.name[:64], [0.0, 0])
+                        entry[0], entry[1] = max(entry[0], st.st_mtime), entry[1] + st.st_size
         with self._lock:
-            self._index = OrderedDict((name, size) for _, name, size in sorted(found))
+            self._index = OrderedDict((key, size) for key, (_, size) in sorted(found.items(), key=lambda kv: kv[1][0]))
 
     def encode(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], payload: bytes) -> bytes:
-        header = json.dumps({"key": key.hex(), "parent": parent.hex(), "tokens": list(token_ids), "layout": self.layout,
-                             "sha256": hashlib.sha256(payload).hexdigest()}, separators=(",", ":")).encode()
+        header = json.dumps({"key": key.hex(), "parent": parent.hex(), "tokens": list(token_ids), "rank": [self.rank, self.world_size],
+                             "layout": self.layout, "sha256": hashlib.sha256(payload).hexdigest()}, separators=(",", ":")).encode()
         return MAGIC + struct.pack("<I", len(header)) + header + payload
 
-    def decode(self, data: bytes, key: bytes, parent: bytes, token_ids: tuple[int, ...]) -> bytes | None:
-        """The payload of a file's bytes if it is the block asked for, intact; else None (why: logged)."""
+    def decode(self, data: bytes, key: bytes, parent: bytes, token_ids: tuple[int, ...], rank: int = 0) -> bytes | None:
+        """The payload of a file's bytes if it is rank's shard of the block asked for, intact; else None (why: logged)."""
         def refuse(why: str) -> None:
-            log.warning("disk tier: %s refused (%s): computing the block instead", self.path(key).name, why)
+            log.warning("disk tier: %s refused (%s): computing the block instead", self.path(key, rank).name, why)
             with self._lock:
                 self.stats.refused_files += 1
 
@@ -138,6 +151,8 @@ class DiskTier:
             return refuse("another block's key, parent or tokens")
         if block_hash(parent, token_ids) != key:
             return refuse("its key is not its parent's and tokens' hash")
+        if header.get("rank") != [rank, self.world_size]:
+            return refuse(f"rank {header.get('rank')}, {[rank, self.world_size]} expected")
         if header.get("layout") != self.layout:
             return refuse(f"K/V layout {header.get('layout')}, this engine's is {self.layout}")
         payload = data[start + size:]
@@ -147,14 +162,14 @@ class DiskTier:
             return refuse("payload checksum mismatch (corrupted)")
         return payload
 
-    # --- loads ----------------------------------------------------------------------------
+    # --- loads (rank 0) ---------------------------------------------------------------------
     def lookup(self, parent: bytes, chunks: list[tuple[int, ...]], first_index: int) -> BlockLoad | None:
         """A read of the blocks whose files exist, chained from `parent` over `chunks` (the prompt's full
         blocks past the in-memory hits), queued for the reader; None when the first is not on disk."""
         keys, first_parent = [], parent
         for chunk in chunks:
             key = block_hash(parent, chunk)
-            if not self.path(key).is_file():
+            if not all(self.path(key, r).is_file() for r in range(self.world_size)):
                 break
             keys.append(key)
             parent = key
@@ -167,6 +182,24 @@ class DiskTier:
         self._loads.put(load)
         return load
 
+    def _read(self, key: bytes, parent: bytes, chunk: tuple[int, ...]) -> list[bytes] | None:
+        """Every rank's shard of one block, verified (and the block touched: recently used); None (the
+        bad file removed) when one is not."""
+        shards, size = [], 0
+        for rank in range(self.world_size):
+            try:
+                data = self.path(key, rank).read_bytes()
+            except OSError:
+                return None
+            payload = self.decode(data, key, parent, chunk, rank)
+            if payload is None:
+                self._discard(key)  # the block is computed and saved again
+                return None
+            shards.append(payload)
+            size += len(data)
+        self._touch(key, size)
+        return shards
+
     def _reader(self) -> None:
         while True:
             load = self._loads.get()
@@ -174,23 +207,16 @@ class DiskTier:
             parent = load.parent
             try:
                 for key, chunk in zip(load.keys, load.chunks):
-                    try:
-                        data = self.path(key).read_bytes()
-                    except OSError:
-                        data = b""
-                    payload = self.decode(data, key, parent, chunk) if data else None
-                    if payload is None:
-                        if data:
-                            self._discard(key)  # the block is computed and saved again
+                    shards = self._read(key, parent, chunk)
+                    if shards is None:
                         with self._lock:
                             self.stats.miss_blocks += 1
                         break
-                    load.payloads.append(payload)
-                    self._touch(key, len(data))
+                    load.payloads.append(shards)
                     parent = key
                 with self._lock:
                     self.stats.hit_blocks += len(load.payloads)
-                    self.stats.loaded_bytes += sum(map(len, load.payloads))
+                    self.stats.loaded_bytes += sum(len(s) for shards in load.payloads for s in shards)
                     self.stats.load_seconds += time.perf_counter() - started
             except Exception:  # noqa: BLE001 - a read that fails is a miss; the reader goes on
                 log.exception("disk tier: reading blocks failed")
@@ -198,28 +224,29 @@ class DiskTier:
                 load.done.set()
 
     def _discard(self, key: bytes) -> None:
-        path = self.path(key)
+        """Every shard of a block goes (one bad shard makes the block a miss)."""
         with self._lock:
-            self._index.pop(path.name, None)
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+            self._index.pop(key.hex(), None)
+        for rank in range(self.world_size):
+            try:
+                self.path(key, rank).unlink()
+            except FileNotFoundError:
+                pass
 
     def _touch(self, key: bytes, size: int) -> None:
-        name = self.path(key).name
-        try:
-            os.utime(self.path(key))
-        except OSError:
-            pass
+        for rank in range(self.world_size):
+            try:
+                os.utime(self.path(key, rank))
+            except OSError:
+                pass
         with self._lock:
-            self._index[name] = size
-            self._index.move_to_end(name)
+            self._index[key.hex()] = size
+            self._index.move_to_end(key.hex())
 
     # --- saves ----------------------------------------------------------------------------
     def save(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], read_payload: Callable[[], bytes]) -> None:
-        """Queue a computed block for the writer (a block already on disk or queued is skipped);
-        read_payload copies its K/V off the cache now, before the block can be reused."""
+        """Queue this rank's shard of a computed block for the writer (one already on disk or queued is
+        skipped); read_payload copies its K/V off the cache now, before the block can be reused."""
         if self.has(key):
             return
         with self._lock:
@@ -243,12 +270,14 @@ class DiskTier:
                     f.write(data)
                 os.replace(tmp, target)  # atomic: a reader sees the old state or the whole file
                 with self._lock:
-                    self._index[target.name] = len(data)
-                    self._index.move_to_end(target.name)
                     self.stats.saved_blocks += 1
                     self.stats.saved_bytes += len(data)
                     self.stats.save_seconds += time.perf_counter() - started
-                self._evict()
+                    if self.rank == 0:  # the other ranks' shards of it are as big
+                        self._index[key.hex()] = self.world_size * len(data)
+                        self._index.move_to_end(key.hex())
+                if self.rank == 0:
+                    self._evict()
             except OSError as e:
                 log.warning("disk tier: saving a block failed (%s)", e)
             finally:
@@ -257,7 +286,7 @@ class DiskTier:
                     self._queued.discard(key)
 
     def _evict(self) -> None:
-        """Least recently used files go until the directory is within max_bytes (what other engines
+        """Least recently used blocks go until the directory is within max_bytes (what other engines
         wrote is counted once it was seen: at start, on a hit, or at a rescan when over the bound)."""
         with self._lock:
             over = sum(self._index.values()) > self.max_bytes
@@ -269,11 +298,12 @@ class DiskTier:
                 if sum(self._index.values()) <= self.max_bytes or not self._index:
                     return
                 name, _ = self._index.popitem(last=False)
-                self.stats.evicted_files += 1
-            try:
-                (self.dir / name[:2] / name).unlink()
-            except FileNotFoundError:
-                pass
+                self.stats.evicted_files += self.world_size
+            for rank in range(self.world_size):
+                try:
+                    self.path(bytes.fromhex(name), rank).unlink()
+                except FileNotFoundError:
+                    pass
 
     def drain(self, timeout: float = 30) -> None:
         """Wait until every queued save is written (tests, shutdown)."""

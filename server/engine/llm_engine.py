@@ -96,7 +96,8 @@ class LLMEngine:
             from kvpilot.server.engine.kv_tiers import DiskTier
 
             dtype, shape, nbytes = self.runner.block_layout()
-            self.kv_tier = DiskTier(config.kv_offload_dir, config.kv_offload_size, (dtype, shape), nbytes)
+            self.kv_tier = DiskTier(config.kv_offload_dir, config.kv_offload_size, (dtype, shape), nbytes, world_size=config.tensor_parallel_size)
+        self._rank_saves: list = []  # tensor parallelism: blocks whose shards the other ranks are to save (after the scheduler's update)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           cache_salt(self._kv_identity()), lambda adapter: self.lora.by_id[adapter].fingerprint,
                                           on_cached=self._save_block if self.kv_tier else None)
@@ -145,7 +146,21 @@ class LLMEngine:
 
     # --- the disk tier -----------------------------------------------------------------------
     def _save_block(self, block_id: int, key: bytes, parent: bytes, token_ids: tuple[int, ...]) -> None:
+        if self.kv_tier.has(key):
+            return
         self.kv_tier.save(key, parent, token_ids, lambda: self.runner.block_bytes(block_id))
+        if self.workers is not None:
+            from kvpilot.server.engine.step_message import BlockRef
+
+            self._rank_saves.append(BlockRef(block_id, key, parent, list(token_ids)))
+
+    def _update(self, batch: ScheduledBatch, rejected: dict[int, int] | None = None) -> None:
+        """The scheduler's update after a step (full blocks join the prefix cache; with the disk tier,
+        their saves start, on every rank: before any later step can reuse their blocks)."""
+        self.scheduler.update(batch, rejected)
+        if self._rank_saves:
+            self.runner.save_blocks(self._rank_saves)
+            self._rank_saves = []
 
     def _await_tier_read(self, timeout: float = 0.01) -> None:
         """Nothing to run while waiting sequences' reads are in flight: wait for one (no busy loop)."""
@@ -318,7 +333,7 @@ class LLMEngine:
         """Async scheduling, after the step before `step` is complete: account for `step`'s computed
         tokens and give each sequence it samples a placeholder for the coming token, so that the next
         step is scheduled with it."""
-        self.scheduler.update(step.batch)
+        self._update(step.batch)
         step.updated = True
         for seq in step.plan.sampled:
             if not seq.is_finished:
@@ -335,7 +350,7 @@ class LLMEngine:
         verified = [(seq, len(seq.spec_token_ids), 0 if i in out.errors else len(out.token_ids[i]) - 1)
                     for i, seq in enumerate(plan.sampled) if seq.spec_token_ids]
         if not step.updated:
-            self.scheduler.update(batch, {seq.seq_id: proposed - accepted for seq, proposed, accepted in verified})
+            self._update(batch, {seq.seq_id: proposed - accepted for seq, proposed, accepted in verified})
         now = time.monotonic()
         touched: dict[str, None] = {}
         failed: dict[str, str] = {}
@@ -368,9 +383,12 @@ class LLMEngine:
         return self.output.fail(request_id, message)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one rank)."""
+        """Stop the other tensor-parallel ranks (each writes what it queued for the disk tier first), and
+        write what this rank queued."""
         if self.workers is not None:
             self.workers.close()
+        if self.kv_tier is not None:
+            self.kv_tier.drain()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -17,7 +17,7 @@ from kvpilot.server.engine.decode_graphs import DecodeGraphs
 from kvpilot.server.engine.lora import Adapter, read_adapter
 from kvpilot.server.engine.model_io import InputBuilder, ModelInput, ModelOutput, PromptLogprobRows
 from kvpilot.server.engine.sampler import PendingSample, Sampler
-from kvpilot.server.engine.step_message import Describe, RankMirror, SetAdapter, Step, Stop
+from kvpilot.server.engine.step_message import BlockRef, Describe, LoadBlocks, RankMirror, SaveBlocks, SetAdapter, Step, Stop
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
 from kvpilot.server.models.eagle import Eagle3Head, load_head
 from kvpilot.server.models.sharding import TensorParallel
@@ -300,14 +300,24 @@ class ModelRunner:
         stacked = torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches])
         return stacked.view(torch.uint8).cpu().numpy().tobytes()
 
-    def write_blocks(self, loads: list[tuple[int, bytes]]) -> None:
-        """Fill cache blocks with K/V read from a tier (block_bytes' layout), before the step that reads them."""
+    def write_blocks(self, loads: list[tuple[int, list[bytes]]]) -> None:
+        """Fill cache blocks with K/V read from a tier (block_bytes' layout; one payload per rank: the
+        other ranks get theirs in a message before the step that reads them)."""
+        if self.workers is not None:
+            self.workers.send(LoadBlocks([b for b, _ in loads], [[shards[r] for _, shards in loads] for r in range(1, self.tp.world_size)]))
+        self._write_own(zip([b for b, _ in loads], [shards[0] for _, shards in loads]))
+
+    def _write_own(self, loads) -> None:
         _, shape, _ = self.block_layout()
         for block_id, payload in loads:
             stacked = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv_dtype).view(shape).to(self.device)
             for layer, (k, v) in enumerate(self.kv_caches):
                 k[block_id].copy_(stacked[layer, 0])
                 v[block_id].copy_(stacked[layer, 1])
+
+    def save_blocks(self, blocks: list[BlockRef]) -> None:
+        """Tensor parallelism: every other rank saves its shard of blocks that rank 0 just saved its own of."""
+        self.workers.send(SaveBlocks(blocks))
 
     def set_adapter(self, slot: int, adapter: Adapter | None) -> None:
         """Write an adapter into a LoRA slot (None: clear it), on every rank (each reads its share from
@@ -364,6 +374,12 @@ class ModelRunner:
 
         mirror = RankMirror()
         builder = InputBuilder(self.block_size, (), self.device)
+        if self.config.kv_offload_dir:
+            from kvpilot.server.engine.kv_tiers import DiskTier
+
+            dtype, shape, nbytes = self.block_layout()
+            self.kv_tier = DiskTier(self.config.kv_offload_dir, self.config.kv_offload_size, (dtype, shape), nbytes,
+                                    self.tp.rank, self.tp.world_size)
         while True:
             message = channel.receive()
             if isinstance(message, Step):
@@ -376,12 +392,19 @@ class ModelRunner:
                 inp.take_previous_tokens(tokens)
                 with torch.inference_mode():
                     self._forward(inp, inp.logits_indices.numel() > 0)
+            elif isinstance(message, SaveBlocks):
+                for b in message.blocks:
+                    self.kv_tier.save(b.key, b.parent, tuple(b.token_ids), lambda block_id=b.block_id: self.block_bytes(block_id))
+            elif isinstance(message, LoadBlocks):
+                self._write_own(zip(message.block_ids, message.shards[self.tp.rank - 1]))
             elif isinstance(message, SetAdapter):
                 tensors = read_adapter(message.path, self.model.config, self.config.max_lora_rank)[0] if message.path else None
                 self.model.set_adapter(message.slot, tensors)
             elif isinstance(message, Describe):
                 dist.gather_object(self.describe(), None, dst=0)
             elif isinstance(message, Stop):
+                if self.config.kv_offload_dir:
+                    self.kv_tier.drain()  # shards queued for the disk tier are written before the rank goes
                 return
 
     def describe(self) -> dict:

@@ -22,7 +22,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    kv_loads: list[tuple[int, bytes]] = field(default_factory=list)  # (block id, K/V read from a tier): written before the step runs
+    kv_loads: list[tuple[int, list[bytes]]] = field(default_factory=list)  # (block id, each rank's K/V read from a tier): written before the step
 
     @property
     def total_tokens(self) -> int:
@@ -112,7 +112,7 @@ class Scheduler:
                 passed.append(self.waiting.popleft())
                 continue
             cached = self.bm.match_prefix(seq) if not seq.block_table else None
-            loaded: list[bytes] = []
+            loaded: list[list[bytes]] = []
             if cached is not None and self.tier_lookup is not None:
                 if not seq.tier_looked_up:
                     seq.tier_looked_up, seq.kv_load = True, self.tier_lookup(seq, cached)
@@ -145,7 +145,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed))  # back at the front, in their order
         return batch
 
-    def _loaded_after(self, seq: Sequence, num_cached: int) -> list[bytes]:
+    def _loaded_after(self, seq: Sequence, num_cached: int) -> list[list[bytes]]:
         """The tier's blocks that continue seq's in-memory hits (none when the hits changed so that they
         do not), short of its last prompt token (always computed: its logits are needed)."""
         load = seq.kv_load

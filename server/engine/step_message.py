@@ -60,6 +60,22 @@ class SetAdapter(msgspec.Struct, tag="set_adapter", array_like=True, frozen=True
     path: str | None                # the adapter's directory (each rank reads its share), None: clear the slot
 
 
+class BlockRef(msgspec.Struct, array_like=True, frozen=True):
+    block_id: int
+    key: bytes
+    parent: bytes
+    token_ids: list[int]
+
+
+class SaveBlocks(msgspec.Struct, tag="save_blocks", array_like=True, frozen=True):
+    blocks: list[BlockRef]          # just joined rank 0's prefix cache: each rank saves its shard to the disk tier
+
+
+class LoadBlocks(msgspec.Struct, tag="load_blocks", array_like=True, frozen=True):
+    block_ids: list[int]            # fresh blocks of the next step...
+    shards: list[list[bytes]]       # ...filled with rank r's K/V read from the disk tier: shards[r - 1][i] (rank 0 keeps its own)
+
+
 class Describe(msgspec.Struct, tag="describe", array_like=True, frozen=True):
     pass
 
@@ -68,7 +84,7 @@ class Stop(msgspec.Struct, tag="stop", array_like=True, frozen=True):
     pass
 
 
-Message = Step | SetAdapter | Describe | Stop
+Message = Step | SetAdapter | SaveBlocks | LoadBlocks | Describe | Stop
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
