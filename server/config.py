@@ -104,7 +104,7 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _offload_consistent(self) -> EngineConfig:
         if self.kv_offload_dir is None:
-            if "kv_offload_size" in self.model_fields_set:
+            if self.kv_offload_size != type(self).model_fields["kv_offload_size"].default:
                 raise ValueError("kv_offload_size needs kv_offload_dir")
             return self
         if not self.enable_prefix_caching:
