@@ -244,18 +244,20 @@ class DiskTier:
             self._index.move_to_end(key.hex())
 
     # --- saves ----------------------------------------------------------------------------
-    def save(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], read_payload: Callable[[], bytes]) -> None:
-        """Queue this rank's shard of a computed block for the writer (one already on disk or queued is
-        skipped); read_payload copies its K/V off the cache now, before the block can be reused."""
+    def save(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], read_payload: Callable[[], bytes]) -> bool:
+        """Queue this rank's shard of a computed block for the writer; False when it is not (already on
+        disk or queued, or dropped). read_payload copies its K/V off the cache now, before the block can
+        be reused."""
         if self.has(key):
-            return
+            return False
         with self._lock:
             if self._pending_bytes + self.payload_bytes > self.max_pending_bytes:
                 self.stats.dropped_saves += 1
-                return
+                return False
             self._pending_bytes += self.payload_bytes
             self._queued.add(key)
         self._saves.put((key, parent, token_ids, read_payload()))
+        return True
 
     def _writer(self) -> None:
         while True:

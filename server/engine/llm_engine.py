@@ -146,10 +146,8 @@ class LLMEngine:
 
     # --- the disk tier -----------------------------------------------------------------------
     def _save_block(self, block_id: int, key: bytes, parent: bytes, token_ids: tuple[int, ...]) -> None:
-        if self.kv_tier.has(key):
-            return
-        self.kv_tier.save(key, parent, token_ids, lambda: self.runner.block_bytes(block_id))
-        if self.workers is not None:
+        queued = self.kv_tier.save(key, parent, token_ids, lambda: self.runner.block_bytes(block_id))
+        if queued and self.workers is not None:  # the other ranks save their shards of what rank 0 saves
             from kvpilot.server.engine.step_message import BlockRef
 
             self._rank_saves.append(BlockRef(block_id, key, parent, list(token_ids)))
