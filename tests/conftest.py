@@ -79,3 +79,28 @@ def lora_peft_case(hf_oracle_session, model_path, tmp_path_factory):  # noqa: F8
     paths, results = peft_outputs(hf_oracle_session.model, sha, prompt_ids, STEPS, tmp_path_factory.mktemp("adapters"))
     base = [OracleResult(r.prompt_ids, r.tokens[:STEPS], r.topk[:STEPS], r.prompt_logprobs) for r in hf_oracle_session.run()]
     return paths, results, base
+
+
+_module_rss: list[tuple[str, int]] = []  # (test module, the pytest process's RSS after it, bytes)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_after_each_module(request):
+    """Each module's engines go when it ends, even those a cycle holds (a full collection is ~0.1 s: per
+    module, not per test), and the RSS left after it is recorded: a suite that outgrows the machine
+    names the modules that grew it (in the terminal summary), instead of dying to the OOM killer."""
+    yield
+    import gc
+
+    gc.collect()
+    with open("/proc/self/statm") as f:  # Linux, as CI: resident pages are the second field
+        _module_rss.append((request.module.__name__, int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if len(_module_rss) < 2:
+        return
+    growth = sorted(((after - before, name) for (_, before), (name, after) in zip(_module_rss, _module_rss[1:])), reverse=True)
+    peak = max(rss for _, rss in _module_rss)
+    terminalreporter.write_line(f"memory: pytest process RSS {peak / 2**30:.1f} GiB at most after a module; most growth: "
+                                + ", ".join(f"{name} {delta / 2**20:+.0f} MiB" for delta, name in growth[:5]))

@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,14 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+
+
+def _weakly(method):
+    """A callable for the engine's own parts (block manager, scheduler) to call back into it: a strong
+    reference would make the engine a cycle that only the garbage collector frees, its KV cache and
+    weights with it; dropping the last LLM must free them at once."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)
 
 
 class LLMEngine:
@@ -98,11 +107,6 @@ class LLMEngine:
             dtype, shape, nbytes = self.runner.block_layout()
             self.kv_tier = DiskTier(config.kv_offload_dir, config.kv_offload_size, (dtype, shape), nbytes, world_size=config.tensor_parallel_size)
         self._rank_saves: list = []  # tensor parallelism: blocks whose shards the other ranks are to save (after the scheduler's update)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          cache_salt(self._kv_identity()), lambda adapter: self.lora.by_id[adapter].fingerprint,
-                                          on_cached=self._save_block if self.kv_tier else None)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
-                                   config.max_loras if config.enable_lora else 0, tier_lookup=self._tier_lookup if self.kv_tier else None)
         self.lora: LoRARegistry | None = None
         if config.enable_lora:
             from kvpilot.server.adapters import parse_lora_module
@@ -112,6 +116,11 @@ class LLMEngine:
                                      self.runner.set_adapter)
             for spec in config.lora_modules or ():
                 self.lora.add(*parse_lora_module(spec))
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          cache_salt(self._kv_identity()), self.lora.fingerprint if self.lora else None,
+                                          on_cached=_weakly(self._save_block) if self.kv_tier else None)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
+                                   config.max_loras if config.enable_lora else 0, tier_lookup=_weakly(self._tier_lookup) if self.kv_tier else None)
         self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
                                         num_threads=config.num_threads or os.cpu_count() or 1)
         self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device, self.grammars)

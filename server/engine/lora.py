@@ -131,6 +131,10 @@ class LoRARegistry:
     def names(self) -> list[str]:
         return list(self.by_name)
 
+    def fingerprint(self, adapter_id: int) -> bytes:
+        """The digest of an adapter's files: the root of its KV blocks' keys (the block manager's)."""
+        return self.by_id[adapter_id].fingerprint
+
     def read(self, name: str, path: str | Path, root: str | Path | None = None) -> Adapter:
         """Read and check an adapter, not yet registered (no engine state touched: the server reads
         off the step loop, then registers on it); an hf:// source is downloaded into `root` first.
