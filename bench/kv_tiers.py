@@ -60,16 +60,16 @@ def main() -> None:
         prefix = new_ids(args.prefix_tokens)
         times["recompute"].append(ttft(llm, prefix + new_ids(16)))
         ttft(llm, new_ids(args.prefix_tokens + 16))  # evicts the prefix from the engine's cache
-        llm.engine.kv_tier.drain()
+        llm.engine.kv_tiers.drain()
         times["tier after eviction"].append(ttft(llm, prefix + new_ids(16)))
         prefix = new_ids(args.prefix_tokens)
         ttft(llm, prefix + new_ids(16))
-        llm.engine.kv_tier.drain()
+        llm.engine.kv_tiers.drain()
         restarted = make()
         times["tier after restart"].append(ttft(restarted, prefix + new_ids(16)))
-        hits_before += restarted.engine.kv_tier.stats.hit_blocks
+        hits_before += restarted.engine.kv_tiers.disk.stats.hit_blocks
         del restarted
-    stats = llm.engine.kv_tier.stats
+    stats = llm.engine.kv_tiers.disk.stats
     base = statistics.median(times["recompute"])
     rows = [{"path": name, "TTFT s (median)": f"{statistics.median(v):.3f}", "vs recompute": f"{statistics.median(v) / base:.3f}×"}
             for name, v in times.items()]

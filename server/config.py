@@ -7,6 +7,7 @@ Field names follow vLLM's where vLLM has one, so `--max-num-seqs` means the same
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import types
 import typing
@@ -46,6 +47,14 @@ class EngineConfig(BaseModel):
         "fell out of the cache (or was computed by another engine sharing the directory, or before a restart) is read back "
         "instead of recomputed. Off when unset."))
     kv_offload_size: int = Field(16 << 30, ge=1 << 20, description="Most bytes the disk tier's directory holds (least recently used files go first).")
+    kv_host_offload_size: int = Field(0, ge=0, description=(
+        "Bytes of host memory for a host tier of the prefix cache (e.g. 8GiB): full blocks are copied there as they are computed, "
+        "and a prompt whose prefix fell out of the KV cache is copied back instead of recomputed (before the disk tier is read); "
+        "0: off. On a CPU engine the KV cache is host memory already: this holds what a larger kv_cache_memory would."))
+    kv_transfer_config: str | None = Field(None, description=(
+        "vLLM's spelling of the KV tiers, as JSON: {\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+        "\"kv_connector_extra_config\": {\"host_size\": \"8GiB\", \"disk_dir\": \"/kv\", \"disk_size\": \"100GiB\"}} sets "
+        "kv_host_offload_size, kv_offload_dir and kv_offload_size (a flag given too must agree)."))
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache (CUDA).")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
@@ -90,10 +99,23 @@ class EngineConfig(BaseModel):
     max_cpu_loras: int | None = Field(None, ge=1, description="Adapters whose weights are kept in host memory (default: max_loras); others are re-read from disk when they get a slot.")
     max_lora_rank: int = Field(16, ge=1, le=512, description="Largest adapter rank accepted (the slots are sized for it).")
 
-    @field_validator("kv_cache_memory", "kv_offload_size", mode="before")
+    @field_validator("kv_cache_memory", "kv_offload_size", "kv_host_offload_size", mode="before")
     @classmethod
     def _size(cls, v: Any) -> int:
         return parse_size(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kv_transfer_config(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("kv_transfer_config") is None:
+            return data
+        settings = kv_transfer_settings(data["kv_transfer_config"])
+        for name, value in settings.items():
+            given = data.get(name)
+            if given is not None and (parse_size(given) if name != "kv_offload_dir" else given) != value:
+                raise ValueError(f"kv_transfer_config sets {name}={value!r}, and {name}={given!r} was given too")
+        return {**data, **settings, "kv_transfer_config": data["kv_transfer_config"] if isinstance(data["kv_transfer_config"], str)
+                else json.dumps(data["kv_transfer_config"], sort_keys=True)}
 
     @model_validator(mode="after")
     def _budget_fits(self) -> EngineConfig:
@@ -103,15 +125,18 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _offload_consistent(self) -> EngineConfig:
-        if self.kv_offload_dir is None:
-            if self.kv_offload_size != type(self).model_fields["kv_offload_size"].default:
-                raise ValueError("kv_offload_size needs kv_offload_dir")
-            return self
-        if not self.enable_prefix_caching:
-            raise ValueError("kv_offload_dir needs enable_prefix_caching (the disk tier holds the prefix cache's blocks)")
-        if self.speculative_method in ("draft", "eagle3"):
-            raise ValueError(f"kv_offload_dir with speculative_method={self.speculative_method} is not implemented (the draft's K/V "
-                             "shares the blocks and is not saved; ngram is)")
+        if self.kv_offload_dir is None and self.kv_offload_size != type(self).model_fields["kv_offload_size"].default:
+            raise ValueError("kv_offload_size needs kv_offload_dir")
+        if self.kv_host_offload_size and self.tensor_parallel_size > 1:
+            raise ValueError("kv_host_offload_size with tensor_parallel_size > 1 is not implemented (the disk tier is: each rank saves its shard)")
+        for tier in ("kv_offload_dir", "kv_host_offload_size"):
+            if not getattr(self, tier):
+                continue
+            if not self.enable_prefix_caching:
+                raise ValueError(f"{tier} needs enable_prefix_caching (the KV tiers hold the prefix cache's blocks)")
+            if self.speculative_method in ("draft", "eagle3"):
+                raise ValueError(f"{tier} with speculative_method={self.speculative_method} is not implemented (the draft's K/V "
+                                 "shares the blocks and is not saved; ngram is)")
         return self
 
     @model_validator(mode="after")
@@ -184,6 +209,35 @@ class EngineConfig(BaseModel):
         parser = argparse.ArgumentParser(prog="kvpilot", add_help=False)
         add_model_args(parser, cls)
         return cls(**{k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None})
+
+
+KV_CONNECTOR = "OffloadingConnector"
+_KV_EXTRA = {"host_size": "kv_host_offload_size", "disk_dir": "kv_offload_dir", "disk_size": "kv_offload_size"}
+
+
+def kv_transfer_settings(value: str | dict) -> dict[str, Any]:
+    """The engine fields a --kv-transfer-config sets (vLLM's JSON: kv_connector, kv_role,
+    kv_connector_extra_config); what kvpilot does not implement is refused by name."""
+    try:
+        config = json.loads(value) if isinstance(value, str) else value
+    except ValueError as e:
+        raise ValueError(f"kv_transfer_config is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError("kv_transfer_config must be a JSON object")
+    unknown = sorted(set(config) - {"kv_connector", "kv_role", "kv_connector_extra_config"})
+    if unknown:
+        raise ValueError(f"kv_transfer_config: {', '.join(unknown)} not implemented (kv_connector, kv_role and kv_connector_extra_config are)")
+    if config.get("kv_connector") != KV_CONNECTOR:
+        raise ValueError(f"kv_transfer_config: kv_connector {config.get('kv_connector')!r} is not implemented; {KV_CONNECTOR!r} is "
+                         "(kvpilot's host and disk tiers)")
+    if config.get("kv_role", "kv_both") != "kv_both":
+        raise ValueError(f"kv_transfer_config: kv_role {config['kv_role']!r} is not implemented (prefill/decode roles); 'kv_both' is")
+    extra = config.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict) or set(extra) - set(_KV_EXTRA):
+        raise ValueError(f"kv_transfer_config: kv_connector_extra_config takes {', '.join(_KV_EXTRA)}, got {extra!r}")
+    if not extra:
+        raise ValueError(f"kv_transfer_config: kv_connector_extra_config must set a tier ({', '.join(_KV_EXTRA)})")
+    return {field: (str(extra[key]) if key == "disk_dir" else parse_size(extra[key])) for key, field in _KV_EXTRA.items() if key in extra}
 
 
 def _flag(name: str) -> str:

@@ -1,12 +1,14 @@
-"""The disk tier of the KV cache (server/engine/kv_tiers.py): greedy tokens equal the plain engine's
-after a tier hit (the engine's own cache evicted in between, and after a restart on the same directory);
-torn, corrupted, foreign and mismatched files are misses, never wrong tokens; the directory stays
-within its size bound; three tensor-parallel ranks each keep their shard; what is not implemented is
-refused."""
+"""The KV tiers (server/engine/kv_tiers.py): greedy tokens equal the plain engine's after a host-tier or
+disk-tier hit (the engine's own cache evicted in between, and after a restart on the same directory);
+a lookup takes the host tier's part of a chain, then the disk's; torn, corrupted, foreign and
+mismatched files are misses, never wrong tokens; each tier stays within its size bound; three
+tensor-parallel ranks each keep their shard; vLLM's --kv-transfer-config spelling sets the tiers;
+what is not implemented is refused."""
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 
@@ -43,7 +45,7 @@ def tiered(directory, **kwargs):
 @pytest.mark.timeout(240)
 def test_tier_hits_equal_plain_decoding_after_eviction_and_after_a_restart(tmp_path, reference):
     llm = tiered(tmp_path)
-    tier = llm.engine.kv_tier
+    tier = llm.engine.kv_tiers.disk
     assert [greedy(llm, [p])[0] for p in PROMPTS] == reference  # one by one: each evicts the one before it
     tier.drain()
     assert tier.stats.saved_blocks >= 4 * 8 and tier.stats.hit_blocks == 0
@@ -61,8 +63,8 @@ def test_tier_hits_equal_plain_decoding_after_eviction_and_after_a_restart(tmp_p
 
     restarted = tiered(tmp_path)  # a new engine (or another replica) on the same directory
     assert greedy(restarted, PROMPTS[1:3]) == reference[1:3]  # batched, both read back
-    assert restarted.engine.kv_tier.stats.hit_blocks >= 2 * prompt_blocks - 2
-    assert restarted.engine.kv_tier.stats.refused_files == 0
+    assert restarted.engine.kv_tiers.disk.stats.hit_blocks >= 2 * prompt_blocks - 2
+    assert restarted.engine.kv_tiers.disk.stats.refused_files == 0
 
 
 def _seq(llm, prompt):
@@ -83,10 +85,10 @@ def test_torn_corrupted_foreign_and_mismatched_files_are_misses(tmp_path, refere
 
     llm = tiered(tmp_path)
     assert greedy(llm, [PROMPTS[0]]) == reference[:1]
-    llm.engine.kv_tier.drain()
-    first = llm.engine.kv_tier.path(block_hash(llm.engine.block_manager.salt, llm.engine.tokenizer.encode(PROMPTS[0])[:BLOCK]))
+    llm.engine.kv_tiers.drain()
+    first = llm.engine.kv_tiers.disk.path(block_hash(llm.engine.block_manager.salt, llm.engine.tokenizer.encode(PROMPTS[0])[:BLOCK]))
     pristine = first.read_bytes()
-    other = next(f for f in _files(llm.engine.kv_tier) if f != first).read_bytes()
+    other = next(f for f in _files(llm.engine.kv_tiers.disk) if f != first).read_bytes()
     header_size = struct.unpack_from("<I", pristine, len(MAGIC))[0]
     header = json.loads(pristine[len(MAGIC) + 4:len(MAGIC) + 4 + header_size])
     lying = dict(header, tokens=[t + 1 for t in header["tokens"]])  # another block's tokens under this key
@@ -100,9 +102,9 @@ def test_torn_corrupted_foreign_and_mismatched_files_are_misses(tmp_path, refere
         first.write_bytes(data)
         fresh = tiered(tmp_path)
         assert greedy(fresh, [PROMPTS[0]]) == reference[:1], kind
-        stats = fresh.engine.kv_tier.stats
+        stats = fresh.engine.kv_tiers.disk.stats
         assert stats.hit_blocks == 0 and stats.refused_files == 1 and stats.miss_blocks == 1, (kind, stats)
-        fresh.engine.kv_tier.drain()  # the block is computed and saved again: the next case starts whole
+        fresh.engine.kv_tiers.drain()  # the block is computed and saved again: the next case starts whole
         assert first.read_bytes() == pristine, kind
 
 
@@ -152,12 +154,12 @@ def test_three_ranks_save_and_read_back_their_shards(tmp_path, reference):
     llm = tiered(tmp_path, tensor_parallel_size=3)
     try:
         assert [greedy(llm, [p])[0] for p in PROMPTS] == reference
-        llm.engine.kv_tier.drain()
+        llm.engine.kv_tiers.drain()
         deadline = time.monotonic() + 30  # the other ranks' writers: every block's three shards on disk
         while len(list(tmp_path.glob("*/*-[12].kvblock"))) < 2 * len(list(tmp_path.glob("*/*-0.kvblock"))) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert greedy(llm, [PROMPTS[0]]) == reference[:1]
-        assert llm.engine.kv_tier.stats.hit_blocks == (len(llm.engine.tokenizer.encode(PROMPTS[0])) - 1) // BLOCK
+        assert llm.engine.kv_tiers.disk.stats.hit_blocks == (len(llm.engine.tokenizer.encode(PROMPTS[0])) - 1) // BLOCK
         first = block_hash(llm.engine.block_manager.salt, llm.engine.tokenizer.encode(PROMPTS[1])[:BLOCK])
     finally:
         llm.engine.close()
@@ -167,7 +169,85 @@ def test_three_ranks_save_and_read_back_their_shards(tmp_path, reference):
     restarted = tiered(tmp_path, tensor_parallel_size=3)
     try:
         assert greedy(restarted, PROMPTS[1:3]) == reference[1:3]
-        stats = restarted.engine.kv_tier.stats
+        stats = restarted.engine.kv_tiers.disk.stats
         assert stats.hit_blocks == (len(restarted.engine.tokenizer.encode(PROMPTS[2])) - 1) // BLOCK, stats  # PROMPTS[1]: all computed
     finally:
         restarted.engine.close()
+
+
+@pytest.mark.timeout(240)
+def test_host_tier_hits_equal_plain_decoding_set_by_kv_transfer_config(tmp_path, reference):
+    """Both tiers from vLLM's JSON: after eviction from the engine's cache a prompt comes back from the
+    host tier (nothing read from disk); a restarted engine has an empty host tier and reads the disk."""
+    from kvpilot.server import LLM
+    from kvpilot.server.api.metrics import _EngineCollector
+
+    transfer = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"host_size": "64MiB", "disk_dir": str(tmp_path)}})
+    make = lambda: LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB", kv_transfer_config=transfer)  # noqa: E731
+    llm = make()
+    host, disk = llm.engine.kv_tiers.host, llm.engine.kv_tiers.disk
+    assert host is not None and disk is not None and llm.engine.config.kv_host_offload_size == 64 << 20
+    assert [greedy(llm, [p])[0] for p in PROMPTS] == reference
+    llm.engine.kv_tiers.drain()
+    assert llm.engine.block_manager.match_prefix(_seq(llm, PROMPTS[0])) == []
+    assert greedy(llm, [PROMPTS[0]]) == reference[:1]
+    prompt_blocks = (len(llm.engine.tokenizer.encode(PROMPTS[0])) - 1) // BLOCK
+    assert host.stats.hit_blocks == prompt_blocks and disk.stats.hit_blocks == 0, (host.stats, disk.stats)
+    samples = {s.name: s.value for family in _EngineCollector(llm.engine, "m", lambda: 0).collect() for s in family.samples}
+    assert samples["kvpilot:kv_host_tier_hit_blocks_total"] == prompt_blocks
+    assert samples["kvpilot:kv_host_tier_bytes"] == host.total_bytes() == host.stats.saved_bytes > 0
+
+    restarted = make()
+    assert greedy(restarted, [PROMPTS[1]]) == reference[1:2]
+    assert restarted.engine.kv_tiers.host.stats.hit_blocks == 0 and restarted.engine.kv_tiers.disk.stats.hit_blocks == prompt_blocks
+
+
+def test_a_lookup_takes_the_host_tiers_part_of_a_chain_then_the_disks(tmp_path):
+    from kvpilot.server.engine.block_manager import TEST_SALT, block_hash
+    from kvpilot.server.engine.kv_tiers import DiskTier, HostTier, KVTiers
+
+    size = 4096
+    payloads = [bytes([i]) * size for i in range(8)]
+    host = HostTier(max_bytes=3 * size + 100, payload_bytes=size)  # three blocks
+    tiers = KVTiers(host, DiskTier(tmp_path, 1 << 20, ("torch.uint8", (size,)), size))
+    chunks, keys, parent = [tuple(range(i * 4, i * 4 + 4)) for i in range(8)], [], TEST_SALT
+    for chunk, payload in zip(chunks[:6], payloads):
+        key = block_hash(parent, chunk)
+        assert tiers.save(key, parent, chunk, lambda payload=payload: payload)
+        keys.append(key)
+        parent = key
+    tiers.drain()
+    assert host.stats.evicted_blocks == 3 and [host.has(k) for k in keys] == [False] * 3 + [True] * 3  # least recently used out
+
+    load = tiers.lookup(TEST_SALT, chunks, 0)  # blocks 0-2 only on disk: the host tier's 3-5 are not reached from the root
+    assert load.done.wait(10) and [p for (p,) in load.payloads] == payloads[:6] and host.stats.hit_blocks == 0
+    load = tiers.lookup(keys[2], chunks[3:], 3)  # from block 3: the host tier has 3-5, done at once; 6-7 nowhere
+    assert load.done.is_set() and [p for (p,) in load.payloads] == payloads[3:6] and host.stats.hit_blocks == 3
+    assert tiers.lookup(keys[5], chunks[6:], 6) is None
+    assert HostTier(3 * size, size).chain(TEST_SALT, chunks)[0] == []
+    with pytest.raises(ValueError, match="does not hold one block"):
+        HostTier(size - 1, size)
+
+
+@pytest.mark.parametrize("settings,refusal", [
+    ({"kv_host_offload_size": "1GiB", "enable_prefix_caching": False}, "kv_host_offload_size needs enable_prefix_caching"),
+    ({"kv_host_offload_size": "1GiB", "tensor_parallel_size": 3}, "kv_host_offload_size with tensor_parallel_size > 1 is not implemented"),
+    ({"kv_transfer_config": '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}'}, "kv_connector 'LMCacheConnectorV1' is not implemented"),
+    ({"kv_transfer_config": '{"kv_connector": "OffloadingConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"host_size": 1}}'},
+     "kv_role 'kv_producer' is not implemented"),
+    ({"kv_transfer_config": '{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 8}}'},
+     "kv_connector_extra_config takes host_size, disk_dir, disk_size"),
+    ({"kv_transfer_config": '{"kv_connector": "OffloadingConnector", "kv_ip": "1.2.3.4", "kv_connector_extra_config": {"host_size": 1}}'},
+     "kv_ip not implemented"),
+    ({"kv_transfer_config": "{not json"}, "kv_transfer_config is not JSON"),
+    ({"kv_transfer_config": '{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"disk_dir": "/a"}}', "kv_offload_dir": "/b"},
+     "kv_transfer_config sets kv_offload_dir='/a', and kv_offload_dir='/b' was given too"),
+])
+def test_what_the_host_tier_and_kv_transfer_config_do_not_do_is_refused(settings, refusal):
+    from pydantic import ValidationError
+
+    from kvpilot.server.config import EngineConfig
+
+    with pytest.raises(ValidationError, match=re.escape(refusal)):
+        EngineConfig(**settings)

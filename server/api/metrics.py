@@ -73,7 +73,18 @@ class _EngineCollector:
             for position, count in enumerate(spec.accepted_per_pos):
                 per_pos.add_metric([self.model_name, str(position)], count)
             yield per_pos
-        tier = self.engine.kv_tier
+        tiers = self.engine.kv_tiers
+        host = tiers.host if tiers is not None else None
+        if host is not None:  # the host tier (kv_tiers.py)
+            h = host.stats
+            yield counter("kv_host_tier_hit_blocks", "KV blocks copied back from the host tier instead of computed.", h.hit_blocks)
+            yield counter("kv_host_tier_miss_blocks", "Lookups whose chain the host tier did not hold to its end (one per lookup).", h.miss_blocks)
+            yield counter("kv_host_tier_loaded_bytes", "Bytes of K/V copied back from the host tier.", h.loaded_bytes)
+            yield counter("kv_host_tier_saved_blocks", "KV blocks copied into the host tier.", h.saved_blocks)
+            yield counter("kv_host_tier_saved_bytes", "Bytes copied into the host tier.", h.saved_bytes)
+            yield counter("kv_host_tier_evicted_blocks", "Host tier blocks dropped to stay within kv_host_offload_size.", h.evicted_blocks)
+            yield gauge("kv_host_tier_bytes", "Bytes of K/V the host tier holds.", host.total_bytes())
+        tier = tiers.disk if tiers is not None else None
         if tier is not None:  # the disk tier (kv_tiers.py)
             t = tier.stats
             yield counter("kv_offload_hit_blocks", "KV blocks read back from the disk tier instead of computed.", t.hit_blocks)

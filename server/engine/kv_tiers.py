@@ -1,5 +1,8 @@
-"""The disk tier of the KV cache: full blocks' K/V in files named by their SHA-256 block key, under a
-directory that several engines (replicas on one shared volume, or one engine across restarts) may use.
+"""The tiers below the KV cache, behind one seam (KVTiers, the engine's connector): a host tier (blocks
+in host memory, least recently used out first) and a disk tier, full blocks' K/V in files named by
+their SHA-256 block key, under a directory that several engines (replicas on one shared volume, or one
+engine across restarts) may use. A block is saved to each tier; a lookup takes what the host tier holds
+of a prompt's chain, then what the disk holds after it.
 
 A block computed here is saved after the step that completed it (the engine copies it off the cache,
 a writer thread writes the file: tmp file + rename, so readers never see half a file). A waiting
@@ -36,6 +39,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from kvpilot.server.engine.block_manager import block_hash
 
@@ -43,6 +47,15 @@ log = logging.getLogger("kvpilot.server.kv_tiers")
 MAGIC = b"KVPILOT-KV-BLOCK-1\n"
 SUFFIX = ".kvblock"
 MAX_HEADER = 1 << 20
+
+
+class PendingCopy(Protocol):
+    """A block's K/V still being copied off the device (the runner's HostCopy on CUDA)."""
+
+    def result(self) -> bytes: ...
+
+
+Payload = bytes | PendingCopy  # one rank's K/V of one block, in the runner's block_layout()
 
 
 @dataclass(slots=True)
@@ -163,9 +176,11 @@ class DiskTier:
         return payload
 
     # --- loads (rank 0) ---------------------------------------------------------------------
-    def lookup(self, parent: bytes, chunks: list[tuple[int, ...]], first_index: int) -> BlockLoad | None:
+    def lookup(self, parent: bytes, chunks: list[tuple[int, ...]], first_index: int,
+               found: list[list[bytes]] | None = None) -> BlockLoad | None:
         """A read of the blocks whose files exist, chained from `parent` over `chunks` (the prompt's full
-        blocks past the in-memory hits), queued for the reader; None when the first is not on disk."""
+        blocks past the in-memory hits), queued for the reader; None when the first is not on disk.
+        found: blocks before `chunks` another tier already had (the load starts with them)."""
         keys, first_parent = [], parent
         for chunk in chunks:
             key = block_hash(parent, chunk)
@@ -178,7 +193,7 @@ class DiskTier:
                 with self._lock:
                     self.stats.miss_blocks += 1
             return None
-        load = BlockLoad(first_index, first_parent, keys, [tuple(c) for c in chunks[:len(keys)]])
+        load = BlockLoad(first_index, first_parent, keys, [tuple(c) for c in chunks[:len(keys)]], list(found or ()))
         self._loads.put(load)
         return load
 
@@ -204,7 +219,7 @@ class DiskTier:
         while True:
             load = self._loads.get()
             started = time.perf_counter()
-            parent = load.parent
+            parent, read = load.parent, []
             try:
                 for key, chunk in zip(load.keys, load.chunks):
                     shards = self._read(key, parent, chunk)
@@ -213,10 +228,11 @@ class DiskTier:
                             self.stats.miss_blocks += 1
                         break
                     load.payloads.append(shards)
+                    read.append(shards)
                     parent = key
                 with self._lock:
-                    self.stats.hit_blocks += len(load.payloads)
-                    self.stats.loaded_bytes += sum(len(s) for shards in load.payloads for s in shards)
+                    self.stats.hit_blocks += len(read)
+                    self.stats.loaded_bytes += sum(len(s) for shards in read for s in shards)
                     self.stats.load_seconds += time.perf_counter() - started
             except Exception:  # noqa: BLE001 - a read that fails is a miss; the reader goes on
                 log.exception("disk tier: reading blocks failed")
@@ -244,7 +260,7 @@ class DiskTier:
             self._index.move_to_end(key.hex())
 
     # --- saves ----------------------------------------------------------------------------
-    def save(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], read_payload: Callable[[], bytes]) -> bool:
+    def save(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], read_payload: Callable[[], Payload]) -> bool:
         """Queue this rank's shard of a computed block for the writer; False when it is not (already on
         disk or queued, or dropped). read_payload copies its K/V off the cache now, before the block can
         be reused."""
@@ -264,7 +280,7 @@ class DiskTier:
             key, parent, token_ids, payload = self._saves.get()
             started = time.perf_counter()
             try:
-                data = self.encode(key, parent, token_ids, payload)
+                data = self.encode(key, parent, token_ids, payload if isinstance(payload, bytes) else payload.result())
                 target = self.path(key)
                 target.parent.mkdir(exist_ok=True)
                 tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -316,3 +332,104 @@ class DiskTier:
     def total_bytes(self) -> int:
         with self._lock:
             return sum(self._index.values())
+
+
+@dataclass(slots=True)
+class HostTierStats:
+    """Monotonic counters (blocks, bytes) for metrics."""
+
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    loaded_bytes: int = 0
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    evicted_blocks: int = 0
+
+
+class HostTier:
+    """Blocks in host memory, least recently used out first: a prefix that fell out of the KV cache
+    comes back with a copy instead of a forward pass (on a GPU, over PCIe; on a CPU engine, whose KV
+    cache is host memory already, it holds what a larger kv_cache_memory would). In this process
+    only: what it holds is checked against the chain asked for, as the disk tier's files are."""
+
+    def __init__(self, max_bytes: int, payload_bytes: int):
+        if max_bytes < payload_bytes:
+            raise ValueError(f"the host tier's size ({max_bytes} bytes) does not hold one block ({payload_bytes} bytes)")
+        self.max_blocks = max_bytes // payload_bytes
+        self.payload_bytes = payload_bytes
+        self.stats = HostTierStats()
+        self._blocks: OrderedDict[bytes, tuple[bytes, tuple[int, ...], Payload]] = OrderedDict()  # key -> (parent, tokens, payload)
+
+    def has(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def put(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], payload: Payload) -> None:
+        self._blocks[key] = (parent, tuple(token_ids), payload)
+        self._blocks.move_to_end(key)
+        self.stats.saved_blocks += 1
+        self.stats.saved_bytes += self.payload_bytes
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
+            self.stats.evicted_blocks += 1
+
+    def chain(self, parent: bytes, chunks: list[tuple[int, ...]]) -> tuple[list[Payload], bytes]:
+        """The payloads of the blocks held here chained from `parent` over `chunks`, as far as they go,
+        and the key after the last one (each touched: recently used)."""
+        found = []
+        for chunk in chunks:
+            key = block_hash(parent, chunk)
+            entry = self._blocks.get(key)
+            if entry is None or entry[:2] != (parent, tuple(chunk)):
+                break
+            self._blocks.move_to_end(key)
+            found.append(entry[2])
+            parent = key
+        self.stats.hit_blocks += len(found)
+        self.stats.loaded_bytes += len(found) * self.payload_bytes
+        self.stats.miss_blocks += len(found) < len(chunks)
+        return found, parent
+
+    def total_bytes(self) -> int:
+        return len(self._blocks) * self.payload_bytes
+
+
+class KVTiers:
+    """The engine's one seam to the tiers below its KV cache (the connector, in vLLM's words): a block
+    that joins the prefix cache is saved to each tier; a waiting sequence's prompt blocks past its
+    in-memory hits are looked up in the host tier, then on disk, and come back as one load."""
+
+    def __init__(self, host: HostTier | None, disk: DiskTier | None):
+        self.host, self.disk = host, disk
+
+    def save(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], read_payload: Callable[[], Payload]) -> bool:
+        """Save a computed block (its K/V copied off the cache once, now); True when the disk tier
+        queued it (under tensor parallelism the other ranks then save their shards)."""
+        payload = None
+        if self.host is not None and not self.host.has(key):
+            payload = read_payload()
+            self.host.put(key, parent, token_ids, payload)
+        if self.disk is None:
+            return False
+        return self.disk.save(key, parent, token_ids, read_payload if payload is None else lambda: payload)
+
+    def lookup(self, parent: bytes, chunks: list[tuple[int, ...]], first_index: int) -> BlockLoad | None:
+        """The blocks of `chunks` (chained from `parent`) the tiers hold, in order, as far as they go;
+        None when the first is in none. Done at once when the host tier had them all."""
+        found: list[Payload] = []
+        if self.host is not None:
+            found, parent = self.host.chain(parent, chunks)
+        rest = chunks[len(found):]
+        shards = [[payload] for payload in found]
+        if self.disk is not None and rest:
+            load = self.disk.lookup(parent, rest, first_index, shards)
+            if load is not None:
+                return load
+        if not found:
+            return None
+        load = BlockLoad(first_index, parent, [], [], shards)
+        load.done.set()
+        return load
+
+    def drain(self) -> None:
+        if self.disk is not None:
+            self.disk.drain()

@@ -100,12 +100,14 @@ class LLMEngine:
                         "full attention is exact)", window)
         self.runner.start_decode_graphs(self.max_model_len)
         budget = config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len)
-        self.kv_tier = None
-        if config.kv_offload_dir:
-            from kvpilot.server.engine.kv_tiers import DiskTier
+        self.kv_tiers = None
+        if config.kv_offload_dir or config.kv_host_offload_size:
+            from kvpilot.server.engine.kv_tiers import DiskTier, HostTier, KVTiers
 
             dtype, shape, nbytes = self.runner.block_layout()
-            self.kv_tier = DiskTier(config.kv_offload_dir, config.kv_offload_size, (dtype, shape), nbytes, world_size=config.tensor_parallel_size)
+            self.kv_tiers = KVTiers(HostTier(config.kv_host_offload_size, nbytes) if config.kv_host_offload_size else None,
+                                    DiskTier(config.kv_offload_dir, config.kv_offload_size, (dtype, shape), nbytes,
+                                             world_size=config.tensor_parallel_size) if config.kv_offload_dir else None)
         self._rank_saves: list = []  # tensor parallelism: blocks whose shards the other ranks are to save (after the scheduler's update)
         self.lora: LoRARegistry | None = None
         if config.enable_lora:
@@ -118,9 +120,9 @@ class LLMEngine:
                 self.lora.add(*parse_lora_module(spec))
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           cache_salt(self._kv_identity()), self.lora.fingerprint if self.lora else None,
-                                          on_cached=_weakly(self._save_block) if self.kv_tier else None)
+                                          on_cached=_weakly(self._save_block) if self.kv_tiers else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
-                                   config.max_loras if config.enable_lora else 0, tier_lookup=_weakly(self._tier_lookup) if self.kv_tier else None)
+                                   config.max_loras if config.enable_lora else 0, tier_lookup=_weakly(self._tier_lookup) if self.kv_tiers else None)
         self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
                                         num_threads=config.num_threads or os.cpu_count() or 1)
         self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device, self.grammars)
@@ -153,16 +155,16 @@ class LLMEngine:
                 "block_size": config.block_size, "dtype": str(self.runner.dtype), "kv_dtype": str(self.runner.kv_dtype),
                 "quantization": config.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative}
 
-    # --- the disk tier -----------------------------------------------------------------------
+    # --- the KV tiers -------------------------------------------------------------------------
     def _save_block(self, block_id: int, key: bytes, parent: bytes, token_ids: tuple[int, ...]) -> None:
-        queued = self.kv_tier.save(key, parent, token_ids, lambda: self.runner.block_bytes(block_id))
+        queued = self.kv_tiers.save(key, parent, token_ids, lambda: self.runner.block_bytes(block_id))
         if queued and self.workers is not None:  # the other ranks save their shards of what rank 0 saves
             from kvpilot.server.engine.step_message import BlockRef
 
             self._rank_saves.append(BlockRef(block_id, key, parent, list(token_ids)))
 
     def _update(self, batch: ScheduledBatch, rejected: dict[int, int] | None = None) -> None:
-        """The scheduler's update after a step (full blocks join the prefix cache; with the disk tier,
+        """The scheduler's update after a step (full blocks join the prefix cache; with KV tiers,
         their saves start, on every rank: before any later step can reuse their blocks)."""
         self.scheduler.update(batch, rejected)
         if self._rank_saves:
@@ -176,7 +178,7 @@ class LLMEngine:
             load.done.wait(timeout)
 
     def _tier_lookup(self, seq: Sequence, cached: list[int]):
-        """A read of seq's prompt blocks after its in-memory hits from the disk tier (None: none there)."""
+        """A read of seq's prompt blocks after its in-memory hits from the KV tiers (None: in none)."""
         bm, size = self.block_manager, self.config.block_size
         tokens = seq.token_ids()
         usable = (len(tokens) - 1) // size
@@ -184,7 +186,7 @@ class LLMEngine:
             return None
         parent = bm.blocks[cached[-1]].hash if cached else bm.root(seq)
         chunks = [tuple(tokens[i * size:(i + 1) * size]) for i in range(len(cached), usable)]
-        return self.kv_tier.lookup(parent, chunks, len(cached))
+        return self.kv_tiers.lookup(parent, chunks, len(cached))
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -293,7 +295,7 @@ class LLMEngine:
                 log.warning("engine step of %d sequences failed (%s: %s): re-running it request by request", len(batch.seqs), type(e).__name__, e)
                 self.runner.recover()
                 failed = batch
-        elif previous is None and self.kv_tier is not None:
+        elif previous is None and self.kv_tiers is not None:
             self._await_tier_read()
         if previous is not None:
             outputs += self._complete(previous)
@@ -394,8 +396,8 @@ class LLMEngine:
         write what this rank queued."""
         if self.workers is not None:
             self.workers.close()
-        if self.kv_tier is not None:
-            self.kv_tier.drain()
+        if self.kv_tiers is not None:
+            self.kv_tiers.drain()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -50,6 +50,18 @@ class LaunchedStep:
         return ModelOutput(result.token_ids, result.logprobs, result.errors, self.prompt_logprobs)
 
 
+@dataclass(slots=True)
+class HostCopy:
+    """A block's K/V being copied off a GPU into pinned memory (block_bytes): its bytes once done."""
+
+    host: torch.Tensor                # uint8, pinned
+    done: torch.cuda.Event
+
+    def result(self) -> bytes:
+        self.done.synchronize()
+        return self.host.numpy().tobytes()
+
+
 def resolve_device(config: EngineConfig, tp: TensorParallel | None = None) -> torch.device:
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -103,6 +115,8 @@ class ModelRunner:
                  tp: TensorParallel | None = None, workers: Workers | None = None, eagle_head: str | None = None):
         self.config = config
         self.tp, self.workers = tp, workers
+        self._copy_stream: torch.cuda.Stream | None = None  # CUDA: block_bytes' copies off the device
+        self._copies_queued = False
         self.device = resolve_device(config, tp)
         self.dtype = resolve_dtype(config, self.device)
         self.kv_dtype = resolve_kv_dtype(config, self.device, self.dtype)
@@ -295,10 +309,25 @@ class ModelRunner:
         shape = (len(self.kv_caches), 2, *k.shape[1:])
         return str(self.kv_dtype), shape, math.prod(shape) * k.element_size()
 
-    def block_bytes(self, block_id: int) -> bytes:
-        """A copy of one cache block's K/V, off the device (before the block can be reused)."""
-        stacked = torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches])
-        return stacked.view(torch.uint8).cpu().numpy().tobytes()
+    def block_bytes(self, block_id: int) -> bytes | HostCopy:
+        """A copy of one cache block's K/V, off the device, taken before the block can be reused. On
+        CUDA it is queued on a side stream after the work queued so far (the step that computed the
+        block may still run) into pinned memory: the host goes on, and the next step waits for the
+        copy before it can overwrite anything (launch)."""
+        if self.device.type != "cuda":
+            stacked = torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches])
+            return stacked.view(torch.uint8).numpy().tobytes()
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            stacked = torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches]).view(torch.uint8).flatten()
+            host = torch.empty(stacked.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        self._copies_queued = True
+        return HostCopy(host, done)
 
     def write_blocks(self, loads: list[tuple[int, list[bytes]]]) -> None:
         """Fill cache blocks with K/V read from a tier (block_bytes' layout; one payload per rank: the
@@ -310,7 +339,11 @@ class ModelRunner:
     def _write_own(self, loads) -> None:
         _, shape, _ = self.block_layout()
         for block_id, payload in loads:
-            stacked = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv_dtype).view(shape).to(self.device)
+            if isinstance(payload, HostCopy):  # the host tier's pinned copy: straight back (after its copy off the device)
+                torch.cuda.current_stream(self.device).wait_event(payload.done)
+                stacked = payload.host.view(self.kv_dtype).view(shape).to(self.device, non_blocking=True)
+            else:
+                stacked = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv_dtype).view(shape).to(self.device)
             for layer, (k, v) in enumerate(self.kv_caches):
                 k[block_id].copy_(stacked[layer, 0])
                 v[block_id].copy_(stacked[layer, 1])
@@ -339,6 +372,9 @@ class ModelRunner:
         not waited for: on CUDA the step is queued and the host goes on (async scheduling builds the
         next step meanwhile); LaunchedStep.output() waits. previous_tokens: the sampled tokens of the
         step before, still on the device, which the input's placeholders take."""
+        if self._copies_queued:  # blocks being copied off the device (block_bytes) are not written over before the copies end
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+            self._copies_queued = False
         inp.take_previous_tokens(previous_tokens)
         sampled = inp.sampling is not None
         prompt_logits, logits = self._forward(inp, sampled)
