@@ -139,14 +139,26 @@ class OutputParsers(_Model):
 
 
 class KVOffloadSpec(_Model):
-    """The disk tier of the KV cache (engine kvpilot, --kv-offload-dir): full KV blocks kept as files named by their key, read back
-    instead of recomputed when a prompt's prefix fell out of an engine's cache, after a restart, or (Shared) when another pod
-    computed it."""
+    """The tiers below the KV cache (engine kvpilot): a host-memory tier (hostSize, --kv-host-offload-size) and a disk tier
+    (--kv-offload-dir): full KV blocks kept as files named by their key, read back instead of recomputed when a prompt's prefix
+    fell out of an engine's cache, after a restart, or (Shared) when another pod computed it."""
 
-    mode: Literal["Shared", "PerPod"] = Field("Shared", description=(
-        "Shared: one ReadWriteMany claim per InferenceService (<name>-kv-tier), mounted by every pod: a prefix one pod computed is a "
-        "tier hit on the others, and it outlives pods (needs ReadWriteMany storage); PerPod: an emptyDir per pod (sizeLimit: size), "
-        "which outlives the engine's restarts within the pod only."))
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", json_schema_extra={
+        "x-kubernetes-validations": [cel("self.mode != 'Off' || has(self.hostSize)", "mode Off (no disk tier) needs hostSize", ".mode")]})
+
+    mode: Literal["Shared", "PerPod", "Off"] = Field("Shared", description=(
+        "The disk tier. Shared: one ReadWriteMany claim per InferenceService (<name>-kv-tier), mounted by every pod: a prefix one pod "
+        "computed is a tier hit on the others, and it outlives pods (needs ReadWriteMany storage); PerPod: an emptyDir per pod "
+        "(sizeLimit: size), which outlives the engine's restarts within the pod only; Off: none (the host tier only)."))
+    host_size: str | None = Field(None, max_length=32, pattern=QUANTITY_PATTERN, description=(
+        "Host memory for the host tier, e.g. 8Gi: blocks copied off the GPU as they are computed and copied back on a hit, before "
+        "the disk tier is read (unset: no host tier). It is part of the engine's memory: resources.memory must hold it."))
+
+    @model_validator(mode="after")
+    def _a_tier(self) -> KVOffloadSpec:
+        if self.mode == "Off" and self.host_size is None:  # the CEL rule above, for specs the API server did not check
+            raise ValueError("kvOffload mode Off (no disk tier) needs hostSize")
+        return self
     size: str = Field("10Gi", max_length=32, pattern=QUANTITY_PATTERN, description=(
         "The tier's storage (the claim's request, or the emptyDir's sizeLimit); the engine keeps its files within 90% of it "
         "(least recently used files go first)."))
@@ -179,7 +191,7 @@ class EngineSettings(_Model):
         "--quantization-group-size), on CPU and GPU; vLLM takes fp8, awq, gptq; SGLang fp8, awq, gptq, gguf. A value the engine does not take is reported as Degraded."))
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="Ranks the model is split over; also the GPUs per pod.")
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (off when absent).")
-    kv_offload: KVOffloadSpec | None = Field(None, description="The KV cache's disk tier (engine kvpilot; off when absent).")
+    kv_offload: KVOffloadSpec | None = Field(None, description="The KV tiers below the engine's KV cache: disk and host memory (engine kvpilot; off when absent).")
     parsers: OutputParsers | None = Field(None, description="Tool-call and reasoning formats of the model's outputs.")
     max_loras: int | None = Field(None, ge=1, le=64, description=(
         "With spec.adapters: adapters in the compute device's slots at once (--max-loras; default 1, as vLLM's); requests of "

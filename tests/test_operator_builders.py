@@ -592,8 +592,31 @@ def test_the_kv_disk_tier_is_a_shared_claim_or_a_per_pod_directory():
     assert "kv-tier" not in str(render("svc", "ns", "u", spec(resources={"cpuOnly": True})))
 
     [problem] = unsupported_settings(spec(engine="vllm", model={"source": "hf://org/m"}, engineSettings={"kvOffload": {}}))
-    assert "kvOffload is the kvpilot engine's disk tier" in problem
+    assert "kvOffload is the kvpilot engine's KV tiers" in problem
     body = {"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "engineSettings": {
         "kvOffload": {}, "speculative": {"method": "draft", "draftModel": "smollm2-135m"}}}}
     parsed, problems = parse_spec(body)
     assert problems and "speculative_method=draft is not implemented" in problems[0][1], problems
+
+
+def test_the_kv_host_tier_sizes_the_engines_flag_with_or_without_a_disk_tier():
+    """hostSize is --kv-host-offload-size (with the disk tier, or alone with mode Off: no volume); mode Off
+    without it is refused (CEL in the API server, the same rule in the spec model); a host tier that
+    does not fit resources.memory is a problem."""
+    from pydantic import ValidationError
+
+    from kvpilot.operator.builders.engines import KV_TIER_DIR
+
+    both = container(render("svc", "ns", "u", spec(resources={"cpuOnly": True}, engineSettings={"kvOffload": {"hostSize": "2Gi"}}))[1])
+    cfg = EngineConfig.from_cli_args(engine_args(both))
+    assert (cfg.kv_host_offload_size, cfg.kv_offload_dir) == (2 << 30, KV_TIER_DIR)
+    host_only = spec(resources={"cpuOnly": True, "memory": "8Gi"}, engineSettings={"kvOffload": {"mode": "Off", "hostSize": "512Mi"}})
+    objs = render("svc", "ns", "u", host_only)
+    assert [o["kind"] for o in objs][0] == "Deployment" and "kv-tier" not in str(objs)
+    cfg = EngineConfig.from_cli_args(engine_args(container(objs[0])))
+    assert (cfg.kv_host_offload_size, cfg.kv_offload_dir) == (512 << 20, None)
+    assert unsupported_settings(host_only) == []
+    [problem] = unsupported_settings(spec(resources={"cpuOnly": True, "memory": "1Gi"}, engineSettings={"kvOffload": {"hostSize": "2Gi"}}))
+    assert "hostSize=2Gi does not fit in resources.memory=1Gi" in problem
+    with pytest.raises(ValidationError, match="mode Off .* needs hostSize"):
+        spec(engineSettings={"kvOffload": {"mode": "Off"}})

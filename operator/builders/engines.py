@@ -146,8 +146,10 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         values["device"] = "cpu"
     if spec.adapters:
         values |= {"enable_lora": True, **_lora_values(spec)}
-    if s.kv_offload:
+    if s.kv_offload and s.kv_offload.mode != "Off":
         values |= {"kv_offload_dir": KV_TIER_DIR, "kv_offload_size": kv_offload_bytes(s.kv_offload)}
+    if s.kv_offload and s.kv_offload.host_size:
+        values["kv_host_offload_size"] = parse_quantity(s.kv_offload.host_size)
     # EngineConfig validates here, in the operator, so a bad combination is a status condition, not a crash loop.
     engine_args = EngineConfig(**values).to_cli_args()
     args = ["serve", "--host", "$(POD_IP)", "--port", str(PORT), "--shutdown-grace-seconds", str(SHUTDOWN_GRACE_SECONDS), *engine_args]
@@ -260,11 +262,15 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
             problems.append(f"engineSettings.kvCacheDtype={s.kv_cache_dtype} is a kvpilot setting; {spec.engine} keeps its cache in the "
                             "compute dtype (auto), or fp8 through extraArgs --kv-cache-dtype")
         if s.kv_offload is not None:
-            problems.append(f"engineSettings.kvOffload is the kvpilot engine's disk tier; {spec.engine} offloads KV through its own connectors "
+            problems.append(f"engineSettings.kvOffload is the kvpilot engine's KV tiers; {spec.engine} offloads KV through its own connectors "
                             "(extraArgs)")
         if spec.image is None:  # the pinned release: its flags are known (a custom image's are not)
             version = image_version(DEFAULT_IMAGES[spec.engine])
             problems += [f"extraArgs: {p}" for p in flag_problems(spec.engine, version, list(spec.extra_args))]
+    host = s.kv_offload.host_size if s.kv_offload else None
+    if host and spec.resources.memory and parse_quantity(host) >= parse_quantity(spec.resources.memory):
+        problems.append(f"engineSettings.kvOffload.hostSize={host} does not fit in resources.memory={spec.resources.memory} (the host "
+                        "tier is part of the engine's memory, with its weights and buffers)")
     if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:
         problems.append("engineSettings.speculative.draftModel is only used with methods draft and eagle3")
     if not spec.adapters and _lora_values(spec):

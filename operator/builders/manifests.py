@@ -130,7 +130,7 @@ def kv_tier_claim_name(name: str) -> str:
 
 def _kv_tier_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     tier = spec.engine_settings.kv_offload
-    if tier is None or spec.engine != "kvpilot":
+    if tier is None or tier.mode == "Off" or spec.engine != "kvpilot":
         return [], []
     source = {"persistentVolumeClaim": {"claimName": kv_tier_claim_name(name)}} if tier.mode == "Shared" else {"emptyDir": {"sizeLimit": tier.size}}
     return [{"name": "kv-tier", **source}], [{"name": "kv-tier", "mountPath": KV_TIER_DIR}]
