@@ -2,14 +2,20 @@
 or read back from the disk tier (after the engine's cache evicted it, and after an engine restart on the
 same directory); same run, interleaved rounds, median.
 
-    .venv/bin/python bench/kv_tiers.py [--force] [--rounds 3] [--prefix-tokens 2000] [--threads 2]
+    .venv/bin/python bench/kv_tiers.py [--force] [--rounds 3] [--prefix-tokens 2000] [--load-tokens 4000] [--threads 2]
 
 Each round draws a fresh random prefix (so nothing is cached anywhere) and a 16-token suffix per
 request; one output token is generated (its time is the TTFT, tokenization excluded: ids go in).
   recompute: the prefix is new to the engine and to the tier;
   tier after eviction: the prefix was served, then another prompt of the same length evicted it from
     the engine's cache (kv_cache_memory holds about one of them), and it is asked for again;
-  tier after restart: the prefix was served by another engine on the same directory, now closed.
+  tier after restart: the prefix was served by another engine on the same directory, now closed;
+  host tier after eviction: as after eviction, on an engine with a host tier (and the disk tier).
+
+Then the inter-token latency of 8 decoding clients (one token each per step) while a 4,000-token
+prompt's blocks are read from the disk tier (a fresh engine on a directory holding them), and while
+such a prompt is computed and its blocks saved (vs the same prompt on an engine without a tier): the
+p99 of the steps from its arrival until it is done, vs the clients decoding alone.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefix-tokens", type=int, default=2000)
+    ap.add_argument("--load-tokens", type=int, default=4000, help="the prompt loaded or saved while the clients decode")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
@@ -54,7 +61,10 @@ def main() -> None:
     make = lambda: LLM(num_threads=args.threads, show_progress=False, kv_cache_memory=kv, kv_offload_dir=directory)  # noqa: E731
     llm = make()
     ttft(llm, new_ids(64))  # warm-up
-    times: dict[str, list[float]] = {"recompute": [], "tier after eviction": [], "tier after restart": []}
+    hosted = LLM(num_threads=args.threads, show_progress=False, kv_cache_memory=kv, kv_offload_dir=tempfile.mkdtemp(prefix="kvpilot-bench-tier-"),
+                 kv_host_offload_size=f"{args.prefix_tokens * 3 * 46080 >> 20}MiB")
+    ttft(hosted, new_ids(64))
+    times: dict[str, list[float]] = {"recompute": [], "tier after eviction": [], "tier after restart": [], "host tier after eviction": []}
     hits_before = 0
     for _ in range(args.rounds):
         prefix = new_ids(args.prefix_tokens)
@@ -69,6 +79,10 @@ def main() -> None:
         times["tier after restart"].append(ttft(restarted, prefix + new_ids(16)))
         hits_before += restarted.engine.kv_tiers.disk.stats.hit_blocks
         del restarted
+        prefix = new_ids(args.prefix_tokens)
+        ttft(hosted, prefix + new_ids(16))
+        ttft(hosted, new_ids(args.prefix_tokens + 16))
+        times["host tier after eviction"].append(ttft(hosted, prefix + new_ids(16)))
     stats = llm.engine.kv_tiers.disk.stats
     base = statistics.median(times["recompute"])
     rows = [{"path": name, "TTFT s (median)": f"{statistics.median(v):.3f}", "vs recompute": f"{statistics.median(v) / base:.3f}×"}
@@ -78,7 +92,68 @@ def main() -> None:
     print(table(rows, ["path", "TTFT s (median)", "vs recompute"]))
     print(f"first engine: {stats.hit_blocks} blocks read ({stats.loaded_bytes / 2**20:.0f} MiB in {stats.load_seconds:.2f} s), "
           f"{stats.saved_blocks} saved ({stats.saved_bytes / 2**20:.0f} MiB in {stats.save_seconds:.2f} s); restarted engines read "
-          f"{hits_before} blocks")
+          f"{hits_before} blocks; the host tier: {hosted.engine.kv_tiers.host.stats.hit_blocks} blocks copied back")
+    del llm, hosted
+    itl(args, new_ids)
+
+
+def decode_steps(llm, clients: list[list[int]], arrival: list[int] | None, at_step: int = 8, tokens: int = 48):
+    """Step an engine running `clients` (one token each per step) until they end; `arrival` comes in
+    at step at_step (one output token). Returns the step times of the clients' tokens after their warm-up
+    and those from the arrival until it was done."""
+    from kvpilot.server import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for ids in clients:
+        llm.engine.add_request(ids, params)
+    steps, window, arrival_id, pending, step = [], [], None, False, 0
+    last = time.perf_counter()
+    while llm.engine.has_unfinished_requests():
+        if arrival is not None and step == at_step:
+            arrival_id, pending = llm.engine.add_request(arrival, SamplingParams(temperature=0, max_tokens=1)), True
+        outs = llm.engine.step()
+        now = time.perf_counter()
+        if any(o.request_id != arrival_id for o in outs):  # a step that gave the clients tokens
+            if step >= 2:
+                steps.append(now - last)
+            if pending:
+                window.append(now - last)
+            last = now
+        pending = pending and not any(o.request_id == arrival_id and o.finished for o in outs)
+        step += 1
+    return steps, window
+
+
+def p99(values: list[float]) -> float:
+    return statistics.quantiles(values, n=100)[98] if len(values) >= 2 else values[0]
+
+
+def itl(args, new_ids) -> None:
+    from kvpilot.server import LLM
+
+    long = args.load_tokens
+    kv = f"{int((long + 8 * 120) * 1.3 * 46080 / 2**20)}MiB"
+    directory = tempfile.mkdtemp(prefix="kvpilot-bench-tier-itl-")
+    engine = lambda **kw: LLM(num_threads=args.threads, show_progress=False, kv_cache_memory=kv, max_num_batched_tokens=512, **kw)  # noqa: E731
+    clients = lambda: [new_ids(64) for _ in range(8)]  # noqa: E731
+    rows = []
+    plain, tiered = engine(), engine(kv_offload_dir=directory)
+    alone = decode_steps(plain, clients(), None)[0]
+    rows.append({"case": "8 clients decoding alone", "steps": len(alone), "ITL p99 ms": f"{p99(alone) * 1e3:.1f}", "vs alone": "1.00×"})
+    for name, llm in ((f"…and a {long}-token prompt computed, no tier", plain), (f"…and a {long}-token prompt computed + saved", tiered)):
+        window = decode_steps(llm, clients(), new_ids(long))[1]
+        rows.append({"case": name, "steps": len(window), "ITL p99 ms": f"{p99(window) * 1e3:.1f}", "vs alone": f"{p99(window) / p99(alone):.2f}×"})
+    saved = new_ids(long)
+    tiered.generate([saved], None)  # its blocks on disk
+    tiered.engine.kv_tiers.drain()
+    fresh = engine(kv_offload_dir=directory)  # nothing in memory: the prompt's blocks come from disk
+    window = decode_steps(fresh, clients(), saved + new_ids(8))[1]
+    rows.append({"case": f"…and a {long}-token prompt loaded from disk", "steps": len(window), "ITL p99 ms": f"{p99(window) * 1e3:.1f}",
+                 "vs alone": f"{p99(window) / p99(alone):.2f}×"})
+    read = fresh.engine.kv_tiers.disk.stats
+    print(f"\nITL of 8 clients (64-token prompts, 48 tokens each), step budget 512 tokens, kv_cache_memory {kv}; "
+          f"the load read {read.hit_blocks} blocks ({read.loaded_bytes / 2**20:.0f} MiB in {read.load_seconds:.2f} s)")
+    print(table(rows, ["case", "steps", "ITL p99 ms", "vs alone"]))
 
 
 if __name__ == "__main__":
