@@ -7,6 +7,7 @@ side; the HTTP surface in vLLM's kv_transfer_params fields; what is not implemen
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -154,33 +155,100 @@ def test_requests_an_engine_cannot_serve_are_rejected_by_name(prefill):
             KVTransferParams.from_dict(bad)
 
 
-@pytest.mark.timeout(240)
-def test_over_http_the_prefill_answer_carries_what_the_decode_request_passes_on(tmp_path_factory, reference):
-    """Two `kvpilot serve` processes: the prefill request's answer has kv_transfer_params, the decode
-    request with them answers as the aggregated engine does and its metrics count the pulled blocks;
-    a streamed prefill request is a 400."""
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """A prefill and a decode `kvpilot serve`."""
     from server_harness import serve_for_tests
 
     prefill_server = serve_for_tests(tmp_path_factory, "--kv-cache-memory", "32MiB", "--kv-role", "prefill", "--kv-transfer-port", "0")
     decode_server = serve_for_tests(tmp_path_factory, "--kv-cache-memory", "32MiB", "--kv-role", "decode")
-    p, d = next(prefill_server), next(decode_server)
     try:
-        body = {"prompt": PROMPTS[0], "temperature": 0, "max_tokens": 10, "ignore_eos": True}
-        first = httpx.post(p.url + "/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
-                           timeout=120).json()
-        sent = first["kv_transfer_params"]
-        assert sent["do_remote_prefill"] is True and sent["remote_host"] == "127.0.0.1"
-        answer = httpx.post(d.url + "/v1/completions", json={**body, "kv_transfer_params": sent}, timeout=120).json()
-        plain = httpx.post(p.url + "/v1/completions", json=body, timeout=120).json()
-        assert answer["choices"][0]["text"] == plain["choices"][0]["text"] and "kv_transfer_params" not in answer
-        metrics = httpx.get(d.url + "/metrics", timeout=30).text
-        pulled = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvpilot:kv_transfer_pulled_blocks_total"))
-        assert pulled == len(sent["remote_block_ids"]) > 0
-        streamed = httpx.post(p.url + "/v1/completions", json={**body, "stream": True, "kv_transfer_params": {"do_remote_decode": True}},
-                              timeout=60)
-        assert streamed.status_code == 400 and "stream must be false" in streamed.text
-        refused = httpx.post(p.url + "/v1/completions", json={**body, "kv_transfer_params": {"do_remote_prefill": True}}, timeout=60)
-        assert refused.status_code == 400 and "remote_host" in refused.text
+        yield next(prefill_server), next(decode_server)
     finally:
         for server in (prefill_server, decode_server):
             next(server, None)
+
+
+def pulled_blocks(server) -> float:
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvpilot:kv_transfer_pulled_blocks_total"))
+
+
+BODY = {"prompt": PROMPTS[0], "temperature": 0, "max_tokens": 10, "ignore_eos": True}
+
+
+@pytest.mark.timeout(240)
+def test_over_http_the_prefill_answer_carries_what_the_decode_request_passes_on(servers):
+    """The prefill request's answer has kv_transfer_params, the decode request with them answers as the
+    aggregated engine does and its metrics count the pulled blocks; a streamed prefill request and
+    incomplete params are 400s."""
+    p, d = servers
+    before = pulled_blocks(d)
+    first = httpx.post(p.url + "/v1/completions", json={**BODY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+                       timeout=120).json()
+    sent = first["kv_transfer_params"]
+    assert sent["do_remote_prefill"] is True and sent["remote_host"] == "127.0.0.1"
+    answer = httpx.post(d.url + "/v1/completions", json={**BODY, "kv_transfer_params": sent}, timeout=120).json()
+    plain = httpx.post(p.url + "/v1/completions", json=BODY, timeout=120).json()
+    assert answer["choices"][0]["text"] == plain["choices"][0]["text"] and "kv_transfer_params" not in answer
+    assert pulled_blocks(d) - before == len(sent["remote_block_ids"]) > 0
+    streamed = httpx.post(p.url + "/v1/completions", json={**BODY, "stream": True, "kv_transfer_params": {"do_remote_decode": True}}, timeout=60)
+    assert streamed.status_code == 400 and "stream must be false" in streamed.text
+    refused = httpx.post(p.url + "/v1/completions", json={**BODY, "kv_transfer_params": {"do_remote_prefill": True}}, timeout=60)
+    assert refused.status_code == 400 and "remote_host" in refused.text
+
+
+@pytest.mark.timeout(240)
+def test_the_gateway_prefills_on_a_prefill_pod_then_streams_the_decode_pods_answer(servers):
+    """A disaggregated model through kvpilot-gateway: completions and chat, streamed or not, answer as
+    the aggregated engine does, with the decode pod pulling the prompt's blocks; with its prefill pod
+    gone, the decode pod computes the prompt (counted), and a client error from the prefill pod is the
+    answer."""
+    import threading
+
+    import uvicorn
+
+    from kvpilot.operator.gateway.proxy import StaticEndpoints, build_app
+    from server_harness import free_port
+
+    p, d = servers
+    model = httpx.get(d.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    endpoint = lambda server: server.url.removeprefix("http://")  # noqa: E731
+    dead = f"127.0.0.1:{free_port()}"
+    source = StaticEndpoints({model: [endpoint(d)]}, prefill={model: [endpoint(p)]})
+    app = build_app(source)
+    gateway = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    threading.Thread(target=gateway.run, daemon=True).start()
+    url = f"http://127.0.0.1:{gateway.config.port}"
+    deadline = time.monotonic() + 20
+    while not gateway.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        # prompts the decode pod has not seen (its prefix cache would answer instead of a pull)
+        first, second, third = (f"Through the gateway, {n}: {PROMPTS[n]}" for n in range(3))
+        plain = httpx.post(p.url + "/v1/completions", json={**BODY, "model": model, "prompt": first}, timeout=120).json()["choices"][0]["text"]
+        before = pulled_blocks(d)
+        whole = httpx.post(url + "/v1/completions", json={**BODY, "model": model, "prompt": first}, timeout=120).json()
+        assert whole["choices"][0]["text"] == plain and pulled_blocks(d) > before
+        with httpx.stream("POST", url + "/v1/completions", json={**BODY, "model": model, "prompt": second, "stream": True},
+                          timeout=120) as r:
+            chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+        streamed = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks)
+        direct = httpx.post(p.url + "/v1/completions", json={**BODY, "model": model, "prompt": second}, timeout=120).json()
+        assert streamed == direct["choices"][0]["text"]
+        chat = {"model": model, "messages": [{"role": "user", "content": third}], "temperature": 0, "max_tokens": 8}
+        assert (httpx.post(url + "/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]["message"]
+                == httpx.post(p.url + "/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]["message"])
+        bad = httpx.post(url + "/v1/completions", json={**BODY, "model": model, "temperature": -1}, timeout=60)
+        assert bad.status_code == 400 and "temperature" in bad.text  # the prefill pod's answer
+        source.prefill[model] = [dead]  # the prefill pool gone: the decode pod computes the prompt
+        pulled = pulled_blocks(d)
+        fourth = f"Once more: {PROMPTS[2]}"
+        fallback = httpx.post(url + "/v1/completions", json={**BODY, "model": model, "prompt": fourth}, timeout=120).json()
+        direct = httpx.post(p.url + "/v1/completions", json={**BODY, "model": model, "prompt": fourth}, timeout=120).json()
+        assert fallback["choices"][0]["text"] == direct["choices"][0]["text"] and pulled_blocks(d) == pulled
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        assert f'kvpilot_gateway_prefill_requests_total{{model="{model}",outcome="handed_off"}} 3.0' in metrics
+        assert f'kvpilot_gateway_prefill_requests_total{{model="{model}",outcome="failed"}} 1.0' in metrics
+    finally:
+        gateway.should_exit = True
