@@ -57,7 +57,7 @@ class EngineConfig(BaseModel):
         "with do_remote_prefill pulls those blocks instead of computing them; both = either; none = off."))
     kv_transfer_port: int = Field(5600, ge=0, le=65535, description="kv_role prefill or both: the TCP port held blocks are served on (0: any free port).")
     kv_transfer_host: str = Field("127.0.0.1", min_length=1, max_length=255, description=(
-        "kv_role prefill or both: the host a decode engine reaches this one at (in kv_transfer_params; a pod's IP)."))
+        "kv_role prefill or both: the address held blocks are served on and decode engines are told (in kv_transfer_params; a pod's IP)."))
     kv_transfer_timeout: float = Field(60.0, gt=0, le=3600, description=(
         "Seconds a prefill engine holds blocks nobody pulled, and a decode engine waits for a pull (then computes the blocks itself)."))
     kv_transfer_config: str | None = Field(None, description=(

@@ -68,9 +68,10 @@ class _Pull:
 
 
 class KVSender:
-    def __init__(self, port: int, read_block: Callable[[int], Payload], engine_id: str, timeout: float):
-        """port 0: any free port (self.port says which). read_block: a held block's K/V (the runner's
-        block_bytes, called from the server thread: held blocks do not change)."""
+    def __init__(self, host: str, port: int, read_block: Callable[[int], Payload], engine_id: str, timeout: float):
+        """Serves on host:port, the address decode engines are told (port 0: any free port, self.port
+        says which). read_block: a held block's K/V (the runner's block_bytes, called from the server
+        thread: held blocks do not change)."""
         self.read_block, self.engine_id, self.timeout = read_block, engine_id, timeout
         self.stats = TransferStats()
         self._lock = threading.Lock()
@@ -79,9 +80,9 @@ class KVSender:
         self._closed = threading.Event()
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self.port = self._socket.bind_to_random_port("tcp://*") if port == 0 else port
+        self.port = self._socket.bind_to_random_port(f"tcp://{host}") if port == 0 else port
         if port:
-            self._socket.bind(f"tcp://*:{port}")
+            self._socket.bind(f"tcp://{host}:{port}")
         self._thread = threading.Thread(target=self._serve, name="kvpilot-kv-sender", daemon=True)
         self._thread.start()
 

@@ -127,7 +127,8 @@ class LLMEngine:
 
             engine_id = self.block_manager.salt.hex()  # the KV identity: another model's or settings' keys never match
             if config.kv_role in ("prefill", "both"):
-                self.kv_sender = KVSender(config.kv_transfer_port, self.runner.block_bytes, engine_id, config.kv_transfer_timeout)
+                self.kv_sender = KVSender(config.kv_transfer_host, config.kv_transfer_port, self.runner.block_bytes, engine_id,
+                                          config.kv_transfer_timeout)
                 weakref.finalize(self, self.kv_sender.close)  # its thread holds the runner: it ends with the engine
             if config.kv_role in ("decode", "both"):
                 self.kv_receiver = KVReceiver(engine_id, self.runner.block_layout()[2], config.kv_transfer_timeout)
