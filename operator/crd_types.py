@@ -17,6 +17,7 @@ from kvpilot.server.model_source import DOT_SEGMENT_PATTERN, MODEL_SOURCE_PATTER
 
 GROUP, VERSION, KIND, PLURAL = "serving.kvpilot.dev", "v1alpha1", "InferenceService", "inferenceservices"
 ISVC_LABEL = f"{GROUP}/inferenceservice"     # on every object we create, and every engine pod
+ROLE_LABEL = f"{GROUP}/role"                 # engine pods of a disaggregated service: prefill or decode (absent: both phases)
 # Set by kvpilot-gateway (an RFC 3339 time) on an InferenceService at 0 replicas when a request for it
 # arrives; the autoscaler — the one writer of spec.replicas — answers by scaling to 1.
 WAKE_ANNOTATION = f"{GROUP}/scale-from-zero-requested"

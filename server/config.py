@@ -51,10 +51,21 @@ class EngineConfig(BaseModel):
         "Bytes of host memory for a host tier of the prefix cache (e.g. 8GiB): full blocks are copied there as they are computed, "
         "and a prompt whose prefix fell out of the KV cache is copied back instead of recomputed (before the disk tier is read); "
         "0: off. On a CPU engine the KV cache is host memory already: this holds what a larger kv_cache_memory would."))
+    kv_role: Literal["none", "prefill", "decode", "both"] = Field("none", description=(
+        "Prefill/decode disaggregation: prefill = a request with kv_transfer_params.do_remote_decode has its prompt's KV blocks held "
+        "for a decode engine to pull (served on kv_transfer_port), its output carrying the params to pass on; decode = a request "
+        "with do_remote_prefill pulls those blocks instead of computing them; both = either; none = off."))
+    kv_transfer_port: int = Field(5600, ge=0, le=65535, description="kv_role prefill or both: the TCP port held blocks are served on (0: any free port).")
+    kv_transfer_host: str = Field("127.0.0.1", min_length=1, max_length=255, description=(
+        "kv_role prefill or both: the address held blocks are served on and decode engines are told (in kv_transfer_params; a pod's IP)."))
+    kv_transfer_timeout: float = Field(60.0, gt=0, le=3600, description=(
+        "Seconds a prefill engine holds blocks nobody pulled, and a decode engine waits for a pull (then computes the blocks itself)."))
     kv_transfer_config: str | None = Field(None, description=(
         "vLLM's spelling of the KV tiers, as JSON: {\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
         "\"kv_connector_extra_config\": {\"host_size\": \"8GiB\", \"disk_dir\": \"/kv\", \"disk_size\": \"100GiB\"}} sets "
-        "kv_host_offload_size, kv_offload_dir and kv_offload_size (a flag given too must agree)."))
+        "kv_host_offload_size, kv_offload_dir and kv_offload_size (a flag given too must agree); {\"kv_connector\": \"TCPConnector\", "
+        "\"kv_role\": \"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_connector_extra_config\": {\"port\": 5600, \"host\": "
+        "\"10.0.0.5\", \"timeout\": 60}} sets kv_role (prefill, decode, both) and kv_transfer_port, _host, _timeout."))
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache (CUDA).")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
@@ -112,7 +123,7 @@ class EngineConfig(BaseModel):
         settings = kv_transfer_settings(data["kv_transfer_config"])
         for name, value in settings.items():
             given = data.get(name)
-            if given is not None and (parse_size(given) if name != "kv_offload_dir" else given) != value:
+            if given is not None and (parse_size(given) if name in _SIZE_FIELDS else type(value)(given)) != value:
                 raise ValueError(f"kv_transfer_config sets {name}={value!r}, and {name}={given!r} was given too")
         return {**data, **settings, "kv_transfer_config": data["kv_transfer_config"] if isinstance(data["kv_transfer_config"], str)
                 else json.dumps(data["kv_transfer_config"], sort_keys=True)}
@@ -137,6 +148,22 @@ class EngineConfig(BaseModel):
             if self.speculative_method in ("draft", "eagle3"):
                 raise ValueError(f"{tier} with speculative_method={self.speculative_method} is not implemented (the draft's K/V "
                                  "shares the blocks and is not saved; ngram is)")
+        return self
+
+    @model_validator(mode="after")
+    def _transfer_consistent(self) -> EngineConfig:
+        if self.kv_role == "none":
+            changed = [f for f in ("kv_transfer_port", "kv_transfer_host", "kv_transfer_timeout") if getattr(self, f) != type(self).model_fields[f].default]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} need kv_role (prefill, decode or both)")
+            return self
+        if not self.enable_prefix_caching:
+            raise ValueError(f"kv_role={self.kv_role} needs enable_prefix_caching (blocks are pulled by their prefix-cache keys)")
+        if self.speculative_method in ("draft", "eagle3"):
+            raise ValueError(f"kv_role={self.kv_role} with speculative_method={self.speculative_method} is not implemented (the draft's "
+                             "K/V shares the blocks and is not transferred; ngram is)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_role={self.kv_role} with tensor_parallel_size > 1 is not implemented (each rank's shard would be pulled)")
         return self
 
     @model_validator(mode="after")
@@ -211,8 +238,15 @@ class EngineConfig(BaseModel):
         return cls(**{k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None})
 
 
-KV_CONNECTOR = "OffloadingConnector"
-_KV_EXTRA = {"host_size": "kv_host_offload_size", "disk_dir": "kv_offload_dir", "disk_size": "kv_offload_size"}
+_SIZE_FIELDS = ("kv_host_offload_size", "kv_offload_size")
+# kv_connector -> (its kv_connector_extra_config keys -> engine fields, their types; the engine field its kv_role sets)
+_KV_CONNECTORS: dict[str, tuple[dict[str, tuple[str, type]], str | None]] = {
+    "OffloadingConnector": ({"host_size": ("kv_host_offload_size", int), "disk_dir": ("kv_offload_dir", str),
+                             "disk_size": ("kv_offload_size", int)}, None),
+    "TCPConnector": ({"port": ("kv_transfer_port", int), "host": ("kv_transfer_host", str), "timeout": ("kv_transfer_timeout", float)},
+                     "kv_role"),
+}
+_KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
 
 def kv_transfer_settings(value: str | dict) -> dict[str, Any]:
@@ -227,17 +261,25 @@ def kv_transfer_settings(value: str | dict) -> dict[str, Any]:
     unknown = sorted(set(config) - {"kv_connector", "kv_role", "kv_connector_extra_config"})
     if unknown:
         raise ValueError(f"kv_transfer_config: {', '.join(unknown)} not implemented (kv_connector, kv_role and kv_connector_extra_config are)")
-    if config.get("kv_connector") != KV_CONNECTOR:
-        raise ValueError(f"kv_transfer_config: kv_connector {config.get('kv_connector')!r} is not implemented; {KV_CONNECTOR!r} is "
-                         "(kvpilot's host and disk tiers)")
-    if config.get("kv_role", "kv_both") != "kv_both":
-        raise ValueError(f"kv_transfer_config: kv_role {config['kv_role']!r} is not implemented (prefill/decode roles); 'kv_both' is")
+    connector = config.get("kv_connector")
+    if connector not in _KV_CONNECTORS:
+        raise ValueError(f"kv_transfer_config: kv_connector {connector!r} is not implemented; {' and '.join(map(repr, _KV_CONNECTORS))} "
+                         "are (kvpilot's host and disk tiers; prefill/decode over TCP)")
+    keys, role_field = _KV_CONNECTORS[connector]
+    role = config.get("kv_role", "kv_both")
+    if role not in _KV_ROLES or (role_field is None and role != "kv_both"):
+        raise ValueError(f"kv_transfer_config: kv_role {role!r} is not implemented for {connector} "
+                         f"({', '.join(_KV_ROLES) if role_field else 'kv_both'} {'are' if role_field else 'is'})")
     extra = config.get("kv_connector_extra_config") or {}
-    if not isinstance(extra, dict) or set(extra) - set(_KV_EXTRA):
-        raise ValueError(f"kv_transfer_config: kv_connector_extra_config takes {', '.join(_KV_EXTRA)}, got {extra!r}")
-    if not extra:
-        raise ValueError(f"kv_transfer_config: kv_connector_extra_config must set a tier ({', '.join(_KV_EXTRA)})")
-    return {field: (str(extra[key]) if key == "disk_dir" else parse_size(extra[key])) for key, field in _KV_EXTRA.items() if key in extra}
+    if not isinstance(extra, dict) or set(extra) - set(keys):
+        raise ValueError(f"kv_transfer_config: {connector}'s kv_connector_extra_config takes {', '.join(keys)}, got {extra!r}")
+    if role_field is None and not extra:
+        raise ValueError(f"kv_transfer_config: {connector}'s kv_connector_extra_config must set a tier ({', '.join(keys)})")
+    settings: dict[str, Any] = {field: (parse_size(extra[key]) if field in _SIZE_FIELDS else kind(extra[key]))
+                                for key, (field, kind) in keys.items() if key in extra}
+    if role_field:
+        settings[role_field] = _KV_ROLES[role]
+    return settings
 
 
 def _flag(name: str) -> str:

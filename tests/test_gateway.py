@@ -246,3 +246,17 @@ def test_adapters_route_to_the_pods_that_hold_them():
                      "sql": ModelRoute("a", "base", ["127.0.0.2:8000", "127.0.0.3:8000"]),
                      "chat": ModelRoute("a", "base", ["127.0.0.2:8000"]),
                      "new": ModelRoute("a", "base", ["127.0.0.2:8000", "127.0.0.3:8000"])}
+
+
+def test_prefill_pods_of_a_disaggregated_service_are_its_prefill_endpoints():
+    """Pods labelled role=prefill are the route's prefill pool; the rest (decode, or unlabelled) serve."""
+    from kvpilot.operator.gateway.discovery import ModelRoute, endpoint_table
+
+    def pod(ip, role=None):
+        labels = {"serving.kvpilot.dev/inferenceservice": "pd", **({"serving.kvpilot.dev/role": role} if role else {})}
+        return {"metadata": {"namespace": "a", "name": f"pd-{ip}", "labels": labels},
+                "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    table = endpoint_table([{"metadata": {"namespace": "a", "name": "pd"}, "spec": {"model": {"source": "smollm2-135m"}}}],
+                           [pod("127.0.0.2", "prefill"), pod("127.0.0.3", "decode"), pod("127.0.0.4", "prefill")])
+    assert table == {"pd": ModelRoute("a", "pd", ["127.0.0.3:8000"], prefill=["127.0.0.2:8000", "127.0.0.4:8000"])}

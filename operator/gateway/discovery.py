@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kvpilot.operator.builders.engines import PORT
-from kvpilot.operator.crd_types import ADAPTERS_ANNOTATION, GROUP, ISVC_LABEL, PLURAL, VERSION, WAKE_ANNOTATION
+from kvpilot.operator.crd_types import ADAPTERS_ANNOTATION, GROUP, ISVC_LABEL, PLURAL, ROLE_LABEL, VERSION, WAKE_ANNOTATION
 
 log = logging.getLogger("kvpilot.gateway")
 
@@ -27,8 +27,9 @@ WAKE_EVERY_SECONDS = 2.0  # a held request re-asks at most this often (the autos
 class ModelRoute:
     namespace: str
     name: str                                       # the InferenceService
-    endpoints: list[str] = field(default_factory=list)  # "podIP:port" of its Ready, not terminating pods
+    endpoints: list[str] = field(default_factory=list)  # "podIP:port" of its Ready, not terminating pods (decode pods, when disaggregated)
     at_zero: bool = False                           # spec asks for 0 replicas (scaled to zero)
+    prefill: list[str] = field(default_factory=list)  # its Ready prefill pods (ROLE_LABEL prefill): requests are prefilled there first
 
 
 def endpoint_table(isvcs: list[dict], pods: list[dict]) -> dict[str, ModelRoute]:
@@ -36,13 +37,18 @@ def endpoint_table(isvcs: list[dict], pods: list[dict]) -> dict[str, ModelRoute]
     those whose ADAPTERS_ANNOTATION lists it; all of them while none does: the engine then answers). A
     name served twice goes to the older InferenceService."""
     ready: dict[tuple[str, str], list[tuple[str, set[str]]]] = {}
+    prefill: dict[tuple[str, str], list[str]] = {}
     for pod in pods:
         m, status = pod.get("metadata", {}), pod.get("status", {})
         owner = (m.get("labels") or {}).get(ISVC_LABEL)
         is_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
         if owner and is_ready and status.get("podIP") and not m.get("deletionTimestamp"):
+            endpoint = f"{status['podIP']}:{PORT}"
+            if (m.get("labels") or {}).get(ROLE_LABEL) == "prefill":
+                prefill.setdefault((m.get("namespace", ""), owner), []).append(endpoint)
+                continue
             held = set(filter(None, ((m.get("annotations") or {}).get(ADAPTERS_ANNOTATION) or "").split(",")))
-            ready.setdefault((m.get("namespace", ""), owner), []).append((f"{status['podIP']}:{PORT}", held))
+            ready.setdefault((m.get("namespace", ""), owner), []).append((endpoint, held))
     table: dict[str, ModelRoute] = {}
     by_age = sorted(isvcs, key=lambda o: ((o.get("metadata") or {}).get("creationTimestamp") or "", _key(o)))
     adapters = []
@@ -54,11 +60,13 @@ def endpoint_table(isvcs: list[dict], pods: list[dict]) -> dict[str, ModelRoute]
             continue
         replicas = spec.get("replicas", spec.get("minReplicas", 1))
         pods_ = ready.get(_key(isvc), [])
-        table[model] = ModelRoute(m.get("namespace", ""), m.get("name"), sorted(e for e, _ in pods_), at_zero=replicas == 0)
+        table[model] = ModelRoute(m.get("namespace", ""), m.get("name"), sorted(e for e, _ in pods_), at_zero=replicas == 0,
+                                  prefill=sorted(prefill.get(_key(isvc), [])))
         adapters += [(a["name"], table[model], pods_) for a in spec.get("adapters") or [] if isinstance(a, dict) and a.get("name")]
     for name, route, pods_ in adapters:  # after every served name: an adapter never takes a model's name
         if name not in table:
             table[name] = ModelRoute(route.namespace, route.name, sorted(e for e, held in pods_ if name in held) or route.endpoints, route.at_zero)
+            # (an adapter's requests are not disaggregated: the prefill pool does not load adapters)
     return table
 
 
@@ -146,6 +154,10 @@ class KubeEndpoints:
     def endpoints(self, model: str) -> list[str] | None:
         route = self._table.get(model)
         return None if route is None else route.endpoints
+
+    def prefill_endpoints(self, model: str) -> list[str]:
+        route = self._table.get(model)
+        return [] if route is None else route.prefill
 
     def wake(self, model: str) -> None:
         """Ask for a pod of a service scaled to zero (blocking: call it off the event loop)."""

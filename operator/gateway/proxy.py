@@ -6,6 +6,13 @@ buffering). A pod that refuses the connection, cannot be reached, or answers 503
 it did no work) is skipped and the next one on the ring tried; once a response has started nothing
 is retried (the engine may have produced tokens). The Authorization header passes through untouched: the engines check the API key.
 
+A model served disaggregated (prefill pods beside its decode pods) has each request prefilled first:
+the body as it came with max_tokens 1, not streamed, and kv_transfer_params.do_remote_decode goes to a
+prefill pod (prefix affinity on the prefill pods' ring); the kv_transfer_params it answers are added
+to the original body, which goes to a decode pod and is streamed back from there. A prefill that fails
+(no prefill pod answers, or an engine error) costs time only: the decode pod computes the prompt; a
+client error (4xx) is the answer.
+
 A request for a model with no ready pod (scaled to zero, or every pod starting) is held — a bounded
 number of them, for a bounded time — while the source asks for a pod (`wake`), then forwarded as soon
 as one is Ready; past the bound or the time, 503 with Retry-After.
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -30,6 +38,7 @@ from starlette.routing import Route
 
 from kvpilot.operator.gateway.routing import PREFIX_CHARS, HashRing, choose, prefix_key
 
+log = logging.getLogger("kvpilot.gateway")
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control")
 
@@ -40,6 +49,9 @@ class EndpointSource(Protocol):
 
     def models(self) -> list[str]: ...
 
+    def prefill_endpoints(self, model: str) -> list[str]:
+        """The ready prefill pods of a disaggregated model ([] when it is served by one pool)."""
+
     def wake(self, model: str) -> None:
         """`model` has no ready pod and a request waits: ask for one if it is scaled to zero (may block)."""
 
@@ -49,10 +61,14 @@ class StaticEndpoints:
     """A model -> endpoints map held in memory (tests, and a gateway pointed at known addresses)."""
 
     table: dict[str, list[str]]
+    prefill: dict[str, list[str]] = field(default_factory=dict)
     woken: list[str] = field(default_factory=list)  # models a held request asked to wake
 
     def endpoints(self, model: str) -> list[str] | None:
         return list(self.table[model]) if model in self.table else None
+
+    def prefill_endpoints(self, model: str) -> list[str]:
+        return list(self.prefill.get(model, []))
 
     def models(self) -> list[str]:
         return sorted(self.table)
@@ -102,6 +118,9 @@ class GatewayMetrics:
 
         self.hold_seconds = Histogram("kvpilot_gateway_hold_seconds", "How long held requests waited for a ready pod (served ones).", ["model"],
                                       buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=self.registry)
+        self.prefills = Counter("kvpilot_gateway_prefill_requests", "Requests of disaggregated models prefilled first; outcome: handed_off (a "
+                                "decode pod got the prefill's kv_transfer_params), failed (the decode pod computed the prompt).",
+                                ["model", "outcome"], registry=self.registry)
         self.cold_first_token = Histogram("kvpilot_gateway_cold_start_first_token_seconds", "Held requests (no ready pod when they came: "
                                           "scale from zero, cold start): arrival to the first byte of the engine's answer.", ["model"],
                                           buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=self.registry)
@@ -188,6 +207,13 @@ class Gateway:
             endpoints = held
         key = prefix_key(request.url.path, body, self.config.prefix_chars)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        prefill = self.source.prefill_endpoints(model)
+        if prefill and body.get("n", 1) == 1 and not isinstance(body.get("kv_transfer_params"), dict):
+            handed = await self._prefill(request, body, key, prefill, headers, model)
+            if isinstance(handed, Response):
+                return handed
+            if handed is not None:
+                raw = json.dumps({**body, "kv_transfer_params": handed}).encode()
         left = list(endpoints)
         for attempt in range(min(self.config.max_attempts, len(endpoints))):
             ring = self.ring(left)
@@ -217,6 +243,37 @@ class Gateway:
                                      headers={**{k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS},
                                               "x-kvpilot-endpoint": endpoint})
         return error(502, f"no ready replica of '{model}' accepted the connection", "bad_gateway", {"Retry-After": str(self.config.retry_after_seconds)})
+
+    async def _prefill(self, request: Request, body: dict, key: str, endpoints: list[str], headers: dict, model: str) -> dict | Response | None:
+        """Run the request's prefill on a prefill pod: the kv_transfer_params its answer carries, the
+        answer itself when it is the client's error, or None (the decode pod computes the prompt)."""
+        limit = {"max_completion_tokens": 1} if "max_completion_tokens" in body else {"max_tokens": 1}
+        prefill_body = {k: v for k, v in body.items() if k != "stream_options"} | limit | {"stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        left, why = list(endpoints), "no prefill pod"
+        for _ in range(min(self.config.max_attempts, len(endpoints))):
+            endpoint = choose(self.ring(left), key, self.in_flight)
+            left.remove(endpoint)
+            self.in_flight[endpoint] += 1
+            try:
+                answer = await self.client.post(f"http://{endpoint}{request.url.path}", json=prefill_body, headers=headers)
+            except httpx.HTTPError as e:
+                why = f"{endpoint}: {type(e).__name__}"
+                continue
+            finally:
+                self.in_flight[endpoint] -= 1
+            if 400 <= answer.status_code < 500 and answer.status_code not in (408, 429):  # the request's fault: the decode pod would say so too
+                return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+            try:
+                handed = answer.json().get("kv_transfer_params") if answer.status_code == 200 else None
+            except ValueError:
+                handed = None
+            if isinstance(handed, dict):
+                self.metrics.prefills.labels(model, "handed_off").inc()
+                return handed
+            why = f"{endpoint}: HTTP {answer.status_code}"
+        self.metrics.prefills.labels(model, "failed").inc()
+        log.warning("prefill of a %s request failed (%s): the decode pod computes its prompt", model, why)
+        return None
 
     async def _relay(self, upstream: httpx.Response, model: str, endpoint: str, held_since: float | None = None):
         try:

@@ -84,6 +84,20 @@ class _EngineCollector:
             yield counter("kv_host_tier_saved_bytes", "Bytes copied into the host tier.", h.saved_bytes)
             yield counter("kv_host_tier_evicted_blocks", "Host tier blocks dropped to stay within kv_host_offload_size.", h.evicted_blocks)
             yield gauge("kv_host_tier_bytes", "Bytes of K/V the host tier holds.", host.total_bytes())
+        sender, receiver = self.engine.kv_sender, self.engine.kv_receiver
+        if sender is not None:  # prefill/decode disaggregation (kv_transfer.py), the prefill side
+            x = sender.stats
+            yield counter("kv_transfer_held_transfers", "Prefill requests whose prompt blocks were held for a decode engine.", x.held_transfers)
+            yield counter("kv_transfer_sent_blocks", "KV blocks a decode engine pulled from this one.", x.sent_blocks)
+            yield counter("kv_transfer_sent_bytes", "Bytes of K/V pulled from this engine.", x.sent_bytes)
+            yield counter("kv_transfer_expired_transfers", "Holds released unpulled after kv_transfer_timeout.", x.expired_transfers)
+            yield gauge("kv_transfer_held_blocks", "KV blocks held now for decode engines' pulls.", sender.num_held_blocks())
+        if receiver is not None:  # the decode side
+            x = receiver.stats
+            yield counter("kv_transfer_pulled_blocks", "KV blocks pulled from prefill engines instead of computed.", x.pulled_blocks)
+            yield counter("kv_transfer_pulled_bytes", "Bytes of K/V pulled from prefill engines.", x.pulled_bytes)
+            yield counter("kv_transfer_failed_pulls", "Pulls that gave fewer blocks than asked for (the rest computed here).", x.failed_pulls)
+            yield counter("kv_transfer_pull_seconds", "Seconds pulls took, from asking to the blocks' arrival.", x.pull_seconds)
         tier = tiers.disk if tiers is not None else None
         if tier is not None:  # the disk tier (kv_tiers.py)
             t = tier.stats

@@ -268,7 +268,7 @@ class OpenAIServing:
             return EventSource(self._sse(jobs, rlog, render, base, include_usage), [j.request_id for j in jobs])
         finals = await self._collect(jobs, rlog, disconnected)
         choices = [choice(i, o, o.text, o.token_ids, o.logprobs) for i in sorted(finals) for o in finals[i].outputs]
-        return {**base, "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
+        return {**base, "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens), **_transfer(finals[0])}
 
     # --- chat ----------------------------------------------------------------------------------
     def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: ToolUse | None = None) -> list[int]:
@@ -342,7 +342,12 @@ class OpenAIServing:
             choices.append({"index": o.index, "message": message, "logprobs": logprobs(o),
                             "finish_reason": finish(o.finish_reason, bool(calls)), "stop_reason": o.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": adapter or self.model_name,
-                "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens)}
+                "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens), **_transfer(final)}
+
+
+def _transfer(output) -> dict:
+    """A prefill request's answer carries what its decode request passes on (vLLM's field)."""
+    return {"kv_transfer_params": output.kv_transfer_params} if output.kv_transfer_params is not None else {}
 
 
 def finish(reason: str | None, called: bool) -> str | None:

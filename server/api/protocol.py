@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
 from kvpilot.server.api import tool_calls
-from kvpilot.server.engine.sampling_params import MAX_STOP_TOKEN_IDS, SEED_RANGE, SamplingParams, StructuredOutput
+from kvpilot.server.engine.sampling_params import MAX_STOP_TOKEN_IDS, SEED_RANGE, KVTransferParams, SamplingParams, StructuredOutput
 
 
 def _valid_unicode(text: str) -> str:
@@ -111,6 +111,7 @@ class _SamplingFields(BaseModel):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's prefill/decode disaggregation fields (engine/kv_transfer.py)
     # OpenAI fields we do not implement: a 400 names them when set
     best_of: int | None = None
 
@@ -151,6 +152,14 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"{found[1].param}: only one output constraint per request ({found[0].param} sets one already)")
         return found[0] if found else None
 
+    def kv_transfer(self) -> KVTransferParams | None:
+        if self.kv_transfer_params is None:
+            return None
+        transfer = KVTransferParams.from_dict(self.kv_transfer_params)
+        if transfer.do_remote_decode and self.stream:
+            raise ValueError("kv_transfer_params.do_remote_decode: a prefill request is answered whole (stream must be false)")
+        return transfer
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._check_unsupported()
         return SamplingParams(
@@ -162,7 +171,8 @@ class _SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, structured=self.structured(), logit_bias=self.token_biases())
+            include_stop_str_in_output=self.include_stop_str_in_output, structured=self.structured(), logit_bias=self.token_biases(),
+            kv_transfer=self.kv_transfer())
 
 
 class CompletionRequest(_SamplingFields):
@@ -187,6 +197,8 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not be empty")
         if all(isinstance(x, int) for x in p):
             return [list(p)]  # type: ignore[arg-type]
+        if self.kv_transfer_params is not None and len(p) > 1:
+            raise ValueError("kv_transfer_params: one prompt per request (its blocks are one transfer)")
         return list(p)  # type: ignore[arg-type]
 
 

@@ -204,6 +204,29 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
 
+    def hold(self, block_ids: list[int]) -> None:
+        """One more reference on each block (a prefill engine's blocks held for a decode engine's pull)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop the references hold() took; a block no one uses goes back to the free queue (evictable
+        from the prefix cache, as a finished sequence's blocks)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise AssertionError(f"block {block_id} released twice")
+            if block.ref_count == 0:
+                if block.hash is not None and self.cached.get(block.hash) == block_id:
+                    self.free[block_id] = None
+                else:
+                    block.hash, block.token_ids = None, ()
+                    self._free_uncached(block_id)
+
     def _free_uncached(self, block_id: int) -> None:
         self.free[block_id] = None
         self.free.move_to_end(block_id, last=False)  # uncached blocks are reused first

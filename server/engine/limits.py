@@ -50,6 +50,7 @@ class RequestLimits:
     max_model_len: int
     vocab_size: int                      # the model's (it may be padded past the tokenizer's)
     grammars: GrammarCompiler | None = None  # compiles structured-output constraints (None: they are refused)
+    kv_role: str = "none"                # prefill/decode disaggregation: which kv_transfer_params this engine takes
 
     def admit(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None) -> Admission:
         ids = list(prompt_token_ids)
@@ -72,6 +73,14 @@ class RequestLimits:
             raise RequestRejected(f"stop_token_ids must be < {self.vocab_size} (this model's vocabulary)", "stop_token_ids")
         if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
             raise RequestRejected(f"logit_bias token ids must be < {self.vocab_size} (this model's vocabulary)", "logit_bias")
+        transfer = params.kv_transfer
+        if transfer is not None and (transfer.do_remote_decode or transfer.do_remote_prefill):
+            side = "prefill" if transfer.do_remote_decode else "decode"
+            if self.kv_role not in (side, "both"):
+                raise RequestRejected(f"kv_transfer_params.do_remote_{'decode' if side == 'prefill' else 'prefill'} needs an engine whose "
+                                      f"kv_role is {side} or both (this one's: {self.kv_role})", "kv_transfer_params")
+            if params.n != 1:
+                raise RequestRejected("kv_transfer_params with n > 1 is not implemented", "kv_transfer_params")
         grammar = None
         if params.structured is not None:
             if self.grammars is None:

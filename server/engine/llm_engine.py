@@ -121,14 +121,27 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           cache_salt(self._kv_identity()), self.lora.fingerprint if self.lora else None,
                                           on_cached=_weakly(self._save_block) if self.kv_tiers else None)
+        self.kv_sender = self.kv_receiver = None
+        if config.kv_role != "none":
+            from kvpilot.server.engine.kv_transfer import KVReceiver, KVSender
+
+            engine_id = self.block_manager.salt.hex()  # the KV identity: another model's or settings' keys never match
+            if config.kv_role in ("prefill", "both"):
+                self.kv_sender = KVSender(config.kv_transfer_host, config.kv_transfer_port, self.runner.block_bytes, engine_id,
+                                          config.kv_transfer_timeout)
+                weakref.finalize(self, self.kv_sender.close)  # its thread holds the runner: it ends with the engine
+            if config.kv_role in ("decode", "both"):
+                self.kv_receiver = KVReceiver(engine_id, self.runner.block_layout()[2], config.kv_transfer_timeout)
+                weakref.finalize(self, self.kv_receiver.close)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
-                                   config.max_loras if config.enable_lora else 0, tier_lookup=_weakly(self._tier_lookup) if self.kv_tiers else None)
+                                   config.max_loras if config.enable_lora else 0,
+                                   tier_lookup=_weakly(self._tier_lookup) if self.kv_tiers or self.kv_receiver else None)
         self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
                                         num_threads=config.num_threads or os.cpu_count() or 1)
         self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device, self.grammars)
         startup.mark("warm")
-        self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids)
-        self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size, self.grammars)
+        self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids, _weakly(self._hold_for_transfer) if self.kv_sender else None)
+        self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size, self.grammars, config.kv_role)
         self.proposer = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config, self.max_model_len)
@@ -143,6 +156,7 @@ class LLMEngine:
         self._in_flight: StepInFlight | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+        self._transfer_ids = itertools.count()
 
     def _kv_identity(self) -> dict:
         """What this engine's K/V depend on, the root of its prefix cache's keys: equal in every replica
@@ -178,7 +192,8 @@ class LLMEngine:
             load.done.wait(timeout)
 
     def _tier_lookup(self, seq: Sequence, cached: list[int]):
-        """A read of seq's prompt blocks after its in-memory hits from the KV tiers (None: in none)."""
+        """A read of seq's prompt blocks after its in-memory hits: pulled from the prefill engine its
+        kv_transfer_params name, or from the KV tiers (None: nowhere to read them from)."""
         bm, size = self.block_manager, self.config.block_size
         tokens = seq.token_ids()
         usable = (len(tokens) - 1) // size
@@ -186,7 +201,27 @@ class LLMEngine:
             return None
         parent = bm.blocks[cached[-1]].hash if cached else bm.root(seq)
         chunks = [tuple(tokens[i * size:(i + 1) * size]) for i in range(len(cached), usable)]
-        return self.kv_tiers.lookup(parent, chunks, len(cached))
+        transfer = seq.params.kv_transfer
+        if transfer is not None and transfer.do_remote_prefill and self.kv_receiver is not None:
+            return self.kv_receiver.pull(transfer, parent, chunks, len(cached))
+        return self.kv_tiers.lookup(parent, chunks, len(cached)) if self.kv_tiers else None
+
+    # --- prefill/decode disaggregation (kv_transfer.py) ----------------------------------------
+    def _hold_for_transfer(self, seq: Sequence) -> dict:
+        """A prefill request's sequence ended: hold its prompt's full blocks for a decode engine's pull;
+        the params its output carries."""
+        n = min(len(seq.block_hashes), (seq.num_prompt_tokens - 1) // self.config.block_size)
+        block_ids, keys = list(seq.block_table[:n]), list(seq.block_hashes[:n])
+        self.block_manager.hold(block_ids)
+        transfer_id = f"{seq.request_id}-{next(self._transfer_ids)}"
+        self.kv_sender.hold(transfer_id, block_ids, keys)
+        return {"do_remote_decode": False, "do_remote_prefill": True, "remote_host": self.config.kv_transfer_host,
+                "remote_port": self.kv_sender.port, "remote_request_id": transfer_id, "remote_engine_id": self.kv_sender.engine_id,
+                "remote_block_ids": block_ids}
+
+    def _release_transfers(self) -> None:
+        for block_ids in self.kv_sender.releases():
+            self.block_manager.release(block_ids)
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -272,6 +307,8 @@ class LLMEngine:
         for the token step n - 1 samples, whose value its input takes on the device. A sequence that
         step n - 1 ends still runs in step n; that row is dropped."""
         outputs: list[RequestOutput] = []
+        if self.kv_sender is not None:
+            self._release_transfers()
         previous, self._in_flight = self._in_flight, None
         if previous is not None and any(seq.guide is not None for seq in self.scheduler.running):
             # A constrained sequence's mask for the next step needs the token the step in flight
@@ -295,7 +332,7 @@ class LLMEngine:
                 log.warning("engine step of %d sequences failed (%s: %s): re-running it request by request", len(batch.seqs), type(e).__name__, e)
                 self.runner.recover()
                 failed = batch
-        elif previous is None and self.kv_tiers is not None:
+        elif previous is None and (self.kv_tiers is not None or self.kv_receiver is not None):
             self._await_tier_read()
         if previous is not None:
             outputs += self._complete(previous)
@@ -398,6 +435,9 @@ class LLMEngine:
             self.workers.close()
         if self.kv_tiers is not None:
             self.kv_tiers.drain()
+        for side in (self.kv_sender, self.kv_receiver):
+            if side is not None:
+                side.close()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -10,6 +10,7 @@ is owned here, keyed by request id; the scheduler's Sequence holds none of it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,11 +46,14 @@ class Request:
     arrival_time: float
     scheduled_time: float | None = None
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # entry j: the token at j + 1
+    kv_transfer_params: dict | None = None  # a prefill request's: where a decode engine pulls its blocks (kv_transfer.py)
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...]):
-        self.scheduler, self.eos_token_ids = scheduler, eos_token_ids
+    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], hold_blocks: Callable[[Sequence], dict] | None = None):
+        """hold_blocks: a prefill request's sequence that ended well has its prompt's blocks held for a
+        decode engine (before they are freed); it returns the params the output carries."""
+        self.scheduler, self.eos_token_ids, self.hold_blocks = scheduler, eos_token_ids, hold_blocks
         self.requests: dict[str, Request] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: list[Sequence], detokenizer, arrival_time: float) -> None:
@@ -125,6 +129,9 @@ class OutputProcessor:
         """End seq wherever it is (its blocks are freed at once) and record why and when."""
         if seq.is_finished:
             return
+        transfer = seq.params.kv_transfer
+        if reason in ("stop", "length") and transfer is not None and transfer.do_remote_decode and self.hold_blocks is not None:
+            self.requests[seq.request_id].kv_transfer_params = self.hold_blocks(seq)
         self.scheduler.finish(seq)
         out = self.state(seq)
         out.finish_reason, out.error, out.finish_time = reason, error, time.monotonic()
@@ -162,7 +169,8 @@ class OutputProcessor:
         if finished:
             del self.requests[request_id]
         error = next((o.error for o in req.outputs if o.error), None)
-        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outputs, finished, prompt_lp, metrics, first.num_cached_tokens, error)
+        return RequestOutput(request_id, req.prompt, req.prompt_token_ids, outputs, finished, prompt_lp, metrics, first.num_cached_tokens, error,
+                             req.kv_transfer_params if finished else None)
 
 
 class StructuredOutputError(RuntimeError):

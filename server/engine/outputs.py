@@ -38,3 +38,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = field(default=0)
     error: str | None = None             # set when the request failed in the engine (it is also finished)
+    kv_transfer_params: dict | None = None  # a finished prefill request's (do_remote_decode): what a decode request passes on

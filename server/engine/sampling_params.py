@@ -43,6 +43,51 @@ class StructuredOutput:
             raise ValueError(f"{self.param}: {self.kind} takes {what}")
 
 
+@dataclass(frozen=True, slots=True)
+class KVTransferParams:
+    """Prefill/decode disaggregation, in vLLM's kv_transfer_params fields. A prefill request sets
+    do_remote_decode: its prompt's blocks are held for a decode engine to pull, and its output carries
+    the params a decode request passes on (do_remote_prefill, where to pull from, what)."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None     # the transfer's id on the prefill engine
+    remote_engine_id: str | None = None      # the prefill engine's KV identity: a decode engine of another model refuses it
+    remote_block_ids: list[int] | None = None  # the held blocks on the prefill side (for the record: blocks are pulled by key)
+
+    @classmethod
+    def from_dict(cls, value: object) -> KVTransferParams:
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_params must be an object, got {value!r}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"kv_transfer_params: {', '.join(unknown)} not implemented ({', '.join(cls.__dataclass_fields__)} are)")
+        params = cls(**{k: v for k, v in value.items() if v is not None})
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        for name in ("do_remote_decode", "do_remote_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"kv_transfer_params.{name} must be a boolean")
+        if self.do_remote_decode and self.do_remote_prefill:
+            raise ValueError("kv_transfer_params: do_remote_decode and do_remote_prefill exclude each other")
+        if self.do_remote_prefill:
+            if not (isinstance(self.remote_host, str) and 0 < len(self.remote_host) <= 255):
+                raise ValueError("kv_transfer_params.remote_host must name the prefill engine's host")
+            if type(self.remote_port) is not int or not 0 < self.remote_port < 65536:
+                raise ValueError("kv_transfer_params.remote_port must be a port number")
+            if not (isinstance(self.remote_request_id, str) and 0 < len(self.remote_request_id) <= 256):
+                raise ValueError("kv_transfer_params.remote_request_id must be the prefill engine's transfer id")
+            if not (isinstance(self.remote_engine_id, str) and len(self.remote_engine_id) <= 128):
+                raise ValueError("kv_transfer_params.remote_engine_id must be the prefill engine's id")
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -65,6 +110,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # the output must match it (engine/structured.py)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's logit_bias)
+    kv_transfer: KVTransferParams | None = None  # prefill/decode disaggregation (engine/kv_transfer.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -110,6 +156,8 @@ class SamplingParams:
             bad("seed", f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
         if self.structured is not None:
             self.structured.validate()
+        if self.kv_transfer is not None:
+            self.kv_transfer.validate()
         if self.logit_bias is not None:
             lo, hi = LOGIT_BIAS_RANGE
             if (not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES

@@ -1,0 +1,254 @@
+"""Prefill/decode disaggregation (server/engine/kv_transfer.py): a prefill engine holds a finished
+prompt's blocks, a decode engine pulls them over TCP and decodes; greedy tokens equal the aggregated
+engine's, one request and a batch, with the decode side's own prefill work counted (a decode side that
+ignored the params and recomputed would fail); a prefill engine gone before the pull, a hold nobody
+pulls, and an engine of other settings: recomputed or released, same tokens, no block leaked on either
+side; the HTTP surface in vLLM's kv_transfer_params fields; what is not implemented is refused."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+BLOCK = 16
+PROMPTS = [f"{subject} " + " ".join(f"Fact {i} about {subject.lower()} matters for reason {i * 5 % 11}." for i in range(8))
+           for subject in ("Lighthouses", "Beekeeping", "Tidal mills")]
+
+
+def params(**kw):
+    from kvpilot.server import SamplingParams
+
+    return SamplingParams(**{"temperature": 0, "max_tokens": 10, "ignore_eos": True, **kw})
+
+
+def transfer(**kw):
+    from kvpilot.server.engine.sampling_params import KVTransferParams
+
+    return KVTransferParams(**kw)
+
+
+def engine(**kw):
+    from kvpilot.server import LLM
+
+    return LLM(num_threads=1, show_progress=False, kv_cache_memory="32MiB", **kw)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = engine()
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params())]
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    return engine(kv_role="prefill", kv_transfer_port=0, kv_transfer_timeout=3)
+
+
+def prefilled(prefill_llm, prompts):
+    outs = prefill_llm.generate(prompts, params(max_tokens=1, kv_transfer=transfer(do_remote_decode=True)))
+    return [o.kv_transfer_params for o in outs]
+
+
+def prompt_blocks(llm, prompt):
+    return (len(llm.engine.tokenizer.encode(prompt)) - 1) // BLOCK
+
+
+@pytest.mark.timeout(240)
+def test_prefill_then_decode_equals_the_aggregated_engine_one_and_batched(prefill, reference):
+    from kvpilot.server.engine.sampling_params import KVTransferParams
+
+    decode = engine(kv_role="decode", kv_transfer_timeout=10)
+    free = prefill.engine.block_manager.num_free_blocks
+    # one request
+    [sent] = prefilled(prefill, PROMPTS[:1])
+    assert sent["do_remote_prefill"] and sent["remote_port"] == prefill.engine.kv_sender.port
+    assert len(sent["remote_block_ids"]) == prompt_blocks(prefill, PROMPTS[0])
+    assert prefill.engine.kv_sender.num_held_blocks() == prompt_blocks(prefill, PROMPTS[0])  # held until pulled
+    [out] = decode.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(sent)))
+    assert out.outputs[0].token_ids == reference[0]
+    pulled = prompt_blocks(decode, PROMPTS[0])
+    # the decode side computed only the prompt's tail: a side that recomputed would have pulled nothing
+    assert decode.engine.kv_receiver.stats.pulled_blocks == pulled and out.num_cached_tokens == pulled * BLOCK
+    # a batch of two more
+    sent = prefilled(prefill, PROMPTS[1:])
+    outs = decode.generate(PROMPTS[1:], [params(kv_transfer=KVTransferParams.from_dict(p)) for p in sent])
+    assert [o.outputs[0].token_ids for o in outs] == reference[1:]
+    assert decode.engine.kv_receiver.stats.pulled_blocks == sum(prompt_blocks(decode, p) for p in PROMPTS)
+    assert decode.engine.kv_receiver.stats.failed_pulls == 0
+    prefill.generate(["a step"], params(max_tokens=1))  # the prefill engine's loop gives pulled holds back
+    assert prefill.engine.kv_sender.num_held_blocks() == 0 and prefill.engine.block_manager.num_free_blocks == free
+    assert decode.engine.block_manager.num_free_blocks == decode.engine.block_manager.num_blocks
+
+
+@pytest.mark.timeout(240)
+def test_a_prefill_engine_gone_an_unpulled_hold_and_other_settings_recompute_or_release(prefill, reference):
+    from kvpilot.server.engine.sampling_params import KVTransferParams
+
+    decode = engine(kv_role="decode", kv_transfer_timeout=2)
+    # the prefill engine gone before the pull: computed here, same tokens, nothing leaked
+    gone = engine(kv_role="prefill", kv_transfer_port=0)
+    [sent] = prefilled(gone, PROMPTS[:1])
+    gone.engine.close()
+    del gone
+    [out] = decode.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(sent)))
+    assert out.outputs[0].token_ids == reference[0] and out.num_cached_tokens == 0
+    assert decode.engine.kv_receiver.stats.failed_pulls == 1 and decode.engine.kv_receiver.stats.pulled_blocks == 0
+    assert decode.engine.block_manager.num_free_blocks == decode.engine.block_manager.num_blocks
+
+    # a hold nobody pulls is released after kv_transfer_timeout
+    free = prefill.engine.block_manager.num_free_blocks
+    prefilled(prefill, PROMPTS[1:2])
+    assert prefill.engine.kv_sender.num_held_blocks() > 0
+    time.sleep(3.2)
+    prefill.generate(["a step"], params(max_tokens=1))
+    assert prefill.engine.kv_sender.num_held_blocks() == 0 and prefill.engine.kv_sender.stats.expired_transfers >= 1
+    assert prefill.engine.block_manager.num_free_blocks == free
+
+    # a decode engine of other settings (its KV identity differs): refused by identity, computed here
+    other = engine(kv_role="decode", kv_cache_dtype="bfloat16", kv_transfer_timeout=2)
+    own = other.generate(PROMPTS[2:], params())[0].outputs[0].token_ids
+    other.engine.block_manager.cached.clear()  # (its own prefix cache must not answer instead)
+    [sent] = prefilled(prefill, PROMPTS[2:])
+    [out] = other.generate(PROMPTS[2:], params(kv_transfer=KVTransferParams.from_dict(sent)))
+    assert out.outputs[0].token_ids == own and other.engine.kv_receiver.stats.failed_pulls == 1
+    assert other.engine.kv_receiver.stats.pulled_blocks == 0
+
+
+@pytest.mark.parametrize("settings,refusal", [
+    ({"kv_role": "prefill", "enable_prefix_caching": False}, "kv_role=prefill needs enable_prefix_caching"),
+    ({"kv_role": "decode", "tensor_parallel_size": 3}, "kv_role=decode with tensor_parallel_size > 1 is not implemented"),
+    ({"kv_role": "both", "speculative_method": "draft", "speculative_model": "smollm2-135m"}, "speculative_method=draft is not implemented"),
+    ({"kv_transfer_port": 7000}, "kv_transfer_port need kv_role"),
+    ({"kv_transfer_config": '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'}, "kv_connector 'NixlConnector' is not implemented"),
+    ({"kv_transfer_config": '{"kv_connector": "TCPConnector", "kv_role": "kv_leader"}'}, "kv_role 'kv_leader' is not implemented"),
+])
+def test_what_disaggregation_does_not_do_is_refused(settings, refusal):
+    import re
+
+    from pydantic import ValidationError
+
+    from kvpilot.server.config import EngineConfig
+
+    with pytest.raises(ValidationError, match=re.escape(refusal)):
+        EngineConfig(**settings)
+    config = EngineConfig(kv_transfer_config='{"kv_connector": "TCPConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": '
+                                             '{"timeout": 5}}')
+    assert (config.kv_role, config.kv_transfer_timeout) == ("decode", 5.0)
+
+
+def test_requests_an_engine_cannot_serve_are_rejected_by_name(prefill):
+    from kvpilot.server.engine.limits import RequestRejected
+    from kvpilot.server.engine.sampling_params import KVTransferParams
+
+    ids = prefill.engine.tokenizer.encode(PROMPTS[0])
+    with pytest.raises(RequestRejected, match="do_remote_prefill needs an engine whose kv_role is decode or both"):
+        prefill.engine.limits.admit(ids, params(kv_transfer=transfer(do_remote_prefill=True, remote_host="h", remote_port=1,
+                                                                       remote_request_id="r", remote_engine_id="e")))
+    with pytest.raises(RequestRejected, match="n > 1 is not implemented"):
+        prefill.engine.limits.admit(ids, params(n=2, temperature=1.0, kv_transfer=transfer(do_remote_decode=True)))
+    for bad, why in [({"do_remote_prefill": True}, "remote_host"), ({"do_remote_decode": "yes"}, "must be a boolean"),
+                     ({"remote_cluster": "x"}, "remote_cluster not implemented")]:
+        with pytest.raises(ValueError, match=why):
+            KVTransferParams.from_dict(bad)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """A prefill and a decode `kvpilot serve`."""
+    from server_harness import serve_for_tests
+
+    prefill_server = serve_for_tests(tmp_path_factory, "--kv-cache-memory", "32MiB", "--kv-role", "prefill", "--kv-transfer-port", "0")
+    decode_server = serve_for_tests(tmp_path_factory, "--kv-cache-memory", "32MiB", "--kv-role", "decode")
+    try:
+        yield next(prefill_server), next(decode_server)
+    finally:
+        for server in (prefill_server, decode_server):
+            next(server, None)
+
+
+def pulled_blocks(server) -> float:
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvpilot:kv_transfer_pulled_blocks_total"))
+
+
+BODY = {"prompt": PROMPTS[0], "temperature": 0, "max_tokens": 10, "ignore_eos": True}
+
+
+@pytest.mark.timeout(240)
+def test_over_http_the_prefill_answer_carries_what_the_decode_request_passes_on(servers):
+    """The prefill request's answer has kv_transfer_params, the decode request with them answers as the
+    aggregated engine does and its metrics count the pulled blocks; a streamed prefill request and
+    incomplete params are 400s."""
+    p, d = servers
+    before = pulled_blocks(d)
+    first = httpx.post(p.url + "/v1/completions", json={**BODY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+                       timeout=120).json()
+    sent = first["kv_transfer_params"]
+    assert sent["do_remote_prefill"] is True and sent["remote_host"] == "127.0.0.1"
+    answer = httpx.post(d.url + "/v1/completions", json={**BODY, "kv_transfer_params": sent}, timeout=120).json()
+    plain = httpx.post(p.url + "/v1/completions", json=BODY, timeout=120).json()
+    assert answer["choices"][0]["text"] == plain["choices"][0]["text"] and "kv_transfer_params" not in answer
+    assert pulled_blocks(d) - before == len(sent["remote_block_ids"]) > 0
+    streamed = httpx.post(p.url + "/v1/completions", json={**BODY, "stream": True, "kv_transfer_params": {"do_remote_decode": True}}, timeout=60)
+    assert streamed.status_code == 400 and "stream must be false" in streamed.text
+    refused = httpx.post(p.url + "/v1/completions", json={**BODY, "kv_transfer_params": {"do_remote_prefill": True}}, timeout=60)
+    assert refused.status_code == 400 and "remote_host" in refused.text
+
+
+@pytest.mark.timeout(240)
+def test_the_gateway_prefills_on_a_prefill_pod_then_streams_the_decode_pods_answer(servers):
+    """A disaggregated model through kvpilot-gateway: completions and chat, streamed or not, answer as
+    the aggregated engine does, with the decode pod pulling the prompt's blocks; with its prefill pod
+    gone, the decode pod computes the prompt (counted), and a client error from the prefill pod is the
+    answer."""
+    import threading
+
+    import uvicorn
+
+    from kvpilot.operator.gateway.proxy import StaticEndpoints, build_app
+    from server_harness import free_port
+
+    p, d = servers
+    model = httpx.get(d.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    endpoint = lambda server: server.url.removeprefix("http://")  # noqa: E731
+    dead = f"127.0.0.1:{free_port()}"
+    source = StaticEndpoints({model: [endpoint(d)]}, prefill={model: [endpoint(p)]})
+    app = build_app(source)
+    gateway = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    threading.Thread(target=gateway.run, daemon=True).start()
+    url = f"http://127.0.0.1:{gateway.config.port}"
+    deadline = time.monotonic() + 20
+    while not gateway.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        # prompts the decode pod has not seen (its prefix cache would answer instead of a pull)
+        first, second, third = (f"Through the gateway, {n}: {PROMPTS[n]}" for n in range(3))
+        plain = httpx.post(p.url + "/v1/completions", json={**BODY, "model": model, "prompt": first}, timeout=120).json()["choices"][0]["text"]
+        before = pulled_blocks(d)
+        whole = httpx.post(url + "/v1/completions", json={**BODY, "model": model, "prompt": first}, timeout=120).json()
+        assert whole["choices"][0]["text"] == plain and pulled_blocks(d) > before
+        with httpx.stream("POST", url + "/v1/completions", json={**BODY, "model": model, "prompt": second, "stream": True},
+                          timeout=120) as r:
+            chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+        streamed = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks)
+        direct = httpx.post(p.url + "/v1/completions", json={**BODY, "model": model, "prompt": second}, timeout=120).json()
+        assert streamed == direct["choices"][0]["text"]
+        chat = {"model": model, "messages": [{"role": "user", "content": third}], "temperature": 0, "max_tokens": 8}
+        assert (httpx.post(url + "/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]["message"]
+                == httpx.post(p.url + "/v1/chat/completions", json=chat, timeout=120).json()["choices"][0]["message"])
+        bad = httpx.post(url + "/v1/completions", json={**BODY, "model": model, "temperature": -1}, timeout=60)
+        assert bad.status_code == 400 and "temperature" in bad.text  # the prefill pod's answer
+        source.prefill[model] = [dead]  # the prefill pool gone: the decode pod computes the prompt
+        pulled = pulled_blocks(d)
+        fourth = f"Once more: {PROMPTS[2]}"
+        fallback = httpx.post(url + "/v1/completions", json={**BODY, "model": model, "prompt": fourth}, timeout=120).json()
+        direct = httpx.post(p.url + "/v1/completions", json={**BODY, "model": model, "prompt": fourth}, timeout=120).json()
+        assert fallback["choices"][0]["text"] == direct["choices"][0]["text"] and pulled_blocks(d) == pulled
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        assert f'kvpilot_gateway_prefill_requests_total{{model="{model}",outcome="handed_off"}} 3.0' in metrics
+        assert f'kvpilot_gateway_prefill_requests_total{{model="{model}",outcome="failed"}} 1.0' in metrics
+    finally:
+        gateway.should_exit = True
