@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -95,3 +96,22 @@ def serve_for_tests(tmp_path_factory, *args: str):
     server = ServerProcess(*args, log_path=log).wait_ready()
     yield server
     assert server.terminate() == 0
+
+
+@contextlib.contextmanager
+def asgi_server(app):
+    """An ASGI app (the gateway) served by uvicorn on a free loopback port in a thread: its URL, until
+    the block ends."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True

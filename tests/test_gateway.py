@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from kvpilot.operator.gateway.routing import HashRing, choose, prefix_key
-from server_harness import free_port
+from server_harness import asgi_server, free_port
 
 
 def test_ring_is_deterministic_balanced_and_consistent():
@@ -105,7 +105,6 @@ class Upstream:
 
 @pytest.fixture(scope="module")
 def gateway():
-    import uvicorn
 
     from kvpilot.operator.gateway.proxy import GatewayConfig, StaticEndpoints, build_app
 
@@ -114,14 +113,8 @@ def gateway():
     draining = Upstream("draining", status=503)
     table = {"m": [u.endpoint for u in upstreams] + [dead, draining.endpoint], "idle": []}
     app = build_app(StaticEndpoints(table), GatewayConfig(hold_timeout_seconds=1.0, max_held_requests=2))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    url = f"http://127.0.0.1:{server.config.port}"
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield url, upstreams, dead, app.state.gateway
-    server.should_exit = True
+    with asgi_server(app) as url:
+        yield url, upstreams, dead, app.state.gateway
 
 
 @pytest.mark.timeout(60)

@@ -204,26 +204,15 @@ def test_the_gateway_prefills_on_a_prefill_pod_then_streams_the_decode_pods_answ
     the aggregated engine does, with the decode pod pulling the prompt's blocks; with its prefill pod
     gone, the decode pod computes the prompt (counted), and a client error from the prefill pod is the
     answer."""
-    import threading
-
-    import uvicorn
-
     from kvpilot.operator.gateway.proxy import StaticEndpoints, build_app
-    from server_harness import free_port
+    from server_harness import asgi_server, free_port
 
     p, d = servers
     model = httpx.get(d.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     endpoint = lambda server: server.url.removeprefix("http://")  # noqa: E731
     dead = f"127.0.0.1:{free_port()}"
     source = StaticEndpoints({model: [endpoint(d)]}, prefill={model: [endpoint(p)]})
-    app = build_app(source)
-    gateway = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    threading.Thread(target=gateway.run, daemon=True).start()
-    url = f"http://127.0.0.1:{gateway.config.port}"
-    deadline = time.monotonic() + 20
-    while not gateway.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
+    with asgi_server(build_app(source)) as url:
         # prompts the decode pod has not seen (its prefix cache would answer instead of a pull)
         first, second, third = (f"Through the gateway, {n}: {PROMPTS[n]}" for n in range(3))
         plain = httpx.post(p.url + "/v1/completions", json={**BODY, "model": model, "prompt": first}, timeout=120).json()["choices"][0]["text"]
@@ -250,5 +239,3 @@ def test_the_gateway_prefills_on_a_prefill_pod_then_streams_the_decode_pods_answ
         metrics = httpx.get(url + "/metrics", timeout=30).text
         assert f'kvpilot_gateway_prefill_requests_total{{model="{model}",outcome="handed_off"}} 3.0' in metrics
         assert f'kvpilot_gateway_prefill_requests_total{{model="{model}",outcome="failed"}} 1.0' in metrics
-    finally:
-        gateway.should_exit = True
