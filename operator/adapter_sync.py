@@ -21,7 +21,7 @@ import httpx
 from kubernetes.client.rest import ApiException
 
 from kvpilot.operator.builders.engines import PORT, adapter_load_path
-from kvpilot.operator.builders.manifests import selector_labels
+from kvpilot.operator.builders.manifests import selector_labels, serving_pods
 from kvpilot.operator.cache import CACHE, ISVC, POD
 from kvpilot.operator.crd_types import ADAPTERS_ANNOTATION, AdapterStatus, InferenceServiceSpec
 from kvpilot.operator.kube import Kube
@@ -164,7 +164,7 @@ class AdapterSync:
             return
         now = time.monotonic()
         results: dict[str, PodSync] = {}
-        ready_pods = [p for p in CACHE.with_labels(POD, namespace, selector_labels(name)) if _ready(p)]
+        ready_pods = [p for p in serving_pods(CACHE.with_labels(POD, namespace, selector_labels(name))) if _ready(p)]  # (not a prefill pool's)
         for pod in ready_pods:
             uid, pod_name = pod["metadata"]["uid"], pod["metadata"]["name"]
             skip = {n for n, path in desired.items() if self._retry_at.get((uid, n, path), 0) > now}

@@ -34,8 +34,8 @@ def _structural(schema: dict, defs: dict) -> dict:
         rest = {k: v for k, v in schema.items() if k != "anyOf"}
         if len(options) == 1:
             resolved = _structural({**options[0], **rest}, defs)
-            if resolved.get("default") == {}:  # optional object: absent means unset, not {}
-                resolved.pop("default")
+            if rest.get("default") is None and resolved.get("type") == "object":  # optional object: absent means unset, not {}
+                resolved.pop("default", None)
             return resolved
         raise ValueError(f"unions are not structural: {schema}")
     out: dict[str, Any] = {}
@@ -57,7 +57,10 @@ def _structural(schema: dict, defs: dict) -> dict:
         else:
             out[key] = value
     if out.get("type") == "object" and "properties" in out and "default" not in out and not out.get("required"):
-        out["default"] = {}
+        # The API server checks a default against the object's CEL rules as it is written: with rules, the
+        # fields they read carry their own defaults in it.
+        out["default"] = {k: sub["default"] for k, sub in out["properties"].items() if sub.get("default") not in (None, {})} \
+            if "x-kubernetes-validations" in out else {}
     return out
 
 
@@ -73,11 +76,15 @@ def crd() -> dict:
     spec.pop("default", None)
     spec["description"] = InferenceServiceSpec.__doc__.strip().splitlines()[0]
     columns = [
-        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready pods"},
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready pods (of a disaggregated service: decode pods)"},
         {"name": "Status", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason",
          "description": "Why Ready is what it is: Serving, ScaledToZero, NoReadyPods, or what keeps pods from running"},
         {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas", "description": "Pods that exist"},
         {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas", "description": "Pods the autoscaler wants"},
+        {"name": "Prefill", "type": "integer", "jsonPath": ".status.prefill.readyReplicas",
+         "description": "A disaggregated service's ready prefill pods (empty when it is not)"},
+        {"name": "PrefillDesired", "type": "integer", "jsonPath": ".status.prefill.desiredReplicas", "priority": 1,
+         "description": "Prefill pods the autoscaler wants"},
         {"name": "KV", "type": "string", "jsonPath": ".status.lastMetrics.kvCacheUtilization", "description": "Mean KV-cache utilization"},
         {"name": "Queue", "type": "string", "jsonPath": ".status.lastMetrics.queueDepth", "description": "Mean waiting requests per pod"},
         {"name": "Adapters", "type": "integer", "jsonPath": ".status.adapterCount", "description": "LoRA adapters in spec.adapters (per-adapter pods: kubectl describe)"},

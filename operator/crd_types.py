@@ -237,6 +237,43 @@ class AutoscalingSpec(_Model):
         "the service again (it is held until a pod is Ready)."))
 
 
+class PrefillPoolSpec(_Model):
+    """The prefill pool of a disaggregated service: engine pods that run each prompt and hold its KV blocks until a decode pod
+    pulls them (--kv-role prefill). They scale on their own queue depth."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", json_schema_extra={
+        "x-kubernetes-validations": [
+            cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas", ".minReplicas"),
+            cel("!has(self.replicas) || (self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)",
+                "replicas must be within [minReplicas, maxReplicas]", ".replicas")]})
+    replicas: int | None = Field(None, ge=1, description="Prefill pods; written by the autoscaler when spec.autoscaling is on (unset: minReplicas).")
+    min_replicas: int = Field(1, ge=1, description="Fewest prefill pods.")
+    max_replicas: int = Field(3, ge=1, le=1000, description="Most prefill pods.")
+    target_queue_depth: float = Field(2.0, gt=0, description=(
+        "Mean waiting requests per ready prefill pod to aim for (the prefill pool's scaling signal; the service's tolerance, interval and "
+        "scale-down window apply)."))
+    resources: ResourceSpec | None = Field(None, description="The prefill pods' GPUs, CPU/memory and placement (unset: spec.resources).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PrefillPoolSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"disaggregation.prefill: minReplicas ({self.min_replicas}) must be <= maxReplicas ({self.max_replicas})")
+        return self
+
+
+class DisaggregationSpec(_Model):
+    """Prefill/decode disaggregation (engine kvpilot): a prefill pool beside the service's own pods, which become its decode pool.
+    kvpilot-gateway sends each request to a prefill pod (prefix affinity), then to a decode pod with the kv_transfer_params it
+    answered; the decode pod pulls the prompt's KV blocks over TCP and decodes. The decode pool is the service's replicas,
+    minReplicas, maxReplicas, resources and autoscaling (on KV-cache use and queue depth; the scale subresource scales it).
+    A request sent to the Service directly (past the gateway) is served by a decode pod alone."""
+
+    prefill: PrefillPoolSpec = Field(default_factory=PrefillPoolSpec, description="The prefill pool.")
+    kv_transfer_timeout_seconds: float | None = Field(None, gt=0, le=3600, description=(
+        "How long a prefill pod holds a prompt's blocks for the decode pod to pull (--kv-transfer-timeout; the engine's default when "
+        "unset); a pull after it recomputes the prompt on the decode pod."))
+
+
 class InferenceServiceSpec(_Model):
     """An LLM served by engine pods, autoscaled on KV-cache utilization and queue depth."""
 
@@ -249,6 +286,9 @@ class InferenceServiceSpec(_Model):
                 "resources.cpuOnly is only possible with engine kvpilot", ".resources.cpuOnly"),
             cel("self.engine != 'sglang' || !has(self.adapters) || size(self.adapters) == 0",
                 "adapters are loaded into engine kvpilot or vllm pods", ".adapters"),
+            cel("!has(self.disaggregation) || self.engine == 'kvpilot'", "disaggregation needs engine kvpilot", ".disaggregation"),
+            cel("!has(self.disaggregation) || self.minReplicas >= 1", "a disaggregated service does not scale to zero (minReplicas >= 1)",
+                ".minReplicas"),
         ]})
     model: ModelSpec = Field(description="The model to serve.")
     engine: Literal["kvpilot", "vllm", "sglang"] = Field("kvpilot", description="Inference engine: kvpilot (bundled), vllm or sglang.")
@@ -275,6 +315,17 @@ class InferenceServiceSpec(_Model):
         "checked against that release's own parser (a snapshot): an unknown, deprecated or mis-valued flag is reported as Degraded."))
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations of the engine pods.")
     pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels of the engine pods.")
+    disaggregation: DisaggregationSpec | None = Field(None, description=(
+        "Prefill/decode disaggregation: a prefill pool (Deployment <name>-prefill) hands each prompt's KV to the service's own pods, "
+        "which decode (off when absent)."))
+
+    @model_validator(mode="after")
+    def _disaggregation(self) -> InferenceServiceSpec:
+        if self.disaggregation is not None and self.engine != "kvpilot":  # the CEL rules above, for specs the API server did not check
+            raise ValueError("disaggregation needs engine kvpilot")
+        if self.disaggregation is not None and self.min_replicas < 1:
+            raise ValueError("a disaggregated service does not scale to zero (minReplicas >= 1)")
+        return self
 
     @model_validator(mode="after")
     def _adapters_unique(self) -> InferenceServiceSpec:
@@ -407,6 +458,16 @@ class AdapterStatus(_Model):
     message: str | None = Field(None, description="Why the last load failed (the engine's own words).")
 
 
+class PoolStatus(_Model):
+    """The prefill pool of a disaggregated service (the decode pool is the status's own replicas)."""
+
+    replicas: int = Field(0, description="Prefill pods that exist.")
+    ready_replicas: int = Field(0, description="Prefill pods that are ready.")
+    desired_replicas: int = Field(0, description="What the autoscaler (or disaggregation.prefill.replicas) asks for.")
+    last_metrics: MetricsSnapshot | None = Field(None, description="The prefill pods' metrics last seen by the autoscaler.")
+    scaling: str | None = Field(None, description="The autoscaler's last decision for the pool, with the numbers behind it.")
+
+
 class InferenceServiceStatus(_Model):
     observed_generation: int | None = Field(None, description="The spec generation last reconciled.")
     conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded, ScalingActive.")
@@ -424,6 +485,8 @@ class InferenceServiceStatus(_Model):
     last_cold_start: ColdStart | None = Field(None, description="The newest engine pod's start, phase by phase.")
     adapters: list[AdapterStatus] = Field(default_factory=list, description="spec.adapters, each with how many Ready pods hold it.")
     adapter_count: int | None = Field(None, description="How many adapters spec.adapters names (kubectl get's ADAPTERS column).")
+    prefill: PoolStatus | None = Field(None, description=(
+        "With spec.disaggregation: the prefill pool (replicas, readyReplicas and the scale subresource above are then the decode pool's)."))
 
 
 class InferenceService(_Model):

@@ -86,13 +86,14 @@ class Kube:
             if e.status != 409:
                 raise
 
-    def delete_claim(self, name: str, namespace: str) -> None:
-        """A model cache claim nobody uses any more (one already gone is fine)."""
+    def delete(self, api_version: str, kind: str, name: str, namespace: str) -> None:
+        """An object no longer wanted (one already gone is fine)."""
         try:
-            self._resource("v1", "PersistentVolumeClaim").delete(name=name, namespace=namespace)
+            self._resource(api_version, kind).delete(name=name, namespace=namespace)
         except DynamicApiError as e:
             if e.status != 404:
                 raise
+
 
     def annotate_claim(self, name: str, namespace: str, annotations: dict[str, str]) -> dict:
         """The claim as written (for the cache)."""
@@ -123,6 +124,11 @@ class Kube:
     def scale_isvc(self, name: str, namespace: str, replicas: int) -> None:
         """Through the scale subresource: the operator is the one writer of spec.replicas."""
         self.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL, name, {"spec": {"replicas": replicas}})
+
+    def scale_prefill(self, name: str, namespace: str, replicas: int) -> None:
+        """A disaggregated service's prefill pool (no scale subresource of its own: the autoscaler is that field's one writer)."""
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                                   {"spec": {"disaggregation": {"prefill": {"replicas": replicas}}}})
 
     def event(self, obj: dict, type_: str, reason: str, message: str) -> None:
         meta = obj["metadata"]

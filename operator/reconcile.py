@@ -17,9 +17,21 @@ from kvpilot.operator import cold_start, metrics
 from kvpilot.operator.adapter_sync import AdapterReport
 from kvpilot.operator.builders import model_cache
 from kvpilot.operator.builders.engines import engine_container, served_name, shared_cache, unsupported_settings
-from kvpilot.operator.builders.manifests import ENGINE_LABEL, desired_replicas, endpoint_url, hf_token_env, render, selector_labels
+from kvpilot.operator.builders.manifests import (
+    ENGINE_LABEL,
+    desired_prefill_replicas,
+    desired_replicas,
+    endpoint_url,
+    hf_token_env,
+    is_prefill_pod,
+    pod_selector,
+    prefill_name,
+    render,
+    selector_labels,
+    serving_pods,
+)
 from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, POD
-from kvpilot.operator.crd_types import AdapterStatus, ColdStart, InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus
+from kvpilot.operator.crd_types import AdapterStatus, ColdStart, InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus, PoolStatus
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.status import AutoscalerReport, compute_status, now_rfc3339, set_condition, unchanged
 from kvpilot.server.model_files import BUNDLED
@@ -33,11 +45,12 @@ _locks_guard = threading.Lock()
 # Per InferenceService, in memory: the autoscaler's latest report, and the problems the last apply met
 # (a status written between two reconciles keeps saying so).
 REPORTS: dict[tuple[str, str], AutoscalerReport] = {}
+PREFILL_REPORTS: dict[tuple[str, str], PoolStatus] = {}  # the autoscaler's latest about a prefill pool (metrics, decision)
 ADAPTER_REPORTS: dict[tuple[str, str], AdapterReport] = {}  # the adapter sync's latest, per service
 _apply_problems: dict[tuple[str, str], list[tuple[str, str]]] = {}
-# Per InferenceService, the resourceVersion each owned object had after our last apply: the watch's
-# echo of our own write is not drift (a reconcile for it would apply everything again).
-_applied_versions: dict[tuple[str, str], dict[str, str]] = {}
+# Per InferenceService, the resourceVersion each owned object (by kind and name) had after our last apply:
+# the watch's echo of our own write is not drift (a reconcile for it would apply everything again).
+_applied_versions: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
 
 
 def isvc_lock(namespace: str, name: str) -> threading.Lock:
@@ -54,6 +67,7 @@ COLD_START_FRESH_SECONDS = 120  # a pod Ready for longer (seen after an operator
 def forget(namespace: str, name: str) -> None:
     """An InferenceService is gone: drop what is kept for it."""
     REPORTS.pop((namespace, name), None)
+    PREFILL_REPORTS.pop((namespace, name), None)
     ADAPTER_REPORTS.pop((namespace, name), None)
     _apply_problems.pop((namespace, name), None)
     _applied_versions.pop((namespace, name), None)
@@ -193,6 +207,28 @@ def _adapter_status(status: InferenceServiceStatus, spec: InferenceServiceSpec |
     status.conditions = set_condition(status.conditions, "AdaptersReady", *ready, generation, now_rfc3339())
 
 
+def _prefill_status(status: InferenceServiceStatus, spec: InferenceServiceSpec | None, deployment: dict | None, pods: list[dict],
+                    report: PoolStatus | None, generation: int) -> None:
+    """status.prefill, and the prefill pool's rollout in Progressing (the service is Ready on its decode pods: without a prefill
+    pod, the gateway sends requests to the decode pods alone)."""
+    if spec is None or spec.disaggregation is None:
+        status.prefill = None
+        return
+    dstat = (deployment or {}).get("status") or {}
+    desired = desired_prefill_replicas(spec)
+    pool = PoolStatus(replicas=dstat.get("replicas", 0), ready_replicas=dstat.get("readyReplicas", 0), desired_replicas=desired)
+    if report is not None:
+        pool.last_metrics, pool.scaling = report.last_metrics, report.scaling
+    status.prefill = pool
+    progressing = next((c for c in status.conditions if c.type == "Progressing"), None)
+    updated = dstat.get("updatedReplicas", 0)
+    if progressing is not None and progressing.reason == "Stable" and (deployment is None or min(updated, pool.ready_replicas) < desired
+                                                                       or pool.replicas > desired):
+        status.conditions = set_condition(status.conditions, "Progressing", "True", "RollingOut",
+                                          f"prefill pool: {updated}/{desired} pods updated, {pool.ready_replicas}/{desired} ready "
+                                          f"({sum(1 for p in pods if not p['metadata'].get('deletionTimestamp'))} pods)", generation, now_rfc3339())
+
+
 def refresh_status(kube: Kube, namespace: str, name: str) -> InferenceServiceStatus | None:
     """Status alone, from the cache (a pod changed; the autoscaler reported): nothing applied."""
     with isvc_lock(namespace, name):
@@ -216,10 +252,15 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
                 if obj["kind"] == "Deployment" and not cache_ready:
                     continue  # pods start once their model cache entries are filled (the running ones keep serving)
                 applied = kube.apply(obj)
-                _applied_versions.setdefault((namespace, name), {})[obj["kind"]] = applied["metadata"].get("resourceVersion")
+                _applied_versions.setdefault((namespace, name), {})[(obj["kind"], obj["metadata"]["name"])] = applied["metadata"].get("resourceVersion")
                 if obj["kind"] == "Deployment":
                     CACHE.put(DEPLOYMENT, applied)
                     fault_point("after-deployment", namespace, name)
+            if spec.disaggregation is None and CACHE.get(DEPLOYMENT, namespace, prefill_name(name)) is not None:
+                # disaggregation turned off: the prefill pool goes (its pods drain; the gateway stops prefilling first)
+                kube.delete("apps/v1", "Deployment", prefill_name(name), namespace)
+                kube.delete("policy/v1", "PodDisruptionBudget", prefill_name(name), namespace)
+                CACHE.delete(DEPLOYMENT, namespace, prefill_name(name))
         except (ApiException, DynamicApiError) as e:
             reason = getattr(e, "reason", None) or type(e).__name__
             applying.append(("ApplyFailed", f"{reason}: {getattr(e, 'body', None) or e}"[:500]))
@@ -230,7 +271,8 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
 def is_own_write(namespace: str, owner: str, obj: dict) -> bool:
     """Whether `obj` (an owned object from a watch event) is exactly what our last apply of it wrote."""
     version = obj["metadata"].get("resourceVersion")
-    return version is not None and _applied_versions.get((namespace, owner), {}).get(obj.get("kind")) == version
+    key = (obj.get("kind"), obj["metadata"].get("name"))
+    return version is not None and _applied_versions.get((namespace, owner), {}).get(key) == version
 
 
 def _apply_model_cache(kube: Kube, body: dict, spec: InferenceServiceSpec) -> bool:
@@ -272,7 +314,7 @@ def _let_go(kube: Kube, claim: dict, manager: str) -> None:
     if applied["metadata"].get("ownerReferences"):
         CACHE.put(CLAIM, applied)
     else:
-        kube.delete_claim(meta["name"], meta["namespace"])
+        kube.delete("v1", "PersistentVolumeClaim", meta["name"], meta["namespace"])
         CACHE.delete(CLAIM, meta["namespace"], meta["name"])
 
 
@@ -325,8 +367,9 @@ def write_status(kube: Kube, body: dict, spec: InferenceServiceSpec | None, prob
     prev_raw = body.get("status") or {}
     prev = InferenceServiceStatus.model_validate(prev_raw) if prev_raw else None
     deployment = CACHE.get(DEPLOYMENT, namespace, name)
-    pods = CACHE.with_labels(POD, namespace, selector_labels(name))
-    selector = ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+    all_pods = CACHE.with_labels(POD, namespace, selector_labels(name))
+    pods = serving_pods(all_pods)
+    selector = ",".join(f"{k}={v}" for k, v in pod_selector(name, spec).items())
     desired = desired_replicas(spec) if spec is not None else 0
     entries = model_cache_status(namespace, spec)
     problems = problems + [("ModelCacheFillFailed", f"model cache entry {e.claim} ({e.source}): {e.message}") for e in entries if e.state == "Failed"]
@@ -336,6 +379,8 @@ def write_status(kube: Kube, body: dict, spec: InferenceServiceSpec | None, prob
                             filling="; ".join(f"model cache entry {e.claim} ({e.source}) is being filled" for e in filling) or None,
                             serving_problems=name_collisions(body, spec))
     status.model_cache = entries
+    _prefill_status(status, spec, CACHE.get(DEPLOYMENT, namespace, prefill_name(name)), [p for p in all_pods if is_prefill_pod(p)],
+                    PREFILL_REPORTS.get((namespace, name)), generation)
     _adapter_status(status, spec, ADAPTER_REPORTS.get((namespace, name)), generation)
     if (started := _cold_starts.get((namespace, name))) is not None:
         status.last_cold_start = started
@@ -343,6 +388,8 @@ def write_status(kube: Kube, body: dict, spec: InferenceServiceSpec | None, prob
     if report is not None:
         report.apply(status, now_rfc3339())
     new_raw = status.model_dump(by_alias=True, exclude_none=True, mode="json")
+    if "prefill" in prev_raw and "prefill" not in new_raw:
+        new_raw["prefill"] = None  # a merge patch removes a field only by a null
     if not unchanged(prev_raw, new_raw):
         try:
             written = kube.patch_isvc_status(name, namespace, new_raw)

@@ -229,7 +229,8 @@ def test_crds_are_fresh():
     crd = yaml.safe_load(text)
     v = crd["spec"]["versions"][0]
     assert v["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas", "labelSelectorPath": ".status.selector"}
-    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Ready", "Status", "Replicas", "Desired", "KV", "Queue", "Adapters", "ColdStart", "Age"]
+    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Ready", "Status", "Replicas", "Desired", "Prefill", "PrefillDesired", "KV", "Queue",
+                                                                   "Adapters", "ColdStart", "Age"]
     assert "kvis" in crd["spec"]["names"]["shortNames"]
     props = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     assert all(p.get("description") for p in props.values())
@@ -620,3 +621,76 @@ def test_the_kv_host_tier_sizes_the_engines_flag_with_or_without_a_disk_tier():
     assert "hostSize=2Gi does not fit in resources.memory=1Gi" in problem
     with pytest.raises(ValidationError, match="mode Off .* needs hostSize"):
         spec(engineSettings={"kvOffload": {"mode": "Off"}})
+
+
+def test_a_disaggregated_service_renders_a_prefill_pool_beside_its_decode_pods():
+    from kvpilot.operator.builders.manifests import serving_pods
+    from kvpilot.operator.crd_types import ROLE_LABEL
+
+    s = spec(replicas=2, maxReplicas=4, resources={"cpuOnly": True, "memory": "4Gi"},
+             adapters=[{"name": "sql", "source": "hf://org/sql-lora"}],
+             disaggregation={"prefill": {"minReplicas": 1, "maxReplicas": 5, "replicas": 3, "resources": {"cpuOnly": True, "cpu": "8"}},
+                             "kvTransferTimeoutSeconds": 30})
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in render("svc", "ns", "u", s)}
+    assert set(objs) == {("Deployment", "svc"), ("Deployment", "svc-prefill"), ("Service", "svc"), ("PodDisruptionBudget", "svc"),
+                         ("PodDisruptionBudget", "svc-prefill")}
+    decode, prefill = objs[("Deployment", "svc")], objs[("Deployment", "svc-prefill")]
+    assert decode["spec"]["replicas"] == 2 and prefill["spec"]["replicas"] == 3
+    assert decode["spec"]["selector"]["matchLabels"] == {ISVC_LABEL: "svc"}  # as before disaggregation: immutable
+    assert prefill["spec"]["selector"]["matchLabels"] == {ISVC_LABEL: "svc", ROLE_LABEL: "prefill"}
+    assert prefill["metadata"]["labels"][ISVC_LABEL] == "svc" and prefill["metadata"]["ownerReferences"][0]["name"] == "svc"
+    d_labels, p_labels = (d["spec"]["template"]["metadata"]["labels"] for d in (decode, prefill))
+    assert d_labels[ROLE_LABEL] == "decode" and p_labels[ROLE_LABEL] == "prefill" and p_labels[ISVC_LABEL] == "svc"
+    d_args = engine_args(container(decode))
+    assert d_args[d_args.index("--allow-runtime-lora"):] == ["--allow-runtime-lora", "--lora-dir", "/var/lib/kvpilot/adapters"]
+    d_cfg = EngineConfig.from_cli_args(d_args[:d_args.index("--allow-runtime-lora")])
+    p_cfg = EngineConfig.from_cli_args(engine_args(container(prefill)))
+    assert (d_cfg.kv_role, p_cfg.kv_role) == ("decode", "prefill") and d_cfg.kv_transfer_timeout == p_cfg.kv_transfer_timeout == 30
+    assert p_cfg.kv_transfer_host == "$(POD_IP)" and p_cfg.kv_transfer_port == 5600
+    assert {"name": "kv-transfer", "containerPort": 5600, "protocol": "TCP"} in container(prefill)["ports"]
+    # adapters are the decode pool's: the gateway does not disaggregate an adapter's requests
+    assert d_cfg.enable_lora and not p_cfg.enable_lora and "--allow-runtime-lora" not in container(prefill)["args"]
+    assert container(prefill)["resources"] == {"limits": {"cpu": "8"}, "requests": {"cpu": "8"}}
+    assert container(decode)["resources"]["limits"] == {"memory": "4Gi"}
+    # the Service reaches decode pods only; no pod is under two disruption budgets
+    assert objs[("Service", "svc")]["spec"]["selector"] == {ISVC_LABEL: "svc", ROLE_LABEL: "decode"}
+    main_pdb, prefill_pdb = objs[("PodDisruptionBudget", "svc")]["spec"]["selector"], objs[("PodDisruptionBudget", "svc-prefill")]["spec"]["selector"]
+    assert main_pdb["matchExpressions"] == [{"key": ROLE_LABEL, "operator": "NotIn", "values": ["prefill"]}]
+    assert prefill_pdb == {"matchLabels": {ISVC_LABEL: "svc", ROLE_LABEL: "prefill"}}
+    pods = [{"metadata": {"name": n, "labels": labels}} for n, labels in (("d", d_labels), ("p", p_labels))]
+    assert [p["metadata"]["name"] for p in serving_pods(pods)] == ["d"]
+    # not disaggregated: one pool, no role
+    plain = {(o["kind"], o["metadata"]["name"]) for o in render("svc", "ns", "u", spec())}
+    assert ("Deployment", "svc-prefill") not in plain
+    assert ROLE_LABEL not in deployment("svc", "ns", "u", spec())["spec"]["template"]["metadata"]["labels"]
+    assert "--kv-role" not in container(deployment("svc", "ns", "u", spec()))["args"]
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"engine": "vllm", "model": {"source": "hf://org/m"}}, "disaggregation needs engine kvpilot"),
+    ({"minReplicas": 0}, "does not scale to zero"),
+    ({"disaggregation": {"prefill": {"minReplicas": 3, "maxReplicas": 2}}}, "minReplicas"),
+    ({"disaggregation": {"prefill": {"minReplicas": 0}}}, "greater than or equal to 1"),
+])
+def test_bad_disaggregation_specs_are_refused(kw, message):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=message):
+        spec(**({"disaggregation": {}} | kw))
+
+
+def test_the_autoscaler_reads_each_pool_apart():
+    from kvpilot.operator.autoscaler.loop import prefill_policy_of
+    from kvpilot.operator.autoscaler.promql import signal_query, timestamp_query
+    from kvpilot.operator.builders.manifests import pod_monitor
+
+    assert 'role!="prefill"' in signal_query("kvpilot", "kv", "ns", "a") and 'role!="prefill"' in timestamp_query("kvpilot", "queue", "ns", "a")
+    assert 'role="prefill"' in signal_query("kvpilot", "queue", "ns", "a", prefill=True)
+    (endpoint,) = pod_monitor("a", "ns", "u", spec())["spec"]["podMetricsEndpoints"]
+    role = next(r for r in endpoint["relabelings"] if r["targetLabel"] == "role")
+    assert role["sourceLabels"] == ["__meta_kubernetes_pod_label_serving_kvpilot_dev_role"]
+    chart = (ROOT / "charts/kvpilot/templates/podmonitor.yaml").read_text()
+    assert all(f"sourceLabels: [{r['sourceLabels'][0]}], targetLabel: {r['targetLabel']}" in chart for r in endpoint["relabelings"])
+    p = prefill_policy_of(spec(disaggregation={"prefill": {"minReplicas": 2, "maxReplicas": 6, "targetQueueDepth": 0.5}},
+                               autoscaling={"tolerance": 0.2}))
+    assert (p.min_replicas, p.max_replicas, p.target_queue_depth, p.target_kv_cache_utilization, p.tolerance) == (2, 6, 0.5, 1.0, 0.2)

@@ -12,11 +12,19 @@ from kvpilot.operator import metrics
 from kvpilot.operator.autoscaler.decision import Decision, IdleTracker, Policy, Recommendation, decide, history_from_levels, observe_idle, window_levels
 from kvpilot.operator.autoscaler.promql import MetricsUnavailable, PrometheusSource
 from kvpilot.operator.builders.engines import served_name
-from kvpilot.operator.builders.manifests import selector_labels
+from kvpilot.operator.builders.manifests import desired_prefill_replicas, is_prefill_pod, selector_labels, serving_pods
 from kvpilot.operator.cache import CACHE, POD
-from kvpilot.operator.crd_types import WAKE_ANNOTATION, InferenceServiceSpec, MetricsSnapshot, RecommendationLevel, ScaleDownWindow, ScalingEvent
+from kvpilot.operator.crd_types import (
+    WAKE_ANNOTATION,
+    InferenceServiceSpec,
+    MetricsSnapshot,
+    PoolStatus,
+    RecommendationLevel,
+    ScaleDownWindow,
+    ScalingEvent,
+)
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.reconcile import REPORTS, refresh_status
+from kvpilot.operator.reconcile import PREFILL_REPORTS, REPORTS, refresh_status
 from kvpilot.operator.status import AutoscalerReport, now_rfc3339
 
 log = logging.getLogger("kvpilot.autoscaler")
@@ -33,6 +41,9 @@ class AutoscalerState:
     idle: IdleTracker = field(default_factory=IdleTracker)
     resumed: bool = False
     since: float | None = None      # the first recommendation's time (the window is whole once it is a window old)
+    # A disaggregated service's prefill pool: its own recommendations (not kept in status: a new leader's
+    # prefill window starts again, which only delays a scale-down).
+    prefill_history: list[Recommendation] = field(default_factory=list)
 
 
 def _is_ready(pod: dict) -> bool:
@@ -49,6 +60,14 @@ def policy_of(spec: InferenceServiceSpec) -> Policy:
     a = spec.autoscaling
     # Engine metrics never take a service below one pod: only idleness at the gateway scales to zero.
     return Policy(max(spec.min_replicas, 1), spec.max_replicas, a.target_kv_cache_utilization, a.target_queue_depth, a.tolerance,
+                  float(a.scale_down_stabilization_seconds), float(a.metrics_stale_after_seconds or 3 * a.interval_seconds))
+
+
+def prefill_policy_of(spec: InferenceServiceSpec) -> Policy:
+    """The prefill pool scales on its queue depth: a KV-cache target of 1 never asks for more pods (a prefill pod's cache holds
+    prompts only until their decode pods pull them)."""
+    a, pool = spec.autoscaling, spec.disaggregation.prefill
+    return Policy(pool.min_replicas, pool.max_replicas, 1.0, pool.target_queue_depth, a.tolerance,
                   float(a.scale_down_stabilization_seconds), float(a.metrics_stale_after_seconds or 3 * a.interval_seconds))
 
 
@@ -82,7 +101,10 @@ def evaluate(kube: Kube, source: PrometheusSource, body: dict, state: Autoscaler
             window = ScaleDownWindow.model_validate(saved)
             state.since = _unix(window.since)
             state.history = history_from_levels(state.since, [(lv.replicas, _unix(lv.until)) for lv in window.levels], now)
-    pods = live_pods(CACHE.with_labels(POD, namespace, selector_labels(name)))
+    every_pod = live_pods(CACHE.with_labels(POD, namespace, selector_labels(name)))
+    if spec.disaggregation is not None:
+        _evaluate_prefill(kube, source, body, spec, [p for p in every_pod if is_prefill_pod(p)], state, now)
+    pods = serving_pods(every_pod)
     ready = [p["metadata"]["name"] for p in pods if _is_ready(p)]
     starting = len(pods) - len(ready)
     error, samples = None, []
@@ -98,6 +120,32 @@ def evaluate(kube: Kube, source: PrometheusSource, body: dict, state: Autoscaler
         _maybe_scale_to_zero(source, spec, name, namespace, state, decision, current, now)
     _actuate(kube, body, decision, current, spec, window_status(state, policy.scale_down_window, now))
     return decision
+
+
+def _evaluate_prefill(kube: Kube, source: PrometheusSource, body: dict, spec: InferenceServiceSpec, pods: list[dict],
+                      state: AutoscalerState, now: float) -> None:
+    """The prefill pool's own decision (its queue depth, its bounds), written to spec.disaggregation.prefill.replicas."""
+    meta = body["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    current = desired_prefill_replicas(spec)
+    ready = [p["metadata"]["name"] for p in pods if _is_ready(p)]
+    error, samples = None, []
+    try:
+        samples = source.pod_samples(spec.engine, namespace, name, prefill=True)
+    except MetricsUnavailable as e:
+        error = str(e)
+    decision = decide(now, current, ready, len(pods) - len(ready), samples, prefill_policy_of(spec), state.prefill_history, error)
+    state.prefill_history = decision.history
+    if decision.desired != current:
+        kube.scale_prefill(name, namespace, decision.desired)
+        kube.event(body, "Normal", "ScaledUp" if decision.desired > current else "ScaledDown", f"prefill pool: {decision.reason}")
+        log.info("%s/%s: prefill pool: %s", namespace, name, decision.reason)
+    report = PoolStatus(scaling=decision.reason, last_metrics=MetricsSnapshot(
+        kv_cache_utilization=f"{decision.mean_kv:.2f}" if decision.mean_kv is not None else None,
+        queue_depth=f"{decision.mean_queue:.2f}" if decision.mean_queue is not None else None, pods=decision.pods_with_metrics))
+    if PREFILL_REPORTS.get((namespace, name)) != report:
+        PREFILL_REPORTS[(namespace, name)] = report
+        refresh_status(kube, namespace, name)
 
 
 def window_status(state: AutoscalerState, window: float, now: float) -> ScaleDownWindow | None:

@@ -1,6 +1,6 @@
 """Per-pod engine metrics from Prometheus's HTTP API, with each engine's metric names.
 
-Series are matched on the labels Prometheus's pod discovery adds (namespace, inferenceservice);
+Series are matched on the labels Prometheus's pod discovery adds (namespace, inferenceservice, role);
 the sample timestamps come back too (`timestamp()`), so the decision can tell stale from fresh.
 """
 
@@ -31,15 +31,18 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def signal_query(engine: str, signal: str, namespace: str, isvc: str) -> str:
-    labels = f'namespace="{_escape(namespace)}",inferenceservice="{_escape(isvc)}"'
-    parts = [f"{name}{{{labels}}}" for name in ENGINE_METRICS[engine][signal]]
+def _labels(namespace: str, isvc: str, prefill: bool) -> str:
+    """The service's own pods (of a disaggregated service: the decode pool; a series without a role matches role!=) or its prefill pool."""
+    return f'namespace="{_escape(namespace)}",inferenceservice="{_escape(isvc)}",role{"=" if prefill else "!="}"prefill"'
+
+
+def signal_query(engine: str, signal: str, namespace: str, isvc: str, prefill: bool = False) -> str:
+    parts = [f"{name}{{{_labels(namespace, isvc, prefill)}}}" for name in ENGINE_METRICS[engine][signal]]
     return "max by (pod) (" + " or ".join(parts) + ")"
 
 
-def timestamp_query(engine: str, signal: str, namespace: str, isvc: str) -> str:
-    labels = f'namespace="{_escape(namespace)}",inferenceservice="{_escape(isvc)}"'
-    parts = [f"timestamp({name}{{{labels}}})" for name in ENGINE_METRICS[engine][signal]]
+def timestamp_query(engine: str, signal: str, namespace: str, isvc: str, prefill: bool = False) -> str:
+    parts = [f"timestamp({name}{{{_labels(namespace, isvc, prefill)}}})" for name in ENGINE_METRICS[engine][signal]]
     return "max by (pod) (" + " or ".join(parts) + ")"
 
 
@@ -96,11 +99,12 @@ class PrometheusSource:
             out[pod] = value
         return out
 
-    def pod_samples(self, engine: str, namespace: str, isvc: str) -> list[PodSample]:
-        kv = self._query(signal_query(engine, "kv", namespace, isvc))
-        queue = self._query(signal_query(engine, "queue", namespace, isvc))
-        kv_ts = self._query(timestamp_query(engine, "kv", namespace, isvc))
-        queue_ts = self._query(timestamp_query(engine, "queue", namespace, isvc))
+    def pod_samples(self, engine: str, namespace: str, isvc: str, prefill: bool = False) -> list[PodSample]:
+        """The service's own pods' samples (prefill: its prefill pool's)."""
+        kv = self._query(signal_query(engine, "kv", namespace, isvc, prefill))
+        queue = self._query(signal_query(engine, "queue", namespace, isvc, prefill))
+        kv_ts = self._query(timestamp_query(engine, "kv", namespace, isvc, prefill))
+        queue_ts = self._query(timestamp_query(engine, "queue", namespace, isvc, prefill))
         now = time.time()
         for what, values in (("KV-cache utilization", kv), ("queue depth", queue)):
             negative = {p: v for p, v in values.items() if v < 0}

@@ -22,6 +22,8 @@ DEFAULT_IMAGES = {
     "sglang": "lmsysorg/sglang:v0.5.23",
 }
 SHUTDOWN_GRACE_SECONDS = 30
+# A disaggregated service's prefill pods serve the KV blocks they hold on this port (the engine's --kv-transfer-port).
+KV_TRANSFER_PORT = 5600
 # With spec.adapters: a writable directory (an emptyDir) where the kvpilot engine downloads hf:// adapters,
 # and under it pvc/CLAIM, each adapter claim mounted read-only. The kvpilot engine's --lora-dir.
 LORA_DIR = "/var/lib/kvpilot/adapters"
@@ -129,7 +131,8 @@ def _lora_values(spec: InferenceServiceSpec) -> dict:
     return {f: getattr(s, f) for f in ("max_loras", "max_lora_rank") if getattr(s, f) is not None}
 
 
-def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
+def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = None) -> EngineContainer:
+    """pool: of a disaggregated service, "prefill" or "decode" (None: one pool serves both phases)."""
     s = spec.engine_settings
     values = {"model": model_argument(spec), "served_model_name": served_name(spec, name),
               "tensor_parallel_size": s.tensor_parallel_size}
@@ -144,8 +147,14 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
             values["speculative_model"] = draft_model_argument(spec)
     if spec.resources.cpu_only:
         values["device"] = "cpu"
-    if spec.adapters:
+    if spec.adapters and pool != "prefill":  # the prefill pool serves the base model only (the gateway does not disaggregate adapters)
         values |= {"enable_lora": True, **_lora_values(spec)}
+    if pool is not None:
+        values["kv_role"] = pool
+        if spec.disaggregation and spec.disaggregation.kv_transfer_timeout_seconds is not None:
+            values["kv_transfer_timeout"] = spec.disaggregation.kv_transfer_timeout_seconds
+    if pool == "prefill":  # decode pods are told this address in the kv_transfer_params they are given
+        values |= {"kv_transfer_host": "$(POD_IP)", "kv_transfer_port": KV_TRANSFER_PORT}
     if s.kv_offload and s.kv_offload.mode != "Off":
         values |= {"kv_offload_dir": KV_TIER_DIR, "kv_offload_size": kv_offload_bytes(s.kv_offload)}
     if s.kv_offload and s.kv_offload.host_size:
@@ -157,7 +166,7 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         args += ["--tool-call-parser", s.parsers.tool_calls]
     if s.parsers and s.parsers.reasoning:
         args += ["--reasoning-parser", s.parsers.reasoning]
-    if spec.adapters:  # loaded at run time by the operator (operator/adapter_sync.py)
+    if spec.adapters and pool != "prefill":  # loaded at run time by the operator (operator/adapter_sync.py)
         args += ["--allow-runtime-lora", "--lora-dir", LORA_DIR]
     return EngineContainer(spec.image or DEFAULT_IMAGES["kvpilot"], ["kvpilot"], args, "/ready", "/health")
 
@@ -285,7 +294,8 @@ def _is_gguf_source(source: str) -> bool:
 BUILDERS = {"kvpilot": kvpilot_container, "vllm": vllm_container, "sglang": sglang_container}
 
 
-def engine_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
-    c = BUILDERS[spec.engine](spec, name)
+def engine_container(spec: InferenceServiceSpec, name: str, pool: str | None = None) -> EngineContainer:
+    """pool: of a disaggregated service (engine kvpilot), "prefill" or "decode"."""
+    c = kvpilot_container(spec, name, pool) if pool is not None else BUILDERS[spec.engine](spec, name)
     c.args += list(spec.extra_args)
     return c

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvpilot.operator.builders.engines import (
     DEFAULT_IMAGES,
     KV_TIER_DIR,
+    KV_TRANSFER_PORT,
     LORA_DIR,
     PORT,
     SHUTDOWN_GRACE_SECONDS,
@@ -15,7 +16,7 @@ from kvpilot.operator.builders.engines import (
 )
 from kvpilot.operator.builders.model_cache import COMPILE_CACHE_CLAIM, COMPILE_CACHE_DIR, claim_name
 from kvpilot.operator.builders.pod_defaults import CACHE_DIR, CACHE_ENV, CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
-from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, VERSION, EnvVar, InferenceServiceSpec, SecretKeyRef
+from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, ROLE_LABEL, VERSION, EnvVar, InferenceServiceSpec, ResourceSpec, SecretKeyRef
 from kvpilot.server.model_source import parse_model_source
 
 ENGINE_LABEL = f"{GROUP}/engine"
@@ -24,7 +25,32 @@ DOWNLOAD_TIMEOUT_SECONDS = 1500
 
 
 def selector_labels(name: str) -> dict[str, str]:
+    """Every engine pod of the service: of a disaggregated one, its prefill pods too (they also carry ROLE_LABEL prefill).
+    The main Deployment's selector (immutable: it stays what it was when disaggregation is turned on or off)."""
     return {ISVC_LABEL: name}
+
+
+def is_prefill_pod(pod: dict) -> bool:
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL) == "prefill"
+
+
+def serving_pods(pods: list[dict]) -> list[dict]:
+    """The pods the service's own status, scale subresource and autoscaler count: all but a prefill pool's."""
+    return [p for p in pods if not is_prefill_pod(p)]
+
+
+def prefill_name(name: str) -> str:
+    """The prefill pool's Deployment and PodDisruptionBudget."""
+    return f"{name}-prefill"
+
+
+def prefill_selector(name: str) -> dict[str, str]:
+    return {ISVC_LABEL: name, ROLE_LABEL: "prefill"}
+
+
+def pod_selector(name: str, spec: InferenceServiceSpec | None) -> dict[str, str]:
+    """The service's own pods as a label selector (status.selector, the Service): a disaggregated service's decode pods."""
+    return {ISVC_LABEL: name, ROLE_LABEL: "decode"} if spec is not None and spec.disaggregation else selector_labels(name)
 
 
 def common_labels(name: str, spec: InferenceServiceSpec | None = None) -> dict[str, str]:
@@ -45,6 +71,11 @@ def _meta(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> di
 
 def desired_replicas(spec: InferenceServiceSpec) -> int:
     return spec.replicas if spec.replicas is not None else spec.min_replicas
+
+
+def desired_prefill_replicas(spec: InferenceServiceSpec) -> int:
+    pool = spec.disaggregation.prefill
+    return pool.replicas if pool.replicas is not None else pool.min_replicas
 
 
 def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], list[dict]]:
@@ -108,8 +139,7 @@ def hf_token_env(spec: InferenceServiceSpec) -> list[dict]:
     return [_env_entry(e) for e in spec.env if e.name in ("HF_TOKEN", "HF_ENDPOINT")]
 
 
-def _resources(spec: InferenceServiceSpec) -> dict:
-    r = spec.resources
+def _resources(spec: InferenceServiceSpec, r: ResourceSpec) -> dict:
     limits: dict[str, str] = {}
     requests: dict[str, str] = {}
     if not r.cpu_only:
@@ -148,10 +178,13 @@ def kv_tier_claim(name: str, namespace: str, uid: str, spec: InferenceServiceSpe
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {**meta, "name": kv_tier_claim_name(name)}, "spec": claim_spec}
 
 
-def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
-    c = engine_container(spec, name)
+def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, prefill: bool = False) -> dict:
+    """The service's own pods (of a disaggregated service: its decode pool), or (prefill) its prefill pool."""
+    pool = "prefill" if prefill else "decode" if spec.disaggregation else None
+    resources = (spec.disaggregation.prefill.resources if prefill else None) or spec.resources
+    c = engine_container(spec, name, pool)
     volumes, mounts, inits = _model_volumes(spec)
-    adapter_volumes, adapter_mounts = _adapter_volumes(spec)
+    adapter_volumes, adapter_mounts = _adapter_volumes(spec) if not prefill else ([], [])
     volumes, mounts = volumes + adapter_volumes, mounts + adapter_mounts
     tier_volumes, tier_mounts = _kv_tier_volumes(name, spec)
     volumes, mounts = volumes + tier_volumes, mounts + tier_mounts
@@ -168,8 +201,9 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) 
         env.append(_secret_env("KVPILOT_API_KEY", spec.api_key_secret_ref))
     container = {
         "name": "engine", "image": c.image, "command": c.command, "args": c.args, "env": env,
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
-        "resources": _resources(spec),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"},
+                  *([{"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"}] if prefill else [])],
+        "resources": _resources(spec, resources),
         "startupProbe": {"httpGet": {"path": c.health_path, "port": "http"}, "periodSeconds": 5,
                          "failureThreshold": STARTUP_BUDGET_SECONDS // 5},
         "readinessProbe": {"httpGet": {"path": c.ready_path, "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
@@ -178,13 +212,13 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) 
                          {"name": "tmp", "mountPath": "/tmp"}, *compile_mounts],
         "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
-    node_selector = dict(spec.resources.node_selector)
-    if spec.resources.gpu_product and not spec.resources.cpu_only:
-        node_selector["nvidia.com/gpu.product"] = spec.resources.gpu_product
-    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.resources.tolerations]
-    if not spec.resources.cpu_only:
-        tolerations.append({"key": spec.resources.gpu_resource, "operator": "Exists", "effect": "NoSchedule"})
-    pod_labels = {**spec.pod_labels, **common_labels(name, spec)}
+    node_selector = dict(resources.node_selector)
+    if resources.gpu_product and not resources.cpu_only:
+        node_selector["nvidia.com/gpu.product"] = resources.gpu_product
+    tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in resources.tolerations]
+    if not resources.cpu_only:
+        tolerations.append({"key": resources.gpu_resource, "operator": "Exists", "effect": "NoSchedule"})
+    pod_labels = {**spec.pod_labels, **common_labels(name, spec), **({ROLE_LABEL: pool} if pool else {})}
     pod_annotations = {**spec.pod_annotations, "prometheus.io/scrape": "true", "prometheus.io/port": str(PORT), "prometheus.io/path": "/metrics"}
     pod_spec = {
         "containers": [container],
@@ -202,10 +236,13 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) 
     if tolerations:
         pod_spec["tolerations"] = tolerations
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, namespace, uid, spec),
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {**_meta(name, namespace, uid, spec), **({"name": prefill_name(name)} if prefill else {})},
         "spec": {
-            "replicas": desired_replicas(spec),
-            "selector": {"matchLabels": selector_labels(name)},
+            "replicas": desired_prefill_replicas(spec) if prefill else desired_replicas(spec),
+            # The main Deployment's selector also matches the prefill pods: harmless (a ReplicaSet adopts only pods
+            # without an owner), and it cannot change (immutable) when disaggregation is turned on or off.
+            "selector": {"matchLabels": prefill_selector(name) if prefill else selector_labels(name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec},
         },
@@ -214,18 +251,29 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) 
 
 def service(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
     return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, namespace, uid, spec),
-            "spec": {"selector": selector_labels(name), "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]}}
+            "spec": {"selector": pod_selector(name, spec), "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]}}
 
 
-def pod_disruption_budget(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(name, namespace, uid, spec),
-            "spec": {"selector": {"matchLabels": selector_labels(name)}, "maxUnavailable": 1}}
+def pod_disruption_budget(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, prefill: bool = False) -> dict:
+    # No pod under two budgets (an eviction of such a pod is refused): the service's own leaves the prefill pool to its own.
+    selector = {"matchLabels": prefill_selector(name)} if prefill else {
+        "matchLabels": selector_labels(name), "matchExpressions": [{"key": ROLE_LABEL, "operator": "NotIn", "values": ["prefill"]}]}
+    meta = _meta(name, namespace, uid, spec)
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {**meta, "name": prefill_name(name)} if prefill else meta,
+            "spec": {"selector": selector, "maxUnavailable": 1}}
 
 
-# The labels the autoscaler's PromQL selects on (operator/autoscaler/promql.py): namespace, pod and
-# inferenceservice. The chart's PodMonitor and the e2e Prometheus use these same rules.
+def _meta_label(label: str) -> str:
+    """Prometheus's pod discovery's name of a pod label."""
+    return "__meta_kubernetes_pod_label_" + label.replace(".", "_").replace("/", "_").replace("-", "_")
+
+
+# The labels the autoscaler's PromQL selects on (operator/autoscaler/promql.py): namespace, pod,
+# inferenceservice and role (prefill or decode; absent for a service that is not disaggregated). The chart's
+# PodMonitor and the e2e Prometheus use these same rules.
 METRICS_RELABELINGS = [
-    {"sourceLabels": [f"__meta_kubernetes_pod_label_{ISVC_LABEL.replace('.', '_').replace('/', '_').replace('-', '_')}"], "targetLabel": "inferenceservice"},
+    {"sourceLabels": [_meta_label(ISVC_LABEL)], "targetLabel": "inferenceservice"},
+    {"sourceLabels": [_meta_label(ROLE_LABEL)], "targetLabel": "role"},
     {"sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": "namespace"},
     {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "pod"},
 ]
@@ -246,6 +294,8 @@ def render(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, with
     claim = kv_tier_claim(name, namespace, uid, spec)
     objs = [*([claim] if claim else []), deployment(name, namespace, uid, spec), service(name, namespace, uid, spec),
             pod_disruption_budget(name, namespace, uid, spec)]
+    if spec.disaggregation:
+        objs += [deployment(name, namespace, uid, spec, prefill=True), pod_disruption_budget(name, namespace, uid, spec, prefill=True)]
     if with_pod_monitor:
         objs.append(pod_monitor(name, namespace, uid, spec))
     return objs
