@@ -151,7 +151,7 @@ def test_reconcile_status_rollout_drift_and_delete(cluster, namespace, operator)
     assert not any(k.startswith("kopf") for k in obj["status"])  # kopf keeps its progress in annotations
     assert any(k.startswith("kopf.serving.kvpilot.dev") for k in obj["metadata"].get("annotations", {}))
     printed = cluster.kubectl("get", "kvis", "chat", "-n", namespace).stdout.split("\n")[0].split()
-    assert printed[:7] == ["NAME", "READY", "STATUS", "REPLICAS", "DESIRED", "KV", "QUEUE"]
+    assert printed[:8] == ["NAME", "READY", "STATUS", "REPLICAS", "DESIRED", "PREFILL", "KV", "QUEUE"]
 
     # a spec change rolls the Deployment
     old_template = dep["spec"]["template"]

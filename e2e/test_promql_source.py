@@ -1,5 +1,5 @@
 """The PromQL client against a real Prometheus scraping static fake exporters with known values:
-per-pod samples, an absent pod, a stale series, each engine's metric names."""
+per-pod samples, an absent pod, a stale series, each engine's metric names, a prefill pool's pods apart."""
 
 from __future__ import annotations
 
@@ -31,16 +31,21 @@ def test_samples_absent_and_stale(prometheus_factory, exporters):
     b = exporters('kvpilot:kv_cache_usage_perc{model_name="m"} 0.75\nkvpilot:num_requests_waiting{model_name="m"} 0\n')
     v = exporters('vllm:gpu_cache_usage_perc{model_name="x"} 0.5\nvllm:num_requests_waiting{model_name="x"} 7\n')
     s = exporters('sglang:token_usage 0.1\nsglang:num_queue_reqs 2\n')
+    p = exporters('kvpilot:kv_cache_usage_perc{model_name="m"} 0.5\nkvpilot:num_requests_waiting{model_name="m"} 9\n')
     prom = prometheus_factory("1s")
     for pod, e in (("pod-a", a), ("pod-b", b)):
         prom.add_static(f"kv-{pod}", [f"127.0.0.1:{e.port}"], {"namespace": "ns1", "inferenceservice": "svc", "pod": pod})
+    # a prefill pool's pod of the same service (disaggregation): counted apart
+    prom.add_static("kv-pod-p", [f"127.0.0.1:{p.port}"], {"namespace": "ns1", "inferenceservice": "svc", "pod": "pod-p", "role": "prefill"})
     prom.add_static("vllm", [f"127.0.0.1:{v.port}"], {"namespace": "ns1", "inferenceservice": "old-vllm", "pod": "pod-v"})
     prom.add_static("sglang", [f"127.0.0.1:{s.port}"], {"namespace": "ns1", "inferenceservice": "sg", "pod": "pod-s"})
     start_prometheus(prom)
     src = PrometheusSource(prom.url)
-    prom.wait_for('kvpilot:num_requests_waiting{inferenceservice="svc"}', lambda r: len(r) == 2)
+    prom.wait_for('kvpilot:num_requests_waiting{inferenceservice="svc"}', lambda r: len(r) == 3)
     samples = {x.pod: x for x in src.pod_samples("kvpilot", "ns1", "svc")}
     assert set(samples) == {"pod-a", "pod-b"}
+    (ps,) = src.pod_samples("kvpilot", "ns1", "svc", prefill=True)
+    assert (ps.pod, ps.kv_cache_utilization, ps.queue_depth) == ("pod-p", 0.5, 9.0)
     assert (samples["pod-a"].kv_cache_utilization, samples["pod-a"].queue_depth) == (0.25, 3.0)
     assert (samples["pod-b"].kv_cache_utilization, samples["pod-b"].queue_depth) == (0.75, 0.0)
     assert all(abs(time.time() - x.timestamp) < 5 for x in samples.values())
@@ -55,7 +60,7 @@ def test_samples_absent_and_stale(prometheus_factory, exporters):
 
     # a target that starts failing: its series goes stale in Prometheus and drops out of the samples
     b.body = None
-    prom.wait_for('kvpilot:num_requests_waiting{inferenceservice="svc"}', lambda r: len(r) == 1, timeout=20)
+    prom.wait_for('kvpilot:num_requests_waiting{inferenceservice="svc",role!="prefill"}', lambda r: len(r) == 1, timeout=20)
     assert {x.pod for x in src.pod_samples("kvpilot", "ns1", "svc")} == {"pod-a"}
 
     prom.stop()
