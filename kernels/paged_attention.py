@@ -57,23 +57,40 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
                           block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
     """One sequence's new tokens q/k/v [n, heads, d] attend causally to its cached prefix and themselves.
 
-    Only the prefix (positions before this step's tokens) is gathered from the cache; the new tokens'
-    K/V are used as computed, so a plain prefill copies nothing."""
+    Only the prefix (positions before this step's tokens) is read from the cache, whole blocks at a time
+    into one buffer that the new tokens' K/V (used as computed) complete: a plain prefill copies nothing."""
     n = q.shape[0]
     prefix = context_len - n
     if prefix:
-        block_size, kv_heads, head_dim = k_cache.shape[1:]
-        slots = _slots(block_table, torch.arange(prefix, device=q.device), block_size)
-        k = torch.cat([k_cache.view(-1, kv_heads, head_dim)[slots].to(k.dtype), k])
-        v = torch.cat([v_cache.view(-1, kv_heads, head_dim)[slots].to(v.dtype), v])
+        k, v = _with_prefix(k, k_cache, block_table, prefix), _with_prefix(v, v_cache, block_table, prefix)
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if not prefix:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    elif n == 1:  # the last position sees everything: no mask
+        out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True)
     else:  # new query i sits at absolute position prefix + i
         q_pos = torch.arange(prefix, context_len, device=q.device)
         mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
+
+
+def _with_prefix(new: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, prefix: int) -> torch.Tensor:
+    """[prefix + n, kv_heads, d]: the prefix's rows from the cache, then `new`. Whole blocks are copied
+    (contiguous rows: memcpy speed, several times a token-by-token gather's) straight into the buffer."""
+    block_size = cache.shape[1]
+    out = torch.empty((prefix + new.shape[0], *new.shape[1:]), dtype=new.dtype, device=new.device)
+    whole = prefix // block_size
+    if whole:
+        blocks = out[:whole * block_size].view(whole, *cache.shape[1:])
+        if cache.dtype == new.dtype:
+            torch.index_select(cache, 0, block_table[:whole], out=blocks)
+        else:
+            blocks.copy_(cache.index_select(0, block_table[:whole]))
+    if whole * block_size < prefix:
+        out[whole * block_size:prefix] = cache[block_table[whole], :prefix - whole * block_size]
+    out[prefix:] = new
+    return out
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:

@@ -70,12 +70,20 @@ def test_decode_matches_naive(impl, batch, heads, kv_heads, head_dim, block_size
         torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_with_cached_prefix_and_write_path():
+@pytest.mark.parametrize(("total", "new", "cache_dtype"), [
+    (23, 9, torch.float32),    # 14 cached tokens (3 whole blocks and part of one), 9 new ones
+    (17, 1, torch.float32),    # one new token (no mask) after 4 whole blocks
+    (24, 8, torch.float32),    # a block-aligned prefix
+    (23, 9, torch.bfloat16),   # a bfloat16 cache under float32 compute: the prefix widened as it is read
+])
+def test_prefill_with_cached_prefix_and_write_path(total, new, cache_dtype):
     gen = torch.Generator().manual_seed(7)
     heads, kvh, d, bs = 6, 2, 32, 4
-    total, new = 23, 9  # 14 cached tokens, 9 new ones
     k, v = torch.randn(total, kvh, d, generator=gen), torch.randn(total, kvh, d, generator=gen)
+    if cache_dtype != torch.float32:  # what the cache holds is what the prefix attends to
+        k[: total - new], v[: total - new] = k[: total - new].to(cache_dtype).float(), v[: total - new].to(cache_dtype).float()
     kc, vc, (table,) = paged([k[: total - new]], [v[: total - new]], bs, 50, gen)
+    kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
     table += [b for b in range(50) if b not in table][: -(-total // bs) - len(table)]
     slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(total - new, total)])
     q = torch.randn(new, heads, d, generator=gen)
