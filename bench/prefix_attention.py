@@ -1,0 +1,82 @@
+"""The CPU prefill attention over a cached prefix (kernels/paged_attention.py, prefill_attention_ref):
+a chunk or a prompt's tail of n new tokens attending to a long prefix held in the paged cache, per 30
+layers (SmolLM2-135M's shapes: 9 query heads, 3 KV heads, head_dim 64, block_size 16, float32).
+Its peer in the same run is the token-by-token gather it replaced (a slot index per prefix token,
+then one concatenation with the new K/V), inlined here; both are checked to agree.
+
+    .venv/bin/python bench/prefix_attention.py [--force] [--threads 2] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import machine, refuse_if_busy, table  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+
+
+def token_gather(q, k, v, k_cache, v_cache, block_table, context_len, scale):
+    """The previous implementation: the prefix gathered token by token, concatenated with the new K/V."""
+    import torch
+    import torch.nn.functional as F
+
+    n = q.shape[0]
+    prefix = context_len - n
+    positions = torch.arange(prefix)
+    slots = block_table[positions // BLOCK] * BLOCK + positions % BLOCK
+    k = torch.cat([k_cache.view(-1, KV_HEADS, HEAD_DIM)[slots], k])
+    v = torch.cat([v_cache.view(-1, KV_HEADS, HEAD_DIM)[slots], v])
+    mask = torch.arange(context_len)[None, :] <= torch.arange(prefix, context_len)[:, None]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+                                          enable_gqa=True).transpose(0, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+    refuse_if_busy(force=args.force)
+    import torch
+
+    from kvpilot.kernels.paged_attention import prefill_attention_ref
+
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(2048, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(2048, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+
+    def per_layers(fn, *a) -> float:
+        t = time.perf_counter()
+        for _ in range(LAYERS):
+            fn(*a)
+        return (time.perf_counter() - t) * 1000
+
+    rows = []
+    for n, prefix in ((1, 4000), (16, 4000), (16, 4008), (256, 2048), (512, 1536)):
+        ctx = prefix + n
+        table_ = torch.randperm(2048, generator=gen)[: -(-ctx // BLOCK)]
+        q, k, v = (torch.randn(n, h, HEAD_DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+        a = (q, k, v, k_cache, v_cache, table_, ctx, HEAD_DIM ** -0.5)
+        torch.testing.assert_close(prefill_attention_ref(*a), token_gather(*a), atol=1e-5, rtol=1e-5)
+        before, after = [], []
+        for _ in range(args.rounds):  # interleaved
+            before.append(per_layers(token_gather, *a))
+            after.append(per_layers(prefill_attention_ref, *a))
+        b, w = statistics.median(before), statistics.median(after)
+        rows.append({"new tokens": n, "prefix": prefix, "token gather ms": f"{b:.1f}", "block copy ms": f"{w:.1f}", "speed-up": f"{b / w:.2f}×"})
+    print(f"machine: {machine()}; threads {args.threads}; {LAYERS} layers per figure; rounds {args.rounds} (median)")
+    print(table(rows, ["new tokens", "prefix", "token gather ms", "block copy ms", "speed-up"]))
+
+
+if __name__ == "__main__":
+    main()
