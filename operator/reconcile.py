@@ -134,7 +134,8 @@ def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str,
         problems.append(("UnknownModel", f"engine {spec.engine} needs a model it can fetch (hf://, https:// or pvc://), not the bundled name {src!r}"))
     if not problems:
         try:  # the engine's own config validation (kvpilot: EngineConfig), here rather than in a crash-looping pod
-            engine_container(spec, (body.get("metadata") or {}).get("name", ""))
+            for pool in ("decode", "prefill") if spec.disaggregation else (None,):
+                engine_container(spec, (body.get("metadata") or {}).get("name", ""), pool)
         except ValidationError as e:
             msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'engineSettings'}: {err['msg']}" for err in e.errors()[:5])
             problems.append(("InvalidEngineSettings", msgs))

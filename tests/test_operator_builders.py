@@ -679,6 +679,15 @@ def test_bad_disaggregation_specs_are_refused(kw, message):
         spec(**({"disaggregation": {}} | kw))
 
 
+def test_a_disaggregation_the_engine_refuses_is_a_condition_not_a_crash():
+    from kvpilot.operator.reconcile import parse_spec
+
+    body = {"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "disaggregation": {},
+                                                 "engineSettings": {"enablePrefixCaching": False}}}
+    parsed, problems = parse_spec(body)
+    assert parsed is not None and problems and problems[0][0] == "InvalidEngineSettings" and "enable_prefix_caching" in problems[0][1]
+
+
 def test_the_autoscaler_reads_each_pool_apart():
     from kvpilot.operator.autoscaler.loop import prefill_policy_of
     from kvpilot.operator.autoscaler.promql import signal_query, timestamp_query
