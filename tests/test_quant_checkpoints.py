@@ -1,0 +1,230 @@
+"""Pre-quantized checkpoints (server/quant_checkpoint.py): GPTQ (v1 and v2 zero points, 4 and 8 bits,
+symmetric or not, act order) and AWQ (GEMM packing), written here from a float checkpoint of the model
+families' fixture by round-to-nearest into each packer's layout, against the same model with the
+dequantized weights stored as float32 — the packed path must give its tokens and, where the layout holds
+the weights exactly, its log-probabilities. The packings are pinned by literal words too (the
+published bit orders), so a misreading shared by this file's packer and the loader cannot pass."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvpilot.server.model_config import ModelFormatError
+from kvpilot.server.quant_checkpoint import AWQ_ORDER, QuantScheme, read_quantized
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    return ((x.to(torch.int64) + 2**31) % 2**32 - 2**31).to(torch.int32)
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group: int, sym: bool, g_idx: torch.Tensor):
+    """Round to nearest per group (of columns g_idx names): codes [N, K], zero points and float16 scales [N, G]."""
+    top = 2**bits - 1
+    groups = int(g_idx.max()) + 1
+    scales, zeros = torch.empty(w.shape[0], groups), torch.empty(w.shape[0], groups, dtype=torch.int64)
+    for g in range(groups):
+        cols = w[:, g_idx == g]
+        if sym:
+            s = (cols.abs().amax(1) / (2 ** (bits - 1) - 1)).half().float().clamp(min=1e-4)
+            z = torch.full((w.shape[0],), 2 ** (bits - 1))
+        else:
+            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+            s = ((hi - lo) / top).half().float().clamp(min=1e-4)
+            z = torch.round(-lo / s).clamp(0, top).long()
+        scales[:, g], zeros[:, g] = s, z
+    codes = (torch.round(w / scales[:, g_idx]) + zeros[:, g_idx]).clamp(0, top).long()
+    return codes, zeros, scales.half()
+
+
+def pack_gptq(codes, zeros, scales, g_idx, bits: int, v1: bool) -> dict[str, torch.Tensor]:
+    per = 32 // bits
+    shifts = torch.arange(per) * bits
+    n, k = codes.shape
+    qweight = (codes.T.reshape(k // per, per, n) << shifts[None, :, None]).sum(1)         # along the input dimension
+    stored = (zeros - (1 if v1 else 0)) & (2**bits - 1)
+    qzeros = (stored.T.reshape(-1, n // per, per) << shifts).sum(-1)                       # along the output dimension
+    return {"qweight": _int32(qweight), "qzeros": _int32(qzeros), "scales": scales.T.contiguous(), "g_idx": g_idx.to(torch.int32)}
+
+
+def pack_awq(codes, zeros, scales) -> dict[str, torch.Tensor]:
+    shifts = torch.arange(8) * 4
+    order = torch.tensor(AWQ_ORDER)
+
+    def words(m: torch.Tensor) -> torch.Tensor:  # [rows, out] -> [rows, out / 8]: slot i holds column 8w + AWQ_ORDER[i]
+        return _int32((m.reshape(m.shape[0], -1, 8)[:, :, order] << shifts).sum(-1))
+    return {"qweight": words(codes.T), "qzeros": words(zeros.T), "scales": scales.T.contiguous()}
+
+
+def quantized_pair(source: Path, dest: Path, scheme: dict, act_order: bool = False, seed: int = 0) -> tuple[Path, Path]:
+    """(a quantized checkpoint, the same model with its dequantized weights as float32) from a float checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(source.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    quantized, dense = dict(state), dict(state)
+    gen = torch.Generator().manual_seed(seed)
+    bits, group = scheme["bits"], scheme["group_size"]
+    for name in [n for n in state if n.endswith(".weight") and any(p in n for p in PROJECTIONS)]:
+        w = state[name].float()
+        k = w.shape[1]
+        g = k if group == -1 else group
+        if act_order:  # columns taken in a permuted order, grouped in that order
+            perm = torch.randperm(k, generator=gen)
+            g_idx = torch.empty(k, dtype=torch.int64)
+            g_idx[perm] = torch.arange(k) // g
+        else:
+            g_idx = torch.arange(k) // g
+        codes, zeros, scales = quantize_rtn(w, bits, g, scheme.get("sym", False), g_idx)
+        prefix = name.removesuffix(".weight")
+        del quantized[name]
+        if scheme["quant_method"] == "gptq":
+            parts = pack_gptq(codes, zeros, scales, g_idx, bits, v1=scheme.get("checkpoint_format", "gptq") == "gptq")
+        else:
+            parts = pack_awq(codes, zeros, scales)
+        quantized.update({f"{prefix}.{p}": t for p, t in parts.items()})
+        dense[name] = (codes - zeros[:, g_idx]).float() * scales.float()[:, g_idx]
+    out = []
+    for path, tensors, config_extra in ((dest / "quantized", quantized, {"quantization_config": scheme}), (dest / "dense", dense, {})):
+        shutil.copytree(source, path, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(path / "model.safetensors"))
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, **config_extra}))
+        out.append(path)
+    return out[0], out[1]
+
+
+def test_the_packings_are_the_published_bit_orders():
+    """Literal words: GPTQ packs 8 codes of consecutive input rows per word (code i in bits 4i..4i+3) and
+    its v1 zero points minus one; AWQ packs 8 output columns per word in the order 0, 2, 4, 6, 1, 3, 5, 7."""
+    word = _int32(torch.tensor([0x76543210]))  # code i = i in slot i
+    ones = _int32(torch.tensor([[0x11111111]]))
+    scales = torch.ones(1, 8, dtype=torch.float16)
+    gptq = read_quantized(QuantScheme("gptq", 4, -1, 0), {"qweight": word.repeat(1, 8), "qzeros": ones, "scales": scales}, "p")
+    assert gptq.codes[0].tolist() == list(range(8)) and gptq.codes.shape == (8, 8)  # [out, in]: input row i has code i
+    v1 = read_quantized(QuantScheme("gptq", 4, -1, 1), {"qweight": word.repeat(1, 8), "qzeros": ones, "scales": scales}, "p")
+    assert v1.zeros.flatten().tolist() == [2] * 8  # stored 1 -> zero point 2
+    awq = read_quantized(QuantScheme("awq", 4, -1, 0), {"qweight": word.repeat(8, 1), "qzeros": word.view(1, 1), "scales": scales}, "p")
+    # slot i -> output column AWQ_ORDER[i]: columns 0..7 hold codes 0, 4, 1, 5, 2, 6, 3, 7
+    assert awq.codes[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7] and awq.zeros[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert torch.equal(awq.dequantize(), torch.zeros(8, 8))  # code = zero everywhere
+
+
+# scheme, the layout it is kept in, whether that holds the weights exactly (else: Q4_1's min, −zero·scale,
+# rounded to float16 — held to the error of the dequantized weights rounded to float16 themselves)
+SCHEMES = {
+    "gptq-v1-4bit-sym-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}, "Q4_0", True),
+    "gptq-v2-4bit-asym-g64": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": False, "checkpoint_format": "gptq_v2"}, "Q4_1", False),
+    "gptq-v1-8bit-sym-channel": ({"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True}, "Q8_0", True),
+    "gptq-v1-8bit-asym-g128": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": False}, "Q5_K", True),
+    "awq-gemm-4bit-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}, "Q4_1", False),
+}
+EXACT_BOUND = 1e-4  # float32 both sides: the kernels' summation order only
+
+
+def _rounded_to_half(dense: Path) -> Path:
+    """The dense checkpoint with its projections rounded to float16 (stored as float32)."""
+    from safetensors.torch import load_file, save_file
+
+    out = dense.parent / "dense-fp16"
+    if not out.exists():
+        shutil.copytree(dense, out)
+        state = load_file(str(dense / "model.safetensors"))
+        save_file({n: t.half().float() if any(p in n for p in PROJECTIONS) else t for n, t in state.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def llm(model: Path, **kw):
+    from kvpilot.server import LLM
+
+    return LLM(model=str(model), num_threads=1, show_progress=False, kv_cache_memory="32MiB", **kw)
+
+
+def outputs(engine, prompts):
+    from kvpilot.server import SamplingParams
+
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1))
+    return [o.outputs[0].token_ids for o in outs], [[e[t] for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+
+
+def projection_kinds(engine) -> set[str]:
+    from kvpilot.kernels.quantized import GGUFLinear
+
+    return {m.kind for m in engine.engine.runner.model.modules() if isinstance(m, GGUFLinear)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(SCHEMES))
+def test_a_quantized_checkpoint_runs_packed_as_its_dequantized_weights(family_checkpoints, tmp_path, case):
+    from oracle import ORACLE_PROMPTS
+
+    scheme, kind, exact = SCHEMES[case]
+    quantized, dense = quantized_pair(family_checkpoints["llama3"][0], tmp_path, scheme)
+    packed, reference = llm(quantized), llm(dense)
+    assert packed.engine.runner.quantization == scheme["quant_method"] and projection_kinds(packed) == {kind}
+    assert reference.engine.runner.quantization == "none" and not projection_kinds(reference)
+    prompts = ORACLE_PROMPTS[:3]
+    (tokens, logprobs), (want_tokens, want_logprobs) = outputs(packed, prompts), outputs(reference, prompts)
+    assert tokens == want_tokens
+    worst = max(abs(a - b) for got, want in zip(logprobs, want_logprobs) for a, b in zip(got, want))
+    bound = EXACT_BOUND
+    if not exact:  # the same model with its dequantized weights rounded to float16: the error one float16 rounding makes
+        halved = outputs(llm(_rounded_to_half(dense)), prompts)[1]
+        bound = 2 * max(abs(a - b) for got, want in zip(halved, want_logprobs) for a, b in zip(got, want))
+    print(f"{case}: {kind}, max |logprob - dequantized float32| = {worst:.1e} (bound {bound:.1e})")
+    assert worst < bound
+    # quantization=none: the same checkpoint dequantized at load (float32) is the reference itself
+    assert outputs(llm(quantized, quantization="none"), prompts)[0] == want_tokens
+
+
+@pytest.mark.timeout(300)
+def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
+    """desc_act: groups out of column order are dequantized at load (no block layout holds them); the
+    output is the dequantized model's. quantization=gptq on a float checkpoint is refused by name."""
+    from oracle import ORACLE_PROMPTS
+
+    scheme = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": True}
+    quantized, dense = quantized_pair(family_checkpoints["llama3"][0], tmp_path, scheme, act_order=True)
+    packed = llm(quantized)
+    assert packed.engine.runner.quantization == "gptq" and not projection_kinds(packed)
+    prompts = ORACLE_PROMPTS[:2]
+    got, want = outputs(packed, prompts), outputs(llm(dense), prompts)
+    assert got[0] == want[0] and max(abs(a - b) for x, y in zip(got[1], want[1]) for a, b in zip(x, y)) < 1e-4
+    with pytest.raises(ValueError, match="quantization=gptq needs a GPTQ checkpoint"):
+        llm(dense, quantization="gptq")
+    with pytest.raises(ValueError, match="quantization=awq needs a AWQ checkpoint; quantized is a GPTQ checkpoint"):
+        llm(quantized, quantization="awq")
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"quant_method": "fp8"}, r"quant_method 'fp8'\) are not loaded"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ with 3 bits is not loaded"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ version 'gemv'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "AWQ without zero points"),
+])
+def test_schemes_not_loaded_are_refused_by_name(family_checkpoints, tmp_path, config, message):
+    from kvpilot.server.checkpoint import Checkpoint
+
+    d = tmp_path / "c"
+    shutil.copytree(family_checkpoints["llama3"][0], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": config}))
+    with pytest.raises(ModelFormatError, match=message):
+        Checkpoint(d)
+
+
+def test_mismatched_parts_are_clear_errors():
+    word = _int32(torch.zeros(1, 8, dtype=torch.int64))
+    with pytest.raises(ModelFormatError, match="do not match 1 groups"):
+        read_quantized(QuantScheme("gptq", 4, -1, 0), {"qweight": word, "qzeros": word[:, :1], "scales": torch.ones(2, 8).half()}, "p")
+    with pytest.raises(ModelFormatError, match="g_idx: expected 8 group indices"):
+        read_quantized(QuantScheme("gptq", 4, -1, 0), {"qweight": word, "qzeros": word[:, :1], "scales": torch.ones(1, 8).half(),
+                                                       "g_idx": torch.full((8,), 3, dtype=torch.int32)}, "p")
