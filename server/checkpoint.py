@@ -17,7 +17,15 @@ import torch
 
 from kvpilot.kernels.quantized import GGUFWeight
 from kvpilot.server.model_config import ModelConfig, ModelFormatError, config_from_hf
-from kvpilot.server.quant_checkpoint import PARTS, QuantizedTensor, QuantScheme, parse_scheme, read_quantized
+from kvpilot.server.quant_checkpoint import (
+    COMPRESSED,
+    CT_UNUSED,
+    FloatQuantized,
+    QuantizedTensor,
+    QuantScheme,
+    parse_scheme,
+    read_quantized,
+)
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -52,8 +60,9 @@ class Checkpoint:
         self.quantization: QuantScheme | None = parse_scheme(quantization, str(self.path / CONFIG)) if quantization else None
         self.config: ModelConfig = config_from_hf(self.hf_config, self.path.name, str(self.path / CONFIG))
         self._files = self._tensor_files()
-        self._quantized = {name.removesuffix(".qweight") + ".weight": name.removesuffix(".qweight")
-                           for name in self._files if name.endswith(".qweight")} if self.quantization else {}
+        marker = f".{self.quantization.marker}" if self.quantization else None
+        self._quantized = {name.removesuffix(marker) + ".weight": name.removesuffix(marker)
+                           for name in self._files if marker and name.endswith(marker)}
 
     def _tensor_files(self) -> dict[str, Path]:
         """Tensor name -> the safetensors file that holds it."""
@@ -85,18 +94,19 @@ class Checkpoint:
         return {f: safe_open(f, framework="pt") for f in sorted(set(self._files.values()))}
 
     def checkpoint_names(self) -> set[str]:
-        """Tensor names, a quantized projection's parts as its `.weight`."""
-        parts = {f"{prefix}.{part}" for prefix in self._quantized.values() for part in PARTS}
-        return (set(self._files) - parts) | set(self._quantized)
+        """Tensor names, a quantized projection's parts as its `.weight` (compressed-tensors' activation and
+        KV-cache scales set aside: not used)."""
+        if not self.quantization:
+            return set(self._files)
+        parts = {f"{prefix}.{part}" for prefix in self._quantized.values() for part in self.quantization.parts}
+        unused = {n for n in self._files if n.rsplit(".", 1)[-1] in CT_UNUSED} if self.quantization.method == COMPRESSED else set()
+        return (set(self._files) - parts - unused) | set(self._quantized)
 
-    def _quantized_tensor(self, name: str) -> QuantizedTensor:
+    def _quantized_tensor(self, name: str) -> QuantizedTensor | FloatQuantized:
         prefix = self._quantized[name]
         parts = {part: self._handles[self._files[f"{prefix}.{part}"]].get_tensor(f"{prefix}.{part}")
-                 for part in PARTS if f"{prefix}.{part}" in self._files}
-        missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
-        if missing:
-            raise ModelFormatError(f"{self.path}: {prefix} has a qweight but no {', '.join(missing)}")
-        return read_quantized(self.quantization, parts, prefix)
+                 for part in self.quantization.parts if f"{prefix}.{part}" in self._files}
+        return read_quantized(self.quantization, parts, f"{self.path}: {prefix}")
 
     @property
     def packed_format(self) -> str | None:

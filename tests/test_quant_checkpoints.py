@@ -1,9 +1,11 @@
 """Pre-quantized checkpoints (server/quant_checkpoint.py): GPTQ (v1 and v2 zero points, 4 and 8 bits,
-symmetric or not, act order) and AWQ (GEMM packing), written here from a float checkpoint of the model
-families' fixture by round-to-nearest into each packer's layout, against the same model with the
-dequantized weights stored as float32 — the packed path must give its tokens and, where the layout holds
-the weights exactly, its log-probabilities. The packings are pinned by literal words too (the
-published bit orders), so a misreading shared by this file's packer and the loader cannot pass."""
+symmetric or not, act order), AWQ (GEMM packing) and compressed-tensors (pack-quantized, naive-quantized,
+float-quantized FP8), written here from a float checkpoint of the model families' fixture by
+round-to-nearest into each packer's layout, against the same model with the dequantized weights stored
+as float32 — the packed path must give its tokens and, where the layout holds the weights exactly, its
+log-probabilities. The GPTQ and AWQ packings are pinned by literal words (the published bit orders) and
+compressed-tensors' by its own library's packer, so a misreading shared by this file's packer and the
+loader cannot pass."""
 
 from __future__ import annotations
 
@@ -62,6 +64,35 @@ def pack_awq(codes, zeros, scales) -> dict[str, torch.Tensor]:
     return {"qweight": words(codes.T), "qzeros": words(zeros.T), "scales": scales.T.contiguous()}
 
 
+def pack_compressed(codes, zeros, scales, scheme: dict) -> dict[str, torch.Tensor]:
+    """compressed-tensors' layouts, packed by the library itself (compressed_tensors 0.20's pack_to_int32)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    bits, offset = scheme["bits"], 1 << (scheme["bits"] - 1)
+    signed, signed_zeros = (codes - offset).to(torch.int8), (zeros - offset).to(torch.int8)
+    if scheme["format"] == "pack-quantized":
+        parts = {"weight_packed": pack_to_int32(signed, bits), "weight_shape": torch.tensor(list(codes.shape)), "weight_scale": scales}
+        if not scheme["sym"]:
+            parts["weight_zero_point"] = pack_to_int32(signed_zeros, bits, packed_dim=0)
+        return parts
+    parts = {"weight": signed, "weight_scale": scales}
+    if not scheme["sym"]:
+        parts["weight_zero_point"] = signed_zeros
+    return parts
+
+
+def compressed_config(scheme: dict) -> dict:
+    """A quantization_config as llm-compressor writes it."""
+    float8 = scheme["format"] == "float-quantized"
+    weights = {"num_bits": 8 if float8 else scheme["bits"], "type": "float" if float8 else "int", "symmetric": scheme.get("sym", True),
+               "strategy": "channel" if scheme.get("group_size", -1) == -1 else "group", "dynamic": False}
+    if weights["strategy"] == "group":
+        weights["group_size"] = scheme["group_size"]
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False} if float8 else None
+    return {"quant_method": "compressed-tensors", "format": scheme["format"], "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}}}
+
+
 def quantized_pair(source: Path, dest: Path, scheme: dict, act_order: bool = False, seed: int = 0) -> tuple[Path, Path]:
     """(a quantized checkpoint, the same model with its dequantized weights as float32) from a float checkpoint."""
     from safetensors.torch import load_file, save_file
@@ -71,7 +102,7 @@ def quantized_pair(source: Path, dest: Path, scheme: dict, act_order: bool = Fal
         state.update(load_file(str(f)))
     quantized, dense = dict(state), dict(state)
     gen = torch.Generator().manual_seed(seed)
-    bits, group = scheme["bits"], scheme["group_size"]
+    bits, group = scheme.get("bits", 8), scheme.get("group_size", -1)
     for name in [n for n in state if n.endswith(".weight") and any(p in n for p in PROJECTIONS)]:
         w = state[name].float()
         k = w.shape[1]
@@ -82,15 +113,26 @@ def quantized_pair(source: Path, dest: Path, scheme: dict, act_order: bool = Fal
             g_idx[perm] = torch.arange(k) // g
         else:
             g_idx = torch.arange(k) // g
-        codes, zeros, scales = quantize_rtn(w, bits, g, scheme.get("sym", False), g_idx)
         prefix = name.removesuffix(".weight")
         del quantized[name]
+        if scheme.get("format") == "float-quantized":
+            scale = (w.abs().amax(1, keepdim=True) / 448).clamp(min=1e-6)  # E4M3's largest value
+            fp8 = (w / scale).to(torch.float8_e4m3fn)
+            quantized.update({f"{prefix}.weight": fp8, f"{prefix}.weight_scale": scale, f"{prefix}.input_scale": torch.ones(1)})
+            dense[name] = fp8.float() * scale
+            continue
+        codes, zeros, scales = quantize_rtn(w, bits, g, scheme.get("sym", False), g_idx)
         if scheme["quant_method"] == "gptq":
             parts = pack_gptq(codes, zeros, scales, g_idx, bits, v1=scheme.get("checkpoint_format", "gptq") == "gptq")
-        else:
+        elif scheme["quant_method"] == "awq":
             parts = pack_awq(codes, zeros, scales)
+        else:
+            scales = scales.to(getattr(torch, scheme.get("scale_dtype", "float16")))
+            parts = pack_compressed(codes, zeros, scales, scheme)
         quantized.update({f"{prefix}.{p}": t for p, t in parts.items()})
         dense[name] = (codes - zeros[:, g_idx]).float() * scales.float()[:, g_idx]
+    if scheme["quant_method"] == "compressed-tensors":
+        scheme = compressed_config(scheme)
     out = []
     for path, tensors, config_extra in ((dest / "quantized", quantized, {"quantization_config": scheme}), (dest / "dense", dense, {})):
         shutil.copytree(source, path, ignore=shutil.ignore_patterns("*.safetensors", "model.safetensors.index.json"))
@@ -125,6 +167,15 @@ SCHEMES = {
     "gptq-v1-8bit-sym-channel": ({"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True}, "Q8_0", True),
     "gptq-v1-8bit-asym-g128": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": False}, "Q5_K", True),
     "awq-gemm-4bit-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}, "Q4_1", False),
+    "ct-pack-w4a16-sym-g32-bf16": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "bits": 4, "group_size": 32, "sym": True,
+                                    "scale_dtype": "bfloat16"}, "Q4_0", True),
+    "ct-pack-w4a16-asym-g64": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "bits": 4, "group_size": 64, "sym": False},
+                               "Q4_1", False),
+    "ct-pack-w8a16-sym-channel": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "bits": 8, "group_size": -1, "sym": True},
+                                  "Q8_0", True),
+    "ct-naive-w8-asym-g32": ({"quant_method": "compressed-tensors", "format": "naive-quantized", "bits": 8, "group_size": 32, "sym": False},
+                             "Q5_K", True),
+    "ct-fp8-weights": ({"quant_method": "compressed-tensors", "format": "float-quantized"}, None, True),
 }
 EXACT_BOUND = 1e-4  # float32 both sides: the kernels' summation order only
 
@@ -168,7 +219,7 @@ def test_a_quantized_checkpoint_runs_packed_as_its_dequantized_weights(family_ch
     scheme, kind, exact = SCHEMES[case]
     quantized, dense = quantized_pair(family_checkpoints["llama3"][0], tmp_path, scheme)
     packed, reference = llm(quantized), llm(dense)
-    assert packed.engine.runner.quantization == scheme["quant_method"] and projection_kinds(packed) == {kind}
+    assert packed.engine.runner.quantization == scheme["quant_method"] and projection_kinds(packed) == ({kind} if kind else set())
     assert reference.engine.runner.quantization == "none" and not projection_kinds(reference)
     prompts = ORACLE_PROMPTS[:3]
     (tokens, logprobs), (want_tokens, want_logprobs) = outputs(packed, prompts), outputs(reference, prompts)
@@ -197,9 +248,9 @@ def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
     prompts = ORACLE_PROMPTS[:2]
     got, want = outputs(packed, prompts), outputs(llm(dense), prompts)
     assert got[0] == want[0] and max(abs(a - b) for x, y in zip(got[1], want[1]) for a, b in zip(x, y)) < 1e-4
-    with pytest.raises(ValueError, match="quantization=gptq needs a GPTQ checkpoint"):
+    with pytest.raises(ValueError, match="quantization=gptq needs a gptq checkpoint"):
         llm(dense, quantization="gptq")
-    with pytest.raises(ValueError, match="quantization=awq needs a AWQ checkpoint; quantized is a GPTQ checkpoint"):
+    with pytest.raises(ValueError, match="quantization=awq needs a awq checkpoint; quantized is a gptq checkpoint"):
         llm(quantized, quantization="awq")
 
 
@@ -209,6 +260,13 @@ def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ version 'gemv'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "AWQ without zero points"),
+    ({"quant_method": "compressed-tensors", "format": "sparse-24-bitmask", "config_groups": {}}, "format 'sparse-24-bitmask' is not loaded"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 3, "type": "int", "strategy": "group", "group_size": 128}}}},
+     "type 'int' and 3 bits are not loaded"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"a": {"weights": {"num_bits": 4, "type": "int", "strategy": "channel"}},
+                        "b": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}, "different weight schemes"),
 ])
 def test_schemes_not_loaded_are_refused_by_name(family_checkpoints, tmp_path, config, message):
     from kvpilot.server.checkpoint import Checkpoint
@@ -219,6 +277,22 @@ def test_schemes_not_loaded_are_refused_by_name(family_checkpoints, tmp_path, co
     (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": config}))
     with pytest.raises(ModelFormatError, match=message):
         Checkpoint(d)
+
+
+def test_our_reading_of_compressed_tensors_is_the_librarys():
+    """Codes and zero points as compressed_tensors' own unpacker reads them, for 4 and 8 bits."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    gen = torch.Generator().manual_seed(1)
+    for bits in (4, 8):
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1))
+        signed = torch.randint(lo, hi, (16, 64), generator=gen, dtype=torch.int8)
+        zp = torch.randint(lo, hi, (16, 2), generator=gen, dtype=torch.int8)
+        parts = {"weight_packed": pack_to_int32(signed, bits), "weight_shape": torch.tensor([16, 64]), "weight_scale": torch.ones(16, 2),
+                 "weight_zero_point": pack_to_int32(zp, bits, packed_dim=0)}
+        ours = read_quantized(QuantScheme("compressed-tensors", bits, 32, 0, "pack-quantized", symmetric=False), parts, "p")
+        assert torch.equal(ours.codes - hi, unpack_from_int32(parts["weight_packed"], bits, torch.Size([16, 64])).int())
+        assert torch.equal(ours.zeros - hi, unpack_from_int32(parts["weight_zero_point"], bits, torch.Size([16, 2]), packed_dim=0).int())
 
 
 def test_mismatched_parts_are_clear_errors():

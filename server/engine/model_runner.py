@@ -98,9 +98,9 @@ def resolve_quantization(requested: str, weights: WeightSource) -> str:
     scheme = getattr(weights, "quantization", None)
     if requested == "auto":
         return scheme.method if scheme is not None else "none"
-    if requested in ("gptq", "awq") and (scheme is None or scheme.method != requested):
-        raise ValueError(f"quantization={requested} needs a {requested.upper()} checkpoint; {weights.path.name} is "
-                         f"{'a ' + scheme.method.upper() + ' checkpoint' if scheme else 'not one'} (quantization=auto takes what it is)")
+    if requested in ("gptq", "awq", "compressed-tensors") and (scheme is None or scheme.method != requested):
+        raise ValueError(f"quantization={requested} needs a {requested} checkpoint; {weights.path.name} is "
+                         f"{'a ' + scheme.method + ' checkpoint' if scheme else 'not one'} (quantization=auto takes what it is)")
     return requested
 
 

@@ -205,6 +205,9 @@ class LoRAModules:
     modules: list[tuple[LoRALinear, int, tuple[str, ...]]]
 
 
+PACKED_FORMATS = ("gguf", "gptq", "awq", "compressed-tensors")  # kept as the file holds them (the source's load_packed)
+
+
 class _WeightReader:
     """Reads weights by name, each cast to the compute dtype and moved to the device as it is read (no
     second full copy of the model in host memory), and keeps count: a weight the model never read
@@ -215,7 +218,7 @@ class _WeightReader:
         self.source, self.dtype, self.device, self.progress, self.tp = source, dtype, device, progress, tp
         self.available = source.checkpoint_names()
         self.read: set[str] = set()
-        if quantization in ("gguf", "gptq", "awq") and getattr(source, "packed_format", None) != quantization:
+        if quantization in PACKED_FORMATS and getattr(source, "packed_format", None) != quantization:
             what = "a GGUF model (its blocks are what it keeps)" if quantization == "gguf" else f"a {quantization.upper()} checkpoint"
             raise ModelFormatError(f"{source.path}: quantization={quantization} needs {what}")
         self.quantization, self.group_size = quantization, group_size
@@ -231,7 +234,7 @@ class _WeightReader:
             dense = self(name, rows, cols, pad_rows, dtype=torch.float32)
             return quantize_int8(dense) if self.quantization == "int8" or table else quantize_int4(dense, self.group_size)
         # gguf: the file's blocks; gptq / awq: the checkpoint's codes in the block layout that holds them (server/quant_checkpoint.py)
-        packed = self.source.load_packed(name) if self.quantization in ("gguf", "gptq", "awq") and name in self.available else None
+        packed = self.source.load_packed(name) if self.quantization in PACKED_FORMATS and name in self.available else None
         if packed is None:
             return self(name, rows, cols, pad_rows)
         n, k = packed.shape
