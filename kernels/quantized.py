@@ -244,12 +244,21 @@ class GGUFLinear(nn.Module):
 
 
 def cat_rows(parts: list[torch.Tensor | GGUFWeight]) -> torch.Tensor | GGUFWeight:
-    """Fused projections (q, k, v): their rows one after another, dense or packed alike."""
-    if all(isinstance(p, GGUFWeight) for p in parts):
-        return GGUFWeight.cat(parts)
-    if any(isinstance(p, GGUFWeight) for p in parts):
-        raise ValueError("cannot fuse a projection stored as floats with one kept in GGUF blocks")
-    return torch.cat(parts)
+    """Fused projections (q, k, v): their rows one after another, dense or packed alike. Parts in
+    Q4_0 and Q4_1 fuse as Q4_1 (Q4_0's implicit min −8·d, exact in float16); parts that share no
+    layout (a pre-quantized checkpoint that left one of them in float, or kept one out of column order)
+    fuse dequantized, in the dense parts' dtype."""
+    packed = [p for p in parts if isinstance(p, GGUFWeight)]
+    if len(packed) == len(parts):
+        kinds = {p.kind for p in packed}
+        if kinds == {"Q4_0", "Q4_1"}:
+            parts = [GGUFWeight("Q4_1", p.qs, p.d, (-8 * p.d.float()).half()) if p.kind == "Q4_0" else p for p in packed]
+        if len({p.kind for p in parts}) == 1:
+            return GGUFWeight.cat(parts)
+    if not packed:
+        return torch.cat(parts)
+    dtype = next((p.dtype for p in parts if not isinstance(p, GGUFWeight)), torch.float32)
+    return torch.cat([p.dequantize().to(p.d.device, dtype) if isinstance(p, GGUFWeight) else p for p in parts])
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor | GGUFWeight | GGUFLinear) -> torch.Tensor:

@@ -181,3 +181,21 @@ def test_mismatched_parts_are_clear_errors():
     with pytest.raises(ModelFormatError, match="g_idx: expected 8 group indices"):
         read_quantized(QuantScheme("gptq", 4, -1, 0), {"qweight": word, "qzeros": word[:, :1], "scales": torch.ones(1, 8).half(),
                                                        "g_idx": torch.full((8,), 3, dtype=torch.int32)}, "p")
+
+
+def test_fused_parts_in_different_layouts_fuse_exactly():
+    """q/k/v kept in Q4_0 and Q4_1 fuse as Q4_1; with a part left in float they fuse dequantized — the
+    same values either way."""
+    from kvpilot.kernels.quantized import cat_rows, quantize_int4
+
+    gen = torch.Generator().manual_seed(2)
+    w = [torch.randn(8, 64, generator=gen) for _ in range(3)]
+    q4_1 = quantize_int4(w[1], 32)
+    q4_0 = read_quantized(QuantScheme("gptq", 4, 32, 0), {"qweight": int32(torch.randint(0, 2**31, (8, 8), generator=gen)),
+                                                           "qzeros": int32(torch.full((2, 1), 0x88888888)),
+                                                           "scales": torch.rand(2, 8, generator=gen).half()}, "p").packed()
+    assert (q4_0.kind, q4_1.kind) == ("Q4_0", "Q4_1")
+    fused = cat_rows([q4_0, q4_1])
+    assert fused.kind == "Q4_1" and torch.equal(fused.dequantize(), torch.cat([q4_0.dequantize(), q4_1.dequantize()]))
+    mixed = cat_rows([q4_0, w[2]])
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([q4_0.dequantize(), w[2]]))
