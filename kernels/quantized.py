@@ -245,16 +245,14 @@ class GGUFLinear(nn.Module):
 
 def cat_rows(parts: list[torch.Tensor | GGUFWeight]) -> torch.Tensor | GGUFWeight:
     """Fused projections (q, k, v): their rows one after another, dense or packed alike. Parts in
-    Q4_0 and Q4_1 fuse as Q4_1 (Q4_0's implicit min −8·d, exact in float16); parts that share no
-    layout (a pre-quantized checkpoint that left one of them in float, or kept one out of column order)
+    Q4_0 and Q4_1 fuse as Q4_1 (Q4_0's implicit min −8·d, exact in float16); packed parts beside dense
+    ones (a pre-quantized checkpoint that left one of them in float, or kept one out of column order)
     fuse dequantized, in the dense parts' dtype."""
     packed = [p for p in parts if isinstance(p, GGUFWeight)]
     if len(packed) == len(parts):
-        kinds = {p.kind for p in packed}
-        if kinds == {"Q4_0", "Q4_1"}:
-            parts = [GGUFWeight("Q4_1", p.qs, p.d, (-8 * p.d.float()).half()) if p.kind == "Q4_0" else p for p in packed]
-        if len({p.kind for p in parts}) == 1:
-            return GGUFWeight.cat(parts)
+        if {p.kind for p in packed} == {"Q4_0", "Q4_1"}:
+            packed = [GGUFWeight("Q4_1", p.qs, p.d, (-8 * p.d.float()).half()) if p.kind == "Q4_0" else p for p in packed]
+        return GGUFWeight.cat(packed)  # (other kinds side by side: refused by name)
     if not packed:
         return torch.cat(parts)
     dtype = next((p.dtype for p in parts if not isinstance(p, GGUFWeight)), torch.float32)
