@@ -20,13 +20,14 @@ for GPTQ, `<p>.g_idx` (int32 [in]: each input column's group). Weight = (code �
   its scale (and zero point). float-quantized: `<p>.weight` float8_e4m3fn times its scale (per tensor or
   channel). Activation scales (W8A8 schemes) are not used: activations stay in the compute dtype.
 
-Kept packed where the block kernels can use them (groups of whole 32-column blocks, in column order):
+Kept packed where the block kernels can use them (groups of whole 32-column blocks; an act-order weight's
+columns put in group order, its input gathered into that order per call):
 4-bit with every zero point 8 (symmetric GPTQ) -> Q4_0 (d = the scale: exact); other 4-bit -> Q4_1
 (d = the scale, m = −zero·scale rounded to float16: within one float16 rounding of the stored value);
 8-bit with every zero point 128 -> Q8_0 (exact); other 8-bit, and scales float16 does not hold exactly
 (bfloat16 ones usually do) -> the K8 layout (int8 codes, float32 scale and min per 16 columns: exact).
-FP8 weights are dequantized at load. Otherwise (an act-order permutation, groups that are not whole
-blocks) the weight is dequantized at load, in float32: correct, at the compute dtype's memory.
+FP8 weights, groups that are not whole blocks and act-order weights split by input columns (tensor
+parallelism) are dequantized at load, in float32: correct, at the compute dtype's memory.
 """
 
 from __future__ import annotations
@@ -175,9 +176,16 @@ class QuantizedTensor:
         return self.group_size % QK == 0 and k % QK == 0 and torch.equal(self.group, torch.arange(k) // self.group_size)
 
     def packed(self) -> GGUFWeight | None:
-        """The block layout that holds it (module docstring), or None when none does."""
+        """The block layout that holds it (module docstring), or None when none does. An act-order
+        weight's columns are put in group order, the permutation kept with it (the projection gathers
+        its input's columns into that order)."""
         if not self.in_column_order():
-            return None
+            perm = torch.argsort(self.group, stable=True)
+            grouped = QuantizedTensor(self.codes[:, perm], self.zeros, self.scales, self.group[perm], self.bits, self.group_size)
+            if not grouped.in_column_order():  # groups of other sizes than group_size: no block layout holds them
+                return None
+            weight = grouped.packed()
+            return GGUFWeight(weight.kind, weight.qs, weight.d, weight.m, perm)
         n, k = self.codes.shape
         per_group = self.group_size // QK
         # per 32-column block: its group's zero point and scale

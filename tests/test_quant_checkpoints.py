@@ -115,17 +115,22 @@ def test_a_quantized_checkpoint_runs_packed_as_its_dequantized_weights(family_ch
 
 @pytest.mark.timeout(300)
 def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
-    """desc_act: groups out of column order are dequantized at load (no block layout holds them); the
-    output is the dequantized model's. quantization=gptq on a float checkpoint is refused by name."""
+    """desc_act: each weight's columns put in group order and kept packed, the input gathered into that
+    order per call (q, k and v of different orders fuse dequantized); the output is the dequantized
+    model's. quantization=gptq on a float checkpoint is refused by name."""
     from oracle import ORACLE_PROMPTS
 
-    scheme = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": True}
+    from kvpilot.kernels.linear import PermutedInput
+
+    scheme = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True}
     quantized, dense = quantized_pair(family_checkpoints["llama3"][0], tmp_path, scheme, act_order=True)
     packed = llm(quantized)
-    assert packed.engine.runner.quantization == "gptq" and not projection_kinds(packed)
+    model = packed.engine.runner.model
+    assert packed.engine.runner.quantization == "gptq" and projection_kinds(packed) == {"Q4_0"}
+    assert sum(isinstance(m, PermutedInput) for m in model.modules()) == 4 * len(model.layers)  # o, gate, up, down: each its own order
     prompts = ORACLE_PROMPTS[:2]
     got, want = outputs(packed, prompts), outputs(llm(dense), prompts)
-    assert got[0] == want[0] and max(abs(a - b) for x, y in zip(got[1], want[1]) for a, b in zip(x, y)) < 1e-4
+    assert got[0] == want[0] and max(abs(a - b) for x, y in zip(got[1], want[1]) for a, b in zip(x, y)) < EXACT_BOUND
     with pytest.raises(ValueError, match="quantization=gptq needs a gptq checkpoint"):
         llm(dense, quantization="gptq")
     with pytest.raises(ValueError, match="quantization=awq needs a awq checkpoint; quantized is a gptq checkpoint"):

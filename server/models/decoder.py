@@ -243,6 +243,8 @@ class _WeightReader:
                 raise ModelFormatError(f"{name}: rows {rows} past its {n} (a padded vocabulary is not kept in GGUF blocks)")
             packed = packed.rows(slice(*rows))
         if cols is not None and tuple(cols) != (0, k):
+            if packed.perm is not None:  # an act-order weight's columns are permuted: this rank's share, dequantized
+                return self(name, rows, cols, pad_rows)
             try:
                 packed = packed.columns(*cols)
             except ValueError as e:  # this rank's row-parallel share falls inside one of the layout's units
