@@ -118,9 +118,8 @@ def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
     """desc_act: each weight's columns put in group order and kept packed, the input gathered into that
     order per call (q, k and v of different orders fuse dequantized); the output is the dequantized
     model's. quantization=gptq on a float checkpoint is refused by name."""
-    from oracle import ORACLE_PROMPTS
-
     from kvpilot.kernels.linear import PermutedInput
+    from oracle import ORACLE_PROMPTS
 
     scheme = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True}
     quantized, dense = quantized_pair(family_checkpoints["llama3"][0], tmp_path, scheme, act_order=True)
