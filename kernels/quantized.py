@@ -76,6 +76,9 @@ class GGUFWeight:
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
+    # An act-order checkpoint's weight: the input columns in the order its codes hold them (int64 [K]); the
+    # projection multiplies x[..., perm] (kernels/linear.py PermutedInput). None: the columns in order.
+    perm: torch.Tensor | None = None
 
     @property
     def layout(self) -> Layout:
@@ -115,10 +118,12 @@ class GGUFWeight:
     def rows(self, index: torch.Tensor | slice) -> GGUFWeight:
         """Some of the output rows (a permutation, a shard), as owned tensors."""
         pick = lambda t: None if t is None else t[index].contiguous()
-        return GGUFWeight(self.kind, pick(self.qs), pick(self.d), pick(self.m))
+        return GGUFWeight(self.kind, pick(self.qs), pick(self.d), pick(self.m), self.perm)
 
     def columns(self, start: int, end: int) -> GGUFWeight:
         """Input columns [start, end): whole blocks only (a row-parallel shard)."""
+        if self.perm is not None:
+            raise ValueError("an act-order weight holds its input columns permuted: it is not split by input columns")
         if start % self.block or end % self.block:
             raise ValueError(f"a {self.kind} weight splits only at multiples of {self.block} columns, not [{start}, {end})")
         units = self.shape[1] // self.block
@@ -136,14 +141,20 @@ class GGUFWeight:
         kinds = {p.kind for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot fuse projections stored in different GGUF types ({', '.join(sorted(kinds))})")
+        if not same_input_order(parts):
+            raise ValueError("cannot fuse projections whose input columns are in different orders")
         m = torch.cat([p.m for p in parts]) if parts[0].m is not None else None
-        return GGUFWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+        return GGUFWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m, parts[0].perm)
 
     def to(self, device: torch.device) -> GGUFWeight:
-        return GGUFWeight(self.kind, *(t.to(device) if t is not None else None for t in (self.qs, self.d, self.m)))
+        return GGUFWeight(self.kind, *(t.to(device) if t is not None else None for t in (self.qs, self.d, self.m, self.perm)))
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K]: the reference the kernels are tested against (and the embedding's row lookup)."""
+        """float32 [N, K]: the reference the kernels are tested against (and the embedding's row lookup),
+        its columns in the input's order."""
+        if self.perm is not None:
+            held = GGUFWeight(self.kind, self.qs, self.d, self.m).dequantize()
+            return torch.empty_like(held).index_copy_(1, self.perm.to(held.device), held)
         n, k = self.shape
         if self.layout.scales == "super":  # K4: d·scale and −dmin·min per sub-block, as q4_k_parts says
             sup, sub = self.d.float().reshape(n, -1, 1, 2), self.m.float().reshape(n, -1, 8, 2)
@@ -243,13 +254,25 @@ class GGUFLinear(nn.Module):
         return self._run(x, 3, residual)
 
 
+def same_input_order(parts: list[GGUFWeight]) -> bool:
+    first = parts[0].perm
+    return all((p.perm is None) == (first is None) and (first is None or torch.equal(p.perm, first)) for p in parts)
+
+
 def cat_rows(parts: list[torch.Tensor | GGUFWeight]) -> torch.Tensor | GGUFWeight:
-    """Fused projections (q, k, v): their rows one after another, dense or packed alike."""
-    if all(isinstance(p, GGUFWeight) for p in parts):
-        return GGUFWeight.cat(parts)
-    if any(isinstance(p, GGUFWeight) for p in parts):
-        raise ValueError("cannot fuse a projection stored as floats with one kept in GGUF blocks")
-    return torch.cat(parts)
+    """Fused projections (q, k, v): their rows one after another, dense or packed alike. Parts in
+    Q4_0 and Q4_1 fuse as Q4_1 (Q4_0's implicit min −8·d, exact in float16); packed parts beside dense
+    ones (a pre-quantized checkpoint that left one of them in float), or in different input orders (act
+    order), fuse dequantized, in the dense parts' dtype."""
+    packed = [p for p in parts if isinstance(p, GGUFWeight)]
+    if len(packed) == len(parts) and same_input_order(packed):
+        if {p.kind for p in packed} == {"Q4_0", "Q4_1"}:
+            packed = [GGUFWeight("Q4_1", p.qs, p.d, (-8 * p.d.float()).half()) if p.kind == "Q4_0" else p for p in packed]
+        return GGUFWeight.cat(packed)  # (other kinds side by side: refused by name)
+    if not packed:
+        return torch.cat(parts)
+    dtype = next((p.dtype for p in parts if not isinstance(p, GGUFWeight)), torch.float32)
+    return torch.cat([p.dequantize().to(p.d.device, dtype) if isinstance(p, GGUFWeight) else p for p in parts])
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor | GGUFWeight | GGUFLinear) -> torch.Tensor:

@@ -15,7 +15,17 @@ from typing import Any
 
 import torch
 
+from kvpilot.kernels.quantized import GGUFWeight
 from kvpilot.server.model_config import ModelConfig, ModelFormatError, config_from_hf
+from kvpilot.server.quant_checkpoint import (
+    COMPRESSED,
+    CT_UNUSED,
+    FloatQuantized,
+    QuantizedTensor,
+    QuantScheme,
+    parse_scheme,
+    read_quantized,
+)
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -46,12 +56,13 @@ class Checkpoint:
             raise ModelFormatError(f"{self.path}: not a checkpoint directory (no {CONFIG})")
         self.hf_config = read_json(self.path / CONFIG)
         quantization = self.hf_config.get("quantization_config")
-        if quantization:
-            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-            raise ModelFormatError(f"{self.path / CONFIG}: pre-quantized checkpoints (quant_method {method!r}) are not loaded; "
-                                   "use a float checkpoint or a GGUF")
+        # GPTQ / AWQ: their projections read as `<p>.weight` (server/quant_checkpoint.py)
+        self.quantization: QuantScheme | None = parse_scheme(quantization, str(self.path / CONFIG)) if quantization else None
         self.config: ModelConfig = config_from_hf(self.hf_config, self.path.name, str(self.path / CONFIG))
         self._files = self._tensor_files()
+        marker = f".{self.quantization.marker}" if self.quantization else None
+        self._quantized = {name.removesuffix(marker) + ".weight": name.removesuffix(marker)
+                           for name in self._files if marker and name.endswith(marker)}
 
     def _tensor_files(self) -> dict[str, Path]:
         """Tensor name -> the safetensors file that holds it."""
@@ -83,10 +94,34 @@ class Checkpoint:
         return {f: safe_open(f, framework="pt") for f in sorted(set(self._files.values()))}
 
     def checkpoint_names(self) -> set[str]:
-        return set(self._files)
+        """Tensor names, a quantized projection's parts as its `.weight` (compressed-tensors' activation and
+        KV-cache scales set aside: not used)."""
+        if not self.quantization:
+            return set(self._files)
+        parts = {f"{prefix}.{part}" for prefix in self._quantized.values() for part in self.quantization.parts}
+        unused = {n for n in self._files if n.rsplit(".", 1)[-1] in CT_UNUSED} if self.quantization.method == COMPRESSED else set()
+        return (set(self._files) - parts - unused) | set(self._quantized)
+
+    def _quantized_tensor(self, name: str) -> QuantizedTensor | FloatQuantized:
+        prefix = self._quantized[name]
+        parts = {part: self._handles[self._files[f"{prefix}.{part}"]].get_tensor(f"{prefix}.{part}")
+                 for part in self.quantization.parts if f"{prefix}.{part}" in self._files}
+        return read_quantized(self.quantization, parts, f"{self.path}: {prefix}")
+
+    @property
+    def packed_format(self) -> str | None:
+        """What load_packed() keeps: a GPTQ or AWQ checkpoint's codes (None: a float checkpoint)."""
+        return self.quantization.method if self.quantization else None
+
+    def load_packed(self, name: str) -> GGUFWeight | None:
+        """A quantized projection in the block layout that holds it (None: not quantized, or no layout
+        holds it — then load() dequantizes it)."""
+        return self._quantized_tensor(name).packed() if name in self._quantized else None
 
     def load(self, name: str) -> torch.Tensor:
-        """One tensor as stored (fp32/fp16/bf16), read from its memory-mapped file."""
+        """One tensor as stored (fp32/fp16/bf16), read from its memory-mapped file; a quantized projection dequantized (float32)."""
+        if name in self._quantized:
+            return self._quantized_tensor(name).dequantize()
         try:
             file = self._files[name]
         except KeyError:

@@ -79,8 +79,10 @@ class EngineConfig(BaseModel):
         "stop checks) with the device running the current step; auto = on for CUDA without speculative decoding (any number of ranks). A "
         "sequence that the last step ended still runs in the current one (its row is dropped). on: also on a CPU, where it cannot "
         "overlap anything (the steps run on the host): for tests."))
-    quantization: Literal["none", "gguf", "int8", "int4"] = Field(
-        "none", description="Weight format: none = dequantized to the compute dtype at load; gguf = a GGUF's Q4_0/Q4_1/Q8_0 and "
+    quantization: Literal["auto", "none", "gguf", "int8", "int4", "gptq", "awq", "compressed-tensors"] = Field(
+        "auto", description="Weight format: auto = a GPTQ, AWQ or compressed-tensors checkpoint's own method (its config.json's "
+                            "quantization_config), else none; gptq, awq, compressed-tensors = such a checkpoint's integer weights kept in "
+                            "block layouts the kernels dequantize in registers (FP8, act-order and odd-group weights dequantized at load); none = dequantized to the compute dtype at load; gguf = a GGUF's Q4_0/Q4_1/Q8_0 and "
                             "Q4_K/Q5_K/Q6_K tensors kept in their blocks and multiplied by kernels that dequantize in registers; int8 = float weights "
                             "quantized at load (symmetric, per 32 input columns); int4 = per group of --quantization-group-size input columns, with "
                             "scales and mins (embedding and LM head int8). CPU: C++ kernels, float32 compute; CUDA: Triton kernels, any dtype.")
@@ -197,7 +199,7 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _quantization_supported(self) -> EngineConfig:
         q = self.quantization
-        if q != "none" and self.device == "cpu" and self.dtype not in ("auto", "float32"):
+        if q not in ("none", "auto") and self.device == "cpu" and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization={q} on CPU computes in float32 (its C++ kernels take float32 activations), not dtype={self.dtype}")
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, not {self.quantization_group_size}")

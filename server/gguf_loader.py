@@ -178,6 +178,7 @@ class GGUFFile:
     """Metadata and tensors of one GGUF file (memory-mapped; tensors are read on demand, as copies)."""
 
     memory_mapped = False  # tensor() and load() return owned tensors
+    packed_format = "gguf"  # what load_packed() keeps: its blocks
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

@@ -111,8 +111,11 @@ def test_replicas_follow_spec_or_min():
 
 def test_unsupported_settings_for_kvpilot():
     assert unsupported_settings(spec()) == []
-    problems = unsupported_settings(spec(engineSettings={"quantization": "awq", "tensorParallelSize": 3, "speculative": {"method": "ngram"}}))
-    assert len(problems) == 1 and "quantization=awq is not implemented by the kvpilot engine (it takes gguf, int8, int4" in problems[0]
+    problems = unsupported_settings(spec(engineSettings={"quantization": "fp8", "tensorParallelSize": 3, "speculative": {"method": "ngram"}}))
+    assert len(problems) == 1 and "quantization=fp8 is not implemented by the kvpilot engine (it takes gguf, int8, int4, gptq, awq, compressed-tensors" in problems[0]
+    assert unsupported_settings(spec(model={"source": "hf://org/repo-AWQ"}, engineSettings={"quantization": "awq"})) == []
+    [problem] = unsupported_settings(spec(engineSettings={"quantization": "gptq"}))
+    assert "quantization=gptq needs a gptq checkpoint" in problem
     cpu = {"cpuOnly": True}
     assert unsupported_settings(spec(engineSettings={"quantization": "gguf"}, resources=cpu)) == []
     assert "--quantization" in kvpilot_container(spec(engineSettings={"quantization": "gguf"}, resources=cpu), "m").args

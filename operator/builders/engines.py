@@ -242,7 +242,8 @@ SGLANG_PARSERS = {"hermes": "hermes", "llama3_json": "llama3", "qwen3": "qwen3",
 # does not take would crash-loop its pods, so it is a status condition instead). kvpilot: gguf (a
 # GGUF model's own blocks), int8/int4 (weight-only, quantized at load); vLLM and SGLang have no
 # int8/int4 values at all, and vLLM 0.33 no gguf (checked against the flag snapshots in CI).
-ENGINE_QUANTIZATION = {"kvpilot": {"gguf", "int8", "int4"}, "vllm": {"fp8", "awq", "gptq"}, "sglang": {"fp8", "awq", "gptq", "gguf"}}
+ENGINE_QUANTIZATION = {"kvpilot": {"gguf", "int8", "int4", "gptq", "awq", "compressed-tensors"}, "vllm": {"fp8", "awq", "gptq", "compressed-tensors"},
+                       "sglang": {"fp8", "awq", "gptq", "gguf", "compressed-tensors"}}
 
 
 KV_TIER_DIR = "/var/lib/kvpilot/kv-tier"  # where the pods mount the disk tier's volume
@@ -259,10 +260,13 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
     s, problems = spec.engine_settings, []
     if spec.engine == "kvpilot":
         if s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION["kvpilot"]:
-            problems.append(f"engineSettings.quantization={s.quantization} is not implemented by the kvpilot engine (it takes gguf, int8, int4; "
+            problems.append(f"engineSettings.quantization={s.quantization} is not implemented by the kvpilot engine (it takes gguf, int8, int4, gptq, awq, compressed-tensors; "
                             f"engine vllm takes {', '.join(sorted(ENGINE_QUANTIZATION['vllm']))})")
         if s.quantization == "gguf" and not _is_gguf_source(spec.model.source):
             problems.append(f"engineSettings.quantization=gguf needs a GGUF model (a bundled name or a .gguf file), not {spec.model.source!r}")
+        if s.quantization in ("gptq", "awq", "compressed-tensors") and _is_gguf_source(spec.model.source):
+            problems.append(f"engineSettings.quantization={s.quantization} needs a {s.quantization} checkpoint (an hf:// repository or a "
+                            f"checkpoint directory), not {spec.model.source!r} (unset: the engine detects one)")
     else:
         if s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION[spec.engine]:
             problems.append(f"engineSettings.quantization={s.quantization} is not a {spec.engine} quantization method "

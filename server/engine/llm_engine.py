@@ -167,7 +167,7 @@ class LLMEngine:
             speculative = [config.speculative_method, model_fingerprint(resolve_model_path(config.speculative_model))]
         return {"kvpilot": importlib.metadata.version("kvpilot"), "model": model_fingerprint(self.model_path),
                 "block_size": config.block_size, "dtype": str(self.runner.dtype), "kv_dtype": str(self.runner.kv_dtype),
-                "quantization": config.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative}
+                "quantization": self.runner.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative}
 
     # --- the KV tiers -------------------------------------------------------------------------
     def _save_block(self, block_id: int, key: bytes, parent: bytes, token_ids: tuple[int, ...]) -> None:

@@ -91,6 +91,19 @@ def resolve_kv_dtype(config: EngineConfig, device: torch.device, dtype: torch.dt
     return kv
 
 
+def resolve_quantization(requested: str, weights: WeightSource) -> str:
+    """The weight format the model is loaded in: auto = a GPTQ / AWQ checkpoint's own method, else none;
+    gptq / awq only for a checkpoint of that method. Any other value on such a checkpoint starts from its
+    dequantized weights (none: the compute dtype; int8 / int4: quantized again)."""
+    scheme = getattr(weights, "quantization", None)
+    if requested == "auto":
+        return scheme.method if scheme is not None else "none"
+    if requested in ("gptq", "awq", "compressed-tensors") and (scheme is None or scheme.method != requested):
+        raise ValueError(f"quantization={requested} needs a {requested} checkpoint; {weights.path.name} is "
+                         f"{'a ' + scheme.method + ' checkpoint' if scheme else 'not one'} (quantization=auto takes what it is)")
+    return requested
+
+
 def _return_freed_heap() -> None:
     """Give the heap that loading freed back to the OS. Loading makes a transient copy per tensor
     (dequantized, converted, packed); glibc keeps such freed blocks for reuse, ~200 MB of resident
@@ -123,10 +136,11 @@ class ModelRunner:
         self.device = resolve_device(config, tp)
         self.dtype = resolve_dtype(config, self.device)
         self.kv_dtype = resolve_kv_dtype(config, self.device, self.dtype)
-        if config.quantization != "none" and self.dtype != torch.float32 and not triton_kernels(self.device):
-            raise ValueError(f"quantization={config.quantization} on {self.device} computes in float32 (the C++ kernels take float32 "
+        self.quantization = resolve_quantization(config.quantization, weights)
+        if self.quantization != "none" and self.dtype != torch.float32 and not triton_kernels(self.device):
+            raise ValueError(f"quantization={self.quantization} on {self.device} computes in float32 (the C++ kernels take float32 "
                              f"activations), not {self.dtype}")
-        self.model = self._load(weights, show_progress, config.quantization, config.quantization_group_size,
+        self.model = self._load(weights, show_progress, self.quantization, config.quantization_group_size,
                                 lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None)
         self.draft = self._load(draft, show_progress, "none") if draft else None  # the draft is small: kept dense
         self.head: Eagle3Head | None = None
@@ -154,7 +168,7 @@ class ModelRunner:
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
         log.info("model %s on %s/%s, weights %.0f MiB (quantization %s), KV cache: %d blocks of %d tokens (%.0f MiB, %s)", c.name, self.device,
-                 self.dtype, self.model.weight_bytes() / 2**20, config.quantization, self.num_blocks, self.block_size,
+                 self.dtype, self.model.weight_bytes() / 2**20, self.quantization, self.num_blocks, self.block_size,
                  self.num_blocks * self.bytes_per_block / 2**20, self.kv_dtype)
 
     def _load(self, weights: WeightSource, show_progress: bool, quantization: str, group_size: int = 32,

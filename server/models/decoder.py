@@ -138,7 +138,8 @@ class DecoderModel(nn.Module):
     def load(cls, source: WeightSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
              progress: Callable[[int], None] | None = None, tp: TensorParallel | None = None, quantization: str = "none",
              group_size: int = 32, lora: tuple[int, int] | None = None) -> DecoderModel:
-        """quantization gguf: projections, the embedding and the LM head stay in the GGUF's blocks; int8 /
+        """quantization gguf: projections, the embedding and the LM head stay in the GGUF's blocks; gptq / awq:
+        a pre-quantized checkpoint's projections in the block layout that holds them (server/quant_checkpoint.py); int8 /
         int4: they are quantized as they are read (the embedding and LM head int8 in both). lora:
         (max_loras, max_rank): every projection gets that many adapter slots (kernels/lora.py)."""
         c = config
@@ -204,6 +205,9 @@ class LoRAModules:
     modules: list[tuple[LoRALinear, int, tuple[str, ...]]]
 
 
+PACKED_FORMATS = ("gguf", "gptq", "awq", "compressed-tensors")  # kept as the file holds them (the source's load_packed)
+
+
 class _WeightReader:
     """Reads weights by name, each cast to the compute dtype and moved to the device as it is read (no
     second full copy of the model in host memory), and keeps count: a weight the model never read
@@ -214,8 +218,9 @@ class _WeightReader:
         self.source, self.dtype, self.device, self.progress, self.tp = source, dtype, device, progress, tp
         self.available = source.checkpoint_names()
         self.read: set[str] = set()
-        if quantization == "gguf" and not hasattr(source, "load_packed"):
-            raise ModelFormatError(f"{source.path}: quantization=gguf needs a GGUF model (its blocks are what it keeps)")
+        if quantization in PACKED_FORMATS and getattr(source, "packed_format", None) != quantization:
+            what = "a GGUF model (its blocks are what it keeps)" if quantization == "gguf" else f"a {quantization.upper()} checkpoint"
+            raise ModelFormatError(f"{source.path}: quantization={quantization} needs {what}")
         self.quantization, self.group_size = quantization, group_size
 
     def weight(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
@@ -228,7 +233,8 @@ class _WeightReader:
             # near a rounding boundary would land on the neighbouring code.
             dense = self(name, rows, cols, pad_rows, dtype=torch.float32)
             return quantize_int8(dense) if self.quantization == "int8" or table else quantize_int4(dense, self.group_size)
-        packed = self.source.load_packed(name) if self.quantization == "gguf" and name in self.available else None
+        # gguf: the file's blocks; gptq / awq: the checkpoint's codes in the block layout that holds them (server/quant_checkpoint.py)
+        packed = self.source.load_packed(name) if self.quantization in PACKED_FORMATS and name in self.available else None
         if packed is None:
             return self(name, rows, cols, pad_rows)
         n, k = packed.shape
@@ -237,6 +243,8 @@ class _WeightReader:
                 raise ModelFormatError(f"{name}: rows {rows} past its {n} (a padded vocabulary is not kept in GGUF blocks)")
             packed = packed.rows(slice(*rows))
         if cols is not None and tuple(cols) != (0, k):
+            if packed.perm is not None:  # an act-order weight's columns are permuted: this rank's share, dequantized
+                return self(name, rows, cols, pad_rows)
             try:
                 packed = packed.columns(*cols)
             except ValueError as e:  # this rank's row-parallel share falls inside one of the layout's units

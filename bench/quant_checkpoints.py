@@ -1,0 +1,107 @@
+"""Pre-quantized checkpoints of the bundled model (GPTQ, AWQ, compressed-tensors) against the int4 path that
+quantizes the float checkpoint at load, same run: single-stream decode and 16-client throughput, and the
+projections' bytes. The checkpoints are written by tests/quant_factory.py (round to nearest, each packer's
+layout; group 128) from the bundled model saved as a float32 Hugging Face checkpoint by transformers,
+cached under ${XDG_CACHE_HOME:-~/.cache}/kvpilot/bench-quant-checkpoints.
+
+    .venv/bin/python bench/quant_checkpoints.py [--force] [--rounds 2] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+from kvpilot.server.threads import OPENMP_ENV  # noqa: E402
+
+os.environ.update({k: os.environ.get(k, v) for k, v in OPENMP_ENV.items()})
+
+from common import machine, refuse_if_busy, table  # noqa: E402
+
+GROUP = 128
+SCHEMES = {  # name -> quantization_config (tests/quant_factory.py's spelling), act order
+    "gptq 4-bit sym": ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True}, False),
+    "gptq 4-bit asym": ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": False}, False),
+    "gptq 4-bit desc_act": ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": False, "desc_act": True}, True),
+    "awq 4-bit": ({"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}, False),
+    "ct W8A16 channel": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "bits": 8, "group_size": -1, "sym": True}, False),
+    "ct FP8 weights": ({"quant_method": "compressed-tensors", "format": "float-quantized"}, False),
+}
+
+
+def float_checkpoint(root: Path) -> Path:
+    """The bundled model as a float32 Hugging Face checkpoint (transformers reads the GGUF and saves it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvpilot.server.model_files import resolve_model_path
+
+    out = root / "float"
+    if (out / "config.json").is_file():
+        return out
+    gguf = resolve_model_path("smollm2-135m")
+    AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    return out
+
+
+def run(model: Path, threads: int, **kw) -> dict[str, float]:
+    from kvpilot.server import LLM, SamplingParams
+
+    llm = LLM(model=str(model), num_threads=threads, show_progress=False, kv_cache_memory="256MiB", **kw)
+    llm.generate([list(range(100, 132))], SamplingParams(max_tokens=4))  # warm-up
+    t = time.perf_counter()
+    one = llm.generate([list(range(200, 232))], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))[0]
+    single = len(one.outputs[0].token_ids) / (time.perf_counter() - t)
+    prompts = [list(range(300 + 40 * i, 364 + 40 * i)) for i in range(16)]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    batch = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+    model_ = llm.engine.runner.model
+    projections = sum(p.numel() * p.element_size() for layer in model_.layers for p in [*layer.attn.parameters(), *layer.mlp.parameters(),
+                                                                                          *layer.attn.buffers(), *layer.mlp.buffers()])
+    return {"single": single, "batch": batch, "proj_mib": projections / 2**20}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+    refuse_if_busy(force=args.force)
+    from quant_factory import quantized_pair
+
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpilot" / "bench-quant-checkpoints"
+    source = float_checkpoint(root)
+    models: dict[str, tuple[Path, dict]] = {"int4 at load (float checkpoint, group 128)": (source, {"quantization": "int4",
+                                                                                                   "quantization_group_size": GROUP})}
+    for name, (scheme, act_order) in SCHEMES.items():
+        dest = root / name.replace(" ", "-")
+        if not (dest / "quantized" / "config.json").is_file():
+            quantized_pair(source, dest, scheme, act_order=act_order)
+        models[name] = (dest / "quantized", {})
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in models}
+    for _ in range(args.rounds):  # interleaved
+        for name, (path, kw) in models.items():
+            results[name].append(run(path, args.threads, **kw))
+    base = {k: statistics.median(r[k] for r in results["int4 at load (float checkpoint, group 128)"]) for k in ("single", "batch")}
+    rows = []
+    for name, runs in results.items():
+        single, batch = (statistics.median(r[k] for r in runs) for k in ("single", "batch"))
+        rows.append({"weights": name, "1 stream tok/s": f"{single:.1f}", "vs int4": f"{single / base['single']:.2f}×",
+                     "16 clients tok/s": f"{batch:.1f}", "vs int4 ": f"{batch / base['batch']:.2f}×",
+                     "projections MiB": f"{runs[0]['proj_mib']:.1f}"})
+    print(f"machine: {machine()}; threads {args.threads}; rounds {args.rounds} (median); 128 tokens from a 32-token prompt; 16 × 64 tokens")
+    print(table(rows, ["weights", "1 stream tok/s", "vs int4", "16 clients tok/s", "vs int4 ", "projections MiB"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Pre-quantized checkpoints (server/quant_checkpoint.py): GPTQ (v1 and v2 zero points, 4 and 8 bits,
+symmetric or not, act order), AWQ (GEMM packing) and compressed-tensors (pack-quantized, naive-quantized,
+float-quantized FP8), written here from a float checkpoint of the model families' fixture by
+round-to-nearest into each packer's layout, against the same model with the dequantized weights stored
+as float32 — the packed path must give its tokens and, where the layout holds the weights exactly, its
+log-probabilities. The GPTQ and AWQ packings are pinned by literal words (the published bit orders) and
+compressed-tensors' by its own library's packer, so a misreading shared by this file's packer and the
+loader cannot pass."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from quant_factory import PROJECTIONS, int32, quantized_pair
+
+from kvpilot.server.model_config import ModelFormatError
+from kvpilot.server.quant_checkpoint import QuantScheme, read_quantized
+
+
+def test_the_packings_are_the_published_bit_orders():
+    """Literal words: GPTQ packs 8 codes of consecutive input rows per word (code i in bits 4i..4i+3) and
+    its v1 zero points minus one; AWQ packs 8 output columns per word in the order 0, 2, 4, 6, 1, 3, 5, 7."""
+    word = int32(torch.tensor([0x76543210]))  # code i = i in slot i
+    ones = int32(torch.tensor([[0x11111111]]))
+    scales = torch.ones(1, 8, dtype=torch.float16)
+    gptq = read_quantized(QuantScheme("gptq", 4, -1, 0), {"qweight": word.repeat(1, 8), "qzeros": ones, "scales": scales}, "p")
+    assert gptq.codes[0].tolist() == list(range(8)) and gptq.codes.shape == (8, 8)  # [out, in]: input row i has code i
+    v1 = read_quantized(QuantScheme("gptq", 4, -1, 1), {"qweight": word.repeat(1, 8), "qzeros": ones, "scales": scales}, "p")
+    assert v1.zeros.flatten().tolist() == [2] * 8  # stored 1 -> zero point 2
+    awq = read_quantized(QuantScheme("awq", 4, -1, 0), {"qweight": word.repeat(8, 1), "qzeros": word.view(1, 1), "scales": scales}, "p")
+    # slot i -> output column AWQ_ORDER[i]: columns 0..7 hold codes 0, 4, 1, 5, 2, 6, 3, 7
+    assert awq.codes[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7] and awq.zeros[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert torch.equal(awq.dequantize(), torch.zeros(8, 8))  # code = zero everywhere
+
+
+# scheme, the layout it is kept in, whether that holds the weights exactly (else: Q4_1's min, −zero·scale,
+# rounded to float16 — held to the error of the dequantized weights rounded to float16 themselves)
+SCHEMES = {
+    "gptq-v1-4bit-sym-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}, "Q4_0", True),
+    "gptq-v2-4bit-asym-g64": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": False, "checkpoint_format": "gptq_v2"}, "Q4_1", False),
+    "gptq-v1-8bit-sym-channel": ({"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True}, "Q8_0", True),
+    "gptq-v1-8bit-asym-g128": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": False}, "Q5_K", True),
+    "awq-gemm-4bit-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}, "Q4_1", False),
+    "ct-pack-w4a16-sym-g32-bf16": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "bits": 4, "group_size": 32, "sym": True,
+                                    "scale_dtype": "bfloat16"}, "Q4_0", True),
+    "ct-pack-w4a16-asym-g64": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "bits": 4, "group_size": 64, "sym": False},
+                               "Q4_1", False),
+    "ct-pack-w8a16-sym-channel": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "bits": 8, "group_size": -1, "sym": True},
+                                  "Q8_0", True),
+    "ct-naive-w8-asym-g32": ({"quant_method": "compressed-tensors", "format": "naive-quantized", "bits": 8, "group_size": 32, "sym": False},
+                             "Q5_K", True),
+    "ct-fp8-weights": ({"quant_method": "compressed-tensors", "format": "float-quantized"}, None, True),
+}
+EXACT_BOUND = 1e-4  # float32 both sides: the kernels' summation order only
+
+
+def _rounded_to_half(dense: Path) -> Path:
+    """The dense checkpoint with its projections rounded to float16 (stored as float32)."""
+    from safetensors.torch import load_file, save_file
+
+    out = dense.parent / "dense-fp16"
+    if not out.exists():
+        shutil.copytree(dense, out)
+        state = load_file(str(dense / "model.safetensors"))
+        save_file({n: t.half().float() if any(p in n for p in PROJECTIONS) else t for n, t in state.items()}, str(out / "model.safetensors"))
+    return out
+
+
+def llm(model: Path, **kw):
+    from kvpilot.server import LLM
+
+    return LLM(model=str(model), num_threads=1, show_progress=False, kv_cache_memory="32MiB", **kw)
+
+
+def outputs(engine, prompts):
+    from kvpilot.server import SamplingParams
+
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1))
+    return [o.outputs[0].token_ids for o in outs], [[e[t] for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+
+
+def projection_kinds(engine) -> set[str]:
+    from kvpilot.kernels.quantized import GGUFLinear
+
+    return {m.kind for m in engine.engine.runner.model.modules() if isinstance(m, GGUFLinear)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(SCHEMES))
+def test_a_quantized_checkpoint_runs_packed_as_its_dequantized_weights(family_checkpoints, tmp_path, case):
+    from oracle import ORACLE_PROMPTS
+
+    scheme, kind, exact = SCHEMES[case]
+    quantized, dense = quantized_pair(family_checkpoints["llama3"][0], tmp_path, scheme)
+    packed, reference = llm(quantized), llm(dense)
+    assert packed.engine.runner.quantization == scheme["quant_method"] and projection_kinds(packed) == ({kind} if kind else set())
+    assert reference.engine.runner.quantization == "none" and not projection_kinds(reference)
+    prompts = ORACLE_PROMPTS[:3]
+    (tokens, logprobs), (want_tokens, want_logprobs) = outputs(packed, prompts), outputs(reference, prompts)
+    assert tokens == want_tokens
+    worst = max(abs(a - b) for got, want in zip(logprobs, want_logprobs) for a, b in zip(got, want))
+    bound = EXACT_BOUND
+    if not exact:  # the same model with its dequantized weights rounded to float16: the error one float16 rounding makes
+        halved = outputs(llm(_rounded_to_half(dense)), prompts)[1]
+        bound = 2 * max(abs(a - b) for got, want in zip(halved, want_logprobs) for a, b in zip(got, want))
+    print(f"{case}: {kind}, max |logprob - dequantized float32| = {worst:.1e} (bound {bound:.1e})")
+    assert worst < bound
+    # quantization=none: the same checkpoint dequantized at load (float32) is the reference itself
+    assert outputs(llm(quantized, quantization="none"), prompts)[0] == want_tokens
+
+
+@pytest.mark.timeout(300)
+def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
+    """desc_act: each weight's columns put in group order and kept packed, the input gathered into that
+    order per call (q, k and v of different orders fuse dequantized); the output is the dequantized
+    model's. quantization=gptq on a float checkpoint is refused by name."""
+    from kvpilot.kernels.linear import PermutedInput
+    from oracle import ORACLE_PROMPTS
+
+    scheme = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True}
+    quantized, dense = quantized_pair(family_checkpoints["llama3"][0], tmp_path, scheme, act_order=True)
+    packed = llm(quantized)
+    model = packed.engine.runner.model
+    assert packed.engine.runner.quantization == "gptq" and projection_kinds(packed) == {"Q4_0"}
+    assert sum(isinstance(m, PermutedInput) for m in model.modules()) == 4 * len(model.layers)  # o, gate, up, down: each its own order
+    prompts = ORACLE_PROMPTS[:2]
+    got, want = outputs(packed, prompts), outputs(llm(dense), prompts)
+    assert got[0] == want[0] and max(abs(a - b) for x, y in zip(got[1], want[1]) for a, b in zip(x, y)) < EXACT_BOUND
+    with pytest.raises(ValueError, match="quantization=gptq needs a gptq checkpoint"):
+        llm(dense, quantization="gptq")
+    with pytest.raises(ValueError, match="quantization=awq needs a awq checkpoint; quantized is a gptq checkpoint"):
+        llm(quantized, quantization="awq")
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"quant_method": "fp8"}, r"quant_method 'fp8'\) are not loaded"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ with 3 bits is not loaded"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ version 'gemv'"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "AWQ without zero points"),
+    ({"quant_method": "compressed-tensors", "format": "sparse-24-bitmask", "config_groups": {}}, "format 'sparse-24-bitmask' is not loaded"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 3, "type": "int", "strategy": "group", "group_size": 128}}}},
+     "type 'int' and 3 bits are not loaded"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"a": {"weights": {"num_bits": 4, "type": "int", "strategy": "channel"}},
+                        "b": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}, "different weight schemes"),
+])
+def test_schemes_not_loaded_are_refused_by_name(family_checkpoints, tmp_path, config, message):
+    from kvpilot.server.checkpoint import Checkpoint
+
+    d = tmp_path / "c"
+    shutil.copytree(family_checkpoints["llama3"][0], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": config}))
+    with pytest.raises(ModelFormatError, match=message):
+        Checkpoint(d)
+
+
+def test_our_reading_of_compressed_tensors_is_the_librarys():
+    """Codes and zero points as compressed_tensors' own unpacker reads them, for 4 and 8 bits."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+
+    gen = torch.Generator().manual_seed(1)
+    for bits in (4, 8):
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1))
+        signed = torch.randint(lo, hi, (16, 64), generator=gen, dtype=torch.int8)
+        zp = torch.randint(lo, hi, (16, 2), generator=gen, dtype=torch.int8)
+        parts = {"weight_packed": pack_to_int32(signed, bits), "weight_shape": torch.tensor([16, 64]), "weight_scale": torch.ones(16, 2),
+                 "weight_zero_point": pack_to_int32(zp, bits, packed_dim=0)}
+        ours = read_quantized(QuantScheme("compressed-tensors", bits, 32, 0, "pack-quantized", symmetric=False), parts, "p")
+        assert torch.equal(ours.codes - hi, unpack_from_int32(parts["weight_packed"], bits, torch.Size([16, 64])).int())
+        assert torch.equal(ours.zeros - hi, unpack_from_int32(parts["weight_zero_point"], bits, torch.Size([16, 2]), packed_dim=0).int())
+
+
+def test_mismatched_parts_are_clear_errors():
+    word = int32(torch.zeros(1, 8, dtype=torch.int64))
+    with pytest.raises(ModelFormatError, match="do not match 1 groups"):
+        read_quantized(QuantScheme("gptq", 4, -1, 0), {"qweight": word, "qzeros": word[:, :1], "scales": torch.ones(2, 8).half()}, "p")
+    with pytest.raises(ModelFormatError, match="g_idx: expected 8 group indices"):
+        read_quantized(QuantScheme("gptq", 4, -1, 0), {"qweight": word, "qzeros": word[:, :1], "scales": torch.ones(1, 8).half(),
+                                                       "g_idx": torch.full((8,), 3, dtype=torch.int32)}, "p")
+
+
+def test_fused_parts_in_different_layouts_fuse_exactly():
+    """q/k/v kept in Q4_0 and Q4_1 fuse as Q4_1; with a part left in float they fuse dequantized — the
+    same values either way."""
+    from kvpilot.kernels.quantized import cat_rows, quantize_int4
+
+    gen = torch.Generator().manual_seed(2)
+    w = [torch.randn(8, 64, generator=gen) for _ in range(3)]
+    q4_1 = quantize_int4(w[1], 32)
+    q4_0 = read_quantized(QuantScheme("gptq", 4, 32, 0), {"qweight": int32(torch.randint(0, 2**31, (8, 8), generator=gen)),
+                                                           "qzeros": int32(torch.full((2, 1), 0x88888888)),
+                                                           "scales": torch.rand(2, 8, generator=gen).half()}, "p").packed()
+    assert (q4_0.kind, q4_1.kind) == ("Q4_0", "Q4_1")
+    fused = cat_rows([q4_0, q4_1])
+    assert fused.kind == "Q4_1" and torch.equal(fused.dequantize(), torch.cat([q4_0.dequantize(), q4_1.dequantize()]))
+    mixed = cat_rows([q4_0, w[2]])
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([q4_0.dequantize(), w[2]]))
