@@ -10,6 +10,7 @@ cached under ${XDG_CACHE_HOME:-~/.cache}/kvpilot/bench-quant-checkpoints.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -39,6 +40,7 @@ SCHEMES = {  # name -> quantization_config (tests/quant_factory.py's spelling), 
 def float_checkpoint(root: Path) -> Path:
     """The bundled model as a float32 Hugging Face checkpoint (transformers reads the GGUF and saves it)."""
     import torch
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvpilot.server.model_files import resolve_model_path
@@ -47,7 +49,15 @@ def float_checkpoint(root: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     gguf = resolve_model_path("smollm2-135m")
-    AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).save_pretrained(str(out))
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # (transformers will not save_pretrained a model it read from a GGUF: its tensors and config, written directly)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {n: t.contiguous() for n, t in model.state_dict().items() if not (n == "lm_head.weight" and model.config.tie_word_embeddings)}
+    save_file(state, str(out / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
     return out
 
