@@ -98,13 +98,15 @@ def quantized_pair(source: Path, dest: Path, scheme: dict, act_order: bool = Fal
         state.update(load_file(str(f)))
     quantized, dense = dict(state), dict(state)
     gen = torch.Generator().manual_seed(seed)
+    orders: dict[str, torch.Tensor] = {}
     bits, group = scheme.get("bits", 8), scheme.get("group_size", -1)
     for name in [n for n in state if n.endswith(".weight") and any(p in n for p in PROJECTIONS)]:
         w = state[name].float()
         k = w.shape[1]
         g = k if group == -1 else group
-        if act_order:  # columns taken in a permuted order, grouped in that order
-            perm = torch.randperm(k, generator=gen)
+        if act_order:  # columns taken in a permuted order, grouped in that order: one order per input (as GPTQ's Hessian)
+            shared_input = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+            perm = orders.setdefault(shared_input, torch.randperm(k, generator=gen))
             g_idx = torch.empty(k, dtype=torch.int64)
             g_idx[perm] = torch.arange(k) // g
         else:

@@ -116,8 +116,8 @@ def test_a_quantized_checkpoint_runs_packed_as_its_dequantized_weights(family_ch
 @pytest.mark.timeout(300)
 def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
     """desc_act: each weight's columns put in group order and kept packed, the input gathered into that
-    order per call (q, k and v of different orders fuse dequantized); the output is the dequantized
-    model's. quantization=gptq on a float checkpoint is refused by name."""
+    order per call (q, k and v share theirs: one input); the output is the dequantized model's.
+    quantization=gptq on a float checkpoint is refused by name."""
     from kvpilot.kernels.linear import PermutedInput
     from oracle import ORACLE_PROMPTS
 
@@ -126,7 +126,7 @@ def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
     packed = llm(quantized)
     model = packed.engine.runner.model
     assert packed.engine.runner.quantization == "gptq" and projection_kinds(packed) == {"Q4_0"}
-    assert sum(isinstance(m, PermutedInput) for m in model.modules()) == 4 * len(model.layers)  # o, gate, up, down: each its own order
+    assert sum(isinstance(m, PermutedInput) for m in model.modules()) == 5 * len(model.layers)  # fused qkv, o, gate, up, down
     prompts = ORACLE_PROMPTS[:2]
     got, want = outputs(packed, prompts), outputs(llm(dense), prompts)
     assert got[0] == want[0] and max(abs(a - b) for x, y in zip(got[1], want[1]) for a, b in zip(x, y)) < EXACT_BOUND
