@@ -35,6 +35,10 @@ def cel(rule: str, message: str, field_path: str | None = None) -> dict:
     return r
 
 
+# A pool's replicas within its bounds (the service's, a prefill pool's).
+REPLICA_BOUNDS = (cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas", ".minReplicas"),
+                  cel("!has(self.replicas) || (self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)",
+                      "replicas must be within [minReplicas, maxReplicas]", ".replicas"))
 _NO_DOT_SEGMENTS = cel(f"!self.matches('{DOT_SEGMENT_PATTERN}')", "path segments '.' and '..' are not allowed")
 
 
@@ -244,10 +248,7 @@ class PrefillPoolSpec(_Model):
     pulls them (--kv-role prefill). They scale on their own queue depth."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", json_schema_extra={
-        "x-kubernetes-validations": [
-            cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas", ".minReplicas"),
-            cel("!has(self.replicas) || (self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)",
-                "replicas must be within [minReplicas, maxReplicas]", ".replicas")]})
+        "x-kubernetes-validations": [*REPLICA_BOUNDS]})
     replicas: int | None = Field(None, ge=1, description="Prefill pods; written by the autoscaler when spec.autoscaling is on (unset: minReplicas).")
     min_replicas: int = Field(1, ge=1, description="Fewest prefill pods.")
     max_replicas: int = Field(3, ge=1, le=1000, description="Most prefill pods.")
@@ -281,9 +282,7 @@ class InferenceServiceSpec(_Model):
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", json_schema_extra={
         "x-kubernetes-validations": [
-            cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas", ".minReplicas"),
-            cel("!has(self.replicas) || (self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas)",
-                "replicas must be within [minReplicas, maxReplicas]", ".replicas"),
+            *REPLICA_BOUNDS,
             cel("self.engine == 'kvpilot' || !has(self.resources) || !self.resources.cpuOnly",
                 "resources.cpuOnly is only possible with engine kvpilot", ".resources.cpuOnly"),
             cel("self.engine != 'sglang' || !has(self.adapters) || size(self.adapters) == 0",

@@ -32,6 +32,7 @@ parallelism) are dequantized at load, in float32: correct, at the compute dtype'
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -137,8 +138,6 @@ def _compressed_tensors_scheme(config: dict, where: str) -> QuantScheme:
 
 
 def json_key(value) -> str:
-    import json
-
     return json.dumps(value, sort_keys=True)
 
 
