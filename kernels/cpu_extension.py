@@ -171,7 +171,7 @@ def check(lvl: str | None = None) -> dict:
     kernel's largest absolute difference."""
     import torch
 
-    from kvpilot.kernels.paged_attention import decode_attention_grouped
+    from kvpilot.kernels.paged_attention import FP8_KV, decode_attention_grouped
 
     module = require(lvl)
     gen = torch.Generator().manual_seed(0)
@@ -183,8 +183,10 @@ def check(lvl: str | None = None) -> dict:
     tables = torch.randperm(64, generator=gen)[: 3 * 19].view(3, 19)
     q = torch.randn(3, heads, head_dim, generator=gen)
     attention = (q, k_cache, v_cache, tables, torch.tensor(lens), head_dim ** -0.5)
+    fp8 = (q, k_cache.to(FP8_KV), v_cache.to(FP8_KV), *attention[3:])
     errors = {"rms_norm": (module.rms_norm(x, w, 1e-5) - rms_ref).abs().max().item(),
-              "paged_decode_attention": (module.paged_decode_attention(*attention) - decode_attention_grouped(*attention)).abs().max().item()}
+              "paged_decode_attention": (module.paged_decode_attention(*attention) - decode_attention_grouped(*attention)).abs().max().item(),
+              "paged_decode_attention_fp8": (module.paged_decode_attention(*fp8, 0.5, 2.0) - decode_attention_grouped(*fp8, (0.5, 2.0))).abs().max().item()}
     return {"level": module.isa_level, "file": module.__file__, "gguf_linear_isa": module.gguf_linear_isa(), "max_abs_error": errors}
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from kvpilot.kernels import cpu_extension
 from kvpilot.kernels.lora import lora_add_ref_, lora_add_runs_
-from kvpilot.kernels.paged_attention import decode_attention_grouped, paged_attention
+from kvpilot.kernels.paged_attention import FP8_KV, NO_SCALES, decode_attention_grouped, paged_attention
 from kvpilot.kernels.rope import Rope, apply_rope
 
 # --- torch references -----------------------------------------------------------------------------
@@ -40,7 +40,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 def rotary_qkv_ref_(qkv: torch.Tensor, rope: Rope, num_heads: int, num_kv_heads: int, head_dim: int,
-                    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> bool:
+                    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, kv_scales: tuple[float, float] = NO_SCALES) -> bool:
     """Rotate, in place, the query and key heads of a fused QKV output [T, (heads + 2 kv_heads) * d].
     Returns whether the K/V rows were also stored in the cache (never here: the caller writes them)."""
     rot = num_heads + num_kv_heads
@@ -57,16 +57,19 @@ def _cpu_ops(ext) -> Ops:
             return ext.rms_norm(x, weight, eps)
         return rms_norm_ref(x, weight, eps)
 
-    def rotary_qkv_(qkv, rope, num_heads, num_kv_heads, head_dim, store=None):
+    def rotary_qkv_(qkv, rope, num_heads, num_kv_heads, head_dim, store=None, kv_scales=NO_SCALES):
         if qkv.dtype != torch.float32:
             return rotary_qkv_ref_(qkv, rope, num_heads, num_kv_heads, head_dim, store)
-        if store is not None and store[0].dtype in (torch.float32, torch.bfloat16):  # rotate and write K/V to the cache in one pass
-            ext.rotary_store_kv(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads, num_kv_heads, head_dim, *store)
+        if store is not None and store[0].dtype in (torch.float32, torch.bfloat16, FP8_KV):  # rotate and write K/V to the cache in one pass
+            ext.rotary_store_kv(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads, num_kv_heads, head_dim, *store, *kv_scales)
             return True
         ext.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads + num_kv_heads, head_dim)
         return False
 
-    return Ops("cpu-c++", rms_norm, rotary_qkv_, partial(paged_attention, decode=ext.paged_decode_attention), graph_safe=False,
+    def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales=NO_SCALES):
+        return ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *kv_scales)
+
+    return Ops("cpu-c++", rms_norm, rotary_qkv_, partial(paged_attention, decode=decode_attention), graph_safe=False,
                lora_add_=lora_add_runs_)
 
 
@@ -74,8 +77,8 @@ def _cpu_ops(ext) -> Ops:
 class Ops:
     name: str
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    rotary_qkv_: Callable[..., bool]          # (qkv, rope, heads, kv_heads, head_dim, store=(k_cache, v_cache, slots)) -> stored?
-    paged_attention: Callable[..., torch.Tensor]  # (q, k, v, k_cache, v_cache, meta, scale, kv_stored=False)
+    rotary_qkv_: Callable[..., bool]          # (qkv, rope, heads, kv_heads, head_dim, store=(k_cache, v_cache, slots), kv_scales) -> stored?
+    paged_attention: Callable[..., torch.Tensor]  # (q, k, v, k_cache, v_cache, meta, scale, kv_stored=False, kv_scales=NO_SCALES)
     graph_safe: bool  # a decode step on these ops never reads a device value on the host: a CUDA graph can capture it
     check_shapes: Callable[[int, int], None] = lambda head_dim, block_size: None  # raises for a head_dim / block size they cannot take
     lora_add_: Callable[..., None] = lora_add_ref_  # (y, x, lora_a, lora_b, LoRABatch): y += each row's adapter delta (kernels/lora.py)

@@ -2,6 +2,9 @@
 
 Cache layout per layer: K and V tensors [num_blocks, block_size, num_kv_heads, head_dim]. A sequence's
 token at position p lives in slot block_table[p // block_size] * block_size + p % block_size.
+An FP8 cache (float8_e4m3fn, kv_cache_dtype fp8) holds K / k_scale and V / v_scale, rounded to nearest
+even and saturated at ±448 (e4m3fn has no infinity); every reader multiplies the scale back. The scales
+are one pair per layer, fixed for the engine's life (`kv_scales`; (1.0, 1.0) for any other cache).
 A step's tokens are laid out prefills first (each sequence's new tokens one after another), then one
 token per decoding sequence.
 """
@@ -42,11 +45,33 @@ class AttentionMetadata:
                    inp.block_tables[p:], inp.seq_lens[p:], device)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+FP8_KV = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+NO_SCALES = (1.0, 1.0)
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale as float8_e4m3fn: float32 division, saturated, rounded to nearest even (torch's
+    conversion; the C++ and Triton stores round the same way, bit for bit)."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_KV)
+
+
+def dequantize(rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows in `dtype`: an FP8 cache's values times its scale (in float32), others converted."""
+    if rows.dtype == FP8_KV:
+        return (rows.float() * scale).to(dtype)
+    return rows.to(dtype)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scales: tuple[float, float] = NO_SCALES) -> None:
     """Store new tokens' K/V [T, kv_heads, head_dim] at their slots."""
     kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))  # a narrower cache (kv_cache_dtype) rounds
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for cache, x, scale in ((k_cache, k, kv_scales[0]), (v_cache, v, kv_scales[1])):
+        if cache.dtype == FP8_KV:  # (torch has no index_copy_ for float8 types: the bytes are copied)
+            cache.view(torch.uint8).view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, quantize_fp8(x, scale).view(torch.uint8))
+        else:  # a narrower cache (kv_cache_dtype bfloat16 under float32) rounds
+            cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, x.to(cache.dtype))
 
 
 def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -54,7 +79,8 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
 
 
 def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+                          block_table: torch.Tensor, context_len: int, scale: float,
+                          kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
     """One sequence's new tokens q/k/v [n, heads, d] attend causally to its cached prefix and themselves.
 
     Only the prefix (positions before this step's tokens) is read from the cache, whole blocks at a time
@@ -62,7 +88,7 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     n = q.shape[0]
     prefix = context_len - n
     if prefix:
-        k, v = _with_prefix(k, k_cache, block_table, prefix), _with_prefix(v, v_cache, block_table, prefix)
+        k, v = _with_prefix(k, k_cache, block_table, prefix, kv_scales[0]), _with_prefix(v, v_cache, block_table, prefix, kv_scales[1])
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if not prefix:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
@@ -75,7 +101,7 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     return out.transpose(0, 1)
 
 
-def _with_prefix(new: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, prefix: int) -> torch.Tensor:
+def _with_prefix(new: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
     """[prefix + n, kv_heads, d]: the prefix's rows from the cache, then `new`. Whole blocks are copied
     (contiguous rows: memcpy speed, several times a token-by-token gather's) straight into the buffer."""
     block_size = cache.shape[1]
@@ -85,15 +111,18 @@ def _with_prefix(new: torch.Tensor, cache: torch.Tensor, block_table: torch.Tens
         blocks = out[:whole * block_size].view(whole, *cache.shape[1:])
         if cache.dtype == new.dtype:
             torch.index_select(cache, 0, block_table[:whole], out=blocks)
+        elif cache.dtype == FP8_KV:
+            blocks.copy_(dequantize(cache.view(torch.uint8).index_select(0, block_table[:whole]).view(FP8_KV), scale, new.dtype))
         else:
             blocks.copy_(cache.index_select(0, block_table[:whole]))
     if whole * block_size < prefix:
-        out[whole * block_size:prefix] = cache[block_table[whole], :prefix - whole * block_size]
+        out[whole * block_size:prefix] = dequantize(cache[block_table[whole], :prefix - whole * block_size], scale, new.dtype)
     out[prefix:] = new
     return out
 
 
-def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                         scale: float, kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
     """One query token per sequence q [B, heads, d] over its cached context; returns [B, heads, d].
 
     Whole blocks are gathered (rows of block_size x kv_heads x head_dim contiguous values): on CPU
@@ -102,8 +131,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     max_blocks = -(-int(context_lens.max()) // block_size)
     tables = block_tables[:, :max_blocks]
-    k = k_cache[tables].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [B, kv_heads, L, d]
-    v = v_cache[tables].view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    k = dequantize(k_cache[tables], kv_scales[0], q.dtype).view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, L, d]
+    v = dequantize(v_cache[tables], kv_scales[1], q.dtype).view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(max_blocks * block_size, device=q.device)
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -111,38 +140,39 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, kv_stored: bool = False, decode=None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, kv_stored: bool = False, kv_scales: tuple[float, float] = NO_SCALES,
+                    decode=None) -> torch.Tensor:
     """Write this step's K/V [T, kv_heads, d] into the cache (unless the caller already did), then
     attend; q [T, heads, d] -> [T, heads, d]. decode(q, k_cache, v_cache, block_tables, context_lens,
-    scale) is the decode kernel (default: the torch reference)."""
+    scale, kv_scales) is the decode kernel (default: the torch reference)."""
     decode = decode or decode_attention_grouped
     if not kv_stored:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_scales)
     if not meta.prefill_query_lens:  # a decode-only step: no output buffer to assemble
-        return decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, kv_scales)
     out = torch.empty_like(q)
     start = 0
     for n, ctx, table in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
         rows = slice(start, start + n)
-        out[rows] = prefill_attention_ref(q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx, scale)
+        out[rows] = prefill_attention_ref(q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx, scale, kv_scales)
         start += n
     if start < q.shape[0]:
-        out[start:] = decode(q[start:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        out[start:] = decode(q[start:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, kv_scales)
     return out
 
 
 DECODE_GROUP = 4  # sequences per padded decode-attention call on the torch path
 
 
-def decode_attention_grouped(q, k_cache, v_cache, block_tables, context_lens, scale):
+def decode_attention_grouped(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales=NO_SCALES):
     """The torch decode path: sequences sorted by context length and taken in small groups, so each
     group is padded only to its own longest context."""
     n = q.shape[0]
     if n <= DECODE_GROUP:
-        return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales)
     order = torch.argsort(context_lens)
     out = torch.empty_like(q)
     for i in range(0, n, DECODE_GROUP):
         idx = order[i:i + DECODE_GROUP]
-        out[idx] = decode_attention_ref(q[idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale)
+        out[idx] = decode_attention_ref(q[idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale, kv_scales)
     return out

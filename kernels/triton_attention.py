@@ -24,6 +24,10 @@ combines them — so a few long sequences still fill the GPU. The number of spli
 tables' width (a shape), never from the context lengths' values: no host sync, so a CUDA graph can
 hold the decode path.
 
+An FP8 cache (kvpilot.kernels.paged_attention) reaches the kernels as bytes, widened in registers
+(kernels/triton_fp8.py); its k_scale is folded into the softmax scale and its v_scale into the output.
+A cache narrower than the queries (bfloat16 under float32, FP8) is widened to their dtype before tl.dot.
+
 float32 softmax whatever the cache's dtype; float32 operands multiply in IEEE float32 (no TF32: the
 HF-oracle rule), half-precision ones on the tensor cores with float32 accumulation. head_dim and the
 block size must be powers of two (tl.arange) of at least 16 (tl.dot): 64 and 128, 16 and 32 in
@@ -40,16 +44,26 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpilot.kernels.paged_attention import AttentionMetadata, write_kv
+from kvpilot.kernels.paged_attention import FP8_KV, NO_SCALES, AttentionMetadata, write_kv
+from kvpilot.kernels.triton_fp8 import fp8_e4m3_value
 
 SPLIT_TOKENS = 512  # context tokens per program in the split-K form
 
 
 @triton.jit
-def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale, num_splits,
+def _cache_rows(ptrs, mask, FP8: tl.constexpr):
+    """Cache values at ptrs (masked rows 0): an FP8 cache's bytes widened to float32 (unscaled: the
+    kernels fold k_scale into the softmax scale and v_scale into the output), else as stored."""
+    if FP8:
+        return fp8_e4m3_value(tl.load(ptrs, mask=mask, other=0))
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale, v_scale, num_splits,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh, heads_total,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  SPLIT: tl.constexpr, CHUNK: tl.constexpr):
+                  SPLIT: tl.constexpr, CHUNK: tl.constexpr, KV_FP8: tl.constexpr):
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     j = tl.arange(0, GROUP_PAD)
     head_ok = j < GROUP
@@ -67,13 +81,13 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr
         block = tl.load(tables_ptr + b * stride_tb + start // BLOCK_SIZE)
         tok_ok = start + t < hi
         rows = block * stride_kb + t[:, None] * stride_kt + g * stride_kh + d[None, :]
-        k = tl.load(k_ptr + rows, mask=tok_ok[:, None], other=0.0).to(tl.float32)  # [BLOCK_SIZE, D]
+        k = _cache_rows(k_ptr + rows, tok_ok[:, None], KV_FP8).to(tl.float32)  # [BLOCK_SIZE, D]
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_SIZE]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_ptr + rows, mask=tok_ok[:, None], other=0.0).to(tl.float32)
+        v = _cache_rows(v_ptr + rows, tok_ok[:, None], KV_FP8).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
@@ -83,15 +97,15 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr
         tl.store(part_l_ptr + part, l_i, mask=head_ok)
         tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=head_ok[:, None])
     else:
-        out = acc / l_i[:, None]
+        out = acc / l_i[:, None] * v_scale
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 @triton.jit
-def _paged_prefill(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_ptr, ctx_ptr, scale,
+def _paged_prefill(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_ptr, ctx_ptr, scale, v_scale,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ot, stride_oh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     seq, tile, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(qlens_ptr + seq)
     if tile * BLOCK_M < n:  # the grid covers the longest prefill; shorter ones leave programs idle
@@ -114,23 +128,23 @@ def _paged_prefill(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_p
             block = tl.load(tables_ptr + seq * stride_tb + start // BLOCK_SIZE)
             k_pos = start + t
             kv_rows = block * stride_kb + t[:, None] * stride_kt + g * stride_kh + d[None, :]
-            k = tl.load(k_ptr + kv_rows, mask=(k_pos < ctx)[:, None], other=0.0)
+            k = _cache_rows(k_ptr + kv_rows, (k_pos < ctx)[:, None], KV_FP8).to(q.dtype)  # a narrower cache widened to q's dtype
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, BLOCK_SIZE]
             s = tl.where((k_pos[None, :] <= q_pos[:, None]) & (k_pos < ctx)[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))  # key 0 is visible to every row: finite from the first block
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_ptr + kv_rows, mask=(k_pos < ctx)[:, None], other=0.0)
+            v = _cache_rows(v_ptr + kv_rows, (k_pos < ctx)[:, None], KV_FP8).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-        out = acc / l_i[:, None]
+        out = acc / l_i[:, None] * v_scale
         out_rows = (row0 + i) * stride_ot + (g * GROUP + j) * stride_oh
         tl.store(out_ptr + out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
-def _combine_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_splits, stride_ob, stride_oh, heads_total,
+def _combine_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, v_scale, num_splits, stride_ob, stride_oh, heads_total,
                     SPLITS_PAD: tl.constexpr, D: tl.constexpr):
     """One (sequence, query head): the splits' partial softmaxes rescaled to their common max and summed."""
     b, h = tl.program_id(0), tl.program_id(1)
@@ -143,7 +157,7 @@ def _combine_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_splits, s
     sums = tl.load(part_l_ptr + part, mask=ok, other=0.0)
     d = tl.arange(0, D)
     acc = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * sums, axis=0)
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * sums, axis=0) * v_scale
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -157,6 +171,13 @@ def check_shapes(head_dim: int, block_size: int) -> None:
     if not (_power_of_two(head_dim) and _power_of_two(block_size) and min(head_dim, block_size) >= 16):
         raise ValueError(f"the Triton attention kernels need a power-of-two head_dim and block size of at least 16, "
                          f"not {head_dim} and {block_size} (use --block-size 16 or 32)")
+
+
+def _kernel_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The caches as the kernels take them: an FP8 cache as its bytes (and whether it is one)."""
+    if k_cache.dtype == FP8_KV:
+        return k_cache.view(torch.uint8), v_cache.view(torch.uint8), True
+    return k_cache, v_cache, False
 
 
 def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
@@ -178,7 +199,8 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, scale: float, split_tokens: int = SPLIT_TOKENS) -> torch.Tensor:
+                           context_lens: torch.Tensor, scale: float, kv_scales: tuple[float, float] = NO_SCALES,
+                           split_tokens: int = SPLIT_TOKENS) -> torch.Tensor:
     """q [B, H, D]; k/v cache [num_blocks, block_size, KVH, D]; block_tables [B, W]; context_lens [B]
     (tokens in the cache, this step's included, each ≥ 1) -> [B, H, D] in q's dtype. The decode
     signature of kernels.paged_attention.paged_attention. Tables wider than split_tokens (a multiple of
@@ -195,20 +217,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     splits = triton.cdiv(tables.shape[1] * block_size, split_tokens)
     parts = [torch.empty(batch, heads, splits, *shape, dtype=torch.float32, device=q.device) for shape in ((), (), (head_dim,))] \
         if splits > 1 else [out, out, out]  # unused without splits
-    _paged_decode[(batch, kv_heads, splits)](q, k_cache, v_cache, tables, lens, out, *parts, scale, splits,
+    k_cache, v_cache, fp8 = _kernel_cache(k_cache, v_cache)
+    _paged_decode[(batch, kv_heads, splits)](q, k_cache, v_cache, tables, lens, out, *parts, scale * kv_scales[0], kv_scales[1], splits,
                                              q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                              tables.stride(0), out.stride(0), out.stride(1), heads,
                                              GROUP=group, GROUP_PAD=triton.next_power_of_2(group), D=head_dim, BLOCK_SIZE=block_size,
-                                             SPLIT=splits > 1, CHUNK=split_tokens)
+                                             SPLIT=splits > 1, CHUNK=split_tokens, KV_FP8=fp8)
     if splits > 1:
-        _combine_splits[(batch, heads)](*parts, out, splits, out.stride(0), out.stride(1), heads,
+        _combine_splits[(batch, heads)](*parts, out, kv_scales[1], splits, out.stride(0), out.stride(1), heads,
                                         SPLITS_PAD=triton.next_power_of_2(splits), D=head_dim)
     return out
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                            max_query_len: int) -> torch.Tensor:
+                            max_query_len: int, kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
     """Prefilling sequences whose K/V are already in the cache: sequence i's query_lens[i] rows start
     at row query_start[i] of q [T, H, D] and are its last positions of context_lens[i]; block_tables
     [P, W]; max_query_len (a host int) sizes the grid. -> [T, H, D] in q's dtype (rows no sequence
@@ -221,22 +244,24 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group_pad = triton.next_power_of_2(group)
     block_m = max(16, 64 // group_pad)
     grid = (tables.shape[0], triton.cdiv(max_query_len, block_m), heads // group)
-    _paged_prefill[grid](q, k_cache, v_cache, out, tables, query_start.contiguous(), query_lens.contiguous(), context_lens.contiguous(), scale,
+    k_cache, v_cache, fp8 = _kernel_cache(k_cache, v_cache)
+    _paged_prefill[grid](q, k_cache, v_cache, out, tables, query_start.contiguous(), query_lens.contiguous(), context_lens.contiguous(),
+                         scale * kv_scales[0], kv_scales[1],
                          q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
                          out.stride(0), out.stride(1), GROUP=group, GROUP_PAD=group_pad, D=head_dim, BLOCK_SIZE=block_size,
-                         BLOCK_M=block_m, PRECISION=_precision(q.dtype))
+                         BLOCK_M=block_m, PRECISION=_precision(q.dtype), KV_FP8=fp8)
     return out
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, kv_stored: bool = False, kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
     """kernels.paged_attention.paged_attention's contract (store this step's K/V unless already stored,
     then attend; q [T, heads, d] -> [T, heads, d]): the prefill kernel over the prefilling sequences'
     rows, the decode kernel over the rest."""
     if not kv_stored:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_scales)
     if not meta.prefill_query_lens:
-        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, kv_scales)
     lens = meta.prefill_query_lens
     if meta.prefill_device is not None:
         starts, query_lens, context_lens, tables = meta.prefill_device
@@ -244,8 +269,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         starts, query_lens, context_lens = torch.tensor([list(accumulate(lens[:-1], initial=0)), lens, meta.prefill_context_lens]).to(q.device)
         tables = torch.stack(meta.prefill_block_tables)
     prefill_rows = sum(lens)
-    out = paged_prefill_attention(q[:prefill_rows], k_cache, v_cache, tables, starts, query_lens, context_lens, scale, max(lens))
+    out = paged_prefill_attention(q[:prefill_rows], k_cache, v_cache, tables, starts, query_lens, context_lens, scale, max(lens), kv_scales)
     if prefill_rows == q.shape[0]:
         return out
-    decoded = paged_decode_attention(q[prefill_rows:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    decoded = paged_decode_attention(q[prefill_rows:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, kv_scales)
     return torch.cat([out, decoded])

@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -62,15 +63,18 @@ void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor co
 }
 
 // The same for qkv = [q heads | k heads | v heads] rows, then each row's (rotated) K and its V stored
-// at its cache slot: k/v cache [num_blocks, block_size, kv_heads, D] float32 or bfloat16 (rounded to
-// nearest even, as torch's conversion), slots [T] int64.
+// at its cache slot: k/v cache [num_blocks, block_size, kv_heads, D] float32, bfloat16 or
+// float8_e4m3fn (K / k_scale and V / v_scale saturated at ±448; both narrow types rounded to nearest
+// even, as torch's conversion), slots [T] int64.
 void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+                     int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                     double k_scale, double v_scale) {
   check_rope_args(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "qkv width");
   const auto ct = k_cache.scalar_type();
-  TORCH_CHECK((ct == torch::kFloat || ct == torch::kBFloat16) && v_cache.scalar_type() == ct && k_cache.is_contiguous() &&
-              v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(), "cache: contiguous float32 or bfloat16");
+  TORCH_CHECK((ct == torch::kFloat || ct == torch::kBFloat16 || ct == at::ScalarType::Float8_e4m3fn) && v_cache.scalar_type() == ct &&
+              k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "cache: contiguous float32, bfloat16 or float8_e4m3fn");
   TORCH_CHECK(k_cache.size(2) == num_kv_heads && k_cache.size(3) == head_dim, "cache shape");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.size(0) == qkv.size(0), "slots");
   slots = slots.contiguous();
@@ -83,6 +87,18 @@ void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor c
     rope_rows(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim, [&](int64_t t, float* row) {
       std::memcpy(kc + slot[t] * kv, row + q, kv * sizeof(float));
       std::memcpy(vc + slot[t] * kv, row + q + kv, kv * sizeof(float));
+    });
+    return;
+  }
+  if (ct == at::ScalarType::Float8_e4m3fn) {
+    c10::Float8_e4m3fn* kc = k_cache.data_ptr<c10::Float8_e4m3fn>();
+    c10::Float8_e4m3fn* vc = v_cache.data_ptr<c10::Float8_e4m3fn>();
+    const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale), most = 448.f;
+    rope_rows(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim, [&](int64_t t, float* row) {
+      for (int64_t i = 0; i < kv; ++i) {
+        kc[slot[t] * kv + i] = c10::Float8_e4m3fn(std::clamp(row[q + i] / ks, -most, most));
+        vc[slot[t] * kv + i] = c10::Float8_e4m3fn(std::clamp(row[q + kv + i] / vs, -most, most));
+      }
     });
     return;
   }

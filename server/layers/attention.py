@@ -4,7 +4,7 @@ from torch import nn
 from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.linear import Linear
 from kvpilot.kernels.ops import Ops
-from kvpilot.kernels.paged_attention import AttentionMetadata
+from kvpilot.kernels.paged_attention import NO_SCALES, AttentionMetadata
 from kvpilot.kernels.rope import Rope
 from kvpilot.server.layers.rmsnorm import RMSNorm
 
@@ -23,6 +23,8 @@ class PagedSelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.ops = ops
         self.scale = head_dim ** -0.5
+        # An FP8 KV cache's (k_scale, v_scale) for this layer, set by the model runner (model_runner.kv_scales).
+        self.kv_scales = NO_SCALES
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, rope: Rope,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -33,10 +35,10 @@ class PagedSelfAttention(nn.Module):
             q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], dim=-1)
             q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(t, q_size))
             k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(t, kv_size))
-        stored = self.ops.rotary_qkv_(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, (*kv_cache, meta.slot_mapping))
+        stored = self.ops.rotary_qkv_(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, (*kv_cache, meta.slot_mapping), self.kv_scales)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = self.ops.paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_stored=stored)
+        out = self.ops.paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_stored=stored, kv_scales=self.kv_scales)
         return self.o.add(out.reshape(t, q_size), residual)
