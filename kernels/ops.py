@@ -67,6 +67,8 @@ def _cpu_ops(ext) -> Ops:
         return False
 
     def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales=NO_SCALES):
+        if k_cache.dtype == FP8_KV and q.dtype != torch.float32:  # the C++ kernel reads an FP8 cache for float32 queries
+            return decode_attention_grouped(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales)
         return ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *kv_scales)
 
     return Ops("cpu-c++", rms_norm, rotary_qkv_, partial(paged_attention, decode=decode_attention), graph_safe=False,

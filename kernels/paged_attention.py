@@ -81,12 +81,15 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
 def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, context_len: int, scale: float,
                           kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
-    """One sequence's new tokens q/k/v [n, heads, d] attend causally to its cached prefix and themselves.
+    """One sequence's new tokens q/k/v [n, heads, d] attend causally to its cached prefix and themselves
+(with an FP8 cache, their K/V rounded as stored).
 
     Only the prefix (positions before this step's tokens) is read from the cache, whole blocks at a time
     into one buffer that the new tokens' K/V (used as computed) complete: a plain prefill copies nothing."""
     n = q.shape[0]
     prefix = context_len - n
+    if k_cache.dtype == FP8_KV:  # the new tokens' K/V as the cache holds them: a later prefix hit then reads what this step used
+        k, v = (dequantize(quantize_fp8(x, s), s, x.dtype) for x, s in ((k, kv_scales[0]), (v, kv_scales[1])))
     if prefix:
         k, v = _with_prefix(k, k_cache, block_table, prefix, kv_scales[0]), _with_prefix(v, v_cache, block_table, prefix, kv_scales[1])
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)

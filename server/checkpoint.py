@@ -9,6 +9,7 @@ generation_config.json) is read by kvpilot.server.tokenizer.
 from __future__ import annotations
 
 import json
+import math
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from kvpilot.server.model_config import ModelConfig, ModelFormatError, config_fr
 from kvpilot.server.quant_checkpoint import (
     COMPRESSED,
     CT_UNUSED,
+    KV_SCALE_SUFFIXES,
     FloatQuantized,
     QuantizedTensor,
     QuantScheme,
@@ -94,13 +96,32 @@ class Checkpoint:
         return {f: safe_open(f, framework="pt") for f in sorted(set(self._files.values()))}
 
     def checkpoint_names(self) -> set[str]:
-        """Tensor names, a quantized projection's parts as its `.weight` (compressed-tensors' activation and
-        KV-cache scales set aside: not used)."""
+        """Tensor names, a quantized projection's parts as its `.weight` (compressed-tensors' activation
+        scales set aside: not used; KV-cache scales: kv_scales())."""
+        kv = {n for n in self._files if n.endswith(KV_SCALE_SUFFIXES)}
         if not self.quantization:
-            return set(self._files)
+            return set(self._files) - kv
         parts = {f"{prefix}.{part}" for prefix in self._quantized.values() for part in self.quantization.parts}
         unused = {n for n in self._files if n.rsplit(".", 1)[-1] in CT_UNUSED} if self.quantization.method == COMPRESSED else set()
-        return (set(self._files) - parts - unused) | set(self._quantized)
+        return (set(self._files) - parts - unused - kv) | set(self._quantized)
+
+    def kv_scales(self) -> list[tuple[float, float]] | None:
+        """The checkpoint's FP8 KV-cache scales, (k_scale, v_scale) per layer (`model.layers.N.self_attn.k_scale`,
+        as llm-compressor's kv_cache_scheme writes them; the cache holds K / k_scale), or None without them."""
+        scheme = (self.hf_config.get("quantization_config") or {}).get("kv_cache_scheme")
+        if scheme and (scheme.get("type"), scheme.get("num_bits")) != ("float", 8):
+            raise ModelFormatError(f"{self.path}: kv_cache_scheme {scheme.get('type')!r} {scheme.get('num_bits')} bits is not run: the FP8 KV "
+                                   "cache takes float 8-bit scales (start without kv_cache_dtype fp8 to ignore them)")
+        names = [tuple(f"model.layers.{i}.self_attn{s}" for s in KV_SCALE_SUFFIXES) for i in range(self.config.num_layers)]
+        present = [all(n in self._files for n in pair) for pair in names]
+        if not any(present):
+            return None
+        if not all(present):
+            raise ModelFormatError(f"{self.path}: k_scale / v_scale for only {sum(present)} of {len(names)} layers")
+        scales = [tuple(float(self._handles[self._files[n]].get_tensor(n).float().reshape(-1)[0]) for n in pair) for pair in names]
+        if not all(math.isfinite(s) and s > 0 for pair in scales for s in pair):
+            raise ModelFormatError(f"{self.path}: a k_scale / v_scale is not a positive finite number")
+        return scales
 
     def _quantized_tensor(self, name: str) -> QuantizedTensor | FloatQuantized:
         prefix = self._quantized[name]

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+FP8_KV_NAMES = ("fp8", "fp8_e4m3")  # kv_cache_dtype values of the FP8 (float8_e4m3fn) cache
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
 
@@ -68,10 +69,12 @@ class EngineConfig(BaseModel):
         "\"10.0.0.5\", \"timeout\": 60}} sets kv_role (prefill, decode, both) and kv_transfer_port, _host, _timeout."))
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache (CUDA).")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
-        "KV-cache element type; auto = the compute dtype. bfloat16 with a float32 model (CPU) halves the cache's bytes — twice the tokens "
-        "in kv_cache_memory, half the memory each decode step's attention reads (what bounds it) — at bfloat16's precision for stored keys "
-        "and values (llama.cpp's default cache is float16). CUDA: the compute dtype only."))
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8", "fp8_e4m3"] = Field("auto", description=(
+        "KV-cache element type; auto = the compute dtype. bfloat16 with a float32 model halves the cache's bytes — twice the tokens "
+        "in kv_cache_memory (or GPU memory), half the memory each decode step's attention reads (what bounds it) — at bfloat16's precision "
+        "for stored keys and values (llama.cpp's default cache is float16). fp8 (alias fp8_e4m3, vLLM's spelling) stores K / k_scale and "
+        "V / v_scale as float8_e4m3fn: a quarter of float32's bytes, half of bfloat16's; the per-layer scales are the checkpoint's k_scale / "
+        "v_scale, else calibrated once at start on a fixed text (docs/engine.md#fp8-kv-cache)."))
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the model runs.")
     enforce_eager: bool = Field(False, description="CUDA: run every step eagerly, without the decode steps' CUDA graphs (CPU steps always run eagerly).")
     async_scheduling: Literal["auto", "on", "off"] = Field("auto", description=(
@@ -188,7 +191,7 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _kv_cache_dtype_supported(self) -> EngineConfig:
-        # The attention kernels read a cache as wide as the compute dtype or a bfloat16 one under float32.
+        # The attention kernels read a cache as wide as the compute dtype, a bfloat16 one under float32, or FP8 under any.
         if self.kv_cache_dtype == "float32" and self.dtype in ("float16", "bfloat16"):
             raise ValueError(f"kv_cache_dtype=float32 with dtype={self.dtype}: a cache wider than the compute dtype is not implemented "
                              "(use kv_cache_dtype=auto)")

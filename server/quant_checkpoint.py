@@ -43,9 +43,11 @@ from kvpilot.server.model_config import ModelFormatError
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: word slot i -> output column offset
 COMPRESSED = "compressed-tensors"
 CT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized")
-# Stored beside a compressed-tensors module's weights, not used here (activations and the KV cache stay in
-# the compute dtype): read and set aside, so that they are not reported as unused weights.
-CT_UNUSED = ("input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point", "k_scale", "v_scale")
+# Stored beside a compressed-tensors module's weights, not used here (activations stay in the compute
+# dtype): read and set aside, so that they are not reported as unused weights.
+CT_UNUSED = ("input_scale", "input_zero_point", "input_global_scale", "output_scale", "output_zero_point")
+# An attention module's FP8 KV-cache scales (kv_cache_scheme): Checkpoint.kv_scales reads them.
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 
 
 @dataclass(frozen=True)

@@ -82,9 +82,10 @@ def test_decode_over_an_fp8_cache_is_attention_over_its_values(decode, heads, kv
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_prefill_after_an_fp8_prefix_is_attention_over_its_values(impl):
-    """Chunks after cached prefixes (ending inside and at a block boundary) and a plain prefill. The torch
-    path reads the prefix from the cache and uses the new tokens' K/V as computed; the Triton kernel reads
-    every key from the cache (the new ones stored first), so its reference is the cache's values throughout."""
+    """Chunks after cached prefixes (ending inside and at a block boundary) and a plain prefill: both
+    attend over the values the cache holds (the torch path reads the prefix from it and rounds the new
+    tokens' K/V as stored; the Triton kernel reads every key from it), so a prefix hit reads back exactly
+    what the step that computed the prefix used."""
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(3)
     contexts, new = [3 * block_size, 2 * block_size + 5, 20], [block_size + 3, 4, 20]
@@ -104,12 +105,6 @@ def test_prefill_after_an_fp8_prefix_is_attention_over_its_values(impl):
         rows = slice(starts[i], starts[i] + n)
         table = torch.tensor(tables[i])
         k_new, v_new = ks[i][ctx - n:], vs[i][ctx - n:]
-        if impl == "torch":
-            got = prefill_attention_ref(q[rows], k_new, v_new, kq, vq, table, ctx, scale, SCALES)
-            prefix_k = torch.cat([kf[table].flatten(0, 1)[:ctx - n], k_new])
-            prefix_v = torch.cat([vf[table].flatten(0, 1)[:ctx - n], v_new])
-            want = naive(q[rows], prefix_k, prefix_v, scale, ctx - n)
-        else:
-            got = out[rows]
-            want = naive(q[rows], kf[table].flatten(0, 1)[:ctx], vf[table].flatten(0, 1)[:ctx], scale, ctx - n)
+        got = prefill_attention_ref(q[rows], k_new, v_new, kq, vq, table, ctx, scale, SCALES) if impl == "torch" else out[rows]
+        want = naive(q[rows], kf[table].flatten(0, 1)[:ctx], vf[table].flatten(0, 1)[:ctx], scale, ctx - n)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

@@ -58,6 +58,7 @@ class LLMEngine:
         configure_threads(config.num_threads)
         # torch-side modules are imported only now, after the thread settings are in place.
         from kvpilot.server.engine.block_manager import BlockManager, cache_salt
+        from kvpilot.server.engine.kv_scales import kv_calibration_ids
         from kvpilot.server.engine.model_io import InputBuilder
         from kvpilot.server.engine.model_runner import ModelRunner
         from kvpilot.server.engine.scheduler import Scheduler
@@ -88,7 +89,8 @@ class LLMEngine:
             tp = TensorParallel(0, config.tensor_parallel_size)
             self.workers = Workers(config, self.model_path, resolve_device(config).type)
         self.runner = ModelRunner(config, weights, show_progress=show_progress, draft=draft, tp=tp, workers=self.workers,
-                                  eagle_head=str(resolve_model_path(config.speculative_model)) if config.speculative_method == "eagle3" else None)
+                                  eagle_head=str(resolve_model_path(config.speculative_model)) if config.speculative_method == "eagle3" else None,
+                                  kv_calibration_ids=kv_calibration_ids(config, self.tokenizer))
         startup.mark("loaded")
         capacity = self.runner.num_blocks * config.block_size
         limits = [self.model_config.max_position, capacity] + ([window] if window else [])
@@ -167,6 +169,7 @@ class LLMEngine:
             speculative = [config.speculative_method, model_fingerprint(resolve_model_path(config.speculative_model))]
         return {"kvpilot": importlib.metadata.version("kvpilot"), "model": model_fingerprint(self.model_path),
                 "block_size": config.block_size, "dtype": str(self.runner.dtype), "kv_dtype": str(self.runner.kv_dtype),
+                "kv_scales": self.runner.kv_scales,
                 "quantization": self.runner.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative}
 
     # --- the KV tiers -------------------------------------------------------------------------

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpilot.kernels.ops import triton_kernels
-from kvpilot.kernels.paged_attention import AttentionMetadata
-from kvpilot.server.config import EngineConfig
+from kvpilot.kernels.paged_attention import FP8_KV, AttentionMetadata
+from kvpilot.server.config import FP8_KV_NAMES, EngineConfig
+from kvpilot.server.engine import kv_scales
 from kvpilot.server.engine.decode_graphs import DecodeGraphs
 from kvpilot.server.engine.lora import Adapter, read_adapter
 from kvpilot.server.engine.model_io import InputBuilder, ModelInput, ModelOutput, PromptLogprobRows
@@ -78,17 +79,15 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[config.dtype]
 
 
-def resolve_kv_dtype(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's element type: the compute dtype, or (CPU) a narrower bfloat16 cache under float32."""
+def resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the compute dtype, a narrower bfloat16 cache under float32, or FP8
+    (float8_e4m3fn with per-layer scales: kv_scales.py) under any compute dtype; the kernels widen a
+    narrower cache in registers (the combinations EngineConfig refuses aside)."""
     if config.kv_cache_dtype == "auto":
         return dtype
-    kv = _DTYPES[config.kv_cache_dtype]
-    if kv != dtype and device.type != "cpu":
-        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} differs from the compute dtype {dtype}: on {device.type} the cache holds "
-                         "the compute dtype (use kv_cache_dtype=auto)")
-    if kv != dtype and dtype != torch.float32:
-        raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} under compute dtype {dtype} is not implemented (use kv_cache_dtype=auto)")
-    return kv
+    if config.kv_cache_dtype in FP8_KV_NAMES:
+        return FP8_KV
+    return _DTYPES[config.kv_cache_dtype]
 
 
 def resolve_quantization(requested: str, weights: WeightSource) -> str:
@@ -127,7 +126,8 @@ class ModelRunner:
     rank 0 alone samples."""
 
     def __init__(self, config: EngineConfig, weights: WeightSource, show_progress: bool = True, draft: WeightSource | None = None,
-                 tp: TensorParallel | None = None, workers: Workers | None = None, eagle_head: str | None = None):
+                 tp: TensorParallel | None = None, workers: Workers | None = None, eagle_head: str | None = None,
+                 kv_calibration_ids: list[int] | None = None):
         self.config = config
         self.tp, self.workers = tp, workers
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: block_bytes' copies off the device
@@ -135,7 +135,7 @@ class ModelRunner:
         self._copies_queued = False
         self.device = resolve_device(config, tp)
         self.dtype = resolve_dtype(config, self.device)
-        self.kv_dtype = resolve_kv_dtype(config, self.device, self.dtype)
+        self.kv_dtype = resolve_kv_dtype(config, self.dtype)
         self.quantization = resolve_quantization(config.quantization, weights)
         if self.quantization != "none" and self.dtype != torch.float32 and not triton_kernels(self.device):
             raise ValueError(f"quantization={self.quantization} on {self.device} computes in float32 (the C++ kernels take float32 "
@@ -147,6 +147,15 @@ class ModelRunner:
         self._aux: torch.Tensor | None = None  # with an EAGLE-3 head: the last step's target hidden states it reads
         if eagle_head is not None:
             self.head = load_head(eagle_head, self.model.config, self.model.embed, self.device, self.dtype)
+        # An FP8 cache: the target's per-layer (k_scale, v_scale), fixed from here on (the draft's set on
+        # its layers too); the EAGLE head's one layer keeps its cache in the compute dtype.
+        self.kv_scales: list[tuple[float, float]] | None = None
+        self.head_kv_dtype = self.kv_dtype
+        if self.kv_dtype == FP8_KV:
+            self.kv_scales = self._set_kv_scales(self.model, weights, kv_calibration_ids)
+            if self.draft:
+                self._set_kv_scales(self.draft, draft, kv_calibration_ids)
+            self.head_kv_dtype = self.dtype
         _return_freed_heap()
         self.block_size = config.block_size
         self.model.ops.check_shapes(self.model.config.head_dim, self.block_size)  # before a step fails on them
@@ -185,6 +194,21 @@ class ModelRunner:
             bar.close()
         return model
 
+    def _set_kv_scales(self, model: DecoderModel, weights: WeightSource, calibration_ids: list[int] | None) -> list[tuple[float, float]]:
+        """A checkpoint's own KV scales, else calibrated (kv_scales.py); set on the model's attention layers."""
+        scales = weights.kv_scales() if hasattr(weights, "kv_scales") else None
+        source = "the checkpoint's"
+        if scales is None:
+            if not calibration_ids:
+                raise ValueError("kv_cache_dtype=fp8: no KV scales in the checkpoint and no calibration text to compute them from")
+            scales = kv_scales.calibrate(model, calibration_ids, self.config.block_size)
+            source = f"calibrated on {len(calibration_ids)} tokens"
+        for layer, pair in zip(model.layers, scales, strict=True):
+            layer.attn.kv_scales = pair
+        log.info("FP8 KV cache scales (%s): k %.3g-%.3g, v %.3g-%.3g", source, min(k for k, _ in scales), max(k for k, _ in scales),
+                 min(v for _, v in scales), max(v for _, v in scales))
+        return scales
+
     def _block_bytes(self, model: DecoderModel) -> int:
         c = model.config
         return 2 * c.num_layers * self.block_size * model.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.kv_dtype).element_size()
@@ -193,12 +217,13 @@ class ModelRunner:
         if self.head is None:
             return 0
         c = self.head.config
-        return 2 * self.block_size * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.kv_dtype).element_size()
+        return 2 * self.block_size * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.head_kv_dtype).element_size()
 
     def _head_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.head.config
         shape = (self.num_blocks + 1, self.block_size, c.num_kv_heads, c.head_dim)
-        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        return (torch.zeros(shape, dtype=self.head_kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.head_kv_dtype, device=self.device))
 
     def _kv_caches(self, model: DecoderModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = model.config
@@ -375,11 +400,13 @@ class ModelRunner:
             staged = self._load_staging[:len(chunk)]
             torch.stack(host, out=staged)
             # (synchronous on CUDA: the staging buffer is refilled for the next chunk)
-            stacked = staged.view(self.kv_dtype).view(len(chunk), *shape).to(self.device)
+            fp8 = self.kv_dtype == FP8_KV  # torch has no index_copy_ for float8 types: their bytes are copied
+            as_copied = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)
+            stacked = staged.view(torch.uint8 if fp8 else self.kv_dtype).view(len(chunk), *shape).to(self.device)
             ids = torch.tensor([block_id for block_id, _ in chunk], device=self.device)
             for layer, (k, v) in enumerate(self.kv_caches):
-                k.index_copy_(0, ids, stacked[:, layer, 0])
-                v.index_copy_(0, ids, stacked[:, layer, 1])
+                as_copied(k).index_copy_(0, ids, stacked[:, layer, 0])
+                as_copied(v).index_copy_(0, ids, stacked[:, layer, 1])
 
     def save_blocks(self, blocks: list[BlockRef]) -> None:
         """Tensor parallelism: every other rank saves its shard of blocks that rank 0 just saved its own of."""
