@@ -183,10 +183,11 @@ class EngineSettings(_Model):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="Fraction of GPU memory for weights and KV cache.")
     kv_cache_memory: str | None = Field(None, max_length=32, pattern=r"^\d+(\.\d+)?([KMG]i?)?B?$", description="KV-cache size for CPU engines, e.g. 1GiB.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(None, description="Compute dtype.")
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] | None = Field(None, description=(
-        "KV-cache element type (kvpilot); auto = the compute dtype. bfloat16 under a float32 model (CPU) halves the cache: twice the tokens "
-        "in kvCacheMemory, half the memory each decode step's attention reads. vLLM and SGLang: auto only here (their fp8 caches through "
-        "extraArgs); another value is reported as Degraded."))
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8"] | None = Field(None, description=(
+        "KV-cache element type; auto = the compute dtype. bfloat16 under a float32 model halves the cache: twice the tokens in the same "
+        "memory, half the memory each decode step's attention reads. fp8 (E4M3 with per-layer scales: the checkpoint's, else calibrated "
+        "at start) holds twice bfloat16's tokens; every engine takes it (vLLM --kv-cache-dtype fp8, SGLang fp8_e4m3). vLLM and SGLang: "
+        "auto or fp8 (float32 and bfloat16 are kvpilot's; reported as Degraded)."))
     enforce_eager: bool | None = Field(None, description=(
         "GPU: run every step eagerly, without CUDA graphs (kvpilot and vLLM --enforce-eager, SGLang --disable-cuda-graph): slower decode, "
         "less GPU memory held, faster start."))

@@ -193,15 +193,21 @@ def test_a_vllm_or_sglang_draft_model_is_mounted_or_fetched_like_the_served_mode
         "engineSettings.speculative.draftModel is only used with methods draft and eagle3"]
 
 
-def test_kv_cache_dtype_is_passed_to_kvpilot_and_refused_by_name_elsewhere():
+def test_kv_cache_dtype_is_passed_to_each_engine_in_its_spelling_and_refused_by_name_where_it_has_none():
     cpu = {"cpuOnly": True}
-    s = spec(engineSettings={"kvCacheDtype": "bfloat16", "quantization": "gguf"}, resources=cpu)
-    assert unsupported_settings(s) == [] and EngineConfig.from_cli_args(engine_args(container(deployment("m", "ns", "u", s)))).kv_cache_dtype == "bfloat16"
+    for kv in ("bfloat16", "fp8"):
+        s = spec(engineSettings={"kvCacheDtype": kv, "quantization": "gguf"}, resources=cpu)
+        assert unsupported_settings(s) == [] and EngineConfig.from_cli_args(engine_args(container(deployment("m", "ns", "u", s)))).kv_cache_dtype == kv
     hub = {"source": "hf://Qwen/Qwen2.5-7B-Instruct"}
-    for engine in ("vllm", "sglang"):
+    for engine, fp8 in (("vllm", "fp8"), ("sglang", "fp8_e4m3")):
         assert unsupported_settings(spec(model=hub, engine=engine, engineSettings={"kvCacheDtype": "auto"})) == []
+        s = spec(model=hub, engine=engine, engineSettings={"kvCacheDtype": "fp8"})
+        assert unsupported_settings(s) == []  # the pinned release's flags checked too
+        args = container(deployment("m", "ns", "u", s))["args"]
+        assert args[args.index("--kv-cache-dtype") + 1] == fp8
+        assert "--kv-cache-dtype" not in container(deployment("m", "ns", "u", spec(model=hub, engine=engine)))["args"]
         [problem] = unsupported_settings(spec(model=hub, engine=engine, engineSettings={"kvCacheDtype": "bfloat16"}))
-        assert f"kvCacheDtype=bfloat16 is a kvpilot setting; {engine} keeps its cache in the compute dtype" in problem
+        assert f"kvCacheDtype=bfloat16 is a kvpilot setting; {engine} keeps its cache in the compute dtype (auto) or in fp8" in problem
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

@@ -188,6 +188,8 @@ def vllm_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         args.append("--enforce-eager")
     if s.quantization not in (None, "none"):
         args += ["--quantization", s.quantization]
+    if s.kv_cache_dtype == "fp8":
+        args += ["--kv-cache-dtype", ENGINE_KV_CACHE_DTYPES["vllm"]["fp8"]]
     if s.speculative:
         cfg = {"method": {"ngram": "ngram", "draft": "draft_model", "eagle3": "eagle3"}[s.speculative.method],
                "num_speculative_tokens": s.speculative.num_speculative_tokens}
@@ -223,6 +225,8 @@ def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         args.append("--disable-cuda-graph")
     if s.quantization not in (None, "none"):
         args += ["--quantization", s.quantization]
+    if s.kv_cache_dtype == "fp8":
+        args += ["--kv-cache-dtype", ENGINE_KV_CACHE_DTYPES["sglang"]["fp8"]]
     if s.speculative:
         algo = {"ngram": "NGRAM", "draft": "STANDALONE", "eagle3": "EAGLE3"}[s.speculative.method]
         args += ["--speculative-algorithm", algo, "--speculative-num-draft-tokens", str(s.speculative.num_speculative_tokens)]
@@ -245,6 +249,10 @@ SGLANG_PARSERS = {"hermes": "hermes", "llama3_json": "llama3", "qwen3": "qwen3",
 ENGINE_QUANTIZATION = {"kvpilot": {"gguf", "int8", "int4", "gptq", "awq", "compressed-tensors"}, "vllm": {"fp8", "awq", "gptq", "compressed-tensors"},
                        "sglang": {"fp8", "awq", "gptq", "gguf", "compressed-tensors"}}
 
+
+# engineSettings.kvCacheDtype values other than auto as vLLM's and SGLang's --kv-cache-dtype spell them
+# (kvpilot's flag takes the CRD's values); what is missing here they do not take.
+ENGINE_KV_CACHE_DTYPES = {"vllm": {"fp8": "fp8"}, "sglang": {"fp8": "fp8_e4m3"}}
 
 KV_TIER_DIR = "/var/lib/kvpilot/kv-tier"  # where the pods mount the disk tier's volume
 
@@ -271,9 +279,9 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
         if s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION[spec.engine]:
             problems.append(f"engineSettings.quantization={s.quantization} is not a {spec.engine} quantization method "
                             f"(it takes {', '.join(sorted(ENGINE_QUANTIZATION[spec.engine]))})")
-        if s.kv_cache_dtype not in (None, "auto"):  # their --kv-cache-dtype takes auto and fp8 kinds, not a bfloat16 cache under float32
+        if s.kv_cache_dtype not in (None, "auto", *ENGINE_KV_CACHE_DTYPES[spec.engine]):  # not a bfloat16 cache under float32
             problems.append(f"engineSettings.kvCacheDtype={s.kv_cache_dtype} is a kvpilot setting; {spec.engine} keeps its cache in the "
-                            "compute dtype (auto), or fp8 through extraArgs --kv-cache-dtype")
+                            "compute dtype (auto) or in fp8")
         if s.kv_offload is not None:
             problems.append(f"engineSettings.kvOffload is the kvpilot engine's KV tiers; {spec.engine} offloads KV through its own connectors "
                             "(extraArgs)")
