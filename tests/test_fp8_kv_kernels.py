@@ -108,3 +108,25 @@ def test_prefill_after_an_fp8_prefix_is_attention_over_its_values(impl):
         got = prefill_attention_ref(q[rows], k_new, v_new, kq, vq, table, ctx, scale, SCALES) if impl == "torch" else out[rows]
         want = naive(q[rows], kf[table].flatten(0, 1)[:ctx], vf[table].flatten(0, 1)[:ctx], scale, ctx - n)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("decode", ["cpp", "triton"])
+def test_decode_widens_every_fp8_byte_exactly(decode):
+    """Each of e4m3fn's 254 finite codes (subnormals, ±0, ±448) as a value row that is its sequence's
+    whole context: the output is that row times v_scale, bit for bit, so the kernels' own widening (the
+    C++ one 8 bytes at a time through float16 fields, the Triton one in integer arithmetic) is torch's."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[~codes.view(FP8_KV).float().isnan()]
+    heads, kv_heads, head_dim, block_size = 3, 1, 64, 16
+    seqs = -(-codes.numel() // head_dim)
+    cache = torch.zeros(seqs, block_size, kv_heads, head_dim, dtype=torch.uint8)
+    rows = torch.zeros(seqs * head_dim, dtype=torch.uint8)
+    rows[:codes.numel()] = codes
+    cache[:, 0, 0] = rows.view(seqs, head_dim)  # sequence b's one token: codes 64b .. 64b + 63
+    kq, vq = cache.view(FP8_KV), cache.flip(-1).contiguous().view(FP8_KV)
+    bt, lens = torch.arange(seqs).view(-1, 1), torch.ones(seqs, dtype=torch.long)
+    q = torch.randn(seqs, heads, head_dim, generator=torch.Generator().manual_seed(0))
+    out = (cpu_extension.require().paged_decode_attention(q, kq, vq, bt, lens, 0.125, *SCALES) if decode == "cpp"
+           else triton_attention.paged_decode_attention(q, kq, vq, bt, lens, 0.125, SCALES))
+    want = (vq[:, 0].float() * SCALES[1]).expand(seqs, heads, head_dim)
+    assert torch.equal(out, want)

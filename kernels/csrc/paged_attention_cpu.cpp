@@ -18,14 +18,13 @@
 #include "work_queue.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -34,19 +33,23 @@ namespace {
 constexpr int64_t kLanes = 16;  // one AVX-512 register of floats; independent partial sums vectorize
                                 // without -ffast-math (which would also assume no inf/NaN anywhere)
 
-// One float8_e4m3fn cache element, widened through a 256-entry table (1 KiB, stays in L1) built from
-// c10's conversion. Its scale is applied outside the walk: folded into the query (K) and the output (V).
+// One float8_e4m3fn cache element, widened in branch-free integer arithmetic the compiler vectorizes
+// (a table lookup would not: 6x slower per step here). Normal values move their fields into a float32's;
+// subnormals (exponent 0) are m x 2^-9 exactly. Bit-exact with c10's conversion for every byte but
+// NaN, which no writer stores. Its scale is applied outside the walk: folded into the query (K) and
+// the output (V).
 struct Fp8 {
   uint8_t bits;
-  static const std::array<float, 256>& table() {
-    static const std::array<float, 256> values = [] {
-      std::array<float, 256> t{};
-      for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
-      return t;
-    }();
-    return values;
+  explicit operator float() const {
+    const uint32_t b = bits, e = (b >> 3) & 0xFu, m = b & 0x7u, sign = (b & 0x80u) << 24;
+    const uint32_t normal_bits = sign | ((e + 120u) << 23) | (m << 20);
+    float normal;
+    std::memcpy(&normal, &normal_bits, sizeof normal);
+    const uint32_t sub_bits = sign | 0x3B000000u;  // ±2^-9
+    float unit;
+    std::memcpy(&unit, &sub_bits, sizeof unit);
+    return e ? normal : unit * static_cast<float>(m);
   }
-  explicit operator float() const { return table()[bits]; }
 };
 
 template <typename T>
@@ -85,6 +88,39 @@ template <typename T>
 inline void axpy(float a, const T* v, float* acc, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += a * static_cast<float>(v[i]);
 }
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+// An FP8 row's dot product and axpy 8 values at a time (x86-64-v3): each byte's fields moved into a
+// float16's (whose subnormals cover e4m3's), widened by F16C and scaled by 2^8 for the exponent biases'
+// difference (15 - 7) — exact, like Fp8's conversion, at a fraction of its cost per value.
+inline __m256 fp8x8(const Fp8* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+
+inline float dot(const float* q, const Fp8* k, int64_t d) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), fp8x8(k + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), fp8x8(k + i + 8), a1);
+  }
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(_mm256_add_ps(a0, a1)), _mm256_extractf128_ps(_mm256_add_ps(a0, a1), 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  float s = _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  for (; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+inline void axpy(float a, const Fp8* v, float* acc, int64_t d) {
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(va, fp8x8(v + i), _mm256_loadu_ps(acc + i)));
+  for (; i < d; ++i) acc[i] += a * static_cast<float>(v[i]);
+}
+#endif
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }

@@ -1,0 +1,76 @@
+"""The KV cache's element type at a fixed --kv-cache-memory: float32 (auto on CPU), bfloat16 and fp8.
+Capacity (blocks, tokens) and a decode-heavy workload that outgrows the smaller caches: 32 prompts of
+~150 tokens, 64 tokens out each, max_num_seqs 32, gguf weights; at 80 MiB float32 holds about 7 such
+sequences at a time, bfloat16 15 and fp8 31. A cache that cannot hold every sequence preempts
+and recomputes; the table gives tokens/s, preemptions and the decode-step time, median of interleaved
+rounds, each dtype's ratio to float32 in the same run.
+
+    .venv/bin/python bench/kv_cache_dtype.py [--memory 80MiB] [--rounds 3] [--threads 2] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from kvpilot.server.threads import OPENMP_ENV  # noqa: E402
+
+os.environ.update({k: os.environ.get(k, v) for k, v in OPENMP_ENV.items()})
+
+from common import machine, refuse_if_busy, table  # noqa: E402
+
+from kvpilot.server import LLM, SamplingParams  # noqa: E402
+
+DTYPES = ("auto", "bfloat16", "fp8")
+SUBJECTS = ("volcanoes", "glaciers", "harbours", "orchards", "comets", "bridges", "forests", "markets")
+
+
+def prompts(n: int) -> list[str]:
+    """n different prompts of ~150 tokens (no shared prefix beyond the first word)."""
+    return [f"{i}. About {SUBJECTS[i % len(SUBJECTS)]}: " + " ".join(
+        f"Fact {j} on {SUBJECTS[(i + j) % len(SUBJECTS)]} number {i * 31 + j}: it is worth noting for reason {j * 7 % 13}." for j in range(7))
+        for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--memory", default="80MiB")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--force", action="store_true")
+    args = ap.parse_args()
+    refuse_if_busy(force=args.force)
+    work = prompts(32)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    engines = {kv: LLM(quantization="gguf", kv_cache_dtype=kv, kv_cache_memory=args.memory, max_num_seqs=32, show_progress=False,
+                       num_threads=args.threads, enable_prefix_caching=False) for kv in DTYPES}
+    prompt_tokens = sum(len(engines["auto"].engine.tokenizer.encode(p)) for p in work)
+    results: dict[str, list[tuple[float, int]]] = {kv: [] for kv in DTYPES}
+    for llm in engines.values():  # warm-up
+        llm.generate(work[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    for _ in range(args.rounds):
+        for kv, llm in engines.items():
+            start = time.perf_counter()
+            outs = llm.generate(work, params)
+            wall = time.perf_counter() - start
+            results[kv].append((sum(len(o.outputs[0].token_ids) for o in outs) / wall, sum(o.metrics.num_preemptions for o in outs)))
+    base = statistics.median(r for r, _ in results["auto"])
+    rows = []
+    for kv, llm in engines.items():
+        runner = llm.engine.runner
+        rate = statistics.median(r for r, _ in results[kv])
+        rows.append({"kv_cache_dtype": f"{kv} ({runner.kv_dtype})".replace("torch.", ""), "blocks": runner.num_blocks,
+                     "tokens held": runner.num_blocks * runner.block_size, "tok/s": f"{rate:.1f}", "vs float32": f"{rate / base:.2f}x",
+                     "preemptions": "/".join(str(p) for _, p in results[kv])})
+    print(f"machine: {machine()}, {args.threads} threads, kv_cache_memory {args.memory}, 32 prompts ({prompt_tokens} tokens) x 64 out, "
+          f"max_num_seqs 32, median of {args.rounds} interleaved rounds")
+    print(table(rows, ["kv_cache_dtype", "blocks", "tokens held", "tok/s", "vs float32", "preemptions"]))
+
+
+if __name__ == "__main__":
+    main()
