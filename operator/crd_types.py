@@ -192,10 +192,11 @@ class EngineSettings(_Model):
         "GPU: run every step eagerly, without CUDA graphs (kvpilot and vLLM --enforce-eager, SGLang --disable-cuda-graph): slower decode, "
         "less GPU memory held, faster start."))
     quantization: Literal["none", "gguf", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors"] | None = Field(None, description=(
-        "Weight quantization, each engine's own (unset: the engine's default, which for kvpilot, vLLM and SGLang detects a GPTQ or AWQ "
+        "Weight quantization, each engine's own (unset: the engine's default, which for kvpilot, vLLM and SGLang detects a pre-quantized "
         "checkpoint): kvpilot takes gguf (a GGUF model's Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks kept and multiplied as they "
         "are), int8 and int4 (weight-only, quantized at load; int4 groups of 32 columns unless extraArgs sets "
-        "--quantization-group-size), gptq, awq and compressed-tensors (such checkpoints' integer codes kept packed), on CPU and GPU; vLLM "
+        "--quantization-group-size), gptq, awq and compressed-tensors (such checkpoints' integer codes kept packed) and fp8 (a quant_method "
+        "fp8 checkpoint, dequantized at load), on CPU and GPU; vLLM "
         "takes fp8, awq, gptq, compressed-tensors; SGLang fp8, awq, gptq, gguf, compressed-tensors. A value the engine does not take is reported as Degraded."))
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="Ranks the model is split over; also the GPUs per pod.")
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (off when absent).")

@@ -42,6 +42,7 @@ from kvpilot.server.model_config import ModelFormatError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: word slot i -> output column offset
 COMPRESSED = "compressed-tensors"
+FP8 = "fp8"
 CT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized")
 # Stored beside a compressed-tensors module's weights, not used here (activations stay in the compute
 # dtype): read and set aside, so that they are not reported as unused weights.
@@ -52,19 +53,22 @@ KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 
 @dataclass(frozen=True)
 class QuantScheme:
-    method: str        # "gptq", "awq" or "compressed-tensors"
+    method: str        # "gptq", "awq", "compressed-tensors" or "fp8"
     bits: int          # 4 or 8
     group_size: int    # input columns per scale; -1: one group per output channel (the whole input)
     zero_offset: int   # added to each stored zero point (GPTQ v1: 1)
     fmt: str = ""      # compressed-tensors: one of CT_FORMATS
     symmetric: bool = True
-    is_float: bool = False  # compressed-tensors float-quantized (FP8 E4M3)
+    is_float: bool = False  # compressed-tensors float-quantized, fp8 (FP8 E4M3)
+    block: tuple[int, int] | None = None  # fp8: weight_block_size (rows, columns per weight_scale_inv); None: one weight_scale
 
     @property
     def marker(self) -> str:
         """The suffix that marks a quantized module among the checkpoint's tensors."""
         if self.method in ("gptq", "awq"):
             return "qweight"
+        if self.method == FP8:
+            return "weight_scale_inv" if self.block else "weight_scale"
         return "weight_packed" if self.fmt == "pack-quantized" else "weight_scale"
 
     @property
@@ -72,6 +76,8 @@ class QuantScheme:
         """A quantized module's stored tensors (suffixes)."""
         if self.method in ("gptq", "awq"):
             return ("qweight", "qzeros", "scales", "g_idx")
+        if self.method == FP8:
+            return ("weight", self.marker, "input_scale")
         stored = ("weight_packed", "weight_shape") if self.fmt == "pack-quantized" else ("weight",)
         return (*stored, "weight_scale", "weight_zero_point", "weight_g_idx", *CT_UNUSED)
 
@@ -83,9 +89,11 @@ def parse_scheme(config: dict, where: str) -> QuantScheme:
     method = str(config.get("quant_method", "?")).lower()
     if method == COMPRESSED:
         return _compressed_tensors_scheme(config, where)
+    if method == FP8:
+        return _fp8_scheme(config, where)
     if method not in ("gptq", "awq"):
         raise ModelFormatError(f"{where}: pre-quantized checkpoints (quant_method {method!r}) are not loaded: kvpilot loads gptq, "
-                               "awq and compressed-tensors checkpoints (or use a float checkpoint or a GGUF)")
+                               "awq, compressed-tensors and fp8 checkpoints (or use a float checkpoint or a GGUF)")
     bits = config.get("bits", config.get("w_bit"))
     group = config.get("group_size", config.get("q_group_size", 128))
     if method == "gptq":
@@ -107,6 +115,18 @@ def parse_scheme(config: dict, where: str) -> QuantScheme:
     if not isinstance(group, int) or (group != -1 and group < 1):
         raise ModelFormatError(f"{where}: group_size {group!r} is not a positive integer or -1")
     return QuantScheme(method, bits, group, zero_offset)
+
+
+def _fp8_scheme(config: dict, where: str) -> QuantScheme:
+    """transformers' and vLLM's `quant_method: fp8`: E4M3 weights with a weight_scale_inv per
+    weight_block_size block (fine-grained, DeepSeek-V3 / Qwen3-FP8) or one weight_scale per tensor."""
+    fmt = str(config.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise ModelFormatError(f"{where}: fp8 weights of fmt {fmt!r} are not loaded (e4m3 is)")
+    block = config.get("weight_block_size")
+    if block is not None and not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelFormatError(f"{where}: weight_block_size {block!r} is not two positive integers")
+    return QuantScheme(FP8, 8, -1, 0, is_float=True, block=tuple(block) if block else None)
 
 
 def _compressed_tensors_scheme(config: dict, where: str) -> QuantScheme:
@@ -215,7 +235,7 @@ class QuantizedTensor:
 
 @dataclass
 class FloatQuantized:
-    """compressed-tensors float-quantized: FP8 E4M3 weights [out, in] and their scale (per tensor or output channel)."""
+    """FP8 E4M3 weights [out, in] and their scale (per tensor, output channel, or element: an fp8 block grid spread)."""
 
     weight: torch.Tensor
     scale: torch.Tensor
@@ -231,6 +251,8 @@ def read_quantized(scheme: QuantScheme, parts: dict[str, torch.Tensor], name: st
     """A projection's stored parts -> its codes and group parameters, every shape checked."""
     if scheme.method == COMPRESSED:
         return _read_compressed(scheme, parts, name)
+    if scheme.method == FP8:
+        return _read_fp8(scheme, parts, name)
     missing = [p for p in ("qweight", "qzeros", "scales") if p not in parts]
     if missing:
         raise ModelFormatError(f"{name} has a qweight but no {', '.join(missing)}")
@@ -270,6 +292,25 @@ def _quantized(scheme: QuantScheme, codes: torch.Tensor, zeros: torch.Tensor, sc
     if not torch.isfinite(scales).all():
         raise ModelFormatError(f"{name}: not every scale is finite")
     return QuantizedTensor(codes.contiguous(), zeros.contiguous(), scales.contiguous(), group, scheme.bits, group_size)
+
+
+def _read_fp8(scheme: QuantScheme, parts: dict[str, torch.Tensor], name: str) -> FloatQuantized:
+    weight, scale = parts.get("weight"), parts.get(scheme.marker)
+    if weight is None or scale is None:
+        raise ModelFormatError(f"{name}: weight and {scheme.marker} are needed")
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ModelFormatError(f"{name}.weight: expected a 2-D float8_e4m3fn tensor, not {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    if scheme.block is None:
+        if scale.numel() != 1:
+            raise ModelFormatError(f"{name}.weight_scale: one value per tensor expected, not {tuple(scale.shape)}")
+        return FloatQuantized(weight, scale.float().reshape(1, 1))
+    rows, cols = scheme.block
+    grid = (-(-n // rows), -(-k // cols))  # a partial block at the edges has its own scale
+    if tuple(scale.shape) != grid:
+        raise ModelFormatError(f"{name}.weight_scale_inv: {tuple(scale.shape)} is not the {grid} grid of {rows}x{cols} blocks over [{n}, {k}]")
+    spread = scale.float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]  # (despite its name, it multiplies)
+    return FloatQuantized(weight, spread)
 
 
 def _read_compressed(scheme: QuantScheme, parts: dict[str, torch.Tensor], name: str) -> QuantizedTensor | FloatQuantized:

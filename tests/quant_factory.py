@@ -113,6 +113,24 @@ def quantized_pair(source: Path, dest: Path, scheme: dict, act_order: bool = Fal
             g_idx = torch.arange(k) // g
         prefix = name.removesuffix(".weight")
         del quantized[name]
+        if scheme["quant_method"] == "fp8":  # transformers' / vLLM's: a weight_scale_inv per block, or one weight_scale
+            block = scheme.get("weight_block_size")
+            if block:
+                rows, cols = block
+                grid = w.new_zeros(-(-w.shape[0] // rows), -(-w.shape[1] // cols))
+                for i in range(grid.shape[0]):
+                    for j in range(grid.shape[1]):
+                        grid[i, j] = w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols].abs().max() / 448
+                grid = grid.clamp(min=1e-6)
+                spread = grid.repeat_interleave(rows, 0)[:w.shape[0]].repeat_interleave(cols, 1)[:, :w.shape[1]]
+                fp8 = (w / spread).to(torch.float8_e4m3fn)
+                quantized.update({f"{prefix}.weight": fp8, f"{prefix}.weight_scale_inv": grid})
+            else:
+                spread = (w.abs().max() / 448).clamp(min=1e-6)
+                fp8 = (w / spread).to(torch.float8_e4m3fn)
+                quantized.update({f"{prefix}.weight": fp8, f"{prefix}.weight_scale": spread.reshape(()), f"{prefix}.input_scale": torch.tensor(0.02)})
+            dense[name] = fp8.float() * spread
+            continue
         if scheme.get("format") == "float-quantized":
             scale = (w.abs().amax(1, keepdim=True) / 448).clamp(min=1e-6)  # E4M3's largest value
             fp8 = (w / scale).to(torch.float8_e4m3fn)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import yaml
@@ -111,8 +112,14 @@ def test_replicas_follow_spec_or_min():
 
 def test_unsupported_settings_for_kvpilot():
     assert unsupported_settings(spec()) == []
+    from kvpilot.operator.crd_types import EngineSettings
+
+    crd_values = set(get_args(get_args(EngineSettings.model_fields["quantization"].annotation)[0]))
+    assert crd_values <= set(get_args(EngineConfig.model_fields["quantization"].annotation))  # kvpilot takes every value
     problems = unsupported_settings(spec(engineSettings={"quantization": "fp8", "tensorParallelSize": 3, "speculative": {"method": "ngram"}}))
-    assert len(problems) == 1 and "quantization=fp8 is not implemented by the kvpilot engine (it takes gguf, int8, int4, gptq, awq, compressed-tensors" in problems[0]
+    assert problems == ["engineSettings.quantization=fp8 needs a fp8 checkpoint (an hf:// repository or a checkpoint directory), not "
+                        "'smollm2-135m' (unset: the engine detects one)"]
+    assert unsupported_settings(spec(model={"source": "hf://org/repo-FP8"}, engineSettings={"quantization": "fp8"})) == []
     assert unsupported_settings(spec(model={"source": "hf://org/repo-AWQ"}, engineSettings={"quantization": "awq"})) == []
     [problem] = unsupported_settings(spec(engineSettings={"quantization": "gptq"}))
     assert "quantization=gptq needs a gptq checkpoint" in problem

@@ -54,6 +54,9 @@ SCHEMES = {
     "ct-naive-w8-asym-g32": ({"quant_method": "compressed-tensors", "format": "naive-quantized", "bits": 8, "group_size": 32, "sym": False},
                              "Q5_K", True),
     "ct-fp8-weights": ({"quant_method": "compressed-tensors", "format": "float-quantized"}, None, True),
+    "fp8-block-64": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}, None, True),
+    "fp8-block-48-partial": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [48, 48]}, None, True),
+    "fp8-tensor-static": ({"quant_method": "fp8", "activation_scheme": "static"}, None, True),
 }
 EXACT_BOUND = 1e-4  # float32 both sides: the kernels' summation order only
 
@@ -137,7 +140,9 @@ def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"quant_method": "fp8"}, r"quant_method 'fp8'\) are not loaded"),
+    ({"quant_method": "bitsandbytes"}, r"quant_method 'bitsandbytes'\) are not loaded"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "fp8 weights of fmt 'e5m2' are not loaded"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size \\[128\\] is not two positive integers"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ with 3 bits is not loaded"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ version 'gemv'"),
@@ -203,3 +208,34 @@ def test_fused_parts_in_different_layouts_fuse_exactly():
     assert fused.kind == "Q4_1" and torch.equal(fused.dequantize(), torch.cat([q4_0.dequantize(), q4_1.dequantize()]))
     mixed = cat_rows([q4_0, w[2]])
     assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, torch.cat([q4_0.dequantize(), w[2]]))
+
+
+@pytest.mark.timeout(300)
+def test_an_fp8_checkpoint_reads_as_transformers_reads_it(family_checkpoints, tmp_path):
+    """An independent reader: transformers' fine-grained FP8 loader (it dequantizes on a machine without
+    a GPU) on the same quant_method fp8 checkpoint gives our prompt logits — so the block grid's
+    orientation and the scale's direction (weight_scale_inv multiplies) are transformers', not only this
+    file's factory's."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from kvpilot.server import SamplingParams
+
+    scheme = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}
+    quantized, _ = quantized_pair(family_checkpoints["llama3"][0], tmp_path, scheme)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32).eval()
+    proj = hf.model.layers[0].self_attn.q_proj
+    assert proj.weight.dtype == torch.float32  # dequantized by transformers
+    ids = [1, 17, 230, 41, 99, 7, 300, 12]
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    engine = llm(quantized)
+    assert engine.engine.runner.quantization == "fp8"
+    out = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=5, temperature=0))[0]
+    got = out.prompt_logprobs[1:]
+    for position, top in enumerate(got):
+        for token, logprob in top.items():
+            assert abs(logprob - float(want[position, token])) < 1e-4, (position, token)

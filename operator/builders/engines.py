@@ -242,12 +242,12 @@ def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
 # engineSettings.parsers values as SGLang names its parsers (kvpilot's and vLLM's names are the CRD's).
 SGLANG_PARSERS = {"hermes": "hermes", "llama3_json": "llama3", "qwen3": "qwen3", "deepseek_r1": "deepseek-r1"}
 
-# engineSettings.quantization values each engine's own --quantization flag takes (a value an engine
-# does not take would crash-loop its pods, so it is a status condition instead). kvpilot: gguf (a
-# GGUF model's own blocks), int8/int4 (weight-only, quantized at load); vLLM and SGLang have no
-# int8/int4 values at all, and vLLM 0.33 no gguf (checked against the flag snapshots in CI).
-ENGINE_QUANTIZATION = {"kvpilot": {"gguf", "int8", "int4", "gptq", "awq", "compressed-tensors"}, "vllm": {"fp8", "awq", "gptq", "compressed-tensors"},
-                       "sglang": {"fp8", "awq", "gptq", "gguf", "compressed-tensors"}}
+# engineSettings.quantization values vLLM's and SGLang's own --quantization flag takes (a value an engine
+# does not take would crash-loop its pods, so it is a status condition instead): no int8/int4 values at
+# all, and vLLM 0.33 no gguf (checked against the flag snapshots in CI). kvpilot takes every value.
+ENGINE_QUANTIZATION = {"vllm": {"fp8", "awq", "gptq", "compressed-tensors"}, "sglang": {"fp8", "awq", "gptq", "gguf", "compressed-tensors"}}
+# kvpilot's values that name a pre-quantized checkpoint's method (not a GGUF's blocks, not quantized at load).
+CHECKPOINT_QUANTIZATION = ("gptq", "awq", "compressed-tensors", "fp8")
 
 
 # engineSettings.kvCacheDtype values other than auto as vLLM's and SGLang's --kv-cache-dtype spell them
@@ -266,13 +266,10 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
     """Settings the chosen engine cannot honour yet: reported as Degraded instead of starting pods
     that would fail or silently ignore them."""
     s, problems = spec.engine_settings, []
-    if spec.engine == "kvpilot":
-        if s.quantization not in (None, "none") and s.quantization not in ENGINE_QUANTIZATION["kvpilot"]:
-            problems.append(f"engineSettings.quantization={s.quantization} is not implemented by the kvpilot engine (it takes gguf, int8, int4, gptq, awq, compressed-tensors; "
-                            f"engine vllm takes {', '.join(sorted(ENGINE_QUANTIZATION['vllm']))})")
+    if spec.engine == "kvpilot":  # every engineSettings.quantization value is one of its own (tests/test_operator_builders.py)
         if s.quantization == "gguf" and not _is_gguf_source(spec.model.source):
             problems.append(f"engineSettings.quantization=gguf needs a GGUF model (a bundled name or a .gguf file), not {spec.model.source!r}")
-        if s.quantization in ("gptq", "awq", "compressed-tensors") and _is_gguf_source(spec.model.source):
+        if s.quantization in CHECKPOINT_QUANTIZATION and _is_gguf_source(spec.model.source):
             problems.append(f"engineSettings.quantization={s.quantization} needs a {s.quantization} checkpoint (an hf:// repository or a "
                             f"checkpoint directory), not {spec.model.source!r} (unset: the engine detects one)")
     else:

@@ -97,7 +97,7 @@ def resolve_quantization(requested: str, weights: WeightSource) -> str:
     scheme = getattr(weights, "quantization", None)
     if requested == "auto":
         return scheme.method if scheme is not None else "none"
-    if requested in ("gptq", "awq", "compressed-tensors") and (scheme is None or scheme.method != requested):
+    if requested in ("gptq", "awq", "compressed-tensors", "fp8") and (scheme is None or scheme.method != requested):
         raise ValueError(f"quantization={requested} needs a {requested} checkpoint; {weights.path.name} is "
                          f"{'a ' + scheme.method + ' checkpoint' if scheme else 'not one'} (quantization=auto takes what it is)")
     return requested

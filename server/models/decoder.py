@@ -205,7 +205,7 @@ class LoRAModules:
     modules: list[tuple[LoRALinear, int, tuple[str, ...]]]
 
 
-PACKED_FORMATS = ("gguf", "gptq", "awq", "compressed-tensors")  # kept as the file holds them (the source's load_packed)
+PACKED_FORMATS = ("gguf", "gptq", "awq", "compressed-tensors", "fp8")  # kept as the file holds them (the source's load_packed)
 
 
 class _WeightReader:
