@@ -6,7 +6,12 @@ and recomputes; the table gives tokens/s, preemptions and the decode-step time, 
 rounds, each dtype's ratio to float32 in the same run. Then one decode-attention call (the C++ kernel,
 16 sequences of 400 tokens, SmolLM2's 9/3 heads of 64) per cache dtype, median of 50.
 
+The quality of the narrower caches (--quality, instead): over QUALITY_TEXT, the full-vocabulary KL of
+each next-token distribution from the float32 and bfloat16 caches to the fp8 one's (one prefill each:
+runner.score), and the greedy agreement of 48-token continuations of eight prompts.
+
     .venv/bin/python bench/kv_cache_dtype.py [--memory 80MiB] [--rounds 3] [--threads 2] [--force]
+    .venv/bin/python bench/kv_cache_dtype.py --quality
 """
 
 from __future__ import annotations
@@ -36,6 +41,54 @@ def prompts(n: int) -> list[str]:
     return [f"{i}. About {SUBJECTS[i % len(SUBJECTS)]}: " + " ".join(
         f"Fact {j} on {SUBJECTS[(i + j) % len(SUBJECTS)]} number {i * 31 + j}: it is worth noting for reason {j * 7 % 13}." for j in range(7))
         for i in range(n)]
+
+
+QUALITY_TEXT = """\
+Lighthouses were once kept by families who lived at the foot of the tower. Every evening the keeper climbed
+the spiral stairs, trimmed the wick, polished the lens and wound the clockwork that turned it; on foggy
+nights he sounded a horn every thirty seconds until dawn. The work was lonely and exact. A logbook records
+each night: the weather, the ships that passed, the oil that burned. In 1939 the last keeper of the
+northern light wrote that a storm had broken three panes of the lantern room, and that he had held the
+lamp steady with his own hands until the glazier came by boat two days later. Automation arrived in the
+1960s: an electric lamp, a timer, a radio link to the coast. The keepers' cottages became holiday houses,
+and the logbooks went to a museum, where a visitor can read, in faded ink, the names of ships long since
+broken up, and the quiet remark, written on a clear night in June, that nothing at all had happened.
+"""
+QUALITY_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.", "List three prime numbers:",
+                   "Once upon a time, in a small village,", "The main causes of inflation are", "Translate 'good morning' into Spanish:",
+                   "SELECT name FROM users WHERE")
+
+
+def kl_rows(p_logits, q_logits):
+    """KL(p || q) of each row's softmax (float64)."""
+    import torch
+
+    p, q = torch.log_softmax(p_logits.double(), -1), torch.log_softmax(q_logits.double(), -1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+def quality(threads: int) -> None:
+    from kvpilot.server import SamplingParams
+
+    logits, greedy = {}, {}
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    for kv in DTYPES:
+        llm = LLM(quantization="gguf", kv_cache_dtype=kv, kv_cache_memory="64MiB", show_progress=False, num_threads=threads,
+                  enable_prefix_caching=False)
+        ids = llm.engine.tokenizer.encode(QUALITY_TEXT)
+        logits[kv] = llm.engine.runner.score(ids)
+        greedy[kv] = [o.outputs[0].token_ids for o in llm.generate(list(QUALITY_PROMPTS), params)]
+        llm.engine.close()
+    rows = []
+    for ref in ("auto", "bfloat16"):
+        kl = kl_rows(logits[ref], logits["fp8"])
+        agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(greedy[ref], greedy["fp8"])]
+        same_top = (logits[ref].argmax(-1) == logits["fp8"].argmax(-1)).float().mean().item()
+        rows.append({"reference cache": "float32" if ref == "auto" else ref, "positions": len(kl), "mean KL(ref || fp8)": f"{kl.mean():.2e}",
+                     "max KL": f"{kl.max():.2e}", "same argmax": f"{same_top:.1%}",
+                     "greedy tokens before divergence (of 48)": " ".join(map(str, agree))})
+    print(f"machine: {machine()}, gguf weights, QUALITY_TEXT ({len(kl)} tokens) and {len(QUALITY_PROMPTS)} prompts")
+    print(table(rows, list(rows[0])))
 
 
 def attention_call_ms(threads: int) -> dict[str, float]:
@@ -69,7 +122,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--quality", action="store_true", help="the caches' quality (KL, greedy agreement) instead of their speed")
     args = ap.parse_args()
+    if args.quality:
+        return quality(args.threads)
     refuse_if_busy(force=args.force)
     work = prompts(32)
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)

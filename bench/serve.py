@@ -174,6 +174,8 @@ def main() -> None:
     ap.add_argument("--gguf", action=argparse.BooleanOptionalAction, default=True, help="also run kvpilot with --quantization gguf")
     ap.add_argument("--bf16-kv", action=argparse.BooleanOptionalAction, default=True,
                     help="also run kvpilot gguf with --kv-cache-dtype bfloat16 (llama-server's cache is float16)")
+    ap.add_argument("--fp8-kv", action=argparse.BooleanOptionalAction, default=False,
+                    help="also run kvpilot gguf with --kv-cache-dtype fp8 (ratio rows vs the bf16 KV server)")
     ap.add_argument("--llama", action=argparse.BooleanOptionalAction, default=True, help="run llama-server (built on first use)")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
@@ -193,6 +195,8 @@ def main() -> None:
            if args.gguf else {}),
         **({"kvpilot (gguf, bf16 KV)": ([*kvpilot[:5], "18185", *kvpilot[6:], "--quantization", "gguf", "--kv-cache-dtype", "bfloat16"],
                                         "http://127.0.0.1:18185", "/ready", "smollm2-135m")} if args.gguf and args.bf16_kv else {}),
+        **({"kvpilot (gguf, fp8 KV)": ([*kvpilot[:5], "18186", *kvpilot[6:], "--quantization", "gguf", "--kv-cache-dtype", "fp8"],
+                                       "http://127.0.0.1:18186", "/ready", "smollm2-135m")} if args.gguf and args.fp8_kv else {}),
         **({f"kvpilot (fp32, {args.speculative})": ([*kvpilot[:5], "18183", *kvpilot[6:], "--speculative-method", args.speculative],
                                                    "http://127.0.0.1:18183", "/ready", "smollm2-135m")} if args.speculative else {}),
         **({"llama-server (Q4_1)": ([str(llama_server_binary()), "-m", str(gguf), "-t", "2", "--parallel", "16", "-c", "12288",
@@ -236,6 +240,8 @@ def main() -> None:
     llama_name, plain_name = "llama-server (Q4_1)", "kvpilot (fp32)"
     pairs = [(name, llama_name, f"{name.split(maxsplit=1)[1]}/llama") for name in results if name != llama_name and args.llama]
     pairs += [(name, plain_name, f"{args.speculative}/plain") for name in results if args.speculative and name.endswith(f"{args.speculative})")]
+    if "kvpilot (gguf, fp8 KV)" in results and "kvpilot (gguf, bf16 KV)" in results:
+        pairs.append(("kvpilot (gguf, fp8 KV)", "kvpilot (gguf, bf16 KV)", "fp8 KV/bf16 KV"))
     for name, base, label in pairs:
         for c in levels:
             a, b = results[name][c], results[base][c]

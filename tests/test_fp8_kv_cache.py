@@ -26,26 +26,23 @@ def _greedy(llm, prompts, tokens, logprobs=None):
     return llm.generate(list(prompts), SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=logprobs))
 
 
-def _kl(p: dict[int, float], q: dict[int, float]) -> float:
-    """KL(p || q) over p's top tokens (q's smallest listed logprob for a token it did not list)."""
-    floor = min(q.values())
-    return sum(math.exp(lp) * (lp - q.get(t, floor)) for t, lp in p.items())
-
-
 @pytest.mark.timeout(300)
 def test_fp8_cache_holds_four_times_float32_and_stays_close_to_it(monkeypatch):
     """In the same kv_cache_memory an FP8 cache has ≥ 4x float32's blocks (2x bfloat16's, less the scratch
     block); its per-layer scales are calibrated, identical at every start, and part of the prefix
-    cache's root key. On the ten oracle prompts the first token's distribution is within a mean KL of
-    0.03 of the float32 cache's (measured 0.006, max 0.023: e4m3 keeps 3 mantissa bits); the reference
-    kernels give the C++ kernels' tokens; a prompt whose prefix is cached gives the tokens it gave when
-    it computed that prefix (prefill rounds its new K/V as the cache stores them)."""
+    cache's root key. Over the oracle prompts as one text, the next-token distributions are within a
+    mean KL of 1e-2 of the float32 cache's (the issue's bound; measured 9.0e-3 here, 6.8e-3 over
+    bench/kv_cache_dtype.py's text: e4m3 keeps 3 mantissa bits). The reference kernels give the C++ kernels' tokens; prefix
+    caching, chunked prefill and preemption change nothing: a prompt whose prefix is cached, the same
+    prompt prefilled 16 tokens a step, and prompts preempted for want of blocks give the tokens of the
+    plain run (a prefill rounds its new K/V as the cache stores them, so every path reads the same values)."""
     from oracle import ORACLE_PROMPTS
 
     monkeypatch.setenv(KERNELS_ENV, "default")
     base = _llm(enable_prefix_caching=False)
     blocks = {"auto": base.engine.runner.num_blocks}
-    float_first = [o.outputs[0].logprobs[0] for o in _greedy(base, ORACLE_PROMPTS, 1, logprobs=20)]
+    text = base.engine.tokenizer.encode(" ".join(ORACLE_PROMPTS))
+    float_logits = base.engine.runner.score(text)
     base.engine.close()
     bf16 = _llm(kv_cache_dtype="bfloat16")
     blocks["bfloat16"] = bf16.engine.runner.num_blocks
@@ -64,9 +61,10 @@ def test_fp8_cache_holds_four_times_float32_and_stays_close_to_it(monkeypatch):
     assert len({v for _, v in scales}) >= 3  # per layer (V's range grows with depth here), not one constant
     assert fp8.engine.block_manager.salt != bf16_salt
 
-    first = _greedy(fp8, ORACLE_PROMPTS, 1, logprobs=20)
-    kls = [_kl(f, o.outputs[0].logprobs[0]) for f, o in zip(float_first, first)]
-    assert sum(kls) / len(kls) < 0.03 and max(kls) < 0.15, kls
+    p, q = torch.log_softmax(float_logits.double(), -1), torch.log_softmax(runner.score(text).double(), -1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    print(f"mean KL(float32 || fp8) over {len(kl)} positions: {kl.mean():.2e}")
+    assert len(kl) > 100 and kl.mean() < 1e-2, kl.mean()
 
     prompts = ORACLE_PROMPTS[:3]
     cpp = [o.outputs[0].token_ids for o in _greedy(fp8, prompts, 12)]
@@ -78,6 +76,13 @@ def test_fp8_cache_holds_four_times_float32_and_stays_close_to_it(monkeypatch):
     t = miss.outputs[0].token_ids
     assert max(abs(a[i] - b[i]) for a, b, i in zip(miss.outputs[0].logprobs, hit.outputs[0].logprobs, t)) < 1e-3
     fp8.engine.close()
+    chunked = _llm(kv_cache_dtype="fp8", max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert _greedy(chunked, [long], 12)[0].outputs[0].token_ids == t
+    chunked.engine.close()
+    small = _llm(kv_cache_dtype="fp8", kv_cache_memory="1MiB", enable_prefix_caching=False)  # 4 blocks for three sequences of 2
+    outs = _greedy(small, prompts, 12)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0 and [o.outputs[0].token_ids for o in outs] == cpp
+    small.engine.close()
 
     monkeypatch.setenv(KERNELS_ENV, "reference")
     ref = _llm(kv_cache_dtype="fp8")
