@@ -170,7 +170,7 @@ def test_unsupported_or_incomplete_checkpoints_are_clear_errors(family_checkpoin
         (set_config(architectures=["GPT2LMHeadModel"]), "architecture 'GPT2LMHeadModel' is not supported.*LlamaForCausalLM, MistralForCausalLM, "
                                                         "Qwen2ForCausalLM, Qwen3ForCausalLM"),
         (set_config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "RoPE scaling 'yarn' is not supported"),
-        (set_config(quantization_config={"quant_method": "fp8"}), "pre-quantized checkpoints .quant_method 'fp8'"),
+        (set_config(quantization_config={"quant_method": "bitsandbytes"}), "pre-quantized checkpoints .quant_method 'bitsandbytes'"),
         (lambda d: save_file({"model.layers.0.self_attn.o_proj.bias": torch.zeros(128)}, str(d / "extra.safetensors")),
          "weights the model does not use.*o_proj.bias"),
         (lambda d: (d / "tokenizer.json").unlink(), "no tokenizer.json"),
