@@ -35,6 +35,13 @@ class AttentionMetadata:
         return sum(self.prefill_query_lens)
 
     @classmethod
+    def one_prefill(cls, tokens: int, block_size: int, device: torch.device) -> AttentionMetadata:
+        """One sequence's whole prefill of `tokens` tokens into blocks 0.. (profiling, scoring, calibration)."""
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        table = torch.arange(-(-tokens // block_size), device=device)
+        return cls(torch.arange(tokens, device=device), [tokens], [tokens], [table], none.view(0, 0), none)
+
+    @classmethod
     def from_input(cls, inp) -> AttentionMetadata:
         """From a step's ModelInput (kvpilot.server.engine.model_io): prefills first, then decodes; the
         block tables are views of its one padded tensor (no per-sequence upload)."""

@@ -69,8 +69,6 @@ def calibrate(model, token_ids: list[int], block_size: int) -> list[tuple[float,
     shape = (blocks, block_size, model.num_kv_heads, c.head_dim)
     caches = [(torch.zeros(shape, dtype=model.norm.weight.dtype, device=device), torch.zeros(shape, dtype=model.norm.weight.dtype, device=device))
               for _ in range(c.num_layers)]
-    table = torch.arange(blocks, device=device)
-    none = torch.zeros(0, dtype=torch.long, device=device)
-    meta = AttentionMetadata(torch.arange(n, device=device), [n], [n], [table], none.view(0, 0), none)
+    meta = AttentionMetadata.one_prefill(n, block_size, device)
     model(torch.tensor(token_ids[:n], device=device), torch.arange(n, device=device), caches, meta)
     return [(scale_for(k), scale_for(v)) for k, v in caches]

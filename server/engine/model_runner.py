@@ -259,9 +259,8 @@ class ModelRunner:
         blocks = -(-tokens // self.block_size)
         caches = {id(m): [(torch.zeros(blocks, self.block_size, m.num_kv_heads, m.config.head_dim, dtype=self.kv_dtype, device=self.device),) * 2
                           for _ in range(m.config.num_layers)] for m in models}
-        table = torch.arange(blocks, device=self.device)
-        none = table.new_zeros(0)
-        prefill = AttentionMetadata(torch.arange(tokens, device=self.device), [tokens], [tokens], [table], none.view(0, 0), none)
+        prefill = AttentionMetadata.one_prefill(tokens, self.block_size, self.device)
+        table = prefill.prefill_block_tables[0]
         # Decode tables as wide as the graphs' can be (the split-K buffers grow with the width); one token of context each.
         width = -(-self.model.config.max_position // self.block_size)
         decode = AttentionMetadata(table.new_zeros(rows), [], [], [], table.new_zeros(rows, width), table.new_ones(rows))
@@ -339,8 +338,7 @@ class ModelRunner:
         blocks = -(-n // self.block_size)
         if self.workers is not None or blocks > self.num_blocks:
             raise ValueError(f"score: {n} tokens need {blocks} KV blocks of {self.num_blocks}, and one process")
-        meta = AttentionMetadata(torch.arange(n, device=self.device), [n], [n], [torch.arange(blocks, device=self.device)],
-                                 torch.zeros(0, 0, dtype=torch.long, device=self.device), torch.zeros(0, dtype=torch.long, device=self.device))
+        meta = AttentionMetadata.one_prefill(n, self.block_size, self.device)
         ids = torch.tensor(token_ids, device=self.device)
         return self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)).float()
 
