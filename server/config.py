@@ -352,6 +352,11 @@ class ServerConfig(BaseModel):
         "Return <think>...</think> as reasoning_content: qwen3 (the block opens the output) or deepseek_r1 (the template opens "
         "it: everything before </think> is reasoning); unset: reasoning stays in content."))
 
+    engine_core_process: bool = Field(False, description=(
+        "Run the scheduler and the model runner in a process of their own (the engine core), behind a local socket; this process "
+        "keeps HTTP, tokenization, chat templates, detokenizing and stop strings, so their Python never holds the step loop's GIL "
+        "(vLLM V1's and SGLang's split). Off by default until measured to pay (docs/engine.md#the-engine-core-in-its-own-process)."))
+
     @field_validator("max_request_body_bytes", "max_buffered_request_bytes", mode="before")
     @classmethod
     def _body_size(cls, v: Any) -> int:

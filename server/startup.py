@@ -39,6 +39,18 @@ def mark(name: str) -> None:
     _marks.setdefault(name, time.time())
 
 
+def marks() -> dict[str, float]:
+    return dict(_marks)
+
+
+def adopt(marks_elsewhere: dict[str, float]) -> None:
+    """Take the engine's marks from the engine core's process (the server's process started first:
+    its start is where the phases begin)."""
+    for name, at in marks_elsewhere.items():
+        if name in MARKS:
+            _marks.setdefault(name, at)
+
+
 def phases() -> dict[str, float]:
     """Seconds per phase reached so far."""
     times = {"process_start": process_start_time(), **_marks}

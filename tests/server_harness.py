@@ -16,6 +16,11 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# `kvpilot serve` with the engine in the server's process, and with the engine core in its own
+# (--engine-core-process): the server tests run in both.
+SERVER_MODES = {"one-process": (), "core-process": ("--engine-core-process",)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,7 +15,7 @@ from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.sequence import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
-OUTPUT_STATE = {"text", "emitted_text_len", "logprobs", "prompt_logprobs", "cumulative_logprob", "detokenizer", "stop_reason", "error",
+OUTPUT_STATE = {"text", "emitted_len", "logprobs", "prompt_logprobs", "cumulative_logprob", "detokenizer", "stop_reason", "error",
                 "finish_reason", "arrival_time", "scheduled_time", "first_token_time", "last_token_time", "finish_time"}
 PROPOSER_STATE = {"spec_recent_proposed", "spec_recent_accepted", "spec_paused_steps", "spec_pause_length"}
 

@@ -55,9 +55,9 @@ def test_tier_hits_equal_plain_decoding_after_eviction_and_after_a_restart(tmp_p
     prompt_blocks = (len(llm.engine.tokenizer.encode(PROMPTS[0])) - 1) // BLOCK
     assert hits == prompt_blocks, (hits, prompt_blocks)  # every block but the last token's came from disk
 
-    from kvpilot.server.api.metrics import _EngineCollector
+    from kvpilot.server.api.metrics import EngineCollector
 
-    samples = {s.name: s.value for family in _EngineCollector(llm.engine, "m", lambda: 0).collect() for s in family.samples}
+    samples = {s.name: s.value for family in EngineCollector(llm.engine, "m").collect() for s in family.samples}
     assert samples["kvpilot:kv_offload_hit_blocks_total"] == hits and samples["kvpilot:kv_offload_saved_bytes_total"] > 0
     assert samples["kvpilot:kv_offload_bytes"] == tier.total_bytes() > 0
 
@@ -180,7 +180,7 @@ def test_host_tier_hits_equal_plain_decoding_set_by_kv_transfer_config(tmp_path,
     """Both tiers from vLLM's JSON: after eviction from the engine's cache a prompt comes back from the
     host tier (nothing read from disk); a restarted engine has an empty host tier and reads the disk."""
     from kvpilot.server import LLM
-    from kvpilot.server.api.metrics import _EngineCollector
+    from kvpilot.server.api.metrics import EngineCollector
 
     transfer = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                            "kv_connector_extra_config": {"host_size": "64MiB", "disk_dir": str(tmp_path)}})
@@ -194,7 +194,7 @@ def test_host_tier_hits_equal_plain_decoding_set_by_kv_transfer_config(tmp_path,
     assert greedy(llm, [PROMPTS[0]]) == reference[:1]
     prompt_blocks = (len(llm.engine.tokenizer.encode(PROMPTS[0])) - 1) // BLOCK
     assert host.stats.hit_blocks == prompt_blocks and disk.stats.hit_blocks == 0, (host.stats, disk.stats)
-    samples = {s.name: s.value for family in _EngineCollector(llm.engine, "m", lambda: 0).collect() for s in family.samples}
+    samples = {s.name: s.value for family in EngineCollector(llm.engine, "m").collect() for s in family.samples}
     assert samples["kvpilot:kv_host_tier_hit_blocks_total"] == prompt_blocks
     assert samples["kvpilot:kv_host_tier_bytes"] == host.total_bytes() == host.stats.saved_bytes > 0
 

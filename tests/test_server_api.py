@@ -9,34 +9,55 @@ import time
 import httpx
 import pytest
 
-from server_harness import metrics, serve_for_tests, wait_until_freed
+from server_harness import SERVER_MODES, metrics, serve_for_tests, wait_until_freed
 
 MODEL = "smollm2-135m"
+FLAGS = ("--max-num-seqs", "8", "--max-waiting-requests", "16", "--kv-cache-memory", "256MiB", "--max-model-len", "2048")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from serve_for_tests(tmp_path_factory, "--max-num-seqs", "8", "--max-waiting-requests", "16", "--kv-cache-memory", "256MiB",
-                               "--max-model-len", "2048")
+    yield from serve_for_tests(tmp_path_factory, *FLAGS)
 
 
 @pytest.fixture(scope="module")
-def client(server):
+def core_server(tmp_path_factory):
+    """The same server with the engine core in its own process (--engine-core-process)."""
+    yield from serve_for_tests(tmp_path_factory, *FLAGS, *SERVER_MODES["core-process"])
+
+
+@pytest.fixture(params=list(SERVER_MODES))
+def served(request):
+    """The tests whose path crosses the engine run against both servers (the others are the HTTP layer's, the same in both)."""
+    return request.getfixturevalue("server" if request.param == "one-process" else "core_server")
+
+
+def openai_client(server):
     from openai import OpenAI
 
     return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server)
+
+
+@pytest.fixture
+def served_client(served):
+    return openai_client(served)
+
+
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
-def test_chat_and_completion_basic(client):
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+def test_chat_and_completion_basic(served_client):
+    chat = served_client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
     assert chat.choices[0].finish_reason in ("stop", "length")
     assert chat.usage.completion_tokens <= 16 and chat.usage.prompt_tokens > 10
     assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
-    comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    comp = served_client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert comp.choices[0].text.strip().startswith("Paris")
     assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == 8
 
@@ -46,55 +67,55 @@ def test_models_endpoint(client):
     assert m.id == MODEL
 
 
-def test_streamed_text_equals_non_streamed(client):
+def test_streamed_text_equals_non_streamed(served_client):
     kw = dict(model=MODEL, messages=CHAT, max_tokens=24, temperature=0.8, seed=42)
-    full = client.chat.completions.create(**kw).choices[0].message.content
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    full = served_client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(served_client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == full
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
     assert chunks[-1].usage is not None and chunks[-1].choices == []
     comp_kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0.7, seed=7)
-    text = client.completions.create(**comp_kw).choices[0].text
-    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **comp_kw)) == text
+    text = served_client.completions.create(**comp_kw).choices[0].text
+    assert "".join(c.choices[0].text for c in served_client.completions.create(stream=True, **comp_kw)) == text
 
 
-def test_seed_reproducible_and_n(client):
+def test_seed_reproducible_and_n(served_client):
     kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=1234, n=2, extra_body={"ignore_eos": True})
-    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    a, b = served_client.completions.create(**kw), served_client.completions.create(**kw)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert a.choices[0].text != a.choices[1].text
     assert sorted(c.index for c in a.choices) == [0, 1]
     assert a.usage.completion_tokens == 2 * 12
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=1.0, n=2, seed=3)
+    chat = served_client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=1.0, n=2, seed=3)
     assert len(chat.choices) == 2
 
 
-def test_stop_strings(client):
-    full = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
+def test_stop_strings(served_client):
+    full = served_client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
     assert " 6" in full
-    cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 6"])
+    cut = served_client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[" 6"])
     assert cut.choices[0].text == full[: full.index(" 6")] and cut.choices[0].finish_reason == "stop"
 
 
-def test_logprobs(client):
-    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=3)
+def test_logprobs(served_client):
+    r = served_client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 4 and all(len(t) >= 3 for t in lp.top_logprobs)
     assert all(v <= 0 for v in lp.token_logprobs)
-    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    c = served_client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
     content = c.choices[0].logprobs.content
     assert len(content) == 3 and all(len(x.top_logprobs) == 2 for x in content)
 
 
-def test_greedy_http_equals_offline_llm(client):
-    from kvpilot.server import LLM, SamplingParams
+def test_greedy_http_equals_offline_llm(served_client):
+    from kvpilot.served import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def add(a, b):", "Water boils at"]
     llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="64MiB")
     offline = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
-    http = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    http = [served_client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
             for p in prompts]
     assert http == offline
 
@@ -164,15 +185,15 @@ def test_malformed_json_404_405(server):
     assert r.status_code == 405 and r.json()["error"]["message"]
 
 
-def test_metrics_are_true(server, client):
-    before = metrics(server.url)
+def test_metrics_are_true(served, served_client):
+    before = metrics(served.url)
     prompts = ["Count to five:", "The sky is", "Cats are"]
     total_prompt = 0
     for p in prompts:
-        r = client.completions.create(model=MODEL, prompt=p, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+        r = served_client.completions.create(model=MODEL, prompt=p, max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
         total_prompt += r.usage.prompt_tokens
-    client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=30, temperature=0, stop=[","])
-    after = metrics(server.url)
+    served_client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=30, temperature=0, stop=[","])
+    after = metrics(served.url)
 
     def d(name):
         return after.get(name, 0) - before.get(name, 0)
@@ -181,7 +202,7 @@ def test_metrics_are_true(server, client):
     assert d(p + "request_success_total{finished_reason=length}") == 3
     assert d(p + "request_success_total{finished_reason=stop}") == 1
     assert d(p + "generation_tokens_total") >= 21
-    assert d(p + "prompt_tokens_total") == total_prompt + len(httpx.post(server.url + "/tokenize", json={"prompt": "1, 2, 3,"}).json()["tokens"])
+    assert d(p + "prompt_tokens_total") == total_prompt + len(httpx.post(served.url + "/tokenize", json={"prompt": "1, 2, 3,"}).json()["tokens"])
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert d(p + h + "_count") == 4, h
         assert d(p + h + "_sum") > 0 or h == "request_queue_time_seconds"
@@ -191,13 +212,13 @@ def test_metrics_are_true(server, client):
     assert after[p + "kv_cache_usage_perc"] == 0.0
 
 
-def test_vllm_metric_names_carry_the_same_values(server, client):
+def test_vllm_metric_names_carry_the_same_values(served, served_client):
     """Routers and autoscalers built for vLLM read vllm:-named series (#42): every aliased family is
     there under both names with the same samples, and nothing else is renamed."""
-    from kvpilot.server.api.metrics import VLLM_ALIASED
+    from kvpilot.served.api.metrics import VLLM_ALIASED
 
-    client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
-    m = metrics(server.url)
+    served_client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    m = metrics(served.url)
     ours = {k.removeprefix("kvpilot:"): v for k, v in m.items() if k.startswith("kvpilot:")}
     theirs = {k.removeprefix("vllm:"): v for k, v in m.items() if k.startswith("vllm:")}
     aliased = {k: v for k, v in ours.items() if any(k == n or k.startswith((n + "_", n + "{")) for n in VLLM_ALIASED)}
@@ -219,29 +240,29 @@ def test_kv_usage_rises_while_requests_hold_blocks_and_returns(server):
     assert end["kvpilot:kv_cache_usage_perc"] == 0.0 and end["kvpilot:num_requests_running"] == 0
 
 
-def test_client_disconnect_aborts_and_frees_blocks(server):
-    before = metrics(server.url)
+def test_client_disconnect_aborts_and_frees_blocks(served):
+    before = metrics(served.url)
     body = {"prompt": "Tell me everything about the ocean.", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 10:
                 break  # leave mid-stream
-    assert httpx.get(server.url + "/health").status_code == 200  # the server is still there
-    freed = wait_until_freed(server.url)
+    assert httpx.get(served.url + "/health").status_code == 200  # the served is still there
+    freed = wait_until_freed(served.url)
     assert freed
-    after = metrics(server.url)
+    after = metrics(served.url)
     assert after.get("kvpilot:request_success_total{finished_reason=abort}", 0) - before.get("kvpilot:request_success_total{finished_reason=abort}", 0) == 1
     assert after["kvpilot:generation_tokens_total"] - before["kvpilot:generation_tokens_total"] < 1500
 
 
-def test_health_answers_fast_while_engine_is_saturated(server):
+def test_health_answers_fast_while_engine_is_saturated(served):
     stop = threading.Event()
     errors: list[str] = []
 
     def load():
         with httpx.Client(timeout=120) as c:
             while not stop.is_set():
-                r = c.post(server.url + "/v1/completions", json={"prompt": "Describe a city. " * 40, "max_tokens": 40, "ignore_eos": True})
+                r = c.post(served.url + "/v1/completions", json={"prompt": "Describe a city. " * 40, "max_tokens": 40, "ignore_eos": True})
                 if r.status_code >= 500:
                     errors.append(r.text)
 
@@ -253,10 +274,10 @@ def test_health_answers_fast_while_engine_is_saturated(server):
         worst = 0.0
         for _ in range(10):
             t0 = time.monotonic()
-            assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+            assert httpx.get(served.url + "/health", timeout=5).status_code == 200
             worst = max(worst, time.monotonic() - t0)
             time.sleep(0.3)
-        assert metrics(server.url)["kvpilot:num_requests_running"] >= 1
+        assert metrics(served.url)["kvpilot:num_requests_running"] >= 1
     finally:
         stop.set()
         for t in threads:

@@ -7,12 +7,16 @@ import threading
 import time
 
 import httpx
+import pytest
 
-from server_harness import ServerProcess, metrics
+from server_harness import SERVER_MODES, ServerProcess, metrics
+
+both_modes = pytest.mark.parametrize("mode", list(SERVER_MODES))  # the engine in the server's process, and in its own
 
 
-def test_overload_gets_429_with_retry_after_and_server_survives(tmp_path):
-    s = ServerProcess("--max-num-seqs", "4", "--max-waiting-requests", "16", "--kv-cache-memory", "128MiB",
+@both_modes
+def test_overload_gets_429_with_retry_after_and_server_survives(tmp_path, mode):
+    s = ServerProcess("--max-num-seqs", "4", "--max-waiting-requests", "16", "--kv-cache-memory", "128MiB", *SERVER_MODES[mode],
                       log_path=tmp_path / "log").wait_ready()
     try:
         async def burst():
@@ -35,9 +39,10 @@ def test_overload_gets_429_with_retry_after_and_server_survives(tmp_path):
         assert s.terminate() == 0
 
 
-def test_api_key(tmp_path):
+@both_modes
+def test_api_key(tmp_path, mode):
     launched = time.time()
-    s = ServerProcess("--kv-cache-memory", "64MiB", env={"KVPILOT_API_KEY": "sekret-key-123"}, log_path=tmp_path / "log").wait_ready()
+    s = ServerProcess("--kv-cache-memory", "64MiB", *SERVER_MODES[mode], env={"KVPILOT_API_KEY": "sekret-key-123"}, log_path=tmp_path / "log").wait_ready()
     try:
         # The start-up record the operator reads for a pod's cold start (from /metrics, open to it without the key).
         from kvpilot.operator.cold_start import engine_startup
@@ -62,8 +67,9 @@ def test_api_key(tmp_path):
     assert "sekret-key-123" not in s.log()
 
 
-def test_sigterm_drains_in_flight_then_exits_zero(tmp_path):
-    s = ServerProcess("--kv-cache-memory", "64MiB", "--shutdown-grace-seconds", "30", log_path=tmp_path / "log").wait_ready()
+@both_modes
+def test_sigterm_drains_in_flight_then_exits_zero(tmp_path, mode):
+    s = ServerProcess("--kv-cache-memory", "64MiB", "--shutdown-grace-seconds", "30", *SERVER_MODES[mode], log_path=tmp_path / "log").wait_ready()
     result: dict = {}
 
     def long_request():
@@ -103,11 +109,12 @@ def fuzz_operation(operation, failures: list[str]) -> None:
     given(case=operation.as_strategy())(run)()
 
 
-def test_schema_fuzzing_finds_no_5xx(tmp_path):
+@both_modes
+def test_schema_fuzzing_finds_no_5xx(tmp_path, mode):
     """schemathesis drives the app's own OpenAPI schema (~50 examples per operation, max_tokens capped)."""
     import schemathesis
 
-    s = ServerProcess("--kv-cache-memory", "64MiB", "--max-model-len", "512", log_path=tmp_path / "log").wait_ready()
+    s = ServerProcess("--kv-cache-memory", "64MiB", "--max-model-len", "512", *SERVER_MODES[mode], log_path=tmp_path / "log").wait_ready()
     try:
         schema = schemathesis.openapi.from_url(s.url + "/openapi.json")
         failures: list[str] = []

@@ -146,7 +146,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def models():
         base = {"id": serving.model_name, "object": "model", "created": int(state.started), "owned_by": "kvpilot",
                 "root": serving.model_name, "parent": None, "max_model_len": serving.max_model_len}
-        lora = state.engine.engine.lora
+        lora = state.engine.lora
         adapters = [{**base, "id": a.name, "root": a.source, "parent": serving.model_name, "created": int(a.loaded_at)}
                     for a in (list(lora.by_name.values()) if lora else [])]
         return {"object": "list", "data": [base, *adapters]}
@@ -173,7 +173,7 @@ def build_app(state: ServerState) -> FastAPI:
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     def runtime_lora():
-        lora = state.engine.engine.lora
+        lora = state.engine.lora
         if lora is None or not config.allow_runtime_lora:
             raise APIError(400, "run-time LoRA loading is off (the server needs --enable-lora, --allow-runtime-lora and --lora-dir)",
                            code="runtime_lora_disabled")
@@ -214,24 +214,34 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        if state.metrics.core is not None:  # the engine core's own families, read from its process now
+            state.metrics.core.text = await state.engine.scrape()
         return PlainTextResponse(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
 def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_progress: bool = True) -> ServerState:
-    from kvpilot.server.engine.llm_engine import LLMEngine
-
     if server_config.allow_runtime_lora and not engine_config.enable_lora:
         raise ValueError("allow_runtime_lora needs the engine's enable_lora")
+    if server_config.engine_core_process:
+        from kvpilot.server.api.core_client import EngineCoreClient
 
-    async_engine = AsyncEngine.launch(lambda: LLMEngine(engine_config, show_progress=show_progress), server_config.max_waiting_requests)
-    engine = async_engine.engine
-    metrics = EngineMetrics(engine, engine.served_model_name, pending=lambda: async_engine._pending)
+        if engine_config.enable_lora:
+            raise ValueError("engine_core_process with enable_lora is not implemented yet (adapters are registered on the engine's "
+                             "thread); run without --engine-core-process")
+        async_engine = EngineCoreClient.launch_core(engine_config, server_config.max_waiting_requests, server_config.log_level)
+        tokenizer, name, limits, engine = async_engine.tokenizer, async_engine.served_model_name, async_engine.limits, None
+    else:
+        from kvpilot.server.engine.llm_engine import LLMEngine
+
+        async_engine = AsyncEngine.launch(lambda: LLMEngine(engine_config, show_progress=show_progress), server_config.max_waiting_requests)
+        engine = async_engine.engine
+        tokenizer, name, limits = engine.tokenizer, engine.served_model_name, engine.limits
+    metrics = EngineMetrics(engine, name, pending=lambda: async_engine._pending)
     async_engine.on_step = lambda _engine, outputs, _dt: metrics.observe(outputs)
     pool = TokenizerPool(server_config.tokenizer_workers, server_config.max_pending_tokenizations)
-    serving = OpenAIServing(async_engine, engine.tokenizer, engine.served_model_name, engine.limits, pool,
-                            server_config.tool_call_parser, server_config.reasoning_parser)
+    serving = OpenAIServing(async_engine, tokenizer, name, limits, pool, server_config.tool_call_parser, server_config.reasoning_parser)
     return ServerState(async_engine, serving, metrics, server_config)
 
 

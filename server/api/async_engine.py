@@ -140,8 +140,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         for job in jobs:
             self._streams[job.request_id] = _Stream(loop, asyncio.Queue())
-            self._commands.put(("add", job))
-        self._wake.set()
+            self._post("add", job)
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of a submitted job; closing the iterator early (client gone) aborts it."""
@@ -176,8 +175,20 @@ class AsyncEngine:
             stream.queue.put_nowait(error)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._post("abort", request_id)
+
+    def _post(self, *command) -> None:
+        """A command for the engine thread, taken between steps."""
+        self._commands.put(command)
         self._wake.set()
+
+    @property
+    def lora(self):
+        """The engine's LoRA registry (None without --enable-lora); read it from the event loop only."""
+        return self.engine.lora
+
+    def model_names(self) -> list[str]:
+        return self.engine.model_names()
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps (a change to engine state, e.g. registering
@@ -186,8 +197,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._commands.put(("call", fn, loop, done))
-        self._wake.set()
+        self._post("call", fn, loop, done)
         return await done
 
     # --- engine thread ----------------------------------------------------------------------
@@ -201,11 +211,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 t = time.monotonic()
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # noqa: BLE001 - a bug outside the model step: fail what is open, go on
-                    log.exception("engine step failed outside the model: failing the open requests")
-                    outputs = [self.engine.fail_request(rid, f"engine step failed ({type(e).__name__}: {e})") for rid in list(self.engine.requests)]
+                outputs = self.engine.step_or_fail_open()
                 self._deliver_all([(out.request_id, out) for out in outputs])
                 if self.on_step:
                     self.on_step(self.engine, outputs, time.monotonic() - t)

@@ -14,6 +14,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.server import startup
 from kvpilot.server.engine.llm_engine import LLMEngine
@@ -31,8 +32,11 @@ COMPILE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
-class _EngineCollector:
-    def __init__(self, engine: LLMEngine, model_name: str, pending: callable):
+class EngineCollector:
+    """The engine's gauges and own counters, read from it at collection time (in the engine core's
+    process when it runs in its own, engine_core.py)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, pending: callable = lambda: 0):
         self.engine, self.model_name, self.pending = engine, model_name, pending
 
     def collect(self):
@@ -49,14 +53,6 @@ class _EngineCollector:
             c.add_metric(labels, value)
             return c
 
-        yield gauge("engine_start_time_seconds", "When the engine process started (Unix time): where its start-up phases begin.",
-                    startup.process_start_time())
-        phases = GaugeMetricFamily(P + "engine_startup_phase_seconds", "Seconds of each start-up phase: import (process start to the engine's "
-                                   "construction), load (weights, KV cache), warmup (decode graphs, grammar compiler), listen (HTTP server up).",
-                                   labels=["model_name", "phase"])
-        for phase, seconds in startup.phases().items():
-            phases.add_metric([self.model_name, phase], seconds)
-        yield phases
         yield gauge("kv_cache_usage_perc", "KV-cache blocks held by live requests, 0-1 (evictable prefix-cache blocks count as free).", s.kv_cache_usage)
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting + self.pending())
@@ -136,6 +132,36 @@ class _EngineCollector:
                       grammars.cache_hits)
 
 
+class StartupCollector:
+    """The server process's start and its start-up phases (server/startup.py)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+
+    def collect(self):
+        start = GaugeMetricFamily(P + "engine_start_time_seconds", "When the engine process started (Unix time): where its start-up phases "
+                                  "begin.", labels=["model_name"])
+        start.add_metric([self.model_name], startup.process_start_time())
+        yield start
+        phases = GaugeMetricFamily(P + "engine_startup_phase_seconds", "Seconds of each start-up phase: import (process start to the engine's "
+                                   "construction), load (weights, KV cache), warmup (decode graphs, grammar compiler), listen (HTTP server up).",
+                                   labels=["model_name", "phase"])
+        for phase, seconds in startup.phases().items():
+            phases.add_metric([self.model_name, phase], seconds)
+        yield phases
+
+
+class CoreFamilies:
+    """The engine core's EngineCollector families when the core runs in its own process: `text` is its
+    latest scrape (Prometheus text format), refreshed by the server right before each /metrics."""
+
+    def __init__(self):
+        self.text = ""
+
+    def collect(self):
+        yield from text_string_to_metric_families(self.text)
+
+
 class _WithVllmNames:
     """Every family of `source`, and right after each aliased one the same samples renamed
     kvpilot: -> vllm: (one collection: the two names always carry the same values)."""
@@ -156,12 +182,15 @@ class _WithVllmNames:
 class EngineMetrics:
     """`registry` is what /metrics serves: our families, each aliased one followed by its vLLM-named copy."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, pending: callable = lambda: 0):
+    def __init__(self, engine: LLMEngine | None, model_name: str, pending: callable = lambda: 0):
+        """engine None: the engine core runs in its own process; its families come from `core` (CoreFamilies)."""
         own = CollectorRegistry()
         self.registry = CollectorRegistry()
         self.registry.register(_WithVllmNames(own))
         self.model_name = model_name
-        own.register(_EngineCollector(engine, model_name, pending))
+        self.core = CoreFamilies() if engine is None else None
+        own.register(StartupCollector(model_name))
+        own.register(self.core or EngineCollector(engine, model_name, pending))
         kw = dict(labelnames=["model_name"], registry=own)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", **kw).labels(model_name)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", **kw).labels(model_name)
@@ -173,11 +202,13 @@ class EngineMetrics:
         self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
         self.grammar_compile = Histogram(P + "structured_output_compile_seconds", "Time to compile a structured-output constraint "
                                          "(cache misses).", buckets=COMPILE_BUCKETS, **kw).labels(model_name)
-        engine.grammars.observe_compile = self.grammar_compile.observe
+        if engine is not None:
+            engine.grammars.observe_compile = self.grammar_compile.observe
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (output tokens so far, time of last token)
 
     def observe(self, outputs: list[RequestOutput]) -> None:
-        """Called from the engine thread with each step's outputs (and aborted requests)."""
+        """Called with each step's outputs (and aborted requests): from the engine thread, or from the
+        thread that receives the engine core's outputs."""
         now = time.monotonic()
         for out in outputs:
             total = sum(len(o.token_ids) for o in out.outputs)

@@ -54,7 +54,9 @@ def _weakly(method):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, show_progress: bool = True):
+    def __init__(self, config: EngineConfig, show_progress: bool = True, detokenize: bool = True):
+        """detokenize=False: outputs carry token ids only, and stop strings are not matched here (the
+        engine core in its own process: the API process makes the text, engine_core.py)."""
         configure_threads(config.num_threads)
         # torch-side modules are imported only now, after the thread settings are in place.
         from kvpilot.server.engine.block_manager import BlockManager, cache_salt
@@ -72,7 +74,7 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or default_served_name(config.model)
         weights, self.tokenizer = open_model(self.model_path)
         self.model_config = weights.config
-        self._detokenizer = IncrementalDetokenizer
+        self._detokenizer = IncrementalDetokenizer if detokenize else None
         window = self.model_config.sliding_window
         if window and config.max_model_len and config.max_model_len > window:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window}: sliding-window attention is not "
@@ -286,7 +288,7 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
         self.output.add(request_id, prompt_text, admission.prompt_token_ids, seqs,
-                        lambda: self._detokenizer(self.tokenizer, params.skip_special_tokens), now)
+                        (lambda: self._detokenizer(self.tokenizer, params.skip_special_tokens)) if self._detokenizer else None, now)
         return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -294,6 +296,19 @@ class LLMEngine:
         if request_id not in self.requests:
             return None
         return self.output.abort(request_id)
+
+    def stop_sequence(self, request_id: str, index: int, stop: str) -> None:
+        """End one sequence at a stop string its text completed (the API process matches them when the
+        engine does not detokenize); a request all of whose sequences ended is dropped."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        seq = req.seqs[index]
+        if not seq.is_finished:
+            self.output.state(seq).stop_reason = stop
+            self.output.finish(seq, "stop")
+        if all(s.is_finished for s in req.seqs):
+            self.output.request_output(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -344,6 +359,15 @@ class LLMEngine:
         if failed is not None:
             outputs += self._isolate(failed)
         return outputs
+
+    def step_or_fail_open(self) -> list[RequestOutput]:
+        """step(), where a failure outside the model step (a bug) fails the open requests and the
+        engine goes on (the model step's own failures are contained by step())."""
+        try:
+            return self.step()
+        except Exception as e:  # noqa: BLE001
+            log.exception("engine step failed outside the model: failing the open requests")
+            return [self.fail_request(rid, f"engine step failed ({type(e).__name__}: {e})") for rid in list(self.requests)]
 
     def _isolate(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Re-run a failed batch one request at a time: only the requests whose own step fails end."""

@@ -20,12 +20,57 @@ from kvpilot.server.engine.sequence import Sequence
 
 
 @dataclass(slots=True)
+class TextState:
+    """One sequence's text: detokenized token by token, cut at the stop string it completes, and handed
+    out in deltas that never end inside what could still become a stop string. The engine keeps one per
+    sequence; with the engine core in its own process the API process does (engine_core.py)."""
+
+    detokenizer: Any
+    stops: list[str]
+    include_stop: bool = False
+    text: str = ""
+    emitted_len: int = 0
+
+    def add(self, token: int, check_stops: bool) -> str | None:
+        """Append a token's text; the stop string it completes, if any (the text is cut there)."""
+        old_len = len(self.text)
+        self.detokenizer.add(token)
+        self.text = self.detokenizer.text
+        if check_stops and self.stops:
+            hit = _find_stop(self.text, old_len, self.stops)
+            if hit is not None:
+                at, stop = hit
+                self.text = self.text[: at + (len(stop) if self.include_stop else 0)]
+                return stop
+        return None
+
+    def flush(self) -> None:
+        """The sequence ended other than at a stop string: what the decoder still held back."""
+        self.text += self.detokenizer.flush()
+
+    def delta(self, finished: bool) -> str:
+        """Text new since the last delta; while the sequence runs, text that could still turn out to
+        be the start of a stop string is held back."""
+        hold = 0 if finished else max((len(s) - 1 for s in self.stops), default=0)
+        end = max(self.emitted_len, len(self.text) - hold)
+        delta = self.text[self.emitted_len:end]
+        self.emitted_len = end
+        return delta
+
+
+def stop_check_applies(token: int, num_output_tokens: int, params, eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether a token's text is matched against the stop strings: not before min_tokens, and not when
+    the token itself ends the sequence (EOS, a stop token id)."""
+    if num_output_tokens < params.min_tokens:
+        return False
+    return not ((not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids)
+
+
+@dataclass(slots=True)
 class OutputState:
     """One sequence's output as the client sees it."""
 
-    detokenizer: Any
-    text: str = ""
-    emitted_text_len: int = 0
+    text: TextState | None                # None: the engine core hands out tokens, the API process the text
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     first_token_time: float | None = None
@@ -57,8 +102,11 @@ class OutputProcessor:
         self.requests: dict[str, Request] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: list[Sequence], detokenizer, arrival_time: float) -> None:
-        """Start the output state of a request's sequences; detokenizer() makes one per sequence."""
-        self.requests[request_id] = Request(request_id, prompt, prompt_token_ids, seqs, [OutputState(detokenizer()) for _ in seqs], arrival_time)
+        """Start the output state of a request's sequences; detokenizer() makes one per sequence (None:
+        no text here, the API process makes it from the tokens)."""
+        p = seqs[0].params
+        texts = [TextState(detokenizer(), p.stop, p.include_stop_str_in_output) if detokenizer else None for _ in seqs]
+        self.requests[request_id] = Request(request_id, prompt, prompt_token_ids, seqs, [OutputState(t) for t in texts], arrival_time)
 
     def state(self, seq: Sequence) -> OutputState:
         return self.requests[seq.request_id].outputs[seq.index]
@@ -100,28 +148,22 @@ class OutputProcessor:
         if logprobs is not None:
             out.logprobs.append(logprobs)
             out.cumulative_logprob += logprobs[token]
-        old_len = len(out.text)
-        out.detokenizer.add(token)
-        out.text = out.detokenizer.text
         reason, stop_reason = None, None
+        stop = out.text.add(token, stop_check_applies(token, len(seq.output_token_ids), p, self.eos_token_ids)) if out.text else None
         enough = len(seq.output_token_ids) >= p.min_tokens
         if enough and not p.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         elif enough and token in p.stop_token_ids:
             reason, stop_reason = "stop", token
-        elif enough and p.stop:
-            hit = _find_stop(out.text, old_len, p.stop)
-            if hit is not None:
-                at, stop = hit
-                out.text = out.text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
-                reason, stop_reason = "stop", stop
+        elif stop is not None:
+            reason, stop_reason = "stop", stop
         if reason is None and seq.guide is not None and seq.guide.is_stopped():
             reason = "stop"  # the constraint is complete and takes nothing more
         if reason is None and seq.length_reached():
             reason = "length"
         if reason is not None:
-            if not isinstance(stop_reason, str):  # a stop string already cut the text
-                out.text += out.detokenizer.flush()
+            if not isinstance(stop_reason, str) and out.text:  # a stop string already cut the text
+                out.text.flush()
             out.stop_reason = stop_reason
             self.finish(seq, reason)
 
@@ -151,13 +193,9 @@ class OutputProcessor:
         req = self.requests[request_id]
         outputs = []
         for seq, out in zip(req.seqs, req.outputs):
-            # Text that could still turn out to be the start of a stop string is held back.
-            hold = 0 if seq.is_finished else max((len(s) - 1 for s in seq.params.stop), default=0)
-            end = max(out.emitted_text_len, len(out.text) - hold)
-            delta = out.text[out.emitted_text_len:end]
-            out.emitted_text_len = end
+            delta = out.text.delta(seq.is_finished) if out.text else ""
             outputs.append(CompletionOutput(
-                index=seq.index, text=out.text, token_ids=list(seq.output_token_ids), finish_reason=out.finish_reason,
+                index=seq.index, text=out.text.text if out.text else "", token_ids=list(seq.output_token_ids), finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason, logprobs=list(out.logprobs) if seq.params.logprobs is not None else None,
                 cumulative_logprob=out.cumulative_logprob if seq.params.logprobs is not None else None, text_delta=delta))
         finished = all(s.is_finished for s in req.seqs)

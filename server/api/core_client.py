@@ -1,0 +1,304 @@
+"""The API process's side of the engine core in its own process (engine_core.py): the same interface as
+AsyncEngine (submit, stream, release, abort), with the engine's text made here.
+
+A receiver thread reads the core's StepOutputs, turns each RequestDelta into the RequestOutput the
+engine would have built (RequestTexts: detokenizing, stop strings and the held-back text, with the same
+TextState the engine uses), and hands a step's outputs to their streams with one wake-up per event
+loop. A stop string found here ends that sequence at once for the client and is sent to the core
+(StopSequence), which frees its blocks; tokens the core made after it are dropped.
+
+If the core dies, every open stream ends with an error, the cause goes to the log and the container's
+termination message, and this process exits non-zero (as for a dead tensor-parallel rank).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvpilot.server import startup
+from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, Job
+from kvpilot.server.api.engine_core import (
+    Abort,
+    AddRequest,
+    CoreFailed,
+    CoreReady,
+    RequestDelta,
+    Scrape,
+    Scraped,
+    SeqDelta,
+    Shutdown,
+    StepOutputs,
+    StopSequence,
+    core_main,
+    encoder,
+    reply_decoder,
+)
+from kvpilot.server.config import EngineConfig
+from kvpilot.server.engine.limits import RequestLimits
+from kvpilot.server.engine.output_processor import TextState, stop_check_applies
+from kvpilot.server.engine.outputs import CompletionOutput, RequestOutput
+from kvpilot.server.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("kvpilot.engine")
+START_TIMEOUT_S = float(os.environ.get("KVPILOT_CORE_START_TIMEOUT_SECONDS", "1800"))  # loading a large model from a slow disk
+DEAD_CORE_FLUSH_S = 1.0  # after the core died: time for open streams to write their error event before this process exits
+
+
+@dataclass(slots=True)
+class _SeqText:
+    text: TextState
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _RequestText:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_SeqText]
+    prompt_logprobs: list | None = None
+    finish_time: float | None = None   # when stop strings here ended its last sequence
+
+
+class RequestTexts:
+    """Every open request's text, made from the core's token deltas as the engine makes it in one process."""
+
+    def __init__(self, tokenizer, stop_sequence):
+        """stop_sequence(request_id, index, stop): tell the core that a stop string ended a sequence."""
+        self.tokenizer, self.stop_sequence = tokenizer, stop_sequence
+        self.requests: dict[str, _RequestText] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        from kvpilot.server.tokenizer import IncrementalDetokenizer
+
+        seqs = [_SeqText(TextState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), params.stop,
+                                   params.include_stop_str_in_output)) for _ in range(params.n)]
+        self.requests[request_id] = _RequestText(prompt, list(prompt_token_ids), params, seqs)
+
+    def apply(self, delta: RequestDelta) -> RequestOutput | None:
+        req = self.requests.get(delta.request_id)
+        if req is None:  # ended here already (stop strings): what the core made since is dropped
+            return None
+        if delta.prompt_logprobs is not None:
+            req.prompt_logprobs = delta.prompt_logprobs
+        for seq_delta in delta.seqs:
+            seq = req.seqs[seq_delta.index]
+            if seq.finish_reason is None:
+                self._extend(delta.request_id, req, seq, seq_delta)
+        finished = all(s.finish_reason is not None for s in req.seqs)
+        p = req.params
+        outputs = [CompletionOutput(i, s.text.text, list(s.token_ids), s.finish_reason, s.stop_reason,
+                                    list(s.logprobs) if p.logprobs is not None else None,
+                                    s.cumulative_logprob if p.logprobs is not None else None, s.text.delta(s.finish_reason is not None))
+                   for i, s in enumerate(req.seqs)]
+        metrics = delta.metrics
+        if finished:
+            del self.requests[delta.request_id]
+            if metrics.finish_time is None:
+                metrics.finish_time = req.finish_time
+        return RequestOutput(delta.request_id, req.prompt, req.prompt_token_ids, outputs, finished, req.prompt_logprobs, metrics,
+                             delta.num_cached_tokens, delta.error, delta.kv_transfer_params if finished else None)
+
+    def _extend(self, request_id: str, req: _RequestText, seq: _SeqText, delta: SeqDelta) -> None:
+        """Append a sequence's new tokens until a stop string ends it, then the core's finish, if any."""
+        eos = self.tokenizer.eos_token_ids
+        last = len(delta.token_ids) - 1
+        for j, token in enumerate(delta.token_ids):
+            seq.token_ids.append(token)
+            if delta.logprobs is not None:
+                seq.logprobs.append(delta.logprobs[j])
+                seq.cumulative_logprob += delta.logprobs[j][token]
+            stop = seq.text.add(token, stop_check_applies(token, len(seq.token_ids), req.params, eos))
+            if stop is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                req.finish_time = time.monotonic()
+                if not (j == last and delta.finish_reason is not None):  # the core still runs it
+                    self.stop_sequence(request_id, delta.index, stop)
+                return
+        if delta.finish_reason is not None:
+            if delta.finish_reason in ("stop", "length"):
+                seq.text.flush()
+            seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+class EngineCoreClient(AsyncEngine):
+    """AsyncEngine's interface over the engine core's process. `engine` stays None: the engine's facts
+    the server needs (tokenizer, limits, names) are made here from the core's CoreReady."""
+
+    tokenizer = None
+    limits: RequestLimits | None = None
+    served_model_name: str = ""
+
+    @classmethod
+    def launch_core(cls, config: EngineConfig, max_waiting_requests: int = 256, log_level: str = "info") -> EngineCoreClient:
+        """Start the core process and return once its engine is loaded (its load error raised here)."""
+        import zmq
+
+        from kvpilot.server.engine.structured import GrammarCompiler
+        from kvpilot.server.loading import open_model
+        from kvpilot.server.model_files import resolve_model_path
+
+        self = cls(max_waiting_requests=max_waiting_requests)
+        self._dir = tempfile.TemporaryDirectory(prefix="kvpilot-core-")
+        self._context = zmq.Context()
+        self._commands_socket = self._context.socket(zmq.PUSH)
+        self._commands_socket.setsockopt(zmq.SNDHWM, 0)  # no limit: a send never waits on a busy core
+        self._commands_socket.bind(f"ipc://{self._dir.name}/commands")
+        self._replies = self._context.socket(zmq.PULL)
+        self._replies.bind(f"ipc://{self._dir.name}/replies")
+        self._send_lock = threading.Lock()
+        self._sent_units = self._added_units = self._core_waiting = 0
+        self._scrapes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._scrape_ids = itertools.count()
+        self._process = mp.get_context("spawn").Process(
+            target=core_main, name="kvpilot-engine-core", daemon=False,
+            args=(config, f"ipc://{self._dir.name}/commands", f"ipc://{self._dir.name}/replies", os.getpid(), log_level))
+        self._process.start()
+        ready = self._await_ready()
+        startup.adopt(ready.startup_marks)
+        _weights, self.tokenizer = open_model(resolve_model_path(config.model))
+        grammars = GrammarCompiler(self.tokenizer.backend_json(), ready.vocab_size, self.tokenizer.eos_token_ids, num_threads=1)
+        self.limits = RequestLimits(ready.max_model_len, ready.vocab_size, grammars, config.kv_role)
+        self.served_model_name = ready.served_model_name
+        self.texts = RequestTexts(self.tokenizer, lambda rid, index, stop: self._send(StopSequence(rid, index, stop)))
+        self._thread = threading.Thread(target=self._receive, name="kvpilot-core-replies", daemon=True)
+        self._thread.start()
+        return self
+
+    def _await_ready(self) -> CoreReady:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._replies.poll(200):
+                reply = reply_decoder.decode(self._replies.recv())
+                if isinstance(reply, CoreReady):
+                    return reply
+                if isinstance(reply, CoreFailed):
+                    self._process.join(10)
+                    raise ValueError(f"the engine core failed to start: {reply.message}")
+            elif not self._process.is_alive():
+                raise RuntimeError(f"the engine core process exited while starting (exit code {self._process.exitcode})")
+        self._process.kill()
+        raise RuntimeError(f"the engine core did not start within {START_TIMEOUT_S:.0f}s")
+
+    # --- AsyncEngine's interface ----------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive() and self.fatal is None
+
+    def num_waiting(self) -> int:
+        """The core's waiting sequences as of its last outputs, and those sent since that it had not seen."""
+        return self._core_waiting + self._sent_units - self._added_units
+
+    def stop(self, timeout: float = 10) -> None:
+        self._stop.set()
+        if self._process.is_alive():
+            self._send(Shutdown())
+            self._process.join(timeout)
+            if self._process.is_alive():
+                self._process.kill()
+        if self._thread:
+            self._thread.join(timeout)
+        self._context.destroy(linger=0)
+        self._dir.cleanup()
+
+    @property
+    def lora(self):
+        return None  # LoRA with the core in its own process is refused at start (create_state)
+
+    def model_names(self) -> list[str]:
+        return [self.served_model_name]
+
+    def _post(self, kind: str, *payload) -> None:
+        if kind == "add":
+            job: Job = payload[0]
+            a = job.admission
+            self.texts.add(job.request_id, None, a.prompt_token_ids, a.params)
+            with self._lock:
+                self._pending -= a.params.n  # the core's count (added_units) covers it from here
+                self._sent_units += a.params.n
+            self._send(AddRequest(job.request_id, a.prompt_token_ids, a.params, a.adapter, time.monotonic(), a.params.n))
+        elif kind == "abort":
+            self._send(Abort(payload[0]))
+        else:
+            raise NotImplementedError(f"{kind!r} is not available with the engine core in its own process")
+
+    def _send(self, command) -> None:
+        """Never blocks: the queue toward a live core is unbounded, and toward a dead one (no peer: a
+        blocking send would wait forever) the command is dropped; the receiver reports the death."""
+        import zmq
+
+        with self._send_lock:  # the event loop and the receiver thread both send; a ZeroMQ socket is one thread's at a time
+            try:
+                self._commands_socket.send(encoder.encode(command), zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                log.warning("the engine core is not connected: %s dropped", type(command).__name__)
+
+    async def scrape(self) -> str:
+        """The core's metric families (Prometheus text), read between its steps."""
+        if not self.alive:
+            return ""
+        loop = asyncio.get_running_loop()
+        token = next(self._scrape_ids)
+        done = loop.create_future()
+        self._scrapes[token] = (loop, done)
+        self._send(Scrape(token))
+        try:
+            return await asyncio.wait_for(done, 30)
+        finally:
+            self._scrapes.pop(token, None)
+
+    # --- receiver thread ------------------------------------------------------------------
+    def _receive(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.heartbeat = time.monotonic()
+                if not self._replies.poll(200):
+                    if not self._process.is_alive():
+                        self._core_died(f"the engine core process died (exit code {self._process.exitcode})")
+                        return
+                    continue
+                reply = reply_decoder.decode(self._replies.recv())
+                if isinstance(reply, StepOutputs):
+                    self._added_units, self._core_waiting = reply.added_units, reply.num_waiting
+                    outputs = [out for out in map(self.texts.apply, reply.requests) if out is not None]
+                    self._deliver_all([(out.request_id, out) for out in outputs])
+                    if self.on_step:
+                        self.on_step(None, outputs, reply.step_seconds)
+                elif isinstance(reply, Scraped):
+                    waiter = self._scrapes.get(reply.token)
+                    if waiter is not None:
+                        waiter[0].call_soon_threadsafe(_resolve, waiter[1], reply.text)
+                elif isinstance(reply, CoreFailed):
+                    self._process.join(5)
+                    self._core_died(reply.message)
+                    return
+        except BaseException as e:  # noqa: BLE001 - this thread is the only way outputs arrive: without it nothing can be served
+            log.exception("the engine core's receiver failed")
+            self._core_died(f"the engine core's receiver failed ({type(e).__name__}: {e})")
+
+    def _core_died(self, cause: str) -> None:
+        """Fail every open stream, give them a moment to write their error event, then exit non-zero."""
+        from kvpilot.server.engine.parallel import fatal
+
+        self.fatal = EngineDeadError(cause)
+        log.critical("%s: failing %d open requests", cause, len(self._streams))
+        self._deliver_all([(rid, EngineDeadError(f"engine failed: {cause}")) for rid in list(self._streams)])
+        time.sleep(DEAD_CORE_FLUSH_S)
+        fatal(cause)
+
+
+def _resolve(done: asyncio.Future, text: str) -> None:
+    if not done.done():
+        done.set_result(text)

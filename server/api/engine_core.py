@@ -1,0 +1,222 @@
+"""The engine core in its own process (`kvpilot serve --engine-core-process`): the scheduler + model
+runner loop, behind two local ZeroMQ sockets, and the typed messages the API process exchanges with it.
+
+The API process (core_client.py) keeps HTTP, tokenization, chat templates, admission, detokenizing and
+stop strings; the core runs LLMEngine(detokenize=False) and its step loop. Requests go in as
+AddRequest (the admitted prompt ids and parameters; the core admits them again with its own limits,
+which compiles a structured-output constraint into its own grammar cache), and each step's outputs come
+back as token ids: one RequestDelta per request the step touched, with the tokens new since the last
+(and their logprobs), and why a sequence ended. A stop string found by the API process comes back as
+StopSequence. Messages are msgpack (msgspec), typed on both sides; nothing is pickled after start-up.
+
+The core ignores SIGTERM and SIGINT (the API process drains, then sends Shutdown), and exits when the
+API process is gone. Its start-up failure comes back as CoreFailed; so does a crash of its loop, after
+which it exits non-zero (the API process fails open streams and exits, see core_client.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import msgspec
+
+from kvpilot.server import startup
+from kvpilot.server.config import EngineConfig
+from kvpilot.server.engine.outputs import RequestMetrics, RequestOutput
+from kvpilot.server.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("kvpilot.engine_core")
+IDLE_POLL_MS = 200  # an idle core's wait for a command; also how often it checks that the API process lives
+
+
+# --- API process -> core ---------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+    arrival_time: float
+    units: int                  # sequences it adds to the waiting queue (params.n)
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    request_id: str
+
+
+class StopSequence(msgspec.Struct, tag="stop", array_like=True):
+    request_id: str
+    index: int
+    stop: str
+
+
+class Scrape(msgspec.Struct, tag="scrape", array_like=True):
+    token: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+Command = AddRequest | Abort | StopSequence | Scrape | Shutdown
+
+
+# --- core -> API process ---------------------------------------------------------------------------
+class SeqDelta(msgspec.Struct, array_like=True):
+    index: int
+    token_ids: list[int]                       # new since the request's previous delta
+    logprobs: list[dict[int, float]] | None    # one entry per new token, when asked for
+    finish_reason: str | None                  # the core's: EOS / stop token id / length / abort / error
+    stop_reason: int | None
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    seqs: list[SeqDelta]
+    metrics: RequestMetrics
+    num_cached_tokens: int
+    prompt_logprobs: list[dict[int, float] | None] | None  # in the request's first delta only
+    error: str | None
+    kv_transfer_params: dict | None
+
+
+class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    requests: list[RequestDelta]
+    added_units: int            # sequences added since the core started: the API process's pending count is what it sent beyond
+    num_waiting: int            # sequences in the scheduler's waiting queue
+    step_seconds: float
+
+
+class CoreReady(msgspec.Struct, tag="ready", array_like=True):
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    startup_marks: dict[str, float]    # the engine's start-up marks (server/startup.py), taken by the server's process
+
+
+class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
+    message: str
+
+
+class Scraped(msgspec.Struct, tag="scraped", array_like=True):
+    token: int
+    text: str                   # the core's metric families, Prometheus text format
+
+
+Reply = StepOutputs | CoreReady | CoreFailed | Scraped
+
+encoder = msgspec.msgpack.Encoder()
+command_decoder = msgspec.msgpack.Decoder(Command)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+class DeltaTracker:
+    """Turns the engine's RequestOutputs (every token so far) into deltas (the tokens since the last)."""
+
+    def __init__(self):
+        self.sent: dict[str, list[int]] = {}   # request id -> tokens already sent, per sequence
+
+    def delta(self, out: RequestOutput) -> RequestDelta:
+        first = out.request_id not in self.sent
+        sent = self.sent.setdefault(out.request_id, [0] * len(out.outputs))
+        seqs = []
+        for o in out.outputs:
+            start = sent[o.index]
+            seqs.append(SeqDelta(o.index, o.token_ids[start:], o.logprobs[start:] if o.logprobs is not None else None, o.finish_reason,
+                                 o.stop_reason if isinstance(o.stop_reason, int) else None))
+            sent[o.index] = len(o.token_ids)
+        if out.finished:
+            del self.sent[out.request_id]
+        metrics = out.metrics or RequestMetrics(time.monotonic())
+        return RequestDelta(out.request_id, seqs, metrics, out.num_cached_tokens, out.prompt_logprobs if first else None, out.error,
+                            out.kv_transfer_params)
+
+
+def core_main(config: EngineConfig, commands_address: str, replies_address: str, parent_pid: int, log_level: str) -> None:
+    """The core process: build the engine, say so, then step while there is work and apply commands
+    between steps."""
+    import zmq
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the API process drains first, then sends Shutdown
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s", stream=sys.stderr)
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(commands_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # a step's outputs never wait on the API process
+    outbox.connect(replies_address)
+    send = lambda message: outbox.send(encoder.encode(message), copy=False)
+    try:
+        from kvpilot.server.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config, show_progress=False, detokenize=False)
+    except BaseException as e:  # noqa: BLE001 - reported to the API process, which raises it as a start-up error
+        send(CoreFailed(f"{type(e).__name__}: {e}"))
+        outbox.close(linger=5000)
+        os._exit(1)
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvpilot.server.api.metrics import EngineCollector
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine, engine.served_model_name))
+    send(CoreReady(engine.served_model_name, engine.max_model_len, engine.model_config.vocab_size, startup.marks()))
+    deltas = DeltaTracker()
+    added_units = 0
+    try:
+        while True:
+            busy = engine.has_unfinished_requests()
+            extra: list[RequestOutput] = []
+            if inbox.poll(0 if busy else IDLE_POLL_MS):
+                while True:
+                    try:
+                        raw = inbox.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    command = command_decoder.decode(raw.buffer)
+                    if isinstance(command, AddRequest):
+                        added_units += command.units
+                        try:
+                            admission = engine.limits.admit(command.prompt_token_ids, command.params, command.adapter)
+                            engine.add_admitted(admission, command.request_id, command.arrival_time)
+                        except ValueError as e:  # admitted by the API process: a limit that differs here is a bug, this request's
+                            log.error("request %s refused by the engine core: %s", command.request_id, e)
+                            extra.append(_refused(command, str(e)))
+                    elif isinstance(command, Abort):
+                        out = engine.abort_request(command.request_id)
+                        if out is not None:
+                            extra.append(out)
+                    elif isinstance(command, StopSequence):
+                        engine.stop_sequence(command.request_id, command.index, command.stop)
+                    elif isinstance(command, Scrape):
+                        send(Scraped(command.token, generate_latest(registry).decode()))
+                    else:
+                        engine.close()
+                        return
+            if os.getppid() != parent_pid:
+                log.error("the API process is gone: the engine core exits")
+                engine.close()
+                return
+            started = time.monotonic()
+            outputs = engine.step_or_fail_open() if engine.has_unfinished_requests() else []
+            if outputs or extra:
+                send(StepOutputs([deltas.delta(out) for out in extra + outputs], added_units, len(engine.scheduler.waiting),
+                                 time.monotonic() - started))
+    except BaseException as e:  # noqa: BLE001 - the core cannot go on: say why, exit non-zero
+        log.critical("engine core loop crashed:\n%s", traceback.format_exc())
+        send(CoreFailed(f"engine core loop crashed ({type(e).__name__}: {e})"))
+        outbox.close(linger=5000)
+        os._exit(70)
+
+
+def _refused(command: AddRequest, message: str) -> RequestOutput:
+    from kvpilot.server.engine.outputs import CompletionOutput
+
+    outputs = [CompletionOutput(i, "", [], "error") for i in range(command.params.n)]
+    return RequestOutput(command.request_id, None, command.prompt_token_ids, outputs, True, metrics=RequestMetrics(command.arrival_time),
+                         error=message)
