@@ -1,12 +1,15 @@
 """Online serving: kvpilot vs llama.cpp's llama-server, same GGUF, same requests, one run.
 
     .venv/bin/python bench/serve.py [--force] [--levels 1,4,16] [--repeats 3] [--speculative ngram] [--no-llama]
+                                    [--engine-core-process]
 
 Each server gets the same prompts (fixed seeds, 32–256 prompt tokens), the same max_tokens (64–128)
 with ignore_eos, streamed. The servers run side by side and each level is repeated, interleaved across
 the servers in a rotating order, with fresh prompts per repetition (no prefix-cache hits across
 repetitions). Per concurrency level: output tokens/s (all repetitions' tokens over their wall time),
-TTFT p50/p99, ITL p50/p99 (over all samples), errors.
+TTFT p50/p99, ITL p50/p99 (over all samples), errors, and the CPU seconds the server's processes (it
+and its children: an engine core in its own process, tensor-parallel ranks) spent per output token,
+from /proc, the median over the repetitions.
 kvpilot runs fp32 weights (dequantized; a bfloat16 run unless --no-bf16, and the GGUF blocks as stored
 with --quantization gguf unless --no-gguf, also with a bfloat16 KV cache unless --no-bf16-kv),
 llama-server runs the Q4_1 weights as stored (its KV cache float16, its default).
@@ -132,6 +135,26 @@ async def level(url: str, model: str, reqs, concurrency: int) -> dict:
     return summary(sum(r["tokens"] for r in ok), wall, ttft, itl, len(results) - len(ok))
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its live descendants (/proc/PID/stat)."""
+    parents, cpu = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        tree.update(children)
+        frontier = children
+    return sum(cpu.get(p, 0.0) for p in tree)
+
+
 def summary(tokens: int, wall: float, ttft: list[float], itl: list[float], errors: int) -> dict:
     ttft, itl = sorted(ttft), sorted(itl)
 
@@ -143,10 +166,14 @@ def summary(tokens: int, wall: float, ttft: list[float], itl: list[float], error
 
 
 def combine(runs: list[dict]) -> dict:
-    """Repetitions of one level as one: tokens over total wall time, percentiles over all samples."""
+    """Repetitions of one level as one: tokens over total wall time, percentiles over all samples, the
+    median CPU seconds per token."""
     raws = [r["raw"] for r in runs]
-    return summary(sum(r[0] for r in raws), sum(r[1] for r in raws), [x for r in raws for x in r[2]],
-                   [x for r in raws for x in r[3]], sum(r["errors"] for r in runs))
+    combined = summary(sum(r[0] for r in raws), sum(r[1] for r in raws), [x for r in raws for x in r[2]],
+                       [x for r in raws for x in r[3]], sum(r["errors"] for r in runs))
+    per_token = sorted(r["cpu_s"] / r["raw"][0] for r in runs if r["raw"][0])
+    combined["cpu_ms_per_token"] = per_token[len(per_token) // 2] * 1000 if per_token else float("nan")
+    return combined
 
 
 def wait_ready(url: str, path: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -177,6 +204,8 @@ def main() -> None:
     ap.add_argument("--fp8-kv", action=argparse.BooleanOptionalAction, default=False,
                     help="also run kvpilot gguf with --kv-cache-dtype fp8 (ratio rows vs the bf16 KV server)")
     ap.add_argument("--llama", action=argparse.BooleanOptionalAction, default=True, help="run llama-server (built on first use)")
+    ap.add_argument("--engine-core-process", action="store_true",
+                    help="also run kvpilot (fp32) with --engine-core-process (ratio rows vs the one-process fp32 server)")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
     from kvpilot.server.model_files import resolve_model_path
@@ -199,6 +228,8 @@ def main() -> None:
                                        "http://127.0.0.1:18186", "/ready", "smollm2-135m")} if args.gguf and args.fp8_kv else {}),
         **({f"kvpilot (fp32, {args.speculative})": ([*kvpilot[:5], "18183", *kvpilot[6:], "--speculative-method", args.speculative],
                                                    "http://127.0.0.1:18183", "/ready", "smollm2-135m")} if args.speculative else {}),
+        **({"kvpilot (fp32, core process)": ([*kvpilot[:5], "18187", *kvpilot[6:], "--engine-core-process"], "http://127.0.0.1:18187", "/ready",
+                                             "smollm2-135m")} if args.engine_core_process else {}),
         **({"llama-server (Q4_1)": ([str(llama_server_binary()), "-m", str(gguf), "-t", "2", "--parallel", "16", "-c", "12288",
                                      "--host", "127.0.0.1", "--port", "18181", "--cont-batching"], "http://127.0.0.1:18181", "/health", "smollm2")}
            if args.llama else {}),
@@ -224,7 +255,10 @@ def main() -> None:
                 reqs = workload(max(4, c * args.requests_per_client), seed=1000 * c + rep)
                 for name in names[rep % len(names):] + names[:rep % len(names)]:
                     _, url, _, model = servers[name]
-                    runs.setdefault((name, c), []).append(asyncio.run(level(url, model, reqs, c)))
+                    cpu = tree_cpu_seconds(procs[name].pid)
+                    run = asyncio.run(level(url, model, reqs, c))
+                    run["cpu_s"] = tree_cpu_seconds(procs[name].pid) - cpu
+                    runs.setdefault((name, c), []).append(run)
                     print(name, c, rep, {k: round(v, 1) for k, v in runs[name, c][-1].items() if k != "raw"}, file=sys.stderr, flush=True)
     finally:
         for proc in procs.values():
@@ -236,10 +270,13 @@ def main() -> None:
             r = results[name][c] = combine(runs[name, c])
             rows.append({"server": name, "clients": c, "output tok/s": f"{r['tok/s']:.1f}",
                          "TTFT p50/p99 ms": f"{r['ttft_p50']:.0f} / {r['ttft_p99']:.0f}",
-                         "ITL p50/p99 ms": f"{r['itl_p50']:.0f} / {r['itl_p99']:.0f}", "errors": r["errors"]})
+                         "ITL p50/p99 ms": f"{r['itl_p50']:.0f} / {r['itl_p99']:.0f}", "CPU ms/token": f"{r['cpu_ms_per_token']:.1f}",
+                         "errors": r["errors"]})
     llama_name, plain_name = "llama-server (Q4_1)", "kvpilot (fp32)"
     pairs = [(name, llama_name, f"{name.split(maxsplit=1)[1]}/llama") for name in results if name != llama_name and args.llama]
     pairs += [(name, plain_name, f"{args.speculative}/plain") for name in results if args.speculative and name.endswith(f"{args.speculative})")]
+    if args.engine_core_process:
+        pairs.append(("kvpilot (fp32, core process)", plain_name, "core process/one process"))
     if "kvpilot (gguf, fp8 KV)" in results and "kvpilot (gguf, bf16 KV)" in results:
         pairs.append(("kvpilot (gguf, fp8 KV)", "kvpilot (gguf, bf16 KV)", "fp8 KV/bf16 KV"))
     for name, base, label in pairs:
@@ -247,9 +284,10 @@ def main() -> None:
             a, b = results[name][c], results[base][c]
             rows.append({"server": f"ratio {label}", "clients": c, "output tok/s": f"{a['tok/s'] / b['tok/s']:.2f}x",
                          "TTFT p50/p99 ms": f"{a['ttft_p50'] / b['ttft_p50']:.2f}x / {a['ttft_p99'] / b['ttft_p99']:.2f}x",
-                         "ITL p50/p99 ms": f"{a['itl_p50'] / b['itl_p50']:.2f}x / {a['itl_p99'] / b['itl_p99']:.2f}x"})
+                         "ITL p50/p99 ms": f"{a['itl_p50'] / b['itl_p50']:.2f}x / {a['itl_p99'] / b['itl_p99']:.2f}x",
+                         "CPU ms/token": f"{a['cpu_ms_per_token'] / b['cpu_ms_per_token']:.2f}x"})
     print(f"machine: {machine()}")
-    print(table(rows, ["server", "clients", "output tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "errors"]))
+    print(table(rows, ["server", "clients", "output tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "CPU ms/token", "errors"]))
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def test_a_dead_core_fails_open_streams_and_the_server_exits_non_zero(tmp_path):
     s = ServerProcess("--kv-cache-memory", "64MiB", *CORE, env={"KVPILOT_TERMINATION_LOG": str(termination)},
                       log_path=tmp_path / "log").wait_ready()
     try:
-        core = int(subprocess.run(["pgrep", "-P", str(s.proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout.split()[0])
+        core = core_pid(s)
         body = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         events = []
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
@@ -117,6 +117,26 @@ def test_a_dead_core_fails_open_streams_and_the_server_exits_non_zero(tmp_path):
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
+
+
+def core_pid(server: ServerProcess) -> int:
+    return int(subprocess.run(["pgrep", "-P", str(server.proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout.split()[0])
+
+
+def test_the_core_exits_when_the_server_process_is_killed(tmp_path):
+    """Killed mid-stream (SIGKILL: no drain, no Shutdown), the server leaves no engine core behind."""
+    s = ServerProcess("--kv-cache-memory", "64MiB", *CORE, log_path=tmp_path / "log").wait_ready()
+    core = core_pid(s)
+    body = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with pytest.raises(httpx.HTTPError), httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 10:
+                s.proc.kill()
+    s.proc.wait(10)
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{core}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{core}").exists()
 
 
 def test_refusals_and_a_core_that_cannot_load_are_clear_errors(tmp_path):

@@ -145,12 +145,20 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s", stream=sys.stderr)
     context = zmq.Context()
+    context.setsockopt(zmq.LINGER, 0)  # exiting never waits to deliver to an API process that is gone
     inbox = context.socket(zmq.PULL)
     inbox.connect(commands_address)
     outbox = context.socket(zmq.PUSH)
     outbox.setsockopt(zmq.SNDHWM, 0)  # a step's outputs never wait on the API process
     outbox.connect(replies_address)
-    send = lambda message: outbox.send(encoder.encode(message), copy=False)
+
+    def send(message) -> None:
+        try:  # never blocks (no high-water mark); the only refusal is a socket with no peer: the API process is gone
+            outbox.send(encoder.encode(message), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.error("the API process is gone: the engine core exits")
+            os._exit(1)
+
     try:
         from kvpilot.server.engine.llm_engine import LLMEngine
 
