@@ -719,3 +719,16 @@ def test_the_autoscaler_reads_each_pool_apart():
     p = prefill_policy_of(spec(disaggregation={"prefill": {"minReplicas": 2, "maxReplicas": 6, "targetQueueDepth": 0.5}},
                                autoscaling={"tolerance": 0.2}))
     assert (p.min_replicas, p.max_replicas, p.target_queue_depth, p.target_kv_cache_utilization, p.tolerance) == (2, 6, 0.5, 1.0, 0.2)
+
+
+def test_engine_core_process_is_kvpilots_serve_flag_and_refused_elsewhere():
+    from kvpilot.server.cli import build_parser
+
+    c = container(deployment("svc", "ns", "uid-1", spec(engineSettings={"engineCoreProcess": True}, resources={"cpuOnly": True})))
+    assert build_parser().parse_args(c["args"]).engine_core_process is True
+    off = container(deployment("svc", "ns", "uid-1", spec(engineSettings={"engineCoreProcess": False}, resources={"cpuOnly": True})))
+    assert build_parser().parse_args(off["args"]).engine_core_process is None and "--engine-core-process" not in off["args"]
+    [problem] = unsupported_settings(spec(engine="vllm", model={"source": "hf://org/m"}, engineSettings={"engineCoreProcess": True}))
+    assert "engineCoreProcess is a kvpilot setting" in problem
+    [problem] = unsupported_settings(spec(adapters=ADAPTERS, engineSettings={"engineCoreProcess": True}, resources={"cpuOnly": True}))
+    assert "engineCoreProcess with spec.adapters is not implemented" in problem

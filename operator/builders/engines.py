@@ -168,6 +168,8 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = 
         args += ["--reasoning-parser", s.parsers.reasoning]
     if spec.adapters and pool != "prefill":  # loaded at run time by the operator (operator/adapter_sync.py)
         args += ["--allow-runtime-lora", "--lora-dir", LORA_DIR]
+    if s.engine_core_process:
+        args.append("--engine-core-process")
     return EngineContainer(spec.image or DEFAULT_IMAGES["kvpilot"], ["kvpilot"], args, "/ready", "/health")
 
 
@@ -267,6 +269,9 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
     that would fail or silently ignore them."""
     s, problems = spec.engine_settings, []
     if spec.engine == "kvpilot":  # every engineSettings.quantization value is one of its own (tests/test_operator_builders.py)
+        if s.engine_core_process and spec.adapters:
+            problems.append("engineSettings.engineCoreProcess with spec.adapters is not implemented yet (adapters are registered on the "
+                            "engine's thread)")
         if s.quantization == "gguf" and not _is_gguf_source(spec.model.source):
             problems.append(f"engineSettings.quantization=gguf needs a GGUF model (a bundled name or a .gguf file), not {spec.model.source!r}")
         if s.quantization in CHECKPOINT_QUANTIZATION and _is_gguf_source(spec.model.source):
@@ -279,6 +284,9 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
         if s.kv_cache_dtype not in (None, "auto", *ENGINE_KV_CACHE_DTYPES[spec.engine]):  # not a bfloat16 cache under float32
             problems.append(f"engineSettings.kvCacheDtype={s.kv_cache_dtype} is a kvpilot setting; {spec.engine} keeps its cache in the "
                             "compute dtype (auto) or in fp8")
+        if s.engine_core_process is not None:
+            problems.append(f"engineSettings.engineCoreProcess is a kvpilot setting; {spec.engine} always runs its engine core in a process "
+                            "of its own")
         if s.kv_offload is not None:
             problems.append(f"engineSettings.kvOffload is the kvpilot engine's KV tiers; {spec.engine} offloads KV through its own connectors "
                             "(extraArgs)")
