@@ -204,7 +204,7 @@ class EngineSettings(_Model):
     parsers: OutputParsers | None = Field(None, description="Tool-call and reasoning formats of the model's outputs.")
     engine_core_process: bool | None = Field(None, description=(
         "kvpilot: run the scheduler and model runner in a process of their own, the server's process keeping HTTP, tokenization and "
-        "detokenizing (--engine-core-process; off by default until measured to pay; not with spec.adapters yet). vLLM's V1 and SGLang "
+        "detokenizing (--engine-core-process; off by default until measured to pay). vLLM's V1 and SGLang "
         "always run theirs apart: the field is kvpilot's."))
     max_loras: int | None = Field(None, ge=1, le=64, description=(
         "With spec.adapters: adapters in the compute device's slots at once (--max-loras; default 1, as vLLM's); requests of "

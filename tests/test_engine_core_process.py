@@ -1,7 +1,8 @@
 """`kvpilot serve --engine-core-process` (#45): the scheduler and model runner in a process of their own,
 the API process making the text. The server tests run in both modes (test_server_api.py,
 test_server_lifecycle.py); these are the split's own: HF equality under preemption, prefix hits,
-stop strings ending a sequence that the core still runs, and the core dying mid-stream."""
+stop strings ending a sequence that the core still runs, and the core dying mid-stream (LoRA over
+HTTP runs in both modes in test_lora.py)."""
 
 from __future__ import annotations
 
@@ -139,10 +140,8 @@ def test_the_core_exits_when_the_server_process_is_killed(tmp_path):
     assert not Path(f"/proc/{core}").exists()
 
 
-def test_refusals_and_a_core_that_cannot_load_are_clear_errors(tmp_path):
+def test_a_core_that_cannot_load_is_a_clear_error(tmp_path):
     kvpilot = str(Path(sys.executable).parent / "kvpilot")
-    lora = subprocess.run([kvpilot, "serve", *CORE, "--enable-lora"], capture_output=True, text=True, timeout=120)
-    assert lora.returncode != 0 and "engine_core_process with enable_lora is not implemented" in lora.stderr
     missing = subprocess.run([kvpilot, "serve", *CORE, "--num-threads", "1", "--model", str(tmp_path / "nothing.gguf")],
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "the engine core failed to start" in missing.stderr and "nothing.gguf" in missing.stderr

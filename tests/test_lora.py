@@ -13,6 +13,7 @@ import torch
 
 from lora_factory import SPECS, STEPS
 from oracle import ORACLE_PROMPTS, compare_greedy
+from server_harness import SERVER_MODES
 
 # --- kernels ---------------------------------------------------------------------------------------
 
@@ -286,7 +287,8 @@ def test_adapters_refused_by_name(lora_llm, peft_case, tmp_path, case, message):
 
 # --- over HTTP -------------------------------------------------------------------------------------
 
-def test_runtime_load_request_unload_over_http(peft_case, hf_oracle_session, tmp_path):
+@pytest.mark.parametrize("mode", list(SERVER_MODES))  # the engine in the server's process, and in its own
+def test_runtime_load_request_unload_over_http(peft_case, hf_oracle_session, tmp_path, mode):
     """An adapter from --lora-modules and one loaded at run time answer as peft does; /v1/models lists
     them with their parent and source; unloaded, the name is a 404; a path out of --lora-dir and a missing
     API key are refused; the adapter metrics count the requests. An hf://org/repo source is downloaded
@@ -306,7 +308,7 @@ def test_runtime_load_request_unload_over_http(peft_case, hf_oracle_session, tmp
     hub = LoopbackHub({"org/qv": {"adapter_config.json": qv / "adapter_config.json", "adapter_model.safetensors": qv / "adapter_model.safetensors",
                                   "adapter_model.bin": tmp_path / "adapter_model.bin"}})
     server = ServerProcess("--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--allow-runtime-lora", "--lora-dir", str(root),
-                           "--lora-modules", f"first={root / 'all7-r8'}", "--api-key", "sekret", env={"HF_ENDPOINT": hub.url},
+                           "--lora-modules", f"first={root / 'all7-r8'}", "--api-key", "sekret", *SERVER_MODES[mode], env={"HF_ENDPOINT": hub.url},
                            log_path=tmp_path / "server.log").wait_ready()
     try:
         auth = {"Authorization": "Bearer sekret"}

@@ -730,5 +730,4 @@ def test_engine_core_process_is_kvpilots_serve_flag_and_refused_elsewhere():
     assert build_parser().parse_args(off["args"]).engine_core_process is None and "--engine-core-process" not in off["args"]
     [problem] = unsupported_settings(spec(engine="vllm", model={"source": "hf://org/m"}, engineSettings={"engineCoreProcess": True}))
     assert "engineCoreProcess is a kvpilot setting" in problem
-    [problem] = unsupported_settings(spec(adapters=ADAPTERS, engineSettings={"engineCoreProcess": True}, resources={"cpuOnly": True}))
-    assert "engineCoreProcess with spec.adapters is not implemented" in problem
+    assert not unsupported_settings(spec(adapters=ADAPTERS, engineSettings={"engineCoreProcess": True}, resources={"cpuOnly": True}))

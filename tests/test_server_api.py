@@ -110,7 +110,7 @@ def test_logprobs(served_client):
 
 
 def test_greedy_http_equals_offline_llm(served_client):
-    from kvpilot.served import LLM, SamplingParams
+    from kvpilot.server import LLM, SamplingParams
 
     prompts = ["The capital of France is", "def add(a, b):", "Water boils at"]
     llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="64MiB")
@@ -215,7 +215,7 @@ def test_metrics_are_true(served, served_client):
 def test_vllm_metric_names_carry_the_same_values(served, served_client):
     """Routers and autoscalers built for vLLM read vllm:-named series (#42): every aliased family is
     there under both names with the same samples, and nothing else is renamed."""
-    from kvpilot.served.api.metrics import VLLM_ALIASED
+    from kvpilot.server.api.metrics import VLLM_ALIASED
 
     served_client.completions.create(model=MODEL, prompt="The sky is", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
     m = metrics(served.url)

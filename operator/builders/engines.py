@@ -269,9 +269,6 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
     that would fail or silently ignore them."""
     s, problems = spec.engine_settings, []
     if spec.engine == "kvpilot":  # every engineSettings.quantization value is one of its own (tests/test_operator_builders.py)
-        if s.engine_core_process and spec.adapters:
-            problems.append("engineSettings.engineCoreProcess with spec.adapters is not implemented yet (adapters are registered on the "
-                            "engine's thread)")
         if s.quantization == "gguf" and not _is_gguf_source(spec.model.source):
             problems.append(f"engineSettings.quantization=gguf needs a GGUF model (a bundled name or a .gguf file), not {spec.model.source!r}")
         if s.quantization in CHECKPOINT_QUANTIZATION and _is_gguf_source(spec.model.source):

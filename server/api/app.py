@@ -146,38 +146,34 @@ def build_app(state: ServerState) -> FastAPI:
     async def models():
         base = {"id": serving.model_name, "object": "model", "created": int(state.started), "owned_by": "kvpilot",
                 "root": serving.model_name, "parent": None, "max_model_len": serving.max_model_len}
-        lora = state.engine.lora
         adapters = [{**base, "id": a.name, "root": a.source, "parent": serving.model_name, "created": int(a.loaded_at)}
-                    for a in (list(lora.by_name.values()) if lora else [])]
+                    for a in state.engine.adapters()]
         return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/v1/load_lora_adapter", dependencies=guarded)
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
-        lora = runtime_lora()
+        runtime_lora()
         try:  # read and checked off the step loop; registered on it
-            adapter = await asyncio.to_thread(lora.read, req.lora_name, req.lora_path, config.lora_dir)
-            await state.engine.call(lambda engine: engine.load_adapter(adapter))
+            rank = await state.engine.load_adapter(req.lora_name, req.lora_path, config.lora_dir)
         except AdapterError as e:
             raise APIError(400, str(e), e.param, "invalid_adapter") from None
-        log.info("LoRA adapter %r loaded (rank %d)", adapter.name, adapter.rank)
-        return PlainTextResponse(f"Success: LoRA adapter '{adapter.name}' added successfully.")
+        log.info("LoRA adapter %r loaded (rank %d)", req.lora_name, rank)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", dependencies=guarded)
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
         runtime_lora()
         try:
-            await state.engine.call(lambda engine: engine.unload_adapter(req.lora_name))
+            await state.engine.unload_adapter(req.lora_name)
         except KeyError:
             raise APIError(404, f"no LoRA adapter named '{req.lora_name}' is loaded", "lora_name", "model_not_found") from None
         log.info("LoRA adapter %r unloaded", req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
-    def runtime_lora():
-        lora = state.engine.lora
-        if lora is None or not config.allow_runtime_lora:
+    def runtime_lora() -> None:
+        if not state.engine.lora_enabled or not config.allow_runtime_lora:
             raise APIError(400, "run-time LoRA loading is off (the server needs --enable-lora, --allow-runtime-lora and --lora-dir)",
                            code="runtime_lora_disabled")
-        return lora
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -227,9 +223,6 @@ def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_
     if server_config.engine_core_process:
         from kvpilot.server.api.core_client import EngineCoreClient
 
-        if engine_config.enable_lora:
-            raise ValueError("engine_core_process with enable_lora is not implemented yet (adapters are registered on the engine's "
-                             "thread); run without --engine-core-process")
         async_engine = EngineCoreClient.launch_core(engine_config, server_config.max_waiting_requests, server_config.log_level)
         tokenizer, name, limits, engine = async_engine.tokenizer, async_engine.served_model_name, async_engine.limits, None
     else:

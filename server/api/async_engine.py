@@ -182,13 +182,28 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
+    # --- LoRA adapters (the same calls with the engine core in its own process: core_client.py) ----
     @property
-    def lora(self):
-        """The engine's LoRA registry (None without --enable-lora); read it from the event loop only."""
-        return self.engine.lora
+    def lora_enabled(self) -> bool:
+        return self.engine.lora is not None
 
     def model_names(self) -> list[str]:
+        """The served model's name, then the adapters' (what a request's `model` may name)."""
         return self.engine.model_names()
+
+    def adapters(self) -> list:
+        """The loaded adapters (name, source, loaded_at), for /v1/models."""
+        return list(self.engine.lora.by_name.values()) if self.engine.lora else []
+
+    async def load_adapter(self, name: str, path: str, root: str | None) -> int:
+        """Read and check an adapter off the step loop, register it on it; its rank (AdapterError: refused)."""
+        adapter = await asyncio.to_thread(self.engine.lora.read, name, path, root)
+        await self.call(lambda engine: engine.load_adapter(adapter))
+        return adapter.rank
+
+    async def unload_adapter(self, name: str) -> None:
+        """KeyError: no adapter by that name."""
+        await self.call(lambda engine: engine.unload_adapter(name))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps (a change to engine state, e.g. registering

@@ -24,12 +24,16 @@ import time
 from dataclasses import dataclass, field
 
 from kvpilot.server import startup
+from kvpilot.server.adapters import AdapterError
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, Job
 from kvpilot.server.api.engine_core import (
     Abort,
+    AdapterInfo,
+    AdapterReply,
     AddRequest,
     CoreFailed,
     CoreReady,
+    LoadAdapter,
     RequestDelta,
     Scrape,
     Scraped,
@@ -37,6 +41,7 @@ from kvpilot.server.api.engine_core import (
     Shutdown,
     StepOutputs,
     StopSequence,
+    UnloadAdapter,
     core_main,
     encoder,
     reply_decoder,
@@ -160,8 +165,8 @@ class EngineCoreClient(AsyncEngine):
         self._replies.bind(f"ipc://{self._dir.name}/replies")
         self._send_lock = threading.Lock()
         self._sent_units = self._added_units = self._core_waiting = 0
-        self._scrapes: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._scrape_ids = itertools.count()
+        self._waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # token -> a reply's awaiter
+        self._tokens = itertools.count()
         self._process = mp.get_context("spawn").Process(
             target=core_main, name="kvpilot-engine-core", daemon=False,
             args=(config, f"ipc://{self._dir.name}/commands", f"ipc://{self._dir.name}/replies", os.getpid(), log_level))
@@ -172,6 +177,8 @@ class EngineCoreClient(AsyncEngine):
         grammars = GrammarCompiler(self.tokenizer.backend_json(), ready.vocab_size, self.tokenizer.eos_token_ids, num_threads=1)
         self.limits = RequestLimits(ready.max_model_len, ready.vocab_size, grammars, config.kv_role)
         self.served_model_name = ready.served_model_name
+        self._lora_enabled = ready.lora_enabled
+        self._adapters: dict[str, AdapterInfo] = {a.name: a for a in ready.adapters}  # the core's, as of its last AdapterReply
         self.texts = RequestTexts(self.tokenizer, lambda rid, index, stop: self._send(StopSequence(rid, index, stop)))
         self._thread = threading.Thread(target=self._receive, name="kvpilot-core-replies", daemon=True)
         self._thread.start()
@@ -187,7 +194,7 @@ class EngineCoreClient(AsyncEngine):
                 if isinstance(reply, CoreFailed):
                     self._process.join(10)
                     raise ValueError(f"the engine core failed to start: {reply.message}")
-            elif not self._process.is_alive():
+            elif not self._process.is_alive() and not self._replies.poll(1000):  # its last words may still be on the way
                 raise RuntimeError(f"the engine core process exited while starting (exit code {self._process.exitcode})")
         self._process.kill()
         raise RuntimeError(f"the engine core did not start within {START_TIMEOUT_S:.0f}s")
@@ -214,11 +221,25 @@ class EngineCoreClient(AsyncEngine):
         self._dir.cleanup()
 
     @property
-    def lora(self):
-        return None  # LoRA with the core in its own process is refused at start (create_state)
+    def lora_enabled(self) -> bool:
+        return self._lora_enabled
 
     def model_names(self) -> list[str]:
-        return [self.served_model_name]
+        return [self.served_model_name, *self._adapters]
+
+    def adapters(self) -> list[AdapterInfo]:
+        return list(self._adapters.values())
+
+    async def load_adapter(self, name: str, path: str, root: str | None) -> int:
+        reply: AdapterReply = await self._ask(lambda token: LoadAdapter(token, name, str(path), root), timeout=None)
+        if reply.error is not None:
+            raise AdapterError(reply.error, reply.param or "lora_path")
+        return reply.rank
+
+    async def unload_adapter(self, name: str) -> None:
+        reply: AdapterReply = await self._ask(lambda token: UnloadAdapter(token, name), timeout=60)
+        if reply.not_found:
+            raise KeyError(name)
 
     def _post(self, kind: str, *payload) -> None:
         if kind == "add":
@@ -249,15 +270,21 @@ class EngineCoreClient(AsyncEngine):
         """The core's metric families (Prometheus text), read between its steps."""
         if not self.alive:
             return ""
+        return (await self._ask(Scrape, timeout=30)).text
+
+    async def _ask(self, make, timeout: float | None):
+        """Send make(token) and await the core's reply carrying that token."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
-        token = next(self._scrape_ids)
+        token = next(self._tokens)
         done = loop.create_future()
-        self._scrapes[token] = (loop, done)
-        self._send(Scrape(token))
+        self._waiters[token] = (loop, done)
+        self._send(make(token))
         try:
-            return await asyncio.wait_for(done, 30)
+            return await asyncio.wait_for(done, timeout)
         finally:
-            self._scrapes.pop(token, None)
+            self._waiters.pop(token, None)
 
     # --- receiver thread ------------------------------------------------------------------
     def _receive(self) -> None:
@@ -266,7 +293,8 @@ class EngineCoreClient(AsyncEngine):
                 self.heartbeat = time.monotonic()
                 if not self._replies.poll(200):
                     if not self._process.is_alive():
-                        self._core_died(f"the engine core process died (exit code {self._process.exitcode})")
+                        if not self._stop.is_set():  # stop() ends the core on purpose
+                            self._core_died(f"the engine core process died (exit code {self._process.exitcode})")
                         return
                     continue
                 reply = reply_decoder.decode(self._replies.recv())
@@ -276,10 +304,12 @@ class EngineCoreClient(AsyncEngine):
                     self._deliver_all([(out.request_id, out) for out in outputs])
                     if self.on_step:
                         self.on_step(None, outputs, reply.step_seconds)
-                elif isinstance(reply, Scraped):
-                    waiter = self._scrapes.get(reply.token)
+                elif isinstance(reply, Scraped | AdapterReply):
+                    if isinstance(reply, AdapterReply):
+                        self._adapters = {a.name: a for a in reply.adapters}
+                    waiter = self._waiters.get(reply.token)
                     if waiter is not None:
-                        waiter[0].call_soon_threadsafe(_resolve, waiter[1], reply.text)
+                        waiter[0].call_soon_threadsafe(_resolve, waiter[1], reply)
                 elif isinstance(reply, CoreFailed):
                     self._process.join(5)
                     self._core_died(reply.message)
@@ -299,6 +329,6 @@ class EngineCoreClient(AsyncEngine):
         fatal(cause)
 
 
-def _resolve(done: asyncio.Future, text: str) -> None:
+def _resolve(done: asyncio.Future, reply) -> None:
     if not done.done():
-        done.set_result(text)
+        done.set_result(reply)

@@ -7,7 +7,9 @@ AddRequest (the admitted prompt ids and parameters; the core admits them again w
 which compiles a structured-output constraint into its own grammar cache), and each step's outputs come
 back as token ids: one RequestDelta per request the step touched, with the tokens new since the last
 (and their logprobs), and why a sequence ended. A stop string found by the API process comes back as
-StopSequence. Messages are msgpack (msgspec), typed on both sides; nothing is pickled after start-up.
+StopSequence; LoRA adapters are loaded (read on a thread of the core, registered between steps) and
+unloaded by LoadAdapter / UnloadAdapter, each answered by an AdapterReply listing the loaded adapters,
+which the API process mirrors for `model` checks and /v1/models. Messages are msgpack (msgspec), typed on both sides; nothing is pickled after start-up.
 
 The core ignores SIGTERM and SIGINT (the API process drains, then sends Shutdown), and exits when the
 API process is gone. Its start-up failure comes back as CoreFailed; so does a crash of its loop, after
@@ -18,14 +20,17 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 
 import msgspec
 
 from kvpilot.server import startup
+from kvpilot.server.adapters import AdapterError
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.outputs import RequestMetrics, RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
@@ -58,11 +63,23 @@ class Scrape(msgspec.Struct, tag="scrape", array_like=True):
     token: int
 
 
+class LoadAdapter(msgspec.Struct, tag="load_adapter", array_like=True):
+    token: int
+    name: str
+    path: str
+    root: str | None            # --lora-dir: where it must be (an hf:// source is downloaded into it)
+
+
+class UnloadAdapter(msgspec.Struct, tag="unload_adapter", array_like=True):
+    token: int
+    name: str
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-Command = AddRequest | Abort | StopSequence | Scrape | Shutdown
+Command = AddRequest | Abort | StopSequence | Scrape | LoadAdapter | UnloadAdapter | Shutdown
 
 
 # --- core -> API process ---------------------------------------------------------------------------
@@ -91,11 +108,28 @@ class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
     step_seconds: float
 
 
+class AdapterInfo(msgspec.Struct, array_like=True):
+    name: str
+    source: str
+    loaded_at: float
+
+
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):
     served_model_name: str
     max_model_len: int
     vocab_size: int
     startup_marks: dict[str, float]    # the engine's start-up marks (server/startup.py), taken by the server's process
+    lora_enabled: bool
+    adapters: list[AdapterInfo]        # loaded at start (--lora-modules)
+
+
+class AdapterReply(msgspec.Struct, tag="adapter", array_like=True):
+    token: int
+    error: str | None           # refused (AdapterError's message)
+    param: str | None
+    not_found: bool             # an unload of a name no adapter has
+    rank: int
+    adapters: list[AdapterInfo]  # every loaded adapter after it
 
 
 class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
@@ -107,7 +141,7 @@ class Scraped(msgspec.Struct, tag="scraped", array_like=True):
     text: str                   # the core's metric families, Prometheus text format
 
 
-Reply = StepOutputs | CoreReady | CoreFailed | Scraped
+Reply = StepOutputs | CoreReady | CoreFailed | Scraped | AdapterReply
 
 encoder = msgspec.msgpack.Encoder()
 command_decoder = msgspec.msgpack.Decoder(Command)
@@ -159,27 +193,60 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
             log.error("the API process is gone: the engine core exits")
             os._exit(1)
 
+    def report_failure(message: str, exit_code: int) -> None:
+        """The last message: waits (up to 5 s) for the API process to take it, then exits."""
+        outbox.setsockopt(zmq.SNDTIMEO, 5000)
+        try:
+            outbox.send(encoder.encode(CoreFailed(message)))
+        except zmq.Again:
+            pass
+        inbox.close()
+        outbox.close(linger=5000)
+        context.term()  # returns once the message is delivered (or after the linger): close() alone does not wait
+        os._exit(exit_code)
+
     try:
         from kvpilot.server.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(config, show_progress=False, detokenize=False)
     except BaseException as e:  # noqa: BLE001 - reported to the API process, which raises it as a start-up error
-        send(CoreFailed(f"{type(e).__name__}: {e}"))
-        outbox.close(linger=5000)
-        os._exit(1)
+        report_failure(f"{type(e).__name__}: {e}", 1)
     from prometheus_client import CollectorRegistry, generate_latest
 
     from kvpilot.server.api.metrics import EngineCollector
 
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine, engine.served_model_name))
-    send(CoreReady(engine.served_model_name, engine.max_model_len, engine.model_config.vocab_size, startup.marks()))
+    adapters = lambda: [AdapterInfo(a.name, a.source, a.loaded_at) for a in engine.lora.by_name.values()] if engine.lora else []
+    send(CoreReady(engine.served_model_name, engine.max_model_len, engine.model_config.vocab_size, startup.marks(), engine.lora is not None,
+                   adapters()))
     deltas = DeltaTracker()
     added_units = 0
+    adapter_reads: queue.SimpleQueue = queue.SimpleQueue()  # (LoadAdapter, Adapter | None, AdapterError | None) from reader threads
+
+    def read_adapter(command: LoadAdapter) -> None:
+        """Off the step loop, as the one-process server reads adapters: files (or a download) and checks."""
+        try:
+            adapter_reads.put((command, engine.lora.read(command.name, command.path, command.root), None))
+        except AdapterError as e:
+            adapter_reads.put((command, None, e))
+        except Exception as e:  # noqa: BLE001 - the loader's own failure: this load is refused, the core goes on
+            log.exception("reading adapter %r failed", command.name)
+            adapter_reads.put((command, None, AdapterError(f"reading the adapter failed ({type(e).__name__}: {e})", "lora_path")))
+
     try:
         while True:
             busy = engine.has_unfinished_requests()
             extra: list[RequestOutput] = []
+            while not adapter_reads.empty():  # adapters read meanwhile are registered between steps
+                command, adapter, error = adapter_reads.get()
+                if adapter is not None:
+                    try:
+                        engine.load_adapter(adapter)
+                    except AdapterError as e:
+                        error = e
+                send(AdapterReply(command.token, str(error) if error else None, error.param if error else None, False,
+                                  adapter.rank if adapter else 0, adapters()))
             if inbox.poll(0 if busy else IDLE_POLL_MS):
                 while True:
                     try:
@@ -203,6 +270,14 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                         engine.stop_sequence(command.request_id, command.index, command.stop)
                     elif isinstance(command, Scrape):
                         send(Scraped(command.token, generate_latest(registry).decode()))
+                    elif isinstance(command, LoadAdapter):
+                        threading.Thread(target=read_adapter, args=(command,), name="kvpilot-adapter-read", daemon=True).start()
+                    elif isinstance(command, UnloadAdapter):
+                        try:
+                            engine.unload_adapter(command.name)
+                            send(AdapterReply(command.token, None, None, False, 0, adapters()))
+                        except KeyError:
+                            send(AdapterReply(command.token, None, None, True, 0, adapters()))
                     else:
                         engine.close()
                         return
@@ -217,9 +292,7 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                                  time.monotonic() - started))
     except BaseException as e:  # noqa: BLE001 - the core cannot go on: say why, exit non-zero
         log.critical("engine core loop crashed:\n%s", traceback.format_exc())
-        send(CoreFailed(f"engine core loop crashed ({type(e).__name__}: {e})"))
-        outbox.close(linger=5000)
-        os._exit(70)
+        report_failure(f"engine core loop crashed ({type(e).__name__}: {e})", 70)
 
 
 def _refused(command: AddRequest, message: str) -> RequestOutput:

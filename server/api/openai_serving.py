@@ -72,8 +72,7 @@ class OpenAIServing:
         """The LoRA adapter a request's `model` names (None: the base model); 404 for any other name."""
         if model is None or model == self.model_name:
             return None
-        lora = self.engine.lora
-        if lora is not None and lora.lookup(model) is not None:
+        if model in self.engine.model_names():
             return model
         served = ", ".join(repr(n) for n in self.engine.model_names())
         raise APIError(404, f"the model '{model}' does not exist; this server serves {served}", "model", "model_not_found")
