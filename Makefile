@@ -39,14 +39,14 @@ kind-up:
 lint:
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	shellcheck -x .ci/run .ci/phase .ci/pytest e2e/*.sh e2e/tools/build.sh
+	shellcheck -x .ci/run .ci/phase e2e/*.sh e2e/tools/build.sh
 
 test:
 	$(PHASE) setup $(MAKE) --no-print-directory setup
 	$(PHASE) tools $(MAKE) --no-print-directory tools
 	$(PHASE) images $(MAKE) --no-print-directory images
 	$(PHASE) lint $(MAKE) --no-print-directory lint
-	$(PHASE) pytest .ci/pytest $(BIN)/python
+	$(PHASE) pytest $(BIN)/python -m pytest
 
 serve: setup
 	$(BIN)/kvpilot serve $(ARGS)
