@@ -8,7 +8,7 @@ PHASE := .ci/phase
 export PIP_CACHE_DIR ?= $(CACHE)/pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test serve bench cluster-up cluster-down demo crds tools images kind-up lint
+.PHONY: setup test serve bench cluster-up cluster-down demo crds tools images kind-up lint pytest
 
 # Idempotent: the stamp is remade only when the package metadata or pins change. The C++ CPU kernels
 # are compiled into the cache here (about a minute, once per source/torch/CPU), not on first request.
@@ -46,7 +46,16 @@ test:
 	$(PHASE) tools $(MAKE) --no-print-directory tools
 	$(PHASE) images $(MAKE) --no-print-directory images
 	$(PHASE) lint $(MAKE) --no-print-directory lint
-	$(PHASE) pytest $(BIN)/python -m pytest
+	$(PHASE) pytest $(MAKE) --no-print-directory pytest
+
+# tests/ on PYTEST_WORKERS pytest-xdist processes (a module stays on one worker: its fixtures are built
+# once; each test's torch uses one thread, so two workers use both cores), then e2e/ alone (its load,
+# scaling and latency checks want the machine to themselves). Both run; either failing fails the phase.
+PYTEST_WORKERS ?= 2
+pytest:
+	@$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests; unit=$$?; \
+	$(BIN)/python -m pytest e2e; e2e=$$?; \
+	echo "pytest: tests/ exit $$unit, e2e/ exit $$e2e"; exit $$(( unit || e2e ))
 
 serve: setup
 	$(BIN)/kvpilot serve $(ARGS)

@@ -24,7 +24,7 @@ from kvpilot.operator.kube import USER_AGENT
 
 pytestmark = pytest.mark.cluster
 SERVICES = 50
-WINDOW_SECONDS = 60  # 12 autoscaler ticks per service (every 5 s); the bound is per minute
+WINDOW_SECONDS = 30  # 6 autoscaler ticks per service (every 5 s); the bound is per minute
 COUNTED = ("inferenceservices", "pods", "deployments", "services")
 CRDS = str(Path(__file__).resolve().parents[1] / "crds")
 READY_ANNOTATION = "serving.kvpilot.dev/engine-ready"  # kwok makes an engine pod Ready while it is "true" (kwok_stages.yaml)

@@ -120,6 +120,11 @@ class TritonGGUFLinear(nn.Module):
     """GGUFLinear's interface (forward, silu, mul, add) on the Triton kernel. The weight stays in
     GGUFWeight's row layout, so a tied embedding's blocks (`shared`) are used where they are."""
 
+    # The kernel's tile width in output columns (a GPU default; GPU not measured). Triton's interpreter
+    # pays per program, so the CPU tests of whole engines widen it (a vocabulary-wide head is 768
+    # programs at 64).
+    block_n = 64
+
     def __init__(self, weight: GGUFWeight, bias: torch.Tensor | None = None):
         super().__init__()
         self.kind, self.out_features = weight.kind, weight.shape[0]
@@ -129,7 +134,7 @@ class TritonGGUFLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
 
     def _run(self, x: torch.Tensor, epilogue: str, other: torch.Tensor | None = None) -> torch.Tensor:
-        return gguf_linear(x, GGUFWeight(self.kind, self.qs, self.d, self.m), self.bias, epilogue, other)
+        return gguf_linear(x, GGUFWeight(self.kind, self.qs, self.d, self.m), self.bias, epilogue, other, block_n=self.block_n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, "none")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from collections import Counter
@@ -103,7 +104,7 @@ def write_texts(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
     texts = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
     cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(".tmp")
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # engines of one cache may fill the same entry at once
     tmp.write_text(json.dumps(texts))
     tmp.replace(cached)
     return texts

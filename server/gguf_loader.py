@@ -54,7 +54,7 @@ def checkpoint_name(gguf_name: str) -> str:
 
 
 def _field_value(field: Any) -> Any:
-    """A GGUF metadata value, as gguf's GGUFReader holds it, as a Python value (for write_truncated)."""
+    """A GGUF metadata value, as gguf's GGUFReader holds it, as a Python value."""
     from gguf import GGUFValueType
 
     kind = field.types[0]
@@ -129,8 +129,9 @@ class _HeaderCursor:
         return value
 
 
-def _read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
-    """A little-endian GGUF v2/v3 file's metadata and tensors (views of the mapped file)."""
+def _read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]], dict[str, GGUFTensor]]:
+    """A little-endian GGUF v2/v3 file's metadata, each value's GGUF type (an array's with its items'
+    type) and its tensors (views of the mapped file)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     with open(path, "rb") as f:
@@ -142,10 +143,12 @@ def _read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} (big-endian files are not read; versions 2 and 3 are)")
     n_tensors, n_kv = cursor.scalar("<Q"), cursor.scalar("<Q")
-    metadata = {}
+    metadata, value_types = {}, {}
     for _ in range(n_kv):
         key = cursor.string()
-        metadata[key] = cursor.value(cursor.scalar("<I"))
+        kind = cursor.scalar("<I")
+        value_types[key] = (kind, struct.unpack_from("<I", buf, cursor.pos)[0] if kind == _ARRAY else None)
+        metadata[key] = cursor.value(kind)
     infos = []
     for _ in range(n_tensors):
         name = cursor.string()
@@ -171,7 +174,7 @@ def _read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
             raise ValueError(f"tensor {name!r} runs past the end of the file")
         data = np.frombuffer(buf, dtype, count, start + offset).reshape(shape)
         tensors[name] = GGUFTensor(name, kind, np.array(dims, dtype=np.uint64), n_bytes, data)
-    return metadata, tensors
+    return metadata, value_types, tensors
 
 
 class GGUFFile:
@@ -183,7 +186,7 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
-            self.metadata, self.tensors = _read_gguf(self.path)
+            self.metadata, self.value_types, self.tensors = _read_gguf(self.path)
         except FileNotFoundError:
             raise
         except (ValueError, KeyError, struct.error, OverflowError) as e:  # a truncated or foreign file
@@ -313,27 +316,36 @@ def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def copy_metadata(src: GGUFFile, writer: Any, values: dict[str, Any] | None = None, keep=lambda key: True) -> None:
+    """src's metadata (the keys `keep` takes; `values` replacing some) into a gguf.GGUFWriter, each
+    value with its own GGUF type. The architecture is the writer's own."""
+    from gguf import GGUFValueType
+
+    for key, value in src.metadata.items():
+        if key == "general.architecture" or not keep(key):
+            continue
+        kind, item = src.value_types[key]
+        value = (values or {}).get(key, value)
+        if item is None:
+            writer.add_key_value(key, value, GGUFValueType(kind))
+        else:
+            writer.add_key_value(key, value, GGUFValueType.ARRAY, sub_type=GGUFValueType(item))
+
+
 def write_truncated(src: str | Path, dest: str | Path, num_layers: int) -> Path:
     """A copy of a llama GGUF keeping only its first num_layers decoder blocks (tensors byte for byte,
     metadata as is but the block count): a draft model for speculative decoding that shares the
     tokenizer by construction."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFWriter
 
-    reader = GGUFReader(src)
-    arch = _field_value(reader.fields["general.architecture"])
-    total = _field_value(reader.fields[f"{arch}.block_count"])
+    source = GGUFFile(src)
+    arch = source.architecture
+    total = source.get(f"{arch}.block_count")
     if not 1 <= num_layers <= total:
         raise GGUFError(f"num_layers must be in [1, {total}], got {num_layers}")
     writer = GGUFWriter(str(dest), arch)
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        value = num_layers if name == f"{arch}.block_count" else _field_value(f)
-        if f.types[0] == GGUFValueType.ARRAY:
-            writer.add_key_value(name, value, GGUFValueType.ARRAY, sub_type=f.types[-1])
-        else:
-            writer.add_key_value(name, value, f.types[0])
-    for t in reader.tensors:
+    copy_metadata(source, writer, {f"{arch}.block_count": num_layers})
+    for t in source.tensors.values():
         if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= num_layers:
             continue
         writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)

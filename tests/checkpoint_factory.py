@@ -10,6 +10,7 @@ weight shows in the outputs and the greedy choices are not near-ties.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,15 +180,14 @@ def _gguf_name(name: str) -> str:
 
 def _copy_tokenizer_metadata(src: Path, writer, pre: str | None) -> None:
     """The bundled GGUF's tokenizer, with llama.cpp's pre-tokenizer name `pre` when given."""
-    from gguf import GGUFReader, GGUFValueType
+    from kvpilot.server.gguf_loader import copy_metadata
 
-    from kvpilot.server.gguf_loader import _field_value
+    copy_metadata(_gguf_file(src), writer, {"tokenizer.ggml.pre": pre} if pre else None, keep=lambda key: key.startswith("tokenizer."))
 
-    for name, f in GGUFReader(src).fields.items():
-        if name == "tokenizer.ggml.pre" and pre:
-            writer.add_string(name, pre)
-        elif name.startswith("tokenizer."):
-            if f.types[0] == GGUFValueType.ARRAY:
-                writer.add_key_value(name, _field_value(f), GGUFValueType.ARRAY, sub_type=f.types[-1])
-            else:
-                writer.add_key_value(name, _field_value(f), f.types[0])
+
+@functools.cache
+def _gguf_file(path: Path):
+    """One parse of the bundled GGUF per process (its tokenizer arrays are read for every family)."""
+    from kvpilot.server.gguf_loader import GGUFFile
+
+    return GGUFFile(path)

@@ -97,10 +97,25 @@ def _collect_after_each_module(request):
         _module_rss.append((request.module.__name__, int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")))
 
 
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its modules' RSS to the controller, which prints the summary."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["module_rss"] = _module_rss
+
+
+def pytest_testnodedown(node, error):
+    """On the pytest-xdist controller: a worker's modules' RSS (each worker is its own process)."""
+    _worker_rss.append((node.gateway.id, node.workeroutput.get("module_rss", [])))
+
+
+_worker_rss: list[tuple[str, list[tuple[str, int]]]] = []
+
+
 def pytest_terminal_summary(terminalreporter):
-    if len(_module_rss) < 2:
-        return
-    growth = sorted(((after - before, name) for (_, before), (name, after) in zip(_module_rss, _module_rss[1:])), reverse=True)
-    peak = max(rss for _, rss in _module_rss)
-    terminalreporter.write_line(f"memory: pytest process RSS {peak / 2**30:.1f} GiB at most after a module; most growth: "
-                                + ", ".join(f"{name} {delta / 2**20:+.0f} MiB" for delta, name in growth[:5]))
+    for worker, rss in _worker_rss or [("pytest process", _module_rss)]:
+        if len(rss) < 2:
+            continue
+        growth = sorted(((after - before, name) for (_, before), (name, after) in zip(rss, rss[1:])), reverse=True)
+        peak = max(size for _, size in rss)
+        terminalreporter.write_line(f"memory: {worker} RSS {peak / 2**30:.1f} GiB at most after a module; most growth: "
+                                    + ", ".join(f"{name} {delta / 2**20:+.0f} MiB" for delta, name in growth[:5]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -92,5 +93,7 @@ def peft_outputs(base_model, model_sha: str, prompt_ids: list[list[int]], steps:
         del model
     if known is None:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(json.dumps({n: [asdict(r) for r in rs] for n, rs in results.items()}))
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # pytest-xdist workers may fill the same entry at once
+        tmp.write_text(json.dumps({n: [asdict(r) for r in rs] for n, rs in results.items()}))
+        tmp.replace(cached)
     return paths, results

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +82,7 @@ class HFOracle:
             return [OracleResult(**r) for r in json.loads(path.read_text())]
         results = [self._greedy(p, steps) for p in prompts]
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # pytest-xdist workers may fill the same entry at once
         tmp.write_text(json.dumps([r.__dict__ for r in results]))
         tmp.replace(path)
         return results

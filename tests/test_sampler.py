@@ -39,6 +39,25 @@ def test_min_p_mask_exact():
     assert kept(filter_logits(x, 0, 1.0, 0.5)) == [0, 1]     # keep p >= 0.25
     assert kept(filter_logits(x, 0, 1.0, 0.2)) == [0, 1, 2]  # keep p >= 0.1
 
+def test_top_k_bound_orders_only_the_best_tokens_and_keeps_what_the_full_sort_keeps():
+    """With every row's top-k known (SamplingTensors.top_k_bound), the filter takes the best `bound`
+    tokens instead of sorting the vocabulary: the same logits out, with top-p on top; a token past them
+    that ties a row's k-th logit is kept (the whole row set is sorted then); masked -inf ties are not."""
+    from kvpilot.server.engine.sampler import filter_logits_batch
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 1000) * 3
+    x[4, :12] = 20.0  # 12 tokens tie for the top: top-k 5 keeps all of them
+    x[5, 3:] = NEG   # a constrained row: 3 allowed tokens under top-k 5
+    k, top_p = torch.tensor([1, 5, 9, 9, 5, 5]), torch.tensor([1.0, 0.9, 0.5, 1.0, 1.0, 1.0])
+    full = filter_logits_batch(x, k, top_p, torch.zeros(6), use_min_p=False)
+    bounded = filter_logits_batch(x, k, top_p, torch.zeros(6), use_min_p=False, top_k_bound=9)
+    assert torch.equal(bounded, full)
+    assert [len(kept(row)) for row in bounded[[0, 3, 4, 5]]] == [1, 9, 12, 3]
+    assert tensors([seq([1], top_k=3), seq([1], temperature=1.0, top_k=7)]).top_k_bound == 7
+    assert tensors([seq([1], top_k=3, temperature=1.0), seq([1], temperature=1.0)]).top_k_bound == 0  # a row without top-k
+
+
 
 def tensors(seqs, eos_token_ids=()) -> SamplingTensors:
     return SamplingTensors.build(seqs, eos_token_ids, torch.float32, InputBuffers(torch.device("cpu")))

@@ -135,8 +135,9 @@ def make_engine(**kw):
 
 
 def run(engine, prompts, params):
-    """All requests to completion: (outputs in prompt order, streamed text per request)."""
-    ids = [engine.add_request(p, params) for p in prompts]
+    """All requests to completion (`params` for all, or a list: one per prompt): (outputs in prompt
+    order, streamed text per request)."""
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params if isinstance(params, list) else [params] * len(prompts), strict=True)]
     done, streamed = {}, {i: "" for i in ids}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -146,13 +147,14 @@ def run(engine, prompts, params):
     return [done[i] for i in ids], [streamed[i] for i in ids]
 
 
-# The HF-oracle prompts (plain decoding equals HF on them: test_hf_equivalence.py) and the copy-heavy ones.
-GREEDY_PROMPTS = ORACLE_PROMPTS + COPY_PROMPTS[:3]
+# Five of the HF-oracle prompts (plain decoding equals HF on them: test_hf_equivalence.py) and the copy-heavy ones.
+GREEDY_PROMPTS = ORACLE_PROMPTS[:5] + COPY_PROMPTS[:3]
+GREEDY = SamplingParams(temperature=0, max_tokens=32)
 
 
 @pytest.fixture(scope="module")
 def plain_greedy():
-    outs, _ = run(make_engine(kv_cache_memory="64MiB"), GREEDY_PROMPTS, SamplingParams(temperature=0, max_tokens=40))
+    outs, _ = run(make_engine(kv_cache_memory="64MiB"), GREEDY_PROMPTS, GREEDY)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -160,8 +162,8 @@ SETTINGS = {
     "batched": dict(kv_cache_memory="64MiB"),
     # 64-token steps: prompts are prefilled in chunks, and verification rows share steps with them.
     "chunked": dict(kv_cache_memory="64MiB", max_num_batched_tokens=64),
-    # 20 blocks of 16 tokens (K and V, 30 layers, 3 KV heads of 64 fp32; and the scratch block) for 13
-    # sequences of up to ~90 tokens: sequences are preempted and recomputed.
+    # 20 blocks of 16 tokens (K and V, 30 layers, 3 KV heads of 64 fp32; and the scratch block) for 8
+    # sequences of up to ~80 tokens: sequences are preempted and recomputed.
     "preempted": dict(kv_cache_memory=21 * (2 * 30 * 16 * 3 * 64 * 4), block_size=16),
     # Decode steps (verifications: k + 1 rows per sequence) and the draft's proposal steps through the
     # CUDA graphs' static buffers, run without capture (decode_graphs.py), padding rows included.
@@ -186,7 +188,7 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
                 plain_run = graphs.run
                 graphs.run = lambda inp, plain_run=plain_run: graph_rows.append(inp.input_ids.shape[0]) or plain_run(inp)
         assert (engine.runner.draft_graphs is not None) == (method == "draft")
-    outs, streamed = run(engine, GREEDY_PROMPTS, SamplingParams(temperature=0, max_tokens=40))
+    outs, streamed = run(engine, GREEDY_PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_greedy
     if setting == "graph-buffers":
         assert graph_rows and any(rows not in engine.runner.decode_graphs.buckets for rows in graph_rows)  # padded steps ran
@@ -232,15 +234,20 @@ def _chi_square_p_value(a: Counter, b: Counter) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-DISTRIBUTION_PROMPT = "one two three four one two three four one two three four one two three"
+DISTRIBUTION_PROMPT = "one two three four one two three four one two three four one two three"  # 15 tokens
 DISTRIBUTION_PARAMS = [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, seed=s) for s in range(300)]
-DISTRIBUTION_KW = dict(kv_cache_memory="64MiB", max_num_seqs=64)
+DISTRIBUTION_KW = dict(kv_cache_memory="64MiB", max_num_seqs=64, block_size=8)  # a full block of the prompt to share
 
 
 def _sample_all(engine) -> list[list[int]]:
+    """The first request runs one step alone, so that the others find the prompt's first block in the
+    prefix cache and prefill only its last 7 tokens (each request has its own seed: its samples do not
+    depend on what it is batched with)."""
+    outs = []
     for i, p in enumerate(DISTRIBUTION_PARAMS):
         engine.add_request(DISTRIBUTION_PROMPT, p, request_id=f"s{i}")
-    outs = []
+        if i == 0:
+            outs += [o for o in engine.step() if o.finished]
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
     return [o.outputs[0].token_ids for o in outs]
@@ -280,9 +287,8 @@ def test_stops_inside_an_accepted_run_end_the_sequence_at_the_right_token(plain_
              SamplingParams(temperature=0, max_tokens=48, stop=[tok.decode(full[25:27]).strip()]),
              SamplingParams(temperature=0, max_tokens=40, min_tokens=35, stop_token_ids=[full[20]]),
              SamplingParams(temperature=0, max_tokens=30, n=2)]
-    for params in cases:
-        want = run(plain, COPY_PROMPTS[1:2], params)[0][0]
-        got = run(engine, COPY_PROMPTS[1:2], params)[0][0]
+    # all cases in one batch each way (speculation is forced on at any batch size)
+    for params, want, got in zip(cases, run(plain, COPY_PROMPTS[1:2] * len(cases), cases)[0], run(engine, COPY_PROMPTS[1:2] * len(cases), cases)[0]):
         assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in got.outputs] == \
                [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in want.outputs], params
     assert engine.proposer.stats.accepted_per_pos[2] > 0

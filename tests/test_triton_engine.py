@@ -46,6 +46,9 @@ def test_engine_with_the_triton_kernels_forced_matches_the_cpp_kernels(monkeypat
     from kvpilot.server import LLM, SamplingParams
 
     directory = family_checkpoints["qwen2"][0]  # q/k/v biases and a tied head: every form of projection
+    # 256-column tiles: the interpreter's cost is per program (the head's 49,152 columns are 192 of
+    # them, not 768); projections narrower than a tile run masked. The default tile: test_triton_gguf.py.
+    monkeypatch.setattr(TritonGGUFLinear, "block_n", 256)
     # 16-token steps: the long prompt is prefilled in chunks, each after the cached part before it.
     prompts = ["The capital of France is", "One, two, three,", "def main():", "The quick brown fox jumps over the lazy dog. " * 4]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (4, 4, 2, 2)]

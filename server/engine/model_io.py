@@ -152,6 +152,7 @@ class SamplingTensors:
     random_index: torch.Tensor     # [R] long: the same rows, on the device (what the sampler indexes with)
     generators: list[torch.Generator | None]  # per random row: its request's generator (seeded) or None
     use_top_k_p: bool              # some random row filters by top-k or top-p (the one sort of a step)
+    top_k_bound: int               # every random row has a top-k, this the largest (the filter then needs that many best tokens, not a sort); 0: some has none
     use_min_p: bool                # some random row filters by min-p
     penalties: Penalties | None
     banned_rows: torch.Tensor      # [N] long: (row, token) pairs that min_tokens bans this step
@@ -179,6 +180,7 @@ class SamplingTensors:
         params = [seq.params for seq, _ in rows]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         use_top_k_p = any(params[i].top_k > 0 or params[i].top_p < 1 for i in random_rows)
+        top_k_bound = max(params[i].top_k for i in random_rows) if random_rows and all(params[i].top_k > 0 for i in random_rows) else 0
         use_min_p = any(params[i].min_p > 0 for i in random_rows)
         pen = [i for i, p in enumerate(params) if p.has_penalties]
         penalties = None
@@ -222,7 +224,7 @@ class SamplingTensors:
         if grammars is not None and not proposing:
             guided_rows, allowed = _allowed_tokens(seqs, grammars, buffers)
         return cls(temperature.unsqueeze(1), top_k, top_p, min_p, random_rows, random_index, [rows[i][0].generator for i in random_rows],
-                   use_top_k_p, use_min_p, penalties, banned_rows_t, banned_tokens_t, (bias_rows, bias_tokens, bias_values) if biased else None,
+                   use_top_k_p, top_k_bound, use_min_p, penalties, banned_rows_t, banned_tokens_t, (bias_rows, bias_tokens, bias_values) if biased else None,
                    [p.logprobs for p in params],
                    [1 if proposing else len(seq.spec_token_ids) + 1 for seq in seqs], drafts_t if any(d >= 0 for d in drafts) else None, q,
                    guided_rows, allowed)
