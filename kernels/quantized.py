@@ -17,10 +17,17 @@ The K-quants (what `Q4_K_M`-style files hold) are re-laid out at load, exactly G
 - Q5_K, Q6_K -> "K8": one int8 code per weight with a float32 scale (and Q5_K's min) per 16 columns,
   the super-block's d and dmin multiplied in (`gguf_dequant.k_quant_parts`): 12 (Q6_K: 10) bits per
   weight (the file: 5.5 / 6.6) — still under bfloat16's 16.
+
+Two layouts hold pre-quantized checkpoints' zero points exactly (server/quant_checkpoint.py): "Z4"
+(Q4_1's code layout) and "Z8" (Q8_0's, each code stored minus 128), each 32 columns with a float16
+scale d and a uint8 zero point z: w = d·(q − z), which the kernels form as d·q + m with m = −d·z (Z8:
+d·(128 − z)) — exact in float32, so the weights are the checkpoint's own. 4.75 and 8.75 bits per weight
+(a GPTQ checkpoint of group 128: 4.16 and 8.19).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +43,7 @@ KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF types kept in their own blocks
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # re-laid out at load (K4 / K8 below; panels and Triton)
 K8, K4 = 3, 4  # the kernels' ids of the two K-quant layouts
+Z4, Z8 = 5, 6  # ... and of the zero-point layouts
 K8_BLOCK = 16  # columns per K8 scale
 QK_K = 256  # columns per K-quant super-block
 
@@ -45,10 +53,10 @@ class Layout:
     """How the kernels read one GGUF type once it is re-laid out: every kernel (C++ panels and row
     kernel, Triton) takes its facts from here."""
 
-    kernel_kind: int  # the C++ kernels' id: 0 Q4_0, 1 Q4_1, 2 Q8_0, 3 K8, 4 K4
+    kernel_kind: int  # the C++ kernels' id: 0 Q4_0, 1 Q4_1, 2 Q8_0, 3 K8, 4 K4, 5 Z4, 6 Z8
     code_bits: int  # 4: two codes a byte (byte j of a 32-block: element j low, j + 16 high); 8: int8 codes
     group: int  # input columns per scale
-    mins: str  # "stored" (m), "minus8d" (Q4_0: m = -8·d) or "none"
+    mins: str  # "stored" (m), "minus8d" (Q4_0: m = -8·d), "zero" (m: uint8 zero points z, w = d·(q − z)) or "none"
     scales: str  # "float16" (d, m per group: the file's), "float32" (K8: exact products per group) or
     #              "super" (K4: d float16 [N, K/256 · 2] (d, dmin); m uint8 [N, K/32 · 2] (scale, min) codes)
     split: int  # the smallest whole unit of columns (a shard's boundary): a group, or K4's super-block
@@ -61,7 +69,10 @@ LAYOUTS = {
     "Q4_K": Layout(K4, 4, QK, "stored", "super", QK_K),
     "Q5_K": Layout(K8, 8, K8_BLOCK, "stored", "float32", K8_BLOCK),
     "Q6_K": Layout(K8, 8, K8_BLOCK, "none", "float32", K8_BLOCK),
+    "Z4": Layout(Z4, 4, QK, "zero", "float16", QK),
+    "Z8": Layout(Z8, 8, QK, "zero", "float16", QK),
 }
+ZERO_OFFSET = {"Z4": 0, "Z8": 128}  # what a stored code is short of its checkpoint code (Z8: int8 = code − 128)
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,8 @@ class GGUFWeight:
     32b + j in its low nibble and 32b + j + 16 in its high one) or [N, K] (Q8_0, int8 bit patterns);
     d: float16 [N, K/32] scales; m: float16 [N, K/32] mins (Q4_1 only). Q4_K: qs as Q4_1's, d float16
     [N, K/256 · 2] (each super-block's d, dmin), m uint8 [N, K/32 · 2] (each sub-block's scale, min codes);
-    Q5_K/Q6_K: qs int8 codes [N, K], d and m float32 [N, K/16] (m None for Q6_K)."""
+    Q5_K/Q6_K: qs int8 codes [N, K], d and m float32 [N, K/16] (m None for Q6_K). Z4/Z8: qs as Q4_1's /
+    Q8_0's (code − 128), d float16 [N, K/32], m uint8 [N, K/32] zero points."""
 
     kind: str
     qs: torch.Tensor
@@ -162,6 +174,13 @@ class GGUFWeight:
             q = self.qs.reshape(n, -1, QK // 2)
             return (torch.cat([q & 0x0F, q >> 4], dim=-1).float() * d + m).reshape(n, k)
         d = self.d.float()[..., None]
+        if self.layout.mins == "zero":  # w = d·(q − z): an integer times d, exact
+            if self.layout.code_bits == 8:
+                q = self.qs.view(torch.int8).reshape(n, -1, QK).float() + ZERO_OFFSET[self.kind]
+            else:
+                q = self.qs.reshape(n, -1, QK // 2)
+                q = torch.cat([q & 0x0F, q >> 4], dim=-1).float()
+            return ((q - self.m.float()[..., None]) * d).reshape(n, k)
         if self.layout.code_bits == 8:  # code·scale exact, + min rounded once: as gguf_dequant's functions
             w = self.qs.view(torch.int8).reshape(n, -1, self.block).float() * d
             return (w if self.m is None else w + self.m.float()[..., None]).reshape(n, k)
@@ -172,6 +191,18 @@ class GGUFWeight:
 
 
 PANEL = 16  # output rows side by side in the panel layout
+# The panel kernel's instruction set, normally the best this CPU has ("auto"). Naming a lower one pins a
+# path: "avx512" or "avx2" keep float32 activations where the VNNI and AMX paths round them to 16 bits
+# (exactness checks against a float32 reference; benchmarks of one path).
+GGUF_ISA_ENV = "KVPILOT_GGUF_ISA"
+GGUF_ISAS = ("auto", "amx", "avx512-vnni", "avx512", "avx2", "scalar")
+
+
+def gguf_isa() -> str:
+    isa = os.environ.get(GGUF_ISA_ENV, "auto")
+    if isa not in GGUF_ISAS:
+        raise ValueError(f"{GGUF_ISA_ENV}={isa!r}: expected one of {', '.join(GGUF_ISAS)}")
+    return isa
 
 
 def to_panels(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -211,6 +242,7 @@ class GGUFLinear(nn.Module):
         self.register_buffer("m", m)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
         self._ext = cpu_extension.require()
+        self._isa = gguf_isa()
         self._bind()
 
     def _bind(self) -> None:
@@ -239,7 +271,7 @@ class GGUFLinear(nn.Module):
             rows = x.reshape(-1, x.shape[-1]).float()
             other = None if other is None else other.reshape(rows.shape[0], -1).float()
             return self._run(rows, epilogue, other).reshape(*x.shape[:-1], -1)
-        return self._ext.gguf_linear_panel(x, *self._operands, epilogue, other)  # it checks every operand's dtype, shape and strides
+        return self._ext.gguf_linear_panel(x, *self._operands, epilogue, other, self._isa)  # it checks every operand's dtype, shape and strides
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, 0)
@@ -261,13 +293,20 @@ def same_input_order(parts: list[GGUFWeight]) -> bool:
 
 def cat_rows(parts: list[torch.Tensor | GGUFWeight]) -> torch.Tensor | GGUFWeight:
     """Fused projections (q, k, v): their rows one after another, dense or packed alike. Parts in
-    Q4_0 and Q4_1 fuse as Q4_1 (Q4_0's implicit min −8·d, exact in float16); packed parts beside dense
+    Q4_0 and Q4_1 fuse as Q4_1 (Q4_0's implicit min −8·d, exact in float16), Q4_0 and Z4 as Z4, Q8_0 and
+    Z8 as Z8 (Q4_0's zero point 8, Q8_0's 128); packed parts beside dense
     ones (a pre-quantized checkpoint that left one of them in float), or in different input orders (act
     order), fuse dequantized, in the dense parts' dtype."""
     packed = [p for p in parts if isinstance(p, GGUFWeight)]
     if len(packed) == len(parts) and same_input_order(packed):
-        if {p.kind for p in packed} == {"Q4_0", "Q4_1"}:
+        kinds = {p.kind for p in packed}
+        if kinds == {"Q4_0", "Q4_1"}:
             packed = [GGUFWeight("Q4_1", p.qs, p.d, (-8 * p.d.float()).half()) if p.kind == "Q4_0" else p for p in packed]
+        for plain, zeroed in (("Q4_0", "Z4"), ("Q8_0", "Z8")):
+            if kinds == {plain, zeroed}:
+                zero = 8 if plain == "Q4_0" else 128
+                packed = [GGUFWeight(zeroed, p.qs, p.d, torch.full_like(p.d, zero, dtype=torch.uint8), p.perm) if p.kind == plain else p
+                          for p in packed]
         return GGUFWeight.cat(packed)  # (other kinds side by side: refused by name)
     if not packed:
         return torch.cat(parts)

@@ -1,5 +1,6 @@
 """x @ W.T with W in a GGUF block format (Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K:
-`--quantization gguf`; int8 / int4 quantize into Q8_0 / Q4_1 blocks), dequantized inside a Triton
+`--quantization gguf`; int8 / int4 quantize into Q8_0 / Q4_1 blocks; pre-quantized checkpoints with
+zero points in Z4 / Z8), dequantized inside a Triton
 kernel: the GPU form of kernels/csrc/gguf_linear_cpu.cpp, with the same fused epilogues (SiLU,
 · other, + residual).
 
@@ -26,7 +27,7 @@ from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.quantized import LAYOUTS, QK, GGUFWeight
 
 EPILOGUES = {"none": 0, "silu": 1, "mul": 2, "add": 3}
-MINS = {"none": 0, "stored": 1, "minus8d": 2}
+MINS = {"none": 0, "stored": 1, "minus8d": 2, "zero": 3}
 
 
 @triton.jit
@@ -52,9 +53,9 @@ def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr,
             low = -(tl.load(sup + 1, mask=col_ok[None, :], other=0.0).to(tl.float32) * tl.load(code + 1, mask=col_ok[None, :], other=0).to(tl.float32))
         else:
             scale = tl.load(d_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
-        if CODE_BITS == 8:  # Q8_0, K8: int8 codes
+        if CODE_BITS == 8:  # Q8_0, K8, Z8: int8 codes
             q = tl.load(qs_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0).to(tl.float32)
-        else:  # Q4_0, Q4_1, K4: byte j of a 32-block holds weight j (low nibble) and j + 16 (high nibble)
+        else:  # Q4_0, Q4_1, K4, Z4: byte j of a 32-block holds weight j (low nibble) and j + 16 (high nibble)
             j = ks % 32
             byte = tl.load(qs_ptr + cols[None, :] * (K // 2) + ((ks // 32) * 16 + j % 16)[:, None], mask=col_ok[None, :], other=0)
             q = tl.where((j < 16)[:, None], byte & 0x0F, byte >> 4).to(tl.float32)
@@ -64,6 +65,9 @@ def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr,
             w = scale * q + tl.load(m_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
         elif MIN == 2:  # Q4_0: w = d·(q - 8)
             w = scale * q - 8.0 * scale
+        elif MIN == 3:  # Z4, Z8: w = d·(q − z), the integer difference first (exact); Z8's codes are stored minus 128
+            zero = tl.load(m_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0).to(tl.float32)
+            w = (q - (zero - (128.0 if CODE_BITS == 8 else 0.0))) * scale
         else:
             w = scale * q
         if IEEE:  # float32 activations: no TF32

@@ -22,10 +22,11 @@ for GPTQ, `<p>.g_idx` (int32 [in]: each input column's group). Weight = (code �
 
 Kept packed where the block kernels can use them (groups of whole 32-column blocks; an act-order weight's
 columns put in group order, its input gathered into that order per call):
-4-bit with every zero point 8 (symmetric GPTQ) -> Q4_0 (d = the scale: exact); other 4-bit -> Q4_1
-(d = the scale, m = −zero·scale rounded to float16: within one float16 rounding of the stored value);
-8-bit with every zero point 128 -> Q8_0 (exact); other 8-bit, and scales float16 does not hold exactly
-(bfloat16 ones usually do) -> the K8 layout (int8 codes, float32 scale and min per 16 columns: exact).
+4-bit with every zero point 8 (symmetric GPTQ) -> Q4_0 (d = the scale); other 4-bit -> Z4 (d = the scale,
+the zero point a byte: w = d·(q − z), see kernels/quantized.py); 8-bit with every zero point 128 -> Q8_0;
+other 8-bit -> Z8; all exact, the scale repeated per 32 columns (4.75 / 8.75 bits per weight: at most 1.15×
+a group-128 checkpoint's bytes). Scales float16 does not hold exactly (bfloat16 ones usually do) -> the K8
+layout (int8 codes, float32 scale and min per 16 columns: exact, 12 bits per weight).
 FP8 weights, groups that are not whole blocks and act-order weights split by input columns (tensor
 parallelism) are dequantized at load, in float32: correct, at the compute dtype's memory.
 """
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.kernels.quantized import FP16_MAX, K8_BLOCK, QK, GGUFWeight
+from kvpilot.kernels.quantized import K8_BLOCK, QK, GGUFWeight
 from kvpilot.server.model_config import ModelFormatError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: word slot i -> output column offset
@@ -219,10 +220,12 @@ class QuantizedTensor:
             qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
             if bool((zeros == 8).all()):
                 return GGUFWeight("Q4_0", qs, scales.contiguous())
-            mins = (-zeros.float() * scales.float()).clamp(-FP16_MAX, FP16_MAX).half()
-            return GGUFWeight("Q4_1", qs, scales.contiguous(), mins.contiguous())
-        if self.bits == 8 and scales.dtype == torch.float16 and bool((zeros == 128).all()):
-            return GGUFWeight("Q8_0", (self.codes - 128).to(torch.int8).view(torch.uint8).contiguous(), scales.contiguous())
+            return GGUFWeight("Z4", qs, scales.contiguous(), zeros.to(torch.uint8).contiguous())
+        if self.bits == 8 and scales.dtype == torch.float16:
+            qs = (self.codes - 128).to(torch.int8).view(torch.uint8).contiguous()
+            if bool((zeros == 128).all()):
+                return GGUFWeight("Q8_0", qs, scales.contiguous())
+            return GGUFWeight("Z8", qs, scales.contiguous(), zeros.to(torch.uint8).contiguous())
         # K8: int8 codes with a float32 scale and min per 16 columns. Codes shifted into int8's range by
         # `shift`; min = (shift − zero) · scale: an integer of at most 9 bits times a float16 or bfloat16
         # scale, exact in float32.

@@ -89,3 +89,23 @@ def encode_k_quant(kind: str, w: np.ndarray) -> np.ndarray:
     else:
         raise ValueError(f"no encoder for {kind}")
     return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(rows, -1))
+
+
+def zero_point_weight(kind: str, n: int, k: int, gen):
+    """A random Z4 / Z8 weight (codes, float16 scales and byte zero points per 32 columns, as a pre-quantized
+    checkpoint's are re-laid out) and its values computed here in float64: (code − zero) · scale."""
+    import torch
+
+    from kvpilot.kernels.quantized import GGUFWeight
+
+    bits = 4 if kind == "Z4" else 8
+    codes = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    zeros = torch.randint(0, 1 << bits, (n, k // 32), generator=gen)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-4).half()
+    values = ((codes - zeros.repeat_interleave(32, 1)).double() * scales.double().repeat_interleave(32, 1)).float()
+    if bits == 4:
+        q = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)  # byte j of a block: element j low, j + 16 high
+        qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
+    else:
+        qs = (codes - 128).to(torch.int8).view(torch.uint8)
+    return GGUFWeight(kind, qs.contiguous(), scales, zeros.to(torch.uint8)), values

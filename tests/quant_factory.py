@@ -157,3 +157,33 @@ def quantized_pair(source: Path, dest: Path, scheme: dict, act_order: bool = Fal
         (path / "config.json").write_text(json.dumps({**cfg, **config_extra}))
         out.append(path)
     return out[0], out[1]
+
+
+def library_dequantized(quantized: Path) -> dict[str, torch.Tensor] | None:
+    """The checkpoint's projection weights as compressed-tensors dequantizes them (float32), the library
+    as an independent reader: its own dequantizer for compressed-tensors checkpoints, its AutoAWQ
+    converter first for AWQ ones; None for the others (the library has no GPTQ reader: the GPTQ bit orders
+    are pinned by literal words instead; transformers reads `quant_method: fp8`). Scales are widened to float32 before the library multiplies, so that
+    its (code − zero)·scale is exact, as ours is: the comparison is then one of values, not of roundings."""
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from safetensors.torch import load_file
+
+    config = json.loads((quantized / "config.json").read_text())["quantization_config"]
+    if config["quant_method"] not in ("awq", "compressed-tensors"):
+        return None
+    # the projections' tensors only: without the model, the library cannot tell a Linear's `weight` from a norm's
+    tensors = {n: t for n, t in load_file(str(quantized / "model.safetensors")).items() if any(f"{p}." in n for p in PROJECTIONS)}
+    stub = quantized
+    if config["quant_method"] == "awq":
+        converter = AutoAWQConverter.from_autoawq_config(config)
+        tensors = converter.process(tensors)
+        stub = quantized.parent / "awq-as-compressed-tensors"
+        stub.mkdir(exist_ok=True)
+        (stub / "config.json").write_text(json.dumps({"quantization_config": converter.update_config(None).model_dump(mode="json")}))
+    tensors = {n: t.float() if n.endswith(".weight_scale") else t for n, t in tensors.items()}
+    dequantizer = CompressedTensorsDequantizer(stub, dtype=torch.float32)
+    for group in dequantizer.quant_config.config_groups.values():  # the checkpoint's format, not the one the library infers from the
+        group.format = dequantizer.quant_config.format                 # scheme (which takes a naive-quantized W8 for pack-quantized)
+    dense = dequantizer.process(tensors)
+    return {n: t for n, t in dense.items() if n.endswith(".weight") and any(p in n for p in PROJECTIONS)}

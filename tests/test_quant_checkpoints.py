@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_factory import PROJECTIONS, int32, quantized_pair
+from quant_factory import PROJECTIONS, int32, library_dequantized, quantized_pair
 
 from kvpilot.server.model_config import ModelFormatError
 from kvpilot.server.quant_checkpoint import QuantScheme, read_quantized
@@ -37,40 +37,27 @@ def test_the_packings_are_the_published_bit_orders():
     assert torch.equal(awq.dequantize(), torch.zeros(8, 8))  # code = zero everywhere
 
 
-# scheme, the layout it is kept in, whether that holds the weights exactly (else: Q4_1's min, −zero·scale,
-# rounded to float16 — held to the error of the dequantized weights rounded to float16 themselves)
+# scheme, the layout it is kept in (None: dequantized at load)
 SCHEMES = {
-    "gptq-v1-4bit-sym-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}, "Q4_0", True),
-    "gptq-v2-4bit-asym-g64": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": False, "checkpoint_format": "gptq_v2"}, "Q4_1", False),
-    "gptq-v1-8bit-sym-channel": ({"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True}, "Q8_0", True),
-    "gptq-v1-8bit-asym-g128": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": False}, "Q5_K", True),
-    "awq-gemm-4bit-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}, "Q4_1", False),
+    "gptq-v1-4bit-sym-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}, "Q4_0"),
+    "gptq-v2-4bit-asym-g64": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": False, "checkpoint_format": "gptq_v2"}, "Z4"),
+    "gptq-v1-8bit-sym-channel": ({"quant_method": "gptq", "bits": 8, "group_size": -1, "sym": True}, "Q8_0"),
+    "gptq-v1-8bit-asym-g128": ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": False}, "Z8"),
+    "awq-gemm-4bit-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}, "Z4"),
     "ct-pack-w4a16-sym-g32-bf16": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "bits": 4, "group_size": 32, "sym": True,
-                                    "scale_dtype": "bfloat16"}, "Q4_0", True),
-    "ct-pack-w4a16-asym-g64": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "bits": 4, "group_size": 64, "sym": False},
-                               "Q4_1", False),
+                                    "scale_dtype": "bfloat16"}, "Q4_0"),
+    "ct-pack-w4a16-asym-g64": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "bits": 4, "group_size": 64, "sym": False}, "Z4"),
     "ct-pack-w8a16-sym-channel": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "bits": 8, "group_size": -1, "sym": True},
-                                  "Q8_0", True),
+                                  "Q8_0"),
     "ct-naive-w8-asym-g32": ({"quant_method": "compressed-tensors", "format": "naive-quantized", "bits": 8, "group_size": 32, "sym": False},
-                             "Q5_K", True),
-    "ct-fp8-weights": ({"quant_method": "compressed-tensors", "format": "float-quantized"}, None, True),
-    "fp8-block-64": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}, None, True),
-    "fp8-block-48-partial": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [48, 48]}, None, True),
-    "fp8-tensor-static": ({"quant_method": "fp8", "activation_scheme": "static"}, None, True),
+                             "Z8"),
+    "ct-fp8-weights": ({"quant_method": "compressed-tensors", "format": "float-quantized"}, None),
+    "fp8-block-64": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}, None),
+    "fp8-block-48-partial": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [48, 48]}, None),
+    "fp8-tensor-static": ({"quant_method": "fp8", "activation_scheme": "static"}, None),
 }
-EXACT_BOUND = 1e-4  # float32 both sides: the kernels' summation order only
-
-
-def _rounded_to_half(dense: Path) -> Path:
-    """The dense checkpoint with its projections rounded to float16 (stored as float32)."""
-    from safetensors.torch import load_file, save_file
-
-    out = dense.parent / "dense-fp16"
-    if not out.exists():
-        shutil.copytree(dense, out)
-        state = load_file(str(dense / "model.safetensors"))
-        save_file({n: t.half().float() if any(p in n for p in PROJECTIONS) else t for n, t in state.items()}, str(out / "model.safetensors"))
-    return out
+EXACT_BOUND = 1e-4  # float32 both sides: the kernels' summation order (and the VNNI path's 16-bit activations) only
+PACKED_BYTES_BOUND = 1.15  # the packed projections' bytes over the checkpoint's
 
 
 def llm(model: Path, **kw):
@@ -86,6 +73,38 @@ def outputs(engine, prompts):
     return [o.outputs[0].token_ids for o in outs], [[e[t] for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
 
 
+@pytest.fixture(autouse=True)
+def float_activations(monkeypatch):
+    """The exactness checks here run the panel kernel's float path: on a host with AVX512-VNNI or AMX the
+    best paths round activations to 16 bits, about 1e-3 in these log-probabilities (measured), which would
+    hide a misread zero point as well. Those paths are held to the same weights in tests/test_quantized.py."""
+    from kvpilot.kernels import cpu_extension
+    from kvpilot.kernels.quantized import GGUF_ISA_ENV
+
+    if cpu_extension.require().gguf_linear_isa() in ("amx", "avx512-vnni"):
+        monkeypatch.setenv(GGUF_ISA_ENV, "avx512")
+
+
+def packed_bytes(engine) -> float:
+    """The packed projections' bytes (the panels' padding rows left out)."""
+    from kvpilot.kernels.quantized import PANEL, GGUFLinear
+
+    total = 0.0
+    for m in engine.engine.runner.model.modules():
+        if isinstance(m, GGUFLinear):
+            stored = sum(t.numel() * t.element_size() for t in (m.qs, m.d, m.m) if t is not None)
+            total += stored * m.out_features / (m.qs.shape[0] * PANEL)
+    return total
+
+
+def checkpoint_projection_bytes(quantized: Path) -> int:
+    """What the checkpoint stores for its quantized projections (codes, scales, zero points, g_idx)."""
+    from safetensors.torch import load_file
+
+    return sum(t.numel() * t.element_size() for n, t in load_file(str(quantized / "model.safetensors")).items()
+               if any(f"{p}." in n for p in PROJECTIONS) and not n.endswith(".bias"))
+
+
 def projection_kinds(engine) -> set[str]:
     from kvpilot.kernels.quantized import GGUFLinear
 
@@ -97,8 +116,16 @@ def projection_kinds(engine) -> set[str]:
 def test_a_quantized_checkpoint_runs_packed_as_its_dequantized_weights(family_checkpoints, tmp_path, case):
     from oracle import ORACLE_PROMPTS
 
-    scheme, kind, exact = SCHEMES[case]
+    from safetensors.torch import load_file
+
+    scheme, kind = SCHEMES[case]
     quantized, dense = quantized_pair(family_checkpoints["llama3"][0], tmp_path, scheme)
+    library = library_dequantized(quantized)  # compressed-tensors' own reading (AWQ through its AutoAWQ converter)
+    if library is not None:  # the reference model's weights are the library's dequantized ones, value for value
+        dense_state = load_file(str(dense / "model.safetensors"))
+        assert library.keys() == {n for n in dense_state if any(p in n for p in PROJECTIONS)}
+        differ = {n: (library[n] - dense_state[n]).abs().max().item() for n in library if not torch.equal(library[n], dense_state[n])}
+        assert not differ, f"{case}: the library dequantizes these differently: {differ}"
     packed, reference = llm(quantized), llm(dense)
     assert packed.engine.runner.quantization == scheme["quant_method"] and projection_kinds(packed) == ({kind} if kind else set())
     assert reference.engine.runner.quantization == "none" and not projection_kinds(reference)
@@ -106,12 +133,10 @@ def test_a_quantized_checkpoint_runs_packed_as_its_dequantized_weights(family_ch
     (tokens, logprobs), (want_tokens, want_logprobs) = outputs(packed, prompts), outputs(reference, prompts)
     assert tokens == want_tokens
     worst = max(abs(a - b) for got, want in zip(logprobs, want_logprobs) for a, b in zip(got, want))
-    bound = EXACT_BOUND
-    if not exact:  # the same model with its dequantized weights rounded to float16: the error one float16 rounding makes
-        halved = outputs(llm(_rounded_to_half(dense)), prompts)[1]
-        bound = 2 * max(abs(a - b) for got, want in zip(halved, want_logprobs) for a, b in zip(got, want))
-    print(f"{case}: {kind}, max |logprob - dequantized float32| = {worst:.1e} (bound {bound:.1e})")
-    assert worst < bound
+    ratio = packed_bytes(packed) / checkpoint_projection_bytes(quantized) if kind else None
+    print(f"{case}: {kind}, max |logprob - dequantized float32| = {worst:.1e}" + (f", packed / checkpoint bytes {ratio:.3f}" if ratio else ""))
+    assert worst < EXACT_BOUND
+    assert ratio is None or ratio <= PACKED_BYTES_BOUND
     # quantization=none: the same checkpoint dequantized at load (float32) is the reference itself
     assert outputs(llm(quantized, quantization="none"), prompts)[0] == want_tokens
 

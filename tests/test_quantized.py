@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gguf_factory import k_quant_blocks
+from gguf_factory import k_quant_blocks, zero_point_weight
 from kvpilot.kernels import cpu_extension
 from kvpilot.kernels.gguf_dequant import dequantize_q4_0, dequantize_q4_1, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k, dequantize_q8_0
 from kvpilot.kernels.quantized import K4, K8, K_QUANTS, KINDS, LAYOUTS, GGUFLinear, GGUFWeight, cat_rows, embedding, to_panels
@@ -223,6 +223,44 @@ def test_kernel_matches_the_reference_on_every_isa(kind):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["Z4", "Z8"])
+def test_zero_point_layouts_hold_a_checkpoints_values_exactly_on_every_isa(kind):
+    """Z4 and Z8 (pre-quantized checkpoints with zero points): the re-laid-out weight dequantizes to
+    (code − zero)·scale exactly; rows, whole-block columns and fused rows (a Q4_0 / Q8_0 part fuses in with
+    its implicit zero point) keep it; the panel kernel on every instruction set this CPU has — float,
+    factored, VNNI and AMX paths, x as each rounds it — matches x @ values.T with bias and every epilogue; a
+    tied embedding's lookup out of the panels is exact; the bytes are 19 / 35 per 32 weights."""
+    ext = cpu_extension.require()
+    gen = torch.Generator().manual_seed(7)
+    n, k = 67, 160
+    w, values = zero_point_weight(kind, n, k, gen)
+    assert torch.equal(w.dequantize(), values) and values.abs().max() > 0.1
+    assert w.nbytes == n * k // 32 * (19 if kind == "Z4" else 35)
+    perm = torch.randperm(n, generator=gen)
+    assert torch.equal(w.rows(perm).dequantize(), values[perm]) and torch.equal(w.columns(32, 160).dequantize(), values[:, 32:])
+    plain = GGUFWeight.from_blocks("Q4_0" if kind == "Z4" else "Q8_0", blocks("Q4_0" if kind == "Z4" else "Q8_0", 5, k), 5)
+    fused = cat_rows([w, plain])
+    assert fused.kind == kind and torch.equal(fused.dequantize(), torch.cat([values, plain.dequantize()]))
+    bias = torch.randn(n, generator=gen)
+    qs, d, zeros = to_panels(w)
+    assert zeros.dtype == torch.uint8
+    for isa in isas():
+        for m in (1, 2, 5, 13, 67):
+            x, other = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
+            y = kernel_activations(x, kind, isa) @ values.T + bias
+            for epilogue, want in ((0, y), (1, F.silu(y)), (2, y * other), (3, y + other)):
+                got = ext.gguf_linear_panel(x, qs, d, zeros, LAYOUTS[kind].kernel_kind, n, bias, epilogue, other if epilogue >= 2 else None, isa)
+                assert_kernel_close(got, want, isa, kind, x, values, f"{kind} {isa} M={m} epilogue {epilogue}")
+    lin = GGUFLinear(w, bias)
+    x = torch.randn(3, k, generator=gen)
+    assert_kernel_close(lin(x), kernel_activations(x, kind, isas()[0]) @ values.T + bias, isas()[0], kind, x, values, f"GGUFLinear {kind}")
+    ids = torch.tensor([66, 0, 17, 66])
+    assert torch.equal(embedding(ids, lin), values[ids])
+    with pytest.raises(RuntimeError, match="m: Z4/Z8's uint8 zero points"):
+        ext.gguf_linear_panel(x, qs, d, d, LAYOUTS[kind].kernel_kind, n, None, 0, None)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_a_long_prefill_matches_the_reference_on_every_isa(kind):
     """300 rows of 2048 columns: on the AMX path three passes of rows (128, 128, 44: each pass's
@@ -237,6 +275,21 @@ def test_a_long_prefill_matches_the_reference_on_every_isa(kind):
         got = ext.gguf_linear_panel(x, qs, d, mins, KINDS[kind], n, None, 3, residual, isa)
         want = kernel_activations(x, kind, isa) @ dense.T + residual
         assert_kernel_close(got, want, isa, kind, x, dense, f"{kind} {isa}")
+
+
+def test_the_panel_kernels_instruction_set_can_be_pinned(monkeypatch):
+    """KVPILOT_GGUF_ISA pins GGUFLinear's path (here the scalar one: x @ W.T unrounded); a name that is
+    not an instruction set is refused when the layer is made, not at its first call."""
+    from kvpilot.kernels.quantized import GGUF_ISA_ENV
+
+    w = GGUFWeight.from_blocks("Q4_1", blocks("Q4_1", 20, 64), 20)
+    x = torch.randn(3, 64)
+    monkeypatch.setenv(GGUF_ISA_ENV, "scalar")
+    qs, d, m = to_panels(w)
+    assert torch.equal(GGUFLinear(w)(x), cpu_extension.require().gguf_linear_panel(x, qs, d, m, KINDS["Q4_1"], 20, None, 0, None, "scalar"))
+    monkeypatch.setenv(GGUF_ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="KVPILOT_GGUF_ISA='sse9': expected one of auto, amx"):
+        GGUFLinear(w)
 
 
 def test_bad_kernel_arguments_are_errors_not_crashes():

@@ -34,7 +34,11 @@ namespace {
 // Q6_K) one int8 code per weight, a float32 scale and min per 16 input columns; K4 (Q4_K) Q4_1's 4-bit
 // layout with each 32-column sub-block's 6-bit scale and min codes (bytes) and each 256-column
 // super-block's float16 d and dmin: scale = d·code, min = −dmin·code, products exact in float32. w = d·q + m.
-enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K8 = 3, K4 = 4 };
+// The zero-point layouts of pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors with zero points):
+// Z4 Q4_1's code layout, Z8 Q8_0's (each code stored minus 128), with a float16 scale and a uint8 zero
+// point z per 32 columns: w = d·(q − z), the min made here as −d·z (Z8: d·(128 − z)) — an 11-bit
+// mantissa times an integer of at most 9 bits, exact in float32, so w is the checkpoint's value exactly.
+enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K8 = 3, K4 = 4, Z4 = 5, Z8 = 6 };
 enum Epilogue : int64_t { NONE = 0, SILU = 1, MUL = 2, ADD = 3 };
 constexpr int64_t QK = 32;      // weights per block
 constexpr int64_t QK8 = 16;     // weights per K8 block
@@ -93,12 +97,14 @@ struct PanelArgs {
   const float* xsum;  // [M, nb]: each activation row's sum over each block (4-bit kinds; the factored path)
   const float* df; const float* mf;  // K8's float32 scales and mins (mf null: none), instead of d and m
   const uint8_t* codes;              // K4: [P, nb/8, 16 (scale, min of 8 sub-blocks), 16] codes; d: [P, nb/8, 2 (d, dmin), 16]
+  const uint8_t* zeros;              // Z4, Z8: [P, nb, 16] zero points, shaped like d
   const uint16_t* xhi; const uint16_t* xlo;  // [M, K] bfloat16 bits: x split as x_hi + x_lo (the AMX path)
   const int16_t* xq; const float* xs;        // [M, K] int16 codes, [M, K/32] scales: x ≈ xs·xq per block (the VNNI path)
 };
 
 inline int64_t block_cols(int64_t kind) { return kind == K8 ? QK8 : QK; }
-inline bool four_bit(int64_t kind) { return kind == Q4_0 || kind == Q4_1 || kind == K4; }
+inline bool four_bit(int64_t kind) { return kind == Q4_0 || kind == Q4_1 || kind == K4 || kind == Z4; }
+inline bool byte_codes(int64_t kind) { return kind == Q8_0 || kind == K8 || kind == Z8; }  // one int8 code per byte
 constexpr int64_t SUB = 8;  // K4: 32-column sub-blocks per super-block
 
 // K4's block b of panel p: its super-block's (d, dmin) and its (scale, min) codes, each 16 lanes.
@@ -123,6 +129,10 @@ inline void lane_scales(const PanelArgs& a, int64_t p, int64_t b, int64_t l, flo
     return;
   }
   d = static_cast<float>(a.d[sb + l]);
+  if (a.kind == Z4 || a.kind == Z8) {
+    mn = d * static_cast<float>((a.kind == Z8 ? 128 : 0) - a.zeros[sb + l]);
+    return;
+  }
   mn = a.kind == Q4_1 ? static_cast<float>(a.m[sb + l]) : a.kind == Q4_0 ? -8.0f * d : 0.0f;
 }
 
@@ -152,6 +162,10 @@ __attribute__((target("avx512f,f16c"))) inline void scales512(const PanelArgs& a
     return;
   }
   d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + sb)));
+  if (a.kind == Z4 || a.kind == Z8) {
+    mn = _mm512_mul_ps(d, _mm512_sub_ps(_mm512_set1_ps(a.kind == Z8 ? 128.0f : 0.0f), bytes_ps512(a.zeros + sb)));
+    return;
+  }
   mn = a.kind == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + sb)))
                       : _mm512_mul_ps(d, _mm512_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
 }
@@ -173,6 +187,10 @@ __attribute__((target("avx2,fma,f16c"))) inline void scales256(const PanelArgs& 
     return;
   }
   d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.d + sb)));
+  if (a.kind == Z4 || a.kind == Z8) {
+    mn = _mm256_mul_ps(d, _mm256_sub_ps(_mm256_set1_ps(a.kind == Z8 ? 128.0f : 0.0f), bytes_ps256(a.zeros + sb)));
+    return;
+  }
   mn = a.kind == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.m + sb)))
                       : _mm256_mul_ps(d, _mm256_set1_ps(a.kind == Q4_0 ? -8.0f : 0.0f));
 }
@@ -210,7 +228,7 @@ __attribute__((target("avx512f"))) inline void store_vector(const PanelArgs& a, 
   _mm512_storeu_ps(a.y + row * a.y_stride + n0, v);
 }
 
-inline int64_t block_bytes(int64_t kind) { return kind == Q8_0 ? QK * LANES : kind == K8 ? QK8 * LANES : QK / 2 * LANES; }
+inline int64_t block_bytes(int64_t kind) { return kind == Q8_0 || kind == Z8 ? QK * LANES : kind == K8 ? QK8 * LANES : QK / 2 * LANES; }
 
 void panel_scalar(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
   float acc[ROW_TILE][LANES] = {};
@@ -220,18 +238,15 @@ void panel_scalar(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
     for (int64_t l = 0; l < LANES; ++l) {
       float d, mn;
       lane_scales(a, p, b, l, d, mn);
-      if (a.kind == K8) {
+      if (byte_codes(a.kind)) {  // (mn is 0 for Q8_0 and a K8 without mins: the fma is then d·q rounded once)
         for (int64_t k = 0; k < bw; ++k) {
-          const float w = a.mf ? std::fma(d, static_cast<float>(static_cast<int8_t>(q[k * LANES + l])), mn)
-                               : d * static_cast<int8_t>(q[k * LANES + l]);
+          const float w = std::fma(d, static_cast<float>(static_cast<int8_t>(q[k * LANES + l])), mn);
           for (int64_t r = 0; r < rows; ++r) acc[r][l] += w * a.x[(row0 + r) * a.x_stride + b * bw + k];
         }
         continue;
       }
       for (int64_t k = 0; k < QK; ++k) {
-        float w;
-        if (a.kind == Q8_0) w = d * static_cast<int8_t>(q[k * LANES + l]);
-        else w = d * (k < 16 ? (q[k * LANES + l] & 0x0F) : (q[(k - 16) * LANES + l] >> 4)) + mn;
+        const float w = d * (k < 16 ? (q[k * LANES + l] & 0x0F) : (q[(k - 16) * LANES + l] >> 4)) + mn;
         for (int64_t r = 0; r < rows; ++r) acc[r][l] += w * a.x[(row0 + r) * a.x_stride + b * QK + k];
       }
     }
@@ -263,12 +278,12 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_t(const Panel
     }
     const int64_t bw = block_cols(a.kind);
     const float* x = a.x + row0 * a.x_stride + b * bw;
-    if (a.kind == Q8_0 || a.kind == K8) {
+    if (byte_codes(a.kind)) {
       for (int k = 0; k < bw; ++k) {
         __m512 w[NP];
         for (int u = 0; u < NP; ++u) {
           const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[u] + k * LANES))));
-          w[u] = a.mf ? _mm512_fmadd_ps(d[u], qf, mn[u]) : _mm512_mul_ps(d[u], qf);
+          w[u] = _mm512_fmadd_ps(d[u], qf, mn[u]);  // (mn 0: Q8_0, K8 without mins)
         }
         for (int r = 0; r < R; ++r) {
           const __m512 xv = _mm512_set1_ps(x[r * a.x_stride + k]);
@@ -305,16 +320,16 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2_t(const PanelArgs& a, i
     const uint8_t* q = a.qs + (p * a.nb + b) * block_bytes(a.kind);
     __m256 d[2], mn[2];
     for (int h = 0; h < 2; ++h) scales256(a, p, b, h, d[h], mn[h]);
-    const bool bytes8 = a.kind == Q8_0 || a.kind == K8;  // one int8 code per byte
+    const bool bytes8 = byte_codes(a.kind);
     const float* x = a.x + row0 * a.x_stride + b * block_cols(a.kind);
-    const int cols = a.kind == Q8_0 ? QK : a.kind == K8 ? QK8 : QK / 2;
+    const int cols = bytes8 ? block_cols(a.kind) : QK / 2;
     for (int j = 0; j < cols; ++j) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * LANES));
       __m256 w[2][2];  // [half of the lanes][element j, element j + 16 (4-bit only)]
       if (bytes8) {
         const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
-        w[0][0] = a.mf ? _mm256_fmadd_ps(d[0], q0, mn[0]) : _mm256_mul_ps(d[0], q0);
-        w[1][0] = a.mf ? _mm256_fmadd_ps(d[1], q1, mn[1]) : _mm256_mul_ps(d[1], q1);
+        w[0][0] = _mm256_fmadd_ps(d[0], q0, mn[0]);  // (mn 0: Q8_0, K8 without mins)
+        w[1][0] = _mm256_fmadd_ps(d[1], q1, mn[1]);
       } else {
         const __m128i lo = _mm_and_si128(v, low4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low4);
         w[0][0] = _mm256_fmadd_ps(d[0], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), mn[0]);
@@ -456,8 +471,9 @@ inline void prefetch_blocks(const PanelArgs& a, int64_t p, int np, int64_t ahead
     if (panel * LANES >= a.n) return;
     const char* q = reinterpret_cast<const char*>(a.qs + (panel * a.nb + b) * bytes);
     for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(q + c, _MM_HINT_T0);
-    if (a.kind == Q4_0 || a.kind == Q4_1 || a.kind == Q8_0) _mm_prefetch(reinterpret_cast<const char*>(a.d + (panel * a.nb + b) * LANES), _MM_HINT_T0);
+    if (a.kind != K4 && a.kind != K8) _mm_prefetch(reinterpret_cast<const char*>(a.d + (panel * a.nb + b) * LANES), _MM_HINT_T0);
     if (a.kind == Q4_1) _mm_prefetch(reinterpret_cast<const char*>(a.m + (panel * a.nb + b) * LANES), _MM_HINT_T0);
+    if (a.kind == Z4) _mm_prefetch(reinterpret_cast<const char*>(a.zeros + (panel * a.nb + b) * LANES), _MM_HINT_T0);
   }
 }
 
@@ -508,7 +524,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vnni,f16c"))) void pane
       for (int r = 0; r < R; ++r) {
         const int64_t rb = (row0 + r) * a.nb + b;
         __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.xs[rb])), _mm512_cvtepi32_ps(sum[u][r]), _mm512_load_ps(acc[u][r]));
-        if (!BYTE) v = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[rb]), v);
+        if (!BYTE || a.kind == Z8) v = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[rb]), v);  // (Q8_0: no min)
         _mm512_store_ps(acc[u][r], v);
       }
     }
@@ -542,7 +558,7 @@ constexpr int64_t PANEL_ROWS_VNNI = 8;
 void panel_vnni(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
   const bool two = (p + 2) * LANES <= (a.n + LANES - 1) / LANES * LANES;
 #define KVP_VNNI(R)                                                                                                    \
-  if (a.kind == Q8_0) return two ? panel_vnni_t<R, 2, true>(a, row0, p) : panel_vnni_t<R, 1, true>(a, row0, p);       \
+  if (a.kind == Q8_0 || a.kind == Z8) return two ? panel_vnni_t<R, 2, true>(a, row0, p) : panel_vnni_t<R, 1, true>(a, row0, p);       \
   return two ? panel_vnni_t<R, 2, false>(a, row0, p) : panel_vnni_t<R, 1, false>(a, row0, p);
   switch (rows) {
     case 1: { KVP_VNNI(1) }
@@ -617,7 +633,7 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void amx_weight_tiles(const Pan
     uint16_t* lo = hi + BTILE;
     for (int j = 0; j < 16; ++j) {
       __m512i q0, q1;
-      if (a.kind == Q8_0) {  // byte rows j and j + 16
+      if (a.kind == Q8_0 || a.kind == Z8) {  // byte rows j and j + 16
         q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * LANES)));
         q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j + 16) * LANES)));
       } else {  // byte row j: column j in the low nibbles, j + 16 in the high ones
@@ -745,11 +761,14 @@ void panel_avx2(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
   }
 }
 
-// Q4_1's mins shaped like the scales, the bias [N], the epilogue's operand [M, N].
+// Q4_1's mins and Z4/Z8's zero points shaped like the scales, the bias [N], the epilogue's operand [M, N].
 void check_operands(const torch::Tensor& d, const c10::optional<torch::Tensor>& m, int64_t kind, int64_t N, int64_t M,
                     const c10::optional<torch::Tensor>& bias, int64_t epilogue, const c10::optional<torch::Tensor>& other) {
   if (kind == Q4_1) {
     TORCH_CHECK(m && m->is_contiguous() && m->scalar_type() == torch::kHalf && m->sizes() == d.sizes(), "m: float16, shaped like d");
+  }
+  if (kind == Z4 || kind == Z8) {
+    TORCH_CHECK(m && m->is_contiguous() && m->scalar_type() == torch::kByte && m->sizes() == d.sizes(), "m: Z4/Z8's uint8 zero points, shaped like d");
   }
   if (bias) {
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat && bias->numel() == N, "bias: float32 [N]");
@@ -781,9 +800,9 @@ std::string gguf_linear_isa() {
 torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
                                 c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: float32 rows [M, K]");
-  TORCH_CHECK(kind >= Q4_0 && kind <= K4, "kind: 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (K8) or 4 (K4)");
+  TORCH_CHECK(kind >= Q4_0 && kind <= Z8, "kind: 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (K8), 4 (K4), 5 (Z4) or 6 (Z8)");
   const int64_t M = x.size(0), K = x.size(1), bw = block_cols(kind);
-  TORCH_CHECK(qs.is_contiguous() && qs.dim() == 4 && qs.size(1) * bw == K && qs.size(2) == (kind == Q8_0 ? QK : QK / 2) && qs.size(3) == LANES,
+  TORCH_CHECK(qs.is_contiguous() && qs.dim() == 4 && qs.size(1) * bw == K && qs.size(2) == (kind == Q8_0 || kind == Z8 ? QK : QK / 2) && qs.size(3) == LANES,
               "qs: [P, K/32 (K/16 for K8), 16 or 32, 16] panels");
   const int64_t P = qs.size(0);
   TORCH_CHECK(n > (P - 1) * LANES && n <= P * LANES, "n must be within the last panel");
@@ -809,12 +828,12 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
               kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr, K / bw, n, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
               y.stride(0), binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue, nullptr,
               k8 ? d.data_ptr<float>() : nullptr, k8 && m ? m->data_ptr<float>() : nullptr, k4 ? m->data_ptr<uint8_t>() : nullptr,
-              nullptr, nullptr, nullptr, nullptr};
+              kind == Z4 || kind == Z8 ? m->data_ptr<uint8_t>() : nullptr, nullptr, nullptr, nullptr, nullptr};
   const Isa chosen = pick(isa);
   const bool nibbles = four_bit(kind);
   const bool extended = chosen >= Isa::AVX512_VNNI;
   const bool amx = chosen == Isa::AMX && kind != K8 && M >= AMX_MIN_ROWS;
-  const bool vnni = !amx && extended && (kind == Q8_0 || (nibbles && M > 0));
+  const bool vnni = !amx && extended && (kind == Q8_0 || kind == Z8 || (nibbles && M > 0));
   std::vector<float> xsum, xs;
   std::vector<uint16_t> xsplit;
   std::vector<int16_t> xq;
