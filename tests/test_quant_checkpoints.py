@@ -114,9 +114,9 @@ def projection_kinds(engine) -> set[str]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(SCHEMES))
 def test_a_quantized_checkpoint_runs_packed_as_its_dequantized_weights(family_checkpoints, tmp_path, case):
-    from oracle import ORACLE_PROMPTS
-
     from safetensors.torch import load_file
+
+    from oracle import ORACLE_PROMPTS
 
     scheme, kind = SCHEMES[case]
     quantized, dense = quantized_pair(family_checkpoints["llama3"][0], tmp_path, scheme)
