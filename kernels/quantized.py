@@ -22,7 +22,8 @@ Two layouts hold pre-quantized checkpoints' zero points exactly (server/quant_ch
 (Q4_1's code layout) and "Z8" (Q8_0's, each code stored minus 128), each 32 columns with a float16
 scale d and a uint8 zero point z: w = d·(q − z), which the kernels form as d·q + m with m = −d·z (Z8:
 d·(128 − z)) — exact in float32, so the weights are the checkpoint's own. 4.75 and 8.75 bits per weight
-(a GPTQ checkpoint of group 128: 4.16 and 8.19).
+(a GPTQ checkpoint of group 128: 4.16 and 8.19). "F8" holds FP8 E4M3 weights as their bytes with a
+float32 scale per 32 columns (9 bits per weight), widened exactly in the kernels' registers: w = fp8·d.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF types kept in their own blocks
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # re-laid out at load (K4 / K8 below; panels and Triton)
 K8, K4 = 3, 4  # the kernels' ids of the two K-quant layouts
-Z4, Z8 = 5, 6  # ... and of the zero-point layouts
+Z4, Z8, F8 = 5, 6, 7  # ... of the zero-point layouts and of FP8 weights
 K8_BLOCK = 16  # columns per K8 scale
 QK_K = 256  # columns per K-quant super-block
 
@@ -53,13 +54,14 @@ class Layout:
     """How the kernels read one GGUF type once it is re-laid out: every kernel (C++ panels and row
     kernel, Triton) takes its facts from here."""
 
-    kernel_kind: int  # the C++ kernels' id: 0 Q4_0, 1 Q4_1, 2 Q8_0, 3 K8, 4 K4, 5 Z4, 6 Z8
+    kernel_kind: int  # the C++ kernels' id: 0 Q4_0, 1 Q4_1, 2 Q8_0, 3 K8, 4 K4, 5 Z4, 6 Z8, 7 F8
     code_bits: int  # 4: two codes a byte (byte j of a 32-block: element j low, j + 16 high); 8: int8 codes
     group: int  # input columns per scale
     mins: str  # "stored" (m), "minus8d" (Q4_0: m = -8·d), "zero" (m: uint8 zero points z, w = d·(q − z)) or "none"
     scales: str  # "float16" (d, m per group: the file's), "float32" (K8: exact products per group) or
     #              "super" (K4: d float16 [N, K/256 · 2] (d, dmin); m uint8 [N, K/32 · 2] (scale, min) codes)
     split: int  # the smallest whole unit of columns (a shard's boundary): a group, or K4's super-block
+    fp8: bool = False  # 8-bit codes that are float8_e4m3fn bytes (F8), not int8
 
 
 LAYOUTS = {
@@ -71,6 +73,7 @@ LAYOUTS = {
     "Q6_K": Layout(K8, 8, K8_BLOCK, "none", "float32", K8_BLOCK),
     "Z4": Layout(Z4, 4, QK, "zero", "float16", QK),
     "Z8": Layout(Z8, 8, QK, "zero", "float16", QK),
+    "F8": Layout(F8, 8, QK, "none", "float32", QK, fp8=True),
 }
 ZERO_OFFSET = {"Z4": 0, "Z8": 128}  # what a stored code is short of its checkpoint code (Z8: int8 = code − 128)
 
@@ -82,7 +85,8 @@ class GGUFWeight:
     d: float16 [N, K/32] scales; m: float16 [N, K/32] mins (Q4_1 only). Q4_K: qs as Q4_1's, d float16
     [N, K/256 · 2] (each super-block's d, dmin), m uint8 [N, K/32 · 2] (each sub-block's scale, min codes);
     Q5_K/Q6_K: qs int8 codes [N, K], d and m float32 [N, K/16] (m None for Q6_K). Z4/Z8: qs as Q4_1's /
-    Q8_0's (code − 128), d float16 [N, K/32], m uint8 [N, K/32] zero points."""
+    Q8_0's (code − 128), d float16 [N, K/32], m uint8 [N, K/32] zero points. F8: qs float8_e4m3fn bytes
+    [N, K], d float32 [N, K/32]."""
 
     kind: str
     qs: torch.Tensor
@@ -182,7 +186,7 @@ class GGUFWeight:
                 q = torch.cat([q & 0x0F, q >> 4], dim=-1).float()
             return ((q - self.m.float()[..., None]) * d).reshape(n, k)
         if self.layout.code_bits == 8:  # code·scale exact, + min rounded once: as gguf_dequant's functions
-            w = self.qs.view(torch.int8).reshape(n, -1, self.block).float() * d
+            w = self.qs.view(torch.float8_e4m3fn if self.layout.fp8 else torch.int8).reshape(n, -1, self.block).float() * d
             return (w if self.m is None else w + self.m.float()[..., None]).reshape(n, k)
         q = self.qs.reshape(n, -1, QK // 2)
         q = torch.cat([q & 0x0F, q >> 4], dim=-1).float()

@@ -1,6 +1,6 @@
 """x @ W.T with W in a GGUF block format (Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K:
 `--quantization gguf`; int8 / int4 quantize into Q8_0 / Q4_1 blocks; pre-quantized checkpoints with
-zero points in Z4 / Z8), dequantized inside a Triton
+zero points in Z4 / Z8, FP8 weights in F8), dequantized inside a Triton
 kernel: the GPU form of kernels/csrc/gguf_linear_cpu.cpp, with the same fused epilogues (SiLU,
 · other, + residual).
 
@@ -25,6 +25,7 @@ from torch import nn
 
 from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.quantized import LAYOUTS, QK, GGUFWeight
+from kvpilot.kernels.triton_fp8 import fp8_e4m3_value
 
 EPILOGUES = {"none": 0, "silu": 1, "mul": 2, "add": 3}
 MINS = {"none": 0, "stored": 1, "minus8d": 2, "zero": 3}
@@ -33,7 +34,7 @@ MINS = {"none": 0, "stored": 1, "minus8d": 2, "zero": 3}
 @triton.jit
 def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr,
                  M, N, K, stride_xm, stride_ym, stride_om,
-                 CODE_BITS: tl.constexpr, GROUP: tl.constexpr, MIN: tl.constexpr, SUPER: tl.constexpr,
+                 CODE_BITS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, MIN: tl.constexpr, SUPER: tl.constexpr,
                  EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -53,8 +54,9 @@ def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr,
             low = -(tl.load(sup + 1, mask=col_ok[None, :], other=0.0).to(tl.float32) * tl.load(code + 1, mask=col_ok[None, :], other=0).to(tl.float32))
         else:
             scale = tl.load(d_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
-        if CODE_BITS == 8:  # Q8_0, K8, Z8: int8 codes
-            q = tl.load(qs_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0).to(tl.float32)
+        if CODE_BITS == 8:  # Q8_0, K8, Z8: int8 codes; F8: float8_e4m3fn bytes, widened exactly in registers
+            q = tl.load(qs_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0)
+            q = fp8_e4m3_value(q) if FP8 else q.to(tl.float32)
         else:  # Q4_0, Q4_1, K4, Z4: byte j of a 32-block holds weight j (low nibble) and j + 16 (high nibble)
             j = ks % 32
             byte = tl.load(qs_ptr + cols[None, :] * (K // 2) + ((ks // 32) * 16 + j % 16)[:, None], mask=col_ok[None, :], other=0)
@@ -107,13 +109,13 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if other is not None:
         other = other.reshape(m, n).contiguous()
-    qs = w.qs.view(torch.int8) if layout.code_bits == 8 else w.qs
+    qs = w.qs.view(torch.int8) if layout.code_bits == 8 and not layout.fp8 else w.qs
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _gguf_matmul[grid](rows, qs, w.d, w.m if w.m is not None else w.d, bias if bias is not None else w.d,
                        other if other is not None else y, y, m, n, k, rows.stride(0), y.stride(0),
                        other.stride(0) if other is not None else 0,
-                       CODE_BITS=layout.code_bits, GROUP=layout.group, MIN=MINS[layout.mins], SUPER=layout.scales == "super",
+                       CODE_BITS=layout.code_bits, FP8=layout.fp8, GROUP=layout.group, MIN=MINS[layout.mins], SUPER=layout.scales == "super",
                        EPILOGUE=EPILOGUES[epilogue], HAS_BIAS=bias is not None,
                        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y.reshape(*x.shape[:-1], n)

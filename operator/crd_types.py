@@ -195,8 +195,8 @@ class EngineSettings(_Model):
         "Weight quantization, each engine's own (unset: the engine's default, which for kvpilot, vLLM and SGLang detects a pre-quantized "
         "checkpoint): kvpilot takes gguf (a GGUF model's Q4_0/Q4_1/Q8_0 and Q4_K/Q5_K/Q6_K blocks kept and multiplied as they "
         "are), int8 and int4 (weight-only, quantized at load; int4 groups of 32 columns unless extraArgs sets "
-        "--quantization-group-size), gptq, awq and compressed-tensors (such checkpoints' integer codes kept packed) and fp8 (a quant_method "
-        "fp8 checkpoint, dequantized at load), on CPU and GPU; vLLM "
+        "--quantization-group-size), gptq, awq and compressed-tensors (such checkpoints' integer or FP8 weights kept packed) and fp8 (a "
+        "quant_method fp8 checkpoint, its E4M3 weights kept as they are), on CPU and GPU; vLLM "
         "takes fp8, awq, gptq, compressed-tensors; SGLang fp8, awq, gptq, gguf, compressed-tensors. A value the engine does not take is reported as Degraded."))
     tensor_parallel_size: int = Field(1, ge=1, le=16, description="Ranks the model is split over; also the GPUs per pod.")
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (off when absent).")

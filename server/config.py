@@ -84,9 +84,10 @@ class EngineConfig(BaseModel):
         "overlap anything (the steps run on the host): for tests."))
     quantization: Literal["auto", "none", "gguf", "int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"] = Field(
         "auto", description="Weight format: auto = a GPTQ, AWQ, compressed-tensors or fp8 checkpoint's own method (its config.json's "
-                            "quantization_config), else none; gptq, awq, compressed-tensors = such a checkpoint's integer weights kept in "
-                            "block layouts the kernels dequantize in registers (FP8, act-order and odd-group weights dequantized at load); "
-                            "fp8 = a quant_method fp8 checkpoint (E4M3 weights, per-block or per-tensor scales), dequantized at load; none = dequantized to the compute dtype at load; gguf = a GGUF's Q4_0/Q4_1/Q8_0 and "
+                            "quantization_config), else none; gptq, awq, compressed-tensors = such a checkpoint's integer (or FP8) weights kept in "
+                            "block layouts the kernels dequantize in registers (act-order weights under tensor parallelism and groups of other "
+                            "than whole 32-column blocks dequantized at load); fp8 = a quant_method fp8 checkpoint (E4M3 weights, per-block or "
+                            "per-tensor scales), kept as its bytes the same way; none = dequantized to the compute dtype at load; gguf = a GGUF's Q4_0/Q4_1/Q8_0 and "
                             "Q4_K/Q5_K/Q6_K tensors kept in their blocks and multiplied by kernels that dequantize in registers; int8 = float weights "
                             "quantized at load (symmetric, per 32 input columns); int4 = per group of --quantization-group-size input columns, with "
                             "scales and mins (embedding and LM head int8). CPU: C++ kernels, float32 compute; CUDA: Triton kernels, any dtype.")

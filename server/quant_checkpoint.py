@@ -27,8 +27,9 @@ the zero point a byte: w = d·(q − z), see kernels/quantized.py); 8-bit with e
 other 8-bit -> Z8; all exact, the scale repeated per 32 columns (4.75 / 8.75 bits per weight: at most 1.15×
 a group-128 checkpoint's bytes). Scales float16 does not hold exactly (bfloat16 ones usually do) -> the K8
 layout (int8 codes, float32 scale and min per 16 columns: exact, 12 bits per weight).
-FP8 weights, groups that are not whole blocks and act-order weights split by input columns (tensor
-parallelism) are dequantized at load, in float32: correct, at the compute dtype's memory.
+FP8 E4M3 weights -> F8 (their bytes, a float32 scale per 32 columns: exact) when each 32-column block of a
+row has one scale. Groups that are not whole blocks (FP8 scale blocks too) and act-order weights split by
+input columns (tensor parallelism) are dequantized at load, in float32: correct, at the compute dtype's memory.
 """
 
 from __future__ import annotations
@@ -246,8 +247,18 @@ class FloatQuantized:
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scale.float()
 
-    def packed(self) -> None:  # no block layout holds FP8 values: dequantized at load
-        return None
+    def packed(self) -> GGUFWeight | None:
+        """The F8 layout (the bytes as stored, a float32 scale per 32 columns) when each 32-column block of a
+        row has one scale — per tensor, per channel, or blocks of a multiple of 32 columns (DeepSeek's 128) —
+        and no byte is a NaN (the kernels widen e4m3's NaN to 480); else None: dequantized at load."""
+        n, k = self.weight.shape
+        if k % QK:
+            return None
+        blocks = self.scale.float().expand(n, k).reshape(n, k // QK, QK)
+        d = blocks[..., 0]
+        if not torch.equal(blocks, d[..., None].expand_as(blocks)) or bool(((self.weight.view(torch.uint8) & 0x7F) == 0x7F).any()):
+            return None
+        return GGUFWeight("F8", self.weight.view(torch.uint8).contiguous(), d.contiguous())
 
 
 def read_quantized(scheme: QuantScheme, parts: dict[str, torch.Tensor], name: str) -> QuantizedTensor | FloatQuantized:

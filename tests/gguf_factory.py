@@ -91,13 +91,20 @@ def encode_k_quant(kind: str, w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(rows, -1))
 
 
-def zero_point_weight(kind: str, n: int, k: int, gen):
-    """A random Z4 / Z8 weight (codes, float16 scales and byte zero points per 32 columns, as a pre-quantized
-    checkpoint's are re-laid out) and its values computed here in float64: (code − zero) · scale."""
+def checkpoint_layout_weight(kind: str, n: int, k: int, gen):
+    """A random weight in a layout of pre-quantized checkpoints — Z4 / Z8 (codes, float16 scales and byte zero
+    points per 32 columns) or F8 (float8_e4m3fn bytes, every finite one including subnormals, with a float32
+    scale per 32 columns) — and its values computed here in float64: (code − zero)·scale, fp8·scale."""
     import torch
 
     from kvpilot.kernels.quantized import GGUFWeight
 
+    if kind == "F8":
+        raw = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+        raw = torch.where((raw & 0x7F) == 0x7F, raw & 0xF0, raw)  # no NaN bytes (0x7F, 0xFF)
+        scales = torch.rand(n, k // 32, generator=gen) * 1e-3 + 1e-5
+        values = (raw.view(torch.float8_e4m3fn).double() * scales.double().repeat_interleave(32, 1)).float()
+        return GGUFWeight(kind, raw, scales), values
     bits = 4 if kind == "Z4" else 8
     codes = torch.randint(0, 1 << bits, (n, k), generator=gen)
     zeros = torch.randint(0, 1 << bits, (n, k // 32), generator=gen)

@@ -37,7 +37,7 @@ def test_the_packings_are_the_published_bit_orders():
     assert torch.equal(awq.dequantize(), torch.zeros(8, 8))  # code = zero everywhere
 
 
-# scheme, the layout it is kept in (None: dequantized at load)
+# scheme, the layout it is kept in (None: dequantized at load — FP8 scale blocks of 48 columns straddle 32-column blocks)
 SCHEMES = {
     "gptq-v1-4bit-sym-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}, "Q4_0"),
     "gptq-v2-4bit-asym-g64": ({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": False, "checkpoint_format": "gptq_v2"}, "Z4"),
@@ -51,10 +51,10 @@ SCHEMES = {
                                   "Q8_0"),
     "ct-naive-w8-asym-g32": ({"quant_method": "compressed-tensors", "format": "naive-quantized", "bits": 8, "group_size": 32, "sym": False},
                              "Z8"),
-    "ct-fp8-weights": ({"quant_method": "compressed-tensors", "format": "float-quantized"}, None),
-    "fp8-block-64": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}, None),
+    "ct-fp8-weights": ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "F8"),
+    "fp8-block-64": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]}, "F8"),
     "fp8-block-48-partial": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [48, 48]}, None),
-    "fp8-tensor-static": ({"quant_method": "fp8", "activation_scheme": "static"}, None),
+    "fp8-tensor-static": ({"quant_method": "fp8", "activation_scheme": "static"}, "F8"),
 }
 EXACT_BOUND = 1e-4  # float32 both sides: the kernels' summation order (and the VNNI path's 16-bit activations) only
 PACKED_BYTES_BOUND = 1.15  # the packed projections' bytes over the checkpoint's

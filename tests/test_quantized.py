@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gguf_factory import k_quant_blocks, zero_point_weight
+from gguf_factory import checkpoint_layout_weight, k_quant_blocks
 from kvpilot.kernels import cpu_extension
 from kvpilot.kernels.gguf_dequant import dequantize_q4_0, dequantize_q4_1, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k, dequantize_q8_0
 from kvpilot.kernels.quantized import K4, K8, K_QUANTS, KINDS, LAYOUTS, GGUFLinear, GGUFWeight, cat_rows, embedding, to_panels
@@ -49,15 +49,15 @@ def int16_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def amx(isa: str, kind: str, rows: int) -> bool:
-    """Whether the kernel takes the AMX path: the 32-column kinds, from gguf_amx_min_rows rows on."""
-    return isa == "amx" and LAYOUTS[kind].group == 32 and rows >= cpu_extension.require().gguf_amx_min_rows
+    """Whether the kernel takes the AMX path: the 32-column integer kinds, from gguf_amx_min_rows rows on."""
+    return isa == "amx" and LAYOUTS[kind].group == 32 and not LAYOUTS[kind].fp8 and rows >= cpu_extension.require().gguf_amx_min_rows
 
 
 def kernel_activations(x: torch.Tensor, kind: str, isa: str) -> torch.Tensor:
     """What the GGUF kernel multiplies: x, but on the VNNI path (the 32-column kinds — Q4_0, Q4_1, Q8_0,
     Q4_K — below the AMX path's rows where the CPU has it) x rounded to 16-bit codes per block."""
     rows = x.reshape(-1, x.shape[-1]).shape[0]
-    vnni = isa in ("amx", "avx512-vnni") and not amx(isa, kind, rows) and LAYOUTS[kind].kernel_kind != K8
+    vnni = isa in ("amx", "avx512-vnni") and not amx(isa, kind, rows) and LAYOUTS[kind].kernel_kind != K8 and not LAYOUTS[kind].fp8
     return int16_blocks(x) if vnni else x
 
 
@@ -223,58 +223,48 @@ def test_kernel_matches_the_reference_on_every_isa(kind):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["Z4", "Z8"])
-def test_zero_point_layouts_hold_a_checkpoints_values_exactly_on_every_isa(kind):
-    """Z4 and Z8 (pre-quantized checkpoints with zero points): the re-laid-out weight dequantizes to
-    (code − zero)·scale exactly; rows, whole-block columns and fused rows (a Q4_0 / Q8_0 part fuses in with
-    its implicit zero point) keep it; the panel kernel on every instruction set this CPU has — float,
-    factored, VNNI and AMX paths, x as each rounds it — matches x @ values.T with bias and every epilogue; a
-    tied embedding's lookup out of the panels is exact; the bytes are 19 / 35 per 32 weights."""
+@pytest.mark.parametrize("kind", ["Z4", "Z8", "F8"])
+def test_checkpoint_layouts_hold_a_checkpoints_values_exactly_on_every_isa(kind):
+    """Z4 and Z8 (pre-quantized checkpoints with zero points) and F8 (FP8 E4M3 weights): the re-laid-out
+    weight dequantizes to (code − zero)·scale / fp8·scale exactly; rows, whole-block columns and fused rows
+    (a Q4_0 / Q8_0 part fuses into Z4 / Z8 with its implicit zero point) keep it; the panel kernel on every
+    instruction set this CPU has — float, factored, VNNI and AMX paths (F8: the float ones), x as each
+    rounds it — matches x @ values.T with bias and every epilogue; a tied embedding's lookup out of the
+    panels is exact; the bytes are 19 / 35 / 36 per 32 weights."""
     ext = cpu_extension.require()
     gen = torch.Generator().manual_seed(7)
     n, k = 67, 160
-    w, values = zero_point_weight(kind, n, k, gen)
+    w, values = checkpoint_layout_weight(kind, n, k, gen)
     assert torch.equal(w.dequantize(), values) and values.abs().max() > 0.1
-    assert w.nbytes == n * k // 32 * (19 if kind == "Z4" else 35)
+    assert w.nbytes == n * k // 32 * {"Z4": 19, "Z8": 35, "F8": 36}[kind]
     perm = torch.randperm(n, generator=gen)
     assert torch.equal(w.rows(perm).dequantize(), values[perm]) and torch.equal(w.columns(32, 160).dequantize(), values[:, 32:])
-    plain = GGUFWeight.from_blocks("Q4_0" if kind == "Z4" else "Q8_0", blocks("Q4_0" if kind == "Z4" else "Q8_0", 5, k), 5)
+    if kind == "F8":
+        plain, _ = checkpoint_layout_weight(kind, 5, k, gen)
+    else:
+        plain = GGUFWeight.from_blocks("Q4_0" if kind == "Z4" else "Q8_0", blocks("Q4_0" if kind == "Z4" else "Q8_0", 5, k), 5)
     fused = cat_rows([w, plain])
     assert fused.kind == kind and torch.equal(fused.dequantize(), torch.cat([values, plain.dequantize()]))
     bias = torch.randn(n, generator=gen)
-    qs, d, zeros = to_panels(w)
-    assert zeros.dtype == torch.uint8
+    qs, d, m = to_panels(w)
     for isa in isas():
-        for m in (1, 2, 5, 13, 67):
-            x, other = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
+        for rows in (1, 2, 5, 13, 67):
+            x, other = torch.randn(rows, k, generator=gen), torch.randn(rows, n, generator=gen)
             y = kernel_activations(x, kind, isa) @ values.T + bias
             for epilogue, want in ((0, y), (1, F.silu(y)), (2, y * other), (3, y + other)):
-                got = ext.gguf_linear_panel(x, qs, d, zeros, LAYOUTS[kind].kernel_kind, n, bias, epilogue, other if epilogue >= 2 else None, isa)
-                assert_kernel_close(got, want, isa, kind, x, values, f"{kind} {isa} M={m} epilogue {epilogue}")
+                got = ext.gguf_linear_panel(x, qs, d, m, LAYOUTS[kind].kernel_kind, n, bias, epilogue, other if epilogue >= 2 else None, isa)
+                assert_kernel_close(got, want, isa, kind, x, values, f"{kind} {isa} M={rows} epilogue {epilogue}")
     lin = GGUFLinear(w, bias)
     x = torch.randn(3, k, generator=gen)
     assert_kernel_close(lin(x), kernel_activations(x, kind, isas()[0]) @ values.T + bias, isas()[0], kind, x, values, f"GGUFLinear {kind}")
     ids = torch.tensor([66, 0, 17, 66])
     assert torch.equal(embedding(ids, lin), values[ids])
-    with pytest.raises(RuntimeError, match="m: Z4/Z8's uint8 zero points"):
-        ext.gguf_linear_panel(x, qs, d, d, LAYOUTS[kind].kernel_kind, n, None, 0, None)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_a_long_prefill_matches_the_reference_on_every_isa(kind):
-    """300 rows of 2048 columns: on the AMX path three passes of rows (128, 128, 44: each pass's
-    activations sized to stay in L2), each a run of 16-row tiles whose results are written one tile
-    late; the other paths as well."""
-    ext = cpu_extension.require()
-    n, k = 40, 2048  # two panels and a padded third: a pair and a single
-    w = GGUFWeight.from_blocks(kind, blocks(kind, n, k, seed=5), n)
-    dense, x, residual = w.dequantize(), torch.randn(300, k), torch.randn(300, n)
-    qs, d, mins = to_panels(w)
-    for isa in isas():
-        got = ext.gguf_linear_panel(x, qs, d, mins, KINDS[kind], n, None, 3, residual, isa)
-        want = kernel_activations(x, kind, isa) @ dense.T + residual
-        assert_kernel_close(got, want, isa, kind, x, dense, f"{kind} {isa}")
+    if kind == "F8":
+        with pytest.raises(RuntimeError, match="F8: \\[P, K/32, 16\\] float32"):
+            ext.gguf_linear_panel(x, qs, d.half(), None, LAYOUTS[kind].kernel_kind, n, None, 0, None)
+    else:
+        with pytest.raises(RuntimeError, match="m: Z4/Z8's uint8 zero points"):
+            ext.gguf_linear_panel(x, qs, d, d, LAYOUTS[kind].kernel_kind, n, None, 0, None)
 
 
 def test_the_panel_kernels_instruction_set_can_be_pinned(monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gguf_factory import k_quant_blocks, zero_point_weight
+from gguf_factory import checkpoint_layout_weight, k_quant_blocks
 from kvpilot.kernels.quantized import K_QUANTS, GGUFWeight, quantize_int4, quantize_int8
 from kvpilot.kernels.triton_gguf import gguf_linear
 
@@ -52,13 +52,14 @@ def test_k_quants_match_the_dequantized_weights(kind, m):
     torch.testing.assert_close(half.float(), F.silu(x.half().float() @ dense.half().float().T + bias), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("kind", ["Z4", "Z8"])
+@pytest.mark.parametrize("kind", ["Z4", "Z8", "F8"])
 @pytest.mark.parametrize("m", [1, 37])
-def test_zero_point_layouts_match_the_checkpoints_values(kind, m):
+def test_checkpoint_layouts_match_the_checkpoints_values(kind, m):
     """Z4 / Z8 (a pre-quantized checkpoint's codes with a byte zero point per 32 columns) read in the
-    kernel as (code − zero)·scale: x @ values.T, the values computed in float64 by the test."""
+    kernel as (code − zero)·scale, F8 (FP8 E4M3 bytes, every finite one) as fp8·scale, widened in
+    registers: x @ values.T, the values computed in float64 by the test."""
     gen = torch.Generator().manual_seed(m + len(kind))
-    w, values = zero_point_weight(kind, 200, 192, gen)
+    w, values = checkpoint_layout_weight(kind, 200, 192, gen)
     x, bias = torch.randn(m, 192, generator=gen), torch.randn(200, generator=gen)
     torch.testing.assert_close(gguf_linear(x, w, bias), x @ values.T + bias, atol=1e-4, rtol=1e-4)
 

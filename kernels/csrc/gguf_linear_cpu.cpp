@@ -38,7 +38,10 @@ namespace {
 // Z4 Q4_1's code layout, Z8 Q8_0's (each code stored minus 128), with a float16 scale and a uint8 zero
 // point z per 32 columns: w = d·(q − z), the min made here as −d·z (Z8: d·(128 − z)) — an 11-bit
 // mantissa times an integer of at most 9 bits, exact in float32, so w is the checkpoint's value exactly.
-enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K8 = 3, K4 = 4, Z4 = 5, Z8 = 6 };
+// F8: FP8 E4M3 weights (a checkpoint's float8_e4m3fn bytes), a float32 scale per 32 columns: w = fp8(q)·d,
+// each byte widened exactly in registers (fp8_ps*: its fields moved into a float16's, whose subnormals
+// cover e4m3's, and the exponent biases' difference 2^8 folded into d) — the checkpoint's own product.
+enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K8 = 3, K4 = 4, Z4 = 5, Z8 = 6, F8 = 7 };
 enum Epilogue : int64_t { NONE = 0, SILU = 1, MUL = 2, ADD = 3 };
 constexpr int64_t QK = 32;      // weights per block
 constexpr int64_t QK8 = 16;     // weights per K8 block
@@ -95,7 +98,7 @@ struct PanelArgs {
   const float* other; int64_t other_stride;
   int64_t kind, epilogue;
   const float* xsum;  // [M, nb]: each activation row's sum over each block (4-bit kinds; the factored path)
-  const float* df; const float* mf;  // K8's float32 scales and mins (mf null: none), instead of d and m
+  const float* df; const float* mf;  // K8's (and F8's) float32 scales and mins (mf null: none), instead of d and m
   const uint8_t* codes;              // K4: [P, nb/8, 16 (scale, min of 8 sub-blocks), 16] codes; d: [P, nb/8, 2 (d, dmin), 16]
   const uint8_t* zeros;              // Z4, Z8: [P, nb, 16] zero points, shaped like d
   const uint16_t* xhi; const uint16_t* xlo;  // [M, K] bfloat16 bits: x split as x_hi + x_lo (the AMX path)
@@ -104,7 +107,13 @@ struct PanelArgs {
 
 inline int64_t block_cols(int64_t kind) { return kind == K8 ? QK8 : QK; }
 inline bool four_bit(int64_t kind) { return kind == Q4_0 || kind == Q4_1 || kind == K4 || kind == Z4; }
-inline bool byte_codes(int64_t kind) { return kind == Q8_0 || kind == K8 || kind == Z8; }  // one int8 code per byte
+inline bool byte_codes(int64_t kind) { return kind == Q8_0 || kind == K8 || kind == Z8 || kind == F8; }  // one code per byte
+constexpr float FP8_BIAS = 256.0f;  // 2^(15 − 7): e4m3's fields read as a float16's are its value / 2^8
+
+// One e4m3fn byte's fields moved into a float16's (value / 2^8, exact for every finite byte).
+inline float fp8_scaled(uint8_t b) {
+  return static_cast<float>(c10::Half(static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7)), c10::Half::from_bits()));
+}
 constexpr int64_t SUB = 8;  // K4: 32-column sub-blocks per super-block
 
 // K4's block b of panel p: its super-block's (d, dmin) and its (scale, min) codes, each 16 lanes.
@@ -123,8 +132,8 @@ inline void lane_scales(const PanelArgs& a, int64_t p, int64_t b, int64_t l, flo
     mn = -(static_cast<float>(s[LANES + l]) * c[LANES + l]);
     return;
   }
-  if (a.kind == K8) {
-    d = a.df[sb + l];
+  if (a.kind == K8 || a.kind == F8) {
+    d = a.kind == F8 ? a.df[sb + l] * FP8_BIAS : a.df[sb + l];
     mn = a.mf ? a.mf[sb + l] : 0.0f;
     return;
   }
@@ -145,6 +154,17 @@ __attribute__((target("avx2"))) inline __m256 bytes_ps256(const uint8_t* c) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
 }
 
+// 16 and 8 e4m3fn bytes as floats / 2^8 (fp8_scaled, vectorized).
+__attribute__((target("avx512f,avx2,f16c"))) inline __m512 fp8_ps512(const uint8_t* c) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+  return _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7)));
+}
+__attribute__((target("avx2,f16c"))) inline __m256 fp8_ps256(const uint8_t* c) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+  return _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7)));
+}
+
 // The same for 16 lanes (AVX-512) ...
 __attribute__((target("avx512f,f16c"))) inline void scales512(const PanelArgs& a, int64_t p, int64_t b, __m512& d, __m512& mn) {
   const int64_t sb = (p * a.nb + b) * LANES;
@@ -156,8 +176,8 @@ __attribute__((target("avx512f,f16c"))) inline void scales512(const PanelArgs& a
                                                           bytes_ps512(c + LANES)));
     return;
   }
-  if (a.kind == K8) {
-    d = _mm512_loadu_ps(a.df + sb);
+  if (a.kind == K8 || a.kind == F8) {
+    d = a.kind == F8 ? _mm512_mul_ps(_mm512_loadu_ps(a.df + sb), _mm512_set1_ps(FP8_BIAS)) : _mm512_loadu_ps(a.df + sb);
     mn = a.mf ? _mm512_loadu_ps(a.mf + sb) : _mm512_setzero_ps();
     return;
   }
@@ -181,8 +201,8 @@ __attribute__((target("avx2,fma,f16c"))) inline void scales256(const PanelArgs& 
                                                           bytes_ps256(c + LANES)));
     return;
   }
-  if (a.kind == K8) {
-    d = _mm256_loadu_ps(a.df + sb);
+  if (a.kind == K8 || a.kind == F8) {
+    d = a.kind == F8 ? _mm256_mul_ps(_mm256_loadu_ps(a.df + sb), _mm256_set1_ps(FP8_BIAS)) : _mm256_loadu_ps(a.df + sb);
     mn = a.mf ? _mm256_loadu_ps(a.mf + sb) : _mm256_setzero_ps();
     return;
   }
@@ -228,7 +248,7 @@ __attribute__((target("avx512f"))) inline void store_vector(const PanelArgs& a, 
   _mm512_storeu_ps(a.y + row * a.y_stride + n0, v);
 }
 
-inline int64_t block_bytes(int64_t kind) { return kind == Q8_0 || kind == Z8 ? QK * LANES : kind == K8 ? QK8 * LANES : QK / 2 * LANES; }
+inline int64_t block_bytes(int64_t kind) { return byte_codes(kind) ? block_cols(kind) * LANES : QK / 2 * LANES; }
 
 void panel_scalar(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
   float acc[ROW_TILE][LANES] = {};
@@ -240,7 +260,8 @@ void panel_scalar(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
       lane_scales(a, p, b, l, d, mn);
       if (byte_codes(a.kind)) {  // (mn is 0 for Q8_0 and a K8 without mins: the fma is then d·q rounded once)
         for (int64_t k = 0; k < bw; ++k) {
-          const float w = std::fma(d, static_cast<float>(static_cast<int8_t>(q[k * LANES + l])), mn);
+          const uint8_t c = q[k * LANES + l];
+          const float w = std::fma(d, a.kind == F8 ? fp8_scaled(c) : static_cast<float>(static_cast<int8_t>(c)), mn);
           for (int64_t r = 0; r < rows; ++r) acc[r][l] += w * a.x[(row0 + r) * a.x_stride + b * bw + k];
         }
         continue;
@@ -279,10 +300,12 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_t(const Panel
     const int64_t bw = block_cols(a.kind);
     const float* x = a.x + row0 * a.x_stride + b * bw;
     if (byte_codes(a.kind)) {
+      const bool fp8 = a.kind == F8;
       for (int k = 0; k < bw; ++k) {
         __m512 w[NP];
         for (int u = 0; u < NP; ++u) {
-          const __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[u] + k * LANES))));
+          const __m512 qf = fp8 ? fp8_ps512(q[u] + k * LANES)
+                                : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[u] + k * LANES))));
           w[u] = _mm512_fmadd_ps(d[u], qf, mn[u]);  // (mn 0: Q8_0, K8 without mins)
         }
         for (int r = 0; r < R; ++r) {
@@ -320,14 +343,15 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2_t(const PanelArgs& a, i
     const uint8_t* q = a.qs + (p * a.nb + b) * block_bytes(a.kind);
     __m256 d[2], mn[2];
     for (int h = 0; h < 2; ++h) scales256(a, p, b, h, d[h], mn[h]);
-    const bool bytes8 = byte_codes(a.kind);
+    const bool bytes8 = byte_codes(a.kind), fp8 = a.kind == F8;
     const float* x = a.x + row0 * a.x_stride + b * block_cols(a.kind);
     const int cols = bytes8 ? block_cols(a.kind) : QK / 2;
     for (int j = 0; j < cols; ++j) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * LANES));
       __m256 w[2][2];  // [half of the lanes][element j, element j + 16 (4-bit only)]
       if (bytes8) {
-        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+        const __m256 q0 = fp8 ? fp8_ps256(q + j * LANES) : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+        const __m256 q1 = fp8 ? fp8_ps256(q + j * LANES + 8) : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
         w[0][0] = _mm256_fmadd_ps(d[0], q0, mn[0]);  // (mn 0: Q8_0, K8 without mins)
         w[1][0] = _mm256_fmadd_ps(d[1], q1, mn[1]);
       } else {
@@ -800,13 +824,13 @@ std::string gguf_linear_isa() {
 torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
                                 c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: float32 rows [M, K]");
-  TORCH_CHECK(kind >= Q4_0 && kind <= Z8, "kind: 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (K8), 4 (K4), 5 (Z4) or 6 (Z8)");
+  TORCH_CHECK(kind >= Q4_0 && kind <= F8, "kind: 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (K8), 4 (K4), 5 (Z4), 6 (Z8) or 7 (F8)");
   const int64_t M = x.size(0), K = x.size(1), bw = block_cols(kind);
-  TORCH_CHECK(qs.is_contiguous() && qs.dim() == 4 && qs.size(1) * bw == K && qs.size(2) == (kind == Q8_0 || kind == Z8 ? QK : QK / 2) && qs.size(3) == LANES,
+  TORCH_CHECK(qs.is_contiguous() && qs.dim() == 4 && qs.size(1) * bw == K && qs.size(2) == (byte_codes(kind) ? bw : QK / 2) && qs.size(3) == LANES,
               "qs: [P, K/32 (K/16 for K8), 16 or 32, 16] panels");
   const int64_t P = qs.size(0);
   TORCH_CHECK(n > (P - 1) * LANES && n <= P * LANES, "n must be within the last panel");
-  const bool k8 = kind == K8, k4 = kind == K4;
+  const bool k8 = kind == K8, k4 = kind == K4, f32 = k8 || kind == F8;  // f32: float32 scales
   if (k4) {
     const int64_t supers = K / (SUB * QK);
     TORCH_CHECK(K % (SUB * QK) == 0, "K4: K must be a multiple of 256");
@@ -815,8 +839,8 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
     TORCH_CHECK(m && m->is_contiguous() && m->scalar_type() == torch::kByte && m->dim() == 4 && m->size(0) == P && m->size(1) == supers &&
                 m->size(2) == 2 * SUB && m->size(3) == LANES, "m: K4's [P, K/256, 16, 16] uint8 (each sub-block's scale, min codes)");
   } else {
-    TORCH_CHECK(d.is_contiguous() && d.scalar_type() == (k8 ? torch::kFloat : torch::kHalf) && d.dim() == 3 && d.size(0) == P &&
-                d.size(1) == K / bw && d.size(2) == LANES, "d: [P, K/32, 16] float16 (K8: [P, K/16, 16] float32)");
+    TORCH_CHECK(d.is_contiguous() && d.scalar_type() == (f32 ? torch::kFloat : torch::kHalf) && d.dim() == 3 && d.size(0) == P &&
+                d.size(1) == K / bw && d.size(2) == LANES, "d: [P, K/32, 16] float16 (K8: [P, K/16, 16] float32; F8: [P, K/32, 16] float32)");
     if (k8 && m) {
       TORCH_CHECK(m->is_contiguous() && m->scalar_type() == torch::kFloat && m->sizes() == d.sizes(), "m: float32, shaped like d");
     }
@@ -824,15 +848,15 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
   check_operands(d, m, kind, n, M, bias, epilogue, other);
   auto y = torch::empty({M, n}, x.options());
   const bool binary = epilogue == MUL || epilogue == ADD;
-  PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), k8 ? nullptr : d.data_ptr<c10::Half>(),
+  PanelArgs a{x.data_ptr<float>(), x.stride(0), qs.data_ptr<uint8_t>(), f32 ? nullptr : d.data_ptr<c10::Half>(),
               kind == Q4_1 ? m->data_ptr<c10::Half>() : nullptr, K / bw, n, bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
               y.stride(0), binary ? other->data_ptr<float>() : nullptr, binary ? other->stride(0) : 0, kind, epilogue, nullptr,
-              k8 ? d.data_ptr<float>() : nullptr, k8 && m ? m->data_ptr<float>() : nullptr, k4 ? m->data_ptr<uint8_t>() : nullptr,
+              f32 ? d.data_ptr<float>() : nullptr, k8 && m ? m->data_ptr<float>() : nullptr, k4 ? m->data_ptr<uint8_t>() : nullptr,
               kind == Z4 || kind == Z8 ? m->data_ptr<uint8_t>() : nullptr, nullptr, nullptr, nullptr, nullptr};
   const Isa chosen = pick(isa);
   const bool nibbles = four_bit(kind);
   const bool extended = chosen >= Isa::AVX512_VNNI;
-  const bool amx = chosen == Isa::AMX && kind != K8 && M >= AMX_MIN_ROWS;
+  const bool amx = chosen == Isa::AMX && kind != K8 && kind != F8 && M >= AMX_MIN_ROWS;  // (F8: the float paths)
   const bool vnni = !amx && extended && (kind == Q8_0 || kind == Z8 || (nibbles && M > 0));
   std::vector<float> xsum, xs;
   std::vector<uint16_t> xsplit;
