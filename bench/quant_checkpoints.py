@@ -1,6 +1,7 @@
-"""Pre-quantized checkpoints of the bundled model (GPTQ, AWQ, compressed-tensors) against the int4 path that
-quantizes the float checkpoint at load, same run: single-stream decode and 16-client throughput, and the
-projections' bytes. The checkpoints are written by tests/quant_factory.py (round to nearest, each packer's
+"""Pre-quantized checkpoints of the bundled model (GPTQ, AWQ, compressed-tensors, FP8) against the int4 path
+that quantizes the float checkpoint at load and against symmetric GPTQ (the targets: act order and
+asymmetric schemes at >= 0.9x of it), and FP8 weights against the float checkpoint in float32 and bfloat16,
+same run: single-stream decode and 16-client throughput, and the projections' bytes. The checkpoints are written by tests/quant_factory.py (round to nearest, each packer's
 layout; group 128) from the bundled model saved as a float32 Hugging Face checkpoint by transformers,
 cached under ${XDG_CACHE_HOME:-~/.cache}/kvpilot/bench-quant-checkpoints.
 
@@ -34,7 +35,9 @@ SCHEMES = {  # name -> quantization_config (tests/quant_factory.py's spelling), 
     "awq 4-bit": ({"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}, False),
     "ct W8A16 channel": ({"quant_method": "compressed-tensors", "format": "pack-quantized", "bits": 8, "group_size": -1, "sym": True}, False),
     "ct FP8 weights": ({"quant_method": "compressed-tensors", "format": "float-quantized"}, False),
+    "fp8 block 128": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, False),
 }
+BASE, SYM = "int4 at load (float checkpoint, group 128)", "gptq 4-bit sym"
 
 
 def float_checkpoint(root: Path) -> Path:
@@ -77,7 +80,11 @@ def run(model: Path, threads: int, **kw) -> dict[str, float]:
     model_ = llm.engine.runner.model
     projections = sum(p.numel() * p.element_size() for layer in model_.layers for p in [*layer.attn.parameters(), *layer.mlp.parameters(),
                                                                                           *layer.attn.buffers(), *layer.mlp.buffers()])
-    return {"single": single, "batch": batch, "proj_mib": projections / 2**20}
+    from kvpilot.kernels.quantized import GGUFLinear
+
+    kinds = sorted({m.kind for m in model_.layers.modules() if isinstance(m, GGUFLinear)}) or [str(llm.engine.runner.dtype).removeprefix("torch.")]
+    llm.engine.close()
+    return {"single": single, "batch": batch, "proj_mib": projections / 2**20, "kinds": "+".join(kinds)}
 
 
 def main() -> None:
@@ -85,15 +92,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None, help="the schemes whose name contains one of these (the int4 and gptq sym rows always run)")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
     from quant_factory import quantized_pair
 
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvpilot" / "bench-quant-checkpoints"
     source = float_checkpoint(root)
-    models: dict[str, tuple[Path, dict]] = {"int4 at load (float checkpoint, group 128)": (source, {"quantization": "int4",
-                                                                                                   "quantization_group_size": GROUP})}
+    models: dict[str, tuple[Path, dict]] = {BASE: (source, {"quantization": "int4", "quantization_group_size": GROUP}),
+                                            "float checkpoint, float32": (source, {}),
+                                            "float checkpoint, bfloat16": (source, {"dtype": "bfloat16"})}
+    if args.only is not None:
+        models = {n: models[n] for n in models if n == BASE or any(part in n for part in args.only)}
     for name, (scheme, act_order) in SCHEMES.items():
+        if args.only is not None and name != SYM and not any(part in name for part in args.only):
+            continue
         dest = root / name.replace(" ", "-")
         if not (dest / "quantized" / "config.json").is_file():
             quantized_pair(source, dest, scheme, act_order=act_order)
@@ -102,15 +115,17 @@ def main() -> None:
     for _ in range(args.rounds):  # interleaved
         for name, (path, kw) in models.items():
             results[name].append(run(path, args.threads, **kw))
-    base = {k: statistics.median(r[k] for r in results["int4 at load (float checkpoint, group 128)"]) for k in ("single", "batch")}
+    median = {name: {k: statistics.median(r[k] for r in runs) for k in ("single", "batch")} for name, runs in results.items()}
     rows = []
     for name, runs in results.items():
-        single, batch = (statistics.median(r[k] for r in runs) for k in ("single", "batch"))
-        rows.append({"weights": name, "1 stream tok/s": f"{single:.1f}", "vs int4": f"{single / base['single']:.2f}×",
-                     "16 clients tok/s": f"{batch:.1f}", "vs int4 ": f"{batch / base['batch']:.2f}×",
-                     "projections MiB": f"{runs[0]['proj_mib']:.1f}"})
+        single, batch = median[name]["single"], median[name]["batch"]
+        rows.append({"weights": name, "kept as": runs[0]["kinds"], "1 stream tok/s": f"{single:.1f}",
+                     "vs int4": f"{single / median[BASE]['single']:.2f}×", "vs gptq sym": f"{single / median[SYM]['single']:.2f}×",
+                     "16 clients tok/s": f"{batch:.1f}", "vs int4 ": f"{batch / median[BASE]['batch']:.2f}×",
+                     "vs gptq sym ": f"{batch / median[SYM]['batch']:.2f}×", "projections MiB": f"{runs[0]['proj_mib']:.1f}"})
     print(f"machine: {machine()}; threads {args.threads}; rounds {args.rounds} (median); 128 tokens from a 32-token prompt; 16 × 64 tokens")
-    print(table(rows, ["weights", "1 stream tok/s", "vs int4", "16 clients tok/s", "vs int4 ", "projections MiB"]))
+    print(table(rows, ["weights", "kept as", "1 stream tok/s", "vs int4", "vs gptq sym", "16 clients tok/s", "vs int4 ", "vs gptq sym ",
+                       "projections MiB"]))
 
 
 if __name__ == "__main__":

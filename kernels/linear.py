@@ -119,29 +119,6 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class PermutedInput(nn.Module):
-    """A projection whose weight holds its input columns in another order (an act-order GPTQ or
-    compressed-tensors checkpoint, kept packed): the input's columns gathered into that order first."""
-
-    def __init__(self, inner: nn.Module, perm: torch.Tensor):
-        super().__init__()
-        self.inner = inner
-        self.register_buffer("perm", perm.to(torch.int64).contiguous())
-        self.out_features = inner.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner(x.index_select(-1, self.perm))
-
-    def silu(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner.silu(x.index_select(-1, self.perm))
-
-    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        return self.inner.mul(x.index_select(-1, self.perm), other)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.inner.add(x.index_select(-1, self.perm), residual)
-
-
 def make_linear(weight: torch.Tensor | GGUFWeight, bias: torch.Tensor | None = None, shard: RowParallel | None = None,
                 use_onednn: bool | None = None, adapt: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
     """The one factory the model loader calls for every projection: (weight [out, in] — this rank's
@@ -154,9 +131,6 @@ def make_linear(weight: torch.Tensor | GGUFWeight, bias: torch.Tensor | None = N
     if adapt is not None:
         return adapt(make_linear(weight, bias, use_onednn=use_onednn))
     if isinstance(weight, GGUFWeight):
-        if weight.perm is not None:
-            inner = GGUFWeight(weight.kind, weight.qs, weight.d, weight.m)
-            return PermutedInput(gguf_linear_class(weight.qs.device)(inner, bias), weight.perm)
         return gguf_linear_class(weight.qs.device)(weight, bias)
     if use_onednn is None:
         use_onednn = weight.device.type == "cpu" and onednn_packs(weight.dtype)

@@ -79,6 +79,27 @@ ZERO_OFFSET = {"Z4": 0, "Z8": 128}  # what a stored code is short of its checkpo
 
 
 @dataclass(frozen=True)
+class FP8Activations:
+    """An FP8 W8A8 checkpoint's activation quantization, which the CUDA (Triton) kernel applies to its F8
+    weight's input: x / s rounded to e4m3, times s, with s the checkpoint's input_scale (static, per tensor) or
+    max|x| / 448 of each row (dynamic, per token) or of each `group` columns of a row (dynamic per token
+    group: block-FP8 checkpoints, DeepSeek's 128). The CPU kernels run such weights weight-only."""
+
+    scale: float | None = None  # static; None: dynamic
+    group: int | None = None  # dynamic: columns per scale (None: the whole row)
+
+    @staticmethod
+    def fused(parts: list[FP8Activations | None]) -> FP8Activations | None:
+        """One activation scheme for projections fused into one (q, k, v): static scales become their
+        largest (each input then fits), as vLLM fuses them."""
+        if all(p is None for p in parts):
+            return None
+        if any(p is None for p in parts) or len({(p.scale is None, p.group) for p in parts}) != 1:
+            raise ValueError("cannot fuse projections whose activations are quantized differently")
+        return parts[0] if parts[0].scale is None else FP8Activations(max(p.scale for p in parts))
+
+
+@dataclass(frozen=True)
 class GGUFWeight:
     """A [N, K] weight in a GGUF block format. qs: uint8 [N, K/2] (4-bit: byte j of block b holds element
     32b + j in its low nibble and 32b + j + 16 in its high one) or [N, K] (Q8_0, int8 bit patterns);
@@ -93,8 +114,9 @@ class GGUFWeight:
     d: torch.Tensor
     m: torch.Tensor | None = None
     # An act-order checkpoint's weight: the input columns in the order its codes hold them (int64 [K]); the
-    # projection multiplies x[..., perm] (kernels/linear.py PermutedInput). None: the columns in order.
+    # kernels multiply x[..., perm], gathering it themselves. None: the columns in order.
     perm: torch.Tensor | None = None
+    act: FP8Activations | None = None  # F8 only: the checkpoint's activation quantization (W8A8)
 
     @property
     def layout(self) -> Layout:
@@ -134,7 +156,7 @@ class GGUFWeight:
     def rows(self, index: torch.Tensor | slice) -> GGUFWeight:
         """Some of the output rows (a permutation, a shard), as owned tensors."""
         pick = lambda t: None if t is None else t[index].contiguous()
-        return GGUFWeight(self.kind, pick(self.qs), pick(self.d), pick(self.m), self.perm)
+        return GGUFWeight(self.kind, pick(self.qs), pick(self.d), pick(self.m), self.perm, self.act)
 
     def columns(self, start: int, end: int) -> GGUFWeight:
         """Input columns [start, end): whole blocks only (a row-parallel shard)."""
@@ -149,7 +171,7 @@ class GGUFWeight:
             width = None if t is None else t.shape[1] // units  # its entries per unit
             return None if t is None else t[:, b0 * width:b1 * width].contiguous()
 
-        return GGUFWeight(self.kind, cols(self.qs), cols(self.d), cols(self.m))
+        return GGUFWeight(self.kind, cols(self.qs), cols(self.d), cols(self.m), act=self.act)
 
     @staticmethod
     def cat(parts: list[GGUFWeight]) -> GGUFWeight:
@@ -160,10 +182,11 @@ class GGUFWeight:
         if not same_input_order(parts):
             raise ValueError("cannot fuse projections whose input columns are in different orders")
         m = torch.cat([p.m for p in parts]) if parts[0].m is not None else None
-        return GGUFWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m, parts[0].perm)
+        return GGUFWeight(parts[0].kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m, parts[0].perm,
+                          FP8Activations.fused([p.act for p in parts]))
 
     def to(self, device: torch.device) -> GGUFWeight:
-        return GGUFWeight(self.kind, *(t.to(device) if t is not None else None for t in (self.qs, self.d, self.m, self.perm)))
+        return GGUFWeight(self.kind, *(t.to(device) if t is not None else None for t in (self.qs, self.d, self.m, self.perm)), self.act)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: the reference the kernels are tested against (and the embedding's row lookup),
@@ -245,6 +268,7 @@ class GGUFLinear(nn.Module):
         self.register_buffer("d", d)
         self.register_buffer("m", m)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        self.register_buffer("perm", None if weight.perm is None else weight.perm.to(torch.int64).contiguous())
         self._ext = cpu_extension.require()
         self._isa = gguf_isa()
         self._bind()
@@ -253,13 +277,14 @@ class GGUFLinear(nn.Module):
         # The weight operands as one plain attribute: reading registered buffers goes through
         # nn.Module.__getattr__, four lookups per call on the decode path.
         self._operands = (self.qs, self.d, self.m, LAYOUTS[self.kind].kernel_kind, self.out_features, self.bias)
+        self._perm = self.perm
 
     def weight_rows(self, index: torch.Tensor) -> GGUFWeight:
         """Output rows `index` (int64 [n]) in the row layout, read out of the panels: lane index % 16 of
         panel index // 16 in every panel tensor is that row's entries, in the row layout's order."""
         p, lane = index // PANEL, index % PANEL
         pick = lambda t: None if t is None else t[p, ..., lane].reshape(index.shape[0], -1)
-        return GGUFWeight(self.kind, pick(self.qs), pick(self.d), pick(self.m))
+        return GGUFWeight(self.kind, pick(self.qs), pick(self.d), pick(self.m), self.perm)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows `ids` of W: a tied embedding's lookup."""
@@ -275,7 +300,7 @@ class GGUFLinear(nn.Module):
             rows = x.reshape(-1, x.shape[-1]).float()
             other = None if other is None else other.reshape(rows.shape[0], -1).float()
             return self._run(rows, epilogue, other).reshape(*x.shape[:-1], -1)
-        return self._ext.gguf_linear_panel(x, *self._operands, epilogue, other, self._isa)  # it checks every operand's dtype, shape and strides
+        return self._ext.gguf_linear_panel(x, *self._operands, epilogue, other, self._isa, self._perm)  # it checks every operand's dtype, shape and strides
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, 0)

@@ -24,18 +24,19 @@ import triton.language as tl
 from torch import nn
 
 from kvpilot.kernels.direct_call import direct_call
-from kvpilot.kernels.quantized import LAYOUTS, QK, GGUFWeight
-from kvpilot.kernels.triton_fp8 import fp8_e4m3_value
+from kvpilot.kernels.quantized import LAYOUTS, QK, FP8Activations, GGUFWeight
+from kvpilot.kernels.triton_fp8 import fp8_e4m3_bits, fp8_e4m3_value
 
 EPILOGUES = {"none": 0, "silu": 1, "mul": 2, "add": 3}
+FP8_MAX = 448.0  # e4m3fn's largest finite value
 MINS = {"none": 0, "stored": 1, "minus8d": 2, "zero": 3}
 
 
 @triton.jit
-def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr,
-                 M, N, K, stride_xm, stride_ym, stride_om,
+def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr, sx_ptr, perm_ptr,
+                 M, N, K, stride_xm, stride_ym, stride_om, x_groups,
                  CODE_BITS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, MIN: tl.constexpr, SUPER: tl.constexpr,
-                 EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                 EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ACT_FP8: tl.constexpr, X_GROUP: tl.constexpr, HAS_PERM: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -45,7 +46,16 @@ def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
+        if HAS_PERM:  # an act-order weight: x's columns in the order the weight holds them
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + tl.load(perm_ptr + ks)[None, :], mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
+        if ACT_FP8:  # x / s rounded to e4m3, times s (W8A8): s per row, or per X_GROUP columns of a row
+            if X_GROUP > 0:
+                s = tl.load(sx_ptr + rows[:, None] * x_groups + (ks // X_GROUP)[None, :], mask=row_ok[:, None], other=1.0)
+            else:
+                s = tl.load(sx_ptr + rows, mask=row_ok, other=1.0)[:, None]
+            x = (fp8_e4m3_value(fp8_e4m3_bits(x.to(tl.float32) / s)) * s).to(x.dtype)
         group = ks // GROUP
         if SUPER:  # K4: d = (super-block d)·(scale code), m = −(super-block dmin)·(min code), exact in float32
             sup = d_ptr + cols[None, :] * (K // 128) + ((ks // 256) * 2)[:, None]  # (d, dmin) per 256 columns
@@ -88,9 +98,27 @@ def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr,
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def activation_scales(rows: torch.Tensor, act: FP8Activations) -> torch.Tensor:
+    """float32 [M, G]: the FP8 activation scale of each row (G = 1: static, the checkpoint's, or max|x| / 448 of
+    the row) or of each act.group columns of it (G = K / group)."""
+    if act.scale is not None:
+        return torch.full((rows.shape[0], 1), act.scale, dtype=torch.float32, device=rows.device)
+    groups = rows.float().reshape(rows.shape[0], -1, act.group or rows.shape[1])
+    return (groups.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def fp8_activations(x: torch.Tensor, act: FP8Activations) -> torch.Tensor:
+    """The torch reference of the kernel's activation quantization: x / s rounded to e4m3 (saturated at
+    ±448), times s, in float32."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    s = activation_scales(rows, act).repeat_interleave(act.group or rows.shape[1], dim=1) if act.scale is None else act.scale
+    return ((rows / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s).reshape(x.shape)
+
+
 def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None, epilogue: str = "none",
                 other: torch.Tensor | None = None, block_n: int = 64, block_k: int | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias), then the epilogue (silu(y), y * other, y + other; other [..., N])."""
+    """x [..., K] @ W.T (+ bias), then the epilogue (silu(y), y * other, y + other; other [..., N]). An F8
+    weight with activation quantization (w.act) rounds x to e4m3 first, at its scales (fp8_activations)."""
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} columns, the weight {k}")
@@ -110,13 +138,16 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
     if other is not None:
         other = other.reshape(m, n).contiguous()
     qs = w.qs.view(torch.int8) if layout.code_bits == 8 and not layout.fp8 else w.qs
+    if w.act is not None and (not layout.fp8 or w.perm is not None or (w.act.group and k % w.act.group)):
+        raise ValueError(f"activation quantization is for F8 weights whose input splits into groups of {w.act.group}, not {w.kind} [{n}, {k}]")
+    sx = activation_scales(rows, w.act) if w.act is not None else y
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _gguf_matmul[grid](rows, qs, w.d, w.m if w.m is not None else w.d, bias if bias is not None else w.d,
-                       other if other is not None else y, y, m, n, k, rows.stride(0), y.stride(0),
-                       other.stride(0) if other is not None else 0,
+                       other if other is not None else y, y, sx, w.perm if w.perm is not None else y, m, n, k, rows.stride(0), y.stride(0),
+                       other.stride(0) if other is not None else 0, sx.shape[-1] if w.act else 1,
                        CODE_BITS=layout.code_bits, FP8=layout.fp8, GROUP=layout.group, MIN=MINS[layout.mins], SUPER=layout.scales == "super",
-                       EPILOGUE=EPILOGUES[epilogue], HAS_BIAS=bias is not None,
+                       EPILOGUE=EPILOGUES[epilogue], HAS_BIAS=bias is not None, ACT_FP8=w.act is not None, X_GROUP=(w.act.group or 0) if w.act else 0, HAS_PERM=w.perm is not None,
                        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y.reshape(*x.shape[:-1], n)
 
@@ -138,9 +169,12 @@ class TritonGGUFLinear(nn.Module):
         self.register_buffer("d", weight.d)
         self.register_buffer("m", weight.m)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        self.register_buffer("perm", None if weight.perm is None else weight.perm.to(torch.int64).contiguous())
+        self.act = weight.act
 
     def _run(self, x: torch.Tensor, epilogue: str, other: torch.Tensor | None = None) -> torch.Tensor:
-        return gguf_linear(x, GGUFWeight(self.kind, self.qs, self.d, self.m), self.bias, epilogue, other, block_n=self.block_n)
+        return gguf_linear(x, GGUFWeight(self.kind, self.qs, self.d, self.m, self.perm, self.act), self.bias, epilogue, other,
+                           block_n=self.block_n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, "none")

@@ -35,11 +35,12 @@ input columns (tensor parallelism) are dequantized at load, in float32: correct,
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import torch
 
-from kvpilot.kernels.quantized import K8_BLOCK, QK, GGUFWeight
+from kvpilot.kernels.quantized import K8_BLOCK, QK, FP8Activations, GGUFWeight
 from kvpilot.server.model_config import ModelFormatError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: word slot i -> output column offset
@@ -63,6 +64,10 @@ class QuantScheme:
     symmetric: bool = True
     is_float: bool = False  # compressed-tensors float-quantized, fp8 (FP8 E4M3)
     block: tuple[int, int] | None = None  # fp8: weight_block_size (rows, columns per weight_scale_inv); None: one weight_scale
+    # FP8 weights' activation quantization (W8A8), applied on CUDA: None weight-only, "static" (each module's
+    # input_scale), "dynamic" (per token, or per act_group columns of a token)
+    activations: str | None = None
+    act_group: int | None = None
 
     @property
     def marker(self) -> str:
@@ -128,7 +133,12 @@ def _fp8_scheme(config: dict, where: str) -> QuantScheme:
     block = config.get("weight_block_size")
     if block is not None and not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ModelFormatError(f"{where}: weight_block_size {block!r} is not two positive integers")
-    return QuantScheme(FP8, 8, -1, 0, is_float=True, block=tuple(block) if block else None)
+    activations = str(config.get("activation_scheme", "dynamic")).lower()
+    if activations not in ("dynamic", "static"):
+        raise ModelFormatError(f"{where}: fp8 activation_scheme {activations!r} is not run (dynamic and static are)")
+    # a block checkpoint's dynamic activations: one scale per token and weight block of columns (DeepSeek-V3's 1x128)
+    group = block[1] if block and activations == "dynamic" else None
+    return QuantScheme(FP8, 8, -1, 0, is_float=True, block=tuple(block) if block else None, activations=activations, act_group=group)
 
 
 def _compressed_tensors_scheme(config: dict, where: str) -> QuantScheme:
@@ -158,7 +168,31 @@ def _compressed_tensors_scheme(config: dict, where: str) -> QuantScheme:
     if not isinstance(group, int) or (group != -1 and group < 1):
         raise ModelFormatError(f"{where}: compressed-tensors group_size {group!r} is not a positive integer")
     symmetric = bool(weights.get("symmetric", True))
-    return QuantScheme(COMPRESSED, bits, group, 0, fmt, symmetric, fmt == "float-quantized")
+    activations, act_group = _ct_activations(next(iter(groups.values())).get("input_activations"), fmt, where)
+    return QuantScheme(COMPRESSED, bits, group, 0, fmt, symmetric, fmt == "float-quantized", activations=activations, act_group=act_group)
+
+
+def _ct_activations(args, fmt: str, where: str) -> tuple[str | None, int | None]:
+    """A compressed-tensors scheme's input_activations -> (activations, act_group) for FP8 weights: static per
+    tensor, or dynamic per token (a dynamic per-tensor scheme too: each token its own scale, which no
+    batch-mate changes) or per group of columns. Integer activations (int W8A8) run weight-only."""
+    if not isinstance(args, dict) or fmt != "float-quantized":
+        return None, None
+    kind, bits, strategy, dynamic = args.get("type", "int"), args.get("num_bits"), args.get("strategy", "tensor"), args.get("dynamic", False)
+    if (kind, bits) != ("float", 8):
+        raise ModelFormatError(f"{where}: FP8 weights with {kind} {bits}-bit input activations are not run (FP8 activations are)")
+    if not dynamic:
+        if strategy != "tensor":
+            raise ModelFormatError(f"{where}: static FP8 input activations of strategy {strategy!r} are not run (tensor is)")
+        return "static", None
+    if strategy == "group":
+        group = args.get("group_size")
+        if not isinstance(group, int) or group < 1:
+            raise ModelFormatError(f"{where}: input activations' group_size {group!r} is not a positive integer")
+        return "dynamic", group
+    if strategy not in ("token", "tensor"):
+        raise ModelFormatError(f"{where}: dynamic FP8 input activations of strategy {strategy!r} are not run (token, tensor and group are)")
+    return "dynamic", None
 
 
 def json_key(value) -> str:
@@ -243,6 +277,7 @@ class FloatQuantized:
 
     weight: torch.Tensor
     scale: torch.Tensor
+    act: FP8Activations | None = None  # kept with the F8 layout; dequantized at load, the weight runs weight-only
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float() * self.scale.float()
@@ -258,7 +293,7 @@ class FloatQuantized:
         d = blocks[..., 0]
         if not torch.equal(blocks, d[..., None].expand_as(blocks)) or bool(((self.weight.view(torch.uint8) & 0x7F) == 0x7F).any()):
             return None
-        return GGUFWeight("F8", self.weight.view(torch.uint8).contiguous(), d.contiguous())
+        return GGUFWeight("F8", self.weight.view(torch.uint8).contiguous(), d.contiguous(), act=self.act)
 
 
 def read_quantized(scheme: QuantScheme, parts: dict[str, torch.Tensor], name: str) -> QuantizedTensor | FloatQuantized:
@@ -315,16 +350,28 @@ def _read_fp8(scheme: QuantScheme, parts: dict[str, torch.Tensor], name: str) ->
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise ModelFormatError(f"{name}.weight: expected a 2-D float8_e4m3fn tensor, not {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
+    act = _activations(scheme, parts, name)
     if scheme.block is None:
         if scale.numel() != 1:
             raise ModelFormatError(f"{name}.weight_scale: one value per tensor expected, not {tuple(scale.shape)}")
-        return FloatQuantized(weight, scale.float().reshape(1, 1))
+        return FloatQuantized(weight, scale.float().reshape(1, 1), act)
     rows, cols = scheme.block
     grid = (-(-n // rows), -(-k // cols))  # a partial block at the edges has its own scale
     if tuple(scale.shape) != grid:
         raise ModelFormatError(f"{name}.weight_scale_inv: {tuple(scale.shape)} is not the {grid} grid of {rows}x{cols} blocks over [{n}, {k}]")
     spread = scale.float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]  # (despite its name, it multiplies)
-    return FloatQuantized(weight, spread)
+    return FloatQuantized(weight, spread, act)
+
+
+def _activations(scheme: QuantScheme, parts: dict[str, torch.Tensor], name: str) -> FP8Activations | None:
+    if scheme.activations is None:
+        return None
+    if scheme.activations == "dynamic":
+        return FP8Activations(group=scheme.act_group)
+    scale = parts.get("input_scale")
+    if scale is None or scale.numel() != 1 or not (math.isfinite(float(scale.reshape(-1)[0])) and float(scale.reshape(-1)[0]) > 0):
+        raise ModelFormatError(f"{name}: static FP8 activations need one positive input_scale, not {None if scale is None else tuple(scale.shape)}")
+    return FP8Activations(scale=float(scale.reshape(-1)[0]))
 
 
 def _read_compressed(scheme: QuantScheme, parts: dict[str, torch.Tensor], name: str) -> QuantizedTensor | FloatQuantized:
@@ -349,7 +396,7 @@ def _read_compressed(scheme: QuantScheme, parts: dict[str, torch.Tensor], name: 
             if weight.dtype != torch.float8_e4m3fn or scale.numel() not in (1, weight.shape[0]):
                 raise ModelFormatError(f"{name}: expected float8_e4m3fn weights with a scale per tensor or output channel, not {weight.dtype} "
                                        f"with {tuple(scale.shape)} scales")
-            return FloatQuantized(weight, scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1))
+            return FloatQuantized(weight, scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(1, 1), _activations(scheme, parts, name))
         if weight.dtype != torch.int8 or weight.dim() != 2:
             raise ModelFormatError(f"{name}.weight: expected 2-D int8 codes, not {weight.dtype} {tuple(weight.shape)}")
         n, k = weight.shape

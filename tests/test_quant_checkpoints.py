@@ -17,6 +17,7 @@ import pytest
 import torch
 from quant_factory import PROJECTIONS, int32, library_dequantized, quantized_pair
 
+from kvpilot.kernels.quantized import FP8Activations
 from kvpilot.server.model_config import ModelFormatError
 from kvpilot.server.quant_checkpoint import QuantScheme, read_quantized
 
@@ -146,7 +147,6 @@ def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
     """desc_act: each weight's columns put in group order and kept packed, the input gathered into that
     order per call (q, k and v share theirs: one input); the output is the dequantized model's.
     quantization=gptq on a float checkpoint is refused by name."""
-    from kvpilot.kernels.linear import PermutedInput
     from oracle import ORACLE_PROMPTS
 
     scheme = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True}
@@ -154,7 +154,9 @@ def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
     packed = llm(quantized)
     model = packed.engine.runner.model
     assert packed.engine.runner.quantization == "gptq" and projection_kinds(packed) == {"Q4_0"}
-    assert sum(isinstance(m, PermutedInput) for m in model.modules()) == 5 * len(model.layers)  # fused qkv, o, gate, up, down
+    from kvpilot.kernels.quantized import GGUFLinear
+
+    assert sum(isinstance(m, GGUFLinear) and m.perm is not None for m in model.modules()) == 5 * len(model.layers)  # qkv, o, gate, up, down
     prompts = ORACLE_PROMPTS[:2]
     got, want = outputs(packed, prompts), outputs(llm(dense), prompts)
     assert got[0] == want[0] and max(abs(a - b) for x, y in zip(got[1], want[1]) for a, b in zip(x, y)) < EXACT_BOUND
@@ -168,6 +170,7 @@ def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
     ({"quant_method": "bitsandbytes"}, r"quant_method 'bitsandbytes'\) are not loaded"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "fp8 weights of fmt 'e5m2' are not loaded"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size \\[128\\] is not two positive integers"),
+    ({"quant_method": "fp8", "activation_scheme": "mxfp8"}, "fp8 activation_scheme 'mxfp8' is not run"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ with 3 bits is not loaded"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ version 'gemv'"),
@@ -189,6 +192,29 @@ def test_schemes_not_loaded_are_refused_by_name(family_checkpoints, tmp_path, co
     (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": config}))
     with pytest.raises(ModelFormatError, match=message):
         Checkpoint(d)
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("ct-fp8-weights", FP8Activations(scale=1.0)),           # the factory's static per-tensor input_scale
+    ("fp8-block-64", FP8Activations(group=64)),              # dynamic, one scale per token and 64-column weight block
+    ("fp8-tensor-static", FP8Activations(scale=float(torch.tensor(0.02)))),
+])
+def test_fp8_checkpoints_carry_their_activation_quantization(family_checkpoints, tmp_path, case, expected):
+    """The activation scheme of an FP8 W8A8 checkpoint reaches its packed weights (the CUDA kernel applies it:
+    tests/test_triton_gguf.py; the CPU kernels run weight-only); a static scheme without an input_scale is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from kvpilot.server.checkpoint import Checkpoint
+
+    quantized, _ = quantized_pair(family_checkpoints["llama3"][0], tmp_path, SCHEMES[case][0])
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert Checkpoint(quantized).load_packed(name).act == expected
+    if expected.scale is not None:
+        state = load_file(str(quantized / "model.safetensors"))
+        del state["model.layers.0.self_attn.q_proj.input_scale"]
+        save_file(state, str(quantized / "model.safetensors"))
+        with pytest.raises(ModelFormatError, match="q_proj: static FP8 activations need one positive input_scale"):
+            Checkpoint(quantized).load_packed(name)
 
 
 def test_our_reading_of_compressed_tensors_is_the_librarys():

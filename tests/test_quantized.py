@@ -267,6 +267,34 @@ def test_checkpoint_layouts_hold_a_checkpoints_values_exactly_on_every_isa(kind)
             ext.gguf_linear_panel(x, qs, d, d, LAYOUTS[kind].kernel_kind, n, None, 0, None)
 
 
+@pytest.mark.timeout(120)
+def test_an_act_order_weight_gathers_its_input_in_the_kernels():
+    """A weight that holds its input columns permuted (an act-order checkpoint's, kept packed): the C++ kernel
+    on every instruction set and the Triton kernel gather x's columns themselves — x[:, perm] @ held.T —, as
+    GGUFLinear and TritonGGUFLinear do; the dequantized weight is in the input's order; a bad perm is an error."""
+    from kvpilot.kernels.triton_gguf import TritonGGUFLinear, gguf_linear
+
+    ext = cpu_extension.require()
+    gen = torch.Generator().manual_seed(11)
+    held, _ = checkpoint_layout_weight("Z4", 40, 96, gen)
+    perm = torch.randperm(96, generator=gen)
+    w = GGUFWeight(held.kind, held.qs, held.d, held.m, perm)
+    dense = w.dequantize()
+    assert torch.equal(dense[:, perm], held.dequantize())
+    qs, d, m = to_panels(held)
+    for rows in (1, 5, 67):
+        x = torch.randn(rows, 96, generator=gen)
+        for isa in isas():
+            got = ext.gguf_linear_panel(x, qs, d, m, LAYOUTS["Z4"].kernel_kind, 40, None, 0, None, isa, perm)
+            assert_kernel_close(got, kernel_activations(x[:, perm], "Z4", isa) @ held.dequantize().T, isa, "Z4", x, dense, f"{isa} M={rows}")
+        torch.testing.assert_close(gguf_linear(x, w), x @ dense.T, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(TritonGGUFLinear(w)(x), x @ dense.T, atol=1e-4, rtol=1e-4)
+    lin = GGUFLinear(w)
+    assert_kernel_close(lin(x), kernel_activations(x[:, perm], "Z4", isas()[0]) @ held.dequantize().T, isas()[0], "Z4", x, dense, "GGUFLinear")
+    with pytest.raises(RuntimeError, match="perm: column indices in"):
+        ext.gguf_linear_panel(x, qs, d, m, LAYOUTS["Z4"].kernel_kind, 40, None, 0, None, "auto", perm + 1)
+
+
 def test_the_panel_kernels_instruction_set_can_be_pinned(monkeypatch):
     """KVPILOT_GGUF_ISA pins GGUFLinear's path (here the scalar one: x @ W.T unrounded); a name that is
     not an instruction set is refused when the layer is made, not at its first call."""

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from gguf_factory import checkpoint_layout_weight, k_quant_blocks
-from kvpilot.kernels.quantized import K_QUANTS, GGUFWeight, quantize_int4, quantize_int8
-from kvpilot.kernels.triton_gguf import gguf_linear
+from kvpilot.kernels.quantized import K_QUANTS, FP8Activations, GGUFWeight, cat_rows, quantize_int4, quantize_int8
+from kvpilot.kernels.triton_gguf import fp8_activations, gguf_linear
 
 
 def weight(kind: str, n: int, k: int, gen: torch.Generator) -> GGUFWeight:
@@ -62,6 +62,27 @@ def test_checkpoint_layouts_match_the_checkpoints_values(kind, m):
     w, values = checkpoint_layout_weight(kind, 200, 192, gen)
     x, bias = torch.randn(m, 192, generator=gen), torch.randn(200, generator=gen)
     torch.testing.assert_close(gguf_linear(x, w, bias), x @ values.T + bias, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("act", [FP8Activations(scale=0.02), FP8Activations(), FP8Activations(group=64)], ids=["static", "token", "group64"])
+def test_fp8_weights_with_fp8_activations_match_the_same_rounding_in_torch(act):
+    """An FP8 W8A8 checkpoint's activation quantization in the kernel (static per tensor, dynamic per token
+    and per 64-column group of a token) against the torch reference that applies the same scales
+    (fp8_activations: x / s rounded to e4m3, times s) to x before x @ values.T; it changes the product by far
+    more than the bound, so the rounding is really applied. Fused projections take the largest static scale."""
+    gen = torch.Generator().manual_seed(5)
+    w, values = checkpoint_layout_weight("F8", 200, 192, gen)
+    w = GGUFWeight(w.kind, w.qs, w.d, act=act)
+    x, bias = torch.randn(37, 192, generator=gen) * 3, torch.randn(200, generator=gen)
+    got, want = gguf_linear(x, w, bias), fp8_activations(x, act) @ values.T + bias
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (got - (x @ values.T + bias)).abs().max() > 100 * 1e-4
+    half = gguf_linear(x.half(), w, bias)  # (x rounded to float16 first can land on another e4m3 value: the reference takes it too)
+    torch.testing.assert_close(half.float(), fp8_activations(x.half().float(), act) @ values.half().float().T + bias, atol=3e-2, rtol=3e-2)
+    if act.scale is not None:
+        assert cat_rows([w, GGUFWeight(w.kind, w.qs, w.d, act=FP8Activations(scale=0.05))]).act == FP8Activations(scale=0.05)
+    with pytest.raises(ValueError, match="quantized differently"):
+        cat_rows([w, GGUFWeight(w.kind, w.qs, w.d)])
 
 
 @pytest.mark.parametrize("epilogue", ["silu", "mul", "add"])

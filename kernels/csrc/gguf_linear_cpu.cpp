@@ -820,10 +820,24 @@ std::string gguf_linear_isa() {
 }
 
 // x [M, K] float32 times the panel-laid-out W [n, K] -> [M, n]; epilogue: 0 none, 1 silu(y), 2 y * other,
-// 3 y + other (other [M, n]).
+// 3 y + other (other [M, n]). perm (int64 [K]): W holds its input columns in this order (an act-order
+// checkpoint's weight): x's columns are gathered into it first, here rather than by a torch op per call.
 torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
-                                c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa) {
+                                c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa,
+                                c10::optional<torch::Tensor> perm) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1, "x: float32 rows [M, K]");
+  if (perm) {
+    const int64_t rows = x.size(0), cols = x.size(1);
+    TORCH_CHECK(perm->scalar_type() == torch::kLong && perm->dim() == 1 && perm->size(0) == cols && perm->is_contiguous(), "perm: int64 [K]");
+    const int64_t* order = perm->data_ptr<int64_t>();
+    for (int64_t c = 0; c < cols; ++c) TORCH_CHECK(order[c] >= 0 && order[c] < cols, "perm: column indices in [0, K)");
+    auto gathered = torch::empty({rows, cols}, x.options());
+    const float* src = x.data_ptr<float>();
+    float* dst = gathered.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = src[r * x.stride(0) + order[c]];
+    x = gathered;
+  }
   TORCH_CHECK(kind >= Q4_0 && kind <= F8, "kind: 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (K8), 4 (K4), 5 (Z4), 6 (Z8) or 7 (F8)");
   const int64_t M = x.size(0), K = x.size(1), bw = block_cols(kind);
   TORCH_CHECK(qs.is_contiguous() && qs.dim() == 4 && qs.size(1) * bw == K && qs.size(2) == (byte_codes(kind) ? bw : QK / 2) && qs.size(3) == LANES,

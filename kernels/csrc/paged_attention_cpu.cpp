@@ -355,7 +355,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::string gguf_linear_isa();
 int64_t gguf_amx_min_rows();
 torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
-                                c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa);
+                                c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa,
+                                c10::optional<torch::Tensor> perm);
 
 // The kernels touch no Python object: they run without the GIL, so the server's asyncio thread (HTTP,
 // streaming) can run while the engine thread is inside one instead of waiting for the interpreter's
@@ -372,7 +373,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)", no_gil);
   m.def("gguf_linear_panel", &gguf_linear_panel, "x @ W.T with W in GGUF blocks laid out in panels of 16 output rows (CPU)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("n"), py::arg("bias"), py::arg("epilogue"),
-        py::arg("other"), py::arg("isa") = "auto", no_gil);
+        py::arg("other"), py::arg("isa") = "auto", py::arg("perm") = py::none(), no_gil);
   m.attr("gguf_amx_min_rows") = gguf_amx_min_rows();  // from this many activation rows on, the amx isa uses its tiles
   m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear_panel uses here (amx, avx512-vnni, avx512, avx2 or scalar)");
 }
