@@ -313,14 +313,16 @@ LLAMA3_8B_LAYER = {"qkv 6144x4096": (6144, 4096), "o 4096x4096": (4096, 4096), "
 def quantized_matmul_rows(device: str, shapes: dict[str, tuple[int, int]], rows: list[int], iters: int) -> list[dict]:
     """The quantization issue's GPU micro-benchmark: the Triton GGUF-block kernel (int4 = Q4_1 group 32,
     int8 = Q8_0, and the K-quant layouts the loader makes of a Q4_K_M file: Q4_K as K4 — nibbles, float32
-    scale and min per 32 —, Q6_K as K8 — int8 codes, float32 scale per 16) against the bf16 matmul
+    scale and min per 32 —, Q6_K as K8 — int8 codes, float32 scale per 16; the pre-quantized checkpoints' Z4
+    — a GPTQ/AWQ asymmetric 4-bit weight, byte zero points — and F8 — FP8 E4M3 bytes, weight-only and with
+    dynamic per-token FP8 activations) against the bf16 matmul
     (F.linear) at M activation rows, weights generated on the device; µs per call (the median of 5 timings of `iters` back-to-back calls: a single call timed
     between two synchronisations would mostly measure the launch and the sync), and the speed-up over
     bf16."""
     import torch
     import torch.nn.functional as F
 
-    from kvpilot.kernels.quantized import GGUFWeight, quantize_int4, quantize_int8
+    from kvpilot.kernels.quantized import FP8Activations, GGUFWeight, quantize_int4, quantize_int8
     from kvpilot.kernels.triton_gguf import gguf_linear
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -332,7 +334,10 @@ def quantized_matmul_rows(device: str, shapes: dict[str, tuple[int, int]], rows:
         codes = lambda cols: torch.randint(0, 256, (n, cols), device=device, dtype=torch.uint8)  # noqa: E731, B023
         for label, quantized in (("int4", quantize_int4(w, 32)), ("int8", quantize_int8(w)),
                                  ("Q4_K", GGUFWeight("Q4_K", codes(k // 2), rand(k // 32), -rand(k // 32))),
-                                 ("Q6_K", GGUFWeight("Q6_K", codes(k), rand(k // 16)))):
+                                 ("Q6_K", GGUFWeight("Q6_K", codes(k), rand(k // 16))),
+                                 ("Z4", GGUFWeight("Z4", codes(k // 2), rand(k // 32).half(), codes(k // 32) & 0x0F)),
+                                 ("F8", GGUFWeight("F8", codes(k) & 0x77, rand(k // 32))),  # (& 0x77: no NaN bytes)
+                                 ("F8 W8A8", GGUFWeight("F8", codes(k) & 0x77, rand(k // 32), act=FP8Activations()))):
             forms[label] = partial(gguf_linear, w=quantized)
         for m in rows:
             x = torch.randn(m, k, device=device, dtype=dtype)

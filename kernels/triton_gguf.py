@@ -37,6 +37,7 @@ def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr, sx_ptr
                  M, N, K, stride_xm, stride_ym, stride_om, x_groups,
                  CODE_BITS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, MIN: tl.constexpr, SUPER: tl.constexpr,
                  EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ACT_FP8: tl.constexpr, X_GROUP: tl.constexpr, HAS_PERM: tl.constexpr,
+                 FP8_DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -50,42 +51,53 @@ def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr, sx_ptr
             x = tl.load(x_ptr + rows[:, None] * stride_xm + tl.load(perm_ptr + ks)[None, :], mask=row_ok[:, None], other=0.0)
         else:
             x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
-        if ACT_FP8:  # x / s rounded to e4m3, times s (W8A8): s per row, or per X_GROUP columns of a row
+        if FP8_DOT:  # W8A8 on FP8 tensor cores: x / s and the weight as e4m3 operands, one scale each per BLOCK_K (= 32) columns
             if X_GROUP > 0:
-                s = tl.load(sx_ptr + rows[:, None] * x_groups + (ks // X_GROUP)[None, :], mask=row_ok[:, None], other=1.0)
+                s_row = tl.load(sx_ptr + rows * x_groups + k0 // X_GROUP, mask=row_ok, other=1.0)
             else:
-                s = tl.load(sx_ptr + rows, mask=row_ok, other=1.0)[:, None]
-            x = (fp8_e4m3_value(fp8_e4m3_bits(x.to(tl.float32) / s)) * s).to(x.dtype)
-        group = ks // GROUP
-        if SUPER:  # K4: d = (super-block d)·(scale code), m = −(super-block dmin)·(min code), exact in float32
-            sup = d_ptr + cols[None, :] * (K // 128) + ((ks // 256) * 2)[:, None]  # (d, dmin) per 256 columns
-            code = m_ptr + cols[None, :] * (groups_per_row * 2) + (group * 2)[:, None]  # (scale, min) per 32
-            scale = tl.load(sup, mask=col_ok[None, :], other=0.0).to(tl.float32) * tl.load(code, mask=col_ok[None, :], other=0).to(tl.float32)
-            low = -(tl.load(sup + 1, mask=col_ok[None, :], other=0.0).to(tl.float32) * tl.load(code + 1, mask=col_ok[None, :], other=0).to(tl.float32))
+                s_row = tl.load(sx_ptr + rows, mask=row_ok, other=1.0)
+            xb = fp8_e4m3_bits(x.to(tl.float32) / s_row[:, None])
+            wb = tl.load(qs_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0)
+            d_col = tl.load(d_ptr + cols * groups_per_row + k0 // GROUP, mask=col_ok, other=0.0)
+            part = tl.dot(xb.to(tl.float8e4nv, bitcast=True), wb.to(tl.float8e4nv, bitcast=True), out_dtype=tl.float32)
+            acc += part * s_row[:, None] * d_col[None, :]
         else:
-            scale = tl.load(d_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
-        if CODE_BITS == 8:  # Q8_0, K8, Z8: int8 codes; F8: float8_e4m3fn bytes, widened exactly in registers
-            q = tl.load(qs_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0)
-            q = fp8_e4m3_value(q) if FP8 else q.to(tl.float32)
-        else:  # Q4_0, Q4_1, K4, Z4: byte j of a 32-block holds weight j (low nibble) and j + 16 (high nibble)
-            j = ks % 32
-            byte = tl.load(qs_ptr + cols[None, :] * (K // 2) + ((ks // 32) * 16 + j % 16)[:, None], mask=col_ok[None, :], other=0)
-            q = tl.where((j < 16)[:, None], byte & 0x0F, byte >> 4).to(tl.float32)
-        if SUPER:
-            w = scale * q + low
-        elif MIN == 1:  # w = d·q + m
-            w = scale * q + tl.load(m_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
-        elif MIN == 2:  # Q4_0: w = d·(q - 8)
-            w = scale * q - 8.0 * scale
-        elif MIN == 3:  # Z4, Z8: w = d·(q − z), the integer difference first (exact); Z8's codes are stored minus 128
-            zero = tl.load(m_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0).to(tl.float32)
-            w = (q - (zero - (128.0 if CODE_BITS == 8 else 0.0))) * scale
-        else:
-            w = scale * q
-        if IEEE:  # float32 activations: no TF32
-            acc += tl.dot(x, w, input_precision="ieee")
-        else:  # float16 / bfloat16: the tensor cores' input type, float32 accumulation
-            acc += tl.dot(x, w.to(x.dtype))
+            if ACT_FP8:  # x / s rounded to e4m3, times s (W8A8): s per row, or per X_GROUP columns of a row
+                if X_GROUP > 0:
+                    s = tl.load(sx_ptr + rows[:, None] * x_groups + (ks // X_GROUP)[None, :], mask=row_ok[:, None], other=1.0)
+                else:
+                    s = tl.load(sx_ptr + rows, mask=row_ok, other=1.0)[:, None]
+                x = (fp8_e4m3_value(fp8_e4m3_bits(x.to(tl.float32) / s)) * s).to(x.dtype)
+            group = ks // GROUP
+            if SUPER:  # K4: d = (super-block d)·(scale code), m = −(super-block dmin)·(min code), exact in float32
+                sup = d_ptr + cols[None, :] * (K // 128) + ((ks // 256) * 2)[:, None]  # (d, dmin) per 256 columns
+                code = m_ptr + cols[None, :] * (groups_per_row * 2) + (group * 2)[:, None]  # (scale, min) per 32
+                scale = tl.load(sup, mask=col_ok[None, :], other=0.0).to(tl.float32) * tl.load(code, mask=col_ok[None, :], other=0).to(tl.float32)
+                low = -(tl.load(sup + 1, mask=col_ok[None, :], other=0.0).to(tl.float32) * tl.load(code + 1, mask=col_ok[None, :], other=0).to(tl.float32))
+            else:
+                scale = tl.load(d_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
+            if CODE_BITS == 8:  # Q8_0, K8, Z8: int8 codes; F8: float8_e4m3fn bytes, widened exactly in registers
+                q = tl.load(qs_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0)
+                q = fp8_e4m3_value(q) if FP8 else q.to(tl.float32)
+            else:  # Q4_0, Q4_1, K4, Z4: byte j of a 32-block holds weight j (low nibble) and j + 16 (high nibble)
+                j = ks % 32
+                byte = tl.load(qs_ptr + cols[None, :] * (K // 2) + ((ks // 32) * 16 + j % 16)[:, None], mask=col_ok[None, :], other=0)
+                q = tl.where((j < 16)[:, None], byte & 0x0F, byte >> 4).to(tl.float32)
+            if SUPER:
+                w = scale * q + low
+            elif MIN == 1:  # w = d·q + m
+                w = scale * q + tl.load(m_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
+            elif MIN == 2:  # Q4_0: w = d·(q - 8)
+                w = scale * q - 8.0 * scale
+            elif MIN == 3:  # Z4, Z8: w = d·(q − z), the integer difference first (exact); Z8's codes are stored minus 128
+                zero = tl.load(m_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0).to(tl.float32)
+                w = (q - (zero - (128.0 if CODE_BITS == 8 else 0.0))) * scale
+            else:
+                w = scale * q
+            if IEEE:  # float32 activations: no TF32
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:  # float16 / bfloat16: the tensor cores' input type, float32 accumulation
+                acc += tl.dot(x, w.to(x.dtype))
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
@@ -115,14 +127,25 @@ def fp8_activations(x: torch.Tensor, act: FP8Activations) -> torch.Tensor:
     return ((rows / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s).reshape(x.shape)
 
 
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether tl.dot takes e4m3 operands here: CUDA GPUs of compute capability 8.9 on (Ada, Hopper, ...)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None, epilogue: str = "none",
-                other: torch.Tensor | None = None, block_n: int = 64, block_k: int | None = None) -> torch.Tensor:
+                other: torch.Tensor | None = None, block_n: int = 64, block_k: int | None = None,
+                fp8_dot: bool | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias), then the epilogue (silu(y), y * other, y + other; other [..., N]). An F8
-    weight with activation quantization (w.act) rounds x to e4m3 first, at its scales (fp8_activations)."""
+    weight with activation quantization (w.act) rounds x to e4m3 first, at its scales (fp8_activations), and
+    where the GPU has FP8 tensor cores (fp8_dot None: fp8_tensor_cores) multiplies the e4m3 operands
+    themselves, 32 columns (one weight scale) per step; elsewhere their widened values."""
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} columns, the weight {k}")
-    block_k = block_k or (64 if k % 64 == 0 else QK)
+    fp8_dot = w.act is not None and (fp8_tensor_cores(x.device) if fp8_dot is None else fp8_dot)
+    if fp8_dot and w.act.group and w.act.group % QK:
+        raise ValueError(f"FP8 tensor-core products need activation groups of a multiple of {QK} columns, not {w.act.group}")
+    block_k = QK if fp8_dot else block_k or (64 if k % 64 == 0 else QK)
     if k % block_k or block_k % QK:
         raise ValueError(f"K={k} must be a multiple of BLOCK_K={block_k}, itself a multiple of {QK}")
     layout = LAYOUTS[w.kind]
@@ -147,7 +170,7 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
                        other if other is not None else y, y, sx, w.perm if w.perm is not None else y, m, n, k, rows.stride(0), y.stride(0),
                        other.stride(0) if other is not None else 0, sx.shape[-1] if w.act else 1,
                        CODE_BITS=layout.code_bits, FP8=layout.fp8, GROUP=layout.group, MIN=MINS[layout.mins], SUPER=layout.scales == "super",
-                       EPILOGUE=EPILOGUES[epilogue], HAS_BIAS=bias is not None, ACT_FP8=w.act is not None, X_GROUP=(w.act.group or 0) if w.act else 0, HAS_PERM=w.perm is not None,
+                       EPILOGUE=EPILOGUES[epilogue], HAS_BIAS=bias is not None, ACT_FP8=w.act is not None, X_GROUP=(w.act.group or 0) if w.act else 0, HAS_PERM=w.perm is not None, FP8_DOT=fp8_dot,
                        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y.reshape(*x.shape[:-1], n)
 

@@ -68,7 +68,8 @@ def test_checkpoint_layouts_match_the_checkpoints_values(kind, m):
 def test_fp8_weights_with_fp8_activations_match_the_same_rounding_in_torch(act):
     """An FP8 W8A8 checkpoint's activation quantization in the kernel (static per tensor, dynamic per token
     and per 64-column group of a token) against the torch reference that applies the same scales
-    (fp8_activations: x / s rounded to e4m3, times s) to x before x @ values.T; it changes the product by far
+    (fp8_activations: x / s rounded to e4m3, times s) to x before x @ values.T — with the operands widened in
+    the tile and as e4m3 operands of tl.dot (FP8 tensor cores; forced here); it changes the product by far
     more than the bound, so the rounding is really applied. Fused projections take the largest static scale."""
     gen = torch.Generator().manual_seed(5)
     w, values = checkpoint_layout_weight("F8", 200, 192, gen)
@@ -77,6 +78,9 @@ def test_fp8_weights_with_fp8_activations_match_the_same_rounding_in_torch(act):
     got, want = gguf_linear(x, w, bias), fp8_activations(x, act) @ values.T + bias
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert (got - (x @ values.T + bias)).abs().max() > 100 * 1e-4
+    # the FP8 tensor-core form (e4m3 operands in tl.dot, the scales after each 32-column product), which the
+    # interpreter runs exactly: the same values
+    torch.testing.assert_close(gguf_linear(x, w, bias, fp8_dot=True), want, atol=1e-4, rtol=1e-4)
     half = gguf_linear(x.half(), w, bias)  # (x rounded to float16 first can land on another e4m3 value: the reference takes it too)
     torch.testing.assert_close(half.float(), fp8_activations(x.half().float(), act) @ values.half().float().T + bias, atol=3e-2, rtol=3e-2)
     if act.scale is not None:

@@ -834,8 +834,11 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
     auto gathered = torch::empty({rows, cols}, x.options());
     const float* src = x.data_ptr<float>();
     float* dst = gathered.data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = src[r * x.stride(0) + order[c]];
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = 0; c < cols; ++c) dst[r * cols + c] = src[r * stride + order[c]];
+    });
     x = gathered;
   }
   TORCH_CHECK(kind >= Q4_0 && kind <= F8, "kind: 0 (Q4_0), 1 (Q4_1), 2 (Q8_0), 3 (K8), 4 (K4), 5 (Z4), 6 (Z8) or 7 (F8)");
