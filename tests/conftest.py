@@ -50,6 +50,20 @@ def family_checkpoints(tmp_path_factory, model_path):
     return out
 
 
+@pytest.fixture
+def row_invariant_gguf_kernels(monkeypatch):
+    """Pins the C++ GGUF kernels to their AVX2 path where the CPU has better ones. The AVX-512 paths depend on
+    a call's row count — AMX tiles from gguf_amx_min_rows rows on (both operands split into bfloat16s), a
+    factored float path at one or two rows —, so a row's outputs can differ in the last bits between a big
+    batch and a small one; the AVX2 path does the same arithmetic per row at any count. Tests that compare a
+    row across batch sizes (a prefix hit against its miss, a row alone against it in a batch) use this."""
+    from kvpilot.kernels import cpu_extension
+    from kvpilot.kernels.quantized import GGUF_ISA_ENV
+
+    if cpu_extension.require().gguf_linear_isa() in ("amx", "avx512-vnni", "avx512"):
+        monkeypatch.setenv(GGUF_ISA_ENV, "avx2")
+
+
 @pytest.fixture(scope="session")
 def constrained_server(tmp_path_factory):
     """One `kvpilot serve` for the structured-output and tool-calling tests (their files share it)."""

@@ -27,7 +27,7 @@ def _greedy(llm, prompts, tokens, logprobs=None):
 
 
 @pytest.mark.timeout(300)
-def test_fp8_cache_holds_four_times_float32_and_stays_close_to_it(monkeypatch):
+def test_fp8_cache_holds_four_times_float32_and_stays_close_to_it(monkeypatch, row_invariant_gguf_kernels):
     """In the same kv_cache_memory an FP8 cache has ≥ 4x float32's blocks (2x bfloat16's, less the scratch
     block); its per-layer scales are calibrated, identical at every start, and part of the prefix
     cache's root key. Over the oracle prompts as one text, the next-token distributions are within a

@@ -36,6 +36,14 @@ def test_the_packings_are_the_published_bit_orders():
     # slot i -> output column AWQ_ORDER[i]: columns 0..7 hold codes 0, 4, 1, 5, 2, 6, 3, 7
     assert awq.codes[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7] and awq.zeros[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
     assert torch.equal(awq.dequantize(), torch.zeros(8, 8))  # code = zero everywhere
+    # GPTQ's codes as compressed-tensors' own int32 unpacker reads them (its words hold consecutive input
+    # columns, as GPTQ's transposed; its values are signed: code − 8)
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    qweight = int32(torch.randint(0, 2**32, (8, 24), generator=torch.Generator().manual_seed(3)))  # 64 inputs, 24 outputs
+    codes = read_quantized(QuantScheme("gptq", 4, -1, 0), {"qweight": qweight, "qzeros": ones.repeat(1, 3), "scales": torch.ones(1, 24).half()},
+                           "p").codes
+    assert torch.equal(codes - 8, unpack_from_int32(qweight.T.contiguous(), 4, torch.Size([24, 64])).int())
 
 
 # scheme, the layout it is kept in (None: dequantized at load — FP8 scale blocks of 48 columns straddle 32-column blocks)

@@ -111,7 +111,7 @@ def base_outputs(base_llm):
 
 
 @pytest.mark.timeout(400)
-def test_json_corpus_in_mixed_batches_with_gguf_weights(capsys):
+def test_json_corpus_in_mixed_batches_with_gguf_weights(capsys, row_invariant_gguf_kernels):
     """The whole corpus, greedy and seeded (a seed per schema), in one batch with unconstrained rows: every output the
     schema ended validates, >= 90% end by the schema, and the unconstrained rows' tokens are those
     they get without constrained neighbours."""
