@@ -44,6 +44,14 @@ def test_the_packings_are_the_published_bit_orders():
     codes = read_quantized(QuantScheme("gptq", 4, -1, 0), {"qweight": qweight, "qzeros": ones.repeat(1, 3), "scales": torch.ones(1, 24).half()},
                            "p").codes
     assert torch.equal(codes - 8, unpack_from_int32(qweight.T.contiguous(), 4, torch.Size([24, 64])).int())
+    # g_idx, golden: input column i (code i) belongs to group g_idx[i]; group 0 has zero point 2 and scale 1,
+    # group 1 zero point 5 and scale 2 (v2 zero points: as stored)
+    g_idx = torch.tensor([1, 1, 0, 0, 1, 0, 1, 0], dtype=torch.int32)
+    zeros = int32(torch.tensor([[0x22222222], [0x55555555]]))
+    scales = torch.tensor([[1.0] * 8, [2.0] * 8]).half()
+    act = read_quantized(QuantScheme("gptq", 4, 4, 0), {"qweight": word.repeat(1, 8), "qzeros": zeros, "scales": scales, "g_idx": g_idx}, "p")
+    golden = [(0 - 5) * 2, (1 - 5) * 2, 2 - 2, 3 - 2, (4 - 5) * 2, 5 - 2, (6 - 5) * 2, 7 - 2]
+    assert act.dequantize()[0].tolist() == golden and act.packed() is None  # (groups of 4 columns: no 32-column block holds them)
 
 
 # scheme, the layout it is kept in (None: dequantized at load — FP8 scale blocks of 48 columns straddle 32-column blocks)

@@ -21,7 +21,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -127,6 +126,12 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const Fp8* p) {  // e4m3 -> f32 as fp8x8 does it, 16 at a time: exact
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 
 #endif
@@ -267,10 +272,8 @@ template <typename T>
 void attend_group(const float* qf, int64_t group, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
                   int64_t block_size, int64_t row, int64_t head_off, int64_t D, float* scores, float* acc) {
 #if defined(__AVX512F__)
-  if constexpr (!std::is_same_v<T, Fp8>) {  // an FP8 cache takes the generic walk (no AVX-512 widening of it yet)
-    if (D == 64) return attend_avx512<4>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
-    if (D == 128) return attend_avx512<8>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
-  }
+  if (D == 64) return attend_avx512<4>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
+  if (D == 128) return attend_avx512<8>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
 #endif
   for_each_row(k_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* k) {
     for (int64_t j = 0; j < group; ++j) scores[j * ctx + t] = dot(qf + j * D, k, D);
