@@ -1,8 +1,9 @@
 """The CPU prefill attention over a cached prefix (kernels/paged_attention.py, prefill_attention_ref):
 a chunk or a prompt's tail of n new tokens attending to a long prefix held in the paged cache, per 30
 layers (SmolLM2-135M's shapes: 9 query heads, 3 KV heads, head_dim 64, block_size 16, float32).
-Its peer in the same run is the token-by-token gather it replaced (a slot index per prefix token,
-then one concatenation with the new K/V), inlined here; both are checked to agree.
+Its peers in the same run: the token-by-token gather it replaced (a slot index per prefix token, then one
+concatenation with the new K/V), inlined here, and the C++ decode kernel with one query per new token over
+the cache (what paged_attention runs for a short tail: n · context <= SHORT_TAIL_WORK); all are checked to agree.
 
     .venv/bin/python bench/prefix_attention.py [--force] [--threads 2] [--rounds 3]
 """
@@ -48,7 +49,10 @@ def main() -> None:
     refuse_if_busy(force=args.force)
     import torch
 
-    from kvpilot.kernels.paged_attention import prefill_attention_ref
+    from kvpilot.kernels import cpu_extension
+    from kvpilot.kernels.paged_attention import SHORT_TAIL_WORK, prefill_attention_ref, write_kv
+
+    ext = cpu_extension.require()
 
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
@@ -62,20 +66,27 @@ def main() -> None:
         return (time.perf_counter() - t) * 1000
 
     rows = []
-    for n, prefix in ((1, 4000), (16, 4000), (16, 4008), (256, 2048), (512, 1536)):
+    for n, prefix in ((1, 4000), (8, 4000), (16, 4000), (16, 4008), (16, 2000), (32, 1000), (256, 2048), (512, 1536)):
         ctx = prefix + n
         table_ = torch.randperm(2048, generator=gen)[: -(-ctx // BLOCK)]
         q, k, v = (torch.randn(n, h, HEAD_DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+        positions = torch.arange(prefix, ctx)
+        write_kv(k_cache, v_cache, k, v, table_[positions // BLOCK] * BLOCK + positions % BLOCK)  # the new K/V in the cache, as the engine has them
         a = (q, k, v, k_cache, v_cache, table_, ctx, HEAD_DIM ** -0.5)
+        d = (q, k_cache, v_cache, table_[None].expand(n, -1).contiguous(), torch.arange(prefix + 1, ctx + 1), HEAD_DIM ** -0.5)
         torch.testing.assert_close(prefill_attention_ref(*a), token_gather(*a), atol=1e-5, rtol=1e-5)
-        before, after = [], []
+        torch.testing.assert_close(ext.paged_decode_attention(*d), token_gather(*a), atol=1e-5, rtol=1e-5)
+        before, after, per_token = [], [], []
         for _ in range(args.rounds):  # interleaved
             before.append(per_layers(token_gather, *a))
             after.append(per_layers(prefill_attention_ref, *a))
-        b, w = statistics.median(before), statistics.median(after)
-        rows.append({"new tokens": n, "prefix": prefix, "token gather ms": f"{b:.1f}", "block copy ms": f"{w:.1f}", "speed-up": f"{b / w:.2f}×"})
+            per_token.append(per_layers(ext.paged_decode_attention, *d))
+        b, w, t = statistics.median(before), statistics.median(after), statistics.median(per_token)
+        rows.append({"new tokens": n, "prefix": prefix, "token gather ms": f"{b:.1f}", "block copy ms": f"{w:.1f}", "speed-up": f"{b / w:.2f}×",
+                     "decode kernel ms": f"{t:.1f}", "vs block copy": f"{w / t:.2f}×", "engine runs": "decode kernel" if n * ctx <= SHORT_TAIL_WORK
+                     else "block copy"})
     print(f"machine: {machine()}; threads {args.threads}; {LAYERS} layers per figure; rounds {args.rounds} (median)")
-    print(table(rows, ["new tokens", "prefix", "token gather ms", "block copy ms", "speed-up"]))
+    print(table(rows, ["new tokens", "prefix", "token gather ms", "block copy ms", "speed-up", "decode kernel ms", "vs block copy", "engine runs"]))
 
 
 if __name__ == "__main__":
