@@ -175,12 +175,12 @@ def _compressed_tensors_scheme(config: dict, where: str) -> QuantScheme:
 def _ct_activations(args, fmt: str, where: str) -> tuple[str | None, int | None]:
     """A compressed-tensors scheme's input_activations -> (activations, act_group) for FP8 weights: static per
     tensor, or dynamic per token (a dynamic per-tensor scheme too: each token its own scale, which no
-    batch-mate changes) or per group of columns. Integer activations (int W8A8) run weight-only."""
+    batch-mate changes) or per group of columns. Other activations (integer W8A8) run weight-only."""
     if not isinstance(args, dict) or fmt != "float-quantized":
         return None, None
     kind, bits, strategy, dynamic = args.get("type", "int"), args.get("num_bits"), args.get("strategy", "tensor"), args.get("dynamic", False)
-    if (kind, bits) != ("float", 8):
-        raise ModelFormatError(f"{where}: FP8 weights with {kind} {bits}-bit input activations are not run (FP8 activations are)")
+    if (kind, bits) != ("float", 8):  # (not FP8 activations: weight-only, as integer W8A8 runs)
+        return None, None
     if not dynamic:
         if strategy != "tensor":
             raise ModelFormatError(f"{where}: static FP8 input activations of strategy {strategy!r} are not run (tensor is)")
