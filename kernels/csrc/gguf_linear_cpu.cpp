@@ -39,7 +39,7 @@ namespace {
 // point z per 32 columns: w = d·(q − z), the min made here as −d·z (Z8: d·(128 − z)) — an 11-bit
 // mantissa times an integer of at most 9 bits, exact in float32, so w is the checkpoint's value exactly.
 // F8: FP8 E4M3 weights (a checkpoint's float8_e4m3fn bytes), a float32 scale per 32 columns: w = fp8(q)·d,
-// each byte widened exactly in registers (fp8_ps*: its fields moved into a float16's, whose subnormals
+// each byte widened exactly in registers (vec_math.h fp8_over256_*: its fields moved into a float16's, whose subnormals
 // cover e4m3's, and the exponent biases' difference 2^8 folded into d) — the checkpoint's own product.
 enum Kind : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, K8 = 3, K4 = 4, Z4 = 5, Z8 = 6, F8 = 7 };
 enum Epilogue : int64_t { NONE = 0, SILU = 1, MUL = 2, ADD = 3 };
@@ -152,17 +152,6 @@ __attribute__((target("avx512f"))) inline __m512 bytes_ps512(const uint8_t* c) {
 }
 __attribute__((target("avx2"))) inline __m256 bytes_ps256(const uint8_t* c) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
-}
-
-// 16 and 8 e4m3fn bytes as floats / 2^8 (fp8_scaled, vectorized).
-__attribute__((target("avx512f,avx2,f16c"))) inline __m512 fp8_ps512(const uint8_t* c) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-  return _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7)));
-}
-__attribute__((target("avx2,f16c"))) inline __m256 fp8_ps256(const uint8_t* c) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
-  return _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8), _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7)));
 }
 
 // The same for 16 lanes (AVX-512) ...
@@ -304,7 +293,7 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void panel_avx512_t(const Panel
       for (int k = 0; k < bw; ++k) {
         __m512 w[NP];
         for (int u = 0; u < NP; ++u) {
-          const __m512 qf = fp8 ? fp8_ps512(q[u] + k * LANES)
+          const __m512 qf = fp8 ? fp8_over256_x16(q[u] + k * LANES)
                                 : _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q[u] + k * LANES))));
           w[u] = _mm512_fmadd_ps(d[u], qf, mn[u]);  // (mn 0: Q8_0, K8 without mins)
         }
@@ -350,8 +339,8 @@ __attribute__((target("avx2,fma,f16c"))) void panel_avx2_t(const PanelArgs& a, i
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * LANES));
       __m256 w[2][2];  // [half of the lanes][element j, element j + 16 (4-bit only)]
       if (bytes8) {
-        const __m256 q0 = fp8 ? fp8_ps256(q + j * LANES) : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-        const __m256 q1 = fp8 ? fp8_ps256(q + j * LANES + 8) : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+        const __m256 q0 = fp8 ? fp8_over256_x8(q + j * LANES) : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+        const __m256 q1 = fp8 ? fp8_over256_x8(q + j * LANES + 8) : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
         w[0][0] = _mm256_fmadd_ps(d[0], q0, mn[0]);  // (mn 0: Q8_0, K8 without mins)
         w[1][0] = _mm256_fmadd_ps(d[1], q1, mn[1]);
       } else {

@@ -93,10 +93,7 @@ inline void axpy(float a, const T* v, float* acc, int64_t d) {
 // float16's (whose subnormals cover e4m3's), widened by F16C and scaled by 2^8 for the exponent biases'
 // difference (15 - 7) — exact, like Fp8's conversion, at a fraction of its cost per value.
 inline __m256 fp8x8(const Fp8* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
-  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+  return _mm256_mul_ps(fp8_over256_x8(reinterpret_cast<const uint8_t*>(p)), _mm256_set1_ps(256.f));
 }
 
 inline float dot(const float* q, const Fp8* k, int64_t d) {
@@ -128,10 +125,7 @@ inline __m512 load16(const at::BFloat16* p) {  // bf16 -> f32 is a 16-bit shift
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline __m512 load16(const Fp8* p) {  // e4m3 -> f32 as fp8x8 does it, 16 at a time: exact
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
-  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+  return _mm512_mul_ps(fp8_over256_x16(reinterpret_cast<const uint8_t*>(p)), _mm512_set1_ps(256.f));
 }
 
 #endif
