@@ -2,7 +2,7 @@
 or read back from the disk tier (after the engine's cache evicted it, and after an engine restart on the
 same directory); same run, interleaved rounds, median.
 
-    .venv/bin/python bench/kv_tiers.py [--force] [--rounds 3] [--prefix-tokens 2000] [--load-tokens 4000] [--threads 2]
+    .venv/bin/python bench/kv_tiers.py [--force] [--parts ttft,itl] [--rounds 3] [--prefix-tokens 2000] [--load-tokens 4000] [--threads 2]
 
 Each round draws a fresh random prefix (so nothing is cached anywhere) and a 16-token suffix per
 request; one output token is generated (its time is the TTFT, tokenization excluded: ids go in).
@@ -15,7 +15,8 @@ request; one output token is generated (its time is the TTFT, tokenization exclu
 Then the inter-token latency of 8 decoding clients (one token each per step) while a 4,000-token
 prompt's blocks are read from the disk tier (a fresh engine on a directory holding them), and while
 such a prompt is computed and its blocks saved (vs the same prompt on an engine without a tier): the
-p99 of the steps from its arrival until it is done, vs the clients decoding alone.
+p99 of the steps from its arrival until it is done, vs the clients decoding alone; for the load also the
+steps while its blocks are read and written into the cache (before the step that computes its tail).
 """
 
 from __future__ import annotations
@@ -48,13 +49,22 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=2000)
     ap.add_argument("--load-tokens", type=int, default=4000, help="the prompt loaded or saved while the clients decode")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--parts", default="ttft,itl", help="which tables: ttft, itl or both")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
-    from kvpilot.server import LLM
-
     rng = random.Random(0)
     new_ids = lambda n: [rng.randrange(100, 49000) for _ in range(n)]  # noqa: E731
+    parts = args.parts.split(",")
+    if "ttft" in parts:
+        ttfts(args, new_ids)
+    if "itl" in parts:
+        itl(args, new_ids)
+
+
+def ttfts(args, new_ids) -> None:
+    from kvpilot.server import LLM
+
     # about 1.2 prompts of KV (46 KiB per token, float32): a second prompt evicts most of the first
     kv = f"{int(args.prefix_tokens * 1.2 * 46080 / 2**20) + 1}MiB"
     directory = tempfile.mkdtemp(prefix="kvpilot-bench-tier-")
@@ -82,6 +92,7 @@ def main() -> None:
         prefix = new_ids(args.prefix_tokens)
         ttft(hosted, prefix + new_ids(16))
         ttft(hosted, new_ids(args.prefix_tokens + 16))
+        hosted.engine.kv_tiers.drain()  # as above: the disk writer done with the evicting prompt's blocks
         times["host tier after eviction"].append(ttft(hosted, prefix + new_ids(16)))
     stats = llm.engine.kv_tiers.disk.stats
     base = statistics.median(times["recompute"])
@@ -94,34 +105,38 @@ def main() -> None:
           f"{stats.saved_blocks} saved ({stats.saved_bytes / 2**20:.0f} MiB in {stats.save_seconds:.2f} s); restarted engines read "
           f"{hits_before} blocks; the host tier: {hosted.engine.kv_tiers.host.stats.hit_blocks} blocks copied back")
     del llm, hosted
-    itl(args, new_ids)
 
 
 def decode_steps(llm, clients: list[list[int]], arrival: list[int] | None, at_step: int = 8, tokens: int = 48):
     """Step an engine running `clients` (one token each per step) until they end; `arrival` comes in
-    at step at_step (one output token). Returns the step times of the clients' tokens after their warm-up
-    and those from the arrival until it was done."""
+    at step at_step (one output token). Returns the step times of the clients' tokens after their warm-up,
+    those from the arrival until it was done, and those while its KV was in flight (read from a tier or
+    being written into the cache: until the step before the one that computes its tail)."""
     from kvpilot.server import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for ids in clients:
         llm.engine.add_request(ids, params)
-    steps, window, arrival_id, pending, step = [], [], None, False, 0
+    steps, window, in_flight, arrival_seq, pending, step = [], [], [], None, False, 0
     last = time.perf_counter()
     while llm.engine.has_unfinished_requests():
         if arrival is not None and step == at_step:
             arrival_id, pending = llm.engine.add_request(arrival, SamplingParams(temperature=0, max_tokens=1)), True
+            arrival_seq = llm.engine.requests[arrival_id].seqs[0]
+        loading = arrival_seq is not None and (arrival_seq.kv_load is not None or bool(arrival_seq.kv_writes))
         outs = llm.engine.step()
         now = time.perf_counter()
-        if any(o.request_id != arrival_id for o in outs):  # a step that gave the clients tokens
+        if any(arrival_seq is None or o.request_id != arrival_seq.request_id for o in outs):  # a step that gave the clients tokens
             if step >= 2:
                 steps.append(now - last)
             if pending:
                 window.append(now - last)
+            if loading and (arrival_seq.kv_load is not None or arrival_seq.kv_writes):  # still in flight after this step
+                in_flight.append(now - last)
             last = now
-        pending = pending and not any(o.request_id == arrival_id and o.finished for o in outs)
+        pending = pending and not any(o.request_id == arrival_seq.request_id and o.finished for o in outs)
         step += 1
-    return steps, window
+    return steps, window, in_flight
 
 
 def p99(values: list[float]) -> float:
@@ -150,11 +165,14 @@ def itl(args, new_ids) -> None:
     rows.append({"case": f"…and a {long}-token prompt found in the engine's cache", "steps": len(hit), "ITL p99 ms": f"{p99(hit) * 1e3:.1f}",
                  "vs alone": f"{p99(hit) / p99(alone):.2f}×"})
     fresh = engine(kv_offload_dir=directory)  # nothing in memory: the prompt's blocks come from disk
-    window = decode_steps(fresh, clients(), saved + new_ids(8))[1]
+    _, window, in_flight = decode_steps(fresh, clients(), saved + new_ids(8))
     rows.append({"case": f"…and a {long}-token prompt loaded from disk", "steps": len(window), "ITL p99 ms": f"{p99(window) * 1e3:.1f}",
                  "vs alone": f"{p99(window) / p99(alone):.2f}× ({p99(window) / p99(hit):.2f}× the cache hit)"})
+    rows.append({"case": "…of which the steps while its KV is read and written", "steps": len(in_flight),
+                 "ITL p99 ms": f"{p99(in_flight) * 1e3:.1f}", "vs alone": f"{p99(in_flight) / p99(alone):.2f}×"})
     read = fresh.engine.kv_tiers.disk.stats
-    print(f"\nITL of 8 clients (64-token prompts, 48 tokens each), step budget 512 tokens, kv_cache_memory {kv}; "
+    print(f"\nITL of 8 clients (64-token prompts, 48 tokens each; alone: median {statistics.median(alone) * 1e3:.1f} ms), "
+          f"step budget 512 tokens, kv_cache_memory {kv}; "
           f"the load read {read.hit_blocks} blocks ({read.loaded_bytes / 2**20:.0f} MiB in {read.load_seconds:.2f} s)")
     print(table(rows, ["case", "steps", "ITL p99 ms", "vs alone"]))
 

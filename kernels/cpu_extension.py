@@ -184,9 +184,14 @@ def check(lvl: str | None = None) -> dict:
     q = torch.randn(3, heads, head_dim, generator=gen)
     attention = (q, k_cache, v_cache, tables, torch.tensor(lens), head_dim ** -0.5)
     fp8 = (q, k_cache.to(FP8_KV), v_cache.to(FP8_KV), *attention[3:])
+    q5 = torch.randn(5, heads, head_dim, generator=gen)
     errors = {"rms_norm": (module.rms_norm(x, w, 1e-5) - rms_ref).abs().max().item(),
               "paged_decode_attention": (module.paged_decode_attention(*attention) - decode_attention_grouped(*attention)).abs().max().item(),
-              "paged_decode_attention_fp8": (module.paged_decode_attention(*fp8, 0.5, 2.0) - decode_attention_grouped(*fp8, (0.5, 2.0))).abs().max().item()}
+              "paged_decode_attention_fp8": (module.paged_decode_attention(*fp8, 0.5, 2.0) - decode_attention_grouped(*fp8, (0.5, 2.0))).abs().max().item(),
+              # the last 5 of sequence 0's 300 tokens as new ones, attending causally over the cache
+              "paged_prefill_attention": max((module.paged_prefill_attention(q5, k_cache, v_cache, tables[0], 300, head_dim ** -0.5)[i] -
+                                              decode_attention_grouped(q5[i:i + 1], k_cache, v_cache, tables[:1], torch.tensor([296 + i]),
+                                                                       head_dim ** -0.5)[0]).abs().max().item() for i in range(5))}
     return {"level": module.isa_level, "file": module.__file__, "gguf_linear_isa": module.gguf_linear_isa(), "max_abs_error": errors}
 
 

@@ -71,7 +71,11 @@ def _cpu_ops(ext) -> Ops:
             return decode_attention_grouped(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales)
         return ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *kv_scales)
 
-    return Ops("cpu-c++", rms_norm, rotary_qkv_, partial(paged_attention, decode=decode_attention), graph_safe=False,
+    def prefill_attention(q, k_cache, v_cache, block_table, context_len, scale, kv_scales=NO_SCALES):
+        return ext.paged_prefill_attention(q, k_cache, v_cache, block_table, context_len, scale, *kv_scales)
+
+    return Ops("cpu-c++", rms_norm, rotary_qkv_, partial(paged_attention, decode=decode_attention, prefill=prefill_attention,
+                                                              prefill_head_dims=tuple(ext.prefill_attention_head_dims)), graph_safe=False,
                lora_add_=lora_add_runs_)
 
 

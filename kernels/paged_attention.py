@@ -151,10 +151,13 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, kv_stored: bool = False, kv_scales: tuple[float, float] = NO_SCALES,
-                    decode=None) -> torch.Tensor:
+                    decode=None, prefill=None, prefill_head_dims: tuple[int, ...] = ()) -> torch.Tensor:
     """Write this step's K/V [T, kv_heads, d] into the cache (unless the caller already did), then
     attend; q [T, heads, d] -> [T, heads, d]. decode(q, k_cache, v_cache, block_tables, context_lens,
-    scale, kv_scales) is the decode kernel (default: the torch reference)."""
+    scale, kv_scales) is the decode kernel (default: the torch reference); prefill(q, k_cache, v_cache,
+    block_table, context_len, scale, kv_scales) attends one sequence's new tokens over the cache (which
+    holds their K/V by then), for prefills of up to PREFILL_KERNEL_TOKENS tokens at the head dims it is
+    fast for."""
     decode = decode or decode_attention_grouped
     if not kv_stored:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_scales)
@@ -164,7 +167,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     start = 0
     for n, ctx, table in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
         rows = slice(start, start + n)
-        if ctx > n and n * ctx <= SHORT_TAIL_WORK and k_cache.dtype == q.dtype:
+        if n <= PREFILL_KERNEL_TOKENS and q.shape[-1] in prefill_head_dims and k_cache.dtype == q.dtype:
+            # (Not for an FP8 cache, as below.)
+            out[rows] = prefill(q[rows], k_cache, v_cache, table, ctx, scale, kv_scales)
+        elif ctx > n and n * ctx <= SHORT_TAIL_WORK and k_cache.dtype == q.dtype:
             # A short tail over a cached prefix (a prompt whose prefix was cached, a small chunk): each new token as
             # one decode query over the cache, which holds its K/V by now — the values the reference path uses,
             # without copying the prefix out of its blocks. (Not for an FP8 cache: there a prefix hit must repeat its
@@ -180,6 +186,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 DECODE_GROUP = 4  # sequences per padded decode-attention call on the torch path
+# The C++ prefill kernel (one KV head's queries over a range of the cache at a time) vs the copy-and-SDPA path, 2-core
+# AVX-512 host, SmolLM2's shapes: 3.0x at 8 new tokens over 4,000 cached, 1.15x at 512 over 1,536-3,584, parity for a
+# plain 512-token prefill, 0.70x for a plain 2,000-token one (bench/prefix_attention.py, bench/RESULTS.md).
+PREFILL_KERNEL_TOKENS = 512
 # A prefill of n new tokens over a cached prefix (context ctx) runs as n decode queries while n · ctx is at most
 # this; beyond it the prefix copied out of its blocks once and one masked SDPA are cheaper. On a 2-core AVX-512
 # host, SmolLM2's shapes, the C++ decode kernel vs that path: 5.5x at 1 token over 4,000, 1.19x at 8 over 4,000,

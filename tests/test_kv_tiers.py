@@ -67,6 +67,40 @@ def test_tier_hits_equal_plain_decoding_after_eviction_and_after_a_restart(tmp_p
     assert restarted.engine.kv_tiers.disk.stats.refused_files == 0
 
 
+@pytest.mark.timeout(240)
+def test_a_load_beside_running_sequences_is_read_between_steps_and_written_a_few_blocks_per_step(tmp_path, reference):
+    """While another sequence decodes, a prompt found on disk is read in slices between the steps and its
+    blocks are written a few per step (here 2); it computes once all are in the cache. Both sequences'
+    tokens are the plain engine's."""
+    from kvpilot.server import SamplingParams
+
+    writer = tiered(tmp_path)
+    greedy(writer, [PROMPTS[0]])
+    writer.engine.kv_tiers.drain()
+    from kvpilot.server import LLM
+
+    llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="32MiB", kv_offload_dir=str(tmp_path))  # room for both
+    engine, disk = llm.engine, llm.engine.kv_tiers.disk
+    engine.scheduler.max_block_writes = 2
+    writes, slices = [], []
+    write_blocks, read = engine.runner.write_blocks, disk.read
+    engine.runner.write_blocks = lambda loads: (writes.append(len(loads)), write_blocks(loads))
+    disk.read = lambda seconds=None: (slices.append(seconds), read(seconds))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    decoding = engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))  # runs throughout
+    engine.step()
+    loaded = engine.add_request(PROMPTS[0], params)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    blocks = (len(engine.tokenizer.encode(PROMPTS[0])) - 1) // BLOCK
+    assert disk.stats.hit_blocks == blocks and sum(writes) == blocks and max(writes) == 2, (writes, disk.stats)
+    assert slices and all(s is not None for s in slices), slices  # never read all at once while the other one ran
+    assert [tokens[decoding][:6], tokens[loaded]] == reference[1::-1]
+
+
 def _seq(llm, prompt):
     from kvpilot.server import SamplingParams
     from kvpilot.server.engine.sequence import Sequence
@@ -221,7 +255,11 @@ def test_a_lookup_takes_the_host_tiers_part_of_a_chain_then_the_disks(tmp_path):
     assert host.stats.evicted_blocks == 3 and [host.has(k) for k in keys] == [False] * 3 + [True] * 3  # least recently used out
 
     load = tiers.lookup(TEST_SALT, chunks, 0)  # blocks 0-2 only on disk: the host tier's 3-5 are not reached from the root
-    assert load.done.wait(10) and [p for (p,) in load.payloads] == payloads[:6] and host.stats.hit_blocks == 0
+    assert tiers.reading() and not load.done.is_set()
+    tiers.read(0)  # one block at least, then the time is up
+    assert load.num_read == 1 and not load.done.is_set()
+    tiers.read()
+    assert not tiers.reading() and load.done.is_set() and [p for (p,) in load.payloads] == payloads[:6] and host.stats.hit_blocks == 0
     load = tiers.lookup(keys[2], chunks[3:], 3)  # from block 3: the host tier has 3-5, done at once; 6-7 nowhere
     assert load.done.is_set() and [p for (p,) in load.payloads] == payloads[3:6] and host.stats.hit_blocks == 3
     assert tiers.lookup(keys[5], chunks[6:], 6) is None

@@ -15,6 +15,10 @@ def cpp_decode(*args):
 DECODERS = {"cpp": cpp_decode, "torch": decode_attention_grouped}
 
 
+def cpp_prefill(*args):
+    return cpu_extension.require().paged_prefill_attention(*args)
+
+
 def decode_case(lens, heads, kv_heads, head_dim, block_size, gen, spare_blocks):
     """Random contiguous K/V per sequence (`lens` tokens each), scattered into a shuffled paged cache:
     (ks, vs, k_cache, v_cache, padded block tables, one query per sequence)."""
@@ -165,3 +169,42 @@ def test_cpp_decode_on_two_threads_equals_one_thread():
     assert torch.equal(outs[0], outs[1])
     for i, n in enumerate(lens):
         torch.testing.assert_close(outs[1][i:i + 1], naive(q[i:i + 1], ks[i], vs[i], 0.125, n - 1), atol=1e-5, rtol=1e-5)
+
+
+# The C++ prefill kernel: a KV head's query rows (every new token's heads of its group) over ranges of at most
+# 512 keys (blocks of 5: 510), merged per row. head_dim 64 and 128 take its register-tiled AVX-512 path on an
+# AVX-512 host (tiles of 1-4 rows at 64, 1-2 at 128), the others its row-tiled generic one.
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 8), (8, 2, 80, 5), (3, 1, 7, 3)])
+@pytest.mark.parametrize("new,prefix", [(1, 1300), (9, 1100), (37, 0), (6, 2)])
+def test_cpp_prefill_matches_naive_and_each_row_is_computed_alone(heads, kv_heads, head_dim, block_size, new, prefix):
+    gen = torch.Generator().manual_seed(heads * 1000 + new + prefix)
+    total = prefix + new
+    k, v = torch.randn(total, kv_heads, head_dim, generator=gen), torch.randn(total, kv_heads, head_dim, generator=gen)
+    kc, vc, (table,) = paged([k], [v], block_size, -(-total // block_size) + 7, gen)
+    q = torch.randn(new, heads, head_dim, generator=gen)
+    out = cpp_prefill(q, kc, vc, torch.tensor(table), total, head_dim ** -0.5)
+    torch.testing.assert_close(out, naive(q, k, v, head_dim ** -0.5, prefix), atol=1e-5, rtol=1e-5)
+    # A row's arithmetic does not depend on the rows beside it: the last token alone (a prefix hit's one-token
+    # tail) gives its row bit for bit, so a cached prompt's first token repeats the uncached one's.
+    assert torch.equal(cpp_prefill(q[-1:], kc, vc, torch.tensor(table), total, head_dim ** -0.5), out[-1:])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_cpp_prefill_reads_bfloat16_and_fp8_caches(cache_dtype):
+    gen = torch.Generator().manual_seed(9)
+    heads, kvh, d, bs, new, total = 9, 3, 64, 16, 7, 700
+    scales = (0.5, 2.0) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    k, v = torch.randn(total, kvh, d, generator=gen), torch.randn(total, kvh, d, generator=gen)
+    kc, vc, (table,) = paged([k], [v], bs, 50, gen)
+    kc, vc = (kc / scales[0]).to(cache_dtype), (vc / scales[1]).to(cache_dtype)
+    q = torch.randn(new, heads, d, generator=gen)
+    out = cpp_prefill(q, kc, vc, torch.tensor(table), total, d ** -0.5, *scales)
+    held = lambda c, s: c.float().view(-1, kvh, d)[[table[p // bs] * bs + p % bs for p in range(total)]] * s  # noqa: E731
+    torch.testing.assert_close(out, naive(q, held(kc, scales[0]), held(vc, scales[1]), d ** -0.5, total - new), atol=1e-5, rtol=1e-5)
+
+
+def test_cpp_prefill_refuses_a_context_past_its_block_table():
+    gen = torch.Generator().manual_seed(1)
+    kc = vc = torch.randn(4, 16, 1, 64, generator=gen)
+    with pytest.raises(RuntimeError, match="context longer than its block table"):
+        cpp_prefill(torch.randn(2, 1, 64, generator=gen), kc, vc, torch.tensor([0, 1]), 40, 0.125)

@@ -180,11 +180,12 @@ inline void softmax_inplace(float* s, int64_t n) {
 
 // Visit the rows of one KV head of a sequence, block by block: fn(t, pointer to its D values). At each
 // block the same head's rows of the next block are prefetched, so they stream in while this one is used.
+// From token `from` on (a multiple of block_size), up to ctx.
 template <typename T, typename Fn>
 inline void for_each_row(const T* cache, const int64_t* table, int64_t ctx, int64_t block_size, int64_t row, int64_t head_off,
-                         int64_t D, Fn fn) {
+                         int64_t D, Fn fn, int64_t from = 0) {
   const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
-  for (int64_t t0 = 0, blk = 0; t0 < ctx; t0 += block_size, ++blk) {
+  for (int64_t t0 = from, blk = from / block_size; t0 < ctx; t0 += block_size, ++blk) {
     const T* base = cache + table[blk] * block_size * row + head_off;
     if (t0 + block_size < ctx) {
       const char* next = reinterpret_cast<const char*>(cache + table[blk + 1] * block_size * row + head_off);
@@ -310,7 +311,221 @@ void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t*
   });
 }
 
+// --- Several queries of one sequence over its cache (a prefill tail, a chunk) ---------------------------
+//
+// n new tokens whose K/V are in the cache already, at positions ctx - n .. ctx - 1, each attending causally.
+// Run as n decode queries, the K/V of a long context stream from memory n times; here a work item is one
+// KV head and a range of at most kChunkKeys keys (held in L2 while used), and every query row of that head
+// — each new token's query heads of the group — goes over the range in register tiles: K/V come from
+// memory once per head. Each item leaves a softmax partial (its max, sum and unnormalized output per row),
+// merged per row at the end (the ranges split a long context over the threads).
+constexpr int64_t kChunkKeys = 512;
+
+// The partial softmax of a row's scores over a range: the first `visible` entries (the keys the row may
+// see) become e^(s - m) with m their max, the rest 0; returns their sum (0 and m = -inf when none).
+inline float softmax_partial(float* s, int64_t len, int64_t visible, float& m) {
+  m = -INFINITY;
+  float sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (; t + 16 <= visible; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + t));
+  m = _mm512_reduce_max_ps(vm);
+#endif
+  for (; t < visible; ++t) m = std::max(m, s[t]);
+  t = 0;
+#if defined(__AVX512F__)
+  if (visible > 0) {
+    __m512 vs = _mm512_setzero_ps();
+    const __m512 vmax = _mm512_set1_ps(m);
+    for (; t + 16 <= visible; t += 16) {
+      const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax));
+      _mm512_storeu_ps(s + t, e);
+      vs = _mm512_add_ps(vs, e);
+    }
+    sum = _mm512_reduce_add_ps(vs);
+  }
+#endif
+  for (; t < visible; ++t) {
+    s[t] = exp_nonpositive(s[t] - m);
+    sum += s[t];
+  }
+  std::fill(s + std::max<int64_t>(visible, 0), s + len, 0.f);
+  return sum;
+}
+
+#if defined(__AVX512F__)
+// G query rows (scaled, in registers) over keys [from, to) of one KV head: scores into `scores` [G][to - from],
+// then each row's partial: m[g], l[g] and acc[g] = sum of e^(s - m) V. Row g sees keys < limit[g].
+template <int C, int G, typename T>
+void attend_range_avx512(const float* qf, const int64_t* limit, const T* k_cache, const T* v_cache, const int64_t* table, int64_t from,
+                         int64_t to, int64_t block_size, int64_t row, int64_t head_off, float* scores, float* m, float* l, float* acc) {
+  constexpr int64_t D = C * 16;
+  const int64_t len = to - from;
+  int64_t seen = 0;  // keys any of the rows sees
+  for (int g = 0; g < G; ++g) seen = std::max(seen, std::min(limit[g], to) - from);
+  __m512 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * D + c * 16);
+  __m512 part[G][16];
+  for_each_row(k_cache, table, from + seen, block_size, row, head_off, D, [&](int64_t t, const T* k) {
+    const int64_t i = t - from;
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+      part[g][i % 16] = a;
+    }
+    if (i % 16 == 15)
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * len + i - 15, reduce16(part[g]));
+  }, from);
+  if (const int64_t tail = seen % 16) {
+    for (int g = 0; g < G; ++g) {
+      for (int64_t i = tail; i < 16; ++i) part[g][i] = _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(scores + g * len + seen - tail, static_cast<__mmask16>((1u << tail) - 1), reduce16(part[g]));
+    }
+  }
+  for (int g = 0; g < G; ++g) l[g] = softmax_partial(scores + g * len, seen, std::min(limit[g], to) - from, m[g]);
+  __m512 av[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) av[g][c] = _mm512_setzero_ps();
+  for_each_row(v_cache, table, from + seen, block_size, row, head_off, D, [&](int64_t t, const T* v) {
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pt = _mm512_set1_ps(scores[g * len + t - from]);
+      for (int c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(pt, vv[c], av[g][c]);
+    }
+  }, from);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, av[g][c]);
+}
+#endif
+
+// Rows [0, rows) of an item in tiles that fit the registers (4 at head_dim 64, 2 at 128), any head_dim
+// one row at a time.
+template <typename T>
+void attend_rows(const float* qf, const int64_t* limit, int64_t rows, const T* k_cache, const T* v_cache, const int64_t* table, int64_t from,
+                 int64_t to, int64_t block_size, int64_t row, int64_t head_off, int64_t D, float* scores, float* m, float* l, float* acc) {
+  const int64_t len = to - from;
+#if defined(__AVX512F__)
+  if (D == 64 || D == 128) {
+    const int64_t most = D == 64 ? 4 : 2;
+    for (int64_t r = 0; r < rows; r += most) {
+      const int64_t g = std::min(most, rows - r);
+      const float* q = qf + r * D;
+      float* s = scores + r * len;
+#define KVP_RANGE(CC, GG) attend_range_avx512<CC, GG>(q, limit + r, k_cache, v_cache, table, from, to, block_size, row, head_off, s, m + r, l + r, acc + r * D)
+      if (D == 64) {
+        switch (g) {
+          case 1: KVP_RANGE(4, 1); break;
+          case 2: KVP_RANGE(4, 2); break;
+          case 3: KVP_RANGE(4, 3); break;
+          default: KVP_RANGE(4, 4); break;
+        }
+      } else if (g == 1) {
+        KVP_RANGE(8, 1);
+      } else {
+        KVP_RANGE(8, 2);
+      }
+#undef KVP_RANGE
+    }
+    return;
+  }
+#endif
+  // Tiles of kTileRows rows: each K/V row fetched (from L2 after the first tile) serves the tile's rows
+  // while it is in L1, and their accumulators stay there too.
+  constexpr int64_t kTileRows = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+    const int64_t r1 = std::min(rows, r0 + kTileRows);
+    int64_t seen = 0;
+    for (int64_t r = r0; r < r1; ++r) seen = std::max(seen, std::min(limit[r], to) - from);
+    for_each_row(k_cache, table, from + seen, block_size, row, head_off, D, [&](int64_t t, const T* k) {
+      for (int64_t r = r0; r < r1; ++r) scores[r * len + t - from] = dot(qf + r * D, k, D);
+    }, from);
+    for (int64_t r = r0; r < r1; ++r) l[r] = softmax_partial(scores + r * len, seen, std::min(limit[r], to) - from, m[r]);
+    std::fill(acc + r0 * D, acc + r1 * D, 0.f);
+    for_each_row(v_cache, table, from + seen, block_size, row, head_off, D, [&](int64_t t, const T* v) {
+      for (int64_t r = r0; r < r1; ++r) axpy(scores[r * len + t - from], v, acc + r * D, D);
+    }, from);
+  }
+}
+
+template <typename T, typename QT>
+void prefill_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, QT* out, int64_t n, int64_t H,
+                  int64_t KVH, int64_t D, int64_t block_size, float scale, float v_scale) {
+  const int64_t group = H / KVH, rows = n * group, row = KVH * D;
+  const int64_t chunk = std::max<int64_t>(1, kChunkKeys / block_size) * block_size;
+  const int64_t chunks = (ctx + chunk - 1) / chunk;
+  // partials per (KV head, chunk, row): row r of head g is token r / group's query head g * group + r % group
+  std::vector<float> pm(KVH * chunks * rows), pl(KVH * chunks * rows), pacc(KVH * chunks * rows * D);
+  std::vector<int64_t> limit(rows);
+  for (int64_t r = 0; r < rows; ++r) limit[r] = ctx - n + r / group + 1;
+  const int64_t items = KVH * chunks;
+  kvpilot::WorkQueue work(items, 1);
+  kvpilot::on_threads(items, [&] {
+    std::vector<float> qf(rows * D), scores(rows * chunk);
+    for (int64_t item, end; work.claim(item, end);) {
+      const int64_t g = item / chunks, c = item % chunks, from = c * chunk, to = std::min(ctx, from + chunk);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < D; ++i) qf[r * D + i] = static_cast<float>(q[((r / group) * H + g * group + r % group) * D + i]) * scale;
+      const int64_t at = (g * chunks + c) * rows;
+      attend_rows(qf.data(), limit.data(), rows, k_cache, v_cache, table, from, to, block_size, row, g * D, D, scores.data(), pm.data() + at,
+                  pl.data() + at, pacc.data() + at * D);
+    }
+  });
+  at::parallel_for(0, KVH * rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t gr = begin; gr < end; ++gr) {
+      const int64_t g = gr / rows, r = gr % rows;
+      float mx = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, pm[(g * chunks + c) * rows + r]);
+      std::vector<float> o(D, 0.f);
+      float sum = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = (g * chunks + c) * rows + r;
+        if (pl[at] == 0.f) continue;  // a range the row sees none of
+        const float w = exp_nonpositive(pm[at] - mx);
+        sum += w * pl[at];
+        for (int64_t i = 0; i < D; ++i) o[i] += w * pacc[at * D + i];
+      }
+      const float inv = v_scale / sum;
+      QT* dst = out + ((r / group) * H + g * group + r % group) * D;
+      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<QT>(o[i] * inv);
+    }
+  });
+}
+
 }  // namespace
+
+// One sequence's n new tokens q [n, H, D] (their K/V already in the cache, at positions context_len - n ..
+// context_len - 1), each attending causally to its context in the paged cache; block_table [W] int64.
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+                                      int64_t context_len, double scale, double k_scale, double v_scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim mismatch");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(), "cache");
+  TORCH_CHECK(block_table.scalar_type() == torch::kLong && block_table.dim() == 1, "int64 block table");
+  TORCH_CHECK(context_len >= q.size(0) && block_table.size(0) * k_cache.size(1) >= context_len, "context longer than its block table");
+  q = q.contiguous();
+  block_table = block_table.contiguous();
+  auto out = torch::empty_like(q);
+  if (q.size(0) == 0) return out;
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2), BS = k_cache.size(1);
+  const float s = static_cast<float>(scale) * static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
+#define KVP_DISPATCH(T, QT)                                                                                                         \
+  prefill_impl<T, QT>(q.data_ptr<QT>(), static_cast<const T*>(k_cache.data_ptr()), static_cast<const T*>(v_cache.data_ptr()),       \
+                      block_table.data_ptr<int64_t>(), context_len, out.data_ptr<QT>(), n, H, KVH, D, BS, s, vs)
+  const auto kt = k_cache.scalar_type(), qt = q.scalar_type();
+  if (kt == torch::kFloat && qt == torch::kFloat) KVP_DISPATCH(float, float);
+  else if (kt == torch::kBFloat16 && qt == torch::kBFloat16) KVP_DISPATCH(at::BFloat16, at::BFloat16);
+  else if (kt == torch::kBFloat16 && qt == torch::kFloat) KVP_DISPATCH(at::BFloat16, float);
+  else if (kt == at::ScalarType::Float8_e4m3fn && qt == torch::kFloat) KVP_DISPATCH(Fp8, float);
+  else TORCH_CHECK(false, "unsupported dtypes: q ", qt, ", cache ", kt);
+#undef KVP_DISPATCH
+  return out;
+}
 
 // k_scale / v_scale: an FP8 cache's per-layer scales (1 for other caches).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -363,6 +578,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0,
         no_gil);
+  m.def("paged_prefill_attention", &paged_prefill_attention, "a sequence's new tokens attending causally over its paged KV cache (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"), py::arg("scale"),
+        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, no_gil);
+#if defined(__AVX512F__)
+  m.attr("prefill_attention_head_dims") = std::vector<int64_t>{64, 128};  // register-tiled: faster than copy + SDPA
+#else
+  m.attr("prefill_attention_head_dims") = std::vector<int64_t>{};  // row by row: slower than copy + SDPA past a few tokens
+#endif
   m.def("rotary_inplace", &rotary_inplace, "RoPE in place on the query and key heads of a fused QKV output (CPU)", no_gil);
   m.def("rotary_store_kv", &rotary_store_kv, "RoPE in place on a fused QKV output, then its K and V rows into the paged cache (CPU)",
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),

@@ -7,9 +7,10 @@ of a prompt's chain, then what the disk holds after it.
 A block computed here is saved after the step that completed it (the engine copies it off the cache,
 a writer thread writes the file: tmp file + rename, so readers never see half a file). A waiting
 sequence whose prompt continues past the in-memory prefix cache with blocks on disk has them read and
-verified by a reader thread while other sequences' steps go on; the scheduler passes over it until the
-read is done, then admits it with those blocks counted as computed, and the runner writes them into the
-fresh cache blocks before the step's forward pass.
+verified between the engine's steps — all at once when nothing else runs, else a slice of each step's
+time, so other sequences' steps go on — while the scheduler passes over it; once the read is done it is
+admitted with those blocks counted as computed, and the runner writes them into fresh cache blocks
+before a step's forward pass (a few per step while other sequences run; it computes once all are).
 
 Under tensor parallelism each rank saves its own shard of a block (`<key>-<rank>.kvblock`; the keys
 of a tensor-parallel engine differ from a single-process one's, its salt holds the world size). Rank 0
@@ -19,7 +20,7 @@ evicts a block's shards together.
 
 A file is trusted only when everything in it matches what the reader asked for: the magic, its key,
 parent key and token ids (and the key recomputed from those two), its rank, the K/V layout (dtype and
-shape) and the SHA-256 of its payload. A torn, truncated, corrupted, foreign (another model's keys
+shape) and the CRC-32 of its payload. A torn, truncated, corrupted, foreign (another model's keys
 differ: the engine's salt is the chain's root) or mismatched file is a miss — its block is computed —
 never wrong tokens. The directory is bounded by size: least recently used blocks (by modification
 time, touched on each hit) go first.
@@ -27,7 +28,6 @@ time, touched on each hit) go first.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -35,18 +35,22 @@ import queue
 import struct
 import threading
 import time
-from collections import OrderedDict
+import zlib
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from kvpilot.server.engine.block_manager import block_hash
 
 log = logging.getLogger("kvpilot.server.kv_tiers")
-MAGIC = b"KVPILOT-KV-BLOCK-1\n"
+MAGIC = b"KVPILOT-KV-BLOCK-2\n"  # 2: the payload's checksum is a CRC-32 (1: SHA-256)
 SUFFIX = ".kvblock"
 MAX_HEADER = 1 << 20
+READ_ARENA_BYTES = 128 << 20
 
 
 class PendingCopy(Protocol):
@@ -55,7 +59,7 @@ class PendingCopy(Protocol):
     def result(self) -> bytes: ...
 
 
-Payload = bytes | PendingCopy  # one rank's K/V of one block, in the runner's block_layout()
+Payload = bytes | memoryview | PendingCopy  # one rank's K/V of one block, in the runner's block_layout()
 
 
 @dataclass(slots=True)
@@ -83,17 +87,18 @@ class BlockLoad:
     parent: bytes                      # the key before the first block's
     keys: list[bytes]
     chunks: list[tuple[int, ...]]      # each block's token ids
-    payloads: list[list[bytes]] = field(default_factory=list)
+    payloads: list[list[bytes | memoryview]] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
+    num_read: int = 0                  # of keys, read (or refused) so far
 
 
 class DiskTier:
     def __init__(self, directory: str | Path, max_bytes: int, layout: tuple[str, tuple[int, ...]], payload_bytes: int,
                  rank: int = 0, world_size: int = 1, max_pending_bytes: int = 256 << 20):
         """layout: the K/V's dtype name and shape of one block (one rank's shard) as the runner gives
-        it; payload_bytes: its size. Rank 0 reads and keeps the index (every rank's files); the other
-        ranks only write their shards. Saves beyond max_pending_bytes in the writer's queue are dropped
-        (counted)."""
+        it; payload_bytes: its size. Rank 0 reads (read(), on the engine's thread) and keeps the index
+        (every rank's files); the other ranks only write their shards. Saves beyond max_pending_bytes in
+        the writer's queue are dropped (counted)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.layout, self.payload_bytes = max_bytes, [layout[0], list(layout[1])], payload_bytes
@@ -108,9 +113,14 @@ class DiskTier:
             self._scan()
         self._saves: queue.Queue = queue.Queue()
         threading.Thread(target=self._writer, name="kvpilot-kv-tier-writer", daemon=True).start()
-        if rank == 0:
-            self._loads: queue.Queue = queue.Queue()
-            threading.Thread(target=self._reader, name="kvpilot-kv-tier-reader", daemon=True).start()
+        self._loads: deque[BlockLoad] = deque()  # rank 0's reads not done yet, oldest first
+        # Files are read into rows of one arena made (its pages touched) at start: fresh memory per block
+        # cost more in page faults than reading the block (~1 ms per 720 KB here), in a fresh process most.
+        # A row is back in the pool once its payload is in the cache (recycle); past the arena, fresh buffers.
+        self._buffer_bytes = payload_bytes + (64 << 10)  # a file: its header (~1 KB) and payload
+        self._arena = torch.zeros((max(1, min(READ_ARENA_BYTES, max_bytes) // self._buffer_bytes) if rank == 0 else 0, self._buffer_bytes),
+                                  dtype=torch.uint8).numpy()
+        self._pool: list = list(self._arena)
 
     # --- files ----------------------------------------------------------------------------
     def path(self, key: bytes, rank: int | None = None) -> Path:
@@ -137,26 +147,27 @@ class DiskTier:
         with self._lock:
             self._index = OrderedDict((key, size) for key, (_, size) in sorted(found.items(), key=lambda kv: kv[1][0]))
 
-    def encode(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], payload: bytes) -> bytes:
+    def header(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], payload: bytes) -> bytes:
+        """What a block's file holds before its payload."""
         header = json.dumps({"key": key.hex(), "parent": parent.hex(), "tokens": list(token_ids), "rank": [self.rank, self.world_size],
-                             "layout": self.layout, "sha256": hashlib.sha256(payload).hexdigest()}, separators=(",", ":")).encode()
-        return MAGIC + struct.pack("<I", len(header)) + header + payload
+                             "layout": self.layout, "crc32": zlib.crc32(payload)}, separators=(",", ":")).encode()
+        return MAGIC + struct.pack("<I", len(header)) + header
 
-    def decode(self, data: bytes, key: bytes, parent: bytes, token_ids: tuple[int, ...], rank: int = 0) -> bytes | None:
+    def decode(self, data: bytes | memoryview, key: bytes, parent: bytes, token_ids: tuple[int, ...], rank: int = 0) -> memoryview | None:
         """The payload of a file's bytes if it is rank's shard of the block asked for, intact; else None (why: logged)."""
         def refuse(why: str) -> None:
             log.warning("disk tier: %s refused (%s): computing the block instead", self.path(key, rank).name, why)
             with self._lock:
                 self.stats.refused_files += 1
 
-        if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
+        if bytes(data[:len(MAGIC)]) != MAGIC or len(data) < len(MAGIC) + 4:
             return refuse("not a kvpilot KV block file")
         (size,) = struct.unpack_from("<I", data, len(MAGIC))
         start = len(MAGIC) + 4
         if size > MAX_HEADER or len(data) < start + size:
             return refuse("truncated header")
         try:
-            header = json.loads(data[start:start + size])
+            header = json.loads(bytes(data[start:start + size]))
             recorded = (bytes.fromhex(header["key"]), bytes.fromhex(header["parent"]), tuple(header["tokens"]))
         except (ValueError, KeyError, TypeError):
             return refuse("unreadable header")
@@ -168,10 +179,10 @@ class DiskTier:
             return refuse(f"rank {header.get('rank')}, {[rank, self.world_size]} expected")
         if header.get("layout") != self.layout:
             return refuse(f"K/V layout {header.get('layout')}, this engine's is {self.layout}")
-        payload = data[start + size:]
+        payload = memoryview(data)[start + size:]
         if len(payload) != self.payload_bytes:
             return refuse(f"{len(payload)} payload bytes, {self.payload_bytes} expected (truncated?)")
-        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        if zlib.crc32(payload) != header.get("crc32"):
             return refuse("payload checksum mismatch (corrupted)")
         return payload
 
@@ -179,7 +190,7 @@ class DiskTier:
     def lookup(self, parent: bytes, chunks: list[tuple[int, ...]], first_index: int,
                found: list[list[bytes]] | None = None) -> BlockLoad | None:
         """A read of the blocks whose files exist, chained from `parent` over `chunks` (the prompt's full
-        blocks past the in-memory hits), queued for the reader; None when the first is not on disk.
+        blocks past the in-memory hits), queued for read(); None when the first is not on disk.
         found: blocks before `chunks` another tier already had (the load starts with them)."""
         keys, first_parent = [], parent
         for chunk in chunks:
@@ -194,7 +205,7 @@ class DiskTier:
                     self.stats.miss_blocks += 1
             return None
         load = BlockLoad(first_index, first_parent, keys, [tuple(c) for c in chunks[:len(keys)]], list(found or ()))
-        self._loads.put(load)
+        self._loads.append(load)
         return load
 
     def _read(self, key: bytes, parent: bytes, chunk: tuple[int, ...]) -> list[bytes] | None:
@@ -203,7 +214,7 @@ class DiskTier:
         shards, size = [], 0
         for rank in range(self.world_size):
             try:
-                data = self.path(key, rank).read_bytes()
+                data = self._read_file(self.path(key, rank))
             except OSError:
                 return None
             payload = self.decode(data, key, parent, chunk, rank)
@@ -215,29 +226,53 @@ class DiskTier:
         self._touch(key, size)
         return shards
 
-    def _reader(self) -> None:
-        while True:
-            load = self._loads.get()
-            started = time.perf_counter()
-            parent, read = load.parent, []
+    def _read_file(self, path: Path) -> memoryview:
+        """A file's bytes, read into a buffer from the pool when one is free: fresh memory for each block
+        cost more in page faults (~1 ms per 720 KB block here) than reading it."""
+        with open(path, "rb", buffering=0) as f:
+            size = min(os.fstat(f.fileno()).st_size, len(MAGIC) + 4 + MAX_HEADER + self.payload_bytes)  # longer: refused by decode
+            buffer = memoryview(self._pool.pop() if self._pool and size <= self._buffer_bytes else bytearray(size))
+            return buffer[:f.readinto(buffer[:size])]
+
+    def recycle(self, payloads) -> None:
+        """Payloads read here are in the cache now: their arena rows can hold the next reads."""
+        for payload in payloads:
+            if isinstance(payload, memoryview) and getattr(payload.obj, "base", None) is self._arena:
+                self._pool.append(payload.obj)
+
+    def reading(self) -> bool:
+        return bool(self._loads)
+
+    def read(self, seconds: float | None = None) -> None:
+        """Read the queued loads' blocks, oldest load first, for about `seconds` (at least one block;
+        None: until all are done). Called by the engine between its steps, so that reading never
+        competes with a step for the CPU: on a 2-core machine a reader thread beside the step's two
+        threads held every step up by more than it read, the step waiting for the thread it displaced."""
+        started = time.perf_counter()
+        while self._loads:
+            load = self._loads[0]
+            key, parent = load.keys[load.num_read], load.keys[load.num_read - 1] if load.num_read else load.parent
+            began = time.perf_counter()
             try:
-                for key, chunk in zip(load.keys, load.chunks):
-                    shards = self._read(key, parent, chunk)
-                    if shards is None:
-                        with self._lock:
-                            self.stats.miss_blocks += 1
-                        break
-                    load.payloads.append(shards)
-                    read.append(shards)
-                    parent = key
-                with self._lock:
-                    self.stats.hit_blocks += len(read)
-                    self.stats.loaded_bytes += sum(len(s) for shards in read for s in shards)
-                    self.stats.load_seconds += time.perf_counter() - started
-            except Exception:  # noqa: BLE001 - a read that fails is a miss; the reader goes on
-                log.exception("disk tier: reading blocks failed")
-            finally:
+                shards = self._read(key, parent, load.chunks[load.num_read])
+            except Exception:  # noqa: BLE001 - a read that fails is a miss; the engine goes on
+                log.exception("disk tier: reading a block failed")
+                shards = None
+            load.num_read += 1
+            with self._lock:
+                self.stats.load_seconds += time.perf_counter() - began
+                if shards is None:
+                    self.stats.miss_blocks += 1
+                else:
+                    self.stats.hit_blocks += 1
+                    self.stats.loaded_bytes += sum(len(s) for s in shards)
+            if shards is not None:
+                load.payloads.append(shards)
+            if shards is None or load.num_read == len(load.keys):
+                self._loads.popleft()
                 load.done.set()
+            if seconds is not None and time.perf_counter() - started >= seconds:
+                return
 
     def _discard(self, key: bytes) -> None:
         """Every shard of a block goes (one bad shard makes the block a miss)."""
@@ -280,19 +315,21 @@ class DiskTier:
             key, parent, token_ids, payload = self._saves.get()
             started = time.perf_counter()
             try:
-                data = self.encode(key, parent, token_ids, payload if isinstance(payload, bytes) else payload.result())
+                payload = payload if isinstance(payload, bytes) else payload.result()
+                head = self.header(key, parent, token_ids, payload)
                 target = self.path(key)
                 target.parent.mkdir(exist_ok=True)
                 tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
                 with open(tmp, "wb") as f:
-                    f.write(data)
+                    f.write(head)
+                    f.write(payload)
                 os.replace(tmp, target)  # atomic: a reader sees the old state or the whole file
                 with self._lock:
                     self.stats.saved_blocks += 1
-                    self.stats.saved_bytes += len(data)
+                    self.stats.saved_bytes += len(head) + len(payload)
                     self.stats.save_seconds += time.perf_counter() - started
                     if self.rank == 0:  # the other ranks' shards of it are as big
-                        self._index[key.hex()] = self.world_size * len(data)
+                        self._index[key.hex()] = self.world_size * (len(head) + len(payload))
                         self._index.move_to_end(key.hex())
                 if self.rank == 0:
                     self._evict()
@@ -429,6 +466,19 @@ class KVTiers:
         load = BlockLoad(first_index, parent, [], [], shards)
         load.done.set()
         return load
+
+    def read(self, seconds: float | None = None) -> None:
+        """The disk tier's queued reads, for about `seconds` (None: all)."""
+        if self.disk is not None:
+            self.disk.read(seconds)
+
+    def reading(self) -> bool:
+        return self.disk is not None and self.disk.reading()
+
+    def recycle(self, payloads) -> None:
+        """Payloads now written into the cache (their read buffers serve the next reads)."""
+        if self.disk is not None:
+            self.disk.recycle(payloads)
 
     def drain(self) -> None:
         if self.disk is not None:

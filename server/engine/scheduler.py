@@ -46,11 +46,13 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 max_loras: int = 0, tier_lookup: Callable[[Sequence, list[int]], Any] | None = None):
+                 max_loras: int = 0, tier_lookup: Callable[[Sequence, list[int]], Any] | None = None, max_block_writes: int = 0):
         """tier_lookup(seq, its in-memory prefix hits): a read of the blocks after them from a KV tier
-        (kv_tiers.BlockLoad: .done, .first_index, .payloads), or None."""
+        (kv_tiers.BlockLoad: .done, .first_index, .payloads), or None. max_block_writes: how many blocks
+        read from a tier a step writes into the cache while other sequences run (0: no bound)."""
         self.bm = block_manager
         self.tier_lookup = tier_lookup
+        self.max_block_writes = max_block_writes
         self.max_loras = max_loras  # LoRA: most distinct adapters among running sequences (0: no adapters)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -76,6 +78,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.kv_writes:  # its blocks from a tier are still being written: it computes once they all are
+                self._write_some(seq, batch, self.max_block_writes)
+                if seq.kv_writes:
+                    i += 1
+                    continue
             if seq.num_placeholders and seq.length_reached():  # its last token is in flight: computing after it would be wasted
                 i += 1
                 continue
@@ -128,22 +135,35 @@ class Scheduler:
                 n = budget
             if not self.bm.allocate(seq, n + len(loaded) * self.bm.block_size, cached):
                 break
-            if loaded:  # fresh blocks after the in-memory hits, holding what the tier read
+            alone = not batch.seqs and not self.running
+            if loaded:  # fresh blocks after the in-memory hits, to hold what the tier read
                 first = len(cached)
-                batch.kv_loads += zip(seq.block_table[first:first + len(loaded)], loaded)
+                seq.kv_writes = list(zip(seq.block_table[first:first + len(loaded)], loaded))
                 seq.num_computed_tokens += len(loaded) * self.bm.block_size
                 seq.num_cached_tokens = seq.num_computed_tokens
+                # Alone, it is written at once; beside other sequences a few blocks per step, so that
+                # their steps are not held up by one long copy.
+                self._write_some(seq, batch, 0 if alone else self.max_block_writes)
             seq.kv_load = None
             self.waiting.popleft()
             if seq.adapter:
                 adapters.add(seq.adapter)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            if seq.kv_writes:
+                continue
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
         self.waiting.extendleft(reversed(passed))  # back at the front, in their order
         return batch
+
+    @staticmethod
+    def _write_some(seq: Sequence, batch: ScheduledBatch, most: int) -> None:
+        """Move up to `most` (0: all) of seq's blocks read from a tier into the step's writes."""
+        take = len(seq.kv_writes) if most == 0 else most
+        batch.kv_loads += seq.kv_writes[:take]
+        del seq.kv_writes[:take]
 
     def _loaded_after(self, seq: Sequence, num_cached: int) -> list[list[bytes]]:
         """The tier's blocks that continue seq's in-memory hits (none when the hits changed so that they
@@ -174,6 +194,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         seq.set_spec(None)
+        seq.kv_writes = []  # read again when it is admitted again
         self.bm.free_seq(seq)
         seq.num_computed_tokens = 0
         seq.tier_looked_up = False
@@ -192,5 +213,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
         seq.set_spec(None)
+        seq.kv_writes = []
         seq.num_placeholders = 0
         seq.status = Status.FINISHED

@@ -44,6 +44,7 @@ class Sequence:
     guide: Any = None                     # structured outputs: the matcher of its constraint, advanced on each output token
     kv_load: Any = None                   # KV tiers: its read of blocks past the in-memory prefix hits (kv_tiers.BlockLoad), until admitted
     tier_looked_up: bool = False          # whether that read was looked for since it last waited with no blocks
+    kv_writes: list = field(default_factory=list)  # admitted: (block id, each rank's K/V) read from a tier, not yet in the cache
     # Speculative decoding: this step's proposal (verified in the step, then cleared).
     num_spec_tokens: int = 0              # tokens proposed (reserved) for this step
     spec_token_ids: list[int] = field(default_factory=list)  # the proposed tokens themselves, once known
