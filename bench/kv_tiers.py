@@ -151,29 +151,37 @@ def itl(args, new_ids) -> None:
     directory = tempfile.mkdtemp(prefix="kvpilot-bench-tier-itl-")
     engine = lambda **kw: LLM(num_threads=args.threads, show_progress=False, kv_cache_memory=kv, max_num_batched_tokens=512, **kw)  # noqa: E731
     clients = lambda: [new_ids(64) for _ in range(8)]  # noqa: E731
-    rows = []
     plain, tiered = engine(), engine(kv_offload_dir=directory)
-    alone = decode_steps(plain, clients(), None)[0]
-    rows.append({"case": "8 clients decoding alone", "steps": len(alone), "ITL p99 ms": f"{p99(alone) * 1e3:.1f}", "vs alone": "1.00×"})
-    for name, llm in ((f"…and a {long}-token prompt computed, no tier", plain), (f"…and a {long}-token prompt computed + saved", tiered)):
-        window = decode_steps(llm, clients(), new_ids(long))[1]
-        rows.append({"case": name, "steps": len(window), "ITL p99 ms": f"{p99(window) * 1e3:.1f}", "vs alone": f"{p99(window) / p99(alone):.2f}×"})
-    saved = new_ids(long)
-    tiered.generate([saved], None)  # its blocks on disk, and in this engine's own cache
-    tiered.engine.kv_tiers.drain()
-    hit = decode_steps(tiered, clients(), saved + new_ids(8))[1]
-    rows.append({"case": f"…and a {long}-token prompt found in the engine's cache", "steps": len(hit), "ITL p99 ms": f"{p99(hit) * 1e3:.1f}",
-                 "vs alone": f"{p99(hit) / p99(alone):.2f}×"})
-    fresh = engine(kv_offload_dir=directory)  # nothing in memory: the prompt's blocks come from disk
-    _, window, in_flight = decode_steps(fresh, clients(), saved + new_ids(8))
-    rows.append({"case": f"…and a {long}-token prompt loaded from disk", "steps": len(window), "ITL p99 ms": f"{p99(window) * 1e3:.1f}",
-                 "vs alone": f"{p99(window) / p99(alone):.2f}× ({p99(window) / p99(hit):.2f}× the cache hit)"})
-    rows.append({"case": "…of which the steps while its KV is read and written", "steps": len(in_flight),
-                 "ITL p99 ms": f"{p99(in_flight) * 1e3:.1f}", "vs alone": f"{p99(in_flight) / p99(alone):.2f}×"})
-    read = fresh.engine.kv_tiers.disk.stats
-    print(f"\nITL of 8 clients (64-token prompts, 48 tokens each; alone: median {statistics.median(alone) * 1e3:.1f} ms), "
-          f"step budget 512 tokens, kv_cache_memory {kv}; "
-          f"the load read {read.hit_blocks} blocks ({read.loaded_bytes / 2**20:.0f} MiB in {read.load_seconds:.2f} s)")
+    cases = {"alone": "8 clients decoding alone", "computed": f"…and a {long}-token prompt computed, no tier",
+             "saved": f"…and a {long}-token prompt computed + saved", "hit": f"…and a {long}-token prompt found in the engine's cache",
+             "loaded": f"…and a {long}-token prompt loaded from disk", "in flight": "…of which the steps while its KV is read and written"}
+    p99s: dict[str, list[float]] = {case: [] for case in cases}
+    steps: dict[str, int] = {}
+    medians, reads = [], []
+    for _ in range(args.rounds):  # interleaved; each figure the median of the rounds' p99s
+        windows = {"alone": decode_steps(plain, clients(), None)[0]}
+        windows["computed"] = decode_steps(plain, clients(), new_ids(long))[1]
+        windows["saved"] = decode_steps(tiered, clients(), new_ids(long))[1]
+        saved = new_ids(long)
+        tiered.generate([saved], None)  # its blocks on disk, and in this engine's own cache
+        tiered.engine.kv_tiers.drain()
+        windows["hit"] = decode_steps(tiered, clients(), saved + new_ids(8))[1]
+        fresh = engine(kv_offload_dir=directory)  # nothing in memory: the prompt's blocks come from disk
+        _, windows["loaded"], windows["in flight"] = decode_steps(fresh, clients(), saved + new_ids(8))
+        reads.append(fresh.engine.kv_tiers.disk.stats)
+        del fresh
+        medians.append(statistics.median(windows["alone"]))
+        for case, window in windows.items():
+            p99s[case].append(p99(window))
+            steps[case] = len(window)
+    ms = {case: statistics.median(v) for case, v in p99s.items()}
+    rows = [{"case": cases[case], "steps": steps[case], "ITL p99 ms": f"{ms[case] * 1e3:.1f}", "vs alone": f"{ms[case] / ms['alone']:.2f}×"}
+            for case in cases]
+    rows[4]["vs alone"] += f" ({ms['loaded'] / ms['hit']:.2f}× the cache hit)"
+    read = reads[-1]
+    print(f"\nITL of 8 clients (64-token prompts, 48 tokens each; alone: median {statistics.median(medians) * 1e3:.1f} ms), "
+          f"step budget 512 tokens, kv_cache_memory {kv}; rounds {args.rounds} (median of their p99s); "
+          f"a load read {read.hit_blocks} blocks ({read.loaded_bytes / 2**20:.0f} MiB in {read.load_seconds:.2f} s)")
     print(table(rows, ["case", "steps", "ITL p99 ms", "vs alone"]))
 
 
