@@ -1,14 +1,16 @@
-// Decode attention on CPU reading the paged KV cache in place.
+// Attention on CPU reading the paged KV cache in place: decode (one query per sequence) and a sequence's
+// new tokens (a prefill tail over a cached prefix, a chunk).
 //
 // The torch reference gathers every sequence's blocks into a padded tensor and hands it to SDPA: the
-// cache is read, written and read again. Here each work item (a sequence and one KV head) walks the
-// sequence's block table directly, so K and V come from memory once, and every K/V row fetched serves
-// all the query heads that share it (GQA). With AVX-512 and head_dim 64 or 128 the walk keeps the
-// query and the accumulators in registers and sums 16 tokens' dot products in one shuffle tree;
-// microbenchmark (B=16, contexts 200-450, 30 layers): 17.8 -> 10.8 ms per step-equivalent.
+// cache is read, written and read again. Here a walk goes over one KV head's rows of a range of a
+// sequence's blocks directly, so K and V come from memory once, and every K/V row fetched serves all the
+// query rows that share it — the query heads of a GQA group, and for a prefill every new token's. With
+// AVX-512 and head_dim 64 or 128 a walk keeps its query rows and their accumulators in registers and sums
+// 16 tokens' dot products in one shuffle tree; microbenchmark (decode, B=16, contexts 200-450, 30 layers):
+// 17.8 -> 10.8 ms per step-equivalent.
 //
 // Layouts (float32, bfloat16 or float8_e4m3fn cache, float32 math):
-//   q            [B, H, D]          out [B, H, D] (same dtype as q)
+//   q            [B, H, D] (decode) or [n, H, D] (one sequence's new tokens)   out: the same (q's dtype)
 //   k/v cache    [num_blocks, block_size, KVH, D]
 //   block_tables [B, W] int64, context_lens [B] int64 (tokens in cache, including this step's)
 #include <torch/extension.h>
@@ -148,179 +150,6 @@ inline __m512 reduce16(const __m512* v) {
 }
 #endif
 
-// softmax in place over n scores (max-subtracted, so every exp argument is <= 0).
-inline void softmax_inplace(float* s, int64_t n) {
-  float m = -INFINITY;
-  int64_t t = 0;
-#if defined(__AVX512F__)
-  __m512 vm = _mm512_set1_ps(-INFINITY);
-  for (; t + 16 <= n; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + t));
-  m = _mm512_reduce_max_ps(vm);
-#endif
-  for (; t < n; ++t) m = std::max(m, s[t]);
-  float sum = 0.f;
-  t = 0;
-#if defined(__AVX512F__)
-  __m512 vs = _mm512_setzero_ps();
-  const __m512 vmax = _mm512_set1_ps(m);
-  for (; t + 16 <= n; t += 16) {
-    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax));
-    _mm512_storeu_ps(s + t, e);
-    vs = _mm512_add_ps(vs, e);
-  }
-  sum = _mm512_reduce_add_ps(vs);
-#endif
-  for (; t < n; ++t) {
-    s[t] = exp_nonpositive(s[t] - m);
-    sum += s[t];
-  }
-  const float inv = 1.f / sum;
-  for (t = 0; t < n; ++t) s[t] *= inv;
-}
-
-// Visit the rows of one KV head of a sequence, block by block: fn(t, pointer to its D values). At each
-// block the same head's rows of the next block are prefetched, so they stream in while this one is used.
-// From token `from` on (a multiple of block_size), up to ctx.
-template <typename T, typename Fn>
-inline void for_each_row(const T* cache, const int64_t* table, int64_t ctx, int64_t block_size, int64_t row, int64_t head_off,
-                         int64_t D, Fn fn, int64_t from = 0) {
-  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
-  for (int64_t t0 = from, blk = from / block_size; t0 < ctx; t0 += block_size, ++blk) {
-    const T* base = cache + table[blk] * block_size * row + head_off;
-    if (t0 + block_size < ctx) {
-      const char* next = reinterpret_cast<const char*>(cache + table[blk + 1] * block_size * row + head_off);
-      for (int64_t r = 0; r < block_size; ++r)
-        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(next + r * row * static_cast<int64_t>(sizeof(T)) + c);
-    }
-    const int64_t n = std::min(block_size, ctx - t0);
-    for (int64_t r = 0; r < n; ++r) fn(t0 + r, base + r * row);
-  }
-}
-
-#if defined(__AVX512F__)
-// G query heads of one KV head's group over a sequence, head_dim = 16 * C and G known at compile time, so
-// the queries and the output accumulators live in registers across the whole walk (G x C <= 16; the
-// generic path reloads and stores its accumulators every token, a store-to-load chain per row), and
-// each K and V row is loaded and widened once for all G heads.
-template <int C, int G, typename T>
-void attend_heads_avx512(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, int64_t block_size,
-                         int64_t row, int64_t head_off, float* scores, float* acc) {
-  constexpr int64_t D = C * 16;
-  __m512 qv[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(qf + g * D + c * 16);
-  __m512 part[G][16];  // per head, 16 tokens' lane-wise products, summed across lanes together (reduce16)
-  for_each_row(k_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* k) {
-    __m512 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
-      part[g][t % 16] = a;
-    }
-    if (t % 16 == 15)
-      for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * ctx + t - 15, reduce16(part[g]));
-  });
-  if (const int64_t tail = ctx % 16) {
-    for (int g = 0; g < G; ++g) {
-      for (int64_t i = tail; i < 16; ++i) part[g][i] = _mm512_setzero_ps();
-      _mm512_mask_storeu_ps(scores + g * ctx + ctx - tail, static_cast<__mmask16>((1u << tail) - 1), reduce16(part[g]));
-    }
-  }
-  for (int g = 0; g < G; ++g) softmax_inplace(scores + g * ctx, ctx);
-  __m512 av[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) av[g][c] = _mm512_setzero_ps();
-  for_each_row(v_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* v) {
-    __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
-    for (int g = 0; g < G; ++g) {
-      const __m512 pt = _mm512_set1_ps(scores[g * ctx + t]);
-      for (int c = 0; c < C; ++c) av[g][c] = _mm512_fmadd_ps(pt, vv[c], av[g][c]);
-    }
-  });
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, av[g][c]);
-}
-
-// A group walks K and V once per 16 / C of its query heads (4 at head_dim 64, 2 at 128).
-template <int C, typename T>
-void attend_avx512(const float* qf, int64_t group, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
-                   int64_t block_size, int64_t row, int64_t head_off, float* scores, float* acc) {
-  constexpr int64_t D = C * 16, most = 16 / C;
-  for (int64_t j = 0; j < group; j += most) {
-    const float* q = qf + j * D;
-    float* s = scores + j * ctx;
-    float* out = acc + j * D;
-    switch (std::min(most, group - j)) {
-      case 1: attend_heads_avx512<C, 1>(q, k_cache, v_cache, table, ctx, block_size, row, head_off, s, out); break;
-      case 2: attend_heads_avx512<C, 2>(q, k_cache, v_cache, table, ctx, block_size, row, head_off, s, out); break;
-      case 3: if constexpr (C * 3 <= 16) attend_heads_avx512<C, 3>(q, k_cache, v_cache, table, ctx, block_size, row, head_off, s, out); break;
-      default: if constexpr (C * 4 <= 16) attend_heads_avx512<C, 4>(q, k_cache, v_cache, table, ctx, block_size, row, head_off, s, out); break;
-    }
-  }
-}
-#endif
-
-// The same for any head_dim, one token row at a time for all the group's query heads.
-template <typename T>
-void attend_group(const float* qf, int64_t group, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
-                  int64_t block_size, int64_t row, int64_t head_off, int64_t D, float* scores, float* acc) {
-#if defined(__AVX512F__)
-  if (D == 64) return attend_avx512<4>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
-  if (D == 128) return attend_avx512<8>(qf, group, k_cache, v_cache, table, ctx, block_size, row, head_off, scores, acc);
-#endif
-  for_each_row(k_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* k) {
-    for (int64_t j = 0; j < group; ++j) scores[j * ctx + t] = dot(qf + j * D, k, D);
-  });
-  for (int64_t j = 0; j < group; ++j) softmax_inplace(scores + j * ctx, ctx);
-  std::fill(acc, acc + group * D, 0.f);
-  for_each_row(v_cache, table, ctx, block_size, row, head_off, D, [&](int64_t t, const T* v) {
-    for (int64_t j = 0; j < group; ++j) axpy(scores[j * ctx + t], v, acc + j * D, D);
-  });
-}
-
-template <typename T, typename QT>
-void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* ctx_lens,
-                 QT* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t W, float scale, float v_scale) {
-  const int64_t group = H / KVH;
-  const int64_t row = KVH * D;  // elements of one token (all KV heads) in a block
-  // A work item is one (sequence, KV head) with the query heads that share it: each K/V row fetched
-  // serves the whole group, and one head's rows of a block are a few contiguous cache lines per token.
-  // Items differ in cost by context length, so they are claimed longest first: each thread takes the
-  // next one when it is done with its last (a static split left one thread with the long contexts, and
-  // waits whole shares when a thread is preempted; see work_queue.h).
-  const int64_t items = B * KVH;
-  std::vector<int64_t> order(items);
-  for (int64_t i = 0; i < items; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ctx_lens[a / KVH] > ctx_lens[b / KVH]; });
-  kvpilot::WorkQueue work(items, 1);
-  kvpilot::on_threads(items, [&] {
-    std::vector<float> qf(group * D), acc(group * D), scores;
-    for (int64_t n, end; work.claim(n, end);) {
-      const int64_t item = order[n];
-      const int64_t b = item / KVH, g = item % KVH, ctx = ctx_lens[b], h0 = g * group;
-      const int64_t* table = tables + b * W;
-      for (int64_t j = 0; j < group; ++j)
-        for (int64_t i = 0; i < D; ++i) qf[j * D + i] = static_cast<float>(q[(b * H + h0 + j) * D + i]) * scale;
-      scores.resize(group * ctx);  // every entry is written below
-      attend_group(qf.data(), group, k_cache, v_cache, table, ctx, block_size, row, g * D, D, scores.data(), acc.data());
-      for (int64_t j = 0; j < group; ++j)
-        for (int64_t i = 0; i < D; ++i) out[(b * H + h0 + j) * D + i] = static_cast<QT>(acc[j * D + i] * v_scale);
-    }
-  });
-}
-
-// --- Several queries of one sequence over its cache (a prefill tail, a chunk) ---------------------------
-//
-// n new tokens whose K/V are in the cache already, at positions ctx - n .. ctx - 1, each attending causally.
-// Run as n decode queries, the K/V of a long context stream from memory n times; here a work item is one
-// KV head and a range of at most kChunkKeys keys (held in L2 while used), and every query row of that head
-// — each new token's query heads of the group — goes over the range in register tiles: K/V come from
-// memory once per head. Each item leaves a softmax partial (its max, sum and unnormalized output per row),
-// merged per row at the end (the ranges split a long context over the threads).
-constexpr int64_t kChunkKeys = 512;
-
 // The partial softmax of a row's scores over a range: the first `visible` entries (the keys the row may
 // see) become e^(s - m) with m their max, the rest 0; returns their sum (0 and m = -inf when none).
 inline float softmax_partial(float* s, int64_t len, int64_t visible, float& m) {
@@ -353,6 +182,33 @@ inline float softmax_partial(float* s, int64_t len, int64_t visible, float& m) {
   std::fill(s + std::max<int64_t>(visible, 0), s + len, 0.f);
   return sum;
 }
+
+// Visit the rows of one KV head of a sequence, block by block: fn(t, pointer to its D values). At each
+// block the same head's rows of the next block are prefetched, so they stream in while this one is used.
+// From token `from` on (a multiple of block_size), up to ctx.
+template <typename T, typename Fn>
+inline void for_each_row(const T* cache, const int64_t* table, int64_t ctx, int64_t block_size, int64_t row, int64_t head_off,
+                         int64_t D, Fn fn, int64_t from = 0) {
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t t0 = from, blk = from / block_size; t0 < ctx; t0 += block_size, ++blk) {
+    const T* base = cache + table[blk] * block_size * row + head_off;
+    if (t0 + block_size < ctx) {
+      const char* next = reinterpret_cast<const char*>(cache + table[blk + 1] * block_size * row + head_off);
+      for (int64_t r = 0; r < block_size; ++r)
+        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(next + r * row * static_cast<int64_t>(sizeof(T)) + c);
+    }
+    const int64_t n = std::min(block_size, ctx - t0);
+    for (int64_t r = 0; r < n; ++r) fn(t0 + r, base + r * row);
+  }
+}
+
+// A prefill's n new tokens (their K/V in the cache already, at positions ctx - n .. ctx - 1, each attending
+// causally) run as n decode queries would stream a long context's K/V from memory n times; instead a work
+// item is one KV head and a range of at most kChunkKeys keys (held in L2 while used), and every query row
+// of that head — each new token's heads of the group — goes over the range in register tiles. Each item
+// leaves a softmax partial per row (its max, sum and unnormalized output), merged per row at the end (the
+// ranges split a long context over the threads). A decode item is one range: the whole context.
+constexpr int64_t kChunkKeys = 512;
 
 #if defined(__AVX512F__)
 // G query rows (scaled, in registers) over keys [from, to) of one KV head: scores into `scores` [G][to - from],
@@ -403,8 +259,8 @@ void attend_range_avx512(const float* qf, const int64_t* limit, const T* k_cache
 }
 #endif
 
-// Rows [0, rows) of an item in tiles that fit the registers (4 at head_dim 64, 2 at 128), any head_dim
-// one row at a time.
+// Rows [0, rows) of an item in tiles that fit the registers (4 at head_dim 64, 2 at 128); at any other
+// head_dim (or without AVX-512) in tiles of 16 rows, one K/V row at a time for all of them.
 template <typename T>
 void attend_rows(const float* qf, const int64_t* limit, int64_t rows, const T* k_cache, const T* v_cache, const int64_t* table, int64_t from,
                  int64_t to, int64_t block_size, int64_t row, int64_t head_off, int64_t D, float* scores, float* m, float* l, float* acc) {
@@ -453,6 +309,40 @@ void attend_rows(const float* qf, const int64_t* limit, int64_t rows, const T* k
 }
 
 template <typename T, typename QT>
+void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* ctx_lens,
+                 QT* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t W, float scale, float v_scale) {
+  const int64_t group = H / KVH;
+  const int64_t row = KVH * D;  // elements of one token (all KV heads) in a block
+  // A work item is one (sequence, KV head) with the query heads that share it: each K/V row fetched
+  // serves the whole group, and one head's rows of a block are a few contiguous cache lines per token.
+  // Items differ in cost by context length, so they are claimed longest first: each thread takes the
+  // next one when it is done with its last (a static split left one thread with the long contexts, and
+  // waits whole shares when a thread is preempted; see work_queue.h).
+  const int64_t items = B * KVH;
+  std::vector<int64_t> order(items);
+  for (int64_t i = 0; i < items; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ctx_lens[a / KVH] > ctx_lens[b / KVH]; });
+  kvpilot::WorkQueue work(items, 1);
+  kvpilot::on_threads(items, [&] {
+    std::vector<float> qf(group * D), acc(group * D), scores, m(group), l(group);
+    std::vector<int64_t> limit(group);
+    for (int64_t n, end; work.claim(n, end);) {
+      const int64_t item = order[n];
+      const int64_t b = item / KVH, g = item % KVH, ctx = ctx_lens[b], h0 = g * group;
+      const int64_t* table = tables + b * W;
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t i = 0; i < D; ++i) qf[j * D + i] = static_cast<float>(q[(b * H + h0 + j) * D + i]) * scale;
+      scores.resize(group * ctx);  // every entry is written below
+      std::fill(limit.begin(), limit.end(), ctx);  // the whole context, one range
+      attend_rows(qf.data(), limit.data(), group, k_cache, v_cache, table, 0, ctx, block_size, row, g * D, D, scores.data(), m.data(), l.data(),
+                  acc.data());
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t i = 0; i < D; ++i) out[(b * H + h0 + j) * D + i] = static_cast<QT>(acc[j * D + i] * (v_scale / l[j]));
+    }
+  });
+}
+
+template <typename T, typename QT>
 void prefill_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, QT* out, int64_t n, int64_t H,
                   int64_t KVH, int64_t D, int64_t block_size, float scale, float v_scale) {
   const int64_t group = H / KVH, rows = n * group, row = KVH * D;
@@ -496,63 +386,67 @@ void prefill_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t
   });
 }
 
+// The checks both entry points make of a query and a cache.
+void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim mismatch");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(), "cache");
+}
+
+// fn(T{}, QT{}) with the cache's element type and the query's, for the pairs the kernels take.
+template <typename Fn>
+void with_dtypes(const torch::Tensor& q, const torch::Tensor& cache, Fn fn) {
+  const auto kt = cache.scalar_type(), qt = q.scalar_type();
+  if (kt == torch::kFloat && qt == torch::kFloat) fn(float{}, float{});
+  else if (kt == torch::kBFloat16 && qt == torch::kBFloat16) fn(at::BFloat16{}, at::BFloat16{});
+  else if (kt == torch::kBFloat16 && qt == torch::kFloat) fn(at::BFloat16{}, float{});
+  else if (kt == at::ScalarType::Float8_e4m3fn && qt == torch::kFloat) fn(Fp8{}, float{});
+  else TORCH_CHECK(false, "unsupported dtypes: q ", qt, ", cache ", kt);
+}
+
 }  // namespace
 
 // One sequence's n new tokens q [n, H, D] (their K/V already in the cache, at positions context_len - n ..
 // context_len - 1), each attending causally to its context in the paged cache; block_table [W] int64.
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                                       int64_t context_len, double scale, double k_scale, double v_scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim mismatch");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(), "cache");
+  check_attention_inputs(q, k_cache, v_cache);
   TORCH_CHECK(block_table.scalar_type() == torch::kLong && block_table.dim() == 1, "int64 block table");
   TORCH_CHECK(context_len >= q.size(0) && block_table.size(0) * k_cache.size(1) >= context_len, "context longer than its block table");
   q = q.contiguous();
   block_table = block_table.contiguous();
   auto out = torch::empty_like(q);
   if (q.size(0) == 0) return out;
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2), BS = k_cache.size(1);
   const float s = static_cast<float>(scale) * static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
-#define KVP_DISPATCH(T, QT)                                                                                                         \
-  prefill_impl<T, QT>(q.data_ptr<QT>(), static_cast<const T*>(k_cache.data_ptr()), static_cast<const T*>(v_cache.data_ptr()),       \
-                      block_table.data_ptr<int64_t>(), context_len, out.data_ptr<QT>(), n, H, KVH, D, BS, s, vs)
-  const auto kt = k_cache.scalar_type(), qt = q.scalar_type();
-  if (kt == torch::kFloat && qt == torch::kFloat) KVP_DISPATCH(float, float);
-  else if (kt == torch::kBFloat16 && qt == torch::kBFloat16) KVP_DISPATCH(at::BFloat16, at::BFloat16);
-  else if (kt == torch::kBFloat16 && qt == torch::kFloat) KVP_DISPATCH(at::BFloat16, float);
-  else if (kt == at::ScalarType::Float8_e4m3fn && qt == torch::kFloat) KVP_DISPATCH(Fp8, float);
-  else TORCH_CHECK(false, "unsupported dtypes: q ", qt, ", cache ", kt);
-#undef KVP_DISPATCH
+  with_dtypes(q, k_cache, [&](auto t, auto qt) {
+    using T = decltype(t);
+    using QT = decltype(qt);
+    prefill_impl<T, QT>(q.data_ptr<QT>(), static_cast<const T*>(k_cache.data_ptr()), static_cast<const T*>(v_cache.data_ptr()),
+                        block_table.data_ptr<int64_t>(), context_len, out.data_ptr<QT>(), q.size(0), q.size(1), k_cache.size(2), q.size(2),
+                        k_cache.size(1), s, vs);
+  });
   return out;
 }
 
 // k_scale / v_scale: an FP8 cache's per-layer scales (1 for other caches).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale, double k_scale, double v_scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim mismatch");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous(), "cache");
+  check_attention_inputs(q, k_cache, v_cache);
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong, "int64 tables");
   TORCH_CHECK(context_lens.size(0) == q.size(0) && block_tables.size(0) == q.size(0), "batch mismatch");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   auto out = torch::empty_like(q);
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2), BS = k_cache.size(1);
-  const int64_t W = block_tables.size(1);
   const float s = static_cast<float>(scale) * static_cast<float>(k_scale), vs = static_cast<float>(v_scale);
-#define KVP_DISPATCH(T, QT)                                                                                   \
-  decode_impl<T, QT>(q.data_ptr<QT>(), static_cast<const T*>(k_cache.data_ptr()), static_cast<const T*>(v_cache.data_ptr()), \
-                     block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<QT>(), B, H, KVH, D, BS, W, s, vs)
-  const auto kt = k_cache.scalar_type(), qt = q.scalar_type();
-  if (kt == torch::kFloat && qt == torch::kFloat) KVP_DISPATCH(float, float);
-  else if (kt == torch::kBFloat16 && qt == torch::kBFloat16) KVP_DISPATCH(at::BFloat16, at::BFloat16);
-  else if (kt == torch::kBFloat16 && qt == torch::kFloat) KVP_DISPATCH(at::BFloat16, float);
-  else if (kt == at::ScalarType::Float8_e4m3fn && qt == torch::kFloat) KVP_DISPATCH(Fp8, float);
-  else TORCH_CHECK(false, "unsupported dtypes: q ", qt, ", cache ", kt);
-#undef KVP_DISPATCH
+  with_dtypes(q, k_cache, [&](auto t, auto qt) {
+    using T = decltype(t);
+    using QT = decltype(qt);
+    decode_impl<T, QT>(q.data_ptr<QT>(), static_cast<const T*>(k_cache.data_ptr()), static_cast<const T*>(v_cache.data_ptr()),
+                       block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<QT>(), q.size(0), q.size(1),
+                       k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1), s, vs);
+  });
   return out;
 }
 
