@@ -107,6 +107,11 @@ def ttfts(args, new_ids) -> None:
     del llm, hosted
 
 
+def kv_in_flight(seq) -> bool:
+    """Whether seq's KV is being read from a tier or written into the cache."""
+    return seq is not None and (seq.kv_load is not None or bool(seq.kv_writes))
+
+
 def decode_steps(llm, clients: list[list[int]], arrival: list[int] | None, at_step: int = 8, tokens: int = 48):
     """Step an engine running `clients` (one token each per step) until they end; `arrival` comes in
     at step at_step (one output token). Returns the step times of the clients' tokens after their warm-up,
@@ -123,7 +128,7 @@ def decode_steps(llm, clients: list[list[int]], arrival: list[int] | None, at_st
         if arrival is not None and step == at_step:
             arrival_id, pending = llm.engine.add_request(arrival, SamplingParams(temperature=0, max_tokens=1)), True
             arrival_seq = llm.engine.requests[arrival_id].seqs[0]
-        loading = arrival_seq is not None and (arrival_seq.kv_load is not None or bool(arrival_seq.kv_writes))
+        loading = kv_in_flight(arrival_seq)
         outs = llm.engine.step()
         now = time.perf_counter()
         if any(arrival_seq is None or o.request_id != arrival_seq.request_id for o in outs):  # a step that gave the clients tokens
@@ -131,7 +136,7 @@ def decode_steps(llm, clients: list[list[int]], arrival: list[int] | None, at_st
                 steps.append(now - last)
             if pending:
                 window.append(now - last)
-            if loading and (arrival_seq.kv_load is not None or arrival_seq.kv_writes):  # still in flight after this step
+            if loading and kv_in_flight(arrival_seq):  # still in flight after this step
                 in_flight.append(now - last)
             last = now
         pending = pending and not any(o.request_id == arrival_seq.request_id and o.finished for o in outs)

@@ -167,8 +167,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     start = 0
     for n, ctx, table in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
         rows = slice(start, start + n)
-        if n <= PREFILL_KERNEL_TOKENS and q.shape[-1] in prefill_head_dims and k_cache.dtype == q.dtype:
-            # (Not for an FP8 cache, as below.)
+        if n <= PREFILL_KERNEL_TOKENS and q.shape[-1] in prefill_head_dims and k_cache.dtype == q.dtype:  # (not FP8: below)
             out[rows] = prefill(q[rows], k_cache, v_cache, table, ctx, scale, kv_scales)
         elif ctx > n and n * ctx <= SHORT_TAIL_WORK and k_cache.dtype == q.dtype:
             # A short tail over a cached prefix (a prompt whose prefix was cached, a small chunk): each new token as
@@ -190,8 +189,8 @@ DECODE_GROUP = 4  # sequences per padded decode-attention call on the torch path
 # AVX-512 host, SmolLM2's shapes: 3.0x at 8 new tokens over 4,000 cached, 1.15x at 512 over 1,536-3,584, parity for a
 # plain 512-token prefill, 0.70x for a plain 2,000-token one (bench/prefix_attention.py, bench/RESULTS.md).
 PREFILL_KERNEL_TOKENS = 512
-# A prefill of n new tokens over a cached prefix (context ctx) runs as n decode queries while n · ctx is at most
-# this; beyond it the prefix copied out of its blocks once and one masked SDPA are cheaper. On a 2-core AVX-512
+# Where the prefill kernel is not used (AVX2 builds, other head dims), a prefill of n new tokens over a cached prefix
+# (context ctx) runs as n decode queries while n · ctx is at most this; beyond it the prefix copied out of its blocks once and one masked SDPA are cheaper. On a 2-core AVX-512
 # host, SmolLM2's shapes, the C++ decode kernel vs that path: 5.5x at 1 token over 4,000, 1.19x at 8 over 4,000,
 # 1.23x at 16 over 2,000, 2.0x at 32 over 1,000, and 0.93x at 12 over 4,000 (bench/RESULTS.md).
 SHORT_TAIL_WORK = 40_000

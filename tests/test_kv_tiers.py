@@ -72,13 +72,11 @@ def test_a_load_beside_running_sequences_is_read_between_steps_and_written_a_few
     """While another sequence decodes, a prompt found on disk is read in slices between the steps and its
     blocks are written a few per step (here 2); it computes once all are in the cache. Both sequences'
     tokens are the plain engine's."""
-    from kvpilot.server import SamplingParams
+    from kvpilot.server import LLM, SamplingParams
 
     writer = tiered(tmp_path)
     greedy(writer, [PROMPTS[0]])
     writer.engine.kv_tiers.drain()
-    from kvpilot.server import LLM
-
     llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="32MiB", kv_offload_dir=str(tmp_path))  # room for both
     engine, disk = llm.engine, llm.engine.kv_tiers.disk
     engine.scheduler.max_block_writes = 2
@@ -98,6 +96,7 @@ def test_a_load_beside_running_sequences_is_read_between_steps_and_written_a_few
     blocks = (len(engine.tokenizer.encode(PROMPTS[0])) - 1) // BLOCK
     assert disk.stats.hit_blocks == blocks and sum(writes) == blocks and max(writes) == 2, (writes, disk.stats)
     assert slices and all(s is not None for s in slices), slices  # never read all at once while the other one ran
+    assert disk.free_rows() == len(disk._arena)  # every read buffer free again once its block was written
     assert [tokens[decoding][:6], tokens[loaded]] == reference[1::-1]
 
 
@@ -254,12 +253,16 @@ def test_a_lookup_takes_the_host_tiers_part_of_a_chain_then_the_disks(tmp_path):
     tiers.drain()
     assert host.stats.evicted_blocks == 3 and [host.has(k) for k in keys] == [False] * 3 + [True] * 3  # least recently used out
 
+    rows = tiers.disk.free_rows()
     load = tiers.lookup(TEST_SALT, chunks, 0)  # blocks 0-2 only on disk: the host tier's 3-5 are not reached from the root
     assert tiers.reading() and not load.done.is_set()
     tiers.read(0)  # one block at least, then the time is up
     assert load.num_read == 1 and not load.done.is_set()
     tiers.read()
     assert not tiers.reading() and load.done.is_set() and [p for (p,) in load.payloads] == payloads[:6] and host.stats.hit_blocks == 0
+    assert tiers.disk.free_rows() == rows - 6  # the six blocks read from disk are in read buffers of the arena...
+    del load
+    assert tiers.disk.free_rows() == rows  # ...free again once nothing holds them
     load = tiers.lookup(keys[2], chunks[3:], 3)  # from block 3: the host tier has 3-5, done at once; 6-7 nowhere
     assert load.done.is_set() and [p for (p,) in load.payloads] == payloads[3:6] and host.stats.hit_blocks == 3
     assert tiers.lookup(keys[5], chunks[6:], 6) is None

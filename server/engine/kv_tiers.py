@@ -35,6 +35,7 @@ import queue
 import struct
 import threading
 import time
+import weakref
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -116,11 +117,12 @@ class DiskTier:
         self._loads: deque[BlockLoad] = deque()  # rank 0's reads not done yet, oldest first
         # Files are read into rows of one arena made (its pages touched) at start: fresh memory per block
         # cost more in page faults than reading the block (~1 ms per 720 KB here), in a fresh process most.
-        # A row is back in the pool once its payload is in the cache (recycle); past the arena, fresh buffers.
+        # A row is free again once nothing holds its payload (written into the cache, or dropped with its
+        # sequence); while every row is taken, reads go into fresh buffers.
         self._buffer_bytes = payload_bytes + (64 << 10)  # a file: its header (~1 KB) and payload
         self._arena = torch.zeros((max(1, min(READ_ARENA_BYTES, max_bytes) // self._buffer_bytes) if rank == 0 else 0, self._buffer_bytes),
                                   dtype=torch.uint8).numpy()
-        self._pool: list = list(self._arena)
+        self._free_rows: list[int] = list(range(len(self._arena)))
 
     # --- files ----------------------------------------------------------------------------
     def path(self, key: bytes, rank: int | None = None) -> Path:
@@ -227,18 +229,21 @@ class DiskTier:
         return shards
 
     def _read_file(self, path: Path) -> memoryview:
-        """A file's bytes, read into a buffer from the pool when one is free: fresh memory for each block
-        cost more in page faults (~1 ms per 720 KB block here) than reading it."""
+        """A file's bytes, in a free row of the arena when there is one (the row is freed with the last
+        view of it: payloads are memoryviews of the row)."""
         with open(path, "rb", buffering=0) as f:
             size = min(os.fstat(f.fileno()).st_size, len(MAGIC) + 4 + MAX_HEADER + self.payload_bytes)  # longer: refused by decode
-            buffer = memoryview(self._pool.pop() if self._pool and size <= self._buffer_bytes else bytearray(size))
+            if self._free_rows and size <= self._buffer_bytes:
+                i = self._free_rows.pop()
+                row = self._arena[i]  # a view object of its own: when it is collected, row i is free
+                weakref.finalize(row, self._free_rows.append, i)
+            else:
+                row = bytearray(size)
+            buffer = memoryview(row)
             return buffer[:f.readinto(buffer[:size])]
 
-    def recycle(self, payloads) -> None:
-        """Payloads read here are in the cache now: their arena rows can hold the next reads."""
-        for payload in payloads:
-            if isinstance(payload, memoryview) and getattr(payload.obj, "base", None) is self._arena:
-                self._pool.append(payload.obj)
+    def free_rows(self) -> int:
+        return len(self._free_rows)
 
     def reading(self) -> bool:
         return bool(self._loads)
@@ -474,11 +479,6 @@ class KVTiers:
 
     def reading(self) -> bool:
         return self.disk is not None and self.disk.reading()
-
-    def recycle(self, payloads) -> None:
-        """Payloads now written into the cache (their read buffers serve the next reads)."""
-        if self.disk is not None:
-            self.disk.recycle(payloads)
 
     def drain(self) -> None:
         if self.disk is not None:

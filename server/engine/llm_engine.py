@@ -204,9 +204,7 @@ class LLMEngine:
     def _write_loaded(self, batch: ScheduledBatch) -> None:
         """The step's blocks read from a tier (or pulled from a prefill engine) into the cache."""
         self.runner.write_blocks(batch.kv_loads)
-        if self.kv_tiers is not None:
-            self.kv_tiers.recycle(payload for _, shards in batch.kv_loads for payload in shards)
-        batch.kv_loads = []
+        batch.kv_loads = []  # the last references to the payloads: their read buffers are free again (kv_tiers.py)
 
     def _await_tier_read(self, timeout: float = 0.01) -> None:
         """Nothing to run while waiting sequences' reads are outstanding: the disk tier's are read now,

@@ -135,7 +135,6 @@ class Scheduler:
                 n = budget
             if not self.bm.allocate(seq, n + len(loaded) * self.bm.block_size, cached):
                 break
-            alone = not batch.seqs and not self.running
             if loaded:  # fresh blocks after the in-memory hits, to hold what the tier read
                 first = len(cached)
                 seq.kv_writes = list(zip(seq.block_table[first:first + len(loaded)], loaded))
@@ -143,6 +142,7 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens
                 # Alone, it is written at once; beside other sequences a few blocks per step, so that
                 # their steps are not held up by one long copy.
+                alone = not batch.seqs and not self.running
                 self._write_some(seq, batch, 0 if alone else self.max_block_writes)
             seq.kv_load = None
             self.waiting.popleft()
