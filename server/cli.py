@@ -73,7 +73,7 @@ def _make_draft(ns: argparse.Namespace) -> int:
 def _train_eagle(ns: argparse.Namespace) -> int:
     from kvpilot.server.eagle_training import train_eagle
 
-    train_eagle(ns.dest, ns.model, ns.prompts, ns.max_tokens, ns.draft_vocab, ns.epochs, ns.seed, ns.threads,
+    train_eagle(ns.dest, ns.model, ns.prompts, ns.max_tokens, ns.draft_vocab, ns.epochs, ns.seed, ns.threads, ns.quantization,
                 log=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
 
@@ -109,12 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     eagle = sub.add_parser("train-eagle", help="train an EAGLE-3 head for a model on CPU, from text the model writes itself (no network)")
     eagle.add_argument("dest", help="the head's directory to write (config.json, model.safetensors, TRAINING.json)")
     eagle.add_argument("--model", default="smollm2-135m", help="bundled model name, GGUF file or checkpoint directory")
-    eagle.add_argument("--prompts", type=int, default=400, help="prompts the model answers (of the 520 made in kvpilot.server.eagle_training)")
+    eagle.add_argument("--prompts", type=int, default=1500, help="prompts the model answers (of the 6,515 made in kvpilot.server.eagle_training)")
     eagle.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
     eagle.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary: the model's most frequent choices")
     eagle.add_argument("--epochs", type=int, default=8)
     eagle.add_argument("--seed", type=int, default=0)
     eagle.add_argument("--threads", type=int, default=2, help="torch threads (fixed: the same command writes the same head)")
+    eagle.add_argument("--quantization", default="auto", help="the model's weight format while it writes and is read (the one it is served in)")
     eagle.set_defaults(func=_train_eagle)
     return parser
 

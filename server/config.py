@@ -79,7 +79,8 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(False, description="CUDA: run every step eagerly, without the decode steps' CUDA graphs (CPU steps always run eagerly).")
     async_scheduling: Literal["auto", "on", "off"] = Field("auto", description=(
         "Overlap the host's work for the next step (scheduling, building its input) and for the last one's outputs (detokenizing, "
-        "stop checks) with the device running the current step; auto = on for CUDA without speculative decoding (any number of ranks). A "
+        "stop checks) with the device running the current step; auto = on for CUDA unless speculative_method=ngram (any number of "
+        "ranks; draft and eagle3 proposals are made on the device from the step in flight's tokens). A "
         "sequence that the last step ended still runs in the current one (its row is dropped). on: also on a CPU, where it cannot "
         "overlap anything (the steps run on the host): for tests."))
     quantization: Literal["auto", "none", "gguf", "int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"] = Field(
@@ -184,9 +185,9 @@ class EngineConfig(BaseModel):
             raise ValueError("speculative_model is only used with speculative_method=draft or eagle3")
         if self.speculative_method in ("draft", "eagle3") and self.tensor_parallel_size > 1:
             raise ValueError(f"speculative_method={self.speculative_method} is not implemented with tensor_parallel_size > 1 (ngram is)")
-        if self.async_scheduling == "on" and self.speculative_method:
-            raise ValueError("async_scheduling=on is not implemented with speculative decoding (proposals need each step's tokens on "
-                             "the host): use auto or off")
+        if self.async_scheduling == "on" and self.speculative_method == "ngram":
+            raise ValueError("async_scheduling=on with speculative_method=ngram: n-gram proposals are looked up in each step's tokens "
+                             "on the host, so its steps stay synchronous (draft and eagle3 propose on the device): use auto or off")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
         return self

@@ -41,7 +41,24 @@ SUBJECTS = [
     "the Olympic Games", "wind turbines", "octopuses", "the Great Wall of China", "vaccines", "deserts", "submarines",
     "the speed of light", "mushrooms", "trains", "the stock market", "owls", "gardening", "the periodic table", "bicycles",
     "rain", "libraries", "the Amazon river", "dinosaurs", "clocks", "coffee", "hurricanes", "bridges", "elephants",
-    "the alphabet", "satellites", "museums",
+    "the alphabet", "satellites", "museums", "tides", "magnets", "the immune system", "compost", "jazz", "origami",
+    "the French Revolution", "airplanes", "whales", "antibiotics", "batteries", "cheese making", "the Renaissance", "caves",
+    "spiders", "the Silk Road", "rockets", "paper", "the brain", "sleep", "friendship", "money", "maps", "lightning",
+    "snowflakes", "the ocean floor", "robots", "democracy", "the Industrial Revolution", "bees and flowers", "fossils",
+    "the Sahara", "tigers", "recycling plastic", "the compass", "telescopes", "the violin", "pizza", "chocolate", "rice",
+    "the Moon", "Mars", "comets", "the Sun", "gravity", "sound waves", "rainbows", "microscopes", "bacteria", "frogs",
+    "migrating birds", "ants", "the Eiffel Tower", "castles", "pyramids", "the Vikings", "samurai", "knights", "pirates",
+    "the telephone", "photography", "cinema", "video games", "social media", "email", "cybersecurity", "passwords",
+    "programming", "spreadsheets", "databases", "artificial intelligence", "climate change", "forests", "rivers", "islands",
+    "mountains", "public transport", "city parks", "farming", "fishing", "vegetarian cooking", "soup", "baking cookies",
+    "running", "swimming", "yoga", "football", "basketball", "tennis", "the guitar", "painting", "poetry", "novels",
+    "newspapers", "the post office", "hospitals", "nurses", "teachers", "firefighters", "volunteering", "budgeting",
+    "saving money", "taxes", "job interviews", "public speaking", "time management", "learning a language", "homework",
+    "exams", "kindness", "patience", "curiosity", "teamwork", "dogs", "cats", "horses", "parrots", "goldfish", "houseplants",
+    "winter", "spring", "autumn", "summer holidays", "camping", "hiking", "road trips", "airports", "hotels", "markets",
+    "the metric system", "fractions", "prime numbers", "geometry", "probability", "electricity", "steam engines", "glass",
+    "steel", "wool", "cotton", "plastic", "water pollution", "air quality", "earth's layers", "the Arctic", "Antarctica",
+    "kangaroos", "pandas", "sharks", "jellyfish", "butterflies", "seeds", "trees", "the human skeleton", "teeth", "vitamins",
 ]
 TEMPLATES = [
     "Explain {s} to a ten-year-old.",
@@ -54,6 +71,57 @@ TEMPLATES = [
     "Write a short story that involves {s}.",
     "List five words related to {s}.",
     "Why do people find {s} interesting?",
+    "What is {s}?",
+    "Tell me something surprising about {s}.",
+    "How does {s} work?",
+    "What should a beginner know about {s}?",
+    "Write a haiku about {s}.",
+    "What are some common myths about {s}?",
+    "Give me two questions a student might ask about {s}.",
+    "How has {s} changed over time?",
+    "Write a friendly tweet about {s}.",
+    "What would the world be like without {s}?",
+    "Can you give me a simple example that explains {s}?",
+    "Write a short dialogue between two friends about {s}.",
+    "What is the most important thing to know about {s}?",
+    "Give me a fun fact about {s}.",
+    "Write a short advertisement for a book about {s}.",
+    "Explain {s} in three steps.",
+    "What are three questions scientists still ask about {s}?",
+    "Write a letter to a friend describing {s}.",
+    "Compare {s} with something from everyday life.",
+    "Give me a title and a first sentence for an essay about {s}.",
+]
+TASKS = [
+    "make a cup of tea", "plant a tree", "write a thank-you note", "start a vegetable garden", "learn to juggle",
+    "prepare for a job interview", "save money each month", "study for an exam", "clean a messy room", "bake bread at home",
+    "train a puppy", "fix a flat bicycle tire", "write a good email", "make new friends", "stay focused while working",
+    "plan a birthday party", "keep a houseplant alive", "start running", "cook rice", "organize a bookshelf",
+    "learn to draw", "give a short speech", "reduce food waste", "pack for a trip", "read more books",
+    "take better photos", "write a short story", "learn a new word every day", "prepare a picnic", "care for a cat",
+    "wake up earlier", "make a budget", "learn to swim", "build a birdhouse", "write a poem", "apologize to a friend",
+    "choose a good book", "keep a diary", "make pancakes", "memorize a phone number",
+]
+TASK_TEMPLATES = [
+    "How do I {t}?",
+    "Give me some tips to {t}.",
+    "What is the easiest way to {t}?",
+    "Write step-by-step instructions to {t}.",
+    "What mistakes should I avoid when I try to {t}?",
+    "My friend wants to {t}. What should I tell them?",
+]
+PAIRS = [
+    ("a lake", "a sea"), ("a virus", "a bacterium"), ("a frog", "a toad"), ("a star", "a planet"), ("a town", "a city"),
+    ("a poem", "a song"), ("a crocodile", "an alligator"), ("a hurricane", "a tornado"), ("a rabbit", "a hare"),
+    ("a violin", "a cello"), ("a moth", "a butterfly"), ("a hill", "a mountain"), ("a noun", "a verb"), ("a laptop", "a tablet"),
+    ("a cafe", "a restaurant"), ("speed", "velocity"), ("a meteor", "a meteorite"), ("an ocean", "a river"),
+    ("a map", "a globe"), ("a novel", "a short story"), ("tea", "coffee"), ("a train", "a tram"), ("a cold", "the flu"),
+    ("a fruit", "a vegetable"), ("a library", "a bookshop"),
+]
+PAIR_TEMPLATES = [
+    "What is the difference between {a} and {b}?",
+    "Which is bigger, {a} or {b}, and why?",
+    "Explain how {a} and {b} are alike and how they differ.",
 ]
 # Copying and editing: the model repeats or changes text it was given (what n-gram lookup is best at).
 SENTENCES = [
@@ -72,8 +140,10 @@ COPY_TEMPLATES = [
 
 
 def training_prompts(count: int, seed: int = 0) -> list[str]:
-    """`count` prompts (at most len(SUBJECTS) x len(TEMPLATES) + len(SENTENCES) x len(COPY_TEMPLATES)), in a fixed shuffle."""
-    prompts = [t.format(s=s) for t in TEMPLATES for s in SUBJECTS] + [t.format(t=s) for t in COPY_TEMPLATES for s in SENTENCES]
+    """`count` of every prompt the lists make (subjects x templates, tasks x task templates, pairs x
+    pair templates, sentences x copy templates), in a fixed shuffle."""
+    prompts = ([t.format(s=s) for t in TEMPLATES for s in SUBJECTS] + [t.format(t=task) for t in TASK_TEMPLATES for task in TASKS]
+               + [t.format(a=a, b=b) for t in PAIR_TEMPLATES for a, b in PAIRS] + [t.format(t=s) for t in COPY_TEMPLATES for s in SENTENCES])
     random.Random(seed).shuffle(prompts)
     if count > len(prompts):
         raise ValueError(f"--prompts {count}: there are {len(prompts)}")
@@ -97,7 +167,7 @@ def write_texts(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
     from kvpilot.server.engine.sampling_params import SamplingParams
     from kvpilot.server.model_files import model_fingerprint
 
-    key = hashlib.sha256(json.dumps([model_fingerprint(llm.engine.model_path), prompts, max_tokens]).encode()).hexdigest()[:24]
+    key = hashlib.sha256(json.dumps([model_fingerprint(llm.engine.model_path), llm.engine.runner.quantization, prompts, max_tokens]).encode()).hexdigest()[:24]
     cached = cache_root() / "eagle-texts" / f"{key}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
@@ -308,13 +378,15 @@ def save(head: TrainingHead, target, draft_ids: list[int], aux_layers: tuple[int
     (out / "TRAINING.json").write_text(json.dumps(provenance, indent=1) + "\n")
 
 
-def train_eagle(out: str | Path, model: str = "smollm2-135m", prompts: int = 400, max_tokens: int = 128, draft_vocab: int = 8192,
-                epochs: int = 8, seed: int = 0, threads: int = 2, log=print) -> Path:
+def train_eagle(out: str | Path, model: str = "smollm2-135m", prompts: int = 1500, max_tokens: int = 128, draft_vocab: int = 8192,
+                epochs: int = 8, seed: int = 0, threads: int = 2, quantization: str = "auto", log=print) -> Path:
+    """quantization: the target's weight format while it writes and reads (the one it will be served in:
+    the head learns from those hidden states)."""
     from kvpilot.server.llm import LLM
 
     torch.manual_seed(seed)
     started = time.monotonic()
-    llm = LLM(model=model, num_threads=threads, show_progress=False, kv_cache_memory="256MiB", max_model_len=512)
+    llm = LLM(model=model, num_threads=threads, show_progress=False, kv_cache_memory="256MiB", max_model_len=512, quantization=quantization)
     engine = llm.engine
     target, runner = engine.model_config, engine.runner
     aux_layers = (2, target.num_layers // 2, target.num_layers - 3)
@@ -331,7 +403,7 @@ def train_eagle(out: str | Path, model: str = "smollm2-135m", prompts: int = 400
     head = train(examples, target, embed, draft_ids, rotary.cos, rotary.sin, epochs, seed, log=log,
                  output=(_dense_lm_head(runner.model)[torch.tensor(draft_ids)], runner.model.norm.weight.detach().float()))
     provenance = {"command": f"kvpilot train-eagle OUT --model {model} --prompts {prompts} --max-tokens {max_tokens} --draft-vocab {draft_vocab} "
-                             f"--epochs {epochs} --seed {seed} --threads {threads}",
+                             f"--epochs {epochs} --seed {seed} --threads {threads} --quantization {quantization}",
                   "prompts": prompts, "tokens": sum(map(len, texts)), "seconds": round(time.monotonic() - started), "torch": torch.__version__}
     save(head, target, draft_ids, aux_layers, Path(out), provenance)
     log(f"train-eagle: wrote {out} ({time.monotonic() - started:.0f} s)")

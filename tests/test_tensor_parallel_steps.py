@@ -49,8 +49,8 @@ def test_a_rank_builds_from_the_step_message_what_rank_0_builds(mode):
     inputs, messenger, mirror, checked = llm.engine.inputs, StepMessenger(), RankMirror(), []
     build = inputs.build
 
-    def both(batch, draft_probs=None, previous=None, sample=True, adapter_slots=None):
-        inp, plan = build(batch, draft_probs, previous, sample, adapter_slots)
+    def both(batch, proposal=None, previous=None, sample=True, adapter_slots=None, next_tokens=False):
+        inp, plan = build(batch, proposal, previous, sample, adapter_slots, next_tokens)
         step = decode(encode(messenger.step(batch, previous, 0, adapter_slots)))
         rank_batch, rank_previous, rank_slots = mirror.apply(step)
         theirs, _ = build(rank_batch, None, rank_previous or None, False, rank_slots)

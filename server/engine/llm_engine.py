@@ -27,7 +27,7 @@ from kvpilot.server.threads import configure_threads
 if TYPE_CHECKING:  # torch-side: imported in LLMEngine.__init__, after the thread settings
     from kvpilot.server.adapters import LoRARequest
     from kvpilot.server.engine.lora import Adapter, LoRARegistry
-    from kvpilot.server.engine.model_io import ModelInput, StepPlan
+    from kvpilot.server.engine.model_io import StepPlan
     from kvpilot.server.engine.model_runner import LaunchedStep
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,9 @@ class LLMEngine:
         elif config.speculative_method == "eagle3":
             self.proposer = EagleProposer(config, self.max_model_len, self.runner, self.inputs, self.tokenizer.eos_token_ids)
         self.requests = self.output.requests
+        # N-gram proposals are looked up in the host's tokens: that method keeps its steps synchronous.
         self.async_scheduling = config.async_scheduling == "on" or (
-            config.async_scheduling == "auto" and self.runner.device.type == "cuda" and self.proposer is None)
+            config.async_scheduling == "auto" and self.runner.device.type == "cuda" and config.speculative_method != "ngram")
         self.messenger = StepMessenger() if self.workers is not None else None
         self._in_flight: StepInFlight | None = None
         self._seq_ids = itertools.count()
@@ -351,9 +352,10 @@ class LLMEngine:
             self.kv_tiers.read(TIER_READ_SHARE * self._step_seconds)  # a slice between steps (all of it: _await_tier_read)
         started = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and any(seq.guide is not None for seq in self.scheduler.running):
+        if previous is not None and any(self._needs_host_tokens(seq) for seq in self.scheduler.running):
             # A constrained sequence's mask for the next step needs the token the step in flight
-            # samples: while any runs, steps do not overlap (the previous one completes first).
+            # samples (with proposals, so do penalties and min_tokens: how many tokens it adds): while
+            # any runs, steps do not overlap (the previous one completes first).
             outputs += self._complete(previous)
             previous = None
         if self.proposer:
@@ -386,6 +388,11 @@ class LLMEngine:
         self._step_seconds = time.perf_counter() - started
         return outputs
 
+    def _needs_host_tokens(self, seq: Sequence) -> bool:
+        if seq.guide is not None:
+            return True
+        return self.proposer is not None and (seq.params.has_penalties or seq.num_output_tokens < seq.params.min_tokens)
+
     def step_or_fail_open(self) -> list[RequestOutput]:
         """step(), where a failure outside the model step (a bug) fails the open requests and the
         engine goes on (the model step's own failures are contained by step())."""
@@ -412,30 +419,36 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch, previous: StepInFlight | None) -> StepInFlight:
         """Build the step's input and queue it on the device (on a CPU it runs here)."""
-        draft_probs = self.proposer.propose(batch) if self.proposer else None
+        proposal = self.proposer.propose(batch, previous) if self.proposer else None
         rows = previous.sampled_rows() if previous else None
         slots = None
         if self.lora is not None and any(seq.adapter for seq in batch.seqs):
             slots = self.lora.slots_for([seq.adapter for seq in batch.seqs], {seq.adapter for seq in self.scheduler.running})
         if batch.kv_loads:
             self._write_loaded(batch)
-        model_input, plan = self.inputs.build(batch, draft_probs, rows, adapter_slots=slots)
-        tokens = previous.launched.tokens if previous else None
+        model_input, plan = self.inputs.build(batch, proposal, rows, adapter_slots=slots, next_tokens=self.runner.head is not None)
         if self.messenger is not None:
+            tokens = previous.launched.tokens if previous else None
             awaited = tokens is not None and any(seq.num_placeholders for seq in batch.seqs)
             self.runner.send_step(self.messenger.step(batch, rows, tokens.shape[0] if awaited else 0, slots), tokens)
-        launched = self.runner.launch(model_input, tokens)
-        return StepInFlight(batch, plan, launched, model_input if self.config.speculative_method == "eagle3" else None)
+        step = StepInFlight(batch, plan, self.runner.launch(model_input, previous.launched if previous else None, proposal.tokens if proposal else None))
+        if self.proposer:
+            self.proposer.launched(step)
+        return step
 
     def _begin_awaiting(self, step: StepInFlight) -> None:
         """Async scheduling, after the step before `step` is complete: account for `step`'s computed
         tokens and give each sequence it samples a placeholder for the coming token, so that the next
-        step is scheduled with it."""
-        self._update(step.batch)
+        step is scheduled with it. A verification is counted as if none of its k proposed tokens were
+        accepted, with k unsettled: the next step's rows are moved on by the accepted count on the
+        device, and the host settles the count once the outputs arrive (_complete)."""
+        plan = step.plan
+        self._update(step.batch, {seq.seq_id: k for seq, k in zip(plan.sampled, plan.proposed) if k})
         step.updated = True
-        for seq in step.plan.sampled:
+        for seq, k in zip(plan.sampled, plan.proposed):
             if not seq.is_finished:
                 seq.num_placeholders += 1
+                seq.num_unsettled = k
         self._in_flight = step
 
     def _complete(self, step: StepInFlight) -> list[RequestOutput]:
@@ -445,8 +458,8 @@ class LLMEngine:
         for (seq, first_pos), entries in zip(plan.prompt_logprobs, out.prompt_logprobs):
             self.output.record_prompt_logprobs(seq, first_pos, entries)
         # A proposal of k with a accepted adds a + 1 tokens: the K/V of the k - a rejected ones does not count.
-        verified = [(seq, len(seq.spec_token_ids), 0 if i in out.errors else len(out.token_ids[i]) - 1)
-                    for i, seq in enumerate(plan.sampled) if seq.spec_token_ids]
+        verified = [(seq, k, 0 if i in out.errors else len(out.token_ids[i]) - 1)
+                    for i, (seq, k) in enumerate(zip(plan.sampled, plan.proposed)) if k]
         if not step.updated:
             self._update(batch, {seq.seq_id: proposed - accepted for seq, proposed, accepted in verified})
         now = time.monotonic()
@@ -468,11 +481,12 @@ class LLMEngine:
                 continue
             touched[seq.request_id] = None
         if verified:
-            for seq, _, _ in verified:
-                self.scheduler.end_speculation(seq)
+            for seq, _, accepted in verified:
+                if step.updated:
+                    self.scheduler.settle(seq, accepted)
+                # (the step after it, if in flight, may write up to k positions past the accepted tokens)
+                self.scheduler.end_speculation(seq, self.proposer.k if self.async_scheduling else 0)
             self.proposer.verified(verified)
-        if step.model_input is not None:  # the head's pass over the step's rows, now that their next tokens are known
-            self.proposer.catch_up(step.model_input, plan)
         outputs = [self.output.request_output(rid) for rid in touched if rid not in failed]
         return outputs + [self.fail_request(rid, why) for rid, why in failed.items()]
 
@@ -504,9 +518,8 @@ class StepInFlight:
     batch: ScheduledBatch
     plan: StepPlan
     launched: LaunchedStep
-    model_input: ModelInput | None = None  # kept for an EAGLE-3 head's pass over the same rows
     updated: bool = False           # the scheduler has counted its computed tokens
 
     def sampled_rows(self) -> dict[int, int]:
-        """seq_id -> its row among the step's sampled tokens (one row each: async scheduling runs without proposals)."""
+        """seq_id -> its index among the step's sampled sequences (LaunchedStep.tokens, accepted_counts)."""
         return {seq.seq_id: i for i, seq in enumerate(self.plan.sampled)}

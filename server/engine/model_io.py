@@ -165,6 +165,9 @@ class SamplingTensors:
     # Structured outputs: the constrained rows and the tokens each may take. None: no row is constrained.
     guided_rows: torch.Tensor | None = None      # [G] long
     allowed: torch.Tensor | None = None          # [G, V] bool
+    # With proposals: per sampled sequence, its rows ([S, W] long, the last repeated past its count) and
+    # which of them check a proposed token ([S, W] bool): what the accepted counts are read from.
+    spec_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, seqs: list[Sequence], eos_token_ids: tuple[int, ...], dtype: torch.dtype, buffers: InputBuffers,
@@ -190,8 +193,8 @@ class SamplingTensors:
             outputs = [rows[i][0].tokens_slice(rows[i][0].num_prompt_tokens, rows[i][0].num_tokens + rows[i][1]) for i in pen]
             out_ids, out_valid = _padded(outputs, buffers)
             prompt_ids, prompt_valid = _padded([rows[i][0].prompt_token_ids for i in pen], buffers)
-            awaiting = [(k * out_ids.shape[1] + len(outputs[k]) - 1, previous[rows[i][0].seq_id])
-                        for k, i in enumerate(pen) if rows[i][0].num_placeholders]  # the placeholder is its output's last entry
+            awaiting = [(k * out_ids.shape[1] + len(rows[i][0].output_token_ids), previous[rows[i][0].seq_id])
+                        for k, i in enumerate(pen) if rows[i][0].num_placeholders]  # the placeholder follows the known output
             penalties = Penalties(buffers.upload(pen, torch.long), col([params[i].repetition_penalty for i in pen]),
                                   col([params[i].frequency_penalty for i in pen]), col([params[i].presence_penalty for i in pen]),
                                   out_ids, out_valid, prompt_ids, prompt_valid,
@@ -203,6 +206,7 @@ class SamplingTensors:
                 banned_rows += [row] * len(banned)
                 banned_tokens += banned
         biased = [(row, token, value) for row, p in enumerate(params) if p.logit_bias for token, value in p.logit_bias.items()]
+        # A proposal made on the device is a placeholder here (-1), its tokens filled in there (ModelInput.take_device_values).
         drafts = [seq.spec_token_ids[j] if j < len(seq.spec_token_ids) and not proposing else -1 for seq, j in rows]
         longs, floats = Staging(torch.long, buffers), Staging(dtype, buffers)
         for values in ([p.top_k for p in params], banned_rows, banned_tokens, drafts, random_rows, [b[0] for b in biased], [b[1] for b in biased]):
@@ -218,16 +222,23 @@ class SamplingTensors:
         if draft_probs and random_rows:
             vocab = next(iter(draft_probs.values())).shape[-1]
             none = torch.zeros(vocab, dtype=dtype, device=buffers.device)
-            q = torch.stack([draft_probs[rows[i][0].seq_id][rows[i][1]] if drafts[i] >= 0 and rows[i][0].seq_id in draft_probs else none
-                             for i in random_rows]).to(dtype)
+            q = torch.stack([draft_probs[rows[i][0].seq_id][rows[i][1]] if rows[i][1] < len(rows[i][0].spec_token_ids) and rows[i][0].seq_id in draft_probs
+                             else none for i in random_rows]).to(dtype)
         guided_rows = allowed = None
         if grammars is not None and not proposing:
             guided_rows, allowed = _allowed_tokens(seqs, grammars, buffers)
+        proposed = not proposing and any(seq.spec_token_ids for seq in seqs)
+        spec_rows = None
+        if proposed:
+            counts = [len(seq.spec_token_ids) + 1 for seq in seqs]
+            width, first = max(counts), [sum(counts[:i]) for i in range(len(counts))]
+            spec_rows = (buffers.upload([f + min(j, c - 1) for f, c in zip(first, counts) for j in range(width)], torch.long).view(len(seqs), width),
+                         buffers.upload([j < c - 1 for c in counts for j in range(width)], torch.bool).view(len(seqs), width))
         return cls(temperature.unsqueeze(1), top_k, top_p, min_p, random_rows, random_index, [rows[i][0].generator for i in random_rows],
                    use_top_k_p, top_k_bound, use_min_p, penalties, banned_rows_t, banned_tokens_t, (bias_rows, bias_tokens, bias_values) if biased else None,
                    [p.logprobs for p in params],
-                   [1 if proposing else len(seq.spec_token_ids) + 1 for seq in seqs], drafts_t if any(d >= 0 for d in drafts) else None, q,
-                   guided_rows, allowed)
+                   [1 if proposing else len(seq.spec_token_ids) + 1 for seq in seqs], drafts_t if proposed else None, q,
+                   guided_rows, allowed, spec_rows)
 
 
 def _allowed_tokens(seqs: list[Sequence], grammars: GrammarCompiler, buffers: InputBuffers) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
@@ -275,13 +286,29 @@ class ModelInput:
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
     sampling: SamplingTensors | None = None
     # Async scheduling: [2, R] long: input rows whose token the previous step is sampling (the host
-    # has a placeholder there), and the row of the previous step's sampled tokens that holds it.
+    # has a placeholder there), and which of the previous step's sampled sequences it is the last new token of.
     from_previous: torch.Tensor | None = None
     lora: LoRABatch | None = None  # each row's adapter slot (None: no row has an adapter)
+    # A proposal made on the device (Proposal): [3, P] long: input row, sampled row, entry of the
+    # proposal's flattened tokens. Each such row takes that token and checks it.
+    from_proposal: torch.Tensor | None = None
+    # Async scheduling with speculation: [3, X] long: rows of sequences whose verification is in flight,
+    # their attention entries (an index into seq_lens / block_tables) and which of the previous step's
+    # sampled sequences it is. The host laid them out as if nothing was accepted: the device moves each
+    # row on by the sequence's accepted count (position, slot, context length).
+    shift: torch.Tensor | None = None
+    block_size: int = 0
+    # An EAGLE-3 head's pass over the step's rows takes each row's next token: the next row's input
+    # token, except at a sequence's last row: its sampled token, or for a prefill chunk ([2, C] long:
+    # row, token) the prompt's next token.
+    chunk_next: torch.Tensor | None = None
 
-    def take_previous_tokens(self, tokens: torch.Tensor | None) -> None:
-        """Fill the placeholders (async scheduling) from the previous step's sampled tokens, on the
-        device: the input rows, and the output ids that penalties count."""
+    def take_device_values(self, tokens: torch.Tensor | None, accepted: torch.Tensor | None = None,
+                           proposal: torch.Tensor | None = None) -> None:
+        """What the host left as placeholders, filled on the device: tokens the previous step is
+        sampling (`tokens`: each of its sampled sequences' last new token; the input rows, and the
+        output ids that penalties count), the rows shifted by the previous step's `accepted` counts,
+        and the tokens of a proposal made on the device."""
         fills = [(self.input_ids, self.from_previous)]
         if self.sampling is not None and self.sampling.penalties is not None:
             fills.append((self.sampling.penalties.output_ids.view(-1), self.sampling.penalties.from_previous))
@@ -292,6 +319,42 @@ class ModelInput:
                 raise AssertionError("this step takes tokens from the previous step, and none were given")
             at, source = index
             target[at] = tokens[source]
+        if self.shift is not None:
+            if accepted is None:
+                raise AssertionError("this step's rows follow a verification in flight, and no accepted counts were given")
+            rows, entries, source = self.shift
+            moved = self.positions[rows] + accepted[source]
+            self.positions[rows] = moved
+            self.seq_lens[entries] = self.seq_lens[entries] + accepted[source]
+            self.slot_mapping[rows] = self.block_tables[entries, moved // self.block_size] * self.block_size + moved % self.block_size
+        if self.from_proposal is not None:
+            if proposal is None:
+                raise AssertionError("this step verifies a proposal made on the device, and none was given")
+            rows, sampled, entry = self.from_proposal
+            drafted = proposal.reshape(-1)[entry]
+            self.input_ids[rows] = drafted
+            self.sampling.draft_token_ids[sampled] = drafted
+
+    def next_token_ids(self, sampled: torch.Tensor | None) -> torch.Tensor:
+        """Each row's next token (an EAGLE-3 head's input over the step's rows), given the step's
+        sampled tokens per sampled row. A verification's rows past its accepted ones get tokens that
+        were not chosen: their K/V is rewritten before it is read."""
+        nxt = torch.zeros_like(self.input_ids)
+        nxt[:-1] = self.input_ids[1:]
+        if self.chunk_next is not None:
+            nxt[self.chunk_next[0]] = self.chunk_next[1]
+        if sampled is not None:
+            nxt[self.logits_indices] = sampled
+        return nxt
+
+
+@dataclass(slots=True)
+class Proposal:
+    """Proposed tokens made on the device (a draft model's, an EAGLE-3 head's): the host has placeholders."""
+
+    tokens: torch.Tensor                    # [S, W] long: row i is a proposing sequence's (padded past its count)
+    index: dict[int, int]                   # seq_id -> its row
+    probs: dict[int, torch.Tensor] | None   # seq_id -> [k, V]: what a random-sampling sequence's tokens were drawn from
 
 
 @dataclass(slots=True)
@@ -301,6 +364,7 @@ class StepPlan:
     sampled: list[Sequence]
     prompt_logprobs: list[tuple[Sequence, int]]  # with the prompt position of the span's first row
     spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # each sequence's rows: (seq, first row, first position, rows)
+    proposed: list[int] = field(default_factory=list)  # per sampled sequence: the tokens it verifies (0: none)
 
 
 @dataclass(slots=True)
@@ -316,14 +380,17 @@ class InputBuilder:
         self.block_size, self.eos_token_ids, self.grammars = block_size, eos_token_ids, grammars
         self.buffers = InputBuffers(device)
 
-    def build(self, batch: ScheduledBatch, draft_probs: dict[int, torch.Tensor] | None = None,
-              previous: dict[int, int] | None = None, sample: bool = True, adapter_slots: list[int] | None = None) -> tuple[ModelInput, StepPlan]:
-        """draft_probs: what a draft model proposed from (see SamplingTensors.build). previous: seq_id ->
-        its row among the sampled tokens of the step in flight, for sequences awaiting that token.
+    def build(self, batch: ScheduledBatch, proposal: Proposal | None = None,
+              previous: dict[int, int] | None = None, sample: bool = True, adapter_slots: list[int] | None = None,
+              next_tokens: bool = False) -> tuple[ModelInput, StepPlan]:
+        """proposal: the proposed tokens made on the device (their sequences hold placeholders), and what
+        random-sampling ones were drawn from (see SamplingTensors.build). previous: seq_id -> its index
+        among the sampled sequences of the step in flight, for sequences awaiting its tokens.
         sample=False: no SamplingTensors (tensor-parallel ranks other than 0, whose batch holds their
         mirrors of the sequences: step_message.RankSeq). adapter_slots: each sequence's LoRA slot (-1:
         none); a sequence's rows are laid out next to those of others with its slot (prefills and
-        decodes each grouped by slot), so that each slot's rows are few runs."""
+        decodes each grouped by slot), so that each slot's rows are few runs. next_tokens: the input
+        says each row's next token where the host knows it (an EAGLE-3 head's pass: chunk_next)."""
         self.buffers.begin_step()
         bs = self.block_size
         slot_of = adapter_slots or [-1] * len(batch.seqs)
@@ -342,30 +409,43 @@ class InputBuilder:
         prompt_lp: list[PromptLogprobRows] = []
         placeholder_rows: list[int] = []
         previous_rows: list[int] = []
+        proposed_rows: list[list[int]] = [[], [], []]
+        shifted: list[list[int]] = [[], [], []]
+        chunk_next: list[list[int]] = [[], []]
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens
             row0 = len(ids)
             ids += seq.tokens_slice(start, start + n)
             row_slots += [slot_of[i]] * n
-            if seq.num_placeholders:  # its last token, the placeholder, is the one this step computes
-                if start + n != seq.num_tokens or previous is None or seq.seq_id not in previous:
+            if seq.num_placeholders:  # its last known-count token, the placeholder, is one this step computes
+                if not start < seq.num_tokens <= start + n or previous is None or seq.seq_id not in previous:
                     raise AssertionError(f"sequence {seq.seq_id} awaits a token that no step in flight samples")
-                placeholder_rows.append(len(ids) - 1)
+                placeholder_rows.append(row0 + seq.num_tokens - 1 - start)
                 previous_rows.append(previous[seq.seq_id])
             pos = range(start, start + n)
             positions += pos
             plan.spans.append((seq, row0, start, n))
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in pos]
+            if seq.num_unsettled:  # every row moves on by the accepted count of the verification in flight
+                shifted[0] += range(row0, row0 + n)
+                shifted[1] += range(len(seq_lens), len(seq_lens) + (n if seq.num_spec_tokens else 1))
+                shifted[2] += [previous[seq.seq_id]] * n
             if seq.num_spec_tokens:  # a verification: k + 1 decode rows (one per position), each one sampled
                 if len(seq.spec_token_ids) != seq.num_spec_tokens or start + n != seq.num_tokens + seq.num_spec_tokens:
                     raise AssertionError(f"sequence {seq.seq_id}: the proposal does not match the tokens scheduled")
+                if proposal is not None and seq.seq_id in proposal.index:
+                    k, entry = seq.num_spec_tokens, proposal.index[seq.seq_id] * proposal.tokens.shape[1]
+                    proposed_rows[0] += range(row0 + 1, row0 + 1 + k)
+                    proposed_rows[1] += range(len(sample_rows), len(sample_rows) + k)
+                    proposed_rows[2] += range(entry, entry + k)
                 starts += range(row0 + 1, len(ids) + 1)
                 seq_lens += [p + 1 for p in pos]
                 tables += [table] * n
                 sample_rows += range(row0, len(ids))
                 plan.sampled.append(seq)
+                plan.proposed.append(seq.num_spec_tokens)
                 continue
             starts.append(len(ids))
             seq_lens.append(start + n)
@@ -380,19 +460,27 @@ class InputBuilder:
             if start + n == seq.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 plan.sampled.append(seq)
+                plan.proposed.append(0)
+            elif next_tokens:
+                # (a token still in flight, after a preemption, is not known here: 0 stands in, costing the head's K/V at one position its accuracy)
+                chunk_next[0].append(len(ids) - 1)
+                chunk_next[1].append(max(seq.tokens_slice(start + n, start + n + 1)[0], 0))
         staged = Staging(torch.long, self.buffers)
-        for values in (ids, positions, slots, starts, seq_lens, sample_rows, placeholder_rows + previous_rows, _padded_tables(tables)):
+        for values in (ids, positions, slots, starts, seq_lens, sample_rows, placeholder_rows + previous_rows, _padded_tables(tables),
+                       [r for part in proposed_rows for r in part], [r for part in shifted for r in part], [r for part in chunk_next for r in part]):
             staged.add(values)
-        ids_t, positions_t, slots_t, starts_t, seq_lens_t, rows_t, previous_t, tables_t = staged.upload()
+        ids_t, positions_t, slots_t, starts_t, seq_lens_t, rows_t, previous_t, tables_t, proposed_t, shifted_t, chunk_t = staged.upload()
         inp = ModelInput(
             input_ids=ids_t, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
             block_tables=tables_t.view(len(tables), -1) if tables else tables_t.view(0, 0), logits_indices=rows_t,
             num_prefills=len(query_lens), query_lens=query_lens, context_lens=context_lens, prompt_logprobs=prompt_lp,
-            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, self.buffers, draft_probs, previous=previous,
-                                           grammars=self.grammars)
+            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, self.buffers, proposal.probs if proposal else None,
+                                           previous=previous, grammars=self.grammars)
             if plan.sampled and sample else None,
             from_previous=previous_t.view(2, -1) if placeholder_rows else None,
-            lora=self._lora_batch(row_slots) if adapter_slots and max(adapter_slots) >= 0 else None)
+            lora=self._lora_batch(row_slots) if adapter_slots and max(adapter_slots) >= 0 else None,
+            from_proposal=proposed_t.view(3, -1) if proposed_rows[0] else None, shift=shifted_t.view(3, -1) if shifted[0] else None,
+            block_size=bs, chunk_next=chunk_t.view(2, -1) if chunk_next[0] else None)
         return inp, plan
 
     def _lora_batch(self, row_slots: list[int]) -> LoRABatch:
@@ -404,15 +492,22 @@ class InputBuilder:
                 runs.append((slot, row, row + 1))
         return LoRABatch(self.buffers.upload(row_slots, torch.long), [r for r in runs if r[0] >= 0])
 
-    def build_decode(self, seqs: list[Sequence], positions: list[int]) -> ModelInput:
-        """A decode-only step over given positions (a draft model's proposal steps): one row per
-        sequence, the token at that position (proposed tokens included), all rows' logits wanted."""
+    def build_decode(self, seqs: list[Sequence], positions: list[int], input_ids: torch.Tensor, shift: torch.Tensor | None = None) -> ModelInput:
+        """A decode-only step of a proposer (a draft model's or an EAGLE-3 head's): one row per sequence
+        at the given positions, taking `input_ids` (on the device), all rows' logits wanted. shift: per
+        row, positions to move on by on the device (the accepted count of a verification in flight)."""
         bs = self.block_size
-        ids = [seq.tokens_slice(p, p + 1)[0] for seq, p in zip(seqs, positions)]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
         staged = Staging(torch.long, self.buffers)
-        for values in (ids, positions, slots, list(range(len(seqs) + 1)), [p + 1 for p in positions], _padded_tables([s.block_table for s in seqs])):
+        for values in (positions, slots, list(range(len(seqs) + 1)), [p + 1 for p in positions], _padded_tables([s.block_table for s in seqs])):
             staged.add(values)
-        ids_t, positions_t, slots_t, starts_t, seq_lens_t, tables_t = staged.upload()
-        return ModelInput(input_ids=ids_t, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
-                          block_tables=tables_t.view(len(seqs), -1), logits_indices=starts_t[:-1], num_prefills=0, query_lens=[], context_lens=[])
+        positions_t, slots_t, starts_t, seq_lens_t, tables_t = staged.upload()
+        inp = ModelInput(input_ids=input_ids, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
+                         block_tables=tables_t.view(len(seqs), -1), logits_indices=starts_t[:-1], num_prefills=0, query_lens=[], context_lens=[],
+                         block_size=bs)
+        if shift is not None:
+            rows = torch.arange(len(seqs), device=shift.device)
+            inp.shift = torch.stack([rows, rows, rows])
+            inp.take_device_values(None, shift)
+            inp.shift = None
+        return inp

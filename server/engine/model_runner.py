@@ -39,11 +39,19 @@ class LaunchedStep:
 
     sample: PendingSample | None      # None: nothing sampled (a prefill chunk)
     prompt_logprobs: list[list[dict[int, float]]]
+    # With an EAGLE-3 head: its (normed, prenorm) output, on the device, at each sampled sequence's row
+    # that drafts its next proposal (the row before its last new token).
+    head_state: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def tokens(self) -> torch.Tensor | None:
-        """[sampled rows] long, on the device."""
-        return self.sample.tokens if self.sample is not None else None
+        """[sampled sequences] long, on the device: each one's last new token."""
+        return self.sample.next_tokens if self.sample is not None else None
+
+    @property
+    def accepted_counts(self) -> torch.Tensor | None:
+        """[sampled sequences] long, on the device: proposed tokens accepted (None: no proposals)."""
+        return self.sample.accepted_counts if self.sample is not None else None
 
     def output(self) -> ModelOutput:
         """Wait for the step; its outputs on the host."""
@@ -146,7 +154,10 @@ class ModelRunner:
         self.head: Eagle3Head | None = None
         self._aux: torch.Tensor | None = None  # with an EAGLE-3 head: the last step's target hidden states it reads
         if eagle_head is not None:
-            self.head = load_head(eagle_head, self.model.config, self.model.embed, self.device, self.dtype)
+            # A quantized target's head is int8 too: a head step reads its weights once per row batch, so,
+            # as the target's, it is bound by their bytes (float32: ~1.8 ms of a ~9 ms decode step on a
+            # CPU for the bundled model's head; bench/RESULTS.md).
+            self.head = load_head(eagle_head, self.model.config, self.model.embed, self.device, self.dtype, int8=self.quantization != "none")
         # An FP8 cache: the target's per-layer (k_scale, v_scale), fixed from here on (the draft's set on
         # its layers too); the EAGLE head's one layer keeps its cache in the compute dtype.
         self.kv_scales: list[tuple[float, float]] | None = None
@@ -430,19 +441,21 @@ class ModelRunner:
             self.workers.broadcast_tokens(previous_tokens)
 
     @torch.inference_mode()
-    def launch(self, inp: ModelInput, previous_tokens: torch.Tensor | None = None) -> LaunchedStep:
-        """The one device call of a step: forward, prompt logprobs, sampling (verifying proposed tokens),
-        not waited for: on CUDA the step is queued and the host goes on (async scheduling builds the
-        next step meanwhile); LaunchedStep.output() waits. previous_tokens: the sampled tokens of the
-        step before, still on the device, which the input's placeholders take."""
+    def launch(self, inp: ModelInput, previous: LaunchedStep | None = None, proposal: torch.Tensor | None = None) -> LaunchedStep:
+        """The one device call of a step: forward, prompt logprobs, sampling (verifying proposed tokens)
+        and an EAGLE-3 head's pass over the step's rows, not waited for: on CUDA the step is queued and
+        the host goes on (async scheduling builds the next step meanwhile); LaunchedStep.output() waits.
+        previous: the step before, whose sampled tokens and accepted counts, still on the device, the
+        input's placeholders take; proposal: the proposed tokens this step verifies, made on the device."""
         if self._copies_queued:  # blocks being copied off the device (block_bytes) are not written over before the copies end
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
             self._copies_queued = False
-        inp.take_previous_tokens(previous_tokens)
+        inp.take_device_values(previous.tokens if previous else None, previous.accepted_counts if previous else None, proposal)
         sampled = inp.sampling is not None
         prompt_logits, logits = self._forward(inp, sampled)
         prompt_logprobs = [self._prompt_logprobs(lg, r) for lg, r in zip(prompt_logits, inp.prompt_logprobs)]
-        return LaunchedStep(self.sampler.draw(logits, inp.sampling) if sampled else None, prompt_logprobs)
+        sample = self.sampler.draw(logits, inp.sampling) if sampled else None
+        return LaunchedStep(sample, prompt_logprobs, self._head_catch_up(inp, sample) if self.head is not None else None)
 
     def _forward(self, inp: ModelInput, sampled: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """The part of a step every rank runs alike (its all-reduces and gathers pair up across ranks):
@@ -488,7 +501,7 @@ class ModelRunner:
                 if message.num_previous_tokens:
                     tokens = torch.empty(message.num_previous_tokens, dtype=torch.long, device=self.device)
                     dist.broadcast(tokens, src=0)
-                inp.take_previous_tokens(tokens)
+                inp.take_device_values(tokens)
                 with torch.inference_mode():
                     self._forward(inp, inp.logits_indices.numel() > 0)
             elif isinstance(message, SaveBlocks):
@@ -519,17 +532,21 @@ class ModelRunner:
         return self.workers.describe(self.describe()) if self.workers is not None else [self.describe()]
 
     @torch.inference_mode()
-    @torch.inference_mode()
-    def head_catch_up(self, inp: ModelInput, next_ids: list[int], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The EAGLE-3 head over every row of the step just run (`inp`): row i takes the target's hidden
-        states at its position and `next_ids[i]`, the token after it, writing the head's K/V there (its
-        cache stays as complete as the target's, proposals or not); returns the head's (normed, prenorm)
-        output at `rows`."""
-        ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)
-        normed, prenorm = self.head(ids, inp.positions, self.head.fc(self._aux), self.head_kv_cache, AttentionMetadata.from_input(inp))
+    def _head_catch_up(self, inp: ModelInput, sample: PendingSample | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The EAGLE-3 head over every row of the step (`inp`), on the device, right after it: each row
+        takes the target's hidden states at its position and the token after it, writing the head's K/V
+        there (its cache stays as complete as the target's, proposals or not); returns the head's
+        (normed, prenorm) output at each sampled sequence's row before its last new token (the row
+        after its accepted proposed tokens), which drafts its next proposal."""
+        normed, prenorm = self.head(inp.next_token_ids(sample.tokens if sample else None), inp.positions, self.head.fc(self._aux),
+                                    self.head_kv_cache, AttentionMetadata.from_input(inp))
         self._aux = None
-        at = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return normed[at], prenorm[at]
+        if sample is None:
+            return None
+        rows = inp.logits_indices
+        if sample.accepted_counts is not None:
+            rows = rows[inp.sampling.spec_rows[0][:, 0] + sample.accepted_counts]
+        return normed[rows], prenorm[rows]
 
     @torch.inference_mode()
     def head_propose(self, inp: ModelInput, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -537,11 +554,11 @@ class ModelRunner:
         return self.head(inp.input_ids, inp.positions, hidden, self.head_kv_cache, AttentionMetadata.from_input(inp))
 
     @torch.inference_mode()
-    def head_draw(self, normed: torch.Tensor, sampling) -> tuple[list[int], torch.Tensor | None]:
+    def head_draw(self, normed: torch.Tensor, sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens from the head's outputs, each drawn as the target will judge it."""
         return self.sampler.propose(self.head.logits(normed), sampling)
 
-    def draft_propose(self, inp: ModelInput) -> tuple[list[int], torch.Tensor | None]:
+    def draft_propose(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of the draft model (it writes its own cache) and its draw per row."""
         if self.draft_graphs is not None and self.draft_graphs.takes(inp):
             return self.sampler.propose(self.draft_graphs.run(inp), inp.sampling)

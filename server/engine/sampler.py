@@ -54,14 +54,23 @@ class HostCopy:
 
 @dataclass(slots=True)
 class PendingSample:
-    """A launched draw: `tokens` on the device at once, the host's SampleResult when the copy lands."""
+    """A launched draw: its tokens on the device at once, the host's SampleResult when the copy lands."""
 
-    tokens: torch.Tensor            # [S] long, on the device: each row's chosen token
+    tokens: torch.Tensor            # [rows] long, on the device: each row's chosen token (a proposed one where accepted)
     host: HostCopy                  # chosen, unusable, [accepted], [chosen logprob, top values, top indices] as float64
     t: SamplingTensors
     has_accepted: bool
     has_logprobs: bool
     top_n: int
+    # Per sampled sequence, on the device: the proposed tokens it accepted (None: no proposals), and
+    # its last new token (after the accepted ones), which the next step's input takes.
+    accepted_counts: torch.Tensor | None = None
+    last_tokens: torch.Tensor | None = None
+
+    @property
+    def next_tokens(self) -> torch.Tensor:
+        """[sampled sequences] long, on the device: each one's last new token."""
+        return self.tokens if self.last_tokens is None else self.last_tokens
 
     def result(self) -> SampleResult:
         """Wait for the copy (the step's one device-to-host sync) and read it per sequence."""
@@ -230,16 +239,16 @@ class Sampler:
                 rows.append(draw(1, g)[0])
         return torch.stack(rows)
 
-    def propose(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[list[int], torch.Tensor | None]:
-        """A draft model's draw, with every sampling parameter applied as the target will apply it:
-        (one token per row, the random rows' distributions q it was drawn from)."""
+    def propose(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A proposer's draw, with every sampling parameter applied as the target will apply it:
+        (one token per row, on the device; the random rows' distributions q it was drawn from)."""
         penalised, filtered = processed_logits(logits, t)
         tokens = penalised.argmax(-1)
         q = None
         if t.random_rows:
             q = filtered.softmax(-1)
             tokens[t.random_index] = inverse_cdf(q, self.uniforms(t, 1, q)[:, 0])
-        return tokens.tolist(), q
+        return tokens, q
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SampleResult:
         return self.draw(logits, t).result()
@@ -283,5 +292,10 @@ class Sampler:
             if top_n:
                 top = torch.topk(raw_logprobs, top_n, dim=-1)
                 parts += [top.values.to(torch.float64).flatten(), top.indices.to(torch.float64).flatten()]
-        return PendingSample(chosen, to_host(torch.cat(parts)), t, accepted is not None, raw_logprobs is not None, top_n)
+        counts = last = None
+        if t.spec_rows is not None:  # a sequence's accepted tokens: its rows' leading run of accepted proposals
+            rows, checks = t.spec_rows
+            counts = (accepted[rows] & checks).long().cumprod(1).sum(1)
+            last = chosen[rows[:, 0] + counts]
+        return PendingSample(chosen, to_host(torch.cat(parts)), t, accepted is not None, raw_logprobs is not None, top_n, counts, last)
 

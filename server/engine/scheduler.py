@@ -91,7 +91,7 @@ class Scheduler:
             if seq.num_spec_tokens > n - pending:  # the budget cuts the proposal short
                 keep = max(0, n - pending)
                 seq.set_spec(seq.spec_token_ids[:keep], keep)
-            while not self.bm.allocate(seq, n):
+            while not self.bm.allocate(seq, n + seq.num_unsettled):  # room for the proposal in flight's accepted tokens too
                 if seq.num_spec_tokens:  # a proposal never costs another sequence its blocks
                     n -= seq.num_spec_tokens
                     seq.set_spec(None)
@@ -115,7 +115,8 @@ class Scheduler:
         passed: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
-            if seq.adapter and seq.adapter not in adapters and len(adapters) >= self.max_loras:
+            # Preempted with a verification in flight: its length is known once that step's outputs are.
+            if seq.num_unsettled or (seq.adapter and seq.adapter not in adapters and len(adapters) >= self.max_loras):
                 passed.append(self.waiting.popleft())
                 continue
             cached = self.bm.match_prefix(seq) if not seq.block_table else None
@@ -185,12 +186,21 @@ class Scheduler:
             seq.num_computed_tokens += n - (rejected or {}).get(seq.seq_id, 0)
             self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
 
-    def end_speculation(self, seq: Sequence) -> None:
-        """After a verified proposal was appended: forget it and give back the blocks that only
-        rejected tokens used."""
-        seq.set_spec(None)
-        if not seq.is_finished:
-            self.bm.trim(seq, seq.num_tokens)
+    def settle(self, seq: Sequence, accepted: int) -> None:
+        """Async scheduling: the verification counted with none of its proposal accepted (the step after
+        it was scheduled so) accepted `accepted` tokens, now appended: their K/V count, full blocks join
+        the prefix cache (unless the sequence ended or was preempted meanwhile)."""
+        seq.num_unsettled = 0
+        if seq.status is Status.RUNNING:
+            seq.num_computed_tokens += accepted
+            self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
+
+    def end_speculation(self, seq: Sequence, keep: int = 0) -> None:
+        """After a verified proposal was appended: give back the blocks past the sequence's tokens and
+        `keep` more (async scheduling: what the step in flight may still write) that only rejected
+        tokens used."""
+        if not seq.is_finished and seq.status is Status.RUNNING:
+            self.bm.trim(seq, seq.num_tokens + keep)
 
     def _preempt(self, seq: Sequence) -> None:
         seq.set_spec(None)

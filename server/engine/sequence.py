@@ -34,6 +34,10 @@ class Sequence:
     adapter: int = 0                      # its LoRA adapter's id (0: the base model): scheduling caps the adapters of a step, KV is keyed by it
     output_token_ids: list[int] = field(default_factory=list)  # known output tokens
     num_placeholders: int = 0             # output tokens counted but not known yet (async scheduling: 0 or 1)
+    # Async scheduling with speculation: the proposed tokens of the verification in flight (0..k). The
+    # host counts none of them as accepted until the step's outputs arrive; their slots stay reserved
+    # (the next step's rows sit that many positions further on when they are: the device shifts them).
+    num_unsettled: int = 0
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained keys of its full, cached blocks (block_manager.py)

@@ -19,14 +19,18 @@ costs ~12% of a decode step (measured in bench/spec.py's workloads), so the defa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvpilot.server.config import EngineConfig
-from kvpilot.server.engine.model_io import InputBuilder, SamplingTensors
+from kvpilot.server.engine.model_io import InputBuilder, Proposal, SamplingTensors
 from kvpilot.server.engine.scheduler import ScheduledBatch
-from kvpilot.server.engine.sequence import Sequence
+from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN, Sequence
+
+if TYPE_CHECKING:
+    from kvpilot.server.engine.llm_engine import StepInFlight
 
 PAUSE_WINDOW = 8   # proposed tokens a sequence's acceptance is judged over
 PAUSE_STEPS = 16   # steps a sequence with low acceptance goes without proposals (the first time)
@@ -96,20 +100,27 @@ class Proposer:
                 acc.paused_steps -= 1
                 continue
             # Room: every position stays inside the context, and no more tokens than the length limit
-            # takes (a proposal of k ends in k + 1 new tokens).
-            room = min(self.k, self.max_model_len - seq.num_tokens - 1)
+            # takes (a proposal of k ends in k + 1 new tokens), however many of a verification in
+            # flight are accepted (async scheduling).
+            room = min(self.k, self.max_model_len - seq.num_tokens - seq.num_unsettled - 1)
             if seq.max_output_tokens is not None:
-                room = min(room, seq.max_output_tokens - seq.num_output_tokens - 1)
+                room = min(room, seq.max_output_tokens - seq.num_output_tokens - seq.num_unsettled - 1)
             if room > 0:
                 self.plan_sequence(seq, room)
 
     def plan_sequence(self, seq: Sequence, room: int) -> None:
         raise NotImplementedError
 
-    def propose(self, batch: ScheduledBatch) -> dict[int, torch.Tensor] | None:
-        """After scheduling: fill in proposals that need the reserved KV slots; returns the
-        proposal distributions of random-sampling sequences (seq_id -> [k, V]) when not certain."""
+    def propose(self, batch: ScheduledBatch, previous: StepInFlight | None = None) -> Proposal | None:
+        """After scheduling: make the proposals that need the reserved KV slots, on the device (the
+        sequences hold placeholders for them; a sequence whose mask or penalties need its proposed
+        tokens on the host gets them there too), and the distributions random-sampling sequences' were
+        drawn from. previous: the step in flight (async scheduling), whose tokens and accepted counts
+        the proposals start from on the device."""
         return None
+
+    def launched(self, step: StepInFlight) -> None:
+        """A step was launched (its outputs still on the device)."""
 
     def verified(self, results: list[tuple[Sequence, int, int]]) -> None:
         """After a step's verifications, (sequence, tokens proposed, tokens accepted) each: count
@@ -159,11 +170,12 @@ def ngram_lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]
     return []
 
 
-class DraftModelProposer(Proposer):
-    """A small model sharing the tokenizer drafts k tokens one decode step at a time (all proposing
-    sequences batched), each drawn with the request's own sampling parameters, so that verification
-    can compare the two distributions. Its cache is filled by running every target step's rows too
-    (ModelRunner.launch), so proposing needs only the k new rows."""
+class DeviceProposer(Proposer):
+    """A proposer that drafts on the device, k decode steps of its own (all proposing sequences
+    batched), each token drawn with the request's own sampling parameters, so that verification can
+    compare the two distributions. Under async scheduling its first step starts from the step in
+    flight's tokens and accepted counts, on the device: step n + 1's proposal never waits for step n's
+    tokens to reach the host."""
 
     def __init__(self, config: EngineConfig, max_model_len: int, runner, inputs: InputBuilder, eos_token_ids: tuple[int, ...]):
         super().__init__(config, max_model_len)
@@ -172,54 +184,98 @@ class DraftModelProposer(Proposer):
     def plan_sequence(self, seq: Sequence, room: int) -> None:
         seq.set_spec(None, room)  # the tokens come in propose(), once the slots are reserved
 
-    def propose(self, batch: ScheduledBatch) -> dict[int, torch.Tensor] | None:
+    def propose(self, batch: ScheduledBatch, previous: StepInFlight | None = None) -> Proposal | None:
         seqs = [s for s in batch.seqs if s.num_spec_tokens]
+        if not seqs:
+            return None
+        # Penalties count the proposed tokens as output, and a grammar's masks follow them: those
+        # sequences' tokens come to the host (their steps never overlap the previous one: llm_engine.py).
+        host = any(s.guide is not None or s.params.has_penalties for s in seqs)
         for seq in seqs:
             seq.spec_token_ids = []  # a re-run of a failed step proposes again
+        width = max(s.num_spec_tokens for s in seqs)
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=self.runner.device)
         probs: dict[int, list[torch.Tensor]] = {}
-        for i in range(max((s.num_spec_tokens for s in seqs), default=0)):
-            active = [s for s in seqs if s.num_spec_tokens > i]
-            inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active])
-            # Each row drawn as the target will judge it: with the proposed tokens so far counted as output.
-            inp.sampling = SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.inputs.buffers, proposing=True)
-            tokens, q = self.runner.draft_propose(inp)
-            for j, seq in enumerate(active):
-                seq.spec_token_ids.append(tokens[j])
+        rows = list(range(len(seqs)))
+        for i, drawn, q in self.draft_steps(seqs, previous):
+            active = [seqs[r] for r in rows if seqs[r].num_spec_tokens > i]
+            rows = [r for r in rows if seqs[r].num_spec_tokens > i]
+            tokens[rows, i] = drawn
+            known = drawn.tolist() if host else [PLACEHOLDER_TOKEN] * len(active)
+            for seq, token in zip(active, known):
+                seq.spec_token_ids.append(token)
             if q is not None:
-                for j, row in enumerate(inp.sampling.random_rows):
+                for j, row in enumerate(self._sampling.random_rows):
                     probs.setdefault(active[row].seq_id, []).append(q[j])
-        return {sid: torch.stack(rows) for sid, rows in probs.items()} or None
+        return Proposal(tokens, index, {sid: torch.stack(rows) for sid, rows in probs.items()} or None)
+
+    def draft_steps(self, seqs: list[Sequence], previous: StepInFlight | None):
+        """Yield (i, the i-th proposed token of every sequence proposing at least i + 1, the random rows'
+        distributions) in turn; self._sampling is the draw's SamplingTensors."""
+        raise NotImplementedError
+
+    def _draw_rows(self, active: list[Sequence]) -> SamplingTensors:
+        """Each row drawn as the target will judge it: with the proposed tokens so far counted as output."""
+        self._sampling = SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.inputs.buffers, proposing=True)
+        return self._sampling
+
+    def _in_flight(self, seqs: list[Sequence], previous: StepInFlight | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Per sequence, from the step in flight, on the device: its last new token (where the host has
+        a placeholder; else -1) and how many positions on its rows are (the accepted count of its
+        verification; else 0). (None, None) without a step in flight."""
+        if previous is None:
+            return None, None
+        where = previous.sampled_rows()
+        at = torch.tensor([where.get(s.seq_id, -1) if s.num_placeholders else -1 for s in seqs], device=self.runner.device)
+        tokens = torch.where(at >= 0, previous.launched.tokens[at.clamp(min=0)], -1)
+        counts = previous.launched.accepted_counts
+        if counts is None:
+            return tokens, None
+        at = torch.tensor([where.get(s.seq_id, -1) if s.num_unsettled else -1 for s in seqs], device=self.runner.device)
+        return tokens, torch.where(at >= 0, counts[at.clamp(min=0)], 0)
 
 
-class EagleProposer(Proposer):
-    """An EAGLE-3 head (server/models/eagle.py) drafts from the target's own hidden states. After every
-    step the head runs over all of that step's rows (`catch_up`: its K/V cache stays as complete as the
-    target's whether or not anything is proposed — above the batch threshold too — for about one target
-    layer's cost); a sequence's row before its newest token gives the first proposed token, and each
-    further one is a decode step of the head fed its own output. Proposals are drawn with the request's
-    sampling parameters, as a draft model's are, for the exact acceptance rule."""
+class DraftModelProposer(DeviceProposer):
+    """A small model sharing the tokenizer drafts k tokens. Its cache is filled by running every
+    target step's rows too (ModelRunner.launch), so proposing needs only the k new rows: the first
+    takes the sequence's last token, each further one the token drafted before it."""
+
+    def draft_steps(self, seqs: list[Sequence], previous: StepInFlight | None):
+        last, shift = self._in_flight(seqs, previous)
+        known = torch.tensor([s.tokens_slice(s.num_computed_tokens, s.num_computed_tokens + 1)[0] for s in seqs], device=self.runner.device)
+        ids = known if last is None else torch.where(last >= 0, last, known)
+        rows = list(range(len(seqs)))
+        for i in range(max(s.num_spec_tokens for s in seqs)):
+            keep = [j for j, r in enumerate(rows) if seqs[r].num_spec_tokens > i]
+            rows = [rows[j] for j in keep]
+            active = [seqs[r] for r in rows]
+            inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active], ids[keep],
+                                           shift[rows] if shift is not None else None)
+            inp.sampling = self._draw_rows(active)
+            ids, q = self.runner.draft_propose(inp)
+            yield i, ids, q
+
+
+class EagleProposer(DeviceProposer):
+    """An EAGLE-3 head (server/models/eagle.py) drafts from the target's own hidden states. Every step
+    the head runs over all of that step's rows, on the device right after the target (ModelRunner:
+    its K/V cache stays as complete as the target's whether or not anything is proposed — above the
+    batch threshold too — for about one target layer's cost) and keeps, per sampled sequence, its
+    output at the row before the sequence's last new token: that gives the first proposed token, and
+    each further one is a decode step of the head fed its own output."""
 
     def __init__(self, config: EngineConfig, max_model_len: int, runner, inputs: InputBuilder, eos_token_ids: tuple[int, ...]):
-        super().__init__(config, max_model_len)
-        self.runner, self.inputs, self.eos_token_ids = runner, inputs, eos_token_ids
-        # seq_id -> (the sequence, its num_tokens then, the head's normed and prenorm output at its row before the newest token)
-        self.last: dict[int, tuple[Sequence, int, torch.Tensor, torch.Tensor]] = {}
+        super().__init__(config, max_model_len, runner, inputs, eos_token_ids)
+        # seq_id -> (the sequence, its preemptions then, the head's normed and prenorm outputs of a step, its row there)
+        self.last: dict[int, tuple[Sequence, int, torch.Tensor, torch.Tensor, int]] = {}
 
-    def catch_up(self, inp, plan) -> None:
-        """The head over the rows of the step just completed (`inp`, laid out as `plan.spans`): each row
-        gets the token after its position (rows past the accepted tokens of a verification get a dummy:
-        their K/V is rewritten before it is read)."""
-        next_ids, rows, seqs = [], [], []
-        for seq, row0, start, n in plan.spans:
-            known = seq.tokens_slice(start + 1, min(start + n + 1, seq.num_tokens))
-            next_ids += known + [0] * (n - len(known))
-            before_newest = seq.num_tokens - 2
-            if start <= before_newest < start + n and not seq.is_finished:
-                rows.append(row0 + before_newest - start)
-                seqs.append(seq)
-        normed, prenorm = self.runner.head_catch_up(inp, next_ids, rows)
-        for i, seq in enumerate(seqs):
-            self.last[seq.seq_id] = (seq, seq.num_tokens, normed[i], prenorm[i])
+    def launched(self, step: StepInFlight) -> None:
+        if step.launched.head_state is None:
+            return
+        normed, prenorm = step.launched.head_state
+        for i, seq in enumerate(step.plan.sampled):
+            self.last[seq.seq_id] = (seq, seq.num_preemptions, normed, prenorm, i)
 
     def plan(self, running: list[Sequence]) -> None:
         for seq_id in [i for i, entry in self.last.items() if entry[0].is_finished]:
@@ -228,32 +284,24 @@ class EagleProposer(Proposer):
 
     def plan_sequence(self, seq: Sequence, room: int) -> None:
         entry = self.last.get(seq.seq_id)
-        if entry is not None and entry[1] == seq.num_tokens:  # the head has seen every token (not so after a preemption's re-prefill began)
+        if entry is not None and entry[1] == seq.num_preemptions:  # the head has seen every token (not so after a preemption's re-prefill began)
             seq.set_spec(None, room)  # the tokens come in propose(), once the slots are reserved
 
-    def propose(self, batch: ScheduledBatch) -> dict[int, torch.Tensor] | None:
-        seqs = [s for s in batch.seqs if s.num_spec_tokens]
-        if not seqs:
-            return None
-        for seq in seqs:
-            seq.spec_token_ids = []  # a re-run of a failed step proposes again
-        normed = torch.stack([self.last[s.seq_id][2] for s in seqs])
-        prenorm = torch.stack([self.last[s.seq_id][3] for s in seqs])
-        probs: dict[int, list[torch.Tensor]] = {}
-        active = seqs
+    def draft_steps(self, seqs: list[Sequence], previous: StepInFlight | None):
+        _, shift = self._in_flight(seqs, previous)
+        normed = torch.stack([self.last[s.seq_id][2][self.last[s.seq_id][4]] for s in seqs])
+        prenorm = torch.stack([self.last[s.seq_id][3][self.last[s.seq_id][4]] for s in seqs])
+        rows = list(range(len(seqs)))
+        tokens = None
         for i in range(max(s.num_spec_tokens for s in seqs)):
+            active = [seqs[r] for r in rows]
             if i:
-                keep = [j for j, s in enumerate(active) if s.num_spec_tokens > i]
-                active = [active[j] for j in keep]
+                keep = [j for j, r in enumerate(rows) if seqs[r].num_spec_tokens > i]
+                rows = [rows[j] for j in keep]
+                active = [seqs[r] for r in rows]
                 # The row after the last proposed token's: that token in, the head's previous output as the hidden state.
-                inp = self.inputs.build_decode(active, [s.num_tokens - 2 + i for s in active])
-                inp.input_ids = torch.tensor([s.spec_token_ids[-1] for s in active], dtype=torch.long, device=prenorm.device)
+                inp = self.inputs.build_decode(active, [s.num_tokens - 2 + i for s in active], tokens[keep],
+                                               shift[rows] if shift is not None else None)
                 normed, prenorm = self.runner.head_propose(inp, prenorm[keep])
-            sampling = SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.inputs.buffers, proposing=True)
-            tokens, q = self.runner.head_draw(normed, sampling)
-            for j, seq in enumerate(active):
-                seq.spec_token_ids.append(tokens[j])
-            if q is not None:
-                for j, row in enumerate(sampling.random_rows):
-                    probs.setdefault(active[row].seq_id, []).append(q[j])
-        return {sid: torch.stack(rows) for sid, rows in probs.items()} or None
+            tokens, q = self.runner.head_draw(normed, self._draw_rows(active))
+            yield i, tokens, q

@@ -36,7 +36,7 @@ from torch import nn
 from kvpilot.kernels.linear import make_linear
 from kvpilot.kernels.ops import ops_for
 from kvpilot.kernels.paged_attention import AttentionMetadata
-from kvpilot.kernels.quantized import embedding
+from kvpilot.kernels.quantized import embedding, quantize_int8
 from kvpilot.server.layers.attention import PagedSelfAttention
 from kvpilot.server.layers.mlp import SwiGLU
 from kvpilot.server.layers.rmsnorm import RMSNorm
@@ -127,21 +127,23 @@ class Eagle3Head(nn.Module):
     or the head's own previous prenorm output; normed goes to `logits`, prenorm back in as `hidden`."""
 
     def __init__(self, config: HeadConfig, tensors: dict[str, torch.Tensor], target_embed, device: torch.device, dtype: torch.dtype,
-                 max_position: int):
+                 max_position: int, int8: bool = False):
+        """int8: the projections quantized to int8 blocks (quantize_int8: Q8_0's layout and kernels)."""
         super().__init__()
         c, ops = config, ops_for(device)
         self.config = c
         t = lambda name: tensors[name].to(device=device, dtype=dtype).contiguous()  # noqa: E731
         norm = lambda name: RMSNorm(t(name), c.rms_norm_eps, ops)  # noqa: E731
+        make = (lambda w: make_linear(quantize_int8(w))) if int8 else make_linear  # noqa: E731
         m = "midlayer."
-        self.fc = make_linear(t("fc.weight"))
+        self.fc = make(t("fc.weight"))
         self.embed_norm, self.hidden_norm = norm(m + "input_layernorm.weight"), norm(m + "hidden_norm.weight")
         qkv = torch.cat([t(m + f"self_attn.{p}_proj.weight") for p in "qkv"])
-        self.attn = PagedSelfAttention(make_linear(qkv), make_linear(t(m + "self_attn.o_proj.weight")), c.num_heads, c.num_kv_heads, c.head_dim, ops)
+        self.attn = PagedSelfAttention(make(qkv), make(t(m + "self_attn.o_proj.weight")), c.num_heads, c.num_kv_heads, c.head_dim, ops)
         self.mlp_norm = norm(m + "post_attention_layernorm.weight")
-        self.mlp = SwiGLU(*(make_linear(t(m + f"mlp.{p}_proj.weight")) for p in ("gate", "up", "down")))
+        self.mlp = SwiGLU(*(make(t(m + f"mlp.{p}_proj.weight")) for p in ("gate", "up", "down")))
         self.norm = norm("norm.weight")
-        self.lm_head = make_linear(t("lm_head.weight"))
+        self.lm_head = make(t("lm_head.weight"))
         self.embed = t("embed_tokens.weight") if "embed_tokens.weight" in tensors else target_embed
         # Where each draft-vocabulary logit lands among the target's ids.
         self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size, device=device) + tensors["d2t"].to(device=device, dtype=torch.long))
@@ -166,8 +168,10 @@ class Eagle3Head(nn.Module):
         return full
 
 
-def load_head(directory: str | Path, target: ModelConfig, target_embed, device: torch.device, dtype: torch.dtype) -> Eagle3Head:
-    """Read, check (every tensor's name and shape, the d2t mapping) and build a head for `target`."""
+def load_head(directory: str | Path, target: ModelConfig, target_embed, device: torch.device, dtype: torch.dtype,
+              int8: bool = False) -> Eagle3Head:
+    """Read, check (every tensor's name and shape, the d2t mapping) and build a head for `target`
+    (int8: its projections quantized to int8 blocks, see Eagle3Head)."""
     from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
@@ -202,4 +206,4 @@ def load_head(directory: str | Path, target: ModelConfig, target_embed, device: 
     if ids.min() < 0 or ids.max() >= config.vocab_size or ids.unique().numel() != ids.numel():
         raise ModelFormatError(f"{where}: d2t does not map the draft vocabulary onto distinct target ids")
     with torch.inference_mode():
-        return Eagle3Head(config, tensors, target_embed, device, dtype, target.max_position)
+        return Eagle3Head(config, tensors, target_embed, device, dtype, target.max_position, int8)
