@@ -42,10 +42,10 @@ def run(mode, **engine_args):
     runner, penalty_fills = llm.engine.runner, []
     launch = runner.launch
 
-    def spy(inp, previous_tokens=None):
+    def spy(inp, previous=None, proposal=None):
         pen = inp.sampling.penalties if inp.sampling is not None else None
         penalty_fills.append(pen is not None and pen.from_previous is not None)
-        return launch(inp, previous_tokens)
+        return launch(inp, previous, proposal)
 
     runner.launch = spy
     outs = llm.generate(PROMPTS, params())
@@ -138,8 +138,9 @@ def test_async_scheduling_is_refused_where_it_cannot_run():
     from kvpilot.server.config import EngineConfig
 
     assert EngineConfig().async_scheduling == "auto"
-    with pytest.raises(ValueError, match="async_scheduling=on is not implemented with speculative decoding"):
+    with pytest.raises(ValueError, match="async_scheduling=on with speculative_method=ngram: n-gram proposals are looked up"):
         EngineConfig(async_scheduling="on", speculative_method="ngram")
+    assert EngineConfig(async_scheduling="on", speculative_method="draft", speculative_model="draft.gguf").async_scheduling == "on"
     assert EngineConfig(async_scheduling="on", tensor_parallel_size=3).async_scheduling == "on"  # ranks build placeholders' inputs too
     assert EngineConfig.from_cli_args(["--async-scheduling", "off"]).async_scheduling == "off"
 

@@ -83,10 +83,10 @@ def test_a_failing_model_step_fails_only_the_request_that_breaks_it(engine, monk
 
     poison_token = 9999  # only the poisoned request's prompt holds it
 
-    def launch(model_input, previous_tokens=None):  # an out-of-memory error whenever the poisoned request is in the step
+    def launch(model_input, previous=None, proposal=None):  # an out-of-memory error whenever the poisoned request is in the step
         if poison_token in model_input.input_ids.tolist():
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(model_input, previous_tokens)
+        return real(model_input, previous, proposal)
 
     monkeypatch.setattr(runner, "launch", launch)
     monkeypatch.setattr(engine, "async_scheduling", overlapped)

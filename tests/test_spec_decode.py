@@ -168,18 +168,29 @@ SETTINGS = {
     # Decode steps (verifications: k + 1 rows per sequence) and the draft's proposal steps through the
     # CUDA graphs' static buffers, run without capture (decode_graphs.py), padding rows included.
     "graph-buffers": dict(kv_cache_memory="64MiB"),
+    # Async scheduling: each step's proposal made on the device from the step in flight's tokens and
+    # accepted counts, its rows moved on there; with preemptions of sequences whose verification is in flight.
+    "async": dict(kv_cache_memory="64MiB", async_scheduling="on"),
+    "async-preempted": dict(kv_cache_memory=21 * (2 * 30 * 16 * 3 * 64 * 4), block_size=16, async_scheduling="on"),
 }
+ASYNC_METHODS = ("draft", "eagle3")  # n-gram proposals are looked up on the host: its steps stay synchronous
 
 
 # An EAGLE-3 head reads each step's hidden states: its engine runs no decode graphs (checked below); its
 # chunked and preempted runs batch all the prompts too.
 @pytest.mark.parametrize(("method", "setting"), [(m, s) for m in ("ngram", "draft", "eagle3") for s in SETTINGS
-                                                 if m != "eagle3" or s in ("chunked", "preempted")])
+                                                 if (m != "eagle3" or s in ("chunked", "preempted", "async", "async-preempted"))
+                                                 and (m in ASYNC_METHODS or not s.startswith("async"))])
 def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, plain_greedy, draft_path, eagle_path):
     kw = dict(SETTINGS[setting], **method_kw(method, draft_path, eagle_path), **FORCED)
-    if setting == "preempted":  # a block now also holds the draft's 4 layers, or the head's one
+    if setting.endswith("preempted"):  # a block now also holds the draft's 4 layers, or the head's one
         kw["kv_cache_memory"] = kw["kv_cache_memory"] * {"ngram": 30, "draft": 34, "eagle3": 31}[method] // 30
     engine = make_engine(**kw)
+    assert engine.async_scheduling is setting.startswith("async")
+    shifted = []  # async: steps whose verifications follow one in flight (rows moved on by its accepted counts on the device)
+    launch = engine.runner.launch
+    engine.runner.launch = lambda inp, previous=None, proposal=None: (
+        shifted.append(inp.shift is not None and inp.from_proposal is not None) or launch(inp, previous, proposal))
     graph_rows = []
     if setting == "graph-buffers":
         engine.runner.start_decode_graphs(engine.max_model_len, capture=False)
@@ -200,8 +211,9 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
     else:
         engine.runner.start_decode_graphs(engine.max_model_len, capture=False)
         assert engine.runner.decode_graphs is None and engine.runner.head_kv_cache[0].shape[0] == engine.runner.num_blocks + 1
-    if setting == "preempted":
+    if setting.endswith("preempted"):
         assert engine.scheduler.num_preemptions > 0
+    assert (sum(shifted) > 10) is setting.startswith("async")
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # every slot reserved for a proposal came back
     if method == "ngram":
@@ -260,13 +272,13 @@ def plain_samples():
     return _sample_all(make_engine(**DISTRIBUTION_KW))
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "eagle3"])
-def test_sampling_distribution_is_unchanged_by_speculation(method, draft_path, eagle_path, plain_samples):
+@pytest.mark.parametrize(("method", "async_scheduling"), [("ngram", "off"), ("draft", "off"), ("eagle3", "off"), ("draft", "on"), ("eagle3", "on")])
+def test_sampling_distribution_is_unchanged_by_speculation(method, async_scheduling, draft_path, eagle_path, plain_samples):
     """Temperature 1 (top-k 4 keeps the support small enough to test), 300 seeds each way: the tokens at
     output positions 2 and 3 (the first comes from the prefill and is never speculated) are distributed
     the same with and without speculation (chi-square homogeneity, p > 0.001 on this fixed seed set),
-    while rejections did happen."""
-    engine = make_engine(**DISTRIBUTION_KW, **method_kw(method, draft_path, eagle_path), **FORCED)
+    while rejections did happen; with async scheduling too (proposals drawn on the device)."""
+    engine = make_engine(**DISTRIBUTION_KW, **method_kw(method, draft_path, eagle_path), **FORCED, async_scheduling=async_scheduling)
     spec_samples = _sample_all(engine)
     s = engine.proposer.stats
     assert s.num_drafts > 100 and 0 < s.num_accepted_tokens < s.num_draft_tokens
@@ -276,9 +288,13 @@ def test_sampling_distribution_is_unchanged_by_speculation(method, draft_path, e
         assert _chi_square_p_value(a, b) > 1e-3, (position, a, b)
 
 
-def test_stops_inside_an_accepted_run_end_the_sequence_at_the_right_token(plain_greedy):
-    """EOS-like stops, stop strings, max_tokens and min_tokens falling inside a run of accepted tokens."""
-    engine = make_engine(kv_cache_memory="64MiB", speculative_method="ngram", **FORCED)
+@pytest.mark.parametrize("method", ["ngram", "draft-async"])
+def test_stops_inside_an_accepted_run_end_the_sequence_at_the_right_token(method, plain_greedy, model_path):
+    """EOS-like stops, stop strings, max_tokens and min_tokens falling inside a run of accepted tokens;
+    with async scheduling, while the next step (its proposal made on the device) is in flight: there the
+    model drafts for itself (every greedy proposal accepted)."""
+    kw = dict(speculative_method="ngram") if method == "ngram" else dict(speculative_method="draft", speculative_model=str(model_path), async_scheduling="on")
+    engine = make_engine(kv_cache_memory="64MiB", **kw, **FORCED)
     plain = make_engine(kv_cache_memory="64MiB")
     full = plain_greedy[GREEDY_PROMPTS.index(COPY_PROMPTS[1])]  # the code prompt: its output copies long runs of its context
     tok = engine.tokenizer

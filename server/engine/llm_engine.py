@@ -460,8 +460,8 @@ class LLMEngine:
         # A proposal of k with a accepted adds a + 1 tokens: the K/V of the k - a rejected ones does not count.
         verified = [(seq, k, 0 if i in out.errors else len(out.token_ids[i]) - 1)
                     for i, (seq, k) in enumerate(zip(plan.sampled, plan.proposed)) if k]
-        if not step.updated:
-            self._update(batch, {seq.seq_id: proposed - accepted for seq, proposed, accepted in verified})
+        if not step.updated:  # counted as _begin_awaiting does: the accepted tokens are settled once appended
+            self._update(batch, {seq.seq_id: k for seq, k, _ in verified})
         now = time.monotonic()
         touched: dict[str, None] = {}
         failed: dict[str, str] = {}
@@ -482,8 +482,7 @@ class LLMEngine:
             touched[seq.request_id] = None
         if verified:
             for seq, _, accepted in verified:
-                if step.updated:
-                    self.scheduler.settle(seq, accepted)
+                self.scheduler.settle(seq, accepted)
                 # (the step after it, if in flight, may write up to k positions past the accepted tokens)
                 self.scheduler.end_speculation(seq, self.proposer.k if self.async_scheduling else 0)
             self.proposer.verified(verified)

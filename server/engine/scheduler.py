@@ -187,9 +187,9 @@ class Scheduler:
             self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
 
     def settle(self, seq: Sequence, accepted: int) -> None:
-        """Async scheduling: the verification counted with none of its proposal accepted (the step after
-        it was scheduled so) accepted `accepted` tokens, now appended: their K/V count, full blocks join
-        the prefix cache (unless the sequence ended or was preempted meanwhile)."""
+        """A verification, counted as if none of its proposal was accepted (under async scheduling the
+        step after it was scheduled so), accepted `accepted` tokens, now appended: their K/V count, full
+        blocks join the prefix cache (unless the sequence ended or was preempted meanwhile)."""
         seq.num_unsettled = 0
         if seq.status is Status.RUNNING:
             seq.num_computed_tokens += accepted

@@ -159,6 +159,7 @@ class RankSeq:
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_tokens: int = 0
     params: RowParams = field(default_factory=lambda: RowParams(None))
+    num_unsettled: int = 0  # always: proposals made on the device (draft, eagle3) run on one rank only
 
     @property
     def num_tokens(self) -> int:
