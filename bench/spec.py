@@ -1,7 +1,7 @@
 """Speculative decoding: tok/s with and without it, same engine settings, one run, interleaved.
 
     .venv/bin/python bench/spec.py [--force] [--rounds 3] [--draft-layers 8] [--threads N] [--quantization gguf]
-                                   [--eagle-head DIR] [--engines plain,ngram,eagle3]
+                                   [--eagle-head DIR] [--eagle-tokens 1,2,3] [--engines plain,ngram,eagle3]
 
 Engines: plain decoding, n-gram prompt lookup, a draft model (the bundled model cut to its first
 --draft-layers blocks by `kvpilot make-draft`; a truncated model is a weak draft, so this measures the
@@ -57,7 +57,8 @@ CHAT = [
 ]
 
 
-def engines(threads: int, draft_layers: int, workdir: Path, quantization: str, eagle_head: str | None, wanted: list[str] | None) -> dict:
+def engines(threads: int, draft_layers: int, workdir: Path, quantization: str, eagle_head: str | None, wanted: list[str] | None,
+            eagle_tokens: list[int]) -> dict:
     from kvpilot.server.config import EngineConfig
     from kvpilot.server.engine.llm_engine import LLMEngine
     from kvpilot.server.gguf_loader import write_truncated
@@ -68,7 +69,11 @@ def engines(threads: int, draft_layers: int, workdir: Path, quantization: str, e
     configs = {"plain": {}, "ngram": dict(speculative_method="ngram"),
                "draft": dict(speculative_method="draft", speculative_model=str(draft))}
     if eagle_head:
-        configs["eagle3"] = dict(speculative_method="eagle3", speculative_model=eagle_head, num_speculative_tokens=3)
+        for k in eagle_tokens:
+            configs["eagle3" if len(eagle_tokens) == 1 else f"eagle3-k{k}"] = dict(speculative_method="eagle3", speculative_model=eagle_head,
+                                                                                   num_speculative_tokens=k)
+    if wanted and "eagle3" in wanted:
+        wanted = wanted + [name for name in configs if name.startswith("eagle3")]
     unknown = set(wanted or ()) - set(configs)
     if unknown:
         raise SystemExit(f"--engines: {', '.join(sorted(unknown))} unknown here (have: {', '.join(configs)}; eagle3 needs --eagle-head)")
@@ -102,7 +107,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--quantization", default="none", help="the model's weights (gguf: the GGUF's own blocks)")
-    ap.add_argument("--eagle-head", help="an EAGLE-3 head's directory: adds the eagle3 engine (3 proposed tokens)")
+    ap.add_argument("--eagle-head", help="an EAGLE-3 head's directory: adds the eagle3 engine")
+    ap.add_argument("--eagle-tokens", default="3", help="tokens the head proposes per step; several (1,2,3): one engine each, eagle3-kN")
     ap.add_argument("--engines", help="comma-separated subset of plain,ngram,draft,eagle3 (plain always)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
@@ -110,7 +116,8 @@ def main() -> None:
     workloads = {"copy": (COPY, False), "chat": (CHAT, False), "16x": ((COPY + CHAT) * 2, True)}
     with tempfile.TemporaryDirectory() as tmp:
         wanted = ["plain", *args.engines.split(",")] if args.engines else None
-        eng = engines(args.threads, args.draft_layers, Path(tmp), args.quantization, args.eagle_head, wanted)
+        eng = engines(args.threads, args.draft_layers, Path(tmp), args.quantization, args.eagle_head, wanted,
+                      [int(k) for k in args.eagle_tokens.split(",")])
         for e in eng.values():
             run(e, CHAT[:1], False, 8)  # warm-up
         rates: dict[tuple[str, str], list[float]] = {}

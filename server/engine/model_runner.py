@@ -555,7 +555,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def head_draw(self, normed: torch.Tensor, sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft tokens from the head's outputs, each drawn as the target will judge it."""
+        """Draft tokens from the head's outputs, each drawn as the target will judge it (sampling None:
+        the argmax, found in the draft vocabulary)."""
+        if sampling is None:
+            return self.head.draft_argmax(normed), None
         return self.sampler.propose(self.head.logits(normed), sampling)
 
     def draft_propose(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -241,7 +241,10 @@ class Sampler:
 
     def propose(self, logits: torch.Tensor, t: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A proposer's draw, with every sampling parameter applied as the target will apply it:
-        (one token per row, on the device; the random rows' distributions q it was drawn from)."""
+        (one token per row, on the device; the random rows' distributions q it was drawn from).
+        t None: every row greedy with nothing to apply (the argmax)."""
+        if t is None:
+            return logits.argmax(-1), None
         penalised, filtered = processed_logits(logits, t)
         tokens = penalised.argmax(-1)
         q = None

@@ -215,9 +215,12 @@ class DeviceProposer(Proposer):
         distributions) in turn; self._sampling is the draw's SamplingTensors."""
         raise NotImplementedError
 
-    def _draw_rows(self, active: list[Sequence]) -> SamplingTensors:
-        """Each row drawn as the target will judge it: with the proposed tokens so far counted as output."""
-        self._sampling = SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.inputs.buffers, proposing=True)
+    def _draw_rows(self, active: list[Sequence]) -> SamplingTensors | None:
+        """Each row drawn as the target will judge it: with the proposed tokens so far counted as output.
+        None: every row is greedy with nothing that changes its logits (the argmax alone)."""
+        plain = all(s.params.greedy and not s.params.has_penalties and not s.params.logit_bias and s.guide is None
+                    and s.num_output_tokens >= s.params.min_tokens for s in active)
+        self._sampling = None if plain else SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.inputs.buffers, proposing=True)
         return self._sampling
 
     def _in_flight(self, seqs: list[Sequence], previous: StepInFlight | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

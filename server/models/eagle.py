@@ -160,6 +160,10 @@ class Eagle3Head(nn.Module):
         prenorm = self.mlp(self.mlp_norm(x), x)
         return self.norm(prenorm), prenorm
 
+    def draft_argmax(self, normed: torch.Tensor) -> torch.Tensor:
+        """The best token of each row, as a target id (what `logits` would give its argmax)."""
+        return self.draft_to_target[self.lm_head(normed).argmax(-1)]
+
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Over the target's vocabulary: the draft vocabulary's logits in place, -inf elsewhere."""
         draft = self.lm_head(normed).float()
