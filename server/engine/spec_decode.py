@@ -201,7 +201,7 @@ class DeviceProposer(Proposer):
         for i, drawn, q in self.draft_steps(seqs, previous):
             active = [seqs[r] for r in rows if seqs[r].num_spec_tokens > i]
             rows = [r for r in rows if seqs[r].num_spec_tokens > i]
-            tokens[rows, i] = drawn
+            tokens[self._index(rows), i] = drawn
             known = drawn.tolist() if host else [PLACEHOLDER_TOKEN] * len(active)
             for seq, token in zip(active, known):
                 seq.spec_token_ids.append(token)
@@ -223,6 +223,11 @@ class DeviceProposer(Proposer):
         self._sampling = None if plain else SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.inputs.buffers, proposing=True)
         return self._sampling
 
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """A host list as a device index (staged like a step's inputs: a plain torch.tensor to a GPU
+        would wait for the step in flight)."""
+        return self.inputs.buffers.upload(values, torch.long)
+
     def _in_flight(self, seqs: list[Sequence], previous: StepInFlight | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per sequence, from the step in flight, on the device: its last new token (where the host has
         a placeholder; else -1) and how many positions on its rows are (the accepted count of its
@@ -230,12 +235,12 @@ class DeviceProposer(Proposer):
         if previous is None:
             return None, None
         where = previous.sampled_rows()
-        at = torch.tensor([where.get(s.seq_id, -1) if s.num_placeholders else -1 for s in seqs], device=self.runner.device)
+        at = self._index([where.get(s.seq_id, -1) if s.num_placeholders else -1 for s in seqs])
         tokens = torch.where(at >= 0, previous.launched.tokens[at.clamp(min=0)], -1)
         counts = previous.launched.accepted_counts
         if counts is None:
             return tokens, None
-        at = torch.tensor([where.get(s.seq_id, -1) if s.num_unsettled else -1 for s in seqs], device=self.runner.device)
+        at = self._index([where.get(s.seq_id, -1) if s.num_unsettled else -1 for s in seqs])
         return tokens, torch.where(at >= 0, counts[at.clamp(min=0)], 0)
 
 
@@ -246,15 +251,15 @@ class DraftModelProposer(DeviceProposer):
 
     def draft_steps(self, seqs: list[Sequence], previous: StepInFlight | None):
         last, shift = self._in_flight(seqs, previous)
-        known = torch.tensor([s.tokens_slice(s.num_computed_tokens, s.num_computed_tokens + 1)[0] for s in seqs], device=self.runner.device)
+        known = self._index([s.tokens_slice(s.num_computed_tokens, s.num_computed_tokens + 1)[0] for s in seqs])
         ids = known if last is None else torch.where(last >= 0, last, known)
         rows = list(range(len(seqs)))
         for i in range(max(s.num_spec_tokens for s in seqs)):
             keep = [j for j, r in enumerate(rows) if seqs[r].num_spec_tokens > i]
             rows = [rows[j] for j in keep]
             active = [seqs[r] for r in rows]
-            inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active], ids[keep],
-                                           shift[rows] if shift is not None else None)
+            inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active], ids[self._index(keep)],
+                                           shift[self._index(rows)] if shift is not None else None)
             inp.sampling = self._draw_rows(active)
             ids, q = self.runner.draft_propose(inp)
             yield i, ids, q
@@ -303,8 +308,9 @@ class EagleProposer(DeviceProposer):
                 rows = [rows[j] for j in keep]
                 active = [seqs[r] for r in rows]
                 # The row after the last proposed token's: that token in, the head's previous output as the hidden state.
-                inp = self.inputs.build_decode(active, [s.num_tokens - 2 + i for s in active], tokens[keep],
-                                               shift[rows] if shift is not None else None)
-                normed, prenorm = self.runner.head_propose(inp, prenorm[keep])
+                kept = self._index(keep)
+                inp = self.inputs.build_decode(active, [s.num_tokens - 2 + i for s in active], tokens[kept],
+                                               shift[self._index(rows)] if shift is not None else None)
+                normed, prenorm = self.runner.head_propose(inp, prenorm[kept])
             tokens, q = self.runner.head_draw(normed, self._draw_rows(active))
             yield i, tokens, q
