@@ -72,8 +72,8 @@ def engines(threads: int, draft_layers: int, workdir: Path, quantization: str, e
         for k in eagle_tokens:
             configs["eagle3" if len(eagle_tokens) == 1 else f"eagle3-k{k}"] = dict(speculative_method="eagle3", speculative_model=eagle_head,
                                                                                    num_speculative_tokens=k)
-    if wanted and "eagle3" in wanted:
-        wanted = wanted + [name for name in configs if name.startswith("eagle3")]
+    if wanted and "eagle3" in wanted:  # every eagle3-kN engine
+        wanted = [w for w in wanted if w != "eagle3"] + [name for name in configs if name.startswith("eagle3")]
     unknown = set(wanted or ()) - set(configs)
     if unknown:
         raise SystemExit(f"--engines: {', '.join(sorted(unknown))} unknown here (have: {', '.join(configs)}; eagle3 needs --eagle-head)")

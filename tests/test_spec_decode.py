@@ -220,6 +220,38 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
         assert stats.accepted_per_pos[1] > 0  # runs of several accepted tokens happened
 
 
+def test_an_eagle_head_above_the_batch_threshold_writes_kv_only_and_proposes_below_it(plain_greedy, eagle_path):
+    """Above speculative_disable_batch_size the head's pass writes its K/V alone (no state at any row:
+    no proposal follows); as sequences finish and the batch falls to the threshold, proposals start
+    from complete head caches; greedy output stays plain decoding's."""
+    engine = make_engine(kv_cache_memory="64MiB", speculative_method="eagle3", speculative_model=eagle_path,
+                         speculative_disable_batch_size=3, speculative_min_acceptance=0.0)
+    states = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda inp, previous=None, proposal=None: states.append(inp.head_states) or launch(inp, previous, proposal)
+    lengths = [4 + 4 * i for i in range(len(GREEDY_PROMPTS))]  # they end one by one: the batch shrinks to the threshold
+    outs, _ = run(engine, GREEDY_PROMPTS, [SamplingParams(temperature=0, max_tokens=n) for n in lengths])
+    assert [o.outputs[0].token_ids for o in outs] == [tokens[:n] for tokens, n in zip(plain_greedy, lengths)]
+    assert False in states and True in states and engine.proposer.stats.num_drafts > 0
+
+    def head_cache_after_a_prefill(states: bool) -> list[torch.Tensor]:
+        engine = make_engine(kv_cache_memory="64MiB", speculative_method="eagle3", speculative_model=eagle_path)
+        launch = engine.runner.launch
+
+        def spy(inp, previous=None, proposal=None):
+            inp.head_states = states
+            return launch(inp, previous, proposal)
+
+        engine.runner.launch = spy
+        engine.add_request(GREEDY_PROMPTS[0], SamplingParams(temperature=0, max_tokens=1))
+        engine.step()
+        return [c.clone() for c in engine.runner.head_kv_cache]
+
+    # The K/V-only pass writes what the whole layer's pass writes.
+    whole, kv_only = head_cache_after_a_prefill(True), head_cache_after_a_prefill(False)
+    assert whole[0].abs().sum() > 0 and all(torch.equal(a, b) for a, b in zip(whole, kv_only))
+
+
 def test_a_truncated_draft_is_accepted_sometimes_and_rejections_are_resampled(draft_path):
     engine = make_engine(kv_cache_memory="64MiB", speculative_method="draft", speculative_model=draft_path, **FORCED)
     # The draft's cache is carved from the same budget: a block costs 30 target + 4 draft layers of K/V

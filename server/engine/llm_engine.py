@@ -427,6 +427,8 @@ class LLMEngine:
         if batch.kv_loads:
             self._write_loaded(batch)
         model_input, plan = self.inputs.build(batch, proposal, rows, adapter_slots=slots, next_tokens=self.runner.head is not None)
+        if self.runner.head is not None:  # the head's whole layer at the rows the next proposals start from: only if there may be any
+            model_input.head_states = self.proposer.may_propose(len(self.scheduler.running))
         if self.messenger is not None:
             tokens = previous.launched.tokens if previous else None
             awaited = tokens is not None and any(seq.num_placeholders for seq in batch.seqs)

@@ -300,8 +300,12 @@ class ModelInput:
     block_size: int = 0
     # An EAGLE-3 head's pass over the step's rows takes each row's next token: the next row's input
     # token, except at a sequence's last row: its sampled token, or for a prefill chunk ([2, C] long:
-    # row, token) the prompt's next token.
+    # row, token) the prompt's next token. It writes every row's K/V, and runs the whole layer only at
+    # the rows a next proposal starts from (head_states: wanted at all; sample_entries: [S] long, each
+    # sampled row's attention entry, so that those rows attend as decode rows).
     chunk_next: torch.Tensor | None = None
+    sample_entries: torch.Tensor | None = None
+    head_states: bool = True
 
     def take_device_values(self, tokens: torch.Tensor | None, accepted: torch.Tensor | None = None,
                            proposal: torch.Tensor | None = None) -> None:
@@ -412,6 +416,7 @@ class InputBuilder:
         proposed_rows: list[list[int]] = [[], [], []]
         shifted: list[list[int]] = [[], [], []]
         chunk_next: list[list[int]] = [[], []]
+        sample_entries: list[int] = []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens
@@ -443,6 +448,7 @@ class InputBuilder:
                 starts += range(row0 + 1, len(ids) + 1)
                 seq_lens += [p + 1 for p in pos]
                 tables += [table] * n
+                sample_entries += range(len(seq_lens) - n, len(seq_lens))
                 sample_rows += range(row0, len(ids))
                 plan.sampled.append(seq)
                 plan.proposed.append(seq.num_spec_tokens)
@@ -458,6 +464,7 @@ class InputBuilder:
                 prompt_lp.append(PromptLogprobRows(row0, seq.prompt_token_ids[start + 1:start + 1 + count], seq.params.prompt_logprobs))
                 plan.prompt_logprobs.append((seq, start))
             if start + n == seq.num_tokens:
+                sample_entries.append(len(seq_lens) - 1)
                 sample_rows.append(len(ids) - 1)
                 plan.sampled.append(seq)
                 plan.proposed.append(0)
@@ -467,9 +474,10 @@ class InputBuilder:
                 chunk_next[1].append(max(seq.tokens_slice(start + n, start + n + 1)[0], 0))
         staged = Staging(torch.long, self.buffers)
         for values in (ids, positions, slots, starts, seq_lens, sample_rows, placeholder_rows + previous_rows, _padded_tables(tables),
-                       [r for part in proposed_rows for r in part], [r for part in shifted for r in part], [r for part in chunk_next for r in part]):
+                       [r for part in proposed_rows for r in part], [r for part in shifted for r in part], [r for part in chunk_next for r in part],
+                       sample_entries if next_tokens else []):
             staged.add(values)
-        ids_t, positions_t, slots_t, starts_t, seq_lens_t, rows_t, previous_t, tables_t, proposed_t, shifted_t, chunk_t = staged.upload()
+        ids_t, positions_t, slots_t, starts_t, seq_lens_t, rows_t, previous_t, tables_t, proposed_t, shifted_t, chunk_t, entries_t = staged.upload()
         inp = ModelInput(
             input_ids=ids_t, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
             block_tables=tables_t.view(len(tables), -1) if tables else tables_t.view(0, 0), logits_indices=rows_t,
@@ -480,7 +488,7 @@ class InputBuilder:
             from_previous=previous_t.view(2, -1) if placeholder_rows else None,
             lora=self._lora_batch(row_slots) if adapter_slots and max(adapter_slots) >= 0 else None,
             from_proposal=proposed_t.view(3, -1) if proposed_rows[0] else None, shift=shifted_t.view(3, -1) if shifted[0] else None,
-            block_size=bs, chunk_next=chunk_t.view(2, -1) if chunk_next[0] else None)
+            block_size=bs, chunk_next=chunk_t.view(2, -1) if chunk_next[0] else None, sample_entries=entries_t if next_tokens else None)
         return inp, plan
 
     def _lora_batch(self, row_slots: list[int]) -> LoRABatch:

@@ -538,15 +538,18 @@ class ModelRunner:
         there (its cache stays as complete as the target's, proposals or not); returns the head's
         (normed, prenorm) output at each sampled sequence's row before its last new token (the row
         after its accepted proposed tokens), which drafts its next proposal."""
-        normed, prenorm = self.head(inp.next_token_ids(sample.tokens if sample else None), inp.positions, self.head.fc(self._aux),
-                                    self.head_kv_cache, AttentionMetadata.from_input(inp))
+        ids, hidden = inp.next_token_ids(sample.tokens if sample else None), self.head.fc(self._aux)
         self._aux = None
-        if sample is None:
+        self.head.store_kv(ids, inp.positions, hidden, self.head_kv_cache, inp.slot_mapping)
+        if sample is None or not inp.head_states:
             return None
-        rows = inp.logits_indices
+        sampled = torch.arange(inp.logits_indices.shape[0], device=self.device)
         if sample.accepted_counts is not None:
-            rows = rows[inp.sampling.spec_rows[0][:, 0] + sample.accepted_counts]
-        return normed[rows], prenorm[rows]
+            sampled = inp.sampling.spec_rows[0][:, 0] + sample.accepted_counts
+        rows, entries = inp.logits_indices[sampled], inp.sample_entries[sampled]
+        # Those rows alone through the whole layer, each as a decode row over the cache up to its position.
+        meta = AttentionMetadata(inp.slot_mapping[rows], [], [], [], inp.block_tables[entries], inp.positions[rows] + 1)
+        return self.head(ids[rows], inp.positions[rows], hidden[rows], self.head_kv_cache, meta)
 
     @torch.inference_mode()
     def head_propose(self, inp: ModelInput, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

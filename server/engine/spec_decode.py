@@ -89,10 +89,9 @@ class Proposer:
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         if decoding:
             self.stats.num_steps += 1
-        too_many = self.disable_batch_size and len(running) > self.disable_batch_size
         for seq in running:
             seq.set_spec(None)
-        if too_many:
+        if not self.may_propose(len(running)):
             return
         for seq in decoding:
             acc = self.acceptance.get(seq.seq_id)
@@ -107,6 +106,10 @@ class Proposer:
                 room = min(room, seq.max_output_tokens - seq.num_output_tokens - seq.num_unsettled - 1)
             if room > 0:
                 self.plan_sequence(seq, room)
+
+    def may_propose(self, running: int) -> bool:
+        """Whether a step with this many running sequences has proposals (the batch-size off-switch)."""
+        return not self.disable_batch_size or running <= self.disable_batch_size
 
     def plan_sequence(self, seq: Sequence, room: int) -> None:
         raise NotImplementedError
@@ -279,7 +282,9 @@ class EagleProposer(DeviceProposer):
         self.last: dict[int, tuple[Sequence, int, torch.Tensor, torch.Tensor, int]] = {}
 
     def launched(self, step: StepInFlight) -> None:
-        if step.launched.head_state is None:
+        if step.launched.head_state is None:  # not computed (no proposals expected): its sequences' older states are stale now
+            for seq in step.plan.sampled:
+                self.last.pop(seq.seq_id, None)
             return
         normed, prenorm = step.launched.head_state
         for i, seq in enumerate(step.plan.sampled):

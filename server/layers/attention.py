@@ -4,7 +4,7 @@ from torch import nn
 from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.linear import Linear
 from kvpilot.kernels.ops import Ops
-from kvpilot.kernels.paged_attention import NO_SCALES, AttentionMetadata
+from kvpilot.kernels.paged_attention import NO_SCALES, AttentionMetadata, write_kv
 from kvpilot.kernels.rope import Rope
 from kvpilot.server.layers.rmsnorm import RMSNorm
 
@@ -26,8 +26,7 @@ class PagedSelfAttention(nn.Module):
         # An FP8 KV cache's (k_scale, v_scale) for this layer, set by the model runner (model_runner.kv_scales).
         self.kv_scales = NO_SCALES
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, rope: Rope,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv(x)
@@ -35,6 +34,22 @@ class PagedSelfAttention(nn.Module):
             q, k = qkv[:, :q_size + kv_size].split([q_size, kv_size], dim=-1)
             q.copy_(self.q_norm(q.reshape(-1, self.head_dim)).view(t, q_size))
             k.copy_(self.k_norm(k.reshape(-1, self.head_dim)).view(t, kv_size))
+        return qkv
+
+    def store(self, x: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> None:
+        """Only the rows' K/V, rotated and written to the cache (rows whose attention output no one reads)."""
+        t, q_size, kv_size = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = self._qkv(x)
+        if not self.ops.rotary_qkv_(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, (*kv_cache, slot_mapping), self.kv_scales):
+            _, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            write_kv(*kv_cache, k.reshape(t, self.num_kv_heads, self.head_dim), v.reshape(t, self.num_kv_heads, self.head_dim), slot_mapping,
+                     self.kv_scales)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, rope: Rope,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = self._qkv(x)
         stored = self.ops.rotary_qkv_(qkv, rope, self.num_heads, self.num_kv_heads, self.head_dim, (*kv_cache, meta.slot_mapping), self.kv_scales)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)

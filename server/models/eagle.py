@@ -149,16 +149,27 @@ class Eagle3Head(nn.Module):
         self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size, device=device) + tensors["d2t"].to(device=device, dtype=torch.long))
         self.rotary = RotaryEmbedding(c.head_dim, max_position, *c.rotary).to(device)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(self, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the layer's input [embedding; hidden state], the residual)."""
         e = self.embed_norm(embedding(ids, self.embed).to(hidden.dtype))
         if self.config.norm_before_residual:
             hidden = residual = self.hidden_norm(hidden)
         else:
             residual, hidden = hidden, self.hidden_norm(hidden)
-        x = self.attn(torch.cat([e, hidden], dim=-1), residual, self.rotary.rope(positions, hidden.dtype), kv_cache, meta)
+        return torch.cat([e, hidden], dim=-1), residual
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self._inputs(ids, hidden)
+        x = self.attn(x, residual, self.rotary.rope(positions, hidden.dtype), kv_cache, meta)
         prenorm = self.mlp(self.mlp_norm(x), x)
         return self.norm(prenorm), prenorm
+
+    def store_kv(self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                 slot_mapping: torch.Tensor) -> None:
+        """Only the rows' K/V into the head's cache (forward's first part: rows no draft starts from)."""
+        x, _ = self._inputs(ids, hidden)
+        self.attn.store(x, self.rotary.rope(positions, hidden.dtype), kv_cache, slot_mapping)
 
     def draft_argmax(self, normed: torch.Tensor) -> torch.Tensor:
         """The best token of each row, as a target id (what `logits` would give its argmax)."""
