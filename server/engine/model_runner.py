@@ -547,8 +547,10 @@ class ModelRunner:
         if sample.accepted_counts is not None:
             sampled = inp.sampling.spec_rows[0][:, 0] + sample.accepted_counts
         rows, entries = inp.logits_indices[sampled], inp.sample_entries[sampled]
-        # Those rows alone through the whole layer, each as a decode row over the cache up to its position.
-        meta = AttentionMetadata(inp.slot_mapping[rows], [], [], [], inp.block_tables[entries], inp.positions[rows] + 1)
+        # Those rows alone through the whole layer, each as a decode row over the cache up to its position
+        # (their K/V, computed again, go to the scratch block: the cache keeps what the pass over all rows wrote).
+        scratch = torch.full_like(rows, self.scratch_block * self.block_size)
+        meta = AttentionMetadata(scratch, [], [], [], inp.block_tables[entries], inp.positions[rows] + 1)
         return self.head(ids[rows], inp.positions[rows], hidden[rows], self.head_kv_cache, meta)
 
     @torch.inference_mode()
