@@ -85,9 +85,9 @@ def test_a_running_engine_writes_its_inputs_into_persistent_buffers():
     storages = []
     launch = llm.engine.runner.launch
 
-    def spy(inp, previous_tokens=None):
+    def spy(inp, previous=None, proposal=None):
         storages.append((inp.input_ids.untyped_storage().data_ptr(), inp.sampling.temperature.untyped_storage().data_ptr()))
-        return launch(inp, previous_tokens)
+        return launch(inp, previous, proposal)
 
     llm.engine.runner.launch = spy
     params = SamplingParams(temperature=0.7, seed=1, max_tokens=12, ignore_eos=True, repetition_penalty=1.1)
