@@ -74,7 +74,7 @@ def _train_eagle(ns: argparse.Namespace) -> int:
     from kvpilot.server.eagle_training import train_eagle
 
     train_eagle(ns.dest, ns.model, ns.prompts, ns.max_tokens, ns.draft_vocab, ns.epochs, ns.seed, ns.threads, ns.quantization,
-                log=lambda line: print(line, file=sys.stderr, flush=True))
+                ns.written_prompts, log=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
 
 
@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     eagle.add_argument("dest", help="the head's directory to write (config.json, model.safetensors, TRAINING.json)")
     eagle.add_argument("--model", default="smollm2-135m", help="bundled model name, GGUF file or checkpoint directory")
     eagle.add_argument("--prompts", type=int, default=1500, help="prompts the model answers (of the 6,515 made in kvpilot.server.eagle_training)")
+    eagle.add_argument("--written-prompts", type=int, default=1500,
+                       help="requests the model writes itself from its chat template's opening of a user turn (0: none)")
     eagle.add_argument("--max-tokens", type=int, default=128, help="tokens per answer")
     eagle.add_argument("--draft-vocab", type=int, default=8192, help="the head's vocabulary: the model's most frequent choices")
     eagle.add_argument("--epochs", type=int, default=8)

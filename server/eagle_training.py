@@ -150,6 +150,56 @@ def training_prompts(count: int, seed: int = 0) -> list[str]:
     return prompts[:count]
 
 
+def written_prompts(llm, count: int, seed: int = 0, max_tokens: int = 64) -> list[str]:
+    """`count` user requests the model writes itself (Magpie's method): the chat template's opening of
+    a user turn, sampled at temperature 1 (top-p 0.95, a seed per request) until the turn ends. A turn
+    that does not end within `max_tokens`, has fewer than three words or repeats another is dropped and
+    more are drawn. An instruction-tuned model writes requests as broad as its own tuning data's, which
+    templates made here cannot be. Cached like the texts (`_cached`)."""
+    from kvpilot.server.engine.sampling_params import SamplingParams
+
+    def draw() -> list[str]:
+        marker = "\x00request\x00"
+        rendered = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": marker}])
+        opening = rendered[:rendered.index(marker)]
+        found: dict[str, None] = {}
+        drawn = 0
+        while len(found) < count:
+            batch = (count - len(found)) * 5 // 4 + 2  # a quarter more than wanted: some turns do not end
+            params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=seed * 1_000_003 + drawn + i) for i in range(batch)]
+            drawn += batch
+            for out in llm.generate([opening] * batch, params):
+                text = out.outputs[0].text.strip()
+                if out.outputs[0].finish_reason == "stop" and len(text.split()) >= 3:
+                    found.setdefault(text)
+            if drawn > 20 * count:
+                raise RuntimeError(f"train-eagle: the model wrote {len(found)} usable requests of {drawn} drawn")
+        return list(found)[:count]
+
+    return _cached(llm, ["written-prompts", count, seed, max_tokens], draw)
+
+
+def _cached(llm, key: list, make):
+    """make(), cached as JSON under the kvpilot cache by the model's files, its weight format and `key`:
+    what the model writes is the slow part of training and the same every time, so a second training
+    run with other settings starts from the cache."""
+    import hashlib
+
+    from kvpilot.kernels.cache import cache_root
+    from kvpilot.server.model_files import model_fingerprint
+
+    digest = hashlib.sha256(json.dumps([model_fingerprint(llm.engine.model_path), llm.engine.runner.quantization, *key]).encode()).hexdigest()[:24]
+    cached = cache_root() / "eagle-texts" / f"{digest}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    value = make()
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # engines of one cache may fill the same entry at once
+    tmp.write_text(json.dumps(value))
+    tmp.replace(cached)
+    return value
+
+
 @dataclass
 class Example:
     tokens: torch.Tensor   # [L] the prompt and the answer
@@ -158,26 +208,14 @@ class Example:
 
 
 def write_texts(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """The model's greedy answers (prompt + answer ids), cached under the kvpilot cache by the model's
-    files, the prompts and max_tokens: the slowest part of training (tens of minutes on 2 cores), the
-    same every time, so a second training run with other settings starts from the cache."""
-    import hashlib
-
-    from kvpilot.kernels.cache import cache_root
+    """The model's greedy answers (prompt + answer ids), cached (`_cached`) by the prompts and max_tokens."""
     from kvpilot.server.engine.sampling_params import SamplingParams
-    from kvpilot.server.model_files import model_fingerprint
 
-    key = hashlib.sha256(json.dumps([model_fingerprint(llm.engine.model_path), llm.engine.runner.quantization, prompts, max_tokens]).encode()).hexdigest()[:24]
-    cached = cache_root() / "eagle-texts" / f"{key}.json"
-    if cached.is_file():
-        return json.loads(cached.read_text())
-    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
-    texts = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".{os.getpid()}.tmp")  # engines of one cache may fill the same entry at once
-    tmp.write_text(json.dumps(texts))
-    tmp.replace(cached)
-    return texts
+    def answer() -> list[list[int]]:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens))
+        return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+
+    return _cached(llm, [prompts, max_tokens], answer)
 
 
 @torch.inference_mode()
@@ -379,8 +417,9 @@ def save(head: TrainingHead, target, draft_ids: list[int], aux_layers: tuple[int
 
 
 def train_eagle(out: str | Path, model: str = "smollm2-135m", prompts: int = 1500, max_tokens: int = 128, draft_vocab: int = 8192,
-                epochs: int = 8, seed: int = 0, threads: int = 2, quantization: str = "auto", log=print) -> Path:
-    """quantization: the target's weight format while it writes and reads (the one it will be served in:
+                epochs: int = 8, seed: int = 0, threads: int = 2, quantization: str = "auto", written: int = 1500, log=print) -> Path:
+    """prompts: of the templated ones; written: requests the model writes itself (`written_prompts`).
+    quantization: the target's weight format while it writes and reads (the one it will be served in:
     the head learns from those hidden states)."""
     from kvpilot.server.llm import LLM
 
@@ -391,6 +430,10 @@ def train_eagle(out: str | Path, model: str = "smollm2-135m", prompts: int = 150
     target, runner = engine.model_config, engine.runner
     aux_layers = (2, target.num_layers // 2, target.num_layers - 3)
     texts = write_texts(llm, training_prompts(prompts, seed), max_tokens)
+    if written:
+        requests = written_prompts(llm, written, seed)
+        log(f"train-eagle: {len(requests)} requests written by {model} ({time.monotonic() - started:.0f} s)")
+        texts += write_texts(llm, requests, max_tokens)
     log(f"train-eagle: {len(texts)} texts, {sum(map(len, texts))} tokens written by {model} ({time.monotonic() - started:.0f} s)")
     examples = read_states(runner, texts, aux_layers)
     counts = Counter(int(t) for e in examples for t in e.choice[1:])
@@ -403,8 +446,8 @@ def train_eagle(out: str | Path, model: str = "smollm2-135m", prompts: int = 150
     head = train(examples, target, embed, draft_ids, rotary.cos, rotary.sin, epochs, seed, log=log,
                  output=(_dense_lm_head(runner.model)[torch.tensor(draft_ids)], runner.model.norm.weight.detach().float()))
     provenance = {"command": f"kvpilot train-eagle OUT --model {model} --prompts {prompts} --max-tokens {max_tokens} --draft-vocab {draft_vocab} "
-                             f"--epochs {epochs} --seed {seed} --threads {threads} --quantization {quantization}",
-                  "prompts": prompts, "tokens": sum(map(len, texts)), "seconds": round(time.monotonic() - started), "torch": torch.__version__}
+                             f"--epochs {epochs} --seed {seed} --threads {threads} --quantization {quantization} --written-prompts {written}",
+                  "prompts": prompts, "written_prompts": written, "tokens": sum(map(len, texts)), "seconds": round(time.monotonic() - started), "torch": torch.__version__}
     save(head, target, draft_ids, aux_layers, Path(out), provenance)
     log(f"train-eagle: wrote {out} ({time.monotonic() - started:.0f} s)")
     return Path(out)

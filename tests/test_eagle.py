@@ -168,9 +168,11 @@ def test_train_eagle_writes_a_head_the_engine_serves_exactly(tmp_path):
     from kvpilot.server.llm import LLM
 
     out = tmp_path / "head"
-    assert main(["train-eagle", str(out), "--prompts", "4", "--max-tokens", "12", "--draft-vocab", "128", "--epochs", "2", "--threads", "1"]) == 0
+    assert main(["train-eagle", str(out), "--prompts", "4", "--written-prompts", "2", "--max-tokens", "12", "--draft-vocab", "128",
+                 "--epochs", "2", "--threads", "1"]) == 0
     provenance = json.loads((out / "TRAINING.json").read_text())
-    assert provenance["prompts"] == 4 and provenance["command"].startswith("kvpilot train-eagle OUT --model smollm2-135m --prompts 4")
+    assert provenance["prompts"] == 4 and provenance["written_prompts"] == 2
+    assert provenance["command"].startswith("kvpilot train-eagle OUT --model smollm2-135m --prompts 4")
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] <= 128
     prompts = ["Tell me about the sea.", "Repeat this sentence exactly: the cat sat on the mat."]
     params = SamplingParams(temperature=0, max_tokens=24)
@@ -179,3 +181,21 @@ def test_train_eagle_writes_a_head_the_engine_serves_exactly(tmp_path):
               speculative_disable_batch_size=0, speculative_min_acceptance=0.0)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
     assert llm.engine.proposer.stats.num_draft_tokens > 0
+
+
+def test_the_model_writes_distinct_requests_the_same_every_time(tmp_path, monkeypatch):
+    """Magpie-style requests: the chat template's opening of a user turn, sampled with a seed per request;
+    whole turns only (ended by the model), three words or more, no repeats; the same list on a fresh cache."""
+    from kvpilot.server.eagle_training import written_prompts
+    from kvpilot.server.llm import LLM
+
+    from kvpilot.kernels import cache
+
+    llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB")
+    monkeypatch.setattr(cache, "cache_root", lambda: tmp_path / "a")  # after the engine is up: its kernels' build lives there too
+    first = written_prompts(llm, 4, seed=3, max_tokens=32)
+    assert len(first) == 4 == len(set(first))
+    assert all(len(p.split()) >= 3 and "<|im_" not in p and p == p.strip() for p in first), first
+    assert len(list((tmp_path / "a" / "eagle-texts").glob("*.json"))) == 1
+    monkeypatch.setattr(cache, "cache_root", lambda: tmp_path / "b")
+    assert written_prompts(llm, 4, seed=3, max_tokens=32) == first
