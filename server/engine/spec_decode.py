@@ -200,31 +200,34 @@ class DeviceProposer(Proposer):
         index = {s.seq_id: i for i, s in enumerate(seqs)}
         tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=self.runner.device)
         probs: dict[int, list[torch.Tensor]] = {}
-        rows = list(range(len(seqs)))
-        for i, drawn, q in self.draft_steps(seqs, previous):
-            active = [seqs[r] for r in rows if seqs[r].num_spec_tokens > i]
-            rows = [r for r in rows if seqs[r].num_spec_tokens > i]
+        for i, (rows, drawn, q, sampling) in enumerate(self.draft_steps(seqs, previous)):
+            active = [seqs[r] for r in rows]
             tokens[self._index(rows), i] = drawn
             known = drawn.tolist() if host else [PLACEHOLDER_TOKEN] * len(active)
             for seq, token in zip(active, known):
                 seq.spec_token_ids.append(token)
             if q is not None:
-                for j, row in enumerate(self._sampling.random_rows):
+                for j, row in enumerate(sampling.random_rows):
                     probs.setdefault(active[row].seq_id, []).append(q[j])
         return Proposal(tokens, index, {sid: torch.stack(rows) for sid, rows in probs.items()} or None)
 
     def draft_steps(self, seqs: list[Sequence], previous: StepInFlight | None):
-        """Yield (i, the i-th proposed token of every sequence proposing at least i + 1, the random rows'
-        distributions) in turn; self._sampling is the draw's SamplingTensors."""
+        """Yield, for draft step i = 0, 1, …: (the rows of `seqs` proposing more than i tokens, their i-th
+        proposed tokens, the random rows' distributions, the draw's SamplingTensors)."""
         raise NotImplementedError
+
+    @staticmethod
+    def _narrow(seqs: list[Sequence], rows: list[int], i: int) -> tuple[list[int], list[int]]:
+        """Of `rows` (of `seqs`), those proposing more than i tokens: (their places in `rows`, the rows)."""
+        keep = [j for j, r in enumerate(rows) if seqs[r].num_spec_tokens > i]
+        return keep, [rows[j] for j in keep]
 
     def _draw_rows(self, active: list[Sequence]) -> SamplingTensors | None:
         """Each row drawn as the target will judge it: with the proposed tokens so far counted as output.
         None: every row is greedy with nothing that changes its logits (the argmax alone)."""
         plain = all(s.params.greedy and not s.params.has_penalties and not s.params.logit_bias and s.guide is None
                     and s.num_output_tokens >= s.params.min_tokens for s in active)
-        self._sampling = None if plain else SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.inputs.buffers, proposing=True)
-        return self._sampling
+        return None if plain else SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.inputs.buffers, proposing=True)
 
     def _index(self, values: list[int]) -> torch.Tensor:
         """A host list as a device index (staged like a step's inputs: a plain torch.tensor to a GPU
@@ -258,14 +261,13 @@ class DraftModelProposer(DeviceProposer):
         ids = known if last is None else torch.where(last >= 0, last, known)
         rows = list(range(len(seqs)))
         for i in range(max(s.num_spec_tokens for s in seqs)):
-            keep = [j for j, r in enumerate(rows) if seqs[r].num_spec_tokens > i]
-            rows = [rows[j] for j in keep]
+            keep, rows = self._narrow(seqs, rows, i)
             active = [seqs[r] for r in rows]
             inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active], ids[self._index(keep)],
                                            shift[self._index(rows)] if shift is not None else None)
             inp.sampling = self._draw_rows(active)
             ids, q = self.runner.draft_propose(inp)
-            yield i, ids, q
+            yield rows, ids, q, inp.sampling
 
 
 class EagleProposer(DeviceProposer):
@@ -304,18 +306,17 @@ class EagleProposer(DeviceProposer):
         _, shift = self._in_flight(seqs, previous)
         normed = torch.stack([self.last[s.seq_id][2][self.last[s.seq_id][4]] for s in seqs])
         prenorm = torch.stack([self.last[s.seq_id][3][self.last[s.seq_id][4]] for s in seqs])
-        rows = list(range(len(seqs)))
+        rows = list(range(len(seqs)))  # every sequence proposes at least one token
         tokens = None
         for i in range(max(s.num_spec_tokens for s in seqs)):
+            keep, rows = self._narrow(seqs, rows, i)
             active = [seqs[r] for r in rows]
             if i:
-                keep = [j for j, r in enumerate(rows) if seqs[r].num_spec_tokens > i]
-                rows = [rows[j] for j in keep]
-                active = [seqs[r] for r in rows]
                 # The row after the last proposed token's: that token in, the head's previous output as the hidden state.
                 kept = self._index(keep)
                 inp = self.inputs.build_decode(active, [s.num_tokens - 2 + i for s in active], tokens[kept],
                                                shift[self._index(rows)] if shift is not None else None)
                 normed, prenorm = self.runner.head_propose(inp, prenorm[kept])
-            tokens, q = self.runner.head_draw(normed, self._draw_rows(active))
-            yield i, tokens, q
+            sampling = self._draw_rows(active)
+            tokens, q = self.runner.head_draw(normed, sampling)
+            yield rows, tokens, q, sampling
