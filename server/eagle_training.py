@@ -1,8 +1,9 @@
 """`kvpilot train-eagle OUT_DIR`: an EAGLE-3 head for a model, trained on CPU from text the model
 writes itself, saved in the published layout (server/models/eagle.py loads it).
 
-1. Prompts (`training_prompts`): made here from templates and subjects written for this repository —
-   no dataset, no network — none of them bench/spec.py's; `--prompts` of them, in a fixed shuffle.
+1. Prompts: `--prompts` made here from templates and subjects written for this repository
+   (`training_prompts`; no dataset, no network, none of them bench/spec.py's), in a fixed shuffle, and
+   `--written-prompts` requests the model writes itself (`written_prompts`).
 2. Text: the model answers each prompt greedily through its chat template (`--max-tokens`).
 3. What the head learns from: one forward of the model over each prompt + answer gives the residual
    stream entering the head's three layers, and the model's own greedy choice at every position (the
