@@ -7,17 +7,16 @@ writes itself, saved in the published layout (server/models/eagle.py loads it).
 2. Text: the model answers each prompt greedily through its chat template (`--max-tokens`).
 3. What the head learns from: one forward of the model over each prompt + answer gives the residual
    stream entering the head's three layers, and the model's own greedy choice at every position (the
-   head is trained to predict what the model would pick, which is what verification accepts).
-4. Draft vocabulary: the `--draft-vocab` most frequent of those choices; positions whose choice is
-   outside it do not count.
+   head is trained to predict what the model would pick, which is what verification accepts). Only the
+   answers' choices are labels (drafts are made only there); the prompt's rows are attended to.
+4. Draft vocabulary: the `--draft-vocab` most frequent of the answers' choices; positions whose choice
+   is outside it do not count.
 5. Training (`--epochs`, AdamW, a fixed seed and thread count: the same command writes the same head):
    two unrolled steps per position, as it drafts — step 1 from the model's states, step 2 from the
    head's own output at the position before, attending to step 1's keys before it and its own. The
    head's LM head and final norm start as the target's own (rows of the draft vocabulary), the LM head
    frozen; a tenth of the texts is held out and the epoch that predicts them best is kept. Measured
-   (bench/RESULTS.md): with 1,500 prompts, held-out step-1 accuracy 0.62 (0.58 with 400), but
-   acceptance on bench/spec.py's chat prompts stays ~0.29 at the first position (~0.25 with 400) — the
-   templated prompts' style, not their number or the training, bounds what the head learns.
+   figures: bench/RESULTS.md ("EAGLE-3 III").
 """
 
 from __future__ import annotations
@@ -206,6 +205,7 @@ class Example:
     tokens: torch.Tensor   # [L] the prompt and the answer
     aux: torch.Tensor      # [L, 3T] bfloat16: the residual stream entering the head's layers
     choice: torch.Tensor   # [L] the model's greedy choice after each position
+    answer_start: int = 0  # the answer's first position: the head learns to draft the tokens after it
 
 
 def write_texts(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
@@ -219,18 +219,29 @@ def write_texts(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
     return _cached(llm, [prompts, max_tokens], answer)
 
 
+def answer_starts(tokenizer, prompts: list[str], texts: list[list[int]]) -> list[int]:
+    """Where each text's answer begins: after its prompt through the chat template (checked against the text)."""
+    starts = []
+    for prompt, ids in zip(prompts, texts, strict=True):
+        head = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        if ids[:len(head)] != head:
+            raise RuntimeError(f"train-eagle: a cached text does not start with its prompt {prompt[:60]!r}")
+        starts.append(len(head))
+    return starts
+
+
 @torch.inference_mode()
-def read_states(runner, sequences: list[list[int]], aux_layers: tuple[int, ...]) -> list[Example]:
+def read_states(runner, sequences: list[list[int]], aux_layers: tuple[int, ...], answer_starts: list[int] | None = None) -> list[Example]:
     from kvpilot.kernels.paged_attention import AttentionMetadata
 
     examples = []
-    for ids in sequences:
+    for j, ids in enumerate(sequences):
         n = len(ids)
         blocks = torch.arange(-(-n // runner.block_size))
         meta = AttentionMetadata(torch.arange(n), [n], [n], [blocks], torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
         hidden, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, aux_layers)
         choice = runner.model.compute_logits(hidden).argmax(-1)
-        examples.append(Example(torch.tensor(ids), aux.to(torch.bfloat16), choice))
+        examples.append(Example(torch.tensor(ids), aux.to(torch.bfloat16), choice, answer_starts[j] if answer_starts else 0))
     return examples
 
 
@@ -314,7 +325,9 @@ def _batches(examples: list[Example], size: int, rng: random.Random):
 
 
 def _pad(batch: list[Example], to_draft: torch.Tensor):
-    """Row p takes the token at p + 1 and predicts the model's choice after it; labels -100 where not counted."""
+    """Row p takes the token at p + 1 and predicts the model's choice after it; labels -100 where not counted:
+    rows predicting a token of the prompt or the answer's first (the target samples that one itself) —
+    drafts are only ever made inside answers, and the prompt's tokens are not the model's writing."""
     n = max(len(e.tokens) for e in batch) - 1
     tokens = torch.zeros(len(batch), n, dtype=torch.long)
     aux = torch.zeros(len(batch), n, batch[0].aux.shape[-1])
@@ -324,6 +337,7 @@ def _pad(batch: list[Example], to_draft: torch.Tensor):
         tokens[i, :m] = e.tokens[1:]
         aux[i, :m] = e.aux[:m].float()
         labels[i, :m] = to_draft[e.choice[1:]]
+        labels[i, :max(e.answer_start - 1, 0)] = -100
     return tokens, aux, labels
 
 
@@ -429,15 +443,17 @@ def train_eagle(out: str | Path, model: str = "smollm2-135m", prompts: int = 150
     llm = LLM(model=model, num_threads=threads, show_progress=False, kv_cache_memory="256MiB", max_model_len=512, quantization=quantization)
     engine = llm.engine
     target, runner = engine.model_config, engine.runner
-    aux_layers = (2, target.num_layers // 2, target.num_layers - 3)
-    texts = write_texts(llm, training_prompts(prompts, seed), max_tokens)
+    aux_layers = (2, target.num_layers // 2, target.num_layers - 3)  # the reference loaders' default (29 for L - 3: no better, measured)
+    asked = training_prompts(prompts, seed)
+    texts = write_texts(llm, asked, max_tokens)
     if written:
         requests = written_prompts(llm, written, seed)
         log(f"train-eagle: {len(requests)} requests written by {model} ({time.monotonic() - started:.0f} s)")
         texts += write_texts(llm, requests, max_tokens)
+        asked += requests
     log(f"train-eagle: {len(texts)} texts, {sum(map(len, texts))} tokens written by {model} ({time.monotonic() - started:.0f} s)")
-    examples = read_states(runner, texts, aux_layers)
-    counts = Counter(int(t) for e in examples for t in e.choice[1:])
+    examples = read_states(runner, texts, aux_layers, answer_starts(engine.tokenizer, asked, texts))
+    counts = Counter(int(t) for e in examples for t in e.choice[max(e.answer_start, 1):])
     draft_ids = sorted(t for t, _ in counts.most_common(draft_vocab))
     covered = sum(c for t, c in counts.items() if t in set(draft_ids)) / max(sum(counts.values()), 1)
     log(f"train-eagle: draft vocabulary {len(draft_ids)} tokens ({100 * covered:.1f}% of the model's choices); states read "

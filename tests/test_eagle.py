@@ -199,3 +199,18 @@ def test_the_model_writes_distinct_requests_the_same_every_time(tmp_path, monkey
     assert len(list((tmp_path / "a" / "eagle-texts").glob("*.json"))) == 1
     monkeypatch.setattr(cache, "cache_root", lambda: tmp_path / "b")
     assert written_prompts(llm, 4, seed=3, max_tokens=32) == first
+
+
+def test_the_head_learns_only_to_draft_inside_answers():
+    """Training labels: row p predicts the model's choice after position p + 1; rows whose token to
+    predict is in the prompt or is the answer's first (the target samples that one) do not count."""
+    from kvpilot.server.eagle_training import Example, _pad
+
+    tokens = torch.arange(10)
+    choice = torch.arange(1, 11)  # the model's choice after position i: token i + 1 here
+    example = Example(tokens, torch.zeros(10, 6), choice, answer_start=6)
+    to_draft = torch.arange(16)
+    got_tokens, _, labels = _pad([example], to_draft)
+    assert got_tokens[0].tolist() == list(range(1, 10))
+    # row p takes token p + 1 and predicts choice[p + 1] = token p + 2; the first counted predicts token 7 = answer_start + 1
+    assert labels[0].tolist() == [-100] * 5 + [7, 8, 9, 10]
