@@ -186,10 +186,9 @@ def test_train_eagle_writes_a_head_the_engine_serves_exactly(tmp_path):
 def test_the_model_writes_distinct_requests_the_same_every_time(tmp_path, monkeypatch):
     """Magpie-style requests: the chat template's opening of a user turn, sampled with a seed per request;
     whole turns only (ended by the model), three words or more, no repeats; the same list on a fresh cache."""
+    from kvpilot.kernels import cache
     from kvpilot.server.eagle_training import written_prompts
     from kvpilot.server.llm import LLM
-
-    from kvpilot.kernels import cache
 
     llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB")
     monkeypatch.setattr(cache, "cache_root", lambda: tmp_path / "a")  # after the engine is up: its kernels' build lives there too
