@@ -274,6 +274,11 @@ class DrainingServer:
             def handle_exit(self, sig, frame):  # called by uvicorn's signal capture
                 drain(sig)
 
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                if self.started:  # marked before the loop can answer a first request (/ready then implies it)
+                    startup.mark("listening")
+
         self.state = state
         self.server = _Server(config)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -297,7 +302,6 @@ class DrainingServer:
         while not self.server.started and not serve.done():
             await asyncio.sleep(0.05)
         if self.server.started:
-            startup.mark("listening")
             sock = self.server.servers[0].sockets[0].getsockname() if self.server.servers else None
             host, port = (sock[0], sock[1]) if sock else (self.server.config.host, self.server.config.port)
             print(f"kvpilot: serving {self.state.serving.model_name} — ready at http://{host}:{port}", file=sys.stderr, flush=True)
