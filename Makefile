@@ -8,7 +8,7 @@ PHASE := .ci/phase
 export PIP_CACHE_DIR ?= $(CACHE)/pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test serve bench cluster-up cluster-down demo crds tools images kind-up lint pytest
+.PHONY: setup test serve bench cluster-up cluster-down demo crds tools images kind-up lint pytest eagle-head
 
 # Idempotent: the stamp is remade only when the package metadata or pins change. The C++ CPU kernels
 # are compiled into the cache here (about a minute, once per source/torch/CPU), not on first request.
@@ -64,6 +64,17 @@ serve: setup
 bench: setup
 	$(BIN)/python bench/offline.py $(ARGS)
 	$(BIN)/python bench/serve.py $(ARGS)
+
+# Opt-in, not part of test (about 45 minutes on two cores): the EAGLE-3 head for the bundled model on
+# gguf weights, trained once with a fixed command and seed (docs/speculative-and-parallel.md) and cached;
+# `make serve ARGS="--quantization gguf --speculative-method eagle3 --speculative-model <the path printed>"`.
+# The cached head is kept until removed: after a change to the trainer, remove it to retrain.
+EAGLE_HEAD := $(CACHE)/eagle-heads/smollm2-135m-gguf
+eagle-head: setup
+	@test -f $(EAGLE_HEAD)/TRAINING.json || { rm -rf $(EAGLE_HEAD).partial && \
+	  $(BIN)/kvpilot train-eagle $(EAGLE_HEAD).partial --quantization gguf --epochs 5 --seed 0 --threads 2 && \
+	  rm -rf $(EAGLE_HEAD) && mv $(EAGLE_HEAD).partial $(EAGLE_HEAD); }
+	@echo "EAGLE-3 head: $(EAGLE_HEAD)"
 
 # POD_RUNTIME=podman: the pods run from their images (`make images` first) instead of as local processes.
 cluster-up: setup tools $(if $(filter podman,$(POD_RUNTIME)),images)

@@ -1,12 +1,13 @@
 """Speculative decoding: tok/s with and without it, same engine settings, one run, interleaved.
 
     .venv/bin/python bench/spec.py [--force] [--rounds 3] [--draft-layers 8] [--threads N] [--quantization gguf]
-                                   [--eagle-head DIR] [--eagle-tokens 1,2,3] [--engines plain,ngram,eagle3]
+                                   [--eagle-head DIR] [--eagle-tokens 1,2,3] [--engines plain,ngram,eagle3,eagle3-lookup]
 
 Engines: plain decoding, n-gram prompt lookup, a draft model (the bundled model cut to its first
 --draft-layers blocks by `kvpilot make-draft`; a truncated model is a weak draft, so this measures the
 machinery and its cost more than what a trained small draft would give), and with --eagle-head an
-EAGLE-3 head (e.g. one `kvpilot train-eagle` wrote). The default off-switch
+EAGLE-3 head (e.g. one `kvpilot train-eagle` wrote), alone (eagle3) and after n-gram lookup
+(eagle3-lookup: --speculative-lookup). The default off-switch
 applies (speculative_disable_batch_size, speculative_min_acceptance), as a user would run it.
 
 Workloads, greedy (temperature 0), chat-formatted prompts:
@@ -68,15 +69,17 @@ def engines(threads: int, draft_layers: int, workdir: Path, quantization: str, e
     base = dict(num_threads=threads, kv_cache_memory="512MiB", quantization=quantization)
     configs = {"plain": {}, "ngram": dict(speculative_method="ngram"),
                "draft": dict(speculative_method="draft", speculative_model=str(draft))}
+    families = {}  # eagle3: the head alone; eagle3-lookup: n-gram lookup first, the head for the rest (speculative_lookup)
     if eagle_head:
-        for k in eagle_tokens:
-            configs["eagle3" if len(eagle_tokens) == 1 else f"eagle3-k{k}"] = dict(speculative_method="eagle3", speculative_model=eagle_head,
-                                                                                   num_speculative_tokens=k)
-    if wanted and "eagle3" in wanted:  # every eagle3-kN engine
-        wanted = [w for w in wanted if w != "eagle3"] + [name for name in configs if name.startswith("eagle3")]
+        for family, lookup in (("eagle3", False), ("eagle3-lookup", True)):
+            families[family] = [family if len(eagle_tokens) == 1 else f"{family}-k{k}" for k in eagle_tokens]
+            for name, k in zip(families[family], eagle_tokens):
+                configs[name] = dict(speculative_method="eagle3", speculative_model=eagle_head, num_speculative_tokens=k, speculative_lookup=lookup)
+    if wanted:  # a family: every one of its -kN engines
+        wanted = [name for w in wanted for name in families.get(w, [w])]
     unknown = set(wanted or ()) - set(configs)
     if unknown:
-        raise SystemExit(f"--engines: {', '.join(sorted(unknown))} unknown here (have: {', '.join(configs)}; eagle3 needs --eagle-head)")
+        raise SystemExit(f"--engines: {', '.join(sorted(unknown))} unknown here (have: {', '.join(configs)}; eagle3 and eagle3-lookup need --eagle-head)")
     return {name: LLMEngine(EngineConfig(**base, **kw), show_progress=False) for name, kw in configs.items() if not wanted or name in wanted}
 
 
@@ -107,9 +110,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--quantization", default="none", help="the model's weights (gguf: the GGUF's own blocks)")
-    ap.add_argument("--eagle-head", help="an EAGLE-3 head's directory: adds the eagle3 engine")
+    ap.add_argument("--eagle-head", help="an EAGLE-3 head's directory: adds the eagle3 and eagle3-lookup engines")
     ap.add_argument("--eagle-tokens", default="3", help="tokens the head proposes per step; several (1,2,3): one engine each, eagle3-kN")
-    ap.add_argument("--engines", help="comma-separated subset of plain,ngram,draft,eagle3 (plain always)")
+    ap.add_argument("--engines", help="comma-separated subset of plain,ngram,draft,eagle3,eagle3-lookup (plain always)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)

@@ -79,7 +79,7 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(False, description="CUDA: run every step eagerly, without the decode steps' CUDA graphs (CPU steps always run eagerly).")
     async_scheduling: Literal["auto", "on", "off"] = Field("auto", description=(
         "Overlap the host's work for the next step (scheduling, building its input) and for the last one's outputs (detokenizing, "
-        "stop checks) with the device running the current step; auto = on for CUDA unless speculative_method=ngram (any number of "
+        "stop checks) with the device running the current step; auto = on for CUDA unless speculative_method=ngram or speculative_lookup (any number of "
         "ranks; draft and eagle3 proposals are made on the device from the step in flight's tokens). A "
         "sequence that the last step ended still runs in the current one (its row is dropped). on: also on a CPU, where it cannot "
         "overlap anything (the steps run on the host): for tests."))
@@ -104,8 +104,12 @@ class EngineConfig(BaseModel):
     speculative_model: str | None = Field(None, description=(
         "Method draft: the draft model (bundled name, GGUF file or checkpoint directory) sharing the target's tokenizer; method eagle3: "
         "the EAGLE-3 head's directory (config.json + safetensors, the published layout)."))
-    prompt_lookup_max: int = Field(4, ge=1, le=32, description="ngram: longest suffix of the sequence looked up in its earlier tokens.")
-    prompt_lookup_min: int = Field(2, ge=1, le=32, description="ngram: shortest suffix looked up.")
+    prompt_lookup_max: int = Field(4, ge=1, le=32, description="ngram, speculative_lookup: longest suffix of the sequence looked up in its earlier tokens.")
+    prompt_lookup_min: int = Field(2, ge=1, le=32, description="ngram, speculative_lookup: shortest suffix looked up.")
+    speculative_lookup: bool = Field(False, description=(
+        "draft, eagle3: a sequence whose last prompt_lookup_max…prompt_lookup_min tokens occurred earlier in it is proposed what "
+        "followed them there (as ngram), the model drafts for the others: copy-heavy text gets n-gram's speed-up, other text the "
+        "model's. Looked up in each step's tokens, so async scheduling is off (as for ngram)."))
     speculative_disable_batch_size: int = Field(
         4, ge=0, description="Steps with more running sequences than this do not speculate (0: never switched off by batch size).")
     speculative_min_acceptance: float = Field(
@@ -188,6 +192,12 @@ class EngineConfig(BaseModel):
         if self.async_scheduling == "on" and self.speculative_method == "ngram":
             raise ValueError("async_scheduling=on with speculative_method=ngram: n-gram proposals are looked up in each step's tokens "
                              "on the host, so its steps stay synchronous (draft and eagle3 propose on the device): use auto or off")
+        if self.speculative_lookup and self.speculative_method not in ("draft", "eagle3"):
+            raise ValueError("speculative_lookup combines n-gram lookup with speculative_method=draft or eagle3 "
+                             f"(not {self.speculative_method}: ngram looks up alone)")
+        if self.speculative_lookup and self.async_scheduling == "on":
+            raise ValueError("async_scheduling=on with speculative_lookup: its lookups read each step's tokens on the host, so its steps "
+                             "stay synchronous: use auto or off")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
         return self

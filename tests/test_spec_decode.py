@@ -124,6 +124,9 @@ def eagle_path(tmp_path_factory, model_path):
 
 
 def method_kw(method: str, draft_path: str, eagle_path: str) -> dict:
+    """eagle3-lookup: the head, with n-gram lookup first (speculative_lookup)."""
+    if method == "eagle3-lookup":
+        return {**method_kw("eagle3", draft_path, eagle_path), "speculative_lookup": True}
     return {"speculative_method": method, **({"speculative_model": draft_path} if method == "draft" else {}),
             **({"speculative_model": eagle_path} if method == "eagle3" else {})}
 
@@ -177,20 +180,35 @@ ASYNC_METHODS = ("draft", "eagle3")  # n-gram proposals are looked up on the hos
 
 
 # An EAGLE-3 head reads each step's hidden states: its engine runs no decode graphs (checked below); its
-# chunked and preempted runs batch all the prompts too.
+# chunked and preempted runs batch all the prompts too. With lookup first, one batch mixes looked-up
+# proposals and the head's.
 @pytest.mark.parametrize(("method", "setting"), [(m, s) for m in ("ngram", "draft", "eagle3") for s in SETTINGS
                                                  if (m != "eagle3" or s in ("chunked", "preempted", "async", "async-preempted"))
-                                                 and (m in ASYNC_METHODS or not s.startswith("async"))])
+                                                 and (m in ASYNC_METHODS or not s.startswith("async"))] + [("eagle3-lookup", "preempted")])
 def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, plain_greedy, draft_path, eagle_path):
     kw = dict(SETTINGS[setting], **method_kw(method, draft_path, eagle_path), **FORCED)
     if setting.endswith("preempted"):  # a block now also holds the draft's 4 layers, or the head's one
-        kw["kv_cache_memory"] = kw["kv_cache_memory"] * {"ngram": 30, "draft": 34, "eagle3": 31}[method] // 30
+        kw["kv_cache_memory"] = kw["kv_cache_memory"] * {"ngram": 30, "draft": 34}.get(method, 31) // 30
     engine = make_engine(**kw)
     assert engine.async_scheduling is setting.startswith("async")
     shifted = []  # async: steps whose verifications follow one in flight (rows moved on by its accepted counts on the device)
     launch = engine.runner.launch
     engine.runner.launch = lambda inp, previous=None, proposal=None: (
         shifted.append(inp.shift is not None and inp.from_proposal is not None) or launch(inp, previous, proposal))
+    sources = Counter()  # eagle3-lookup: proposals looked up, and the head's
+    if method == "eagle3-lookup":
+        plan, propose = engine.proposer.plan, engine.proposer.propose
+
+        def counted_plan(running):
+            plan(running)
+            sources["looked up"] += len(engine.proposer.looked_up)
+
+        def counted_propose(batch, previous=None):
+            proposal = propose(batch, previous)
+            sources["drafted"] += len(proposal.index) if proposal else 0
+            return proposal
+
+        engine.proposer.plan, engine.proposer.propose = counted_plan, counted_propose
     graph_rows = []
     if setting == "graph-buffers":
         engine.runner.start_decode_graphs(engine.max_model_len, capture=False)
@@ -208,7 +226,7 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
     if method != "eagle3":  # a random head's proposals are all but never right: counted, and exact all the same
         assert stats.num_accepted_tokens > 0
-    else:
+    if method.startswith("eagle3"):
         engine.runner.start_decode_graphs(engine.max_model_len, capture=False)
         assert engine.runner.decode_graphs is None and engine.runner.head_kv_cache[0].shape[0] == engine.runner.num_blocks + 1
     if setting.endswith("preempted"):
@@ -216,8 +234,10 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
     assert (sum(shifted) > 10) is setting.startswith("async")
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # every slot reserved for a proposal came back
-    if method == "ngram":
-        assert stats.accepted_per_pos[1] > 0  # runs of several accepted tokens happened
+    if method in ("ngram", "eagle3-lookup"):
+        assert stats.accepted_per_pos[1] > 0  # runs of several accepted tokens happened (the copy prompts' lookups)
+    if method == "eagle3-lookup":
+        assert sources["looked up"] > 0 and sources["drafted"] > 0
 
 
 def test_an_eagle_head_above_the_batch_threshold_writes_kv_only_and_proposes_below_it(plain_greedy, eagle_path):
@@ -304,7 +324,8 @@ def plain_samples():
     return _sample_all(make_engine(**DISTRIBUTION_KW))
 
 
-@pytest.mark.parametrize(("method", "async_scheduling"), [("ngram", "off"), ("draft", "off"), ("eagle3", "off"), ("draft", "on"), ("eagle3", "on")])
+@pytest.mark.parametrize(("method", "async_scheduling"), [("ngram", "off"), ("draft", "off"), ("eagle3", "off"), ("draft", "on"), ("eagle3", "on"),
+                                                          ("eagle3-lookup", "off")])
 def test_sampling_distribution_is_unchanged_by_speculation(method, async_scheduling, draft_path, eagle_path, plain_samples):
     """Temperature 1 (top-k 4 keeps the support small enough to test), 300 seeds each way: the tokens at
     output positions 2 and 3 (the first comes from the prefill and is never speculated) are distributed

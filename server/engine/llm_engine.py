@@ -167,7 +167,8 @@ class LLMEngine:
         self.requests = self.output.requests
         # N-gram proposals are looked up in the host's tokens: that method keeps its steps synchronous.
         self.async_scheduling = config.async_scheduling == "on" or (
-            config.async_scheduling == "auto" and self.runner.device.type == "cuda" and config.speculative_method != "ngram")
+            config.async_scheduling == "auto" and self.runner.device.type == "cuda" and config.speculative_method != "ngram"
+            and not config.speculative_lookup)
         self.messenger = StepMessenger() if self.workers is not None else None
         self._in_flight: StepInFlight | None = None
         self._seq_ids = itertools.count()

@@ -222,8 +222,16 @@ class SamplingTensors:
         if draft_probs and random_rows:
             vocab = next(iter(draft_probs.values())).shape[-1]
             none = torch.zeros(vocab, dtype=dtype, device=buffers.device)
-            q = torch.stack([draft_probs[rows[i][0].seq_id][rows[i][1]] if rows[i][1] < len(rows[i][0].spec_token_ids) and rows[i][0].seq_id in draft_probs
-                             else none for i in random_rows]).to(dtype)
+
+            def q_row(seq: Sequence, j: int) -> torch.Tensor:
+                if j >= len(seq.spec_token_ids):  # the row after the proposal: checks nothing
+                    return none
+                if seq.seq_id in draft_probs:
+                    return draft_probs[seq.seq_id][j]
+                # A proposal known on the host beside the model's (speculative_lookup) is certain: one-hot.
+                return none.index_fill(0, buffers.upload([seq.spec_token_ids[j]], torch.long), 1.0)
+
+            q = torch.stack([q_row(*rows[i]) for i in random_rows]).to(dtype)
         guided_rows = allowed = None
         if grammars is not None and not proposing:
             guided_rows, allowed = _allowed_tokens(seqs, grammars, buffers)

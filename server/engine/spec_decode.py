@@ -183,12 +183,30 @@ class DeviceProposer(Proposer):
     def __init__(self, config: EngineConfig, max_model_len: int, runner, inputs: InputBuilder, eos_token_ids: tuple[int, ...]):
         super().__init__(config, max_model_len)
         self.runner, self.inputs, self.eos_token_ids = runner, inputs, eos_token_ids
+        # speculative_lookup: a sequence whose last tokens occurred earlier in it gets what followed them
+        # there (n-gram), the model drafts for the others; seq_ids given a lookup this step.
+        self.lookup = (config.prompt_lookup_min, config.prompt_lookup_max) if config.speculative_lookup else None
+        self.looked_up: set[int] = set()
+
+    def plan(self, running: list[Sequence]) -> None:
+        self.looked_up.clear()
+        super().plan(running)
 
     def plan_sequence(self, seq: Sequence, room: int) -> None:
-        seq.set_spec(None, room)  # the tokens come in propose(), once the slots are reserved
+        if self.lookup and not seq.num_placeholders:  # (the host knows every token: never so under async scheduling)
+            found = ngram_lookup(seq.token_ids(), *self.lookup, room)
+            if found:
+                seq.set_spec(found)
+                self.looked_up.add(seq.seq_id)
+                return
+        if self.can_draft(seq):
+            seq.set_spec(None, room)  # the tokens come in propose(), once the slots are reserved
+
+    def can_draft(self, seq: Sequence) -> bool:
+        return True
 
     def propose(self, batch: ScheduledBatch, previous: StepInFlight | None = None) -> Proposal | None:
-        seqs = [s for s in batch.seqs if s.num_spec_tokens]
+        seqs = [s for s in batch.seqs if s.num_spec_tokens and s.seq_id not in self.looked_up]
         if not seqs:
             return None
         # Penalties count the proposed tokens as output, and a grammar's masks follow them: those
@@ -297,10 +315,9 @@ class EagleProposer(DeviceProposer):
             del self.last[seq_id]
         super().plan(running)
 
-    def plan_sequence(self, seq: Sequence, room: int) -> None:
+    def can_draft(self, seq: Sequence) -> bool:
         entry = self.last.get(seq.seq_id)
-        if entry is not None and entry[1] == seq.num_preemptions:  # the head has seen every token (not so after a preemption's re-prefill began)
-            seq.set_spec(None, room)  # the tokens come in propose(), once the slots are reserved
+        return entry is not None and entry[1] == seq.num_preemptions  # the head has seen every token (not so after a preemption's re-prefill began)
 
     def draft_steps(self, seqs: list[Sequence], previous: StepInFlight | None):
         _, shift = self._in_flight(seqs, previous)
