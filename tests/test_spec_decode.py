@@ -426,6 +426,11 @@ def test_bad_speculative_configs_are_refused(tmp_path, model_path):
         EngineConfig(speculative_method="ngram", speculative_model="x.gguf")
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         EngineConfig(speculative_method="ngram", prompt_lookup_min=5, prompt_lookup_max=3)
+    for method in ("ngram", None):
+        with pytest.raises(ValueError, match=f"speculative_lookup combines .* \\(not {method}"):
+            EngineConfig(speculative_method=method, speculative_lookup=True)
+    with pytest.raises(ValueError, match="async_scheduling=on with speculative_lookup"):
+        EngineConfig(speculative_method="eagle3", speculative_model="head", speculative_lookup=True, async_scheduling="on")
     import numpy as np
 
     from gguf_factory import write_gguf
