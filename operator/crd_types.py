@@ -94,7 +94,9 @@ class SpeculativeSpec(_Model):
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
                               json_schema_extra={"x-kubernetes-validations": [
-                                  cel("self.method == 'ngram' || has(self.draftModel)", "methods draft and eagle3 need draftModel", ".draftModel")]})
+                                  cel("self.method == 'ngram' || has(self.draftModel)", "methods draft and eagle3 need draftModel", ".draftModel"),
+                                  cel("self.method != 'ngram' || !has(self.lookup) || !self.lookup",
+                                      "lookup combines n-gram lookup with methods draft and eagle3", ".lookup")]})
     method: Literal["ngram", "draft", "eagle3"] = Field("ngram", description=(
         "ngram: prompt lookup; draft: a small draft model sharing the tokenizer; eagle3: an EAGLE-3 head (draftModel: its checkpoint, "
         "the published layout) drafting from the model's own hidden states."))
@@ -102,6 +104,10 @@ class SpeculativeSpec(_Model):
     draft_model: str | None = _source_field(None, (
         "Method draft: the draft model's source; method eagle3: the EAGLE-3 head's (hf://org/repo or pvc://claim/dir); in model.source's "
         "grammar, fetched or mounted like the model."))
+    lookup: bool | None = Field(None, description=(
+        "Methods draft and eagle3, engine kvpilot: a sequence whose last tokens occurred earlier in it is proposed what followed them "
+        "there (as ngram), the model drafts for the others (--speculative-lookup): copy-heavy text gets n-gram's speed-up, other "
+        "text the model's. Its steps stay synchronous."))
     _valid_draft = field_validator("draft_model")(_check_source)
 
 

@@ -166,6 +166,12 @@ def test_kvpilot_speculative_settings_become_engine_flags_and_the_draft_is_fetch
     assert mounts["draft-model"] == "/models/draft/download" and {"name": "draft-model", "emptyDir": {}} in pod["volumes"]
     on_pvc = container(deployment("m", "ns", "u", spec(engineSettings={"speculative": {"method": "draft", "draftModel": "pvc://drafts/d.gguf"}})))
     assert on_pvc["args"][on_pvc["args"].index("--speculative-model") + 1] == "/models/draft/pvc/d.gguf"
+    eagle = {"speculative": {"method": "eagle3", "draftModel": "pvc://heads/smollm2", "lookup": True}}
+    config = EngineConfig.from_cli_args(engine_args(container(deployment("m", "ns", "u", spec(engineSettings=eagle)))))
+    assert (config.speculative_method, config.speculative_lookup, config.speculative_model) == ("eagle3", True, "/models/draft/pvc/smollm2")
+    assert not EngineConfig.from_cli_args(engine_args(on_pvc)).speculative_lookup
+    [problem] = unsupported_settings(spec(engine="vllm", engineSettings=eagle))
+    assert problem.startswith("engineSettings.speculative.lookup is a kvpilot setting; vllm")
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

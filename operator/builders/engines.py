@@ -145,6 +145,8 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = 
         values |= {"speculative_method": s.speculative.method, "num_speculative_tokens": s.speculative.num_speculative_tokens}
         if s.speculative.method != "ngram":
             values["speculative_model"] = draft_model_argument(spec)
+        if s.speculative.lookup:
+            values["speculative_lookup"] = True
     if spec.resources.cpu_only:
         values["device"] = "cpu"
     if spec.adapters and pool != "prefill":  # the prefill pool serves the base model only (the gateway does not disaggregate adapters)
@@ -284,6 +286,9 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
         if s.engine_core_process is not None:
             problems.append(f"engineSettings.engineCoreProcess is a kvpilot setting; {spec.engine} always runs its engine core in a process "
                             "of its own")
+        if s.speculative and s.speculative.lookup:
+            problems.append(f"engineSettings.speculative.lookup is a kvpilot setting; {spec.engine} does not combine n-gram lookup with "
+                            "a draft model or EAGLE head")
         if s.kv_offload is not None:
             problems.append(f"engineSettings.kvOffload is the kvpilot engine's KV tiers; {spec.engine} offloads KV through its own connectors "
                             "(extraArgs)")
