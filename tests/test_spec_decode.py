@@ -124,9 +124,9 @@ def eagle_path(tmp_path_factory, model_path):
 
 
 def method_kw(method: str, draft_path: str, eagle_path: str) -> dict:
-    """eagle3-lookup: the head, with n-gram lookup first (speculative_lookup)."""
-    if method == "eagle3-lookup":
-        return {**method_kw("eagle3", draft_path, eagle_path), "speculative_lookup": True}
+    """draft-lookup, eagle3-lookup: n-gram lookup first, the model for the rest (speculative_lookup)."""
+    if method.endswith("-lookup"):
+        return {**method_kw(method.removesuffix("-lookup"), draft_path, eagle_path), "speculative_lookup": True}
     return {"speculative_method": method, **({"speculative_model": draft_path} if method == "draft" else {}),
             **({"speculative_model": eagle_path} if method == "eagle3" else {})}
 
@@ -184,7 +184,7 @@ ASYNC_METHODS = ("draft", "eagle3")  # n-gram proposals are looked up on the hos
 # proposals and the head's.
 @pytest.mark.parametrize(("method", "setting"), [(m, s) for m in ("ngram", "draft", "eagle3") for s in SETTINGS
                                                  if (m != "eagle3" or s in ("chunked", "preempted", "async", "async-preempted"))
-                                                 and (m in ASYNC_METHODS or not s.startswith("async"))] + [("eagle3-lookup", "preempted")])
+                                                 and (m in ASYNC_METHODS or not s.startswith("async"))] + [("eagle3-lookup", "preempted"), ("draft-lookup", "batched")])
 def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, plain_greedy, draft_path, eagle_path):
     kw = dict(SETTINGS[setting], **method_kw(method, draft_path, eagle_path), **FORCED)
     if setting.endswith("preempted"):  # a block now also holds the draft's 4 layers, or the head's one
@@ -195,8 +195,8 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
     launch = engine.runner.launch
     engine.runner.launch = lambda inp, previous=None, proposal=None: (
         shifted.append(inp.shift is not None and inp.from_proposal is not None) or launch(inp, previous, proposal))
-    sources = Counter()  # eagle3-lookup: proposals looked up, and the head's
-    if method == "eagle3-lookup":
+    sources = Counter()  # *-lookup: proposals looked up, and the model's
+    if method.endswith("-lookup"):
         plan, propose = engine.proposer.plan, engine.proposer.propose
 
         def counted_plan(running):
@@ -234,9 +234,9 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
     assert (sum(shifted) > 10) is setting.startswith("async")
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # every slot reserved for a proposal came back
-    if method in ("ngram", "eagle3-lookup"):
+    if method == "ngram" or method.endswith("-lookup"):
         assert stats.accepted_per_pos[1] > 0  # runs of several accepted tokens happened (the copy prompts' lookups)
-    if method == "eagle3-lookup":
+    if method.endswith("-lookup"):
         assert sources["looked up"] > 0 and sources["drafted"] > 0
 
 
