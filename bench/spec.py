@@ -7,7 +7,7 @@ Engines: plain decoding, n-gram prompt lookup, a draft model (the bundled model 
 --draft-layers blocks by `kvpilot make-draft`; a truncated model is a weak draft, so this measures the
 machinery and its cost more than what a trained small draft would give), and with --eagle-head an
 EAGLE-3 head (e.g. one `kvpilot train-eagle` wrote), alone (eagle3) and after n-gram lookup
-(eagle3-lookup: --speculative-lookup). The default off-switch
+(eagle3-lookup: --speculative-lookup, lookups of up to 4 tokens). The default off-switch
 applies (speculative_disable_batch_size, speculative_min_acceptance), as a user would run it.
 
 Workloads, greedy (temperature 0), chat-formatted prompts:
@@ -58,6 +58,9 @@ CHAT = [
 ]
 
 
+LOOKUP_TOKENS = 4  # eagle3-lookup: a lookup proposes as many as ngram's (its default k), the head its --eagle-tokens
+
+
 def engines(threads: int, draft_layers: int, workdir: Path, quantization: str, eagle_head: str | None, wanted: list[str] | None,
             eagle_tokens: list[int]) -> dict:
     from kvpilot.server.config import EngineConfig
@@ -74,7 +77,8 @@ def engines(threads: int, draft_layers: int, workdir: Path, quantization: str, e
         for family, lookup in (("eagle3", False), ("eagle3-lookup", True)):
             families[family] = [family if len(eagle_tokens) == 1 else f"{family}-k{k}" for k in eagle_tokens]
             for name, k in zip(families[family], eagle_tokens):
-                configs[name] = dict(speculative_method="eagle3", speculative_model=eagle_head, num_speculative_tokens=k, speculative_lookup=lookup)
+                configs[name] = dict(speculative_method="eagle3", speculative_model=eagle_head, num_speculative_tokens=k, speculative_lookup=lookup,
+                                     speculative_lookup_tokens=LOOKUP_TOKENS if lookup else None)
     if wanted:  # a family: every one of its -kN engines
         wanted = [name for w in wanted for name in families.get(w, [w])]
     unknown = set(wanted or ()) - set(configs)

@@ -110,6 +110,10 @@ class EngineConfig(BaseModel):
         "draft, eagle3: a sequence whose last prompt_lookup_max…prompt_lookup_min tokens occurred earlier in it is proposed what "
         "followed them there (as ngram), the model drafts for the others: copy-heavy text gets n-gram's speed-up, other text the "
         "model's. Looked up in each step's tokens, so async scheduling is off (as for ngram)."))
+    speculative_lookup_tokens: int | None = Field(None, ge=1, le=16, description=(
+        "speculative_lookup: most tokens a lookup proposes (unset: num_speculative_tokens), while the model's drafts stay at "
+        "num_speculative_tokens: a lookup costs nothing to make and is often right for several tokens, a small head's drafts past "
+        "the first seldom are (bench/RESULTS.md: eagle3 with 1 drafted and 4 looked up)."))
     speculative_disable_batch_size: int = Field(
         4, ge=0, description="Steps with more running sequences than this do not speculate (0: never switched off by batch size).")
     speculative_min_acceptance: float = Field(
@@ -195,6 +199,8 @@ class EngineConfig(BaseModel):
         if self.speculative_lookup and self.speculative_method not in ("draft", "eagle3"):
             raise ValueError("speculative_lookup combines n-gram lookup with speculative_method=draft or eagle3 "
                              f"(not {self.speculative_method}: ngram looks up alone)")
+        if self.speculative_lookup_tokens is not None and not self.speculative_lookup:
+            raise ValueError("speculative_lookup_tokens is only used with speculative_lookup")
         if self.speculative_lookup and self.async_scheduling == "on":
             raise ValueError("async_scheduling=on with speculative_lookup: its lookups read each step's tokens on the host, so its steps "
                              "stay synchronous: use auto or off")

@@ -124,9 +124,10 @@ def eagle_path(tmp_path_factory, model_path):
 
 
 def method_kw(method: str, draft_path: str, eagle_path: str) -> dict:
-    """draft-lookup, eagle3-lookup: n-gram lookup first, the model for the rest (speculative_lookup)."""
+    """draft-lookup, eagle3-lookup: n-gram lookup first (up to 5 tokens), the model for the rest (2 drafted)."""
     if method.endswith("-lookup"):
-        return {**method_kw(method.removesuffix("-lookup"), draft_path, eagle_path), "speculative_lookup": True}
+        return {**method_kw(method.removesuffix("-lookup"), draft_path, eagle_path), "speculative_lookup": True,
+                "num_speculative_tokens": 2, "speculative_lookup_tokens": 5}
     return {"speculative_method": method, **({"speculative_model": draft_path} if method == "draft" else {}),
             **({"speculative_model": eagle_path} if method == "eagle3" else {})}
 
@@ -206,6 +207,7 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
         def counted_propose(batch, previous=None):
             proposal = propose(batch, previous)
             sources["drafted"] += len(proposal.index) if proposal else 0
+            sources["longest drafted"] = max(sources["longest drafted"], proposal.tokens.shape[1] if proposal else 0)
             return proposal
 
         engine.proposer.plan, engine.proposer.propose = counted_plan, counted_propose
@@ -238,6 +240,7 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
         assert stats.accepted_per_pos[1] > 0  # runs of several accepted tokens happened (the copy prompts' lookups)
     if method.endswith("-lookup"):
         assert sources["looked up"] > 0 and sources["drafted"] > 0
+        assert stats.accepted_per_pos[3] > 0 and sources["longest drafted"] == 2  # lookups longer than the model's drafts
 
 
 def test_an_eagle_head_above_the_batch_threshold_writes_kv_only_and_proposes_below_it(plain_greedy, eagle_path):
@@ -429,6 +432,8 @@ def test_bad_speculative_configs_are_refused(tmp_path, model_path):
     for method in ("ngram", None):
         with pytest.raises(ValueError, match=f"speculative_lookup combines .* \\(not {method}"):
             EngineConfig(speculative_method=method, speculative_lookup=True)
+    with pytest.raises(ValueError, match="speculative_lookup_tokens is only used with speculative_lookup"):
+        EngineConfig(speculative_method="eagle3", speculative_model="head", speculative_lookup_tokens=4)
     with pytest.raises(ValueError, match="async_scheduling=on with speculative_lookup"):
         EngineConfig(speculative_method="eagle3", speculative_model="head", speculative_lookup=True, async_scheduling="on")
     import numpy as np

@@ -75,7 +75,8 @@ class Proposer:
     """What both methods share: which sequences get a proposal this step, how long, and the off-switch."""
 
     def __init__(self, config: EngineConfig, max_model_len: int):
-        self.k = config.num_speculative_tokens
+        # the longest proposal: a lookup's may be longer than the model's drafts (speculative_lookup_tokens)
+        self.k = max(config.num_speculative_tokens, config.speculative_lookup_tokens or 0)
         self.max_model_len = max_model_len
         self.disable_batch_size = config.speculative_disable_batch_size
         self.min_acceptance = config.speculative_min_acceptance
@@ -187,6 +188,7 @@ class DeviceProposer(Proposer):
         # there (n-gram), the model drafts for the others; seq_ids given a lookup this step.
         self.lookup = (config.prompt_lookup_min, config.prompt_lookup_max) if config.speculative_lookup else None
         self.looked_up: set[int] = set()
+        self.draft_tokens = config.num_speculative_tokens
 
     def plan(self, running: list[Sequence]) -> None:
         self.looked_up.clear()
@@ -200,7 +202,7 @@ class DeviceProposer(Proposer):
                 self.looked_up.add(seq.seq_id)
                 return
         if self.can_draft(seq):
-            seq.set_spec(None, room)  # the tokens come in propose(), once the slots are reserved
+            seq.set_spec(None, min(room, self.draft_tokens))  # the tokens come in propose(), once the slots are reserved
 
     def can_draft(self, seq: Sequence) -> bool:
         return True
