@@ -67,7 +67,7 @@ bench: setup
 
 # Opt-in, not part of test (about 50 minutes on two cores): the EAGLE-3 head for the bundled model on
 # gguf weights, trained once with a fixed command and seed (docs/speculative-and-parallel.md) and cached;
-# `make serve ARGS="--quantization gguf --speculative-method eagle3 --speculative-model <the path printed> --speculative-lookup"`.
+# `make serve ARGS="--quantization gguf --speculative-method eagle3 --speculative-model <the path printed> --speculative-lookup --speculative-lookup-tokens 4 --num-speculative-tokens 1"`.
 # The cached head is kept until removed: after a change to the trainer, remove it to retrain.
 EAGLE_HEAD := $(CACHE)/eagle-heads/smollm2-135m-gguf
 eagle-head: setup
