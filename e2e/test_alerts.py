@@ -58,7 +58,7 @@ def test_each_alert_fires_when_its_condition_is_caused(cluster, namespace, prome
     cluster.kubectl("apply", "-f", str(CHART.parents[1] / "crds"))
     rules = chart_rules(cluster, tmp_path / "kvpilot.rules.json", **{"prometheusRule.engineDownFor": "1s", "prometheusRule.kvCacheSaturatedFor": "1s",
                                                                     "prometheusRule.autoscalerMetricsMissingFor": "1s",
-                                                                    "prometheusRule.kvCacheSaturatedThreshold": 0.8})
+                                                                    "prometheusRule.kvCacheSaturatedThreshold": 0.6})
     operator_port = free_port()
     prom = prometheus_factory("1s").add_kubernetes_pods(cluster.server, TOKEN, str(cluster.state_dir / "certs" / "apiserver.crt"))
     start_prometheus(prom.add_static("kvpilot-operator", [f"127.0.0.1:{operator_port}"]).add_rules(rules))
@@ -67,7 +67,9 @@ def test_each_alert_fires_when_its_condition_is_caused(cluster, namespace, prome
     op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log", args=["--prometheus-url", nowhere, "--liveness", f"127.0.0.1:{operator_port}"])
     stop = threading.Event()
     try:
-        # 8 MiB of fp32 KV cache = 11 blocks of 16 tokens; 4 sequences of up to 128 tokens want 32.
+        # 8 MiB of fp32 KV cache = 11 blocks of 16 tokens; 4 sequences of up to 128 tokens want 32. Three
+        # of them fit at first (9 blocks, 0.82), so the use swings around 0.8 as they grow and are
+        # preempted (an alert at 0.8 for two evaluations in a row was flaky): the threshold here is 0.6.
         apply_isvc(cluster, namespace, "hot", {"model": {"source": "smollm2-135m"}, "resources": {"cpuOnly": True}, "minReplicas": 1, "maxReplicas": 1,
                                               "engineSettings": {"kvCacheMemory": "8MiB", "maxModelLen": 128, "maxNumSeqs": 4},
                                               "autoscaling": {"intervalSeconds": 1}})
@@ -99,7 +101,7 @@ def test_each_alert_fires_when_its_condition_is_caused(cluster, namespace, prome
         except TimeoutError as e:
             peak = prom.query(f'max_over_time(kvpilot:kv_cache_usage_perc{{namespace="{namespace}"}}[2m])')
             raise AssertionError(f"{e}; engine answers {statuses[-8:]}; peak KV-cache use {peak}") from None
-        assert alert["labels"]["inferenceservice"] == "hot" and float(alert["value"]) > 0.8
+        assert alert["labels"]["inferenceservice"] == "hot" and float(alert["value"]) > 0.6
         stop.set()
         for c in clients:
             c.join(70)

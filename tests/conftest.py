@@ -119,7 +119,7 @@ def pytest_sessionfinish(session):
 
 def pytest_testnodedown(node, error):
     """On the pytest-xdist controller: a worker's modules' RSS (each worker is its own process)."""
-    _worker_rss.append((node.gateway.id, node.workeroutput.get("module_rss", [])))
+    _worker_rss.append((node.gateway.id, getattr(node, "workeroutput", {}).get("module_rss", [])))  # none from a worker that died
 
 
 _worker_rss: list[tuple[str, list[tuple[str, int]]]] = []
