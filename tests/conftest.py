@@ -96,6 +96,25 @@ def lora_peft_case(hf_oracle_session, model_path, tmp_path_factory):  # noqa: F8
 
 
 _module_rss: list[tuple[str, int]] = []  # (test module, the pytest process's RSS after it, bytes)
+COLLECT_ABOVE = 3 << 30  # RSS (bytes) past which a test's end runs a full collection
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:  # Linux, as CI: resident pages are the second field
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _collect_when_big():
+    """Engines a test left in reference cycles (a spy on a runner's method holds the runner) wait for a
+    full collection, ~1 GiB each: a module of such tests reached 8.6 GiB and, beside the other worker,
+    the OOM killer. Collected after any test that leaves the process above COLLECT_ABOVE (most leave it
+    below: no cost there)."""
+    yield
+    if _rss() > COLLECT_ABOVE:
+        import gc
+
+        gc.collect()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -107,8 +126,7 @@ def _collect_after_each_module(request):
     import gc
 
     gc.collect()
-    with open("/proc/self/statm") as f:  # Linux, as CI: resident pages are the second field
-        _module_rss.append((request.module.__name__, int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")))
+    _module_rss.append((request.module.__name__, _rss()))
 
 
 def pytest_sessionfinish(session):
