@@ -103,8 +103,18 @@ def run(engine, prompts: list[str], concurrent: bool, max_tokens: int) -> tuple[
 
 
 def counters(engine) -> tuple[int, ...]:
+    """Steps, steps speculating, tokens proposed and accepted, proposals, accepted by position; with lookup
+    first, then the looked-up proposals' own count and accepted by position (the rest are the model's)."""
     s = engine.proposer.stats if engine.proposer else None
-    return (s.num_steps, s.num_spec_steps, s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts, *s.accepted_per_pos) if s else (0,) * 5
+    if s is None:
+        return (0,) * 5
+    lookup = (s.lookup.num_drafts, *s.lookup.accepted_per_pos) if s.lookup else ()
+    return (s.num_steps, s.num_spec_steps, s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts, *s.accepted_per_pos, *lookup)
+
+
+def by_position(proposals: int, accepted: list[int]) -> str:
+    """The share of proposals whose token i was accepted (i = 0, 1, …)."""
+    return " ".join(f"{a / proposals:.2f}" for a in accepted) if proposals else "-"
 
 
 def main() -> None:
@@ -144,11 +154,17 @@ def main() -> None:
         for name in names:
             tput = statistics.median(rates[(name, w)])
             steps, spec_steps, drafted, accepted, proposals, *per_pos = spec[(name, w)]
+            positions = by_position(proposals, per_pos) if proposals else ""
+            stats = eng[name].proposer.stats if eng[name].proposer else None
+            if stats is not None and stats.lookup is not None and proposals:  # each source's own: the model's drafts, then the lookups
+                k = len(stats.accepted_per_pos)
+                per_pos, looked_up, lookup_pos = per_pos[:k], per_pos[k], per_pos[k + 1:]
+                drafted_pos = [a - b for a, b in zip(per_pos, lookup_pos)][:eng[name].config.num_speculative_tokens]
+                positions = f"head {by_position(proposals - looked_up, drafted_pos)}; lookup {by_position(looked_up, lookup_pos)}"
             rows.append({"workload": w, "engine": name, "output tok/s": f"{tput:.1f}", "vs plain": f"{tput / plain:.2f}x",
                          "steps speculating": f"{spec_steps / steps:.0%}" if steps else "",
                          "acceptance": f"{accepted / drafted:.0%} of {drafted}" if drafted else "",
-                         # the share of proposals whose token i was accepted (i = 0, 1, …)
-                         "accepted by position": " ".join(f"{a / proposals:.2f}" for a in per_pos) if proposals else ""})
+                         "accepted by position": positions})
     print(f"machine: {machine()}; threads {args.threads}; quantization {args.quantization}; rounds {args.rounds} (median); max_tokens {args.max_tokens}")
     print(table(rows, ["workload", "engine", "output tok/s", "vs plain", "steps speculating", "acceptance", "accepted by position"]))
 

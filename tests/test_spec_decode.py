@@ -241,6 +241,14 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
     if method.endswith("-lookup"):
         assert sources["looked up"] > 0 and sources["drafted"] > 0
         assert stats.accepted_per_pos[3] > 0 and sources["longest drafted"] == 2  # lookups longer than the model's drafts
+        # the looked-up proposals' own counters: one per verified lookup (a preempted sequence's was never
+        # verified), the model's the rest (never past its 2 drafts)
+        lookup = stats.lookup
+        assert 0 < lookup.num_drafts <= sources["looked up"] and lookup.num_drafts < stats.num_drafts
+        assert stats.num_drafts - lookup.num_drafts == sources["drafted"]
+        assert lookup.num_accepted_tokens <= lookup.num_draft_tokens and lookup.accepted_per_pos[3] == stats.accepted_per_pos[3] > 0
+    else:
+        assert stats.lookup is None
 
 
 def test_an_eagle_head_above_the_batch_threshold_writes_kv_only_and_proposes_below_it(plain_greedy, eagle_path):
@@ -388,8 +396,31 @@ def test_spec_decode_metrics_are_exported(draft_path):
     assert f'kvpilot:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(s.num_draft_tokens)}' in text
     assert f'kvpilot:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(s.num_accepted_tokens)}' in text
     assert f'kvpilot:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(s.accepted_per_pos[0])}' in text
-    assert s.num_accepted_tokens > 0
+    assert s.num_accepted_tokens > 0 and "spec_decode_lookup" not in text
     assert "spec_decode" not in generate_latest(EngineMetrics(make_engine(kv_cache_memory="16MiB"), "m").registry).decode()
+
+
+def test_lookup_first_exports_the_looked_up_proposals_counters(draft_path):
+    """--speculative-lookup: the spec_decode counters count both sources; spec_decode_lookup_* the
+    looked-up proposals alone, so the model's acceptance by position is the difference."""
+    from prometheus_client import generate_latest
+
+    from kvpilot.server.api.metrics import EngineMetrics
+
+    engine = make_engine(kv_cache_memory="64MiB", speculative_method="draft", speculative_model=draft_path, speculative_lookup=True,
+                         num_speculative_tokens=2, speculative_lookup_tokens=4, **FORCED)
+    run(engine, COPY_PROMPTS[:2], SamplingParams(temperature=0, max_tokens=32))
+    text = generate_latest(EngineMetrics(engine, "m").registry).decode()
+    s, lookup = engine.proposer.stats, engine.proposer.stats.lookup
+    assert 0 < lookup.num_drafts < s.num_drafts and 0 < lookup.num_accepted_tokens < s.num_accepted_tokens
+    assert f'kvpilot:spec_decode_lookup_num_drafts_total{{model_name="m"}} {float(lookup.num_drafts)}' in text
+    assert f'kvpilot:spec_decode_lookup_num_draft_tokens_total{{model_name="m"}} {float(lookup.num_draft_tokens)}' in text
+    assert f'kvpilot:spec_decode_lookup_num_accepted_tokens_total{{model_name="m"}} {float(lookup.num_accepted_tokens)}' in text
+    for position in range(4):
+        assert (f'kvpilot:spec_decode_lookup_num_accepted_tokens_per_pos_total{{model_name="m",position="{position}"}} '
+                f'{float(lookup.accepted_per_pos[position])}') in text
+    assert f'kvpilot:spec_decode_num_drafts_total{{model_name="m"}} {float(s.num_drafts)}' in text
+    assert s.accepted_per_pos[2] == lookup.accepted_per_pos[2]  # past the model's 2 drafts, only lookups
 
 
 def test_off_switch_batch_size_and_low_acceptance():

@@ -39,6 +39,24 @@ class EngineCollector:
     def __init__(self, engine: LLMEngine, model_name: str, pending: callable = lambda: 0):
         self.engine, self.model_name, self.pending = engine, model_name, pending
 
+    def _counter(self, name: str, doc: str, value) -> CounterMetricFamily:
+        c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+        c.add_metric([self.model_name], value)
+        return c
+
+    def _spec_decode(self, prefix: str, spec, of: str):
+        def counter(name, doc, value):
+            return self._counter(prefix + name, doc + of, value)
+
+        yield counter("num_drafts", "Proposals verified (one per sequence and step that speculated).", spec.num_drafts)
+        yield counter("num_draft_tokens", "Tokens proposed.", spec.num_draft_tokens)
+        yield counter("num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens)
+        per_pos = CounterMetricFamily(P + prefix + "num_accepted_tokens_per_pos", "Proposals whose token at this position was accepted." + of,
+                                      labels=["model_name", "position"])
+        for position, count in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], count)
+        yield per_pos
+
     def collect(self):
         s = self.engine.stats()
         labels = [self.model_name]
@@ -48,10 +66,7 @@ class EngineCollector:
             g.add_metric(labels, value)
             return g
 
-        def counter(name, doc, value):
-            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
-            c.add_metric(labels, value)
-            return c
+        counter = self._counter
 
         yield gauge("kv_cache_usage_perc", "KV-cache blocks held by live requests, 0-1 (evictable prefix-cache blocks count as free).", s.kv_cache_usage)
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
@@ -61,14 +76,9 @@ class EngineCollector:
         yield counter("num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.", s.num_preemptions)
         if self.engine.proposer is not None:  # vLLM's speculative-decoding counters, under our prefix
             spec = self.engine.proposer.stats
-            yield counter("spec_decode_num_drafts", "Proposals verified (one per sequence and step that speculated).", spec.num_drafts)
-            yield counter("spec_decode_num_draft_tokens", "Tokens proposed.", spec.num_draft_tokens)
-            yield counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens)
-            per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos", "Proposals whose token at this position was accepted.",
-                                          labels=["model_name", "position"])
-            for position, count in enumerate(spec.accepted_per_pos):
-                per_pos.add_metric([self.model_name, str(position)], count)
-            yield per_pos
+            yield from self._spec_decode("spec_decode_", spec, "")
+            if spec.lookup is not None:  # --speculative-lookup: the looked-up proposals' share of them
+                yield from self._spec_decode("spec_decode_lookup_", spec.lookup, " Of them, looked-up proposals' (the rest are the model's).")
         tiers = self.engine.kv_tiers
         host = tiers.host if tiers is not None else None
         if host is not None:  # the host tier (kv_tiers.py)

@@ -48,6 +48,8 @@ class SpecDecodeStats:
     accepted_per_pos: list[int] = field(default_factory=list)  # [i]: proposals whose token i was accepted
     num_steps: int = 0                # engine steps with at least one decoding sequence
     num_spec_steps: int = 0           # of them, steps that verified at least one proposal
+    # speculative_lookup: the counters above, of the looked-up proposals alone (the rest are the model's)
+    lookup: SpecDecodeStats | None = None
 
     def __post_init__(self) -> None:
         self.accepted_per_pos = [0] * self.num_speculative_tokens
@@ -80,7 +82,7 @@ class Proposer:
         self.max_model_len = max_model_len
         self.disable_batch_size = config.speculative_disable_batch_size
         self.min_acceptance = config.speculative_min_acceptance
-        self.stats = SpecDecodeStats(self.k)
+        self.stats = SpecDecodeStats(self.k, lookup=SpecDecodeStats(self.k) if config.speculative_lookup else None)
         self.acceptance: dict[int, Acceptance] = {}
 
     def plan(self, running: list[Sequence]) -> None:
@@ -126,12 +128,18 @@ class Proposer:
     def launched(self, step: StepInFlight) -> None:
         """A step was launched (its outputs still on the device)."""
 
+    def was_looked_up(self, seq: Sequence) -> bool:
+        """Whether the step just verified proposed `seq` a lookup's tokens (speculative_lookup)."""
+        return False
+
     def verified(self, results: list[tuple[Sequence, int, int]]) -> None:
         """After a step's verifications, (sequence, tokens proposed, tokens accepted) each: count
         them, and pause the sequences whose proposals keep failing."""
         self.stats.num_spec_steps += bool(results)
         for seq, proposed, accepted in results:
             self.stats.record(proposed, accepted)
+            if self.stats.lookup is not None and self.was_looked_up(seq):
+                self.stats.lookup.record(proposed, accepted)
             acc = self.acceptance.setdefault(seq.seq_id, Acceptance(seq))
             acc.recent_proposed += proposed
             acc.recent_accepted += accepted
@@ -206,6 +214,9 @@ class DeviceProposer(Proposer):
 
     def can_draft(self, seq: Sequence) -> bool:
         return True
+
+    def was_looked_up(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.looked_up  # (the plan of the step verified: lookups keep steps synchronous)
 
     def propose(self, batch: ScheduledBatch, previous: StepInFlight | None = None) -> Proposal | None:
         seqs = [s for s in batch.seqs if s.num_spec_tokens and s.seq_id not in self.looked_up]
