@@ -1,5 +1,6 @@
 """Shared fixtures. Thread settings come first: torch must see them at import (see server/threads.py)."""
 
+import gc
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -112,8 +113,6 @@ def _collect_when_big():
     below: no cost there)."""
     yield
     if _rss() > COLLECT_ABOVE:
-        import gc
-
         gc.collect()
 
 
@@ -123,8 +122,6 @@ def _collect_after_each_module(request):
     module, not per test), and the RSS left after it is recorded: a suite that outgrows the machine
     names the modules that grew it (in the terminal summary), instead of dying to the OOM killer."""
     yield
-    import gc
-
     gc.collect()
     _module_rss.append((request.module.__name__, _rss()))
 
