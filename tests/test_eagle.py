@@ -202,14 +202,22 @@ def test_the_model_writes_distinct_requests_the_same_every_time(tmp_path, monkey
 
 def test_the_head_learns_only_to_draft_inside_answers():
     """Training labels: row p predicts the model's choice after position p + 1; rows whose token to
-    predict is in the prompt or is the answer's first (the target samples that one) do not count."""
-    from kvpilot.server.eagle_training import Example, _pad
+    predict is in the prompt or is the answer's first (the target samples that one) do not count. The
+    soft labels are the model's likeliest tokens there, as draft ids, renormalised over those the draft
+    vocabulary has."""
+    from kvpilot.server.eagle_training import SOFT_TOP, Example, _pad
 
     tokens = torch.arange(10)
     choice = torch.arange(1, 11)  # the model's choice after position i: token i + 1 here
-    example = Example(tokens, torch.zeros(10, 6), choice, answer_start=6)
-    to_draft = torch.arange(16)
-    got_tokens, _, labels = _pad([example], to_draft)
+    top_ids = torch.stack([torch.arange(i + 1, i + 1 + SOFT_TOP) for i in range(10)]).to(torch.int32)  # the choice, then the next ids
+    top_p = torch.zeros(10, SOFT_TOP, dtype=torch.float16)
+    top_p[:, :3] = torch.tensor([0.5, 0.25, 0.125], dtype=torch.float16)
+    example = Example(tokens, torch.zeros(10, 6), choice, top_ids, top_p, answer_start=6)
+    to_draft = torch.full((64,), -100, dtype=torch.long)
+    to_draft[:10] = torch.arange(10) + 20  # ids 0-9 are draft ids 20-29; 10 and up are outside the draft vocabulary
+    got_tokens, _, labels, (soft_ids, soft_p) = _pad([example], to_draft)
     assert got_tokens[0].tolist() == list(range(1, 10))
     # row p takes token p + 1 and predicts choice[p + 1] = token p + 2; the first counted predicts token 7 = answer_start + 1
-    assert labels[0].tolist() == [-100] * 5 + [7, 8, 9, 10]
+    assert labels[0].tolist() == [-100] * 5 + [27, 28, 29, -100]
+    assert soft_ids[0, 5, :3].tolist() == [27, 28, 29] and soft_p[0, 5, :3].tolist() == pytest.approx([4 / 7, 2 / 7, 1 / 7])
+    assert soft_ids[0, 7, 0] == 29 and soft_p[0, 7].tolist() == pytest.approx([1.0] + [0.0] * (SOFT_TOP - 1))  # 10, 11 dropped
