@@ -37,27 +37,16 @@ MAX_TOKENS = 160
 
 def prompt_sets(head_dir: str, count: int = 6) -> dict[str, list[str]]:
     """The three sets (see the module's doc), `count` prompts each but chat's four; no copy prompts."""
-    from kvpilot.server.eagle_training import COPY_TEMPLATES, training_prompts
+    from kvpilot.server.eagle_training import COPY_TEMPLATES, prompt_pool, training_prompts
 
     made = json.loads((Path(head_dir) / "TRAINING.json").read_text())
     seed = int(made["command"].split("--seed ")[1].split()[0])
-    every = training_prompts(pool_size(), seed)  # the same shuffle: its first `prompts` were the training list
+    every = training_prompts(len(prompt_pool()), seed)  # the same shuffle: its first `prompts` were the training list
     learned = set(every[:made["prompts"]])
     chat_like = [p for p in every if not p.startswith(tuple(t.split("{")[0] for t in COPY_TEMPLATES))]
     rng = random.Random(5)
     return {"chat": CHAT, "unseen": rng.sample([p for p in chat_like if p not in learned], count),
             "seen": rng.sample([p for p in chat_like if p in learned], count)}
-
-
-def pool_size() -> int:
-    """How many prompts the training lists make (training_prompts refuses more, saying how many)."""
-    from kvpilot.server.eagle_training import training_prompts
-
-    try:
-        training_prompts(10**9)
-    except ValueError as e:
-        return int(str(e).rsplit(" ", 1)[-1])
-    raise AssertionError("training_prompts accepted any count")
 
 
 def accuracy(engine, prompts: list[str]) -> tuple[list[float], float, int]:
@@ -80,8 +69,7 @@ def accuracy(engine, prompts: list[str]) -> tuple[list[float], float, int]:
         out = finished[0]
         ids, start = list(out.prompt_token_ids) + list(out.outputs[0].token_ids), len(out.prompt_token_ids)
         n = len(ids)
-        meta = AttentionMetadata(torch.arange(n), [n], [n], [torch.arange(-(-n // runner.block_size))], torch.zeros(0, 0, dtype=torch.long),
-                                 torch.zeros(0, dtype=torch.long))
+        meta = AttentionMetadata.one_prefill(n, runner.block_size, runner.device)
         with torch.inference_mode():
             hidden, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, head.config.aux_layers)
             choice = runner.model.compute_logits(hidden).argmax(-1)

@@ -141,11 +141,16 @@ COPY_TEMPLATES = [
 ]
 
 
+def prompt_pool() -> list[str]:
+    """Every prompt the lists make: subjects x templates, tasks x task templates, pairs x pair templates,
+    sentences x copy templates."""
+    return ([t.format(s=s) for t in TEMPLATES for s in SUBJECTS] + [t.format(t=task) for t in TASK_TEMPLATES for task in TASKS]
+            + [t.format(a=a, b=b) for t in PAIR_TEMPLATES for a, b in PAIRS] + [t.format(t=s) for t in COPY_TEMPLATES for s in SENTENCES])
+
+
 def training_prompts(count: int, seed: int = 0) -> list[str]:
-    """`count` of every prompt the lists make (subjects x templates, tasks x task templates, pairs x
-    pair templates, sentences x copy templates), in a fixed shuffle."""
-    prompts = ([t.format(s=s) for t in TEMPLATES for s in SUBJECTS] + [t.format(t=task) for t in TASK_TEMPLATES for task in TASKS]
-               + [t.format(a=a, b=b) for t in PAIR_TEMPLATES for a, b in PAIRS] + [t.format(t=s) for t in COPY_TEMPLATES for s in SENTENCES])
+    """`count` of the prompt pool's, in a fixed shuffle."""
+    prompts = prompt_pool()
     random.Random(seed).shuffle(prompts)
     if count > len(prompts):
         raise ValueError(f"--prompts {count}: there are {len(prompts)}")
@@ -244,8 +249,7 @@ def read_states(runner, sequences: list[list[int]], aux_layers: tuple[int, ...],
     examples = []
     for j, ids in enumerate(sequences):
         n = len(ids)
-        blocks = torch.arange(-(-n // runner.block_size))
-        meta = AttentionMetadata(torch.arange(n), [n], [n], [blocks], torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+        meta = AttentionMetadata.one_prefill(n, runner.block_size, runner.device)
         hidden, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, aux_layers)
         logits = runner.model.compute_logits(hidden).float()
         top = logits.softmax(-1).topk(SOFT_TOP, dim=-1)

@@ -70,8 +70,7 @@ def test_the_head_reads_the_hidden_states_transformers_numbers_as_the_layer_ids(
     runner = ModelRunner(EngineConfig(num_threads=1, kv_cache_memory="16MiB"), weights, show_progress=False)
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog")
     n = len(ids)
-    meta = AttentionMetadata(torch.arange(n), [n], [n], [torch.arange(-(-n // runner.block_size))], torch.zeros(0, 0, dtype=torch.long),
-                             torch.zeros(0, dtype=torch.long))
+    meta = AttentionMetadata.one_prefill(n, runner.block_size, runner.device)
     with torch.inference_mode():
         _, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, (0, 2, 29))
         hf = hf_oracle_session.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
@@ -144,8 +143,7 @@ def test_training_math_is_the_serving_heads(target, model_path, tmp_path):
     save(trainer, target, draft_ids, aux_layers, tmp_path / "head", {})
     ids = tokenizer.encode("Write three short facts about the moon and the tides.")
     n = len(ids)
-    meta = AttentionMetadata(torch.arange(n), [n], [n], [torch.arange(-(-n // runner.block_size))], torch.zeros(0, 0, dtype=torch.long),
-                             torch.zeros(0, dtype=torch.long))
+    meta = AttentionMetadata.one_prefill(n, runner.block_size, runner.device)
     runner_with_head = ModelRunner(EngineConfig(num_threads=1, kv_cache_memory="16MiB", speculative_method="eagle3",
                                                 speculative_model=str(tmp_path / "head")), weights, show_progress=False, eagle_head=str(tmp_path / "head"))
     head = runner_with_head.head
