@@ -271,13 +271,16 @@ def test_health_answers_fast_while_engine_is_saturated(served):
         t.start()
     try:
         time.sleep(3)
-        worst = 0.0
+        worst, busiest = 0.0, 0.0
         for _ in range(10):
             t0 = time.monotonic()
             assert httpx.get(served.url + "/health", timeout=5).status_code == 200
             worst = max(worst, time.monotonic() - t0)
+            # sampled throughout: the six equal requests finish in one step, and between that step and
+            # their successors' arrival nothing runs (one sample there read 0 in CI)
+            busiest = max(busiest, metrics(served.url)["kvpilot:num_requests_running"])
             time.sleep(0.3)
-        assert metrics(served.url)["kvpilot:num_requests_running"] >= 1
+        assert busiest >= 1
     finally:
         stop.set()
         for t in threads:
