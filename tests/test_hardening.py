@@ -465,3 +465,57 @@ def test_an_unexpected_exception_is_a_json_500():
     assert r.status_code == 500 and r.headers["content-type"] == "application/json"
     assert r.json()["error"] == {"message": "internal error (RuntimeError); the server logged the details", "type": "server_error",
                                  "param": None, "code": "internal_error"}
+
+
+# --- constraints that reach the grammar library's native code (issue #75) -----------------------------
+
+def ref_chain_schema(n: int) -> dict:
+    """n object definitions, each's only property the next: the library follows the chain recursively."""
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["a"]} for i in range(n)}
+    return {"$defs": {**defs, f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+
+def rule_chain_grammar(n: int, alternative: bool = False) -> str:
+    """n rules, each the next one's prefix: "a" r1, or (alternative) r1 | "0"."""
+    body = (lambda i: f'r{i + 1} | "0"') if alternative else (lambda i: f'"a" r{i + 1}')
+    return "start: r0\n" + "".join(f"r{i}: {body(i)}\n" for i in range(n)) + f'r{n}: "end"\n'
+
+
+def test_deep_constraints_compile_or_are_refused_and_never_kill_the_server(server, greedy_text):
+    """A 1,000-definition $ref chain (94 KB) and a 3,000-rule Lark chain overflowed a thread's 8 MiB
+    stack in the library's native code: SIGSEGV, the server gone. Now they compile on a deep stack,
+    and chains past the bound are a 400 naming the field before the library sees them."""
+    schema = {"type": "json_schema", "json_schema": {"name": "chain", "schema": ref_chain_schema(1000)}}
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
+                                              "response_format": schema})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].startswith('{"a"')
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3, "temperature": 0, "structured_outputs": {"grammar": rule_chain_grammar(3000)}})
+    assert r.status_code == 200 and set(r.json()["choices"][0]["text"]) == {"a"}, r.text
+    # The issue's own grammar compiles now, then breaks the library's row limit at its first mask:
+    # that request fails alone (issue #76 turns it into a 400 before it runs).
+    post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"grammar": rule_chain_grammar(3000, True)}})
+    too_deep = [("/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"grammar": rule_chain_grammar(6000)}},
+                 "structured_outputs"),
+                ("/v1/completions", {"prompt": "x", "max_tokens": 2, "guided_grammar": rule_chain_grammar(6000).replace(":", " ::=")
+                                     .replace("start ::=", "root ::=")}, "guided_grammar"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": {
+                    "type": "json_schema", "json_schema": {"name": "chain", "schema": ref_chain_schema(2000)}}}, "response_format")]
+    for path, body, param in too_deep:
+        r = post(server, path, body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and "at most 5000" in r.json()["error"]["message"], r.text
+    assert_still_serving(server, greedy_text)
+
+
+def test_wide_and_recursive_schemas_are_not_taken_for_deep_ones():
+    """The bound is a chain's length, not a schema's size: 6,000 sibling properties are 3 deep, and a
+    recursive definition counts its members once."""
+    from kvpilot.server.engine.structured import schema_depth_bound
+
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}}
+    assert schema_depth_bound(wide) == 3
+    tree = {"$defs": {"node": {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+            "$ref": "#/$defs/node"}
+    assert schema_depth_bound(tree) == 6
+    assert schema_depth_bound(ref_chain_schema(1000)) > 3000

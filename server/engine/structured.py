@@ -8,16 +8,27 @@ cancelled), each step's mask is bounded by its lexer fuel, and it needs neither 
 JIT. Compiling happens where requests are admitted (the server's tokenizer pool, never the step
 loop); each compiled grammar is kept as a pristine matcher in a bounded LRU cache keyed by its
 normalized text, and every sequence gets its own copy, advanced on the tokens it accepts.
+
+The library recurses in native code along a constraint's chains of definitions (a $ref chain of
+objects took ~9 KB of stack a level, a chain of Lark rules ~3 KB), and a stack overflow there is a
+SIGSEGV that takes the whole server down: on a thread's default 8 MiB, 950 chained schema definitions
+or 2,800 chained rules did. So every compile runs on a thread of its own with COMPILE_STACK_BYTES of
+stack (address space: only the pages a compile touches are memory), and a constraint whose chains could
+be deeper than MAX_CONSTRAINT_DEPTH is refused before the library sees it (5,000 levels of 9 KB is a
+sixth of that stack). tests/test_structured_outputs.py holds the shapes measured.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
@@ -28,7 +39,10 @@ from kvpilot.server.engine.sampling_params import StructuredOutput
 # JSON as Python's json.dumps writes it: ", " and ": " between items, no other whitespace. Flexible
 # whitespace lets a small model write newlines and spaces until max_tokens instead of the value.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+T = TypeVar("T")
 GRAMMAR_CACHE_SIZE = 512
+COMPILE_STACK_BYTES = 256 << 20
+MAX_CONSTRAINT_DEPTH = 5_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +85,15 @@ class GrammarCompiler:
                 self.cache_hits += 1
                 return grammar
         started = time.perf_counter()
+        depth = chain_depth_bound(spec, key[1])
+        if depth > MAX_CONSTRAINT_DEPTH:
+            raise RequestRejected(f"{spec.param}: the {spec.kind} constraint may nest definitions up to {depth} deep (through its "
+                                  f"references); at most {MAX_CONSTRAINT_DEPTH} are allowed", spec.param)
         try:
-            text = grammar_text(spec.kind, key[1])
+            text = on_deep_stack(lambda: grammar_text(spec.kind, key[1]))
         except Exception as e:  # noqa: BLE001 - the library's converters raise several types on bad input
             raise RequestRejected(f"{spec.param}: not a valid {spec.kind} constraint: {first_lines(str(e))}", spec.param) from None
-        matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+        matcher = on_deep_stack(lambda: llguidance.LLMatcher(self.tokenizer, text, log_level=0))
         self.observe_compile(time.perf_counter() - started)
         if matcher.is_error():
             raise RequestRejected(f"{spec.param}: not a valid {spec.kind} constraint: {first_lines(matcher.get_error())}", spec.param)
@@ -97,6 +115,112 @@ class GrammarCompiler:
         speculated = [row for row in rows if row[2]]
         if speculated:
             self.executor.unsafe_compute_mask_ptr_with_draft_token(speculated, address, self.mask_words * 4, num_rows)
+
+
+_stack_size_lock = threading.Lock()
+
+
+def on_deep_stack(fn: Callable[[], T]) -> T:
+    """fn() on a new thread with COMPILE_STACK_BYTES of stack (its result or its exception here).
+    threading.stack_size is process-wide: it is set only for the moment this thread is created."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append((False, e))
+
+    with _stack_size_lock:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="kvpilot-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def chain_depth_bound(spec: StructuredOutput, text: str) -> int:
+    """An upper bound on the longest chain of nested definitions the library can follow in the
+    constraint. A JSON schema: the longest path through its subschemas and $refs (a cycle of
+    references counts all its members: its recursion is bounded by them). A grammar (Lark, GBNF, a
+    tool-call grammar with %json schemas in it): its definitions plus its '{' (each subschema of an
+    embedded schema has one), since no chain can visit one twice. A regex or a choice: its nesting
+    is bounded by the library's own parsers."""
+    if spec.kind == "json":
+        return schema_depth_bound(spec.value)
+    if spec.kind in ("grammar", "tool_calls"):
+        return len(_DEFINITION.findall(text)) + text.count("{")
+    return 0
+
+
+# A Lark rule or terminal (`name:`, `?name:`, `name.2:`) or a GBNF rule (`name ::=`) at a line's start.
+_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?::|::=)", re.M)
+
+
+def schema_depth_bound(schema) -> int:
+    """The longest path, in subschemas, from the root of a JSON schema through nested subschemas and
+    local $refs ("#", "#/json/pointer"); a strongly connected set (recursive definitions) counts as
+    all its members. A $ref this cannot resolve makes the bound the count of all subschemas."""
+    import networkx as nx
+
+    if not isinstance(schema, dict):
+        return 0
+    graph, stack, unresolved = nx.DiGraph(), [schema], False
+    graph.add_node(id(schema))
+    seen = {id(schema)}
+
+    def visit(parent, child) -> None:
+        graph.add_edge(id(parent), id(child))
+        if id(child) not in seen:
+            seen.add(id(child))
+            stack.append(child)
+
+    while stack:
+        node = stack.pop()
+        children = list(node.values())
+        while children:  # through lists (allOf, prefixItems, ...) to the nested dicts
+            child = children.pop()
+            if isinstance(child, dict):
+                visit(node, child)
+            elif isinstance(child, list):
+                children.extend(child)
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            target = _resolve_pointer(schema, ref)
+            if isinstance(target, dict):
+                visit(node, target)
+            else:
+                unresolved = True
+    if unresolved or graph.number_of_nodes() <= MAX_CONSTRAINT_DEPTH:
+        return graph.number_of_nodes()
+    condensed = nx.condensation(graph)
+    longest: dict[int, int] = {}
+    for component in reversed(list(nx.topological_sort(condensed))):
+        longest[component] = len(condensed.nodes[component]["members"]) + max((longest[s] for s in condensed.successors(component)), default=0)
+    return max(longest.values())
+
+
+def _resolve_pointer(schema, ref: str):
+    if ref == "#":
+        return schema
+    if not ref.startswith("#/"):
+        return None
+    node = schema
+    for part in ref[2:].split("/"):
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def normalized(spec: StructuredOutput) -> str:
