@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -37,6 +38,7 @@ from kvpilot.server.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvpilot.engine_core")
 IDLE_POLL_MS = 200  # an idle core's wait for a command; also how often it checks that the API process lives
+COMPILING_POLL_MS = 2  # an idle core's wait while a constraint compiles off the loop (its request is added when done)
 
 
 # --- API process -> core ---------------------------------------------------------------------------
@@ -224,6 +226,31 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
     added_units = 0
     adapter_reads: queue.SimpleQueue = queue.SimpleQueue()  # (LoadAdapter, Adapter | None, AdapterError | None) from reader threads
 
+    # A request with an output constraint is admitted off the step loop: its compile takes milliseconds
+    # to seconds (a 10,000-property schema stalled running streams for 7 s when it ran here), as the
+    # one-process server compiles in its tokenizer pool. The loop adds it once compiled.
+    admitting = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-core-admit")
+    admissions: queue.SimpleQueue = queue.SimpleQueue()  # (AddRequest, Admission | None, ValueError | None)
+    compiling: set[str] = set()  # their request ids; one aborted meanwhile leaves it, and its admission is dropped
+
+    def admit_constrained(command: AddRequest) -> None:
+        try:
+            admissions.put((command, engine.limits.admit(command.prompt_token_ids, command.params, command.adapter), None))
+        except ValueError as e:
+            admissions.put((command, None, e))
+        except Exception as e:  # noqa: BLE001 - the compiler's own failure: this request's, the core goes on
+            log.exception("admitting request %s failed", command.request_id)
+            admissions.put((command, None, ValueError(f"{type(e).__name__}: {e}")))
+
+    def add(command: AddRequest, admission, error: ValueError | None, extra: list[RequestOutput]) -> None:
+        try:
+            if error is not None:
+                raise error
+            engine.add_admitted(admission, command.request_id, command.arrival_time)
+        except ValueError as e:  # admitted by the API process: a limit that differs here is a bug, this request's
+            log.error("request %s refused by the engine core: %s", command.request_id, e)
+            extra.append(_refused(command, str(e)))
+
     def read_adapter(command: LoadAdapter) -> None:
         """Off the step loop, as the one-process server reads adapters: files (or a download) and checks."""
         try:
@@ -247,7 +274,12 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                         error = e
                 send(AdapterReply(command.token, str(error) if error else None, error.param if error else None, False,
                                   adapter.rank if adapter else 0, adapters()))
-            if inbox.poll(0 if busy else IDLE_POLL_MS):
+            while not admissions.empty():
+                command, admission, error = admissions.get()
+                if command.request_id in compiling:
+                    compiling.discard(command.request_id)
+                    add(command, admission, error, extra)
+            if inbox.poll(0 if busy else COMPILING_POLL_MS if compiling else IDLE_POLL_MS):
                 while True:
                     try:
                         raw = inbox.recv(zmq.NOBLOCK, copy=False)
@@ -256,12 +288,17 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                     command = command_decoder.decode(raw.buffer)
                     if isinstance(command, AddRequest):
                         added_units += command.units
+                        if command.params.structured is not None:
+                            compiling.add(command.request_id)
+                            admitting.submit(admit_constrained, command)
+                            continue
                         try:
-                            admission = engine.limits.admit(command.prompt_token_ids, command.params, command.adapter)
-                            engine.add_admitted(admission, command.request_id, command.arrival_time)
-                        except ValueError as e:  # admitted by the API process: a limit that differs here is a bug, this request's
-                            log.error("request %s refused by the engine core: %s", command.request_id, e)
-                            extra.append(_refused(command, str(e)))
+                            admission, error = engine.limits.admit(command.prompt_token_ids, command.params, command.adapter), None
+                        except ValueError as e:
+                            admission, error = None, e
+                        add(command, admission, error, extra)
+                    elif isinstance(command, Abort) and command.request_id in compiling:
+                        compiling.discard(command.request_id)
                     elif isinstance(command, Abort):
                         out = engine.abort_request(command.request_id)
                         if out is not None:
