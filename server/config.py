@@ -374,6 +374,9 @@ class ServerConfig(BaseModel):
         "Run the scheduler and the model runner in a process of their own (the engine core), behind a local socket; this process "
         "keeps HTTP, tokenization, chat templates, detokenizing and stop strings, so their Python never holds the step loop's GIL "
         "(vLLM V1's and SGLang's split). Off by default until measured to pay (docs/engine.md#the-engine-core-in-its-own-process)."))
+    engine_stall_timeout_seconds: float = Field(60.0, gt=0, le=3600, description=(
+        "With requests open, an engine loop that shows no progress for this long (a hung step, a stopped engine core) turns /health "
+        "and /ready to 503 (code engine_stalled), so the liveness probe restarts the pod; an idle engine is never stalled."))
 
     @field_validator("max_request_body_bytes", "max_buffered_request_bytes", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -122,6 +123,40 @@ def test_a_dead_core_fails_open_streams_and_the_server_exits_non_zero(tmp_path):
 
 def core_pid(server: ServerProcess) -> int:
     return int(subprocess.run(["pgrep", "-P", str(server.proc.pid), "-f", "spawn_main"], capture_output=True, text=True).stdout.split()[0])
+
+
+def test_a_hung_core_fails_the_probes_only_while_requests_wait_on_it(tmp_path):
+    """A stopped engine core (SIGSTOP) left /health and /ready at 200 while every request hung (issue
+    #75). Idle, a stopped core is not a stalled one; with a request open and no sign of the core for
+    --engine-stall-timeout-seconds, both probes answer 503 engine_stalled; resumed, it serves again."""
+    s = ServerProcess("--kv-cache-memory", "64MiB", "--engine-stall-timeout-seconds", "3", *CORE, log_path=tmp_path / "log").wait_ready()
+    core = core_pid(s)
+    probe = lambda path: httpx.get(s.url + path, timeout=10)
+    try:
+        assert probe("/health").status_code == 200
+        os.kill(core, signal.SIGSTOP)
+        time.sleep(4)
+        assert probe("/health").status_code == 200 and probe("/ready").status_code == 200  # idle: nothing waits on it
+        answers = []
+        waiting = threading.Thread(target=lambda: answers.append(httpx.post(s.url + "/v1/completions", timeout=120, json={
+            "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0})))
+        waiting.start()
+        time.sleep(1)
+        assert probe("/health").status_code == 200  # within the timeout
+        deadline = time.monotonic() + 30
+        while probe("/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        health, ready = probe("/health"), probe("/ready")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_stalled", health.text
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "engine_stalled"
+        assert not answers
+        os.kill(core, signal.SIGCONT)
+        waiting.join(60)
+        assert answers and answers[0].status_code == 200, answers
+        assert probe("/health").status_code == 200
+    finally:
+        os.kill(core, signal.SIGCONT)
+        assert s.terminate() == 0
 
 
 def test_the_core_exits_when_the_server_process_is_killed(tmp_path):

@@ -192,19 +192,26 @@ def build_app(state: ServerState) -> FastAPI:
     async def version():
         return {"version": VERSION}
 
-    @app.get("/health")
-    async def health():
+    def engine_unavailable() -> Response | None:
+        """The probes' answer when the engine cannot serve: its loop ended, or it made no progress for
+        engine_stall_timeout_seconds with requests open (a hung step, a stopped core: every request
+        would hang while the pod looked healthy; the liveness probe then restarts it)."""
         if not state.engine.alive:
             return errors.error_response(503, "engine loop is not running", code="engine_unavailable")
-        return PlainTextResponse("ok")
+        stalled = state.engine.stalled_seconds()
+        if stalled > state.config.engine_stall_timeout_seconds:
+            return errors.error_response(503, f"the engine loop has made no progress for {stalled:.0f} s with requests open", code="engine_stalled")
+        return None
+
+    @app.get("/health")
+    async def health():
+        return engine_unavailable() or PlainTextResponse("ok")
 
     @app.get("/ready")
     async def ready():
         if state.draining:
             return errors.error_response(503, "draining", code="draining")
-        if not state.engine.alive:
-            return errors.error_response(503, "engine loop is not running", code="engine_unavailable")
-        return PlainTextResponse("ready")
+        return engine_unavailable() or PlainTextResponse("ready")
 
     @app.get("/metrics")
     async def metrics():

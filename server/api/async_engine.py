@@ -21,6 +21,7 @@ from kvpilot.server.engine.llm_engine import LLMEngine
 from kvpilot.server.engine.outputs import RequestOutput
 
 log = logging.getLogger("kvpilot.engine")
+IDLE_BEAT_S = 0.5  # an idle engine loop wakes this often (and so shows it is alive)
 
 
 class QueueFullError(RuntimeError):
@@ -69,7 +70,8 @@ class AsyncEngine:
     _thread: threading.Thread | None = None
     _pending: int = 0                      # submitted but not yet seen by the engine thread
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    heartbeat: float = field(default_factory=time.monotonic)
+    heartbeat: float = field(default_factory=time.monotonic)  # the engine loop's last sign of progress
+    _busy_since: float = 0.0                 # when requests were last submitted to an engine with none open
     fatal: BaseException | None = None
 
     @classmethod
@@ -118,6 +120,14 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._pending
 
+    def stalled_seconds(self) -> float:
+        """How long the engine loop has shown no progress while requests are open on it; 0 when none
+        is (an idle loop is not a hung one, and its silence before they came does not count). The loop
+        beats at least every IDLE_BEAT_S."""
+        if not self._streams and not self._pending:
+            return 0.0
+        return max(0.0, time.monotonic() - max(self.heartbeat, self._busy_since))
+
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -136,6 +146,8 @@ class AsyncEngine:
             if self.num_waiting() + units > self.max_waiting_requests:
                 raise QueueFullError(f"{self.num_waiting()} sequences are already waiting and this request adds {units} "
                                      f"(limit {self.max_waiting_requests})")
+            if not self._streams and not self._pending:
+                self._busy_since = time.monotonic()
             self._pending += units
         loop = asyncio.get_running_loop()
         for job in jobs:
@@ -222,7 +234,7 @@ class AsyncEngine:
                 self.heartbeat = time.monotonic()
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
-                    self._wake.wait(0.5)
+                    self._wake.wait(IDLE_BEAT_S)
                     self._wake.clear()
                     continue
                 t = time.monotonic()

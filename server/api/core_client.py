@@ -290,7 +290,6 @@ class EngineCoreClient(AsyncEngine):
     def _receive(self) -> None:
         try:
             while not self._stop.is_set():
-                self.heartbeat = time.monotonic()
                 if not self._replies.poll(200):
                     if not self._process.is_alive():
                         if not self._stop.is_set():  # stop() ends the core on purpose
@@ -298,6 +297,7 @@ class EngineCoreClient(AsyncEngine):
                         return
                     continue
                 reply = reply_decoder.decode(self._replies.recv())
+                self.heartbeat = time.monotonic()  # the core's loop is running: it steps, answers or beats (CoreAlive)
                 if isinstance(reply, StepOutputs):
                     self._added_units, self._core_waiting = reply.added_units, reply.num_waiting
                     outputs = [out for out in map(self.texts.apply, reply.requests) if out is not None]

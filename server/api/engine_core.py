@@ -38,6 +38,7 @@ from kvpilot.server.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvpilot.engine_core")
 IDLE_POLL_MS = 200  # an idle core's wait for a command; also how often it checks that the API process lives
+CORE_BEAT_S = 1.0  # the longest a running core stays silent (see CoreAlive)
 COMPILING_POLL_MS = 2  # an idle core's wait while a constraint compiles off the loop (its request is added when done)
 
 
@@ -143,7 +144,12 @@ class Scraped(msgspec.Struct, tag="scraped", array_like=True):
     text: str                   # the core's metric families, Prometheus text format
 
 
-Reply = StepOutputs | CoreReady | CoreFailed | Scraped | AdapterReply
+class CoreAlive(msgspec.Struct, tag="alive", array_like=True):
+    """Sent when the core has sent nothing else for CORE_BEAT_S (idle, or a step that makes no output,
+    such as a long prompt's chunks): the API process tells a running core from a hung one."""
+
+
+Reply = StepOutputs | CoreReady | CoreFailed | Scraped | AdapterReply | CoreAlive
 
 encoder = msgspec.msgpack.Encoder()
 command_decoder = msgspec.msgpack.Decoder(Command)
@@ -188,7 +194,11 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
     outbox.setsockopt(zmq.SNDHWM, 0)  # a step's outputs never wait on the API process
     outbox.connect(replies_address)
 
+    last_sent = time.monotonic()
+
     def send(message) -> None:
+        nonlocal last_sent
+        last_sent = time.monotonic()
         try:  # never blocks (no high-water mark); the only refusal is a socket with no peer: the API process is gone
             outbox.send(encoder.encode(message), zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -327,6 +337,8 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
             if outputs or extra:
                 send(StepOutputs([deltas.delta(out) for out in extra + outputs], added_units, len(engine.scheduler.waiting),
                                  time.monotonic() - started))
+            elif time.monotonic() - last_sent >= CORE_BEAT_S:
+                send(CoreAlive())
     except BaseException as e:  # noqa: BLE001 - the core cannot go on: say why, exit non-zero
         log.critical("engine core loop crashed:\n%s", traceback.format_exc())
         report_failure(f"engine core loop crashed ({type(e).__name__}: {e})", 70)
