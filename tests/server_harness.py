@@ -94,11 +94,11 @@ def wait_until_freed(url: str, timeout: float = 20) -> bool:
     return freed()
 
 
-def serve_for_tests(tmp_path_factory, *args: str):
+def serve_for_tests(tmp_path_factory, *args: str, env: dict | None = None):
     """A fixture body: a ready `kvpilot serve` with these flags (its log in a temporary directory),
     terminated after the tests, which checks that it exits cleanly."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    server = ServerProcess(*args, log_path=log).wait_ready()
+    server = ServerProcess(*args, env=env, log_path=log).wait_ready()
     yield server
     assert server.terminate() == 0
 

@@ -14,7 +14,7 @@ class _IdleEngine:
     def __init__(self):
         self.built_on = threading.current_thread()
 
-    def has_unfinished_requests(self) -> bool:
+    def needs_step(self) -> bool:
         return False
 
 
@@ -47,7 +47,7 @@ class _StuckEngine:
         self.release = threading.Event()
         self.scheduler = SimpleNamespace(waiting=[])
 
-    def has_unfinished_requests(self) -> bool:
+    def needs_step(self) -> bool:
         return bool(self.requests)
 
     def add_admitted(self, admission, request_id) -> None:

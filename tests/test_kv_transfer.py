@@ -87,18 +87,26 @@ def test_prefill_then_decode_equals_the_aggregated_engine_one_and_batched(prefil
 def test_a_prefill_engine_gone_an_unpulled_hold_and_other_settings_recompute_or_release(prefill, reference):
     from kvpilot.server.engine.sampling_params import KVTransferParams
 
-    decode = engine(kv_role="decode", kv_transfer_timeout=2)
-    # the prefill engine gone before the pull: computed here, same tokens, nothing leaked
+    decode = engine(kv_role="decode", kv_transfer_timeout=30)
+    # prefill engines gone before the pull: computed here, same tokens, nothing leaked; each dead peer is
+    # noticed within a second, and pulls run side by side (they waited the whole timeout, one after
+    # another: a live handoff behind three dead ones took 60 s; issue #75)
     gone = engine(kv_role="prefill", kv_transfer_port=0)
-    [sent] = prefilled(gone, PROMPTS[:1])
+    dead = prefilled(gone, PROMPTS[1:]) + prefilled(gone, [f"Gone: {PROMPTS[0]}"])
     gone.engine.close()
     del gone
-    [out] = decode.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(sent)))
-    assert out.outputs[0].token_ids == reference[0] and out.num_cached_tokens == 0
-    assert decode.engine.kv_receiver.stats.failed_pulls == 1 and decode.engine.kv_receiver.stats.pulled_blocks == 0
+    [live] = prefilled(prefill, PROMPTS[:1])
+    started = time.monotonic()
+    outs = decode.generate([*PROMPTS[1:], f"Gone: {PROMPTS[0]}", PROMPTS[0]], [params(kv_transfer=KVTransferParams.from_dict(p)) for p in [*dead, live]])
+    assert time.monotonic() - started < 15  # the timeout is 30 s
+    assert [o.outputs[0].token_ids for o in outs[:2]] + [outs[3].outputs[0].token_ids] == [*reference[1:], reference[0]]
+    assert [o.num_cached_tokens for o in outs[:3]] == [0, 0, 0] and outs[3].num_cached_tokens > 0
+    stats = decode.engine.kv_receiver.stats
+    assert stats.failed_pulls == 3 and stats.pulled_blocks == prompt_blocks(decode, PROMPTS[0])
     assert decode.engine.block_manager.num_free_blocks == decode.engine.block_manager.num_blocks
 
     # a hold nobody pulls is released after kv_transfer_timeout
+    prefill.engine.step()  # (gives back the blocks pulled above)
     free = prefill.engine.block_manager.num_free_blocks
     prefilled(prefill, PROMPTS[1:2])
     assert prefill.engine.kv_sender.num_held_blocks() > 0
@@ -115,6 +123,94 @@ def test_a_prefill_engine_gone_an_unpulled_hold_and_other_settings_recompute_or_
     [out] = other.generate(PROMPTS[2:], params(kv_transfer=KVTransferParams.from_dict(sent)))
     assert out.outputs[0].token_ids == own and other.engine.kv_receiver.stats.failed_pulls == 1
     assert other.engine.kv_receiver.stats.pulled_blocks == 0
+
+
+@pytest.fixture
+def fake_prefill_engine():
+    """A ZeroMQ server where a forged kv_transfer_params would send a decode engine: it records any
+    pull and answers with blocks of its choosing (the issue's poisoning demo answered another text's K/V)."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield sock, port
+    sock.close()
+
+
+@pytest.mark.timeout(120)
+def test_transfer_params_not_signed_by_the_pool_are_refused_before_any_connection(prefill, fake_prefill_engine):
+    """Issue #75: a client's own params (host, port, the engine id any prefill answer shows) made a
+    decode engine connect where they said and cache the K/V that came back under the keys it asked
+    for, for every later request sharing the prompt. Now only params a prefill engine of the pool
+    signed are taken: a client's, a signed one pointed elsewhere, one signed with another secret are
+    refused at admission, and the puller itself never connects for them."""
+    from kvpilot.server.engine.kv_transfer import sign_params
+    from kvpilot.server.engine.limits import RequestRejected
+    from kvpilot.server.engine.sampling_params import KVTransferParams
+
+    fake, port = fake_prefill_engine
+    decode = engine(kv_role="decode", kv_transfer_timeout=5)
+    [signed] = prefilled(prefill, PROMPTS[:1])
+    forged = {k: v for k, v in signed.items() if k != "signature"} | {"remote_port": port, "remote_request_id": "stolen"}
+    other_pool = {**forged, "signature": sign_params(b"another pool's secret", forged)}
+    ids = decode.engine.tokenizer.encode(PROMPTS[0])
+    for bad in (forged, {**forged, "signature": signed["signature"]}, other_pool):
+        with pytest.raises(RequestRejected, match="not signed by a prefill engine of this engine's pool") as refused:
+            decode.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(bad)))
+        assert refused.value.param == "kv_transfer_params"
+    load = decode.engine.kv_receiver.pull(KVTransferParams.from_dict(forged), decode.engine.block_manager.salt, [tuple(ids[:BLOCK])], 0)
+    assert load.done.wait(10) and load.payloads == []  # the puller refuses them too (defence in depth)
+    assert fake.poll(500) == 0  # nobody connected to the forger's server
+    [out] = decode.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(signed)))  # the pool's own: pulled
+    assert decode.engine.kv_receiver.stats.pulled_blocks == prompt_blocks(decode, PROMPTS[0]) and out.num_cached_tokens > 0
+
+
+@pytest.mark.timeout(120)
+def test_the_transfer_port_survives_malformed_oversized_and_unsigned_pulls(prefill, reference):
+    """Issue #75: one 2-frame message killed the prefill engine's sender thread (every later handoff
+    then waited the whole timeout), a 512 MiB frame was read whole, and anyone could pull a held
+    prompt's K/V by its id. Now: a malformed pull gets an error answer, an oversized frame disconnects
+    its peer, an unsigned pull is refused with the hold kept, and the pool's own pull still works."""
+    import zmq
+    import zmq.utils.monitor
+
+    from kvpilot.server.engine.sampling_params import KVTransferParams
+
+    [sent] = prefilled(prefill, PROMPTS[:1])
+    address = f"tcp://127.0.0.1:{prefill.engine.kv_sender.port}"
+    context = zmq.Context.instance()
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(address)
+
+    def answer():
+        assert peer.poll(5000), "the sender did not answer"
+        return json.loads(peer.recv_multipart()[0])
+
+    peer.send_multipart([b"{}", b"{}"])
+    assert "one frame" in answer()["error"]
+    peer.send(b"[]")
+    assert "JSON object" in answer()["error"]
+    peer.send(json.dumps({"transfer": sent["remote_request_id"], "keys": [], "nonce": "n", "mac": "0" * 64}).encode())
+    assert "not signed" in answer()["error"]
+    assert prefill.engine.kv_sender.num_held_blocks() == len(sent["remote_block_ids"])  # still held for the pool's pull
+    peer.close()
+
+    big = context.socket(zmq.DEALER)
+    big.setsockopt(zmq.LINGER, 0)
+    monitor = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    big.connect(address)
+    big.send(b"x" * (64 << 20))
+    assert monitor.poll(10000) and zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    big.disable_monitor()
+    monitor.close()
+    big.close()
+
+    decode = engine(kv_role="decode", kv_transfer_timeout=10)
+    [out] = decode.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(sent)))
+    assert out.outputs[0].token_ids == reference[0]
+    assert decode.engine.kv_receiver.stats.pulled_blocks == prompt_blocks(decode, PROMPTS[0])
 
 
 @pytest.mark.parametrize("settings,refusal", [
@@ -160,8 +256,9 @@ def servers(tmp_path_factory):
     """A prefill and a decode `kvpilot serve`."""
     from server_harness import serve_for_tests
 
-    prefill_server = serve_for_tests(tmp_path_factory, "--kv-cache-memory", "32MiB", "--kv-role", "prefill", "--kv-transfer-port", "0")
-    decode_server = serve_for_tests(tmp_path_factory, "--kv-cache-memory", "32MiB", "--kv-role", "decode")
+    pool = {"KVPILOT_KV_TRANSFER_SECRET": "the-pool-secret-of-these-tests-0123456789"}
+    prefill_server = serve_for_tests(tmp_path_factory, "--kv-cache-memory", "32MiB", "--kv-role", "prefill", "--kv-transfer-port", "0", env=pool)
+    decode_server = serve_for_tests(tmp_path_factory, "--kv-cache-memory", "32MiB", "--kv-role", "decode", env=pool)
     try:
         yield next(prefill_server), next(decode_server)
     finally:
@@ -169,9 +266,13 @@ def servers(tmp_path_factory):
             next(server, None)
 
 
-def pulled_blocks(server) -> float:
+def metric(server, name: str) -> float:
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
-    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kvpilot:kv_transfer_pulled_blocks_total"))
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name))
+
+
+def pulled_blocks(server) -> float:
+    return metric(server, "kvpilot:kv_transfer_pulled_blocks_total")
 
 
 BODY = {"prompt": PROMPTS[0], "temperature": 0, "max_tokens": 10, "ignore_eos": True}
@@ -188,7 +289,15 @@ def test_over_http_the_prefill_answer_carries_what_the_decode_request_passes_on(
                        timeout=120).json()
     sent = first["kv_transfer_params"]
     assert sent["do_remote_prefill"] is True and sent["remote_host"] == "127.0.0.1"
+    forged = {**sent, "remote_host": "127.0.0.2"}  # a client pointing the decode engine elsewhere
+    refused = httpx.post(d.url + "/v1/completions", json={**BODY, "kv_transfer_params": forged}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "kv_transfer_params", refused.text
     answer = httpx.post(d.url + "/v1/completions", json={**BODY, "kv_transfer_params": sent}, timeout=120).json()
+    # pulled, the blocks go back at once though the prefill engine is idle (they stayed held until its next request)
+    deadline = time.monotonic() + 10
+    while metric(p, "kvpilot:kv_transfer_held_blocks") > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(p, "kvpilot:kv_transfer_held_blocks") == 0 and metric(p, "kvpilot:kv_cache_usage_perc") == 0
     plain = httpx.post(p.url + "/v1/completions", json=BODY, timeout=120).json()
     assert answer["choices"][0]["text"] == plain["choices"][0]["text"] and "kv_transfer_params" not in answer
     assert pulled_blocks(d) - before == len(sent["remote_block_ids"]) > 0

@@ -233,7 +233,7 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self.heartbeat = time.monotonic()
                 self._drain_commands()
-                if not self.engine.has_unfinished_requests():
+                if not self.engine.needs_step():
                     self._wake.wait(IDLE_BEAT_S)
                     self._wake.clear()
                     continue

@@ -151,6 +151,7 @@ class EngineCoreClient(AsyncEngine):
         """Start the core process and return once its engine is loaded (its load error raised here)."""
         import zmq
 
+        from kvpilot.server.engine.kv_transfer import transfer_secret
         from kvpilot.server.engine.structured import GrammarCompiler
         from kvpilot.server.loading import open_model
         from kvpilot.server.model_files import resolve_model_path
@@ -167,6 +168,7 @@ class EngineCoreClient(AsyncEngine):
         self._sent_units = self._added_units = self._core_waiting = 0
         self._waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # token -> a reply's awaiter
         self._tokens = itertools.count()
+        kv_secret = transfer_secret() if config.kv_role != "none" else None  # before the core starts: it inherits the environment
         self._process = mp.get_context("spawn").Process(
             target=core_main, name="kvpilot-engine-core", daemon=False,
             args=(config, f"ipc://{self._dir.name}/commands", f"ipc://{self._dir.name}/replies", os.getpid(), log_level))
@@ -175,7 +177,7 @@ class EngineCoreClient(AsyncEngine):
         startup.adopt(ready.startup_marks)
         _weights, self.tokenizer = open_model(resolve_model_path(config.model))
         grammars = GrammarCompiler(self.tokenizer.backend_json(), ready.vocab_size, self.tokenizer.eos_token_ids, num_threads=1)
-        self.limits = RequestLimits(ready.max_model_len, ready.vocab_size, grammars, config.kv_role)
+        self.limits = RequestLimits(ready.max_model_len, ready.vocab_size, grammars, config.kv_role, kv_secret)
         self.served_model_name = ready.served_model_name
         self._lora_enabled = ready.lora_enabled
         self._adapters: dict[str, AdapterInfo] = {a.name: a for a in ready.adapters}  # the core's, as of its last AdapterReply

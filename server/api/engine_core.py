@@ -273,7 +273,7 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
 
     try:
         while True:
-            busy = engine.has_unfinished_requests()
+            busy = engine.needs_step()
             extra: list[RequestOutput] = []
             while not adapter_reads.empty():  # adapters read meanwhile are registered between steps
                 command, adapter, error = adapter_reads.get()
@@ -333,7 +333,7 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                 engine.close()
                 return
             started = time.monotonic()
-            outputs = engine.step_or_fail_open() if engine.has_unfinished_requests() else []
+            outputs = engine.step_or_fail_open() if engine.needs_step() else []
             if outputs or extra:
                 send(StepOutputs([deltas.delta(out) for out in extra + outputs], added_units, len(engine.scheduler.waiting),
                                  time.monotonic() - started))

@@ -3,9 +3,9 @@ engine to pull over TCP (ZeroMQ), and the decode engine loads them like a KV tie
 
 Prefill side (KVSender): a request with kv_transfer_params.do_remote_decode runs as usual; when it
 ends, its prompt's full blocks are held (a reference each, so nothing evicts or reuses them) under a
-transfer id, and its output carries the params to pass on. A ROUTER socket serves a pull of that id:
-the held blocks' keys and K/V, then the hold is released (by the engine's loop: the block manager is
-its alone). A hold nobody pulls is released after `timeout` seconds.
+transfer id, and its output carries the params to pass on, signed. A ROUTER socket serves a pull of
+that id: the held blocks' keys and K/V, then the hold is released (by the engine's loop: the block
+manager is its alone). A hold nobody pulls is released after `timeout` seconds.
 
 Decode side (KVReceiver): a request with do_remote_prefill waits like a sequence whose blocks are on
 disk while a puller thread asks the prefill engine for them. Each pulled block is used only when its
@@ -15,6 +15,22 @@ gives no block that counts, and a block of other tokens cannot slip in. What is 
 engine gone, a timeout, a mismatch) is computed here: never wrong tokens, never a failed request for
 that reason. The prompt's last token is always computed (its logits are needed).
 
+Trust: the engines of one pool share a secret (KVPILOT_KV_TRANSFER_SECRET; the operator makes one
+per service). A key check alone cannot tell true K/V from false K/V under the right keys, and the
+params name the host to connect to, so whoever may give a decode engine params could make it connect
+anywhere and cache what comes back for every tenant. Hence: the prefill engine signs the params it
+hands out (HMAC over where and what), and a decode engine refuses params that do not verify (a
+client's: a 400) before it connects anywhere; a pull carries a MAC the prefill engine checks before it
+sends a byte (the port serves the pool, nobody else), and the answer a MAC over the puller's nonce,
+the keys and every payload, checked before a block is used (a pulled block is trusted as much as a
+pool member). Without the variable an engine makes up its own secret: one engine with kv_role both
+hands off to itself, separate ones cannot.
+
+Bounds: a pull request or answer frame larger than its kind can be disconnects its peer (ZeroMQ's
+MAXMSGSIZE), each connection buffers a few frames at most, pulls run side by side on a few threads,
+and a prefill engine that cannot be reached within PEER_CONNECT_TIMEOUT_S, or drops the connection,
+fails its pull at once (its blocks are computed here) instead of after the whole timeout.
+
 The transport is plain TCP through ZeroMQ, K/V copied through host memory: on GPUs with RDMA, NIXL/UCX
 would move blocks device to device instead (what vLLM's NixlConnector does); the protocol here (pull
 by transfer id, verify by key) would stay.
@@ -22,21 +38,61 @@ by transfer id, verify by key) would stay.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zmq
+import zmq.utils.monitor
 
 from kvpilot.server.engine.block_manager import block_hash
 from kvpilot.server.engine.kv_tiers import BlockLoad, Payload
 from kvpilot.server.engine.sampling_params import KVTransferParams
 
 log = logging.getLogger("kvpilot.server.kv_transfer")
+SECRET_ENV = "KVPILOT_KV_TRANSFER_SECRET"
+PEER_CONNECT_TIMEOUT_S = 1.0   # a prefill engine not reached in this time is gone: its blocks are computed here
+PULL_THREADS = 8               # pulls in flight at once (one slow or dead peer never holds up the others)
+KEY_FRAME_BYTES = 70           # a block key in a request or header: 64 hex digits, quotes and a comma
+FRAME_OVERHEAD_BYTES = 4096    # the rest of a request or header
+
+
+def transfer_secret() -> bytes:
+    """The pool's shared secret, from SECRET_ENV; without it, one made up for this process (and put
+    into its environment, so an engine core process started from it has the same one)."""
+    value = os.environ.get(SECRET_ENV)
+    if not value:
+        value = os.environ[SECRET_ENV] = secrets.token_urlsafe(32)
+        log.warning("%s is not set: this engine hands KV blocks off only to itself (kv_role both); the engines of a "
+                    "prefill/decode pool need one secret in common", SECRET_ENV)
+    return value.encode()
+
+
+def _mac(secret: bytes, *parts: bytes | memoryview) -> str:
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(len(part).to_bytes(8, "little"))  # lengths first: no two part lists hash alike
+        mac.update(part)
+    return mac.hexdigest()
+
+
+def sign_params(secret: bytes, params: dict) -> str:
+    """The signature of a prefill engine's hand-out: where to pull from and what."""
+    fields = [str(params[k]).encode() for k in ("remote_host", "remote_port", "remote_request_id", "remote_engine_id")]
+    return _mac(secret, b"kv-transfer-params", *fields)
+
+
+def params_verify(secret: bytes, params: KVTransferParams) -> bool:
+    return isinstance(params.signature, str) and hmac.compare_digest(params.signature, sign_params(secret, params.as_dict()))
 
 
 @dataclass(slots=True)
@@ -68,11 +124,12 @@ class _Pull:
 
 
 class KVSender:
-    def __init__(self, host: str, port: int, read_block: Callable[[int], Payload], engine_id: str, timeout: float):
+    def __init__(self, host: str, port: int, read_block: Callable[[int], Payload], engine_id: str, timeout: float, secret: bytes,
+                 max_blocks: int):
         """Serves on host:port, the address decode engines are told (port 0: any free port, self.port
         says which). read_block: a held block's K/V (the runner's block_bytes, called from the server
-        thread: held blocks do not change)."""
-        self.read_block, self.engine_id, self.timeout = read_block, engine_id, timeout
+        thread: held blocks do not change). max_blocks: the most blocks one pull can ask for."""
+        self.read_block, self.engine_id, self.timeout, self.secret = read_block, engine_id, timeout, secret
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._holds: dict[str, _Hold] = {}
@@ -80,6 +137,8 @@ class KVSender:
         self._closed = threading.Event()
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, FRAME_OVERHEAD_BYTES + KEY_FRAME_BYTES * max_blocks)  # larger: not a pull
+        self._socket.setsockopt(zmq.RCVHWM, 4)  # a pull is one frame: a peer streaming more is held back, not buffered
         self.port = self._socket.bind_to_random_port(f"tcp://{host}") if port == 0 else port
         if port:
             self._socket.bind(f"tcp://{host}:{port}")
@@ -109,6 +168,16 @@ class KVSender:
         with self._lock:
             return sum(len(h.block_ids) for h in self._holds.values())
 
+    def has_releases(self) -> bool:
+        """Whether releases() has blocks to give back now: the engine's loop steps for them even when
+        it has no request (an idle prefill engine kept pulled blocks held until its next request)."""
+        now = time.monotonic()
+        with self._lock:
+            return not self._released.empty() or any(h.deadline <= now for h in self._holds.values())
+
+    def sign(self, params: dict) -> dict:
+        return {**params, "signature": sign_params(self.secret, params)}
+
     def close(self) -> None:
         """Stop serving (pulls after this get no answer: their blocks are computed by the decode side)."""
         self._closed.set()
@@ -119,39 +188,57 @@ class KVSender:
         while not self._closed.is_set():
             if not self._socket.poll(100):
                 continue
-            identity, request = self._socket.recv_multipart()
+            frames = self._socket.recv_multipart(copy=False)
             try:
-                ask = json.loads(request)
-                transfer_id = str(ask["transfer"])
-                with self._lock:
-                    held = self._holds.pop(transfer_id, None)
-                if held is None:
-                    self._socket.send_multipart([identity, json.dumps({"error": f"no held transfer {transfer_id!r} (pulled, "
-                                                                                "expired or never made)"}).encode()])
-                    continue
-                wanted = {bytes.fromhex(k) for k in ask.get("keys", [])}
-                sent = [(k, b) for k, b in zip(held.keys, held.block_ids) if k in wanted]  # not those the decode engine has cached
-                payloads = [self.read_block(b) for _, b in sent]
-                payloads = [p if isinstance(p, bytes) else p.result() for p in payloads]
-                self._released.put(held.block_ids)
-                header = {"engine_id": self.engine_id, "keys": [k.hex() for k, _ in sent]}
-                self._socket.send_multipart([identity, json.dumps(header).encode(), *payloads], copy=False)
-                with self._lock:
-                    self.stats.sent_blocks += len(payloads)
-                    self.stats.sent_bytes += sum(len(p) for p in payloads)
-            except Exception as e:  # noqa: BLE001 - a bad pull is answered, the server goes on
+                self._answer(frames)
+            except Exception as e:  # noqa: BLE001 - whatever a peer sends, the server goes on
                 log.warning("KV transfer: a pull failed (%s: %s)", type(e).__name__, e)
-                self._socket.send_multipart([identity, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()])
+                self._socket.send_multipart([frames[0], json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()])
         self._socket.close()
+
+    def _answer(self, frames: list) -> None:
+        identity, *request = frames
+        if len(request) != 1:
+            raise ValueError(f"a pull is one frame, got {len(request)}")
+        ask = json.loads(request[0].bytes)
+        if not isinstance(ask, dict):
+            raise ValueError("a pull is a JSON object")
+        transfer_id, keys, nonce = str(ask.get("transfer")), ask.get("keys"), ask.get("nonce")
+        if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys) and isinstance(nonce, str) and isinstance(ask.get("mac"), str)):
+            raise ValueError("a pull has transfer, keys, nonce and mac")
+        if not hmac.compare_digest(ask["mac"], _mac(self.secret, b"kv-transfer-pull", transfer_id.encode(), nonce.encode(), *map(str.encode, keys))):
+            raise PermissionError("the pull is not signed with this pool's secret")
+        with self._lock:
+            held = self._holds.pop(transfer_id, None)
+        if held is None:
+            self._socket.send_multipart([identity, json.dumps({"error": f"no held transfer {transfer_id!r} (pulled, expired or never made)"}).encode()])
+            return
+        try:
+            wanted = {bytes.fromhex(k) for k in keys}
+            sent = [(k, b) for k, b in zip(held.keys, held.block_ids) if k in wanted]  # not those the decode engine has cached
+            payloads = [self.read_block(b) for _, b in sent]
+            payloads = [p if isinstance(p, bytes) else p.result() for p in payloads]
+        finally:
+            self._released.put(held.block_ids)
+        sent_keys = [k.hex() for k, _ in sent]
+        mac = _mac(self.secret, b"kv-transfer-answer", nonce.encode(), *map(str.encode, sent_keys), *payloads)
+        header = {"engine_id": self.engine_id, "keys": sent_keys, "mac": mac}
+        self._socket.send_multipart([identity, json.dumps(header).encode(), *payloads], copy=False)
+        with self._lock:
+            self.stats.sent_blocks += len(payloads)
+            self.stats.sent_bytes += sum(len(p) for p in payloads)
 
 
 class KVReceiver:
-    def __init__(self, engine_id: str, payload_bytes: int, timeout: float):
-        self.engine_id, self.payload_bytes, self.timeout = engine_id, payload_bytes, timeout
+    def __init__(self, engine_id: str, payload_bytes: int, timeout: float, secret: bytes):
+        self.engine_id, self.payload_bytes, self.timeout, self.secret = engine_id, payload_bytes, timeout, secret
         self.stats = TransferStats()
         self._lock = threading.Lock()
-        self._pulls: queue.SimpleQueue[_Pull | None] = queue.SimpleQueue()
-        threading.Thread(target=self._puller, name="kvpilot-kv-receiver", daemon=True).start()
+        self._pullers = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kvpilot-kv-receiver")
+
+    def verifies(self, params: KVTransferParams) -> bool:
+        """Whether params were signed by a prefill engine of this pool (admission refuses others)."""
+        return params_verify(self.secret, params)
 
     def pull(self, params: KVTransferParams, parent: bytes, chunks: list[tuple[int, ...]], first_index: int) -> BlockLoad:
         """A pull of the blocks chained from `parent` over `chunks` from the prefill engine `params`
@@ -161,53 +248,87 @@ class KVReceiver:
             parent_key = keys[-1] if keys else parent
             keys.append(block_hash(parent_key, chunk))
         load = BlockLoad(first_index, parent, keys, [tuple(c) for c in chunks])
-        self._pulls.put(_Pull(params, load))
+        self._pullers.submit(self._run, _Pull(params, load))
         return load
 
     def close(self) -> None:
-        self._pulls.put(None)
+        self._pullers.shutdown(wait=False, cancel_futures=True)
 
-    def _puller(self) -> None:
-        while (pull := self._pulls.get()) is not None:
-            got = []
-            try:
-                got = self._fetch(pull)
-            except Exception as e:  # noqa: BLE001 - a failed pull means computing the blocks here
-                log.warning("KV transfer %s from %s:%s failed (%s: %s): computing its blocks here", pull.params.remote_request_id,
-                            pull.params.remote_host, pull.params.remote_port, type(e).__name__, e)
-            pull.load.payloads.extend([[p] for p in got])
-            with self._lock:
-                self.stats.pulled_blocks += len(got)
-                self.stats.pulled_bytes += len(got) * self.payload_bytes
-                self.stats.failed_pulls += len(got) < len(pull.load.keys)
-                self.stats.pull_seconds += time.perf_counter() - pull.started
-            pull.load.done.set()
+    def _run(self, pull: _Pull) -> None:
+        got = []
+        try:
+            got = self._fetch(pull)
+        except Exception as e:  # noqa: BLE001 - a failed pull means computing the blocks here
+            log.warning("KV transfer %s from %s:%s failed (%s: %s): computing its blocks here", pull.params.remote_request_id,
+                        pull.params.remote_host, pull.params.remote_port, type(e).__name__, e)
+        pull.load.payloads.extend([[p] for p in got])
+        with self._lock:
+            self.stats.pulled_blocks += len(got)
+            self.stats.pulled_bytes += len(got) * self.payload_bytes
+            self.stats.failed_pulls += len(got) < len(pull.load.keys)
+            self.stats.pull_seconds += time.perf_counter() - pull.started
+        pull.load.done.set()
 
     def _fetch(self, pull: _Pull) -> list[bytes]:
         params = pull.params
+        if not self.verifies(params):  # admission refused these already: never connect where unsigned params say
+            raise PermissionError("the kv_transfer_params are not signed by this pool's prefill engines")
         if params.remote_engine_id != self.engine_id:
             raise ValueError(f"the prefill engine's KV identity {params.remote_engine_id!r} is not this engine's {self.engine_id!r} "
                              "(another model or settings)")
+        keys = [k.hex() for k in pull.load.keys]
+        nonce = secrets.token_hex(16)
+        mac = _mac(self.secret, b"kv-transfer-pull", params.remote_request_id.encode(), nonce.encode(), *map(str.encode, keys))
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max(self.payload_bytes, FRAME_OVERHEAD_BYTES + KEY_FRAME_BYTES * len(keys)))
+        sock.setsockopt(zmq.RCVHWM, len(keys) + 2)  # the answer's frames: a peer sending more is held back, not buffered
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         try:
             sock.connect(f"tcp://{params.remote_host}:{params.remote_port}")
-            sock.send(json.dumps({"transfer": params.remote_request_id, "keys": [k.hex() for k in pull.load.keys]}).encode())
-            if not sock.poll(int(self.timeout * 1000)):
-                raise TimeoutError(f"no answer in {self.timeout:.0f} s")
-            header, *payloads = sock.recv_multipart()
+            sock.send(json.dumps({"transfer": params.remote_request_id, "keys": keys, "nonce": nonce, "mac": mac}).encode())
+            frames = self._answer(sock, monitor)
         finally:
+            sock.disable_monitor()
+            monitor.close()
             sock.close()
-        answer = json.loads(header)
+        header, *payloads = frames
+        answer = json.loads(header.bytes)
         if "error" in answer:
             raise ValueError(answer["error"])
-        sent_keys = [bytes.fromhex(k) for k in answer["keys"]]
+        sent_keys = answer["keys"]
+        if not hmac.compare_digest(str(answer.get("mac")), _mac(self.secret, b"kv-transfer-answer", nonce.encode(), *map(str.encode, sent_keys),
+                                                                  *(p.buffer for p in payloads))):
+            raise PermissionError("the answer is not signed with this pool's secret")
         got = []
         for expected, key, payload in zip(pull.load.keys, sent_keys, payloads):
-            if key != expected or len(payload) != self.payload_bytes:
+            if key != expected.hex() or len(payload) != self.payload_bytes:
                 break  # another prompt's (or another layout's) block: from here on, computed here
-            got.append(bytes(payload))
+            got.append(payload.bytes)
         if len(got) < len(pull.load.keys):
             log.warning("KV transfer %s: %d of %d blocks verified (the rest are computed here)", params.remote_request_id, len(got),
                         len(pull.load.keys))
         return got
+
+    def _answer(self, sock, monitor) -> list:
+        """The answer's frames: the peer must be reached within PEER_CONNECT_TIMEOUT_S and answer within
+        the timeout, and a dropped connection ends the wait at once."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        start, connected = time.monotonic(), False
+        while True:
+            limit = self.timeout if connected else PEER_CONNECT_TIMEOUT_S
+            left = start + limit - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no answer in {self.timeout:.0f} s" if connected else
+                                   f"the prefill engine was not reached in {PEER_CONNECT_TIMEOUT_S:.0f} s")
+            ready = dict(poller.poll(left * 1000))
+            if sock in ready:
+                return sock.recv_multipart(copy=False)
+            if monitor in ready:
+                event = zmq.utils.monitor.recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    connected = True
+                elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                    raise ConnectionError("the prefill engine dropped the connection")

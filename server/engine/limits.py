@@ -51,6 +51,7 @@ class RequestLimits:
     vocab_size: int                      # the model's (it may be padded past the tokenizer's)
     grammars: GrammarCompiler | None = None  # compiles structured-output constraints (None: they are refused)
     kv_role: str = "none"                # prefill/decode disaggregation: which kv_transfer_params this engine takes
+    kv_transfer_secret: bytes | None = None  # the pool's: a decode request's params must be signed with it (kv_transfer.py)
 
     def admit(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None) -> Admission:
         ids = list(prompt_token_ids)
@@ -81,6 +82,13 @@ class RequestLimits:
                                       f"kv_role is {side} or both (this one's: {self.kv_role})", "kv_transfer_params")
             if params.n != 1:
                 raise RequestRejected("kv_transfer_params with n > 1 is not implemented", "kv_transfer_params")
+            if transfer.do_remote_prefill:
+                from kvpilot.server.engine.kv_transfer import params_verify
+
+                if self.kv_transfer_secret is None or not params_verify(self.kv_transfer_secret, transfer):
+                    raise RequestRejected("kv_transfer_params.do_remote_prefill: the params are not signed by a prefill engine of this "
+                                          "engine's pool (only the params a prefill engine's answer carries are taken, unchanged)",
+                                          "kv_transfer_params")
         grammar = None
         if params.structured is not None:
             if self.grammars is None:

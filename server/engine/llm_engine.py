@@ -135,15 +135,16 @@ class LLMEngine:
                                           on_cached=_weakly(self._save_block) if self.kv_tiers else None)
         self.kv_sender = self.kv_receiver = None
         if config.kv_role != "none":
-            from kvpilot.server.engine.kv_transfer import KVReceiver, KVSender
+            from kvpilot.server.engine.kv_transfer import KVReceiver, KVSender, transfer_secret
 
             engine_id = self.block_manager.salt.hex()  # the KV identity: another model's or settings' keys never match
+            secret = transfer_secret()
             if config.kv_role in ("prefill", "both"):
                 self.kv_sender = KVSender(config.kv_transfer_host, config.kv_transfer_port, self.runner.block_bytes, engine_id,
-                                          config.kv_transfer_timeout)
+                                          config.kv_transfer_timeout, secret, -(-self.max_model_len // config.block_size))
                 weakref.finalize(self, self.kv_sender.close)  # its thread holds the runner: it ends with the engine
             if config.kv_role in ("decode", "both"):
-                self.kv_receiver = KVReceiver(engine_id, self.runner.block_layout()[2], config.kv_transfer_timeout)
+                self.kv_receiver = KVReceiver(engine_id, self.runner.block_layout()[2], config.kv_transfer_timeout, secret)
                 weakref.finalize(self, self.kv_receiver.close)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
                                    config.max_loras if config.enable_lora else 0,
@@ -156,7 +157,8 @@ class LLMEngine:
         self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device, self.grammars)
         startup.mark("warm")
         self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids, _weakly(self._hold_for_transfer) if self.kv_sender else None)
-        self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size, self.grammars, config.kv_role)
+        self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size, self.grammars, config.kv_role,
+                                    self.kv_receiver.secret if self.kv_receiver else None)
         self.proposer = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config, self.max_model_len)
@@ -242,9 +244,9 @@ class LLMEngine:
         self.block_manager.hold(block_ids)
         transfer_id = f"{seq.request_id}-{next(self._transfer_ids)}"
         self.kv_sender.hold(transfer_id, block_ids, keys)
-        return {"do_remote_decode": False, "do_remote_prefill": True, "remote_host": self.config.kv_transfer_host,
-                "remote_port": self.kv_sender.port, "remote_request_id": transfer_id, "remote_engine_id": self.kv_sender.engine_id,
-                "remote_block_ids": block_ids}
+        return self.kv_sender.sign({"do_remote_decode": False, "do_remote_prefill": True, "remote_host": self.config.kv_transfer_host,
+                                    "remote_port": self.kv_sender.port, "remote_request_id": transfer_id,
+                                    "remote_engine_id": self.kv_sender.engine_id, "remote_block_ids": block_ids})
 
     def _release_transfers(self) -> None:
         for block_ids in self.kv_sender.releases():
@@ -334,6 +336,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def needs_step(self) -> bool:
+        """Unfinished requests, or held transfer blocks to give back now (pulled or expired), which a
+        step releases: the serving loops step on either (an idle prefill engine kept a pulled prompt's
+        blocks held until its next request)."""
+        return self.has_unfinished_requests() or (self.kv_sender is not None and self.kv_sender.has_releases())
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

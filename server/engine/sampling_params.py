@@ -56,6 +56,7 @@ class KVTransferParams:
     remote_request_id: str | None = None     # the transfer's id on the prefill engine
     remote_engine_id: str | None = None      # the prefill engine's KV identity: a decode engine of another model refuses it
     remote_block_ids: list[int] | None = None  # the held blocks on the prefill side (for the record: blocks are pulled by key)
+    signature: str | None = None             # the prefill engine's HMAC over the fields above: only its pool's are pulled from (kv_transfer.py)
 
     @classmethod
     def from_dict(cls, value: object) -> KVTransferParams:
@@ -83,6 +84,8 @@ class KVTransferParams:
                 raise ValueError("kv_transfer_params.remote_request_id must be the prefill engine's transfer id")
             if not (isinstance(self.remote_engine_id, str) and len(self.remote_engine_id) <= 128):
                 raise ValueError("kv_transfer_params.remote_engine_id must be the prefill engine's id")
+        if self.signature is not None and not (isinstance(self.signature, str) and len(self.signature) <= 128):
+            raise ValueError("kv_transfer_params.signature must be the prefill engine's signature")
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
