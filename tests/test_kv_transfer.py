@@ -145,7 +145,7 @@ def test_transfer_params_not_signed_by_the_pool_are_refused_before_any_connectio
     for, for every later request sharing the prompt. Now only params a prefill engine of the pool
     signed are taken: a client's, a signed one pointed elsewhere, one signed with another secret are
     refused at admission, and the puller itself never connects for them."""
-    from kvpilot.server.engine.kv_transfer import sign_params
+    from kvpilot.server.engine.kv_trust import sign_params
     from kvpilot.server.engine.limits import RequestRejected
     from kvpilot.server.engine.sampling_params import KVTransferParams
 

@@ -151,7 +151,7 @@ class EngineCoreClient(AsyncEngine):
         """Start the core process and return once its engine is loaded (its load error raised here)."""
         import zmq
 
-        from kvpilot.server.engine.kv_transfer import transfer_secret
+        from kvpilot.server.engine.kv_trust import transfer_secret
         from kvpilot.server.engine.structured import GrammarCompiler
         from kvpilot.server.loading import open_model
         from kvpilot.server.model_files import resolve_model_path

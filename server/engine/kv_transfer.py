@@ -38,11 +38,9 @@ by transfer id, verify by key) would stay.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
-import os
 import queue
 import secrets
 import threading
@@ -56,43 +54,14 @@ import zmq.utils.monitor
 
 from kvpilot.server.engine.block_manager import block_hash
 from kvpilot.server.engine.kv_tiers import BlockLoad, Payload
+from kvpilot.server.engine.kv_trust import mac, params_verify, sign_params
 from kvpilot.server.engine.sampling_params import KVTransferParams
 
 log = logging.getLogger("kvpilot.server.kv_transfer")
-SECRET_ENV = "KVPILOT_KV_TRANSFER_SECRET"
 PEER_CONNECT_TIMEOUT_S = 1.0   # a prefill engine not reached in this time is gone: its blocks are computed here
 PULL_THREADS = 8               # pulls in flight at once (one slow or dead peer never holds up the others)
 KEY_FRAME_BYTES = 70           # a block key in a request or header: 64 hex digits, quotes and a comma
 FRAME_OVERHEAD_BYTES = 4096    # the rest of a request or header
-
-
-def transfer_secret() -> bytes:
-    """The pool's shared secret, from SECRET_ENV; without it, one made up for this process (and put
-    into its environment, so an engine core process started from it has the same one)."""
-    value = os.environ.get(SECRET_ENV)
-    if not value:
-        value = os.environ[SECRET_ENV] = secrets.token_urlsafe(32)
-        log.warning("%s is not set: this engine hands KV blocks off only to itself (kv_role both); the engines of a "
-                    "prefill/decode pool need one secret in common", SECRET_ENV)
-    return value.encode()
-
-
-def _mac(secret: bytes, *parts: bytes | memoryview) -> str:
-    mac = hmac.new(secret, digestmod=hashlib.sha256)
-    for part in parts:
-        mac.update(len(part).to_bytes(8, "little"))  # lengths first: no two part lists hash alike
-        mac.update(part)
-    return mac.hexdigest()
-
-
-def sign_params(secret: bytes, params: dict) -> str:
-    """The signature of a prefill engine's hand-out: where to pull from and what."""
-    fields = [str(params[k]).encode() for k in ("remote_host", "remote_port", "remote_request_id", "remote_engine_id")]
-    return _mac(secret, b"kv-transfer-params", *fields)
-
-
-def params_verify(secret: bytes, params: KVTransferParams) -> bool:
-    return isinstance(params.signature, str) and hmac.compare_digest(params.signature, sign_params(secret, params.as_dict()))
 
 
 @dataclass(slots=True)
@@ -206,7 +175,7 @@ class KVSender:
         transfer_id, keys, nonce = str(ask.get("transfer")), ask.get("keys"), ask.get("nonce")
         if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys) and isinstance(nonce, str) and isinstance(ask.get("mac"), str)):
             raise ValueError("a pull has transfer, keys, nonce and mac")
-        if not hmac.compare_digest(ask["mac"], _mac(self.secret, b"kv-transfer-pull", transfer_id.encode(), nonce.encode(), *map(str.encode, keys))):
+        if not hmac.compare_digest(ask["mac"], mac(self.secret, b"kv-transfer-pull", transfer_id.encode(), nonce.encode(), *map(str.encode, keys))):
             raise PermissionError("the pull is not signed with this pool's secret")
         with self._lock:
             held = self._holds.pop(transfer_id, None)
@@ -221,8 +190,8 @@ class KVSender:
         finally:
             self._released.put(held.block_ids)
         sent_keys = [k.hex() for k, _ in sent]
-        mac = _mac(self.secret, b"kv-transfer-answer", nonce.encode(), *map(str.encode, sent_keys), *payloads)
-        header = {"engine_id": self.engine_id, "keys": sent_keys, "mac": mac}
+        answer_mac = mac(self.secret, b"kv-transfer-answer", nonce.encode(), *map(str.encode, sent_keys), *payloads)
+        header = {"engine_id": self.engine_id, "keys": sent_keys, "mac": answer_mac}
         self._socket.send_multipart([identity, json.dumps(header).encode(), *payloads], copy=False)
         with self._lock:
             self.stats.sent_blocks += len(payloads)
@@ -278,7 +247,7 @@ class KVReceiver:
                              "(another model or settings)")
         keys = [k.hex() for k in pull.load.keys]
         nonce = secrets.token_hex(16)
-        mac = _mac(self.secret, b"kv-transfer-pull", params.remote_request_id.encode(), nonce.encode(), *map(str.encode, keys))
+        pull_mac = mac(self.secret, b"kv-transfer-pull", params.remote_request_id.encode(), nonce.encode(), *map(str.encode, keys))
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max(self.payload_bytes, FRAME_OVERHEAD_BYTES + KEY_FRAME_BYTES * len(keys)))
@@ -286,7 +255,7 @@ class KVReceiver:
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         try:
             sock.connect(f"tcp://{params.remote_host}:{params.remote_port}")
-            sock.send(json.dumps({"transfer": params.remote_request_id, "keys": keys, "nonce": nonce, "mac": mac}).encode())
+            sock.send(json.dumps({"transfer": params.remote_request_id, "keys": keys, "nonce": nonce, "mac": pull_mac}).encode())
             frames = self._answer(sock, monitor)
         finally:
             sock.disable_monitor()
@@ -297,7 +266,7 @@ class KVReceiver:
         if "error" in answer:
             raise ValueError(answer["error"])
         sent_keys = answer["keys"]
-        if not hmac.compare_digest(str(answer.get("mac")), _mac(self.secret, b"kv-transfer-answer", nonce.encode(), *map(str.encode, sent_keys),
+        if not hmac.compare_digest(str(answer.get("mac")), mac(self.secret, b"kv-transfer-answer", nonce.encode(), *map(str.encode, sent_keys),
                                                                   *(p.buffer for p in payloads))):
             raise PermissionError("the answer is not signed with this pool's secret")
         got = []

@@ -135,7 +135,8 @@ class LLMEngine:
                                           on_cached=_weakly(self._save_block) if self.kv_tiers else None)
         self.kv_sender = self.kv_receiver = None
         if config.kv_role != "none":
-            from kvpilot.server.engine.kv_transfer import KVReceiver, KVSender, transfer_secret
+            from kvpilot.server.engine.kv_transfer import KVReceiver, KVSender
+            from kvpilot.server.engine.kv_trust import transfer_secret
 
             engine_id = self.block_manager.salt.hex()  # the KV identity: another model's or settings' keys never match
             secret = transfer_secret()

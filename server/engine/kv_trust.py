@@ -1,0 +1,45 @@
+"""The trust between the engines of one prefill/decode pool (kv_transfer.py has the why): their
+shared secret, and the MACs that sign what a prefill engine hands out and what crosses the transfer
+port. torch-free: admission checks a decode request's params with it."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+
+from kvpilot.server.engine.sampling_params import KVTransferParams
+
+log = logging.getLogger("kvpilot.server.kv_transfer")
+SECRET_ENV = "KVPILOT_KV_TRANSFER_SECRET"
+
+
+def transfer_secret() -> bytes:
+    """The pool's shared secret, from SECRET_ENV; without it, one made up for this process (and put
+    into its environment, so an engine core process started from it has the same one)."""
+    value = os.environ.get(SECRET_ENV)
+    if not value:
+        value = os.environ[SECRET_ENV] = secrets.token_urlsafe(32)
+        log.warning("%s is not set: this engine hands KV blocks off only to itself (kv_role both); the engines of a "
+                    "prefill/decode pool need one secret in common", SECRET_ENV)
+    return value.encode()
+
+
+def mac(secret: bytes, *parts: bytes | memoryview) -> str:
+    digest = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "little"))  # lengths first: no two part lists hash alike
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def sign_params(secret: bytes, params: dict) -> str:
+    """The signature of a prefill engine's hand-out: where to pull from and what."""
+    fields = [str(params[k]).encode() for k in ("remote_host", "remote_port", "remote_request_id", "remote_engine_id")]
+    return mac(secret, b"kv-transfer-params", *fields)
+
+
+def params_verify(secret: bytes, params: KVTransferParams) -> bool:
+    return isinstance(params.signature, str) and hmac.compare_digest(params.signature, sign_params(secret, params.as_dict()))
