@@ -22,6 +22,7 @@ the runner watches is the container: its exit code is the container's, SIGTERM r
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import re
@@ -340,7 +341,23 @@ class PodRunner:
         except httpx.HTTPError:
             return False
 
+    def _with_secret_env(self, pod: dict) -> dict:
+        """The pod with each env entry read from a Secret (valueFrom.secretKeyRef) given its value, as the
+        kubelet does (the engines of a disaggregated service share a KV transfer key that way)."""
+        pod = json.loads(json.dumps(pod))
+        namespace = pod["metadata"]["namespace"]
+        for container in pod["spec"]["containers"]:
+            for e in container.get("env") or []:
+                ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+                if ref:
+                    r = self._http.get(f"{self.server}/api/v1/namespaces/{namespace}/secrets/{ref['name']}")
+                    r.raise_for_status()
+                    e.pop("valueFrom")
+                    e["value"] = base64.b64decode(r.json()["data"][ref["key"]]).decode()
+        return pod
+
     def _start_engine(self, uid: str, pod: dict) -> None:
+        pod = self._with_secret_env(pod)
         ip = require_loopback(pod["status"]["podIP"])
         name = pod["metadata"]["name"]
         log_path = self.log_dir / f"{pod['metadata']['namespace']}_{name}.log"

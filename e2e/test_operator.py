@@ -60,9 +60,10 @@ def test_chart_installs_crd_and_least_privilege_identity(cluster, chart):
     role = kget(cluster, "clusterrole", "kvpilot")
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
     assert "*" not in verbs and "update" not in verbs
-    # it deletes two things: a model cache claim whose last user let go of it, a prefill pool turned off (the GC does the rest)
+    # it deletes what it made and no longer wants: a model cache claim whose last user let go of it, a prefill pool
+    # turned off, with its KV transfer NetworkPolicy (the GC does the rest)
     assert [rule["resources"] for rule in role["rules"] if "delete" in rule["verbs"]] == [["deployments"], ["poddisruptionbudgets"],
-                                                                                         ["persistentvolumeclaims"]]
+                                                                                         ["networkpolicies"], ["persistentvolumeclaims"]]
     dep = kget(cluster, "deployment", "kvpilot", "-n", CHART_NS)
     sc = dep["spec"]["template"]["spec"]["containers"][0]["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True

@@ -98,6 +98,7 @@ def _same_but_status(old: dict, new: dict) -> bool:
 
 @kopf.on.event("", "v1", "services", labels={MANAGED_BY[0]: MANAGED_BY[1]})
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={MANAGED_BY[0]: MANAGED_BY[1]})
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels={MANAGED_BY[0]: MANAGED_BY[1]})
 def on_owned_object(type, body, namespace, meta, **_) -> None:  # noqa: A002
     """A deletion or an edit is undone; the echo of our own apply (the resourceVersion it returned) and
     a relist's objects (type None) are not news."""

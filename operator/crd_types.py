@@ -24,8 +24,8 @@ WAKE_ANNOTATION = f"{GROUP}/scale-from-zero-requested"
 # Set by the operator on each engine pod: the LoRA adapters it holds, comma-separated (kvpilot-gateway routes on it).
 ADAPTERS_ANNOTATION = f"{GROUP}/adapters"
 MANAGED_BY = ("app.kubernetes.io/managed-by", "kvpilot")
-# Set by the operator on every engine container: a user's env entry must not replace them.
-RESERVED_ENV = ("POD_IP", "KVPILOT_API_KEY", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "HOME")
+# Set by the operator on every engine container (KVPILOT_KV_TRANSFER_SECRET: a disaggregated service's): a user's env entry must not replace them.
+RESERVED_ENV = ("POD_IP", "KVPILOT_API_KEY", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "HOME", "KVPILOT_KV_TRANSFER_SECRET")
 
 
 def cel(rule: str, message: str, field_path: str | None = None) -> dict:

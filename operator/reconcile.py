@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections import defaultdict
@@ -24,6 +25,8 @@ from kvpilot.operator.builders.manifests import (
     endpoint_url,
     hf_token_env,
     is_prefill_pod,
+    kv_transfer_name,
+    kv_transfer_secret,
     pod_selector,
     prefill_name,
     render,
@@ -117,6 +120,12 @@ def cache_defaults() -> model_cache.CacheDefaults:
                                      storage_class_name=os.environ.get("KVPILOT_MODEL_CACHE_STORAGE_CLASS") or None,
                                      size=os.environ.get("KVPILOT_MODEL_CACHE_SIZE") or d.size,
                                      compile_cache_size=os.environ.get("KVPILOT_COMPILE_CACHE_SIZE") or d.compile_cache_size)
+
+
+def kv_transfer_policy_enabled() -> bool:
+    """Whether disaggregated services get their KV transfer NetworkPolicy (the chart's networkPolicy.kvTransfer.enabled,
+    passed on through the environment; on unless set to false)."""
+    return os.environ.get("KVPILOT_KV_TRANSFER_NETWORK_POLICY", "true").lower() != "false"
 
 
 def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str, str]]]:
@@ -248,8 +257,11 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
     if spec is not None and not problems:
         try:
             cache_ready = _apply_model_cache(kube, body, spec)
+            if spec.disaggregation is not None:  # before the pools' pods, which read it; one already there is kept (no rotation)
+                kube.create_unless_present(kv_transfer_secret(name, namespace, uid, spec, secrets.token_urlsafe(32)))
             with_monitor = kube.has_kind("monitoring.coreos.com/v1", "PodMonitor")
-            for obj in render(name, namespace, uid, spec, with_pod_monitor=with_monitor):
+            with_policy = kv_transfer_policy_enabled()
+            for obj in render(name, namespace, uid, spec, with_pod_monitor=with_monitor, with_kv_transfer_policy=with_policy):
                 if obj["kind"] == "Deployment" and not cache_ready:
                     continue  # pods start once their model cache entries are filled (the running ones keep serving)
                 applied = kube.apply(obj)
@@ -259,9 +271,15 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
                     fault_point("after-deployment", namespace, name)
             if spec.disaggregation is None and CACHE.get(DEPLOYMENT, namespace, prefill_name(name)) is not None:
                 # disaggregation turned off: the prefill pool goes (its pods drain; the gateway stops prefilling first)
+                # The KV transfer Secret stays (nothing reads it; the garbage collector deletes it with the service): deleting it
+                # would take the right to delete every Secret of the namespace.
                 kube.delete("apps/v1", "Deployment", prefill_name(name), namespace)
                 kube.delete("policy/v1", "PodDisruptionBudget", prefill_name(name), namespace)
+                kube.delete("networking.k8s.io/v1", "NetworkPolicy", kv_transfer_name(name), namespace)
                 CACHE.delete(DEPLOYMENT, namespace, prefill_name(name))
+            elif spec.disaggregation is not None and not with_policy:
+                # turned off in the operator: one an earlier run made goes (the policies are not cached: a delete each reconcile)
+                kube.delete("networking.k8s.io/v1", "NetworkPolicy", kv_transfer_name(name), namespace)
         except (ApiException, DynamicApiError) as e:
             reason = getattr(e, "reason", None) or type(e).__name__
             applying.append(("ApplyFailed", f"{reason}: {getattr(e, 'body', None) or e}"[:500]))

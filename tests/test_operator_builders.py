@@ -368,7 +368,7 @@ def test_engine_pods_are_locked_down():
     assert [e["name"] for e in c["env"]][-2:] == ["POD_IP", "KVPILOT_API_KEY"] and env["FOO"]["value"] == "1"
 
 
-@pytest.mark.parametrize("name", ["POD_IP", "KVPILOT_API_KEY", "XDG_CACHE_HOME"])
+@pytest.mark.parametrize("name", ["POD_IP", "KVPILOT_API_KEY", "XDG_CACHE_HOME", "KVPILOT_KV_TRANSFER_SECRET"])
 def test_user_env_cannot_override_what_the_operator_sets(name):
     from pydantic import ValidationError
 
@@ -655,7 +655,7 @@ def test_a_disaggregated_service_renders_a_prefill_pool_beside_its_decode_pods()
                              "kvTransferTimeoutSeconds": 30})
     objs = {(o["kind"], o["metadata"]["name"]): o for o in render("svc", "ns", "u", s)}
     assert set(objs) == {("Deployment", "svc"), ("Deployment", "svc-prefill"), ("Service", "svc"), ("PodDisruptionBudget", "svc"),
-                         ("PodDisruptionBudget", "svc-prefill")}
+                         ("PodDisruptionBudget", "svc-prefill"), ("NetworkPolicy", "svc-kv-transfer")}
     decode, prefill = objs[("Deployment", "svc")], objs[("Deployment", "svc-prefill")]
     assert decode["spec"]["replicas"] == 2 and prefill["spec"]["replicas"] == 3
     assert decode["spec"]["selector"]["matchLabels"] == {ISVC_LABEL: "svc"}  # as before disaggregation: immutable
@@ -686,6 +686,164 @@ def test_a_disaggregated_service_renders_a_prefill_pool_beside_its_decode_pods()
     assert ("Deployment", "svc-prefill") not in plain
     assert ROLE_LABEL not in deployment("svc", "ns", "u", spec())["spec"]["template"]["metadata"]["labels"]
     assert "--kv-role" not in container(deployment("svc", "ns", "u", spec()))["args"]
+
+
+DISAGGREGATED = {"resources": {"cpuOnly": True}, "disaggregation": {}}
+
+
+def test_a_disaggregated_services_pools_read_one_key_from_the_secret_it_gets():
+    from kvpilot.operator.builders.manifests import kv_transfer_secret
+    from kvpilot.operator.crd_types import MANAGED_BY
+
+    s = spec(**DISAGGREGATED)
+    secret = kv_transfer_secret("svc", "ns", "uid-1", s, "k" * 43)
+    assert (secret["apiVersion"], secret["kind"], secret["type"], secret["immutable"]) == ("v1", "Secret", "Opaque", True)
+    assert (secret["metadata"]["name"], secret["metadata"]["namespace"]) == ("svc-kv-transfer", "ns")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1" and secret["metadata"]["labels"][MANAGED_BY[0]] == MANAGED_BY[1]
+    assert secret["stringData"] == {"key": "k" * 43}
+    reference = {"name": "KVPILOT_KV_TRANSFER_SECRET", "valueFrom": {"secretKeyRef": {"name": "svc-kv-transfer", "key": "key"}}}
+    for prefill in (False, True):  # by reference only: the key is in neither the Deployment nor the pod spec
+        env = container(deployment("svc", "ns", "uid-1", s, prefill=prefill))["env"]
+        assert [e for e in env if e["name"] == "KVPILOT_KV_TRANSFER_SECRET"] == [reference]
+    assert "KVPILOT_KV_TRANSFER_SECRET" not in str(render("svc", "ns", "uid-1", spec(resources={"cpuOnly": True})))
+    # applied on every reconcile would be a new key each time: the Secret is created once, outside render
+    assert "Secret" not in {o["kind"] for o in render("svc", "ns", "uid-1", s)}
+
+
+def _tcp_ports(ports: list[dict], ignore_end_port: bool = False) -> set[int]:
+    """The TCP ports a NetworkPolicy rule's ports admit (ignore_end_port: as a network plugin without endPort reads them)."""
+    out = set()
+    for p in ports:
+        assert p["protocol"] == "TCP"
+        out |= set(range(p["port"], (p["port"] if ignore_end_port else p.get("endPort", p["port"])) + 1))
+    return out
+
+
+def test_the_kv_transfer_port_is_open_to_the_services_own_engine_pods_alone():
+    from kvpilot.operator.builders.manifests import kv_transfer_network_policy, selector_labels
+
+    s = spec(**DISAGGREGATED)
+    objs = render("svc", "ns", "uid-1", s)
+    policy = next(o for o in objs if o["kind"] == "NetworkPolicy")
+    assert policy == kv_transfer_network_policy("svc", "ns", "uid-1", s) and policy["metadata"]["name"] == "svc-kv-transfer"
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert [o["kind"] for o in objs].index("NetworkPolicy") < [o["kind"] for o in objs].index("Deployment")  # guarded from the first pod
+    spec_ = policy["spec"]
+    assert spec_["policyTypes"] == ["Ingress"] and spec_["podSelector"] == {"matchLabels": selector_labels("svc")}
+    pools = [deployment("svc", "ns", "uid-1", s, prefill=prefill) for prefill in (False, True)]
+    for pool in pools:  # both pools are selected, and both are the peers allowed
+        labels = pool["spec"]["template"]["metadata"]["labels"]
+        assert spec_["podSelector"]["matchLabels"].items() <= labels.items()
+    kv_rule, open_rule = spec_["ingress"]
+    # the port the prefill engine serves held blocks on, as its flags and its container port say
+    prefill_port = EngineConfig.from_cli_args(engine_args(container(pools[1]))).kv_transfer_port
+    assert next(p["containerPort"] for p in container(pools[1])["ports"] if p["name"] == "kv-transfer") == prefill_port
+    assert kv_rule == {"from": [{"podSelector": spec_["podSelector"]}], "ports": [{"protocol": "TCP", "port": prefill_port}]}
+    # every other TCP port open to all (no `from`): the gateway, Prometheus, probes; the HTTP port even where endPort is not implemented
+    http_port = next(p["containerPort"] for p in container(pools[0])["ports"] if p["name"] == "http")
+    assert "from" not in open_rule and _tcp_ports(open_rule["ports"]) == set(range(1, 65536)) - {prefill_port}
+    assert http_port in _tcp_ports(open_rule["ports"], ignore_end_port=True)
+    # off in the operator, or a service that is not disaggregated: none
+    assert "NetworkPolicy" not in {o["kind"] for o in render("svc", "ns", "uid-1", s, with_kv_transfer_policy=False)}
+    assert "NetworkPolicy" not in {o["kind"] for o in render("svc", "ns", "uid-1", spec(resources={"cpuOnly": True}))}
+
+
+class RecordingKube:
+    """What _reconcile asks of the API server, in order (no model cache, no PodMonitor)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str, str]] = []
+        self.created: list[dict] = []
+
+    def has_kind(self, api_version: str, kind: str) -> bool:
+        return False
+
+    def apply(self, obj: dict, field_manager: str = "") -> dict:
+        self.calls.append(("apply", obj["kind"], obj["metadata"]["name"]))
+        return {**obj, "metadata": {**obj["metadata"], "resourceVersion": "1"}}
+
+    def create_unless_present(self, obj: dict) -> None:
+        self.calls.append(("create", obj["kind"], obj["metadata"]["name"]))
+        self.created.append(obj)
+
+    def delete(self, api_version: str, kind: str, name: str, namespace: str) -> None:
+        self.calls.append(("delete", kind, name))
+
+    def patch_isvc_status(self, name: str, namespace: str, status: dict) -> dict:
+        return {"metadata": {"name": name, "namespace": namespace, "resourceVersion": "0"}, "status": status}
+
+    def event(self, *args) -> None:
+        pass
+
+
+def test_reconcile_creates_the_key_once_and_removes_the_policy_when_it_is_not_wanted(monkeypatch):
+    from kvpilot.operator import reconcile
+    from kvpilot.operator.cache import CACHE, DEPLOYMENT, ISVC
+
+    def body(version: int, **kw) -> dict:
+        return {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": "kvsvc", "namespace": "ns", "uid": "uid-1", "generation": version, "resourceVersion": str(version)},
+                "spec": {"model": {"source": "smollm2-135m"}, **kw}}
+
+    monkeypatch.delenv("KVPILOT_KV_TRANSFER_NETWORK_POLICY", raising=False)
+    try:
+        kube = RecordingKube()
+        reconcile.reconcile(kube, body(10, **DISAGGREGATED))
+        secret_call, policy_call = ("create", "Secret", "kvsvc-kv-transfer"), ("apply", "NetworkPolicy", "kvsvc-kv-transfer")
+        assert kube.calls.index(secret_call) < kube.calls.index(policy_call) < kube.calls.index(("apply", "Deployment", "kvsvc"))
+        (secret,) = kube.created
+        assert len(secret["stringData"]["key"]) >= 43  # secrets.token_urlsafe(32): 256 random bits
+        assert not [c for c in kube.calls if c[0] != "create" and c[1] == "Secret"]  # never applied over, never deleted
+
+        monkeypatch.setenv("KVPILOT_KV_TRANSFER_NETWORK_POLICY", "false")  # the chart's networkPolicy.kvTransfer.enabled: false
+        kube = RecordingKube()
+        reconcile.reconcile(kube, body(20, **DISAGGREGATED))
+        assert policy_call not in kube.calls and ("delete", "NetworkPolicy", "kvsvc-kv-transfer") in kube.calls
+
+        monkeypatch.setenv("KVPILOT_KV_TRANSFER_NETWORK_POLICY", "true")
+        kube = RecordingKube()
+        reconcile.reconcile(kube, body(30, resources={"cpuOnly": True}))  # disaggregation removed
+        assert {("delete", "Deployment", "kvsvc-prefill"), ("delete", "NetworkPolicy", "kvsvc-kv-transfer")} <= set(kube.calls)
+        assert not [c for c in kube.calls if c[1] in ("Secret", "NetworkPolicy") and c[0] != "delete"]
+        assert ("delete", "Secret", "kvsvc-kv-transfer") not in kube.calls  # left to the garbage collector: harmless until then
+    finally:
+        for kind, name in ((ISVC, "kvsvc"), (DEPLOYMENT, "kvsvc"), (DEPLOYMENT, "kvsvc-prefill")):
+            CACHE.delete(kind, "ns", name)
+        reconcile.forget("ns", "kvsvc")
+
+
+def test_the_chart_grants_what_the_operator_does_and_passes_the_kv_transfer_policy_setting():
+    from kvpilot.operator.builders.manifests import pod_monitor
+
+    rbac = (ROOT / "charts/kvpilot/templates/rbac.yaml").read_text()
+    block = rbac.split('{{- define "kvpilot.namespacedRules" }}', 1)[1].split("{{- end }}", 1)[0]
+    verbs: dict[str, set[str]] = {}
+    for rule in yaml.safe_load(block):
+        for resource in rule["resources"]:
+            verbs.setdefault(resource, set()).update(rule["verbs"])
+    full = spec(resources={"cpuOnly": True}, engineSettings={"kvOffload": {}}, disaggregation={})
+    owned = {o["kind"] for o in render("svc", "ns", "u", full)} | {pod_monitor("svc", "ns", "u", full)["kind"]}
+    assert owned == {"PersistentVolumeClaim", "NetworkPolicy", "Deployment", "Service", "PodDisruptionBudget", "PodMonitor"}
+    for kind in owned:  # applied (server-side apply: create, then patch) and read
+        resource = kind.lower()[:-1] + "ies" if kind.endswith("y") else kind.lower() + "s"
+        assert {"get", "list", "watch", "create", "patch"} <= verbs[resource], kind
+    assert "delete" in verbs["networkpolicies"]  # disaggregation, or the policy, turned off
+    assert verbs["secrets"] == {"get", "create"}  # the KV transfer key is created once: no list, watch, patch or delete of Secrets
+    values = yaml.safe_load((ROOT / "charts/kvpilot/values.yaml").read_text())
+    assert values["networkPolicy"]["kvTransfer"]["enabled"] is True
+    chart = (ROOT / "charts/kvpilot/templates/deployment.yaml").read_text()
+    assert "- name: KVPILOT_KV_TRANSFER_NETWORK_POLICY" in chart and "value: {{ .Values.networkPolicy.kvTransfer.enabled | quote }}" in chart
+
+
+@pytest.mark.parametrize(("value", "enabled"), [(None, True), ("true", True), ("false", False), ("False", False)])
+def test_the_kv_transfer_policy_setting_is_on_unless_turned_off(monkeypatch, value, enabled):
+    from kvpilot.operator.reconcile import kv_transfer_policy_enabled
+
+    if value is None:
+        monkeypatch.delenv("KVPILOT_KV_TRANSFER_NETWORK_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("KVPILOT_KV_TRANSFER_NETWORK_POLICY", value)
+    assert kv_transfer_policy_enabled() is enabled
 
 
 @pytest.mark.parametrize(("kw", "message"), [

@@ -1,4 +1,5 @@
-"""InferenceService -> Deployment, Service, PodDisruptionBudget, PodMonitor. Pure functions of the spec."""
+"""InferenceService -> Deployment, Service, PodDisruptionBudget, PodMonitor, and for a disaggregated service its KV transfer
+Secret and NetworkPolicy. Pure functions of the spec."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, ROLE
 from kvpilot.server.model_source import parse_model_source
 
 ENGINE_LABEL = f"{GROUP}/engine"
+# A disaggregated service's prefill and decode engines read their shared key from this variable (the engine's own name
+# for it: never a flag, so it is in neither `ps` nor logs); the Secret <name>-kv-transfer holds it under this key.
+KV_TRANSFER_SECRET_ENV = "KVPILOT_KV_TRANSFER_SECRET"
+KV_TRANSFER_SECRET_KEY = "key"
 STARTUP_BUDGET_SECONDS = 1800  # model download + load on a cold node
 DOWNLOAD_TIMEOUT_SECONDS = 1500
 
@@ -199,6 +204,8 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     if spec.api_key_secret_ref is not None:
         env.append(_secret_env("KVPILOT_API_KEY", spec.api_key_secret_ref))
+    if pool is not None:  # both pools: the prefill engine signs the kv_transfer_params it hands out, the decode engine checks them
+        env.append(_secret_env(KV_TRANSFER_SECRET_ENV, SecretKeyRef(name=kv_transfer_name(name), key=KV_TRANSFER_SECRET_KEY)))
     container = {
         "name": "engine", "image": c.image, "command": c.command, "args": c.args, "env": env,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"},
@@ -263,6 +270,40 @@ def pod_disruption_budget(name: str, namespace: str, uid: str, spec: InferenceSe
             "spec": {"selector": selector, "maxUnavailable": 1}}
 
 
+def kv_transfer_name(name: str) -> str:
+    """A disaggregated service's KV transfer Secret and NetworkPolicy."""
+    return f"{name}-kv-transfer"
+
+
+def kv_transfer_secret(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, key: str) -> dict:
+    """The key a disaggregated service's prefill and decode engines share (`key`: random, made by the caller). Created once,
+    never applied over: a new key would fail every handoff between a pod started before it and one started after. Immutable
+    for the same reason (an edit would split the pools). To rotate it, delete it and restart both pools: the reconcile the
+    restart sets off makes a new one (pods that start before it wait for it)."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {**_meta(name, namespace, uid, spec), "name": kv_transfer_name(name)},
+            "type": "Opaque", "immutable": True, "stringData": {KV_TRANSFER_SECRET_KEY: key}}
+
+
+def kv_transfer_network_policy(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
+    """A disaggregated service's KV transfer port reachable from its own engine pods alone (decode pods pull from prefill
+    pods; any other client is refused), every other port of its pods open to all as before (the gateway, Prometheus).
+
+    A NetworkPolicy only allows, and a pod it selects is closed to what none allows: so the second rule names every other
+    TCP port, as the two ranges around the KV transfer port, and the HTTP port on its own too (on a network plugin that
+    does not implement endPort a range reads as its first port alone: the HTTP port must not depend on it). The engine
+    serves TCP alone (one container, the operator's); replies to the pod's own UDP requests (DNS) are not ingress.
+    Kubelet probes come from the node, which most network plugins let through whatever the policy; they probe the HTTP
+    port, which is open to all anyway."""
+    engine_pods = {"matchLabels": selector_labels(name)}  # both pools
+    every_other_port = [{"protocol": "TCP", "port": PORT}, {"protocol": "TCP", "port": 1, "endPort": KV_TRANSFER_PORT - 1},
+                        {"protocol": "TCP", "port": KV_TRANSFER_PORT + 1, "endPort": 65535}]
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {**_meta(name, namespace, uid, spec), "name": kv_transfer_name(name)},
+            "spec": {"podSelector": engine_pods, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": engine_pods}], "ports": [{"protocol": "TCP", "port": KV_TRANSFER_PORT}]},
+                                 {"ports": every_other_port}]}}
+
+
 def _meta_label(label: str) -> str:
     """Prometheus's pod discovery's name of a pod label."""
     return "__meta_kubernetes_pod_label_" + label.replace(".", "_").replace("/", "_").replace("-", "_")
@@ -289,10 +330,15 @@ def endpoint_url(name: str, namespace: str) -> str:
     return f"http://{name}.{namespace}.svc:{PORT}/v1"
 
 
-def render(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, with_pod_monitor: bool = False) -> list[dict]:
-    """Every object an InferenceService owns, in apply order."""
+def render(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, with_pod_monitor: bool = False,
+           with_kv_transfer_policy: bool = True) -> list[dict]:
+    """Every object an InferenceService owns that is applied on each reconcile, in apply order (not the KV transfer Secret,
+    created once: `kv_transfer_secret`). with_kv_transfer_policy: the operator's setting (the chart's
+    networkPolicy.kvTransfer.enabled)."""
     claim = kv_tier_claim(name, namespace, uid, spec)
-    objs = [*([claim] if claim else []), deployment(name, namespace, uid, spec), service(name, namespace, uid, spec),
+    # Before the Deployments: no prefill pod serves its KV transfer port before the policy guards it.
+    policy = kv_transfer_network_policy(name, namespace, uid, spec) if spec.disaggregation and with_kv_transfer_policy else None
+    objs = [*([claim] if claim else []), *([policy] if policy else []), deployment(name, namespace, uid, spec), service(name, namespace, uid, spec),
             pod_disruption_budget(name, namespace, uid, spec)]
     if spec.disaggregation:
         objs += [deployment(name, namespace, uid, spec, prefill=True), pod_disruption_budget(name, namespace, uid, spec, prefill=True)]
