@@ -1,11 +1,14 @@
 """kvpilot-gateway's routing core: the prefix-hash ring (deterministic, balanced, consistent, bounded
 load) and the proxy (loopback upstreams standing in for engine pods): one prefix keeps one pod, SSE
-streams through unbuffered, the API key passes, errors are OpenAI-style JSON, a pod that refuses connections or answers 503 (draining) is skipped."""
+streams through unbuffered, the API key passes, errors are OpenAI-style JSON, a pod that refuses connections or answers 503 (draining) is skipped;
+and the public entry point's guards: stalled and piled-up bodies, over-deep JSON, upstream cookies, a client's kv_transfer_params."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import socket
 import threading
 import time
 from collections import Counter
@@ -57,10 +60,13 @@ def test_prefix_key_of_each_api_shape():
 
 
 class Upstream:
-    """A loopback stand-in for an engine pod: names itself in every answer; streams SSE slowly."""
+    """A loopback stand-in for an engine pod: names itself in every answer (plus `answer`'s fields, and
+    a Set-Cookie header when `set_cookie` is given); streams SSE slowly. `seen`: (path, Authorization,
+    body) of each request; `headers`: each request's headers."""
 
-    def __init__(self, name: str, status: int = 200):
+    def __init__(self, name: str, status: int = 200, answer: dict | None = None, set_cookie: str | None = None):
         seen = self.seen = []
+        headers = self.headers = []
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -68,6 +74,7 @@ class Upstream:
             def do_POST(self):  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 seen.append((self.path, self.headers.get("Authorization"), body))
+                headers.append(self.headers)
                 if status != 200:  # a draining engine: refuses new work before doing any
                     out = json.dumps({"error": {"message": "the server is shutting down"}}).encode()
                     self.send_response(status)
@@ -88,10 +95,12 @@ class Upstream:
                     done = b"data: [DONE]\n\n"
                     self.wfile.write(f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n")
                     return
-                out = json.dumps({"served_by": name}).encode()
+                out = json.dumps({"served_by": name, **(answer or {})}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(out)))
+                if set_cookie:
+                    self.send_header("Set-Cookie", set_cookie)
                 self.end_headers()
                 self.wfile.write(out)
 
@@ -253,3 +262,149 @@ def test_prefill_pods_of_a_disaggregated_service_are_its_prefill_endpoints():
     table = endpoint_table([{"metadata": {"namespace": "a", "name": "pd"}, "spec": {"model": {"source": "smollm2-135m"}}}],
                            [pod("127.0.0.2", "prefill"), pod("127.0.0.3", "decode"), pod("127.0.0.4", "prefill")])
     assert table == {"pd": ModelRoute("a", "pd", ["127.0.0.3:8000"], prefill=["127.0.0.2:8000", "127.0.0.4:8000"])}
+
+
+@contextlib.contextmanager
+def served_as_main_serves(app, config):
+    """The gateway app under uvicorn with `kvpilot-gateway`'s own server settings (header timeout
+    included), on a free loopback port in a thread: its port, until the block ends."""
+    import uvicorn
+
+    from kvpilot.operator.gateway.proxy import uvicorn_settings
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning", **uvicorn_settings(config)))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield server.config.port
+    finally:
+        server.should_exit = True
+
+
+def read_reply(s: socket.socket) -> str:
+    """Everything the gateway sends before it closes (it may reset a connection whose body it did not read)."""
+    reply = b""
+    try:
+        while chunk := s.recv(4096):
+            reply += chunk
+    except ConnectionResetError:
+        pass
+    s.close()
+    return reply.decode()
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """A gateway with small limits: 1 MiB bodies, 2 MiB of bodies arriving at once, 1 s for headers and for a body."""
+    from kvpilot.operator.gateway.proxy import GatewayConfig, StaticEndpoints, build_app
+
+    upstream = Upstream("pod")
+    config = GatewayConfig(max_body_bytes=1 << 20, max_buffered_request_bytes=2 << 20, request_header_timeout_seconds=1,
+                           request_body_timeout_seconds=1)
+    with served_as_main_serves(build_app(StaticEndpoints({"m": [upstream.endpoint]}), config), config) as port:
+        yield port
+
+
+def assert_still_serving(port: int):
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "still there?"}, timeout=10)
+    assert r.status_code == 200 and r.json()["served_by"] == "pod"
+
+
+@pytest.mark.timeout(60)
+def test_stalled_headers_and_bodies_are_cut(guarded):
+    """Headers that never end: the connection is closed after the header timeout; a body that stops
+    half-way: 408 after the body timeout (both held connections for ever before)."""
+    socks = []
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", guarded), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        socks.append(s)
+    t0 = time.monotonic()
+    for s in socks:
+        assert s.recv(1024) == b""  # closed by the gateway
+        s.close()
+    assert time.monotonic() - t0 < 5
+    with socket.create_connection(("127.0.0.1", guarded), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":")
+        reply = read_reply(s)
+    assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply, reply
+    assert_still_serving(guarded)
+
+
+@pytest.mark.timeout(60)
+def test_bodies_held_at_once_are_bounded(guarded):
+    """Bodies still arriving count against max_buffered_request_bytes (2 MiB here) over all connections:
+    past it a 429 with Retry-After, the others time out (408); the gateway has no API key to check
+    first, so this bound is what keeps anyone's half-sent bodies from growing it without limit."""
+    socks = []
+    for _ in range(5):
+        s = socket.create_connection(("127.0.0.1", guarded), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000000\r\n\r\n" + b"{" + b" " * 700_000)
+        socks.append(s)
+    replies = [read_reply(s) for s in socks]
+    busy = [r for r in replies if r.startswith("HTTP/1.1 429")]
+    assert busy and all("server_busy" in r and "retry-after: 1" in r.lower() for r in busy), replies
+    assert all(r.startswith(("HTTP/1.1 429", "HTTP/1.1 408")) for r in replies), replies
+    assert_still_serving(guarded)
+
+
+def test_json_nested_too_deep_is_a_400():
+    """Too deep for json to parse, or parsed but too deep to encode again for the engines (a
+    disaggregated model's prefill and decode bodies, in deeper frames): 400, not a text/plain 500."""
+    from kvpilot.operator.gateway.proxy import StaticEndpoints, build_app
+
+    decode, prefill = Upstream("decode"), Upstream("prefill", answer={"kv_transfer_params": {"remote_block_ids": [1]}})
+    with asgi_server(build_app(StaticEndpoints({"pd": [decode.endpoint]}, prefill={"pd": [prefill.endpoint]}))) as url, httpx.Client() as client:
+        r = client.post(url + "/v1/completions", content=b"[" * 200_000, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        codes = Counter()
+        for depth in range(900, 1010):  # past the parse limit, through the depths just below it
+            nested = b"[" * depth + b"]" * depth
+            r = client.post(url + "/v1/completions", content=b'{"model":"pd","prompt":' + nested + b"}", headers={"Content-Type": "application/json"})
+            codes[r.status_code] += 1
+            assert r.status_code == 200 or (r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"), (depth, r.text)
+    assert codes[200] and codes[400]
+
+
+def test_cookies_are_neither_kept_from_engines_nor_forwarded_from_clients():
+    """An engine's Set-Cookie must not ride on later requests (every client's go through one shared
+    HTTP client), and a client's Cookie header stays at the gateway."""
+    from kvpilot.operator.gateway.proxy import StaticEndpoints, build_app
+
+    upstream = Upstream("pod", set_cookie="session=engine-set; Path=/")
+    with asgi_server(build_app(StaticEndpoints({"m": [upstream.endpoint]}))) as url:
+        first = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "one"})
+        assert first.status_code == 200 and "set-cookie" not in first.headers
+        second = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "two"}, headers={"Cookie": "client=mine"})
+        assert second.status_code == 200
+    assert [h.get("Cookie") for h in upstream.headers] == [None, None]
+
+
+def test_a_clients_kv_transfer_params_never_reach_an_engine():
+    """kv_transfer_params name the pod a decode engine pulls KV blocks from: only the gateway sets them
+    (from its own prefill), never a client, whether or not the model is disaggregated."""
+    from kvpilot.operator.gateway.proxy import StaticEndpoints, build_app
+
+    handed = {"remote_engine": "the prefill pod's", "remote_block_ids": [1, 2]}
+    plain, decode, prefill = Upstream("plain"), Upstream("decode"), Upstream("prefill", answer={"kv_transfer_params": handed})
+    source = StaticEndpoints({"solo": [plain.endpoint], "pd": [decode.endpoint]}, prefill={"pd": [prefill.endpoint]})
+    forged = {"remote_engine": "10.6.6.6:5555", "remote_block_ids": [0]}
+    with asgi_server(build_app(source)) as url:
+        for model in ("solo", "pd"):
+            r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": "hi", "kv_transfer_params": forged})
+            assert r.status_code == 200, r.text
+    assert [body for _, _, body in plain.seen] == [{"model": "solo", "prompt": "hi"}]
+    assert [body["kv_transfer_params"] for _, _, body in prefill.seen] == [{"do_remote_decode": True}]
+    assert [body for _, _, body in decode.seen] == [{"model": "pd", "prompt": "hi", "kv_transfer_params": handed}]
+
+
+def test_a_buffer_cap_below_one_body_is_refused():
+    """Every body between the two sizes would get 429 "retry later" for ever."""
+    from kvpilot.operator.gateway.__main__ import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--max-request-body", "4MiB", "--max-buffered-request-bytes", "1MiB"])
+    assert refused.value.code == 2

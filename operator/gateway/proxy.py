@@ -1,10 +1,21 @@
 """The gateway's HTTP side: OpenAI routes proxied to the engine pod `routing.choose` picks.
 
-Bodies are read once (size-limited) to find the model and the routing key, then forwarded as they
-came; responses are streamed back chunk by chunk as the engine sends them (SSE included, no
-buffering). A pod that refuses the connection, cannot be reached, or answers 503 (draining, dead:
-it did no work) is skipped and the next one on the ring tried; once a response has started nothing
-is retried (the engine may have produced tokens). The Authorization header passes through untouched: the engines check the API key.
+Before a request reaches the proxy, the engine's own connection guards (kvpilot.server.http_limits)
+bound what a client can hold open: a connection whose request line and headers have not all arrived
+within the header timeout is closed; a body must arrive whole within the body timeout (else 408), be
+at most max_body_bytes (else 413), and fit, with the other bodies still arriving, under
+max_buffered_request_bytes (else 429 with Retry-After). The gateway checks no API key, so these bounds
+are all that keeps anyone's half-sent requests from holding its sockets and memory.
+
+Bodies are parsed once, to find the model and the routing key (not JSON, or nested too deep to parse:
+400), then forwarded as they came, less any kv_transfer_params: those tell a decode engine which pod to
+pull KV blocks from, so only the gateway's own prefill sets them. Responses are streamed back chunk by
+chunk as the engine sends them (SSE included, no buffering). A pod that refuses the connection, cannot
+be reached, or answers 503 (draining, dead: it did no work) is skipped and the next one on the ring
+tried; once a response has started nothing is retried (the engine may have produced tokens). The
+Authorization header passes through untouched: the engines check the API key. Cookies pass neither
+way: a client's Cookie header is not forwarded, and the HTTP client shared by all clients' requests
+keeps no cookie an engine sets (it would send it on everyone's later requests).
 
 A model served disaggregated (prefill pods beside its decode pods) has each request prefilled first:
 the body as it came with max_tokens 1, not streamed, and kv_transfer_params.do_remote_decode goes to a
@@ -28,19 +39,23 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Protocol
 
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpilot.operator.gateway.routing import PREFIX_CHARS, HashRing, choose, prefix_key
+from kvpilot.server.http_limits import BodyLimitMiddleware, protocol_with_header_timeout
 
 log = logging.getLogger("kvpilot.gateway")
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 FORWARDED_RESPONSE_HEADERS = ("content-type", "retry-after", "x-request-id", "cache-control")
+NESTED_TOO_DEEP = "the request body is nested too deeply"
 
 
 class EndpointSource(Protocol):
@@ -80,6 +95,9 @@ class StaticEndpoints:
 @dataclass(frozen=True)
 class GatewayConfig:
     max_body_bytes: int = 4 << 20
+    max_buffered_request_bytes: int = 64 << 20   # bodies still arriving, all connections together; past it 429
+    request_header_timeout_seconds: float = 10.0  # a connection without a whole request line and headers by then is closed
+    request_body_timeout_seconds: float = 30.0    # a body not received whole by then gets 408
     connect_timeout_seconds: float = 5.0
     read_timeout_seconds: float = 600.0
     max_attempts: int = 3           # pods tried for one request before 502 (only connection failures are retried)
@@ -87,6 +105,11 @@ class GatewayConfig:
     retry_after_seconds: int = 5    # told to clients when a model has no ready pod
     hold_timeout_seconds: float = 300.0  # longest a request waits for a pod of a model that has none ready
     max_held_requests: int = 1000        # more waiting than this: 503 at once
+
+    def __post_init__(self):
+        if self.max_buffered_request_bytes < self.max_body_bytes:
+            # else every body between the two sizes would get 429 "retry later" for ever
+            raise ValueError("max_buffered_request_bytes must be >= max_body_bytes (one largest body must fit)")
 
 
 def error(status: int, message: str, kind: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
@@ -133,7 +156,10 @@ class Gateway:
         self.held = 0                             # requests waiting for a ready pod, all models
         self.metrics = GatewayMetrics()
         self._rings: dict[tuple[str, ...], HashRing] = {}
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.read_timeout_seconds, connect=config.connect_timeout_seconds))
+        # One client carries every client's requests: a cookie an engine set would go out with all later
+        # ones, so its jar refuses every cookie (no domain is allowed).
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(config.read_timeout_seconds, connect=config.connect_timeout_seconds),
+                                        cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])))
 
     def ring(self, endpoints: list[str]) -> HashRing:
         key = tuple(sorted(endpoints))
@@ -143,27 +169,28 @@ class Gateway:
             self._rings[key] = HashRing(key)
         return self._rings[key]
 
-    async def _body(self, request: Request) -> bytes | None:
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.config.max_body_bytes:
-                return None
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def proxy(self, request: Request) -> Response:
-        raw = await self._body(request)
-        if raw is None:
-            return error(413, f"request body larger than {self.config.max_body_bytes} bytes", "invalid_request_error")
+        raw = await request.body()  # whole, size- and time-bounded: BodyLimitMiddleware read it
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error(400, "the request body is not valid JSON", "invalid_request_error")
+        except RecursionError:
+            return error(400, NESTED_TOO_DEEP, "invalid_request_error")
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
             return error(400, "the request body must be a JSON object with a 'model' string", "invalid_request_error")
+        if "kv_transfer_params" in body:
+            # A client's would have a decode engine pull KV blocks from wherever it names. The engines
+            # parse bodies with the same json module, so the key they would find is the one removed here.
+            del body["kv_transfer_params"]
+            raw = json.dumps(body).encode()
         model = body["model"]
-        response = await self._route(request, raw, body, model)
+        try:
+            response = await self._route(request, raw, body, model)
+        except RecursionError:
+            # Parsed above, but encoded again for the engines (a prefill's body, a decode's with the
+            # prefill's kv_transfer_params) in deeper frames, where the same nesting can pass the limit.
+            response = error(400, NESTED_TOO_DEEP, "invalid_request_error")
         self.metrics.requests.labels(model if self.source.endpoints(model) is not None else "unknown", str(response.status_code)).inc()
         return response
 
@@ -208,7 +235,7 @@ class Gateway:
         key = prefix_key(request.url.path, body, self.config.prefix_chars)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
         prefill = self.source.prefill_endpoints(model)
-        if prefill and body.get("n", 1) == 1 and not isinstance(body.get("kv_transfer_params"), dict):
+        if prefill and body.get("n", 1) == 1:
             handed = await self._prefill(request, body, key, prefill, headers, model)
             if isinstance(handed, Response):
                 return handed
@@ -302,6 +329,7 @@ class Gateway:
 
 
 def build_app(source: EndpointSource, config: GatewayConfig = GatewayConfig()) -> Starlette:
+    """The gateway's ASGI app; serve it with `uvicorn_settings` (the header timeout is uvicorn's part)."""
     gateway = Gateway(source, config)
 
     @contextlib.asynccontextmanager
@@ -314,6 +342,15 @@ def build_app(source: EndpointSource, config: GatewayConfig = GatewayConfig()) -
                             Route("/v1/models", gateway.models, methods=["GET"]),
                             Route("/health", gateway.health, methods=["GET"]),
                             Route("/metrics", gateway.prometheus, methods=["GET"])],
+                    middleware=[Middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.request_body_timeout_seconds,
+                                           max_buffered_bytes=config.max_buffered_request_bytes)],
                     lifespan=lifespan)
     app.state.gateway = gateway
     return app
+
+
+def uvicorn_settings(config: GatewayConfig) -> dict:
+    """uvicorn's settings for serving the gateway, beyond the address: a connection whose request line
+    and headers do not arrive within the header timeout is closed, and so is one kept alive idle as long."""
+    return {"http": protocol_with_header_timeout(config.request_header_timeout_seconds),
+            "timeout_keep_alive": int(config.request_header_timeout_seconds), "access_log": False}

@@ -18,7 +18,6 @@ from kvpilot.server.adapters import AdapterError
 from kvpilot.server.api import errors
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTooLargeError, ServerShutdownError
 from kvpilot.server.api.errors import APIError, param_of
-from kvpilot.server.api.http_limits import ApiKeyMiddleware, BodyLimitMiddleware, protocol_with_header_timeout
 from kvpilot.server.api.metrics import EngineMetrics
 from kvpilot.server.api.openai_serving import ClientDisconnected, OpenAIServing
 from kvpilot.server.api.protocol import (
@@ -32,6 +31,7 @@ from kvpilot.server.api.protocol import (
 from kvpilot.server.api.tokenizer_pool import TokenizerPool
 from kvpilot.server.config import EngineConfig, ServerConfig
 from kvpilot.server.engine.limits import ModelNotFound, RequestRejected
+from kvpilot.server.http_limits import ApiKeyMiddleware, BodyLimitMiddleware, protocol_with_header_timeout
 
 log = logging.getLogger("kvpilot.server")
 VERSION = "0.1.0"

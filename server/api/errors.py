@@ -11,10 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-          408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-          503: "service_unavailable_error"}
-
+from kvpilot.server.error_body import error_body
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|function-.*|.*\[.*\])$")
 
@@ -23,17 +20,6 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
-
-
-def _printable(text: str | None) -> str | None:
-    """Messages echo client input, which may hold lone surrogates: written as escapes, the body stays encodable."""
-    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    # OpenAI answers an unknown model with a 404 of type invalid_request_error (code model_not_found).
-    kind = "invalid_request_error" if code == "model_not_found" else _TYPES.get(status, "server_error")
-    return {"error": {"message": _printable(message), "type": kind, "param": _printable(param), "code": code}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None) -> JSONResponse:

@@ -16,7 +16,7 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvpilot.server.api.errors import error_body
+from kvpilot.server.error_body import error_body
 
 
 async def _send_error(send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
