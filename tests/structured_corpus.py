@@ -73,3 +73,18 @@ SCHEMAS: list[tuple[str, dict]] = [
     ("Coordinates.", obj({"lat": {"type": "number", "minimum": -90, "maximum": 90}, "lon": {"type": "number", "minimum": -180, "maximum": 180}})),
     ("A status.", obj({"status": {"enum": ["ok", "error"]}, "code": {"type": "integer", "minimum": 100, "maximum": 599}}, required=["status"])),
 ]
+
+
+# Chains the grammar library follows recursively in native code (issue #75): a thread's 8 MiB stack
+# overflowed at ~950 chained schema definitions and ~2,800 chained rules.
+
+def ref_chain_schema(n: int) -> dict:
+    """n object definitions, each's only property the next: the library follows the chain recursively."""
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["a"]} for i in range(n)}
+    return {"$defs": {**defs, f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+
+def rule_chain_grammar(n: int, alternative: bool = False) -> str:
+    """n rules, each the next one's prefix: "a" r1, or (alternative) r1 | "0"."""
+    body = (lambda i: f'r{i + 1} | "0"') if alternative else (lambda i: f'"a" r{i + 1}')
+    return "start: r0\n" + "".join(f"r{i}: {body(i)}\n" for i in range(n)) + f'r{n}: "end"\n'

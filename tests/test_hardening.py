@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from structured_corpus import ref_chain_schema, rule_chain_grammar
 
 from server_harness import ServerProcess, metrics, wait_until_freed
 
@@ -468,18 +469,6 @@ def test_an_unexpected_exception_is_a_json_500():
 
 
 # --- constraints that reach the grammar library's native code (issue #75) -----------------------------
-
-def ref_chain_schema(n: int) -> dict:
-    """n object definitions, each's only property the next: the library follows the chain recursively."""
-    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["a"]} for i in range(n)}
-    return {"$defs": {**defs, f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
-
-
-def rule_chain_grammar(n: int, alternative: bool = False) -> str:
-    """n rules, each the next one's prefix: "a" r1, or (alternative) r1 | "0"."""
-    body = (lambda i: f'r{i + 1} | "0"') if alternative else (lambda i: f'"a" r{i + 1}')
-    return "start: r0\n" + "".join(f"r{i}: {body(i)}\n" for i in range(n)) + f'r{n}: "end"\n'
-
 
 def test_deep_constraints_compile_or_are_refused_and_never_kill_the_server(server, greedy_text):
     """A 1,000-definition $ref chain (94 KB) and a 3,000-rule Lark chain overflowed a thread's 8 MiB

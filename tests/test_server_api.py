@@ -333,3 +333,19 @@ def test_a_slow_constraint_compile_does_not_stall_running_streams(served):
     gaps = [b - a for a, b in zip(during, during[1:])]
     print(f"compile window {answered - sent:.1f} s, {len(during)} stream chunks in it, longest gap {max(gaps, default=0):.2f} s")
     assert len(during) >= 10 and max(gaps) < (answered - sent) / 4
+
+
+def test_a_deep_constraint_never_takes_the_server_down(served):
+    """Issue #75: a 1,000-definition $ref chain overflowed a thread's stack in the grammar library's
+    native code and killed the server (the engine core too): compiled on a deep stack in both
+    processes now, and one past the depth bound is a 400."""
+    from structured_corpus import ref_chain_schema
+
+    chat = lambda schema: httpx.post(served.url + "/v1/chat/completions", timeout=120, json={  # noqa: E731
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "chain", "schema": schema}}})
+    r = chat(ref_chain_schema(1000))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith('{"'), r.text
+    r = chat(ref_chain_schema(2000))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert httpx.get(served.url + "/health", timeout=10).status_code == 200
