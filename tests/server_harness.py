@@ -120,3 +120,15 @@ def asgi_server(app):
         yield f"http://127.0.0.1:{server.config.port}"
     finally:
         server.should_exit = True
+
+
+def read_reply(s: socket.socket) -> str:
+    """Everything a server sends before it closes (it may reset a connection whose body it did not read)."""
+    reply = b""
+    try:
+        while chunk := s.recv(4096):
+            reply += chunk
+    except ConnectionResetError:
+        pass
+    s.close()
+    return reply.decode()

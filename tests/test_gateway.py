@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvpilot.operator.gateway.routing import HashRing, choose, prefix_key
-from server_harness import asgi_server, free_port
+from server_harness import asgi_server, free_port, read_reply
 
 
 def test_ring_is_deterministic_balanced_and_consistent():
@@ -281,18 +281,6 @@ def served_as_main_serves(app, config):
         yield server.config.port
     finally:
         server.should_exit = True
-
-
-def read_reply(s: socket.socket) -> str:
-    """Everything the gateway sends before it closes (it may reset a connection whose body it did not read)."""
-    reply = b""
-    try:
-        while chunk := s.recv(4096):
-            reply += chunk
-    except ConnectionResetError:
-        pass
-    s.close()
-    return reply.decode()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structured_corpus import ref_chain_schema, rule_chain_grammar
 
-from server_harness import ServerProcess, metrics, wait_until_freed
+from server_harness import ServerProcess, metrics, read_reply, wait_until_freed
 
 KEY = {"Authorization": "Bearer probe-key"}
 
@@ -254,18 +254,6 @@ def test_tokenizer_endpoints_are_bounded(server, greedy_text):
         assert time.monotonic() - t0 < 5.0
     assert post(server, "/detokenize", {"tokens": [42] * 1024}).status_code == 200
     assert_still_serving(server, greedy_text)
-
-
-def read_reply(s: socket.socket) -> str:
-    """Everything the server sends before it closes (it may reset a connection whose body it did not read)."""
-    reply = b""
-    try:
-        while chunk := s.recv(4096):
-            reply += chunk
-    except ConnectionResetError:
-        pass
-    s.close()
-    return reply.decode()
 
 
 def test_unauthenticated_bodies_are_never_read(server, greedy_text):
