@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import secrets
 import statistics
 import sys
 import time
@@ -42,6 +43,7 @@ def main() -> None:
     from kvpilot.server.engine.sampling_params import KVTransferParams
 
     rng = random.Random(0)
+    os.environ.setdefault("KVPILOT_KV_TRANSFER_SECRET", secrets.token_urlsafe(32))  # the pool's (both engines are in this process)
     make = lambda **kw: LLM(num_threads=args.threads, show_progress=False, kv_cache_memory="512MiB", **kw)  # noqa: E731
     plain, prefill, decode = make(), make(kv_role="prefill", kv_transfer_port=0), make(kv_role="decode")
     first = SamplingParams(temperature=0, max_tokens=1)

@@ -36,6 +36,25 @@ def engine(**kw):
     return LLM(num_threads=1, show_progress=False, kv_cache_memory="32MiB", **kw)
 
 
+POOL_SECRET = "the-pool-secret-of-these-tests-0123456789"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pool_secret():
+    """The prefill and decode engines of these tests, one pool: one secret (a prefill or decode engine refuses to start without)."""
+    import os
+
+    from kvpilot.server.engine.kv_trust import SECRET_ENV
+
+    before = os.environ.get(SECRET_ENV)
+    os.environ[SECRET_ENV] = POOL_SECRET
+    yield
+    if before is None:
+        del os.environ[SECRET_ENV]
+    else:
+        os.environ[SECRET_ENV] = before
+
+
 @pytest.fixture(scope="module")
 def reference():
     llm = engine()
@@ -167,50 +186,87 @@ def test_transfer_params_not_signed_by_the_pool_are_refused_before_any_connectio
 
 
 @pytest.mark.timeout(120)
-def test_the_transfer_port_survives_malformed_oversized_and_unsigned_pulls(prefill, reference):
+def test_the_transfer_port_serves_the_pool_alone_and_survives_what_a_member_sends(prefill, reference):
     """Issue #75: one 2-frame message killed the prefill engine's sender thread (every later handoff
     then waited the whole timeout), a 512 MiB frame was read whole, and anyone could pull a held
-    prompt's K/V by its id. Now: a malformed pull gets an error answer, an oversized frame disconnects
-    its peer, an unsigned pull is refused with the hold kept, and the pool's own pull still works."""
+    prompt's K/V by its id. Now the port speaks CURVE with the pool's keys: a peer without them is
+    disconnected before it sends a frame; from a peer with them, a malformed pull gets an error
+    answer, an unsigned one is refused with the hold kept, an oversized frame disconnects it, and the
+    pool's own pull still works."""
     import zmq
     import zmq.utils.monitor
 
+    from kvpilot.server.engine.kv_transfer import curve_keys
     from kvpilot.server.engine.sampling_params import KVTransferParams
 
     [sent] = prefilled(prefill, PROMPTS[:1])
     address = f"tcp://127.0.0.1:{prefill.engine.kv_sender.port}"
     context = zmq.Context.instance()
-    peer = context.socket(zmq.DEALER)
-    peer.setsockopt(zmq.LINGER, 0)
-    peer.connect(address)
+
+    def connect(keys: tuple[bytes, bytes] | None):
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if keys:
+            sock.curve_serverkey = sock.curve_publickey = keys[0]
+            sock.curve_secretkey = keys[1]
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        sock.connect(address)
+        return sock, monitor
+
+    def events(monitor, seconds: float, until: int | None = None) -> set[int]:
+        """The monitor's events for `seconds`, or until `until` is one of them."""
+        seen, deadline = set(), time.monotonic() + seconds
+        while time.monotonic() < deadline and until not in seen:
+            if monitor.poll(100):
+                seen.add(zmq.utils.monitor.recv_monitor_message(monitor)["event"])
+        return seen
+
+    stranger, monitor = connect(None)  # the issue's probes, without the pool's keys
+    stranger.send_multipart([b"{}", b"{}"])
+    stranger.send(json.dumps({"transfer": sent["remote_request_id"], "keys": []}).encode())
+    assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in events(monitor, 2) and not stranger.poll(500)
+    stranger.close()
+    imposter, monitor = connect(curve_keys(b"another pool's secret, 32 chars or more"))
+    imposter.send(b"{}")
+    assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in events(monitor, 2) and not imposter.poll(500)
+    imposter.close()
+
+    member, monitor = connect(curve_keys(POOL_SECRET.encode()))
 
     def answer():
-        assert peer.poll(5000), "the sender did not answer"
-        return json.loads(peer.recv_multipart()[0])
+        assert member.poll(5000), "the sender did not answer"
+        return json.loads(member.recv_multipart()[0])
 
-    peer.send_multipart([b"{}", b"{}"])
+    member.send_multipart([b"{}", b"{}"])
     assert "one frame" in answer()["error"]
-    peer.send(b"[]")
+    member.send(b"[]")
     assert "JSON object" in answer()["error"]
-    peer.send(json.dumps({"transfer": sent["remote_request_id"], "keys": [], "nonce": "n", "mac": "0" * 64}).encode())
+    member.send(json.dumps({"transfer": sent["remote_request_id"], "keys": [], "mac": "0" * 64}).encode())
     assert "not signed" in answer()["error"]
     assert prefill.engine.kv_sender.num_held_blocks() == len(sent["remote_block_ids"])  # still held for the pool's pull
-    peer.close()
-
-    big = context.socket(zmq.DEALER)
-    big.setsockopt(zmq.LINGER, 0)
-    monitor = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    big.connect(address)
-    big.send(b"x" * (64 << 20))
-    assert monitor.poll(10000) and zmq.utils.monitor.recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
-    big.disable_monitor()
-    monitor.close()
-    big.close()
+    events(monitor, 0.2)
+    member.send(b"x" * (64 << 20))
+    assert zmq.EVENT_DISCONNECTED in events(monitor, 20, until=zmq.EVENT_DISCONNECTED)
+    member.close()
 
     decode = engine(kv_role="decode", kv_transfer_timeout=10)
     [out] = decode.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(sent)))
     assert out.outputs[0].token_ids == reference[0]
     assert decode.engine.kv_receiver.stats.pulled_blocks == prompt_blocks(decode, PROMPTS[0])
+
+
+def test_prefill_and_decode_engines_need_the_pools_secret(monkeypatch):
+    """Without it each would make up its own and every handoff would fail, said only in a log line."""
+    from kvpilot.server.engine.kv_trust import SECRET_ENV, transfer_secret
+
+    monkeypatch.delenv(SECRET_ENV)
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match=f"kv_role {role} needs {SECRET_ENV}"):
+            transfer_secret(role)
+    assert len(transfer_secret("both")) >= 32  # one engine hands off to itself: it makes one up
+    monkeypatch.setenv(SECRET_ENV, "short")
+    with pytest.raises(ValueError, match="at least 32 characters"):
+        transfer_secret("both")
 
 
 @pytest.mark.parametrize("settings,refusal", [
@@ -256,7 +312,7 @@ def servers(tmp_path_factory):
     """A prefill and a decode `kvpilot serve`."""
     from server_harness import serve_for_tests
 
-    pool = {"KVPILOT_KV_TRANSFER_SECRET": "the-pool-secret-of-these-tests-0123456789"}
+    pool = {"KVPILOT_KV_TRANSFER_SECRET": POOL_SECRET}
     prefill_server = serve_for_tests(tmp_path_factory, "--kv-cache-memory", "32MiB", "--kv-role", "prefill", "--kv-transfer-port", "0", env=pool)
     decode_server = serve_for_tests(tmp_path_factory, "--kv-cache-memory", "32MiB", "--kv-role", "decode", env=pool)
     try:

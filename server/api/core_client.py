@@ -168,7 +168,7 @@ class EngineCoreClient(AsyncEngine):
         self._sent_units = self._added_units = self._core_waiting = 0
         self._waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # token -> a reply's awaiter
         self._tokens = itertools.count()
-        kv_secret = transfer_secret() if config.kv_role != "none" else None  # before the core starts: it inherits the environment
+        kv_secret = transfer_secret(config.kv_role) if config.kv_role != "none" else None  # before the core starts: it inherits the environment
         self._process = mp.get_context("spawn").Process(
             target=core_main, name="kvpilot-engine-core", daemon=False,
             args=(config, f"ipc://{self._dir.name}/commands", f"ipc://{self._dir.name}/replies", os.getpid(), log_level))

@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -239,9 +238,8 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
     # A request with an output constraint is admitted off the step loop: its compile takes milliseconds
     # to seconds (a 10,000-property schema stalled running streams for 7 s when it ran here), as the
     # one-process server compiles in its tokenizer pool. The loop adds it once compiled.
-    admitting = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-core-admit")
     admissions: queue.SimpleQueue = queue.SimpleQueue()  # (AddRequest, Admission | None, ValueError | None)
-    compiling: set[str] = set()  # their request ids; one aborted meanwhile leaves it, and its admission is dropped
+    compiling: dict[str, int] = {}  # their request ids -> sequences (waiting: counted); one aborted meanwhile leaves, its admission is dropped
 
     def admit_constrained(command: AddRequest) -> None:
         try:
@@ -253,13 +251,15 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
             admissions.put((command, None, ValueError(f"{type(e).__name__}: {e}")))
 
     def add(command: AddRequest, admission, error: ValueError | None, extra: list[RequestOutput]) -> None:
-        try:
-            if error is not None:
-                raise error
-            engine.add_admitted(admission, command.request_id, command.arrival_time)
-        except ValueError as e:  # admitted by the API process: a limit that differs here is a bug, this request's
-            log.error("request %s refused by the engine core: %s", command.request_id, e)
-            extra.append(_refused(command, str(e)))
+        if error is None:
+            try:
+                engine.add_admitted(admission, command.request_id, command.arrival_time)
+                return
+            except ValueError as e:
+                error = e
+        # admitted by the API process: a limit that differs here is a bug, this request's
+        log.error("request %s refused by the engine core: %s", command.request_id, error)
+        extra.append(_refused(command, str(error)))
 
     def read_adapter(command: LoadAdapter) -> None:
         """Off the step loop, as the one-process server reads adapters: files (or a download) and checks."""
@@ -286,8 +286,7 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                                   adapter.rank if adapter else 0, adapters()))
             while not admissions.empty():
                 command, admission, error = admissions.get()
-                if command.request_id in compiling:
-                    compiling.discard(command.request_id)
+                if compiling.pop(command.request_id, None) is not None:
                     add(command, admission, error, extra)
             if inbox.poll(0 if busy else COMPILING_POLL_MS if compiling else IDLE_POLL_MS):
                 while True:
@@ -298,9 +297,9 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                     command = command_decoder.decode(raw.buffer)
                     if isinstance(command, AddRequest):
                         added_units += command.units
-                        if command.params.structured is not None:
-                            compiling.add(command.request_id)
-                            admitting.submit(admit_constrained, command)
+                        if command.params.structured is not None:  # a daemon: a compile never holds up the core's exit
+                            compiling[command.request_id] = command.units
+                            threading.Thread(target=admit_constrained, args=(command,), name="kvpilot-core-admit", daemon=True).start()
                             continue
                         try:
                             admission, error = engine.limits.admit(command.prompt_token_ids, command.params, command.adapter), None
@@ -308,7 +307,7 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                             admission, error = None, e
                         add(command, admission, error, extra)
                     elif isinstance(command, Abort) and command.request_id in compiling:
-                        compiling.discard(command.request_id)
+                        del compiling[command.request_id]
                     elif isinstance(command, Abort):
                         out = engine.abort_request(command.request_id)
                         if out is not None:
@@ -335,8 +334,8 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
             started = time.monotonic()
             outputs = engine.step_or_fail_open() if engine.needs_step() else []
             if outputs or extra:
-                send(StepOutputs([deltas.delta(out) for out in extra + outputs], added_units, len(engine.scheduler.waiting),
-                                 time.monotonic() - started))
+                send(StepOutputs([deltas.delta(out) for out in extra + outputs], added_units,
+                                 len(engine.scheduler.waiting) + sum(compiling.values()), time.monotonic() - started))
             elif time.monotonic() - last_sent >= CORE_BEAT_S:
                 send(CoreAlive())
     except BaseException as e:  # noqa: BLE001 - the core cannot go on: say why, exit non-zero

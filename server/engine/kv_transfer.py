@@ -20,16 +20,17 @@ per service). A key check alone cannot tell true K/V from false K/V under the ri
 params name the host to connect to, so whoever may give a decode engine params could make it connect
 anywhere and cache what comes back for every tenant. Hence: the prefill engine signs the params it
 hands out (HMAC over where and what), and a decode engine refuses params that do not verify (a
-client's: a 400) before it connects anywhere; a pull carries a MAC the prefill engine checks before it
-sends a byte (the port serves the pool, nobody else), and the answer a MAC over the puller's nonce,
-the keys and every payload, checked before a block is used (a pulled block is trusted as much as a
-pool member). Without the variable an engine makes up its own secret: one engine with kv_role both
-hands off to itself, separate ones cannot.
+client's: a 400) before it connects anywhere. The transfer port speaks ZeroMQ's CURVE with a key
+pair derived from the secret: a peer without it never completes the handshake, so it can neither
+send a frame (nor fill memory with them) nor read the K/V, which crosses the network encrypted and
+authenticated; a pull also carries a MAC the prefill engine checks before it sends a byte. A pulled
+block is trusted as much as a member of the pool. Without the variable an engine with kv_role both
+makes up its own secret (it hands off to itself); prefill and decode engines refuse to start.
 
-Bounds: a pull request or answer frame larger than its kind can be disconnects its peer (ZeroMQ's
-MAXMSGSIZE), each connection buffers a few frames at most, pulls run side by side on a few threads,
-and a prefill engine that cannot be reached within PEER_CONNECT_TIMEOUT_S, or drops the connection,
-fails its pull at once (its blocks are computed here) instead of after the whole timeout.
+Bounds: a frame larger than a pull (or, on the decode side, than a block) disconnects its peer
+(ZeroMQ's MAXMSGSIZE), pulls run side by side on PULL_THREADS threads, and a prefill engine that
+cannot be reached within PEER_CONNECT_TIMEOUT_S, or drops the connection, fails its pull at once
+(its blocks are computed here) instead of after the whole timeout.
 
 The transport is plain TCP through ZeroMQ, K/V copied through host memory: on GPUs with RDMA, NIXL/UCX
 would move blocks device to device instead (what vLLM's NixlConnector does); the protocol here (pull
@@ -38,19 +39,19 @@ by transfer id, verify by key) would stay.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zmq
 import zmq.utils.monitor
+import zmq.utils.z85
 
 from kvpilot.server.engine.block_manager import block_hash
 from kvpilot.server.engine.kv_tiers import BlockLoad, Payload
@@ -58,10 +59,22 @@ from kvpilot.server.engine.kv_trust import mac, params_verify, sign_params
 from kvpilot.server.engine.sampling_params import KVTransferParams
 
 log = logging.getLogger("kvpilot.server.kv_transfer")
+
+
+def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """The pool's CURVE key pair (public, secret; Z85), derived from its shared secret: every engine of
+    the pool serves and connects with it. The public key is never sent in the clear (a client must know
+    the server's beforehand), so it is as private as the secret."""
+    secret_key = zmq.utils.z85.encode(hmac.new(secret, b"kv-transfer-curve", hashlib.sha256).digest())
+    return zmq.curve_public(secret_key), secret_key
+
+
+def pull_mac(secret: bytes, transfer_id: str, keys: list[str]) -> str:
+    return mac(secret, b"kv-transfer-pull", transfer_id.encode(), len(keys).to_bytes(8, "little"), *map(str.encode, keys))
 PEER_CONNECT_TIMEOUT_S = 1.0   # a prefill engine not reached in this time is gone: its blocks are computed here
 PULL_THREADS = 8               # pulls in flight at once (one slow or dead peer never holds up the others)
 KEY_FRAME_BYTES = 70           # a block key in a request or header: 64 hex digits, quotes and a comma
-FRAME_OVERHEAD_BYTES = 4096    # the rest of a request or header
+FRAME_OVERHEAD_BYTES = 4096    # the rest of a request or header, and CURVE's framing
 
 
 @dataclass(slots=True)
@@ -106,8 +119,9 @@ class KVSender:
         self._closed = threading.Event()
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.curve_publickey, self._socket.curve_secretkey = curve_keys(secret)
+        self._socket.curve_server = True
         self._socket.setsockopt(zmq.MAXMSGSIZE, FRAME_OVERHEAD_BYTES + KEY_FRAME_BYTES * max_blocks)  # larger: not a pull
-        self._socket.setsockopt(zmq.RCVHWM, 4)  # a pull is one frame: a peer streaming more is held back, not buffered
         self.port = self._socket.bind_to_random_port(f"tcp://{host}") if port == 0 else port
         if port:
             self._socket.bind(f"tcp://{host}:{port}")
@@ -140,9 +154,9 @@ class KVSender:
     def has_releases(self) -> bool:
         """Whether releases() has blocks to give back now: the engine's loop steps for them even when
         it has no request (an idle prefill engine kept pulled blocks held until its next request)."""
-        now = time.monotonic()
-        with self._lock:
-            return not self._released.empty() or any(h.deadline <= now for h in self._holds.values())
+        with self._lock:  # holds are made in deadline order (one timeout): the first expires first
+            first = next(iter(self._holds.values()), None)
+            return not self._released.empty() or (first is not None and first.deadline <= time.monotonic())
 
     def sign(self, params: dict) -> dict:
         return {**params, "signature": sign_params(self.secret, params)}
@@ -172,10 +186,10 @@ class KVSender:
         ask = json.loads(request[0].bytes)
         if not isinstance(ask, dict):
             raise ValueError("a pull is a JSON object")
-        transfer_id, keys, nonce = str(ask.get("transfer")), ask.get("keys"), ask.get("nonce")
-        if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys) and isinstance(nonce, str) and isinstance(ask.get("mac"), str)):
-            raise ValueError("a pull has transfer, keys, nonce and mac")
-        if not hmac.compare_digest(ask["mac"], mac(self.secret, b"kv-transfer-pull", transfer_id.encode(), nonce.encode(), *map(str.encode, keys))):
+        transfer_id, keys = str(ask.get("transfer")), ask.get("keys")
+        if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys) and isinstance(ask.get("mac"), str)):
+            raise ValueError("a pull has transfer, keys and mac")
+        if not hmac.compare_digest(ask["mac"].encode(), pull_mac(self.secret, transfer_id, keys).encode()):
             raise PermissionError("the pull is not signed with this pool's secret")
         with self._lock:
             held = self._holds.pop(transfer_id, None)
@@ -189,9 +203,7 @@ class KVSender:
             payloads = [p if isinstance(p, bytes) else p.result() for p in payloads]
         finally:
             self._released.put(held.block_ids)
-        sent_keys = [k.hex() for k, _ in sent]
-        answer_mac = mac(self.secret, b"kv-transfer-answer", nonce.encode(), *map(str.encode, sent_keys), *payloads)
-        header = {"engine_id": self.engine_id, "keys": sent_keys, "mac": answer_mac}
+        header = {"engine_id": self.engine_id, "keys": [k.hex() for k, _ in sent]}
         self._socket.send_multipart([identity, json.dumps(header).encode(), *payloads], copy=False)
         with self._lock:
             self.stats.sent_blocks += len(payloads)
@@ -201,9 +213,12 @@ class KVSender:
 class KVReceiver:
     def __init__(self, engine_id: str, payload_bytes: int, timeout: float, secret: bytes):
         self.engine_id, self.payload_bytes, self.timeout, self.secret = engine_id, payload_bytes, timeout, secret
+        self.curve_public, self.curve_secret = curve_keys(secret)
         self.stats = TransferStats()
         self._lock = threading.Lock()
-        self._pullers = ThreadPoolExecutor(PULL_THREADS, thread_name_prefix="kvpilot-kv-receiver")
+        self._pulls: queue.SimpleQueue[_Pull | None] = queue.SimpleQueue()
+        for i in range(PULL_THREADS):  # daemons: a pull in flight never holds up the process's exit
+            threading.Thread(target=self._puller, name=f"kvpilot-kv-receiver-{i}", daemon=True).start()
 
     def verifies(self, params: KVTransferParams) -> bool:
         """Whether params were signed by a prefill engine of this pool (admission refuses others)."""
@@ -217,11 +232,16 @@ class KVReceiver:
             parent_key = keys[-1] if keys else parent
             keys.append(block_hash(parent_key, chunk))
         load = BlockLoad(first_index, parent, keys, [tuple(c) for c in chunks])
-        self._pullers.submit(self._run, _Pull(params, load))
+        self._pulls.put(_Pull(params, load))
         return load
 
     def close(self) -> None:
-        self._pullers.shutdown(wait=False, cancel_futures=True)
+        for _ in range(PULL_THREADS):
+            self._pulls.put(None)
+
+    def _puller(self) -> None:
+        while (pull := self._pulls.get()) is not None:
+            self._run(pull)
 
     def _run(self, pull: _Pull) -> None:
         got = []
@@ -246,16 +266,16 @@ class KVReceiver:
             raise ValueError(f"the prefill engine's KV identity {params.remote_engine_id!r} is not this engine's {self.engine_id!r} "
                              "(another model or settings)")
         keys = [k.hex() for k in pull.load.keys]
-        nonce = secrets.token_hex(16)
-        pull_mac = mac(self.secret, b"kv-transfer-pull", params.remote_request_id.encode(), nonce.encode(), *map(str.encode, keys))
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, max(self.payload_bytes, FRAME_OVERHEAD_BYTES + KEY_FRAME_BYTES * len(keys)))
-        sock.setsockopt(zmq.RCVHWM, len(keys) + 2)  # the answer's frames: a peer sending more is held back, not buffered
+        sock.curve_serverkey = sock.curve_publickey = self.curve_public
+        sock.curve_secretkey = self.curve_secret
+        # (an encrypted frame is a little larger than what it carries: CURVE's box and nonce)
+        sock.setsockopt(zmq.MAXMSGSIZE, FRAME_OVERHEAD_BYTES + max(self.payload_bytes, KEY_FRAME_BYTES * len(keys)))
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         try:
             sock.connect(f"tcp://{params.remote_host}:{params.remote_port}")
-            sock.send(json.dumps({"transfer": params.remote_request_id, "keys": keys, "nonce": nonce, "mac": pull_mac}).encode())
+            sock.send(json.dumps({"transfer": params.remote_request_id, "keys": keys, "mac": pull_mac(self.secret, params.remote_request_id, keys)}).encode())
             frames = self._answer(sock, monitor)
         finally:
             sock.disable_monitor()
@@ -266,9 +286,6 @@ class KVReceiver:
         if "error" in answer:
             raise ValueError(answer["error"])
         sent_keys = answer["keys"]
-        if not hmac.compare_digest(str(answer.get("mac")), mac(self.secret, b"kv-transfer-answer", nonce.encode(), *map(str.encode, sent_keys),
-                                                                  *(p.buffer for p in payloads))):
-            raise PermissionError("the answer is not signed with this pool's secret")
         got = []
         for expected, key, payload in zip(pull.load.keys, sent_keys, payloads):
             if key != expected.hex() or len(payload) != self.payload_bytes:

@@ -16,14 +16,23 @@ log = logging.getLogger("kvpilot.server.kv_transfer")
 SECRET_ENV = "KVPILOT_KV_TRANSFER_SECRET"
 
 
-def transfer_secret() -> bytes:
-    """The pool's shared secret, from SECRET_ENV; without it, one made up for this process (and put
-    into its environment, so an engine core process started from it has the same one)."""
+MIN_SECRET_CHARS = 32
+
+
+def transfer_secret(kv_role: str) -> bytes:
+    """The pool's shared secret, from SECRET_ENV. Without it, an engine with kv_role both makes one up
+    (and puts it into its environment, so an engine core process started from it has the same one): it
+    hands off to itself alone. A prefill or a decode engine refuses to start: it would hand nothing off
+    and only say so in a log line."""
     value = os.environ.get(SECRET_ENV)
     if not value:
+        if kv_role != "both":
+            raise ValueError(f"kv_role {kv_role} needs {SECRET_ENV}: a secret the prefill and decode engines of the pool share "
+                             f"(at least {MIN_SECRET_CHARS} characters; the operator makes one per service)")
         value = os.environ[SECRET_ENV] = secrets.token_urlsafe(32)
-        log.warning("%s is not set: this engine hands KV blocks off only to itself (kv_role both); the engines of a "
-                    "prefill/decode pool need one secret in common", SECRET_ENV)
+        log.info("%s is not set: this engine (kv_role both) made up its own, and hands KV blocks off to itself alone", SECRET_ENV)
+    if len(value) < MIN_SECRET_CHARS:
+        raise ValueError(f"{SECRET_ENV} must have at least {MIN_SECRET_CHARS} characters (got {len(value)})")
     return value.encode()
 
 
@@ -42,4 +51,4 @@ def sign_params(secret: bytes, params: dict) -> str:
 
 
 def params_verify(secret: bytes, params: KVTransferParams) -> bool:
-    return isinstance(params.signature, str) and hmac.compare_digest(params.signature, sign_params(secret, params.as_dict()))
+    return isinstance(params.signature, str) and hmac.compare_digest(params.signature.encode(), sign_params(secret, params.as_dict()).encode())

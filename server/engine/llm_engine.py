@@ -139,7 +139,7 @@ class LLMEngine:
             from kvpilot.server.engine.kv_trust import transfer_secret
 
             engine_id = self.block_manager.salt.hex()  # the KV identity: another model's or settings' keys never match
-            secret = transfer_secret()
+            secret = transfer_secret(config.kv_role)
             if config.kv_role in ("prefill", "both"):
                 self.kv_sender = KVSender(config.kv_transfer_host, config.kv_transfer_port, self.runner.block_bytes, engine_id,
                                           config.kv_transfer_timeout, secret, -(-self.max_model_len // config.block_size))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -84,8 +85,8 @@ class KVTransferParams:
                 raise ValueError("kv_transfer_params.remote_request_id must be the prefill engine's transfer id")
             if not (isinstance(self.remote_engine_id, str) and len(self.remote_engine_id) <= 128):
                 raise ValueError("kv_transfer_params.remote_engine_id must be the prefill engine's id")
-        if self.signature is not None and not (isinstance(self.signature, str) and len(self.signature) <= 128):
-            raise ValueError("kv_transfer_params.signature must be the prefill engine's signature")
+        if self.signature is not None and not (isinstance(self.signature, str) and re.fullmatch(r"[0-9a-f]{64}", self.signature)):
+            raise ValueError("kv_transfer_params.signature must be the prefill engine's signature (64 hex digits)")
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}

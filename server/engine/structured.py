@@ -12,21 +12,23 @@ normalized text, and every sequence gets its own copy, advanced on the tokens it
 The library recurses in native code along a constraint's chains of definitions (a $ref chain of
 objects took ~9 KB of stack a level, a chain of Lark rules ~3 KB), and a stack overflow there is a
 SIGSEGV that takes the whole server down: on a thread's default 8 MiB, 950 chained schema definitions
-or 2,800 chained rules did. So every compile runs on a thread of its own with COMPILE_STACK_BYTES of
+or 2,800 chained rules did. So every compile runs on one of a few threads with COMPILE_STACK_BYTES of
 stack (address space: only the pages a compile touches are memory), and a constraint whose chains could
 be deeper than MAX_CONSTRAINT_DEPTH is refused before the library sees it (5,000 levels of 9 KB is a
-sixth of that stack). tests/test_structured_outputs.py holds the shapes measured.
+sixth of that stack). tests/structured_corpus.py has the shapes measured.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import re
 import threading
 import time
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -39,10 +41,12 @@ from kvpilot.server.engine.sampling_params import StructuredOutput
 # JSON as Python's json.dumps writes it: ", " and ": " between items, no other whitespace. Flexible
 # whitespace lets a small model write newlines and spaces until max_tokens instead of the value.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-T = TypeVar("T")
 GRAMMAR_CACHE_SIZE = 512
 COMPILE_STACK_BYTES = 256 << 20
+COMPILE_THREADS = 2            # compiles at once in a process (as many as the server's tokenizer pool runs by default)
 MAX_CONSTRAINT_DEPTH = 5_000
+MAX_SCHEMA_OBJECTS = 50_000    # objects in one JSON schema: the library refuses ~40,000 subschemas as too large anyway
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,15 +89,13 @@ class GrammarCompiler:
                 self.cache_hits += 1
                 return grammar
         started = time.perf_counter()
-        depth = chain_depth_bound(spec, key[1])
-        if depth > MAX_CONSTRAINT_DEPTH:
-            raise RequestRejected(f"{spec.param}: the {spec.kind} constraint may nest definitions up to {depth} deep (through its "
-                                  f"references); at most {MAX_CONSTRAINT_DEPTH} are allowed", spec.param)
+        too_deep = depth_problem(spec, key[1])
+        if too_deep:
+            raise RequestRejected(f"{spec.param}: {too_deep}", spec.param)
         try:
-            text = on_deep_stack(lambda: grammar_text(spec.kind, key[1]))
-        except Exception as e:  # noqa: BLE001 - the library's converters raise several types on bad input
+            matcher = deep_stack_threads().run(lambda: self._matcher(spec.kind, key[1]))
+        except _NotAConstraint as e:
             raise RequestRejected(f"{spec.param}: not a valid {spec.kind} constraint: {first_lines(str(e))}", spec.param) from None
-        matcher = on_deep_stack(lambda: llguidance.LLMatcher(self.tokenizer, text, log_level=0))
         self.observe_compile(time.perf_counter() - started)
         if matcher.is_error():
             raise RequestRejected(f"{spec.param}: not a valid {spec.kind} constraint: {first_lines(matcher.get_error())}", spec.param)
@@ -103,6 +105,13 @@ class GrammarCompiler:
             while len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
         return grammar
+
+    def _matcher(self, kind: str, text: str) -> llguidance.LLMatcher:
+        try:
+            grammar = grammar_text(kind, text)
+        except Exception as e:  # noqa: BLE001 - the library's converters raise several types on bad input
+            raise _NotAConstraint(str(e)) from None
+        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
 
     def fill_masks(self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]], address: int, num_rows: int) -> None:
         """Write the allowed-token bitmasks of a step's constrained rows into host memory at `address`
@@ -117,93 +126,160 @@ class GrammarCompiler:
             self.executor.unsafe_compute_mask_ptr_with_draft_token(speculated, address, self.mask_words * 4, num_rows)
 
 
-_stack_size_lock = threading.Lock()
+class _NotAConstraint(ValueError):
+    """The library's converter refused the constraint's text."""
 
 
-def on_deep_stack(fn: Callable[[], T]) -> T:
-    """fn() on a new thread with COMPILE_STACK_BYTES of stack (its result or its exception here).
-    threading.stack_size is process-wide: it is set only for the moment this thread is created."""
-    outcome: list = []
+class DeepStackThreads:
+    """COMPILE_THREADS threads with COMPILE_STACK_BYTES of stack each, started once, that run compiles.
+    threading.stack_size is process-wide: it is changed only while they are created."""
 
-    def run() -> None:
-        try:
-            outcome.append((True, fn()))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            outcome.append((False, e))
-
-    with _stack_size_lock:
+    def __init__(self, count: int):
+        self._jobs: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
         previous = threading.stack_size(COMPILE_STACK_BYTES)
         try:
-            thread = threading.Thread(target=run, name="kvpilot-grammar-compile", daemon=True)
-            thread.start()
+            for i in range(count):
+                threading.Thread(target=self._work, name=f"kvpilot-grammar-compile-{i}", daemon=True).start()
         finally:
             threading.stack_size(previous)
-    thread.join()
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """fn() on one of the threads: its result, or its exception raised here."""
+        done: Future = Future()
+        self._jobs.put((fn, done))
+        return done.result()
+
+    def _work(self) -> None:
+        while True:
+            fn, done = self._jobs.get()
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                done.set_exception(e)
 
 
-def chain_depth_bound(spec: StructuredOutput, text: str) -> int:
-    """An upper bound on the longest chain of nested definitions the library can follow in the
-    constraint. A JSON schema: the longest path through its subschemas and $refs (a cycle of
-    references counts all its members: its recursion is bounded by them). A grammar (Lark, GBNF, a
-    tool-call grammar with %json schemas in it): its definitions plus its '{' (each subschema of an
-    embedded schema has one), since no chain can visit one twice. A regex or a choice: its nesting
-    is bounded by the library's own parsers."""
+_deep_stack_lock = threading.Lock()
+_deep_stack_threads: DeepStackThreads | None = None
+
+
+def deep_stack_threads() -> DeepStackThreads:
+    """The process's compile threads (started on first use)."""
+    global _deep_stack_threads
+    with _deep_stack_lock:
+        if _deep_stack_threads is None:
+            _deep_stack_threads = DeepStackThreads(COMPILE_THREADS)
+        return _deep_stack_threads
+
+
+def depth_problem(spec: StructuredOutput, text: str) -> str | None:
+    """Why the library could recurse too deep on the constraint, or None. A JSON schema: more than
+    MAX_SCHEMA_OBJECTS objects, or a longest path through its subschemas and $refs (a cycle of
+    references counts all its members: its recursion is bounded by them) past MAX_CONSTRAINT_DEPTH. A
+    grammar (Lark, GBNF, a tool-call grammar with %json schemas in it): more definitions plus '{'s
+    (each subschema of an embedded schema has one) than that, since no chain can visit one twice. A
+    regex or a choice: its nesting is bounded by the library's own parsers."""
     if spec.kind == "json":
-        return schema_depth_bound(spec.value)
-    if spec.kind in ("grammar", "tool_calls"):
-        return len(_DEFINITION.findall(text)) + text.count("{")
-    return 0
+        depth = schema_depth_bound(spec.value)
+        if depth is None:
+            return f"the JSON schema has more than {MAX_SCHEMA_OBJECTS} objects"
+        what = "its subschemas and $refs"
+    elif spec.kind in ("grammar", "tool_calls"):
+        depth, what = len(_DEFINITION.findall(text)) + text.count("{"), "its rules (and embedded schemas)"
+    else:
+        return None
+    if depth <= MAX_CONSTRAINT_DEPTH:
+        return None
+    return f"the {spec.kind} constraint's chains through {what} could nest {depth} deep; at most {MAX_CONSTRAINT_DEPTH} are allowed"
 
 
 # A Lark rule or terminal (`name:`, `?name:`, `name.2:`) or a GBNF rule (`name ::=`) at a line's start.
 _DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?::|::=)", re.M)
 
 
-def schema_depth_bound(schema) -> int:
-    """The longest path, in subschemas, from the root of a JSON schema through nested subschemas and
-    local $refs ("#", "#/json/pointer"); a strongly connected set (recursive definitions) counts as
-    all its members. A $ref this cannot resolve makes the bound the count of all subschemas."""
-    import networkx as nx
-
+def schema_depth_bound(schema) -> int | None:
+    """An upper bound on the longest path, in objects, from the root of a JSON schema through nested
+    objects and local $refs ("#", "#/json/pointer"), a strongly connected set (recursive definitions)
+    counting all its members; None past MAX_SCHEMA_OBJECTS objects. A $ref this cannot resolve, or a
+    nested $id (a resource whose refs resolve against its own base), makes the bound the count of all
+    objects."""
     if not isinstance(schema, dict):
         return 0
-    graph, stack, unresolved = nx.DiGraph(), [schema], False
-    graph.add_node(id(schema))
-    seen = {id(schema)}
-
-    def visit(parent, child) -> None:
-        graph.add_edge(id(parent), id(child))
-        if id(child) not in seen:
-            seen.add(id(child))
-            stack.append(child)
-
-    while stack:
-        node = stack.pop()
-        children = list(node.values())
-        while children:  # through lists (allOf, prefixItems, ...) to the nested dicts
+    nodes: list[dict] = [schema]
+    index = {id(schema): 0}
+    edges: list[list[int]] = [[]]
+    count_all = False
+    for i, node in enumerate(nodes):  # grows while it runs: breadth first over every object
+        count_all = count_all or (i > 0 and "$id" in node)
+        targets, children = [], list(node.values())
+        while children:  # through lists (allOf, prefixItems, ...) to the nested objects
             child = children.pop()
             if isinstance(child, dict):
-                visit(node, child)
+                targets.append(child)
             elif isinstance(child, list):
                 children.extend(child)
         ref = node.get("$ref")
         if isinstance(ref, str):
             target = _resolve_pointer(schema, ref)
             if isinstance(target, dict):
-                visit(node, target)
+                targets.append(target)
             else:
-                unresolved = True
-    if unresolved or graph.number_of_nodes() <= MAX_CONSTRAINT_DEPTH:
-        return graph.number_of_nodes()
-    condensed = nx.condensation(graph)
-    longest: dict[int, int] = {}
-    for component in reversed(list(nx.topological_sort(condensed))):
-        longest[component] = len(condensed.nodes[component]["members"]) + max((longest[s] for s in condensed.successors(component)), default=0)
-    return max(longest.values())
+                count_all = True
+        for target in targets:
+            j = index.get(id(target))
+            if j is None:
+                if len(nodes) >= MAX_SCHEMA_OBJECTS:
+                    return None
+                j = index[id(target)] = len(nodes)
+                nodes.append(target)
+                edges.append([])
+            edges[i].append(j)
+    if count_all or len(nodes) <= MAX_CONSTRAINT_DEPTH:
+        return len(nodes)
+    return _longest_path(edges)
+
+
+def _longest_path(edges: list[list[int]]) -> int:
+    """The longest path in nodes from node 0 (every node reachable from it), a strongly connected set
+    counting all its members: Tarjan's algorithm without recursion, then the longest path over the
+    components, which it finds successors first."""
+    n = len(edges)
+    order, low, component = [-1] * n, [0] * n, [-1] * n
+    on_stack, stack, components = [False] * n, [], []
+    order[0], on_stack[0], visited = 0, True, 1
+    stack.append(0)
+    work = [(0, 0)]
+    while work:
+        v, k = work[-1]
+        if k < len(edges[v]):
+            work[-1] = (v, k + 1)
+            w = edges[v][k]
+            if order[w] < 0:
+                order[w] = low[w] = visited
+                visited += 1
+                stack.append(w)
+                on_stack[w] = True
+                work.append((w, 0))
+            elif on_stack[w]:
+                low[v] = min(low[v], order[w])
+            continue
+        work.pop()
+        if work:
+            parent = work[-1][0]
+            low[parent] = min(low[parent], low[v])
+        if low[v] == order[v]:
+            members = []
+            while True:
+                w = stack.pop()
+                on_stack[w], component[w] = False, len(components)
+                members.append(w)
+                if w == v:
+                    break
+            components.append(members)
+    longest = []
+    for c, members in enumerate(components):
+        after = max((longest[component[w]] for v in members for w in edges[v] if component[w] != c), default=0)
+        longest.append(len(members) + after)
+    return longest[component[0]]
 
 
 def _resolve_pointer(schema, ref: str):
