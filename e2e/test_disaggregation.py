@@ -77,6 +77,11 @@ def test_prefill_and_decode_pools_serve_through_the_gateway_and_scale_apart(clus
         (decode,) = ready_endpoints(api, cluster.server, namespace, "pd")  # the Service: decode pods only
         (prefill,) = prefill_endpoints(api, cluster.server, namespace)
         assert decode != prefill
+        # The pools' shared key (made once) and the NetworkPolicy keeping their transfer port to themselves
+        key = json.loads(cluster.kubectl("get", "secret", "pd-kv-transfer", "-n", namespace, "-o", "json").stdout)
+        assert key["immutable"] is True and len(key["data"]["key"]) >= 32
+        policy = json.loads(cluster.kubectl("get", "networkpolicy", "pd-kv-transfer", "-n", namespace, "-o", "json").stdout)["spec"]
+        assert policy["ingress"][0] == {"from": [{"podSelector": policy["podSelector"]}], "ports": [{"protocol": "TCP", "port": 5600}]}
 
         # The gateway has the prefill pod once its watch has seen it Ready.
         def disaggregated_answer():
@@ -120,6 +125,7 @@ def test_prefill_and_decode_pools_serve_through_the_gateway_and_scale_apart(clus
                    what="the prefill Deployment deleted")
         wait_until(lambda: "prefill" not in ((get_isvc(cluster, namespace, "pd") or {}).get("status") or {}), timeout=60,
                    what="status without a prefill pool")
+        assert cluster.kubectl("get", "networkpolicy", "pd-kv-transfer", "-n", namespace, check=False).returncode != 0
     finally:
         gateway.stop()
         op.stop()
