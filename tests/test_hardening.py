@@ -469,8 +469,8 @@ def test_deep_constraints_compile_or_are_refused_and_never_kill_the_server(serve
     assert r.json()["choices"][0]["message"]["content"].startswith('{"a"')
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3, "temperature": 0, "structured_outputs": {"grammar": rule_chain_grammar(3000)}})
     assert r.status_code == 200 and set(r.json()["choices"][0]["text"]) == {"a"}, r.text
-    # The issue's own grammar compiles now, then breaks the library's row limit at its first mask:
-    # that request fails alone (issue #76 turns it into a 400 before it runs).
+    # The issue's own grammar compiles now, then breaks the library's row limit after its first token:
+    # that request fails alone (issue #76 is to refuse such a constraint up front).
     post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"grammar": rule_chain_grammar(3000, True)}})
     too_deep = [("/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"grammar": rule_chain_grammar(6000)}},
                  "structured_outputs"),
@@ -496,3 +496,22 @@ def test_wide_and_recursive_schemas_are_not_taken_for_deep_ones():
             "$ref": "#/$defs/node"}
     assert schema_depth_bound(tree) == 6
     assert schema_depth_bound(ref_chain_schema(1000)) > 3000
+
+
+def test_a_refused_constraint_is_refused_from_the_cache_on_a_retry(server, greedy_text):
+    """Issue #76 (in part): a refusal was not cached, so a retry paid the whole compile (or analysis)
+    again. Now it is kept as a compiled grammar is: the retry is a cache hit and no compile, streamed
+    or not, and the same constraint through another field is refused naming that field."""
+    grammar = rule_chain_grammar(6001)  # not one an earlier test sent
+    bodies = [({"prompt": "x", "max_tokens": 2, "structured_outputs": {"grammar": grammar}}, "structured_outputs"),
+              ({"prompt": "x", "max_tokens": 2, "guided_grammar": grammar}, "guided_grammar")]
+    before = metrics(server.url)
+    for body, param in bodies:
+        for stream in (False, True):
+            with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": stream}, headers=KEY, timeout=120) as r:
+                r.read()
+            assert r.status_code == 400 and r.json()["error"]["param"] == param and "at most 5000" in r.text, r.text
+    after = metrics(server.url)
+    assert after["kvpilot:structured_output_compile_seconds_count"] - before["kvpilot:structured_output_compile_seconds_count"] == 1
+    assert after["kvpilot:structured_output_grammar_cache_hits_total"] - before["kvpilot:structured_output_grammar_cache_hits_total"] == 3
+    assert_still_serving(server, greedy_text)

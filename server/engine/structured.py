@@ -20,6 +20,7 @@ sixth of that stack). tests/structured_corpus.py has the shapes measured.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import queue
 import re
@@ -70,7 +71,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.mask_words = (vocab_size + 31) // 32
         self.executor = llguidance.LLExecutor(num_threads=num_threads)
-        self.cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self.cache: OrderedDict[tuple[str, bytes], Grammar | str] = OrderedDict()  # a grammar, or why it is refused
         self.cache_size = cache_size
         self.lock = threading.Lock()
         self.requests_by_kind: dict[str, int] = {}
@@ -79,32 +80,40 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutput) -> Grammar:
         """The constraint's grammar, from the cache or compiled now (RequestRejected naming the
-        request's field when it is not a valid constraint, or breaks the library's limits)."""
-        key = (spec.kind, normalized(spec))
+        request's field when it is not a valid constraint or breaks the library's limits). A refusal
+        is cached as a grammar is: a retry costs no second compile."""
+        text = normalized(spec)
+        key = (spec.kind, hashlib.sha256(text.encode()).digest())  # not the text: a cache of 4 MiB constraints would hold GBs
         with self.lock:
             self.requests_by_kind[spec.kind] = self.requests_by_kind.get(spec.kind, 0) + 1
-            grammar = self.cache.get(key)
-            if grammar is not None:
+            compiled = self.cache.get(key)
+            if compiled is not None:
                 self.cache.move_to_end(key)
                 self.cache_hits += 1
-                return grammar
-        started = time.perf_counter()
-        too_deep = depth_problem(spec, key[1])
+        if compiled is None:
+            started = time.perf_counter()
+            compiled = self._compile(spec, text)
+            self.observe_compile(time.perf_counter() - started)
+            with self.lock:
+                self.cache[key] = compiled
+                while len(self.cache) > self.cache_size:
+                    self.cache.popitem(last=False)
+        if isinstance(compiled, str):
+            raise RequestRejected(f"{spec.param}: {compiled}", spec.param)
+        return compiled
+
+    def _compile(self, spec: StructuredOutput, text: str) -> Grammar | str:
+        """The grammar, or why the constraint is refused."""
+        too_deep = depth_problem(spec, text)
         if too_deep:
-            raise RequestRejected(f"{spec.param}: {too_deep}", spec.param)
+            return too_deep
         try:
-            matcher = deep_stack_threads().run(lambda: self._matcher(spec.kind, key[1]))
+            matcher = deep_stack_threads().run(lambda: self._matcher(spec.kind, text))
         except _NotAConstraint as e:
-            raise RequestRejected(f"{spec.param}: not a valid {spec.kind} constraint: {first_lines(str(e))}", spec.param) from None
-        self.observe_compile(time.perf_counter() - started)
+            return f"not a valid {spec.kind} constraint: {first_lines(str(e))}"
         if matcher.is_error():
-            raise RequestRejected(f"{spec.param}: not a valid {spec.kind} constraint: {first_lines(matcher.get_error())}", spec.param)
-        grammar = Grammar(spec.kind, matcher)
-        with self.lock:
-            self.cache[key] = grammar
-            while len(self.cache) > self.cache_size:
-                self.cache.popitem(last=False)
-        return grammar
+            return f"not a valid {spec.kind} constraint: {first_lines(matcher.get_error())}"
+        return Grammar(spec.kind, matcher)
 
     def _matcher(self, kind: str, text: str) -> llguidance.LLMatcher:
         try:
