@@ -132,3 +132,32 @@ def read_reply(s: socket.socket) -> str:
         pass
     s.close()
     return reply.decode()
+
+
+def assert_half_sent_headers_are_cut(port: int, connections: int = 20, within: float = 5) -> None:
+    """Connections whose headers never end are closed by the server (its header timeout is below `within`)."""
+    socks = []
+    for _ in range(connections):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        socks.append(s)
+    t0 = time.monotonic()
+    for s in socks:
+        assert s.recv(1024) == b""  # closed by the server
+        s.close()
+    assert time.monotonic() - t0 < within
+
+
+def assert_bodies_held_at_once_are_bounded(port: int, headers: bytes = b"") -> None:
+    """Five 1 MB bodies held 300 KB short against a 2 MiB cap on bodies still arriving: some get 429
+    with Retry-After, the others time out (408)."""
+    socks = []
+    for _ in range(5):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + headers + b"Content-Type: application/json\r\n"
+                  b"Content-Length: 1000000\r\n\r\n" + b"{" + b" " * 700_000)
+        socks.append(s)
+    replies = [read_reply(s) for s in socks]
+    busy = [r for r in replies if r.startswith("HTTP/1.1 429")]
+    assert busy and all("server_busy" in r and "retry-after: 1" in r.lower() for r in busy), replies
+    assert all(r.startswith(("HTTP/1.1 429", "HTTP/1.1 408")) for r in replies), replies

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from kvpilot.operator.gateway.routing import HashRing, choose, prefix_key
-from server_harness import asgi_server, free_port, read_reply
+from server_harness import asgi_server, assert_bodies_held_at_once_are_bounded, assert_half_sent_headers_are_cut, free_port, read_reply
 
 
 def test_ring_is_deterministic_balanced_and_consistent():
@@ -304,16 +304,7 @@ def assert_still_serving(port: int):
 def test_stalled_headers_and_bodies_are_cut(guarded):
     """Headers that never end: the connection is closed after the header timeout; a body that stops
     half-way: 408 after the body timeout (both held connections for ever before)."""
-    socks = []
-    for _ in range(20):
-        s = socket.create_connection(("127.0.0.1", guarded), timeout=10)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        socks.append(s)
-    t0 = time.monotonic()
-    for s in socks:
-        assert s.recv(1024) == b""  # closed by the gateway
-        s.close()
-    assert time.monotonic() - t0 < 5
+    assert_half_sent_headers_are_cut(guarded)
     with socket.create_connection(("127.0.0.1", guarded), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":")
         reply = read_reply(s)
@@ -326,16 +317,7 @@ def test_bodies_held_at_once_are_bounded(guarded):
     """Bodies still arriving count against max_buffered_request_bytes (2 MiB here) over all connections:
     past it a 429 with Retry-After, the others time out (408); the gateway has no API key to check
     first, so this bound is what keeps anyone's half-sent bodies from growing it without limit."""
-    socks = []
-    for _ in range(5):
-        s = socket.create_connection(("127.0.0.1", guarded), timeout=10)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000000\r\n\r\n" + b"{" + b" " * 700_000)
-        socks.append(s)
-    replies = [read_reply(s) for s in socks]
-    busy = [r for r in replies if r.startswith("HTTP/1.1 429")]
-    assert busy and all("server_busy" in r and "retry-after: 1" in r.lower() for r in busy), replies
-    assert all(r.startswith(("HTTP/1.1 429", "HTTP/1.1 408")) for r in replies), replies
+    assert_bodies_held_at_once_are_bounded(guarded)
     assert_still_serving(guarded)
 
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structured_corpus import ref_chain_schema, rule_chain_grammar
 
-from server_harness import ServerProcess, metrics, read_reply, wait_until_freed
+from server_harness import ServerProcess, assert_bodies_held_at_once_are_bounded, assert_half_sent_headers_are_cut, metrics, read_reply, wait_until_freed
 
 KEY = {"Authorization": "Bearer probe-key"}
 
@@ -275,16 +275,7 @@ def test_unauthenticated_bodies_are_never_read(server, greedy_text):
 def test_bodies_held_at_once_are_bounded(server, greedy_text):
     """Bodies still arriving count against --max-buffered-request-bytes (2 MiB here) over all
     connections: past it a 429 with Retry-After, the others time out (408) as before."""
-    socks = []
-    for _ in range(5):
-        s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer probe-key\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000000\r\n\r\n" + b"{" + b" " * 700_000)
-        socks.append(s)
-    replies = [read_reply(s) for s in socks]
-    busy = [r for r in replies if r.startswith("HTTP/1.1 429")]
-    assert busy and all("server_busy" in r and "retry-after: 1" in r.lower() for r in busy), replies
-    assert all(r.startswith(("HTTP/1.1 429", "HTTP/1.1 408")) for r in replies), replies
+    assert_bodies_held_at_once_are_bounded(server.port, b"Authorization: Bearer probe-key\r\n")
     assert_still_serving(server, greedy_text)
 
 
@@ -319,17 +310,7 @@ def test_big_body_is_413_and_health_keeps_answering(server):
 
 def test_stalled_headers_and_bodies_are_cut(server):
     host, port = "127.0.0.1", server.port
-    # headers that never end: the connection is closed after the header timeout (1 s here)
-    socks = []
-    for _ in range(20):
-        s = socket.create_connection((host, port), timeout=10)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        socks.append(s)
-    t0 = time.monotonic()
-    for s in socks:
-        assert s.recv(1024) == b""  # closed by the server
-        s.close()
-    assert time.monotonic() - t0 < 5
+    assert_half_sent_headers_are_cut(port)  # headers that never end: closed after the header timeout (1 s here)
     # a body that stops half-way: 408 after the body timeout
     with socket.create_connection((host, port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer probe-key\r\n"
