@@ -59,6 +59,10 @@ from kvpilot.server.engine.kv_trust import mac, params_verify, sign_params
 from kvpilot.server.engine.sampling_params import KVTransferParams
 
 log = logging.getLogger("kvpilot.server.kv_transfer")
+PEER_CONNECT_TIMEOUT_S = 1.0   # a prefill engine not reached in this time is gone: its blocks are computed here
+PULL_THREADS = 8               # pulls in flight at once (one slow or dead peer never holds up the others)
+KEY_FRAME_BYTES = 70           # a block key in a request or header: 64 hex digits, quotes and a comma
+FRAME_OVERHEAD_BYTES = 4096    # the rest of a request or header, and CURVE's framing
 
 
 def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
@@ -71,10 +75,6 @@ def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
 
 def pull_mac(secret: bytes, transfer_id: str, keys: list[str]) -> str:
     return mac(secret, b"kv-transfer-pull", transfer_id.encode(), len(keys).to_bytes(8, "little"), *map(str.encode, keys))
-PEER_CONNECT_TIMEOUT_S = 1.0   # a prefill engine not reached in this time is gone: its blocks are computed here
-PULL_THREADS = 8               # pulls in flight at once (one slow or dead peer never holds up the others)
-KEY_FRAME_BYTES = 70           # a block key in a request or header: 64 hex digits, quotes and a comma
-FRAME_OVERHEAD_BYTES = 4096    # the rest of a request or header, and CURVE's framing
 
 
 @dataclass(slots=True)
@@ -220,10 +220,6 @@ class KVReceiver:
         for i in range(PULL_THREADS):  # daemons: a pull in flight never holds up the process's exit
             threading.Thread(target=self._puller, name=f"kvpilot-kv-receiver-{i}", daemon=True).start()
 
-    def verifies(self, params: KVTransferParams) -> bool:
-        """Whether params were signed by a prefill engine of this pool (admission refuses others)."""
-        return params_verify(self.secret, params)
-
     def pull(self, params: KVTransferParams, parent: bytes, chunks: list[tuple[int, ...]], first_index: int) -> BlockLoad:
         """A pull of the blocks chained from `parent` over `chunks` from the prefill engine `params`
         names; its payloads are those that came back and verified, in order (done when it ends)."""
@@ -260,7 +256,7 @@ class KVReceiver:
 
     def _fetch(self, pull: _Pull) -> list[bytes]:
         params = pull.params
-        if not self.verifies(params):  # admission refused these already: never connect where unsigned params say
+        if not params_verify(self.secret, params):  # admission refused these already: never connect where unsigned params say
             raise PermissionError("the kv_transfer_params are not signed by this pool's prefill engines")
         if params.remote_engine_id != self.engine_id:
             raise ValueError(f"the prefill engine's KV identity {params.remote_engine_id!r} is not this engine's {self.engine_id!r} "

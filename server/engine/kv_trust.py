@@ -14,8 +14,6 @@ from kvpilot.server.engine.sampling_params import KVTransferParams
 
 log = logging.getLogger("kvpilot.server.kv_transfer")
 SECRET_ENV = "KVPILOT_KV_TRANSFER_SECRET"
-
-
 MIN_SECRET_CHARS = 32
 
 

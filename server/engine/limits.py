@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvpilot.server.engine.kv_trust import params_verify
 from kvpilot.server.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -83,8 +84,6 @@ class RequestLimits:
             if params.n != 1:
                 raise RequestRejected("kv_transfer_params with n > 1 is not implemented", "kv_transfer_params")
             if transfer.do_remote_prefill:
-                from kvpilot.server.engine.kv_trust import params_verify
-
                 if self.kv_transfer_secret is None or not params_verify(self.kv_transfer_secret, transfer):
                     raise RequestRejected("kv_transfer_params.do_remote_prefill: the params are not signed by a prefill engine of this "
                                           "engine's pool (only the params a prefill engine's answer carries are taken, unchanged)",

@@ -107,20 +107,19 @@ class GrammarCompiler:
         too_deep = depth_problem(spec, text)
         if too_deep:
             return too_deep
-        try:
-            matcher = deep_stack_threads().run(lambda: self._matcher(spec.kind, text))
-        except _NotAConstraint as e:
-            return f"not a valid {spec.kind} constraint: {first_lines(str(e))}"
-        if matcher.is_error():
-            return f"not a valid {spec.kind} constraint: {first_lines(matcher.get_error())}"
+        matcher = deep_stack_threads().run(lambda: self._matcher(spec.kind, text))
+        if isinstance(matcher, str):
+            return f"not a valid {spec.kind} constraint: {first_lines(matcher)}"
         return Grammar(spec.kind, matcher)
 
-    def _matcher(self, kind: str, text: str) -> llguidance.LLMatcher:
+    def _matcher(self, kind: str, text: str) -> llguidance.LLMatcher | str:
+        """The compiled matcher, or the library's reason for refusing the text."""
         try:
             grammar = grammar_text(kind, text)
         except Exception as e:  # noqa: BLE001 - the library's converters raise several types on bad input
-            raise _NotAConstraint(str(e)) from None
-        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            return str(e)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        return matcher.get_error() if matcher.is_error() else matcher
 
     def fill_masks(self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]], address: int, num_rows: int) -> None:
         """Write the allowed-token bitmasks of a step's constrained rows into host memory at `address`
@@ -133,10 +132,6 @@ class GrammarCompiler:
         speculated = [row for row in rows if row[2]]
         if speculated:
             self.executor.unsafe_compute_mask_ptr_with_draft_token(speculated, address, self.mask_words * 4, num_rows)
-
-
-class _NotAConstraint(ValueError):
-    """The library's converter refused the constraint's text."""
 
 
 class DeepStackThreads:
