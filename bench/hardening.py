@@ -1,0 +1,127 @@
+"""Figures behind issue #75's bounds (bench/RESULTS.md, "Hardening III"):
+
+- `depth`: the longest chain of each constraint shape that llguidance compiles on a thread of a given
+  stack, bisected over child processes (a crash is a SIGSEGV of the child, never of this process):
+  the per-level stack cost that sizes structured.py's COMPILE_STACK_BYTES and MAX_CONSTRAINT_DEPTH.
+- `gateway`: kvpilot-gateway's RSS with 80 bodies of 4 MiB held one byte short (no API key: the
+  gateway checks none), on its default limits.
+
+Usage: python bench/hardening.py depth [--stack-mib 8] | gateway
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+SHAPES = ("schema", "flat", "lark")
+
+
+def constraint(shape: str, n: int) -> tuple[str, str]:
+    from structured_corpus import ref_chain_schema, rule_chain_grammar
+
+    if shape == "schema":
+        return "json", json.dumps(ref_chain_schema(n))
+    if shape == "flat":  # $ref to $ref, no objects between
+        defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+        return "json", json.dumps({"$defs": {**defs, f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"})
+    return "lark", rule_chain_grammar(n)
+
+
+def compile_once(shape: str, n: int, stack_mib: int) -> None:
+    """In a child: compile on a thread of stack_mib MiB (a stack overflow kills this process)."""
+    import llguidance
+
+    from kvpilot.server.loading import open_model
+    from kvpilot.server.model_files import resolve_model_path
+
+    _, tokenizer = open_model(resolve_model_path("smollm2-135m"))
+    kind, text = constraint(shape, n)
+
+    def run() -> None:
+        tok = llguidance.LLTokenizer(tokenizer.backend_json())
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text) if kind == "json" else llguidance.LLMatcher.grammar_from_lark(text)
+        llguidance.LLMatcher(tok, grammar, log_level=0)
+
+    threading.stack_size(stack_mib << 20)
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+
+
+def survives(shape: str, n: int, stack_mib: int) -> bool:
+    child = subprocess.run([sys.executable, __file__, "_compile", shape, str(n), str(stack_mib)], capture_output=True, timeout=600)
+    return child.returncode == 0
+
+
+def depth(stack_mib: int) -> None:
+    print(f"| shape (stack {stack_mib} MiB) | compiles | crashes | stack per level |")
+    print("|---|---|---|---|")
+    for shape in SHAPES:
+        low, high = 100, 100
+        while survives(shape, high, stack_mib):
+            low, high = high, high * 2
+        while high - low > max(low // 20, 1):
+            mid = (low + high) // 2
+            low, high = (mid, high) if survives(shape, mid, stack_mib) else (low, mid)
+        print(f"| {shape} | {low} | {high} | {(stack_mib << 20) / high / 1024:.1f} KiB |")
+
+
+def rss_mib(pid: int) -> int:
+    return int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS")).split()[1]) // 1024
+
+
+def gateway() -> None:
+    import httpx
+
+    from server_harness import free_port
+
+    port = free_port()
+    serve = ("from kvpilot.operator.gateway.proxy import GatewayConfig, StaticEndpoints, build_app, uvicorn_settings; import uvicorn; "
+             f"c = GatewayConfig(); uvicorn.run(build_app(StaticEndpoints({{}}), c), host='127.0.0.1', port={port}, log_level='warning', "
+             "**uvicorn_settings(c))")
+    proc = subprocess.Popen([sys.executable, "-c", serve])
+    try:
+        for _ in range(100):
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health")
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        before, socks, size = rss_mib(proc.pid), [], 4 << 20
+        for _ in range(80):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % size)
+            try:
+                s.sendall(b"x" * (size - 1))
+            except OSError:
+                pass  # answered (429) and closed while still sending
+            socks.append(s)
+        time.sleep(3)
+        print(f"gateway RSS {before} MiB -> {rss_mib(proc.pid)} MiB with 80 x 4 MiB bodies held one byte short")
+    finally:
+        proc.kill()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["_compile"]:
+        compile_once(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        sys.exit(0)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=["depth", "gateway"])
+    ap.add_argument("--stack-mib", type=int, default=8)
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.what == "depth":
+        depth(args.stack_mib)
+    else:
+        gateway()
