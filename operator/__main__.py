@@ -60,12 +60,17 @@ def main(argv: list[str] | None = None) -> int:
                                 retry_seconds=args.lease_retry_seconds or max(0.5, d / 7))
         elector.acquire()
         # Losing the lease means another replica may lead now: stop at once, without another write.
-        elector.keep_leading(on_lost=lambda: os._exit(3), stop=threading.Event())
+        renewing = threading.Event()
+        renewal = elector.keep_leading(on_lost=lambda: os._exit(3), stop=renewing)
     try:
         scope = {"namespaces": args.namespace} if args.namespace else {"clusterwide": True}
         asyncio.run(kopf.operator(standalone=True, **scope))
     finally:
         if elector is not None:
+            # The renewal must end before the hand-over: a renewal racing it would either make the release
+            # fail (409) or, seeing the Lease free, take it straight back.
+            renewing.set()
+            renewal.join(timeout=elector.retry_seconds + 10)
             elector.release()
     return 0
 

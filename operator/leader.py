@@ -129,13 +129,20 @@ class LeaderElector:
         return thread
 
     def release(self) -> None:
-        """On a clean exit: hand the Lease over at once instead of letting it run out."""
-        try:
-            lease = self.api.read_namespaced_lease(self.name, self.namespace)
-            if lease.spec and lease.spec.holder_identity == self.identity:
+        """On a clean exit: hand the Lease over at once instead of letting it run out (called once the
+        renewal has stopped; a conflict is retried on the fresh object)."""
+        for _ in range(3):
+            try:
+                lease = self.api.read_namespaced_lease(self.name, self.namespace)
+                if not (lease.spec and lease.spec.holder_identity == self.identity):
+                    return
                 lease.spec.holder_identity = None
                 lease.spec.renew_time = None
                 self.api.replace_namespaced_lease(self.name, self.namespace, lease)
                 log.info("released the lease %s/%s", self.namespace, self.name)
-        except ApiException as e:
-            log.warning("could not release the lease: %s %s", e.status, e.reason)
+                return
+            except ApiException as e:
+                if e.status != 409:
+                    log.warning("could not release the lease: %s %s", e.status, e.reason)
+                    return
+        log.warning("could not release the lease %s/%s: it kept changing", self.namespace, self.name)
