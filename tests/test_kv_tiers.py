@@ -292,3 +292,218 @@ def test_what_the_host_tier_and_kv_transfer_config_do_not_do_is_refused(settings
 
     with pytest.raises(ValidationError, match=re.escape(refusal)):
         EngineConfig(**settings)
+
+
+def _chain(tier, blocks, first_token=0, payload=bytes(range(256)) * 16):
+    """Save a chain of `blocks` blocks of 16 tokens (from first_token on) one by one, each written (and
+    the directory evicted) before the next: their keys, their chunks."""
+    from kvpilot.server.engine.block_manager import TEST_SALT, block_hash
+
+    keys, chunks, parent = [], [], TEST_SALT
+    for i in range(blocks):
+        chunk = tuple(range(first_token + i * 16, first_token + i * 16 + 16))
+        key = block_hash(parent, chunk)
+        assert tier.save(key, parent, chunk, lambda: payload)
+        tier.drain()
+        keys.append(key)
+        chunks.append(chunk)
+        parent = key
+    return keys, chunks
+
+
+def _undeletable(monkeypatch, *paths):
+    """Path.unlink (the deletion the disk tier uses) fails for `paths` as for an immutable file or one of
+    another uid under a sticky directory (the tests run as root: chmod would not stop them); the
+    attempts on them, counted."""
+    import errno
+    from pathlib import Path
+
+    attempts = {p: 0 for p in paths}
+    unlink = Path.unlink
+
+    def guarded(self, missing_ok=False):
+        if self in attempts:
+            attempts[self] += 1
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(self))
+        return unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", guarded)
+    return attempts
+
+
+def _tier(directory, max_bytes=1 << 20):
+    from kvpilot.server.engine.kv_tiers import DiskTier
+
+    return DiskTier(directory, max_bytes=max_bytes, layout=("torch.float32", (1, 2, 16, 1, 32)), payload_bytes=4096)
+
+
+def test_eviction_passes_over_a_file_it_cannot_delete_and_keeps_the_bound(tmp_path, monkeypatch, caplog):
+    """The least recently used file cannot be deleted: it is logged once (as such, not as a failed save),
+    never tried again, counted, and the others go in its place: the directory stays within its bound."""
+    tier = _tier(tmp_path, max_bytes=4 * 4500)  # four files of ~4.3 KB
+    first, _ = _chain(tier, 1)
+    attempts = _undeletable(monkeypatch, tier.path(first[0]))
+    with caplog.at_level("WARNING", logger="kvpilot.server.kv_tiers"):
+        keys, _ = _chain(tier, 12, first_token=1000)
+    files = list(tmp_path.glob("*/*.kvblock"))
+    on_disk = sum(f.stat().st_size for f in files)
+    assert tier.path(first[0]) in files and on_disk <= 4 * 4500 and on_disk == tier.total_bytes(), (len(files), on_disk)
+    assert tier.path(keys[-1]).is_file() and not tier.path(keys[0]).is_file()
+    assert attempts == {tier.path(first[0]): 1}, attempts  # not retried on every save
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and tier.path(first[0]).name in warnings[0] and "Operation not permitted" in warnings[0], warnings
+    assert "saving" not in warnings[0], warnings
+
+
+def test_a_failed_save_leaves_no_tmp_file_and_stale_ones_are_removed_or_counted(tmp_path, monkeypatch):
+    """A save that fails removes its temporary file. At a scan, temporary files older than the stale age
+    (a crashed writer's) are removed, or counted when they cannot be; a fresh one may be another replica's
+    save in progress on a shared volume: it is left alone."""
+    import errno
+    import os
+
+    from kvpilot.server.engine.kv_tiers import STALE_TMP_SECONDS
+
+    tier = _tier(tmp_path)
+    with monkeypatch.context() as patched:
+        def no_space(src, dst):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        patched.setattr(os, "replace", no_space)
+        _chain(tier, 1)
+    assert list(tmp_path.glob("*/*")) == [] and tier.stats.saved_blocks == 0
+
+    sub = tmp_path / "ab"
+    sub.mkdir()
+    stale, stuck, fresh = (sub / f".{'ab' + c * 62}.kvblock.7.8.tmp" for c in "cde")
+    for f, size in ((stale, 5000), (stuck, 3000), (fresh, 2000)):
+        f.write_bytes(bytes(size))
+    stale_age = time.time() - STALE_TMP_SECONDS - 60
+    for f in (stale, stuck):
+        os.utime(f, (stale_age, stale_age))
+    _undeletable(monkeypatch, stuck)
+    restarted = _tier(tmp_path)  # its scan at start
+    assert sorted(sub.iterdir()) == sorted([stuck, fresh]) and restarted.total_bytes() == 3000
+
+
+def test_a_file_that_cannot_be_parsed_is_a_miss_logged_once_and_not_read_again(tmp_path, monkeypatch, caplog):
+    """A header nested too deep for the JSON parser (a RecursionError), and a file of bad magic that cannot
+    be deleted: each is a miss, logged without a traceback, and dropped (deleted, or remembered as bad and
+    counted): the next lookup does not read it again."""
+    from kvpilot.server.engine.block_manager import TEST_SALT
+    from kvpilot.server.engine.kv_tiers import MAGIC
+
+    tier = _tier(tmp_path)
+    (deep,), deep_chunks = _chain(tier, 1)
+    (foreign,), foreign_chunks = _chain(tier, 1, first_token=1000)
+    nested = b"[" * 100_000 + b"]" * 100_000
+    tier.path(deep).write_bytes(MAGIC + struct.pack("<I", len(nested)) + nested + bytes(4096))
+    tier.path(foreign).write_bytes(b"not a block file")
+    _undeletable(monkeypatch, tier.path(foreign))
+    with caplog.at_level("WARNING", logger="kvpilot.server.kv_tiers"):
+        loads = [tier.lookup(TEST_SALT, chunks, 0) for chunks in (deep_chunks, foreign_chunks)]
+        tier.read()
+        assert [(load.done.is_set(), load.payloads) for load in loads] == [(True, [])] * 2
+        assert [tier.lookup(TEST_SALT, chunks, 0) for chunks in (deep_chunks, foreign_chunks)] == [None, None]
+    assert not tier.path(deep).exists() and tier.path(foreign).exists() and tier.total_bytes() == len(b"not a block file")
+    assert tier.stats.refused_files == 2 and tier.stats.miss_blocks == 4 and tier.stats.hit_blocks == 0, tier.stats
+    records = [(r.levelname, r.exc_info, r.getMessage()) for r in caplog.records]
+    assert all(level == "WARNING" and exc_info is None for level, exc_info, _ in records), records
+    named = [sum(tier.path(key).name in message for *_, message in records) for key in (deep, foreign)]
+    assert named == [1, 2], records  # refused; the bad-magic one also: cannot be removed
+
+
+def _saved_one_by_one(tier, blocks, first_token, payload=bytes(range(256)) * 16):
+    """Save a chain of `blocks` blocks of 16 tokens one by one (each awaited briefly: a writer that died
+    leaves it queued): whether each one's file is on disk after its save."""
+    from kvpilot.server.engine.block_manager import TEST_SALT, block_hash
+
+    landed, parent = [], TEST_SALT
+    for i in range(blocks):
+        chunk = tuple(range(first_token + i * 16, first_token + i * 16 + 16))
+        key = block_hash(parent, chunk)
+        tier.save(key, parent, chunk, lambda: payload)
+        tier.drain(timeout=1)
+        landed.append(tier.path(key).is_file())
+        parent = key
+    return landed
+
+
+def test_a_stray_file_in_the_directory_is_ignored_and_logged_once(tmp_path, caplog):
+    """Files whose names are not a block's (not `<its key in hex>.kvblock` under the key's first two hex
+    digits) are neither counted nor evicted: logged once each, while every save lands and the bound holds."""
+    import os
+
+    strays = [tmp_path / "zz" / "notahexname.kvblock", tmp_path / "ab" / f"{'cd' * 32}.kvblock"]  # the second: in another key's folder
+    for stray in strays:
+        stray.parent.mkdir()
+        stray.write_bytes(bytes(3000))
+        os.utime(stray, (1, 1))  # the least recently used of all: the first an eviction would take
+    with caplog.at_level("WARNING", logger="kvpilot.server.kv_tiers"):
+        tier = _tier(tmp_path, max_bytes=4 * 4500)
+        assert _saved_one_by_one(tier, 8, first_token=0) == [True] * 8
+    assert all(stray.read_bytes() == bytes(3000) for stray in strays)
+    assert tier.total_bytes() == sum(f.stat().st_size for f in tmp_path.glob("*/*.kvblock") if f not in strays) <= 4 * 4500
+    assert tier.stats.evicted_files == 8 - 4, tier.stats
+    messages = [r.getMessage() for r in caplog.records]
+    assert [sum(str(stray) in m for m in messages) for stray in strays] == [1, 1] and len(messages) == 2, messages
+
+
+def test_a_save_that_fails_in_any_way_is_logged_and_the_writer_goes_on(tmp_path, monkeypatch, caplog):
+    """A device copy whose result() raises (not an OSError): that save is logged with its block and the
+    error; an eviction after a save that raises: logged. The saves after each land."""
+    from kvpilot.server.engine.block_manager import TEST_SALT, block_hash
+
+    class LostCopy:
+        def result(self) -> bytes:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    tier = _tier(tmp_path)
+    chunk = tuple(range(16))
+    key = block_hash(TEST_SALT, chunk)
+    with caplog.at_level("WARNING", logger="kvpilot.server.kv_tiers"):
+        assert tier.save(key, TEST_SALT, chunk, LostCopy)
+        tier.drain(timeout=1)
+        assert _saved_one_by_one(tier, 3, first_token=1000) == [True] * 3
+        with monkeypatch.context() as patched:
+            patched.setattr(tier, "_evict", lambda: 1 / 0)
+            assert _saved_one_by_one(tier, 1, first_token=2000) == [True]
+        assert _saved_one_by_one(tier, 2, first_token=3000) == [True] * 2
+    assert not tier.path(key).exists() and tier.stats.saved_blocks == 6 and list(tmp_path.glob("*/.*.tmp")) == []
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and key.hex() in messages[0] and "illegal memory access" in messages[0], messages
+    assert "evicting" in messages[1] and caplog.records[1].exc_info[0] is ZeroDivisionError, messages
+
+
+def test_a_file_that_cannot_be_opened_is_a_miss_logged_once_and_not_opened_again(tmp_path, monkeypatch, caplog):
+    """Another uid's 0600 file on a shared volume (EACCES; the tests run as root, so open is patched):
+    a miss, logged, then dropped as a refused file is (here it cannot be deleted either: remembered, also
+    across a rescan): later lookups do not open it again."""
+    import errno
+
+    from kvpilot.server.engine import kv_tiers
+    from kvpilot.server.engine.block_manager import TEST_SALT
+
+    tier = _tier(tmp_path)
+    (key,), chunks = _chain(tier, 1)
+    path = tier.path(key)
+    opens = []
+
+    def guarded(file, *args, **kwargs):
+        if file == path:
+            opens.append(file)
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(kv_tiers, "open", guarded, raising=False)
+    _undeletable(monkeypatch, path)
+    with caplog.at_level("WARNING", logger="kvpilot.server.kv_tiers"):
+        load = tier.lookup(TEST_SALT, chunks, 0)
+        tier.read()
+        assert load.done.is_set() and load.payloads == []
+        for _ in range(3):
+            tier._scan()  # what an eviction does first
+            assert tier.lookup(TEST_SALT, chunks, 0) is None
+    assert len(opens) == 1 and path.exists() and tier.stats.hit_blocks == 0 and tier.stats.miss_blocks == 4, (opens, tier.stats)
+    reads = [r.getMessage() for r in caplog.records if "Permission denied" in r.getMessage()]
+    assert len(reads) == 1 and path.name in reads[0], [r.getMessage() for r in caplog.records]

@@ -22,8 +22,12 @@ A file is trusted only when everything in it matches what the reader asked for: 
 parent key and token ids (and the key recomputed from those two), its rank, the K/V layout (dtype and
 shape) and the CRC-32 of its payload. A torn, truncated, corrupted, foreign (another model's keys
 differ: the engine's salt is the chain's root) or mismatched file is a miss — its block is computed —
-never wrong tokens. The directory is bounded by size: least recently used blocks (by modification
-time, touched on each hit) go first.
+never wrong tokens; such a file is removed (or, when it cannot be, remembered and not read again). The
+directory is bounded by size: least recently used blocks (by modification time, touched on each hit) go
+first; a file that cannot be deleted (immutable, another uid's on a shared volume) is passed over,
+remembered and still counted. Temporary files a crashed writer left are removed once stale. A file
+that cannot be read (another uid's 0600 file) is dropped as a refused one is; one not named as a block's
+file is ignored (logged once). A save that fails, however, is logged and lost alone: the writer goes on.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import json
 import logging
 import os
 import queue
+import re
 import struct
 import threading
 import time
@@ -50,7 +55,12 @@ from kvpilot.server.engine.block_manager import block_hash
 log = logging.getLogger("kvpilot.server.kv_tiers")
 MAGIC = b"KVPILOT-KV-BLOCK-2\n"  # 2: the payload's checksum is a CRC-32 (1: SHA-256)
 SUFFIX = ".kvblock"
+BLOCK_NAME = re.compile(r"[0-9a-f]{64}(-[0-9]+)?" + re.escape(SUFFIX))  # <key in hex>[-<rank>].kvblock, as path() writes
 MAX_HEADER = 1 << 20
+# A temporary file older than this is a crashed writer's and is removed at a scan. A younger one may be
+# another replica's save in progress on a shared volume (a block's file is written in milliseconds): it
+# is left alone, and counted once renamed. Were a writer stalled this long, its rename fails: one lost save.
+STALE_TMP_SECONDS = 600
 READ_ARENA_BYTES = 128 << 20
 
 
@@ -108,6 +118,11 @@ class DiskTier:
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key (hex) -> bytes of its files, least recently used first
+        # Files that could not be deleted -> their bytes: out of the index, never tried again, still counted
+        # (they fill the disk as any other); forgotten once a scan no longer finds them.
+        self._undeletable: dict[Path, int] = {}
+        self._bad: set[Path] = set()  # refused files that could not be deleted: a lookup passes over them
+        self._strays: set[Path] = set()  # files named as no block is (logged when first seen): not counted, never evicted
         self._pending_bytes = 0
         self._queued: set[bytes] = set()
         if rank == 0:
@@ -134,20 +149,54 @@ class DiskTier:
         return key in self._queued or self.path(key).is_file()
 
     def _scan(self) -> None:
-        """The directory's blocks, least recently used first (what other engines wrote too)."""
+        """The directory's blocks, least recently used first (what other engines wrote too); stale
+        temporary files removed (those that cannot be: counted as undeletable)."""
         found: dict[str, list] = {}
-        for sub in self.dir.iterdir() if self.dir.is_dir() else ():
-            if sub.is_dir() and len(sub.name) == 2:
-                for f in sub.iterdir():
-                    if f.name.endswith(SUFFIX):
-                        try:
-                            st = f.stat()
-                        except OSError:
-                            continue
-                        entry = found.setdefault(f.name[:64], [0.0, 0])
-                        entry[0], entry[1] = max(entry[0], st.st_mtime), entry[1] + st.st_size
+        undeletable: dict[Path, int] = {}
+        strays: set[Path] = set()
+        with self._lock:
+            known = set(self._undeletable)  # those the engine's thread adds meanwhile are kept (below)
+        stale_before = time.time() - STALE_TMP_SECONDS
+        for sub in _listing(self.dir):
+            if len(sub.name) != 2:
+                continue
+            for f in _listing(sub):
+                is_tmp = f.name.startswith(".") and f.name.endswith(".tmp")
+                if not (is_tmp or f.name.endswith(SUFFIX)):
+                    continue
+                if not is_tmp and not (BLOCK_NAME.fullmatch(f.name) and f.name[:2] == sub.name):
+                    # Not a key's file (another tool's, or misplaced): the index names blocks by their key,
+                    # which eviction decodes, and deleting it would delete some other file than this one.
+                    if f not in self._strays:
+                        log.warning("disk tier: %s is not named as a block's file is: ignored (not counted, not evicted)", f)
+                    strays.add(f)
+                    continue
+                try:
+                    st = f.stat()
+                except OSError:
+                    continue
+                if f in known:
+                    undeletable[f] = st.st_size
+                elif is_tmp:
+                    if st.st_mtime < stale_before and not self._delete(f):
+                        undeletable[f] = st.st_size
+                else:
+                    entry = found.setdefault(f.name[:64], [0.0, 0])
+                    entry[0], entry[1] = max(entry[0], st.st_mtime), entry[1] + st.st_size
         with self._lock:
             self._index = OrderedDict((key, size) for key, (_, size) in sorted(found.items(), key=lambda kv: kv[1][0]))
+            self._undeletable = undeletable | {f: size for f, size in self._undeletable.items() if f not in known}
+            self._bad &= self._undeletable.keys()
+        self._strays = strays
+
+    def _delete(self, path: Path) -> bool:
+        """Delete a file; False when it cannot be (logged: this is asked once per file)."""
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("disk tier: %s cannot be deleted (%s): passed over, still counted", path, e)
+            return False
+        return True
 
     def header(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], payload: bytes) -> bytes:
         """What a block's file holds before its payload."""
@@ -171,8 +220,8 @@ class DiskTier:
         try:
             header = json.loads(bytes(data[start:start + size]))
             recorded = (bytes.fromhex(header["key"]), bytes.fromhex(header["parent"]), tuple(header["tokens"]))
-        except (ValueError, KeyError, TypeError):
-            return refuse("unreadable header")
+        except Exception as e:  # noqa: BLE001 - whatever a file holds (a RecursionError: nesting too deep) is a miss
+            return refuse(f"unreadable header: {type(e).__name__}")
         if recorded != (key, parent, tuple(token_ids)):
             return refuse("another block's key, parent or tokens")
         if block_hash(parent, token_ids) != key:
@@ -197,7 +246,8 @@ class DiskTier:
         keys, first_parent = [], parent
         for chunk in chunks:
             key = block_hash(parent, chunk)
-            if not all(self.path(key, r).is_file() for r in range(self.world_size)):
+            paths = [self.path(key, r) for r in range(self.world_size)]
+            if not all(p.is_file() and p not in self._bad for p in paths):
                 break
             keys.append(key)
             parent = key
@@ -215,9 +265,16 @@ class DiskTier:
         bad file removed) when one is not."""
         shards, size = [], 0
         for rank in range(self.world_size):
+            path = self.path(key, rank)
             try:
-                data = self._read_file(self.path(key, rank))
-            except OSError:
+                data = self._read_file(path)
+            except FileNotFoundError:
+                return None  # evicted since the lookup (by another replica): computed, and saved again
+            except OSError as e:
+                # Unreadable to this engine (another uid's 0600 file on a shared volume, an I/O error): refused
+                # as a bad file is, so that it is neither opened nor logged again on each lookup.
+                log.warning("disk tier: %s cannot be read (%s): computing the block instead", path.name, e)
+                self._discard(key)
                 return None
             payload = self.decode(data, key, parent, chunk, rank)
             if payload is None:
@@ -280,22 +337,43 @@ class DiskTier:
                 return
 
     def _discard(self, key: bytes) -> None:
-        """Every shard of a block goes (one bad shard makes the block a miss)."""
+        """Every shard of a block goes (one bad shard makes the block a miss); one that cannot is
+        remembered as bad, so that it is not read again."""
         with self._lock:
             self._index.pop(key.hex(), None)
+        self._remove(key, bad=True)
+
+    def _remove(self, key: bytes, bad: bool = False) -> int:
+        """Delete a block's files (those known to be undeletable are not tried again); those that cannot
+        be deleted are remembered (as bad: not to be read). How many went."""
+        removed = 0
         for rank in range(self.world_size):
-            try:
-                self.path(key, rank).unlink()
-            except FileNotFoundError:
-                pass
+            path = self.path(key, rank)
+            if path not in self._undeletable:
+                if self._delete(path):
+                    removed += 1
+                    continue
+                try:
+                    size = path.stat().st_size
+                except OSError:
+                    size = 0
+                with self._lock:
+                    self._undeletable[path] = size
+            if bad:
+                with self._lock:
+                    self._bad.add(path)
+        return removed
 
     def _touch(self, key: bytes, size: int) -> None:
-        for rank in range(self.world_size):
+        paths = [self.path(key, rank) for rank in range(self.world_size)]
+        for path in paths:
             try:
-                os.utime(self.path(key, rank))
+                os.utime(path)
             except OSError:
                 pass
         with self._lock:
+            if any(path in self._undeletable for path in paths):
+                return  # counted there: in the index too, its bytes would count twice
             self._index[key.hex()] = size
             self._index.move_to_end(key.hex())
 
@@ -319,6 +397,7 @@ class DiskTier:
         while True:
             key, parent, token_ids, payload = self._saves.get()
             started = time.perf_counter()
+            tmp = None
             try:
                 payload = payload if isinstance(payload, bytes) else payload.result()
                 head = self.header(key, parent, token_ids, payload)
@@ -336,10 +415,20 @@ class DiskTier:
                     if self.rank == 0:  # the other ranks' shards of it are as big
                         self._index[key.hex()] = self.world_size * (len(head) + len(payload))
                         self._index.move_to_end(key.hex())
+            except Exception as e:  # noqa: BLE001 - one save lost, never the writer: the saves after it must land
+                # An OSError (a full disk) is the volume's state; anything else (a device copy that failed) gets its traceback.
+                log.warning("disk tier: saving block %s failed (%s: %s)", key.hex(), type(e).__name__, e, exc_info=not isinstance(e, OSError))
+                if tmp is not None:
+                    try:
+                        tmp.unlink(missing_ok=True)
+                    except OSError:
+                        pass  # removed once stale, at a scan
+            else:
                 if self.rank == 0:
-                    self._evict()
-            except OSError as e:
-                log.warning("disk tier: saving a block failed (%s)", e)
+                    try:
+                        self._evict()  # its own failures are its own: not logged as the save's
+                    except Exception:  # noqa: BLE001 - nor does it stop the writer: the next save evicts again
+                        log.exception("disk tier: evicting failed")
             finally:
                 with self._lock:
                     self._pending_bytes -= self.payload_bytes
@@ -347,23 +436,22 @@ class DiskTier:
 
     def _evict(self) -> None:
         """Least recently used blocks go until the directory is within max_bytes (what other engines
-        wrote is counted once it was seen: at start, on a hit, or at a rescan when over the bound)."""
+        wrote is counted once it was seen: at start, on a hit, or at a rescan when over the bound).
+        The bound counts the files that could not be deleted too: they take the room of others, and
+        while they alone exceed it, every block saved goes right after (the directory holds only them)."""
         with self._lock:
-            over = sum(self._index.values()) > self.max_bytes
+            over = self._used() > self.max_bytes
         if not over:
             return
         self._scan()
         while True:
             with self._lock:
-                if sum(self._index.values()) <= self.max_bytes or not self._index:
+                if self._used() <= self.max_bytes or not self._index:
                     return
                 name, _ = self._index.popitem(last=False)
-                self.stats.evicted_files += self.world_size
-            for rank in range(self.world_size):
-                try:
-                    self.path(bytes.fromhex(name), rank).unlink()
-                except FileNotFoundError:
-                    pass
+            removed = self._remove(bytes.fromhex(name))
+            with self._lock:
+                self.stats.evicted_files += removed
 
     def drain(self, timeout: float = 30) -> None:
         """Wait until every queued save is written (tests, shutdown)."""
@@ -371,9 +459,20 @@ class DiskTier:
         while self._queued and time.monotonic() < deadline:
             time.sleep(0.01)
 
+    def _used(self) -> int:
+        return sum(self._index.values()) + sum(self._undeletable.values())
+
     def total_bytes(self) -> int:
         with self._lock:
-            return sum(self._index.values())
+            return self._used()
+
+
+def _listing(directory: Path) -> list[Path]:
+    """A directory's entries; none when it cannot be listed (gone, or not readable to this uid)."""
+    try:
+        return list(directory.iterdir())
+    except OSError:
+        return []
 
 
 @dataclass(slots=True)
