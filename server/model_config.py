@@ -99,6 +99,28 @@ def rope_scaling_from_hf(params: dict[str, Any] | None, source: str) -> RopeScal
     raise ModelFormatError(f"{source}: RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
 
 
+def attention_heads(where: str, hidden: int, heads: Any, kv_heads: Any = None, head_dim: Any = None) -> tuple[int, int, int]:
+    """A config.json's num_attention_heads, num_key_value_heads and head_dim (the last two None when
+    absent: as many K/V heads as query heads, hidden // heads wide), refused by name (prefixed with
+    `where`) when they describe no attention: a count that is not a positive integer (0 would divide by
+    zero, and is no head count rather than "the default"), query heads that K/V heads do not divide, or a
+    hidden size that heads do not divide when no head_dim says how wide one is."""
+    def count(key: str, value: Any, what: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ModelFormatError(f"{where}: {key}={value!r} (a {what} is a positive integer)")
+        return value
+
+    heads = count("num_attention_heads", heads, "count of heads")
+    kv_heads = heads if kv_heads is None else count("num_key_value_heads", kv_heads, "count of heads")
+    if heads % kv_heads:
+        raise ModelFormatError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    if head_dim is not None:
+        return heads, kv_heads, count("head_dim", head_dim, "head's size")
+    if hidden % heads:
+        raise ModelFormatError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads={heads} (and no head_dim is given)")
+    return heads, kv_heads, hidden // heads
+
+
 def config_from_hf(hf: dict[str, Any], name: str, source: str) -> ModelConfig:
     """ModelConfig from a parsed config.json."""
     architectures = hf.get("architectures") or []
@@ -117,8 +139,8 @@ def config_from_hf(hf: dict[str, Any], name: str, source: str) -> ModelConfig:
         raise ModelFormatError(f"{source}: hidden_act {act!r} is not supported (silu is)")
     rope = hf.get("rope_parameters") or {}
     scaling = rope_scaling_from_hf(rope or hf.get("rope_scaling"), source)
-    heads = need("num_attention_heads")
     hidden = need("hidden_size")
+    heads, kv_heads, head_dim = attention_heads(source, hidden, need("num_attention_heads"), hf.get("num_key_value_heads"), hf.get("head_dim"))
     window = hf.get("sliding_window")
     if family.architecture != "MistralForCausalLM" and not hf.get("use_sliding_window", False):
         window = None  # Qwen configs carry a window that is off unless use_sliding_window is set
@@ -130,8 +152,8 @@ def config_from_hf(hf: dict[str, Any], name: str, source: str) -> ModelConfig:
         intermediate_size=need("intermediate_size"),
         num_layers=need("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hidden // heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
         rms_norm_eps=float(need("rms_norm_eps")),
         max_position=need("max_position_embeddings"),

@@ -90,6 +90,19 @@ def test_the_head_reads_the_hidden_states_transformers_numbers_as_the_layer_ids(
     (dict(tensors={"lm_head.weight": torch.zeros(7, 576)}), "lm_head.weight has shape (7, 576), the target needs (100, 576)"),
     (dict(tensors={"midlayer.extra.weight": torch.zeros(3)}), "not in the EAGLE-3 layout: midlayer.extra.weight"),
     (dict(tensors={"d2t": torch.full((100,), 49100, dtype=torch.long)}), "d2t does not map the draft vocabulary onto distinct target ids"),
+    # head counts: each would divide by zero or build attention that cannot split its rows into heads
+    (dict(config={"num_attention_heads": 0, "head_dim": None}), "num_attention_heads=0 (a count of heads is a positive integer)"),
+    (dict(config={"num_attention_heads": 0}), "num_attention_heads=0 (a count of heads is a positive integer)"),
+    (dict(config={"num_attention_heads": -9}), "num_attention_heads=-9 (a count of heads is a positive integer)"),
+    (dict(config={"num_attention_heads": 9.0}), "num_attention_heads=9.0 (a count of heads is a positive integer)"),
+    (dict(config={"num_key_value_heads": 0}), "num_key_value_heads=0 (a count of heads is a positive integer)"),
+    (dict(config={"head_dim": -64}), "head_dim=-64 (a head's size is a positive integer)"),
+    (dict(config={"num_key_value_heads": 2}), "num_attention_heads=9 is not a multiple of num_key_value_heads=2"),
+    (dict(config={"num_attention_heads": 7, "num_key_value_heads": None, "head_dim": None}), "hidden_size 576 is not a multiple of num_attention_heads=7 (and no head_dim is given)"),
+    # non-finite weights, refused by name as an adapter's are (engine/lora.py)
+    (dict(tensors={"fc.weight": torch.full((576, 1728), float("nan"))}), "fc.weight holds non-finite values"),
+    (dict(tensors={"midlayer.mlp.down_proj.weight": torch.zeros(576, 1536).index_fill_(1, torch.tensor([3]), float("inf"))}),
+     "midlayer.mlp.down_proj.weight holds non-finite values"),
 ])
 def test_heads_that_do_not_fit_are_refused_by_name(target, tmp_path, change, message):
     from safetensors.torch import load_file, save_file
@@ -119,6 +132,24 @@ def test_a_bad_head_stops_the_engine_at_start(target, tmp_path):
         EngineConfig(speculative_method="eagle3")
     with pytest.raises(ValueError, match="not implemented with tensor_parallel_size > 1"):
         EngineConfig(speculative_method="eagle3", speculative_model=str(head), tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(("config", "tensors", "message"), [
+    ({"num_attention_heads": 0, "head_dim": None}, {}, "num_attention_heads=0 (a count of heads is a positive integer)"),
+    ({}, {"lm_head.weight": torch.full((100, 576), float("-inf"))}, "lm_head.weight holds non-finite values"),
+])
+def test_a_bad_head_ends_start_up_with_exit_2_naming_what_is_wrong(target, model_path, tmp_path, capsys, config, tensors, message):
+    """What `kvpilot generate` / `kvpilot serve` return (cli.main is the console script's exit code)."""
+    from safetensors.torch import load_file, save_file
+
+    from kvpilot.server.cli import main
+
+    head = write_eagle3_head(tmp_path / "head", target, list(range(100)))
+    (head / "config.json").write_text(json.dumps({**json.loads((head / "config.json").read_text()), **config}))
+    save_file({**load_file(str(head / "model.safetensors")), **tensors}, str(head / "model.safetensors"))
+    assert main(["generate", "Hello", "--model", str(model_path), "--num-threads", "1", "--kv-cache-memory", "16MiB",
+                 "--speculative-method", "eagle3", "--speculative-model", str(head)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"kvpilot: error: EAGLE-3 head {head}: {message}"  # after the target's loading bar
 
 
 def test_training_math_is_the_serving_heads(target, model_path, tmp_path):

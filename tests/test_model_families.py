@@ -6,6 +6,7 @@ a GGUF of the same weights loads to the same outputs; the tokenizer files give H
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -179,6 +180,46 @@ def test_unsupported_or_incomplete_checkpoints_are_clear_errors(family_checkpoin
     for i, (edit, message) in enumerate(cases):
         with pytest.raises(ModelFormatError, match=message):
             llm(variant(f"v{i}", edit))
+
+
+# A config.json's attention that the checks below vary one field of (4 heads of 16 over a hidden size of 64).
+HEADS_CONFIG = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("changes,message", [
+    # each divided by zero (ZeroDivisionError at start) or built attention that cannot split its rows into heads
+    ({"num_attention_heads": 0, "head_dim": None}, "num_attention_heads=0 (a count of heads is a positive integer)"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0 (a count of heads is a positive integer)"),
+    ({"num_attention_heads": -4}, "num_attention_heads=-4 (a count of heads is a positive integer)"),
+    ({"num_attention_heads": 4.0}, "num_attention_heads=4.0 (a count of heads is a positive integer)"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads=0 (a count of heads is a positive integer)"),
+    ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ({"head_dim": 0}, "head_dim=0 (a head's size is a positive integer)"),
+    ({"num_attention_heads": 3, "num_key_value_heads": None, "head_dim": None},
+     "hidden_size 64 is not a multiple of num_attention_heads=3 (and no head_dim is given)"),
+])
+def test_attention_heads_that_do_not_fit_are_refused_by_name(tmp_path, capsys, changes, message):
+    """As an EAGLE-3 head's are (tests/test_eagle.py): a ModelFormatError naming the field, which `kvpilot
+    generate` / `serve` turn into `kvpilot: error: ...` and exit 2."""
+    from kvpilot.server.cli import main
+    from kvpilot.server.model_config import ModelFormatError, config_from_hf
+
+    with pytest.raises(ModelFormatError, match=re.escape(f"config.json: {message}")):
+        config_from_hf({**HEADS_CONFIG, **changes}, "m", "config.json")
+    (tmp_path / "config.json").write_text(json.dumps({**HEADS_CONFIG, **changes}))
+    assert main(["generate", "Hello", "--model", str(tmp_path), "--num-threads", "1", "--kv-cache-memory", "16MiB"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"kvpilot: error: {tmp_path / 'config.json'}: {message}"
+
+
+def test_absent_head_counts_default():
+    """num_key_value_heads and head_dim absent (or null): as many K/V heads as query heads, hidden_size / heads wide."""
+    from kvpilot.server.model_config import config_from_hf
+
+    config = config_from_hf({**HEADS_CONFIG, "num_key_value_heads": None, "head_dim": None}, "m", "config.json")
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 4, 16)
+    config = config_from_hf({k: v for k, v in HEADS_CONFIG.items() if k not in ("num_key_value_heads", "head_dim")}, "m", "config.json")
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 4, 16)
 
 
 def test_draft_checkpoint_for_speculative_decoding(family_checkpoints):

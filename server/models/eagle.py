@@ -41,7 +41,7 @@ from kvpilot.server.layers.attention import PagedSelfAttention
 from kvpilot.server.layers.mlp import SwiGLU
 from kvpilot.server.layers.rmsnorm import RMSNorm
 from kvpilot.server.layers.rotary import RotaryEmbedding
-from kvpilot.server.model_config import ModelConfig, ModelFormatError, rope_scaling_from_hf
+from kvpilot.server.model_config import ModelConfig, ModelFormatError, attention_heads, rope_scaling_from_hf
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -85,7 +85,8 @@ def read_head_config(directory: Path, target: ModelConfig) -> HeadConfig:
     eagle = hf.get("eagle_config") or {}
     if eagle.get("use_aux_hidden_state") is False:
         raise ModelFormatError(f"{where}: use_aux_hidden_state=false (an EAGLE-1 style head) is not implemented")
-    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    hidden = need("hidden_size")
+    heads, kv_heads, head_dim = attention_heads(where, hidden, need("num_attention_heads"), hf.get("num_key_value_heads"), hf.get("head_dim"))
     vocab = need("vocab_size")
     if vocab != target.vocab_size:
         raise ModelFormatError(f"{where}: vocab_size {vocab} is not the target's {target.vocab_size}")
@@ -97,8 +98,8 @@ def read_head_config(directory: Path, target: ModelConfig) -> HeadConfig:
     if len(aux) != 3 or not all(isinstance(i, int) and 0 <= i < target.num_layers for i in aux):
         raise ModelFormatError(f"{where}: eagle_aux_hidden_state_layer_ids {list(aux)} must be three of the target's layers 0..{target.num_layers - 1}")
     rope = hf.get("rope_parameters") or {}
-    return HeadConfig(hidden, target_hidden, need("intermediate_size"), heads, hf.get("num_key_value_heads") or heads,
-                      hf.get("head_dim") or hidden // heads, vocab, hf.get("draft_vocab_size") or vocab, float(need("rms_norm_eps")), aux,
+    return HeadConfig(hidden, target_hidden, need("intermediate_size"), heads, kv_heads, head_dim, vocab,
+                      hf.get("draft_vocab_size") or vocab, float(need("rms_norm_eps")), aux,
                       bool(hf.get("norm_before_residual", False)),
                       (float(rope.get("rope_theta") or hf.get("rope_theta") or target.rope_theta),
                        rope_scaling_from_hf(rope or hf.get("rope_scaling"), str(path))))
@@ -215,6 +216,11 @@ def load_head(directory: str | Path, target: ModelConfig, target_embed, device: 
         if tuple(tensor.shape) != shapes[name]:
             raise ModelFormatError(f"{where}: {name} has shape {tuple(tensor.shape)}, the target needs {shapes[name]} (hidden size "
                                    f"{config.hidden_size}, target hidden size {config.target_hidden_size}, vocabularies {config.draft_vocab_size}/{config.vocab_size})")
+    # Verification would keep the outputs exact, but a head that drafts from NaN/Inf is broken: refused by
+    # name, as an adapter's non-finite weights are (engine/lora.py).
+    non_finite = sorted(name for name, tensor in tensors.items() if tensor.is_floating_point() and not all_finite(tensor))
+    if non_finite:
+        raise ModelFormatError(f"{where}: {', '.join(non_finite)} {'holds' if len(non_finite) == 1 else 'hold'} non-finite values")
     if "embed_tokens.weight" not in tensors and config.hidden_size != target.hidden_size:
         raise ModelFormatError(f"{where}: no embed_tokens.weight, and its hidden size {config.hidden_size} is not the target's {target.hidden_size}")
     ids = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
@@ -222,3 +228,10 @@ def load_head(directory: str | Path, target: ModelConfig, target_embed, device: 
         raise ModelFormatError(f"{where}: d2t does not map the draft vocabulary onto distinct target ids")
     with torch.inference_mode():
         return Eagle3Head(config, tensors, target_embed, device, dtype, target.max_position, int8)
+
+
+def all_finite(tensor: torch.Tensor, chunk: int = 1 << 24) -> bool:
+    """No NaN or Inf in tensor, checked a chunk of elements at a time (a large embedding's isfinite mask
+    would otherwise be a second copy of it in bytes)."""
+    flat = tensor.reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk))
