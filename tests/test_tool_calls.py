@@ -4,6 +4,7 @@ official client's stream accumulator rebuilding the non-streamed calls, tools an
 through a Qwen-style template equal to transformers', and bad tool requests as 400s."""
 
 import json
+import random
 
 import httpx
 import jsonschema
@@ -65,7 +66,7 @@ def streamed_equals_whole(fmt, text, names):
         pieces = ([parser.feed(text[:cut]), parser.feed(text[cut:], final=True)] if cut is not None
                   else [parser.feed(ch) for ch in text] + [parser.feed("", final=True)])
         assert [(c.name, c.arguments) for p in pieces for c in p[1]] == expected, cut
-        assert ("".join(p[0] for p in pieces).strip() or None) == (content.strip() if content else None), cut
+        assert "".join(p[0] for p in pieces) == (content or ""), cut
         assert parser.calls == len(expected)
 
 
@@ -101,6 +102,148 @@ def test_reasoning_streamed_split_anywhere_equals_the_whole_split(kind, text):
         assert whole[1] and "think>" not in whole[1] and whole[0] and "think>" not in whole[0]
     if kind == "qwen3" and not text.startswith("<think>"):
         assert whole[0] is None
+
+
+# --- streams equal their whole, exactly (issue #76, defect 6) -------------------------------------
+# The contract: for any output and any chunking of it into deltas, the streamed content deltas join to
+# the whole parse's content, the streamed reasoning deltas to its reasoning, and the streamed calls are
+# its calls. The whole parse says None for a part that is not there; the stream then emits only empty
+# deltas of it, so None compares as "".
+
+def random_chunkings(rng, text):
+    """Chunkings of text into deltas: the whole, one character at a time, and four at 1 to 12 random cuts."""
+    yield [text]
+    yield list(text)
+    for _ in range(4):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12)))) if len(text) > 1 else []
+        yield [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
+def stream_tool_parser(fmt, deltas):
+    """(content, [(name, arguments)], calls counted) of deltas streamed through a tool parser, the last delta final."""
+    parser = fmt.stream(NAMES)
+    pieces = [parser.feed(d, final=k == len(deltas) - 1) for k, d in enumerate(deltas)] if deltas else [parser.feed("", final=True)]
+    return "".join(p[0] for p in pieces), [(c.name, c.arguments) for p in pieces for c in p[1]], parser.calls
+
+
+def stream_reasoning(parser, deltas):
+    """(reasoning, content, reasoned) of deltas streamed through a reasoning parser, the last delta final."""
+    stream = parser.stream()
+    pieces = [stream.feed(d, final=k == len(deltas) - 1) for k, d in enumerate(deltas)] if deltas else [stream.feed("", final=True)]
+    return "".join(p[0] for p in pieces), "".join(p[1] for p in pieces), stream.reasoned
+
+
+SPACES = [" ", "  ", "\n", "\n\n", " \n", "\t", "\n \n"]
+WORDS = ["Sure.", "x", "Let me check", "the weather", "🙂 ü", "done", "<", "{", "think", "tool_call"]
+CALL_BODIES = ['{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}', '{"name": "add", "arguments": {"a": 1, "b": 2}}',
+               '{"name": "unknown", "arguments": {}}', "{not json}", '{"name": "add", "arguments": [1]}']
+
+
+def random_call(rng):
+    """A Hermes call block, with the whitespace around its JSON varied, to a tool or not, or a broken one."""
+    body = rng.choice(CALL_BODIES)
+    block = "<tool_call>" + rng.choice(["", "\n", " ", "\n\n"]) + body + rng.choice(["", "\n", " "]) + "</tool_call>"
+    return rng.choice([block] * 6 + [block[:rng.randint(1, len(block) - 1)], "</tool_call>", "<tool_"])
+
+
+def random_output(rng, think: bool, calls: bool):
+    """A model output built of whitespace runs, words, <think> tags and tool-call blocks, maybe cut short."""
+    parts = []
+    if think and rng.random() < 0.7:
+        parts += [rng.choice(["", " ", "\n"]), "<think>"]
+        parts += [rng.choice(SPACES + WORDS) for _ in range(rng.randint(0, 4))]
+        if rng.random() < 0.8:
+            parts.append("</think>")
+    for _ in range(rng.randint(0, 6)):
+        roll = rng.random()
+        parts.append(random_call(rng) if calls and roll < 0.35 else rng.choice(SPACES) if roll < 0.7 else rng.choice(WORDS))
+    text = "".join(parts)
+    return text[:rng.randint(0, len(text))] if rng.random() < 0.2 else text  # cut by length
+
+
+@pytest.mark.parametrize("fmt_name", ["hermes", "llama3_json"])
+def test_tool_parser_streams_equal_the_whole_parse_for_random_outputs_and_chunkings(fmt_name):
+    from kvpilot.server.api.tool_calls import parser_for
+
+    fmt, rng = parser_for(fmt_name, None), random.Random(76)
+    outputs = [random_output(rng, think=False, calls=True) for _ in range(1000)]
+    outputs += [LLAMA_W + rng.choice(["", "; " + LLAMA_A, " ", "\n", " words"]) for _ in range(20)]
+    for text in outputs:
+        content, calls = fmt.parse(text, NAMES)
+        expected = [(c.name, c.arguments) for c in calls]
+        for deltas in random_chunkings(rng, text):
+            assert stream_tool_parser(fmt, deltas) == (content or "", expected, len(expected)), (text, deltas)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "deepseek_r1"])
+def test_reasoning_streams_equal_the_whole_split_for_random_outputs_and_chunkings(kind):
+    from kvpilot.server.api.reasoning import ReasoningParser
+
+    parser, rng = ReasoningParser(kind), random.Random(76)
+    for text in [random_output(rng, think=True, calls=False) for _ in range(1000)]:
+        reasoning, content = parser.split(text)
+        for deltas in random_chunkings(rng, text):
+            assert stream_reasoning(parser, deltas) == (reasoning or "", content or "", reasoning is not None), (text, deltas)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "deepseek_r1"])
+def test_reasoning_then_hermes_calls_stream_as_the_whole_response_parses(kind):
+    """The serving pipeline (openai_serving.chat): the reasoning stream's content deltas feed the tool-call
+    stream; the whole response splits the reasoning off and parses the rest."""
+    from kvpilot.server.api.reasoning import ReasoningParser
+    from kvpilot.server.api.tool_calls import Hermes
+
+    thinking, fmt, rng = ReasoningParser(kind), Hermes(), random.Random(76)
+    for text in [random_output(rng, think=True, calls=True) for _ in range(400)]:
+        reasoning, rest = thinking.split(text)
+        content, calls = fmt.parse(rest, NAMES) if rest else (None, [])
+        for deltas in random_chunkings(rng, text):
+            stream, parser = thinking.stream(), fmt.stream(NAMES)
+            thought = text_out = ""
+            called = []
+            for k, d in enumerate(deltas):
+                r, c = stream.feed(d, final=k == len(deltas) - 1)
+                c, new = parser.feed(c, final=k == len(deltas) - 1)
+                thought, text_out, called = thought + r, text_out + c, called + [(x.name, x.arguments) for x in new]
+            assert (thought, text_out, called) == (reasoning or "", content or "", [(x.name, x.arguments) for x in calls]), (text, deltas)
+
+
+def test_a_blank_line_after_think_is_not_streamed_as_reasoning():
+    from kvpilot.server.api.reasoning import ReasoningParser
+
+    parser = ReasoningParser("qwen3")
+    assert parser.split("<think>\n\nx") == ("x", None)
+    assert stream_reasoning(parser, ["<think>", "\n", "\n", "x"]) == ("x", "", True)
+
+
+def test_whitespace_before_a_lone_call_is_not_streamed_as_content():
+    from kvpilot.server.api.tool_calls import Hermes
+
+    content, calls = Hermes().parse(" " + CALL_W, NAMES)
+    assert content is None and [c.name for c in calls] == ["get_weather"]
+    assert stream_tool_parser(Hermes(), [" ", CALL_W]) == ("", [(calls[0].name, calls[0].arguments)], 1)
+
+
+def test_required_parallel_calls_cut_by_length_stream_what_the_whole_parse_returns():
+    """tool_choice required, parallel: the grammar writes calls joined by a newline; a length cut leaves the
+    second call open, which is text. The newline between the call and it is not streamed."""
+    from kvpilot.server.api.tool_calls import Hermes
+
+    text = CALL_W + "\n" + CALL_A[:30]
+    content, calls = Hermes().parse(text, NAMES)
+    assert content == CALL_A[:30] and [c.name for c in calls] == ["get_weather"]
+    assert stream_tool_parser(Hermes(), [CALL_W, "\n", CALL_A[:12], CALL_A[12:30]]) == (content, [(calls[0].name, calls[0].arguments)], 1)
+
+
+def test_content_keeps_its_own_whitespace_and_drops_only_what_touches_a_call_at_its_ends():
+    """With calls, whitespace between a call and the content's start or end goes with the call; the
+    content's own leading and trailing whitespace, and whitespace between its words, stay (the stream
+    cannot take back text it sent before a later call shows up)."""
+    from kvpilot.server.api.tool_calls import Hermes
+
+    assert Hermes().parse(" \n" + CALL_W + "\n\nAnswer.  ", NAMES)[0] == "Answer.  "
+    assert Hermes().parse("  Let me check. " + CALL_W + "\n", NAMES)[0] == "  Let me check."
+    assert Hermes().parse("a " + CALL_W + " b " + CALL_A, NAMES)[0] == "a  b"
 
 
 def test_the_format_follows_the_flag_or_the_chat_template():

@@ -30,13 +30,14 @@ class ReasoningParser:
 
 class ReasoningStream:
     """Splits streamed text into reasoning and content deltas, holding back text that may be the start
-    of a tag until it is one or cannot be."""
+    of a tag until it is one or cannot be. However the text is split into deltas, each kind joins to
+    what `ReasoningParser.split` returns for the whole ("" where it is None)."""
 
     def __init__(self, kind: str):
         self.kind = kind
         self.state = "opening"          # then "reasoning", then "content"
         self.reasoned = kind == "deepseek_r1"
-        self.fresh = True               # no reasoning emitted yet (its first newline belongs to the tag)
+        self.fresh = True               # no reasoning emitted yet (the newlines that open it belong to the tag)
         self.content_fresh = True       # no content emitted yet after the block
         self.buffer = ""
 
@@ -64,8 +65,9 @@ class ReasoningStream:
             if self.reasoned and self.content_fresh:  # the blank lines after </think> belong to the tag
                 content = content.lstrip()
                 self.content_fresh = not content
-        if self.fresh and reasoning:
-            self.fresh, reasoning = False, reasoning.lstrip("\n")
+        if self.fresh:  # newlines are dropped until the first other character, however the deltas split them
+            reasoning = reasoning.lstrip("\n")
+            self.fresh = not reasoning
         return reasoning, content
 
 

@@ -80,7 +80,9 @@ class ToolFormat:
 
 
 class StreamParser:
-    """Splits streamed text into content deltas and whole calls; `calls`: how many so far."""
+    """Splits streamed text into content deltas and whole calls; `calls`: how many so far. However the
+    text is split into deltas, the content deltas join to the whole `parse`'s content ("" where it is
+    None) and the calls are its calls."""
 
     calls: int
 
@@ -123,7 +125,15 @@ class Hermes(ToolFormat):
             kept.append(text[start:m.start()])
             start = m.end()
         kept.append(text[start:])
-        content = "".join(kept).strip() if calls else text
+        if not calls:
+            return (text or None), calls
+        # Whitespace between a call and the content's start or end goes with the call; the content's own
+        # leading and trailing whitespace stays, since a stream has sent it before it can know of a later call.
+        content = "".join(kept)
+        if not kept[0].strip():
+            content = content.lstrip()
+        if not kept[-1].strip():
+            content = content.rstrip()
         return (content or None), calls
 
     def stream(self, names):
@@ -135,10 +145,15 @@ class Hermes(ToolFormat):
 
 
 class HermesStream(StreamParser):
-    """Text that may be the start of a call is held back until it is one (a call) or cannot be (content)."""
+    """Text that may be the start of a call is held back until it is one (a call) or cannot be (content).
+    Whitespace is held back until the next content character or the end shows whether it touches a call
+    at the content's start or end (dropped, as the whole parse drops it) or is the content's own."""
 
     def __init__(self, fmt: Hermes, names: set[str]):
-        self.fmt, self.names, self.buffer, self.calls, self.pending = fmt, names, "", 0, ""
+        self.fmt, self.names, self.buffer, self.calls = fmt, names, "", 0
+        self.spaces = ""              # whitespace since the last content character (or the start)
+        self.begun = False            # a content character other than whitespace has been sent
+        self.call_since = False       # a call since the last content character (or the start)
 
     def feed(self, delta, final=False):
         open_, close = self.fmt.OPEN, self.fmt.CLOSE
@@ -148,28 +163,41 @@ class HermesStream(StreamParser):
             at = self.buffer.find(open_)
             if at < 0:
                 keep = 0 if final else partial_tag_suffix(self.buffer, open_)
-                content += self.buffer[:len(self.buffer) - keep]
+                content += self.text(self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
             end = self.buffer.find(close, at)
             if end < 0:
-                content += self.buffer[:at]
+                content += self.text(self.buffer[:at])
                 self.buffer = self.buffer[at:]
                 if final:
-                    content += self.buffer
+                    content += self.text(self.buffer)
                     self.buffer = ""
                 break
             call = self.fmt.call(self.fmt.CALL.fullmatch(self.buffer[at:end + len(close)]).group(1), self.names)
             if call is None:
-                content += self.buffer[:end + len(close)]
+                content += self.text(self.buffer[:end + len(close)])
             else:
-                content += self.buffer[:at]
+                content += self.text(self.buffer[:at])
                 calls.append(call)
+                self.call_since = True
             self.buffer = self.buffer[end + len(close):]
         self.calls += len(calls)
-        if self.calls:  # whitespace after a call is content only once more text follows it (as the whole parse strips it)
-            content, self.pending = (self.pending + content, "") if content.strip() else ("", "" if final else self.pending + content)
+        if final and not self.call_since:  # whitespace at the end that no call follows is content
+            content, self.spaces = content + self.spaces, ""
         return content, calls
+
+    def text(self, piece: str) -> str:
+        """The content to send for text outside the calls: whitespace at its end is held back."""
+        body = piece.rstrip()
+        if not body:
+            self.spaces += piece
+            return ""
+        out = self.spaces + body
+        if not self.begun and self.call_since:  # the content starts after a call: the whitespace between goes with it
+            out = out.lstrip()
+        self.spaces, self.begun, self.call_since = piece[len(body):], True, False
+        return out
 
 
 class Llama3Json(ToolFormat):
