@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,9 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # projection, gate/up onto the MLP's).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+# A PEFT adapter_config.json is a few KiB (its fields, and alpha/rank patterns of at most one entry per
+# module): a bigger file is not one, and is refused before it is read into memory.
+MAX_CONFIG_BYTES = 1 << 20
 
 
 class AdapterError(ValueError):
@@ -78,13 +82,31 @@ def _refuse_if(condition: object, what: str, where: Path) -> None:
         raise AdapterError(f"{where}: {what} is not supported (refused rather than served differently)")
 
 
+def _config_bytes(path: Path) -> bytes:
+    """The config file's bytes: a regular file of at most MAX_CONFIG_BYTES. Opened without blocking (a
+    FIFO would wait for a writer forever) and checked on the open file (not a path that may be swapped)."""
+    try:
+        with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise AdapterError(f"{path} is not a regular file")
+            data = f.read(MAX_CONFIG_BYTES + 1)  # the size as read: the file may grow after it is opened
+    except FileNotFoundError:
+        raise AdapterError(f"{path.parent}: no {ADAPTER_CONFIG} (not a PEFT adapter)") from None
+    except OSError as e:
+        raise AdapterError(f"{path}: unreadable ({e})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes (a PEFT adapter config is a few KiB)")
+    return data
+
+
 def read_adapter_config(directory: Path) -> AdapterConfig:
     path = directory / ADAPTER_CONFIG
+    data = _config_bytes(path)
     try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise AdapterError(f"{directory}: no {ADAPTER_CONFIG} (not a PEFT adapter)") from None
-    except (OSError, ValueError) as e:
+        raw = json.loads(data)
+    except RecursionError:
+        raise AdapterError(f"{path}: nests deeper than the JSON parser's recursion limit (a PEFT adapter config is a few levels deep)") from None
+    except ValueError as e:
         raise AdapterError(f"{path}: unreadable ({e})") from None
     if not isinstance(raw, dict):
         raise AdapterError(f"{path}: not a JSON object")
@@ -102,8 +124,8 @@ def read_adapter_config(directory: Path) -> AdapterConfig:
     rank, alpha = raw.get("r"), raw.get("lora_alpha", 8)
     if not isinstance(rank, int) or rank < 1:
         raise AdapterError(f"{path}: r must be a positive integer, got {rank!r}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise AdapterError(f"{path}: lora_alpha must be a number, got {alpha!r}")
+    if not _finite_number(alpha):  # JSON as Python writes it may hold Infinity and NaN
+        raise AdapterError(f"{path}: lora_alpha must be a finite number, got {alpha!r}")
     targets = raw.get("target_modules")
     if isinstance(targets, str):
         # "all-linear" or a regex over module names: the weights file says which projections it reaches
@@ -118,11 +140,30 @@ def read_adapter_config(directory: Path) -> AdapterConfig:
         raise AdapterError(f"{path}: target_modules must be a list of module names or a regex, got {targets!r}")
     if not names:
         raise AdapterError(f"{path}: target_modules {targets!r} names none of {', '.join(TARGETS)}")
-    patterns = {k: raw.get(k) or {} for k in ("alpha_pattern", "rank_pattern")}
-    for k, v in patterns.items():
-        if not isinstance(v, dict) or not all(isinstance(x, (int, float)) for x in v.values()):
-            raise AdapterError(f"{path}: {k} must map module names to numbers")
-    return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora")), names, patterns["alpha_pattern"])
+    alpha_pattern, rank_pattern = raw.get("alpha_pattern") or {}, raw.get("rank_pattern") or {}
+    if not isinstance(alpha_pattern, dict) or not isinstance(rank_pattern, dict):
+        raise AdapterError(f"{path}: alpha_pattern and rank_pattern must map module names to numbers")
+    for key, value in alpha_pattern.items():
+        if not _finite_number(value):
+            raise AdapterError(f"{path}: alpha_pattern must map module names to finite numbers, got {value!r} for {key!r}")
+        try:  # PEFT's keys are regular expressions over module names (AdapterConfig.scale)
+            re.compile(key)
+        except re.error as e:
+            raise AdapterError(f"{path}: alpha_pattern key {key!r} is not a regular expression ({e})") from None
+    for key, value in rank_pattern.items():  # the ranks served are the tensors' (read_adapter): this is checked, not used
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise AdapterError(f"{path}: rank_pattern must map module names to positive integers, got {value!r} for {key!r}")
+    return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora")), names, alpha_pattern)
+
+
+def _finite_number(x: object) -> bool:
+    """A JSON number that is a finite float (Python's JSON reads Infinity, NaN, and integers past float's range)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
 
 
 FETCHED_DIR = "hf"  # under --lora-dir: where hf:// adapter sources are downloaded to

@@ -6,6 +6,9 @@ with fewer slots than adapters)."""
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
 import shutil
 
 import pytest
@@ -357,6 +360,126 @@ def test_runtime_load_request_unload_over_http(peft_case, hf_oracle_session, tmp
     finally:
         assert server.terminate() == 0
         hub.close()
+
+
+# Adapters whose every request would fail, or whose load would never end: each is refused at load, by
+# what is wrong (case -> a pattern of the refusal's message).
+UNSERVABLE = {
+    "alpha-inf": "lora_alpha must be a finite number",
+    "alpha-nan": "lora_alpha must be a finite number",
+    "alpha-1e300": r"'s B times its scale alpha/rank \(1\.25e\+299\) is not finite",  # finite, past float32 once applied
+    "alpha-pattern-nan": "alpha_pattern must map module names to finite numbers",
+    "alpha-pattern-1e300": r"q_proj's B times its scale alpha/rank \(1\.25e\+299\) is not finite",
+    "rank-0": "self_attn.q_proj has rank 0",
+    "0-d": r"tensor '.*layers\.0\.self_attn\.q_proj\.lora_A\.weight' is 0-d",
+    "deep-config": "nests deeper than the JSON parser's recursion limit",
+    "big-config": f"larger than {1 << 20} bytes",
+    "fifo-config": "is not a regular file",
+}
+
+
+def _make_unservable(case: str, src, dest):
+    """The UNSERVABLE adapter `case`: a copy of the adapter at src, at dest, with one thing wrong."""
+    layer0_q = "layers.0.self_attn.q_proj.lora_"
+    config = {"alpha-inf": {"lora_alpha": math.inf}, "alpha-nan": {"lora_alpha": math.nan}, "alpha-1e300": {"lora_alpha": 1e300},
+              "alpha-pattern-nan": {"alpha_pattern": {"v_proj": math.nan}}, "alpha-pattern-1e300": {"alpha_pattern": {"q_proj": 1e300}},
+              "big-config": {"notes": "x" * (1 << 20)}}.get(case)
+    rename = {"rank-0": lambda t: {k: v.new_empty(0, v.shape[1]) if layer0_q + "A" in k else v.new_empty(v.shape[0], 0) if layer0_q + "B" in k else v
+                                   for k, v in t.items()},
+              "0-d": lambda t: {k: torch.tensor(1.0) if layer0_q + "A" in k else v for k, v in t.items()}}.get(case)
+    _edit(src, dest, config, rename)
+    config_file = dest / "adapter_config.json"
+    if case == "deep-config":  # a valid config with one more field, nested 100,000 deep
+        config_file.write_text(config_file.read_text().rstrip()[:-1] + ', "nested": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif case == "fifo-config":
+        config_file.unlink()
+        os.mkfifo(config_file)
+
+
+@pytest.fixture(scope="module", params=list(SERVER_MODES))  # the engine in the server's process, and in its own
+def one_slot_server(peft_case, tmp_path_factory, request):
+    """A server with one adapter slot and one host copy (a third adapter loaded drops the other two's
+    host copies), run-time loading from a --lora-dir holding the peft adapters, "first" (all7-r8) loaded
+    at start: (the server, its --lora-dir)."""
+    from server_harness import ServerProcess
+
+    paths, _, _ = peft_case
+    root = tmp_path_factory.mktemp("adapters")
+    for name in SPECS:
+        shutil.copytree(paths[name], root / name)
+    server = ServerProcess("--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", "16", "--allow-runtime-lora",
+                           "--lora-dir", str(root), "--lora-modules", f"first={root / 'all7-r8'}", *SERVER_MODES[request.param],
+                           log_path=tmp_path_factory.mktemp("server") / "server.log").wait_ready()
+    yield server, root
+    assert server.terminate() == 0
+
+
+SHORT_STEPS = 8  # greedy tokens compared with the oracle's where a test checks that a model still serves
+
+
+def _completion(server, model: str, prompt: int, max_tokens: int = SHORT_STEPS):
+    import httpx
+
+    return httpx.post(server.url + "/v1/completions", json={"model": model, "prompt": ORACLE_PROMPTS[prompt], "max_tokens": max_tokens,
+                                                            "temperature": 0, "ignore_eos": True}, timeout=60)
+
+
+def _peft_text(hf_oracle_session, result) -> str:
+    return hf_oracle_session.tokenizer.decode(result.tokens[:SHORT_STEPS], skip_special_tokens=True)
+
+
+@pytest.mark.timeout(60, func_only=True)  # the test's own requests: the servers' start-up is the fixture's
+def test_unservable_adapters_are_refused_at_load_over_http(one_slot_server, peft_case, hf_oracle_session):
+    """Each UNSERVABLE adapter (a non-finite scale: lora_alpha, alpha_pattern, or alpha/rank past float32
+    once applied; a rank-0 or 0-d tensor; a config nested past the JSON parser, over 1 MiB, or a FIFO) and
+    an adapter taking the base model's name are a 400 at load naming what is wrong, in both modes (the
+    engine core's own process refused the first ones with 400, the server's with 500; the FIFO hung the
+    load); none is listed, and the base model and "first" answer as before."""
+    import httpx
+
+    server, root = one_slot_server
+    paths, results, base = peft_case
+    load = lambda name, path: httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=30)
+    for case, refusal in UNSERVABLE.items():
+        _make_unservable(case, paths["all7-r8"], root / case)
+        r = load(case, case)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_adapter", (case, r.text)
+        assert re.search(refusal, r.json()["error"]["message"]), (case, r.text)
+    base_name = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    r = load(base_name, "all7-r8")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    assert f"{base_name!r} is the served model's name" in r.json()["error"]["message"]
+    listed = [m["id"] for m in httpx.get(server.url + "/v1/models", timeout=10).json()["data"]]
+    assert listed.count(base_name) == 1 and "first" in listed and not set(UNSERVABLE) & set(listed), listed
+    r = _completion(server, base_name, 1)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == _peft_text(hf_oracle_session, base[1])
+    r = _completion(server, "first", 2)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == _peft_text(hf_oracle_session, results["all7-r8"][2])
+
+
+@pytest.mark.timeout(60, func_only=True)  # the test's own requests: the servers' start-up is the fixture's
+def test_a_failed_re_read_leaves_the_slot_to_the_adapter_in_it(one_slot_server, peft_case, hf_oracle_session):
+    """One slot, one host copy: "first" runs (into the slot); "changes" and "third" load (dropping the
+    host copies of "first", then of "changes"); the files of "changes" change, so its re-read for the
+    slot is refused and its request fails. "first" keeps the slot and answers as peft does: the slot
+    used to be taken from it before the re-read, and every request of "first" then failed (no slot free:
+    the slot still named it as its holder)."""
+    import httpx
+
+    server, root = one_slot_server
+    _, results, _ = peft_case
+    load = lambda name, path: httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, timeout=30)
+    assert _completion(server, "first", 0, max_tokens=1).status_code == 200
+    shutil.copytree(root / "qv-r4-rslora", root / "changes")
+    assert load("changes", "changes").status_code == 200
+    assert load("third", "mixed-r16").status_code == 200
+    config = root / "changes" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "lora_alpha": 9}))
+    r = _completion(server, "changes", 0, max_tokens=1)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text  # the server's log names why
+    r = _completion(server, "first", 4)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == _peft_text(hf_oracle_session, results["all7-r8"][4])
 
 
 def test_int4_base_weights_with_an_adapter_equal_peft_on_the_dequantized_base(peft_case, hf_oracle_session):

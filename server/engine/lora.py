@@ -15,7 +15,7 @@ import itertools
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,7 +71,10 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> tuple[
                     raise AdapterError(f"{weights_file}: {key!r} adapts {target}, which is not among its target_modules or not supported")
                 if layer >= config.num_layers:
                     raise AdapterError(f"{weights_file}: {key!r} is for layer {layer}, the base model has {config.num_layers}")
-                halves.setdefault((layer, target), {})[half] = f.get_tensor(key).float()
+                tensor = f.get_tensor(key)
+                if tensor.dim() != 2:
+                    raise AdapterError(f"{weights_file}: tensor {key!r} is {tensor.dim()}-d (a LoRA A or B is a matrix)")
+                halves.setdefault((layer, target), {})[half] = tensor.float()
     except SafetensorError as e:
         raise AdapterError(f"{weights_file}: not a readable safetensors file ({e})") from None
     if not halves:
@@ -85,14 +88,22 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> tuple[
         a, b = ab["A"], ab["B"]
         n_in, n_out = shapes[target]
         rank = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != n_in or b.shape != (n_out, rank):
+        if a.shape[1] != n_in or b.shape != (n_out, rank):
             raise AdapterError(f"{weights_file}: {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; the base model needs "
                                f"A [rank, {n_in}] and B [{n_out}, rank] (an adapter of another model?)")
+        if rank == 0:
+            raise AdapterError(f"{weights_file}: {name} has rank 0 (A and B are empty)")
         if rank > max_rank:
             raise AdapterError(f"{weights_file}: {name} has rank {rank}, more than --max-lora-rank {max_rank}")
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"{weights_file}: {name} holds non-finite values")
-        tensors[(layer, target)] = (a.contiguous(), (b * adapter.scale(name, rank)).contiguous())
+        # Checked as served: a finite alpha (from lora_alpha or alpha_pattern) can still overflow float32 in B.
+        scale = adapter.scale(name, rank)
+        scaled_b = b * scale
+        if not torch.isfinite(scaled_b).all():
+            rule = "alpha/sqrt(rank)" if adapter.use_rslora else "alpha/rank"
+            raise AdapterError(f"{weights_file}: {name}'s B times its scale {rule} ({scale:g}) is not finite in float32")
+        tensors[(layer, target)] = (a.contiguous(), scaled_b.contiguous())
         top = max(top, rank)
     return tensors, top
 
@@ -118,9 +129,10 @@ class LoRARegistry:
     rank; None clears it): the model runner's set_adapter."""
 
     def __init__(self, config: ModelConfig, max_loras: int, max_cpu_loras: int, max_rank: int,
-                 load_slot: Callable[[int, Adapter | None], None]):
+                 load_slot: Callable[[int, Adapter | None], None], base_names: Collection[str] = ()):
         self.config, self.max_loras, self.max_cpu_loras, self.max_rank = config, max_loras, max_cpu_loras, max_rank
         self.load_slot = load_slot
+        self.base_names = frozenset(base_names)  # the served model's: a request naming one gets the base model, never an adapter
         self.by_name: dict[str, Adapter] = {}
         self.by_id: dict[int, Adapter] = {}           # registered, and unregistered ones still in use
         self.slots: list[int | None] = [None] * max_loras  # adapter id per slot
@@ -139,21 +151,24 @@ class LoRARegistry:
         """Read and check an adapter, not yet registered (no engine state touched: the server reads
         off the step loop, then registers on it); an hf:// source is downloaded into `root` first.
         AdapterError: refused."""
-        check_adapter_name(name)
-        if name in self.by_name:
-            raise AdapterError(f"an adapter named {name!r} is already loaded", "lora_name")
+        self._check_name_free(check_adapter_name(name))
         local = adapter_directory(str(path), root, max_adapter_bytes(self.config, self.max_rank))
         files = adapter_files(local, root)  # under root, links resolved: where it is re-read from
         tensors, rank = read_adapter(files[0].parent, self.config, self.max_rank)  # the size bound checked before the files are read
         return Adapter(name, 0, str(files[0].parent), rank, tensors, source=str(path), fingerprint=files_digest(*files))
 
     def register(self, adapter: Adapter) -> Adapter:
-        if adapter.name in self.by_name:
-            raise AdapterError(f"an adapter named {adapter.name!r} is already loaded", "lora_name")
+        self._check_name_free(adapter.name)
         adapter.id = next(self._ids)
         self.by_name[adapter.name] = self.by_id[adapter.id] = adapter
         self._keep_host(adapter)
         return adapter
+
+    def _check_name_free(self, name: str) -> None:
+        if name in self.base_names:
+            raise AdapterError(f"adapter name {name!r} is the served model's name", "lora_name")
+        if name in self.by_name:
+            raise AdapterError(f"an adapter named {name!r} is already loaded", "lora_name")
 
     def add(self, name: str, path: str | Path, root: str | Path | None = None) -> Adapter:
         """Read, check and register an adapter (AdapterError: refused, nothing changed)."""
@@ -199,14 +214,19 @@ class LoRARegistry:
         slot = next((s for s in self.slot_use if self.slots[s] is None or self.slots[s] not in keep), None)
         if slot is None:
             raise AssertionError(f"no adapter slot free for {adapter.name!r}: more than max_loras={self.max_loras} adapters in use")
-        old = self.slots[slot]
-        if old is not None:
-            self.by_id[old].slot = None
-        if adapter.tensors is None:  # dropped from host memory: read again, the same files (its KV is keyed by them)
+        if adapter.tensors is None:
+            # Dropped from host memory: read again, before the slot changes hands (a refused re-read leaves
+            # the slot's adapter in it), checked as at load (a FIFO or an oversized file swapped in is
+            # refused, not read) and still the same files (its KV is keyed by them).
+            tensors, _ = read_adapter(adapter.path, self.config, self.max_rank)
             if files_digest(*adapter_files(adapter.path)) != adapter.fingerprint:
                 raise AdapterError(f"adapter {adapter.name!r}: its files in {adapter.path} changed since it was loaded (unload and load it again)")
-            adapter.tensors, _ = read_adapter(adapter.path, self.config, self.max_rank)
+            adapter.tensors = tensors
         self._keep_host(adapter)
+        old = self.slots[slot]
+        if old is not None:  # unseated before the write: a failed write leaves the slot empty, not naming either adapter
+            self.by_id[old].slot = None
+            self.slots[slot] = None
         self.load_slot(slot, adapter)
         self.slots[slot], adapter.slot = adapter.id, slot
 
