@@ -43,6 +43,10 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts over several steps.")
     kv_cache_memory: int = Field(1 << 30, ge=1 << 20, description="Bytes of KV cache on CPU (e.g. 1GiB).")
+    structured_outputs_max_mask_ms: float = Field(3.0, gt=0, description=(
+        "What a structured-output constraint's token masks may cost a step, on average over its steps after a first 100 ms "
+        "(for the library to build its lexer): a request past it ends with an error naming it, so constrained rows cannot slow "
+        "the others' steps by more than this each."))
     kv_offload_dir: str | None = Field(None, description=(
         "A disk tier for the prefix cache: full KV blocks are saved here as files named by their key, and a prompt whose prefix "
         "fell out of the cache (or was computed by another engine sharing the directory, or before a restart) is read back "
@@ -359,6 +363,10 @@ class ServerConfig(BaseModel):
         "Threads that tokenize prompts, apply chat templates and serve /tokenize and /detokenize (off the event loop)."))
     max_pending_tokenizations: int = Field(64, ge=0, description=(
         "Tokenization tasks that may wait for a tokenizer thread; beyond it, 429 with Retry-After."))
+    max_compiles_per_client: int = Field(1, ge=1, description=(
+        "Structured-output constraints one client (by address) may have compiling at once (on the compile threads, not the "
+        "tokenizer pool); beyond it, 429 with Retry-After. A constraint already compiled is a cache hit and does not count."))
+    max_pending_compiles: int = Field(16, ge=1, description="Constraints compiling or waiting to, over all clients; beyond it, 429.")
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(None, description=(
         "The format of tool calls: hermes (<tool_call> blocks: Qwen2/3) or llama3_json (Llama 3.x JSON calls); unset: the one the "
         "chat template writes (a template with <|python_tag|> or \"parameters\" calls: llama3_json; otherwise hermes)."))

@@ -450,9 +450,6 @@ def test_deep_constraints_compile_or_are_refused_and_never_kill_the_server(serve
     assert r.json()["choices"][0]["message"]["content"].startswith('{"a"')
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 3, "temperature": 0, "structured_outputs": {"grammar": rule_chain_grammar(3000)}})
     assert r.status_code == 200 and set(r.json()["choices"][0]["text"]) == {"a"}, r.text
-    # The issue's own grammar compiles now, then breaks the library's row limit after its first token:
-    # that request fails alone (issue #76 is to refuse such a constraint up front).
-    post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"grammar": rule_chain_grammar(3000, True)}})
     too_deep = [("/v1/completions", {"prompt": "x", "max_tokens": 2, "structured_outputs": {"grammar": rule_chain_grammar(6000)}},
                  "structured_outputs"),
                 ("/v1/completions", {"prompt": "x", "max_tokens": 2, "guided_grammar": rule_chain_grammar(6000).replace(":", " ::=")
@@ -471,7 +468,7 @@ def test_wide_and_recursive_schemas_are_not_taken_for_deep_ones():
     recursive definition counts its members once."""
     from kvpilot.server.engine.structured import schema_depth_bound
 
-    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}}
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}, "required": [f"p{i}" for i in range(6000)]}
     assert schema_depth_bound(wide) == 3
     tree = {"$defs": {"node": {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
             "$ref": "#/$defs/node"}
@@ -496,3 +493,118 @@ def test_a_refused_constraint_is_refused_from_the_cache_on_a_retry(server, greed
     assert after["kvpilot:structured_output_compile_seconds_count"] - before["kvpilot:structured_output_compile_seconds_count"] == 1
     assert after["kvpilot:structured_output_grammar_cache_hits_total"] - before["kvpilot:structured_output_grammar_cache_hits_total"] == 3
     assert_still_serving(server, greedy_text)
+
+
+# --- constraints: bounded costs and exact contracts (issue #76) ----------------------------------------
+
+WIDE_CONSTRAINTS = [  # each failed mid-generation (a 500, or a 200 then an error event) or compiled for seconds
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "start: " + " | ".join(f'"w{i}"' for i in range(50_000))}},
+     "structured_outputs", "49999 alternatives"),
+    ("/v1/completions", {"prompt": "x", "guided_grammar": rule_chain_grammar(3000, True)}, "guided_grammar", "3000 alternatives"),
+    ("/v1/completions", {"prompt": "x", "guided_grammar": "start: r0\n" + "".join(f'r{i}: r{i + 1}? "0"\n' for i in range(3000)) + 'r3000: "a"\n'},
+     "guided_grammar", "3000 alternatives"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "wide", "schema": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}}}},
+     "response_format", "3000 optional properties"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "wide", "schema": {"type": "object", "properties": {"a": {"anyOf": [{"const": i} for i in range(3000)]}}}}}},
+     "response_format", "anyOf of the JSON schema has 3000 branches"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object", "patternProperties": {f"^x{i}$": {"type": "string"} for i in range(400)}}},
+     "guided_json", "400 patternProperties"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_constraints_the_library_would_fail_mid_generation_are_400s_naming_the_field_before_any_byte(server, greedy_text, stream):
+    """Before: a 50,000-alternative grammar or a 3,000-optional-property schema was taken, then failed
+    at the library's row limit (a 500 after seconds, or a 200 then an error event); 400
+    patternProperties compiled for 12 s. Now each is a 400 before any byte of a stream."""
+    for path, body, param, needle in WIDE_CONSTRAINTS:
+        started = time.monotonic()
+        with httpx.stream("POST", server.url + path, json={**body, "max_tokens": 4, "stream": stream}, headers=KEY, timeout=60) as r:
+            r.read()
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", (param, r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert error["param"] == param and needle in error["message"], error
+        assert time.monotonic() - started < 5, (param, "refused before the library compiles it")
+    # the bound sits where the library's rows do: past '{"' (the widest row: any of 498 optional
+    # properties, or another key) the output goes on
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 3} for i in range(498)}}
+    r = post(server, "/v1/completions", {"prompt": "{", "max_tokens": 12, "temperature": 0, "guided_json": schema})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith('{"'), r.text
+    assert_still_serving(server, greedy_text)
+
+
+SLOW_MASK_REGEX = "((a{100}){100}){10}"  # 19 bytes: ~25 ms a mask here, ~150 ms the first (the issue: every co-batched stream 3.7x slower)
+
+
+def test_a_constraint_whose_masks_cost_past_the_bound_ends_naming_its_field_and_the_others_go_on(server, greedy_text):
+    """Before: taken, and served (200) at 25+ ms a step of mask for it and for every stream beside
+    it. Now the row ends once its masks cost past the bound (a 400 naming the field when nothing was
+    sent, an error event in a stream), and the plain request beside it is served."""
+    results = {}
+
+    def plain():
+        results["plain"] = post(server, "/v1/completions", GREEDY)
+
+    beside = threading.Thread(target=plain)
+    beside.start()
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 8, "structured_outputs": {"regex": SLOW_MASK_REGEX}})
+    beside.join(60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    assert r.json()["error"]["code"] == "constraint_failed" and "--structured-outputs-max-mask-ms" in r.json()["error"]["message"], r.text
+    assert results["plain"].status_code == 200 and results["plain"].json()["choices"][0]["text"] == greedy_text
+    with httpx.stream("POST", server.url + "/v1/completions", headers=KEY, timeout=60,
+                      json={"prompt": "x", "max_tokens": 8, "stream": True, "guided_regex": SLOW_MASK_REGEX}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]", events
+    error = json.loads(events[-2][6:])["error"]
+    assert "guided_regex" in error["message"] and "--structured-outputs-max-mask-ms" in error["message"], error
+    assert_still_serving(server, greedy_text)
+
+
+def test_constraint_compiles_hold_no_tokenizer_thread_and_a_client_holds_its_share():
+    """Before: a compile ran on the tokenizer pool (two 300 KB schemas held both of its threads for
+    13 s; a 16-token completion meanwhile took 12.9 s). Now it waits on the compile threads: the pool
+    tokenizes while compiles run, a client with one compile running gets a 429 for a second, another
+    client's compile runs beside it, and a cached constraint never waits."""
+    from kvpilot.server.api.async_engine import QueueFullError
+    from kvpilot.server.api.constraint_compiles import ConstraintCompiles
+    from kvpilot.server.api.tokenizer_pool import TokenizerPool
+    from kvpilot.server.engine.sampling_params import StructuredOutput
+    from kvpilot.server.engine.structured import GrammarCompiler
+    from kvpilot.server.loading import open_model
+    from kvpilot.server.model_files import resolve_model_path
+
+    _weights, tok = open_model(resolve_model_path("smollm2-135m"))
+    release = threading.Event()
+
+    class HeldCompiler(GrammarCompiler):
+        def _compile(self, spec, text):  # the real compile, once the test lets it go
+            assert release.wait(30)
+            return super()._compile(spec, text)
+
+    grammars = HeldCompiler(tok.backend_json(), 49152, tok.eos_token_ids)
+    compiles, pool = ConstraintCompiles(grammars, per_client=1, max_pending=4), TokenizerPool(1, 0)
+    specs = [StructuredOutput("json", {"type": "object", "properties": {"n": {"type": "integer", "maximum": i}}, "required": ["n"]})
+             for i in range(3)]
+
+    async def scenario():
+        first = asyncio.ensure_future(compiles.grammar(specs[0], "client-a"))
+        other = asyncio.ensure_future(compiles.grammar(specs[1], "client-b"))
+        await asyncio.sleep(0.2)
+        assert not first.done() and not other.done()
+        assert await asyncio.wait_for(pool.run(lambda: tok.encode("hello")), 5) == tok.encode("hello")
+        with pytest.raises(QueueFullError, match="at most 1 at once"):
+            await compiles.grammar(specs[2], "client-a")
+        release.set()
+        grammar_a, grammar_b = await asyncio.wait_for(asyncio.gather(first, other), 30)
+        assert grammar_a.kind == grammar_b.kind == "json"
+        again = await asyncio.wait_for(compiles.grammar(specs[0], "client-a"), 1)  # a cache hit: no wait, no share taken
+        assert again is grammar_a and compiles._by_client == {}
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        pool.shutdown()

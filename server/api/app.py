@@ -17,6 +17,7 @@ from kvpilot.server import startup
 from kvpilot.server.adapters import AdapterError
 from kvpilot.server.api import errors
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestTooLargeError, ServerShutdownError
+from kvpilot.server.api.constraint_compiles import ConstraintCompiles
 from kvpilot.server.api.errors import APIError, param_of
 from kvpilot.server.api.metrics import EngineMetrics
 from kvpilot.server.api.openai_serving import ClientDisconnected, OpenAIServing
@@ -67,6 +68,11 @@ async def wait_for_disconnect(request: Request) -> None:
     """Returns once the client has closed the connection (the body has already been read)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def client_of(request: Request) -> str:
+    """Whose a request is, for per-client bounds: its peer's address (behind a gateway, the gateway's)."""
+    return request.client.host if request.client else "unknown"
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -123,7 +129,8 @@ def build_app(state: ServerState) -> FastAPI:
         params = req.params()
         prompts = req.prompts()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return respond(await serving.completions(prompts, params, req.stream, include_usage, lambda: wait_for_disconnect(request), adapter))
+        return respond(await serving.completions(prompts, params, req.stream, include_usage, lambda: wait_for_disconnect(request),
+                                                 client_of(request), adapter))
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(req: ChatCompletionRequest, request: Request):
@@ -132,7 +139,7 @@ def build_app(state: ServerState) -> FastAPI:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         messages = [m.as_template_dict() for m in req.messages]
         return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, include_usage, req.top_logprobs or 0,
-                                          lambda: wait_for_disconnect(request), req.tool_use(), adapter))
+                                          lambda: wait_for_disconnect(request), client_of(request), req.tool_use(), adapter))
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi():
@@ -241,7 +248,9 @@ def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_
     metrics = EngineMetrics(engine, name, pending=lambda: async_engine._pending)
     async_engine.on_step = lambda _engine, outputs, _dt: metrics.observe(outputs)
     pool = TokenizerPool(server_config.tokenizer_workers, server_config.max_pending_tokenizations)
-    serving = OpenAIServing(async_engine, tokenizer, name, limits, pool, server_config.tool_call_parser, server_config.reasoning_parser)
+    compiles = None if limits.grammars is None else \
+        ConstraintCompiles(limits.grammars, server_config.max_compiles_per_client, server_config.max_pending_compiles)
+    serving = OpenAIServing(async_engine, tokenizer, name, limits, pool, compiles, server_config.tool_call_parser, server_config.reasoning_parser)
     return ServerState(async_engine, serving, metrics, server_config)
 
 

@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.server.engine.limits import Admission
+from kvpilot.server.adapters import AdapterError
+from kvpilot.server.engine.limits import CONSTRAINT_FAILURE, Admission, RequestRejected
 from kvpilot.server.engine.llm_engine import LLMEngine
 from kvpilot.server.engine.outputs import RequestOutput
 
@@ -40,6 +41,13 @@ class RequestFailedError(RuntimeError):
     """The engine failed this one request (HTTP 500); the engine itself goes on."""
 
 
+class ConstraintFailedError(RequestRejected):
+    """The grammar library failed this request's output constraint mid-generation (HTTP 400 naming its
+    field when nothing was sent yet, an error event in a stream): the constraint's fault, not the server's."""
+
+    code = "constraint_failed"
+
+
 class ServerShutdownError(RuntimeError):
     """The server stopped before the request finished (its shutdown grace ran out)."""
 
@@ -56,6 +64,7 @@ class Job:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    constraint_param: str | None = None   # the request field its output constraint came in
 
 
 @dataclass
@@ -151,7 +160,8 @@ class AsyncEngine:
             self._pending += units
         loop = asyncio.get_running_loop()
         for job in jobs:
-            self._streams[job.request_id] = _Stream(loop, asyncio.Queue())
+            structured = job.admission.params.structured
+            self._streams[job.request_id] = _Stream(loop, asyncio.Queue(), structured.param if structured else None)
             self._post("add", job)
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
@@ -165,6 +175,8 @@ class AsyncEngine:
                     raise item
                 if item.error is not None:
                     finished = True
+                    if stream.constraint_param and item.error.startswith(CONSTRAINT_FAILURE):
+                        raise ConstraintFailedError(f"{stream.constraint_param}: {item.error}", stream.constraint_param)
                     raise RequestFailedError(item.error)
                 yield item
                 if item.finished:
@@ -209,7 +221,13 @@ class AsyncEngine:
 
     async def load_adapter(self, name: str, path: str, root: str | None) -> int:
         """Read and check an adapter off the step loop, register it on it; its rank (AdapterError: refused)."""
-        adapter = await asyncio.to_thread(self.engine.lora.read, name, path, root)
+        try:
+            adapter = await asyncio.to_thread(self.engine.lora.read, name, path, root)
+        except AdapterError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the loader's own failure: this load is refused (as the engine core's is), the engine goes on
+            log.exception("reading adapter %r failed", name)
+            raise AdapterError(f"reading the adapter failed ({type(e).__name__}: {e})", "lora_path") from None
         await self.call(lambda engine: engine.load_adapter(adapter))
         return adapter.rank
 

@@ -176,7 +176,7 @@ class EngineCoreClient(AsyncEngine):
         ready = self._await_ready()
         startup.adopt(ready.startup_marks)
         _weights, self.tokenizer = open_model(resolve_model_path(config.model))
-        grammars = GrammarCompiler(self.tokenizer.backend_json(), ready.vocab_size, self.tokenizer.eos_token_ids, num_threads=1)
+        grammars = GrammarCompiler(self.tokenizer.backend_json(), ready.vocab_size, self.tokenizer.eos_token_ids)
         self.limits = RequestLimits(ready.max_model_len, ready.vocab_size, grammars, config.kv_role, kv_secret)
         self.served_model_name = ready.served_model_name
         self._lora_enabled = ready.lora_enabled

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpilot.server.api import tool_calls
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, Job, RequestFailedError, ServerShutdownError
@@ -21,6 +21,10 @@ from kvpilot.server.engine.limits import Admission, RequestLimits
 from kvpilot.server.engine.outputs import RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kvpilot.server.api.constraint_compiles import ConstraintCompiles
+    from kvpilot.server.engine.structured import Grammar
 
 log = logging.getLogger("kvpilot.requests")
 
@@ -61,8 +65,9 @@ class OpenAIServing:
     """limits: the engine's (RequestLimits), with which every request is admitted before it is submitted."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, limits: RequestLimits, pool: TokenizerPool,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 compiles: ConstraintCompiles | None, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.engine, self.tokenizer, self.model_name, self.limits, self.pool = engine, tokenizer, model_name, limits, pool
+        self.compiles = compiles  # None: the engine takes no constraints (admission refuses them)
         self.tool_format = tool_calls.parser_for(tool_call_parser, tokenizer.chat_template)
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.max_model_len = limits.max_model_len
@@ -91,22 +96,27 @@ class OpenAIServing:
         if any(not 0 <= t < self.tokenizer.vocab_size for t in ids):
             raise APIError(400, f"{param} token ids must be in [0, {self.tokenizer.vocab_size})", param)
 
-    def prepare(self, prompt: str | list[int], params: SamplingParams, adapter: str | None = None) -> Admission:
+    def prepare(self, prompt: str | list[int], params: SamplingParams, adapter: str | None, grammar: Grammar | None) -> Admission:
         """Tokenize, then admit with the engine's own limits, before anything is streamed (a refusal
         is a plain 400). Runs on the tokenizer pool (see jobs()): a long prompt must not stall the
         event loop."""
         if isinstance(prompt, str):
             self.check_text_length(len(prompt), "prompt")
             prompt = self.tokenizer.encode(prompt)
-        return self.limits.admit(prompt, params, adapter)
+        return self.limits.admit(prompt, params, adapter, grammar)
 
     async def jobs(self, prompts: list[str | list[int]] | Callable[[], list[int]], params: SamplingParams, rid: str,
-                   adapter: str | None = None) -> list[Job]:
+                   client: str, adapter: str | None = None) -> list[Job]:
         """One admitted engine request per prompt, tokenized on the tokenizer pool; `prompts` may be a
-        function that makes one prompt's ids there (a chat's template and tokenization)."""
+        function that makes one prompt's ids there (a chat's template and tokenization). The output
+        constraint is compiled first, off that pool, as `client`'s (constraint_compiles.py)."""
+        grammar = None
+        if params.structured is not None and self.compiles is not None:
+            grammar = await self.compiles.grammar(params.structured, client)
+
         def build():
             made = [prompts()] if callable(prompts) else prompts
-            return [Job(f"{rid}-{i}", self.prepare(prompt, params, adapter)) for i, prompt in enumerate(made)]
+            return [Job(f"{rid}-{i}", self.prepare(prompt, params, adapter, grammar)) for i, prompt in enumerate(made)]
 
         return await self.pool.run(build)
 
@@ -244,9 +254,9 @@ class OpenAIServing:
             rlog.emit()
 
     async def completions(self, prompts: list[str | list[int]], params: SamplingParams, stream: bool, include_usage: bool,
-                          disconnected: Callable[[], Awaitable[None]], adapter: str | None = None) -> dict | EventSource:
+                          disconnected: Callable[[], Awaitable[None]], client: str, adapter: str | None = None) -> dict | EventSource:
         rid = f"cmpl-{uuid.uuid4().hex}"
-        jobs = await self.jobs(prompts, params, rid, adapter)
+        jobs = await self.jobs(prompts, params, rid, client, adapter)
         self.engine.submit(jobs)  # admission: a 429 or 400 here is a plain HTTP error, before any byte of a stream
         base = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": adapter or self.model_name}
         rlog = RequestLog(rid, "completions", prompt_tokens=sum(len(j.admission.prompt_token_ids) for j in jobs))
@@ -283,13 +293,13 @@ class OpenAIServing:
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
 
     async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams, stream: bool,
-                   include_usage: bool, top_logprobs: int, disconnected: Callable[[], Awaitable[None]],
+                   include_usage: bool, top_logprobs: int, disconnected: Callable[[], Awaitable[None]], client: str,
                    tools: ToolUse | None = None, adapter: str | None = None) -> dict | EventSource:
         """tools: the request's tools (rendered into the prompt); unless tool_choice is none, calls in
         the output are returned as message.tool_calls / delta.tool_calls with finish_reason tool_calls.
         With a reasoning parser, the <think> block is reasoning_content and only the rest is parsed."""
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = await self.jobs(lambda: self.chat_ids(messages, add_generation_prompt, tools), params, rid, adapter)
+        jobs = await self.jobs(lambda: self.chat_ids(messages, add_generation_prompt, tools), params, rid, client, adapter)
         self.engine.submit(jobs)
         created = int(time.time())
         rlog = RequestLog(rid, "chat.completions", prompt_tokens=len(jobs[0].admission.prompt_token_ids))

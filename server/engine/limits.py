@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from kvpilot.server.engine.structured import Grammar, GrammarCompiler
 
 
+# How an engine output's error begins when the grammar library failed the request's constraint
+# mid-generation (the API answers it as the request's fault: api/async_engine.py ConstraintFailedError).
+CONSTRAINT_FAILURE = "structured output:"
+
+
 class RequestRejected(ValueError):
     """The engine cannot take this request as it is; `param` names the field, `code` the OpenAI error code."""
 
@@ -54,7 +59,9 @@ class RequestLimits:
     kv_role: str = "none"                # prefill/decode disaggregation: which kv_transfer_params this engine takes
     kv_transfer_secret: bytes | None = None  # the pool's: a decode request's params must be signed with it (kv_transfer.py)
 
-    def admit(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None) -> Admission:
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
+              grammar: Grammar | None = None) -> Admission:
+        """grammar: params.structured already compiled (the server compiles it off the tokenizer pool)."""
         ids = list(prompt_token_ids)
         if not ids:
             raise RequestRejected("prompt must not be empty", "prompt")
@@ -88,8 +95,7 @@ class RequestLimits:
                     raise RequestRejected("kv_transfer_params.do_remote_prefill: the params are not signed by a prefill engine of this "
                                           "engine's pool (only the params a prefill engine's answer carries are taken, unchanged)",
                                           "kv_transfer_params")
-        grammar = None
-        if params.structured is not None:
+        if params.structured is not None and grammar is None:
             if self.grammars is None:
                 raise RequestRejected("structured outputs are not available in this engine", params.structured.param)
             grammar = self.grammars.compile(params.structured)

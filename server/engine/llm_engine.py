@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import logging
-import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -13,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from kvpilot.server import startup
 from kvpilot.server.config import EngineConfig
-from kvpilot.server.engine.limits import Admission, ModelNotFound, RequestLimits, RequestRejected
-from kvpilot.server.engine.output_processor import OutputProcessor
+from kvpilot.server.engine.limits import CONSTRAINT_FAILURE, Admission, ModelNotFound, RequestLimits, RequestRejected
+from kvpilot.server.engine.output_processor import OutputProcessor, StructuredOutputError
 from kvpilot.server.engine.outputs import RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.scheduler import ScheduledBatch
@@ -38,6 +37,9 @@ BLOCK_WRITE_BYTES_PER_STEP = 16 << 20
 # Beside running sequences, reading a KV tier's files takes this share of the time of the step before,
 # between steps (kv_tiers.DiskTier.read).
 TIER_READ_SHARE = 0.1
+# A constraint's masks may cost the first MASK_ALLOWANCE_S of a request (the library builds its lexer's
+# states as it meets them), then --structured-outputs-max-mask-ms a step on average.
+MASK_ALLOWANCE_S = 0.1
 
 
 @dataclass(slots=True)
@@ -127,7 +129,7 @@ class LLMEngine:
             from kvpilot.server.engine.lora import LoRARegistry
 
             self.lora = LoRARegistry(self.model_config, config.max_loras, config.max_cpu_loras or config.max_loras, config.max_lora_rank,
-                                     self.runner.set_adapter)
+                                     self.runner.set_adapter, base_names=(self.served_model_name,))
             for spec in config.lora_modules or ():
                 self.lora.add(*parse_lora_module(spec))
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -153,8 +155,8 @@ class LLMEngine:
                                    max_block_writes=max(1, BLOCK_WRITE_BYTES_PER_STEP // self.runner.block_layout()[2]))
         if self.kv_tiers or self.kv_receiver:
             self.runner.stage_block_writes()
-        self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
-                                        num_threads=config.num_threads or os.cpu_count() or 1)
+        self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids)
+        self.mask_budget_s = config.structured_outputs_max_mask_ms / 1000
         self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device, self.grammars)
         startup.mark("warm")
         self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids, _weakly(self._hold_for_transfer) if self.kv_sender else None)
@@ -481,12 +483,21 @@ class LLMEngine:
             if seq.request_id in failed or seq.is_finished:
                 continue
             seq.num_placeholders = 0  # its value is here (appended below, as any token)
+            if seq.guide is not None and seq.mask_seconds > MASK_ALLOWANCE_S + self.mask_budget_s * seq.mask_steps:
+                failed[seq.request_id] = (f"{CONSTRAINT_FAILURE} the constraint's token masks took {seq.mask_seconds * 1000:.0f} ms over "
+                                          f"{seq.mask_steps} steps, past this server's bound ({self.mask_budget_s * 1000:g} ms a step after "
+                                          f"{MASK_ALLOWANCE_S * 1000:g} ms; --structured-outputs-max-mask-ms)")
+                continue
             if i in out.errors:
                 guide_error = seq.guide.get_error() if seq.guide is not None and seq.guide.is_error() else None
-                failed[seq.request_id] = f"structured output: {guide_error[:300]}" if guide_error else out.errors[i]
+                failed[seq.request_id] = f"{CONSTRAINT_FAILURE} {guide_error[:300]}" if guide_error else out.errors[i]
                 continue
             try:
                 self.output.append(seq, out.token_ids[i], out.logprobs[i], now)
+            except StructuredOutputError as e:  # the library failed the constraint (e.g. a parser row past its limit)
+                log.warning("request %s: %s", seq.request_id, e)
+                failed[seq.request_id] = f"{CONSTRAINT_FAILURE} {e}"
+                continue
             except Exception as e:  # noqa: BLE001 - e.g. a detokenizer error: this request only
                 log.exception("request %s: output processing failed", seq.request_id)
                 failed[seq.request_id] = f"output processing failed ({type(e).__name__}: {e})"

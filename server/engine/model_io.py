@@ -255,17 +255,20 @@ def _allowed_tokens(seqs: list[Sequence], grammars: GrammarCompiler, buffers: In
     memory; they are unpacked to one bool per token here, on the host (numpy's unpackbits: ~0.1 ms for
     16 rows of 49k tokens), because unpacking them with tensor ops in the sampler cost ~4 ms per step
     on a CPU (bench/structured.py)."""
-    rows, entries, row = [], [], 0
+    rows, entries, guided, row = [], [], [], 0
     for seq in seqs:
         count = len(seq.spec_token_ids) + 1
         if seq.guide is not None:
             entries.append((seq.guide, len(rows), list(seq.spec_token_ids)))
+            guided.append(seq)
             rows += range(row, row + count)
         row += count
     if not rows:
         return None, None
     masks = np.zeros((len(rows), grammars.mask_words), dtype=np.int32)
-    grammars.fill_masks(entries, masks.ctypes.data, len(rows))
+    for seq, seconds in zip(guided, grammars.fill_masks(entries, masks.ctypes.data, len(rows))):
+        seq.mask_seconds += seconds  # charged against the engine's bound (llm_engine.py)
+        seq.mask_steps += 1
     allowed = torch.from_numpy(np.unpackbits(masks.view(np.uint8), axis=-1, bitorder="little")[:, :grammars.vocab_size]).view(torch.bool)
     return buffers.upload(rows, torch.long), buffers.upload(allowed.reshape(-1), torch.bool).view(len(rows), -1)
 

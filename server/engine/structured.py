@@ -47,6 +47,13 @@ COMPILE_STACK_BYTES = 256 << 20
 COMPILE_THREADS = 2            # compiles at once in a process (as many as the server's tokenizer pool runs by default)
 MAX_CONSTRAINT_DEPTH = 5_000
 MAX_SCHEMA_OBJECTS = 50_000    # objects in one JSON schema: the library refuses ~40,000 subschemas as too large anyway
+# The library fails a sequence, mid-generation, once one parser row holds more than ROW_ITEMS items
+# (its max_items_in_row; raising it made a 10,000-property schema cost 0.57 s a mask). Rows grow with
+# what may come next at one point, so the constructs that widen them are refused up front instead:
+ROW_ITEMS = 2_000
+MAX_ALTERNATIVES = ROW_ITEMS - 1          # anyOf/oneOf branches, non-string enum values, a grammar's `|`s
+MAX_OPTIONAL_PROPERTIES = (ROW_ITEMS - 8) // 4  # a row held 4n + 7 items for n optional properties
+MAX_PATTERN_PROPERTIES = 64               # compile time grows steeply with them: 200 took 0.8 s, 400 took 12 s
 T = TypeVar("T")
 
 
@@ -64,13 +71,12 @@ class Grammar:
 class GrammarCompiler:
     """Compiles constraints for one tokenizer, caches them, and fills token masks for a step's rows."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int = 1,
-                 cache_size: int = GRAMMAR_CACHE_SIZE):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...], cache_size: int = GRAMMAR_CACHE_SIZE):
         # The model's vocabulary may be padded past the tokenizer's: masks cover every logit.
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.vocab_size = vocab_size
         self.mask_words = (vocab_size + 31) // 32
-        self.executor = llguidance.LLExecutor(num_threads=num_threads)
+        self.executor = llguidance.LLExecutor(num_threads=1)  # rows are filled one call each (fill_masks): one thread is all it uses
         self.cache: OrderedDict[tuple[str, bytes], Grammar | str] = OrderedDict()  # a grammar, or why it is refused
         self.cache_size = cache_size
         self.lock = threading.Lock()
@@ -78,12 +84,16 @@ class GrammarCompiler:
         self.cache_hits = 0
         self.observe_compile: Callable[[float], None] = lambda seconds: None  # the server's histogram, when serving
 
+    def is_cached(self, spec: StructuredOutput) -> bool:
+        """Whether compile(spec) is a cache lookup (no compile)."""
+        with self.lock:
+            return _key(spec) in self.cache
+
     def compile(self, spec: StructuredOutput) -> Grammar:
         """The constraint's grammar, from the cache or compiled now (RequestRejected naming the
         request's field when it is not a valid constraint or breaks the library's limits). A refusal
         is cached as a grammar is: a retry costs no second compile."""
-        text = normalized(spec)
-        key = (spec.kind, hashlib.sha256(text.encode()).digest())  # not the text: a cache of 4 MiB constraints would hold GBs
+        key, text = _key(spec), normalized(spec)
         with self.lock:
             self.requests_by_kind[spec.kind] = self.requests_by_kind.get(spec.kind, 0) + 1
             compiled = self.cache.get(key)
@@ -121,17 +131,22 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         return matcher.get_error() if matcher.is_error() else matcher
 
-    def fill_masks(self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]], address: int, num_rows: int) -> None:
+    def fill_masks(self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]], address: int, num_rows: int) -> list[float]:
         """Write the allowed-token bitmasks of a step's constrained rows into host memory at `address`
         ([num_rows, mask_words] int32, bit t of a row: token t allowed). Each entry is (matcher, its
         first row, the tokens proposed for it): row first + j is the mask after the first j proposed
-        tokens (speculative decoding), the matcher itself left where it was."""
-        plain = [(m, first) for m, first, proposed in rows if not proposed]
-        if plain:
-            self.executor.unsafe_compute_mask_ptr(plain, address, self.mask_words * 4, num_rows)
-        speculated = [row for row in rows if row[2]]
-        if speculated:
-            self.executor.unsafe_compute_mask_ptr_with_draft_token(speculated, address, self.mask_words * 4, num_rows)
+        tokens (speculative decoding), the matcher itself left where it was. Returns each entry's
+        seconds: one call per entry, so that what each constraint costs a step is known (the engine
+        bounds it: one 19-byte regex's rows made every co-batched stream 3.7x slower)."""
+        seconds = []
+        for matcher, first, proposed in rows:
+            started = time.perf_counter()
+            if proposed:
+                self.executor.unsafe_compute_mask_ptr_with_draft_token([(matcher, first, proposed)], address, self.mask_words * 4, num_rows)
+            else:
+                self.executor.unsafe_compute_mask_ptr([(matcher, first)], address, self.mask_words * 4, num_rows)
+            seconds.append(time.perf_counter() - started)
+        return seconds
 
 
 class DeepStackThreads:
@@ -143,15 +158,21 @@ class DeepStackThreads:
         previous = threading.stack_size(COMPILE_STACK_BYTES)
         try:
             for i in range(count):
-                threading.Thread(target=self._work, name=f"kvpilot-grammar-compile-{i}", daemon=True).start()
+                threading.Thread(target=self._work, name=f"{_THREAD_PREFIX}{i}", daemon=True).start()
         finally:
             threading.stack_size(previous)
 
-    def run(self, fn: Callable[[], T]) -> T:
-        """fn() on one of the threads: its result, or its exception raised here."""
+    def submit(self, fn: Callable[[], T]) -> Future:
+        """fn() on one of the threads; the future of its result."""
         done: Future = Future()
         self._jobs.put((fn, done))
-        return done.result()
+        return done
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """fn() on one of the threads (at once when called on one): its result, or its exception raised here."""
+        if threading.current_thread().name.startswith(_THREAD_PREFIX):
+            return fn()
+        return self.submit(fn).result()
 
     def _work(self) -> None:
         while True:
@@ -162,6 +183,7 @@ class DeepStackThreads:
                 done.set_exception(e)
 
 
+_THREAD_PREFIX = "kvpilot-grammar-compile-"
 _deep_stack_lock = threading.Lock()
 _deep_stack_threads: DeepStackThreads | None = None
 
@@ -176,18 +198,24 @@ def deep_stack_threads() -> DeepStackThreads:
 
 
 def depth_problem(spec: StructuredOutput, text: str) -> str | None:
-    """Why the library could recurse too deep on the constraint, or None. A JSON schema: more than
-    MAX_SCHEMA_OBJECTS objects, or a longest path through its subschemas and $refs (a cycle of
-    references counts all its members: its recursion is bounded by them) past MAX_CONSTRAINT_DEPTH. A
-    grammar (Lark, GBNF, a tool-call grammar with %json schemas in it): more definitions plus '{'s
-    (each subschema of an embedded schema has one) than that, since no chain can visit one twice. A
-    regex or a choice: its nesting is bounded by the library's own parsers."""
+    """Why the library could recurse too deep on the constraint, or fail it mid-generation on a row
+    too wide (or compile it for seconds), or None. A JSON schema: more than MAX_SCHEMA_OBJECTS
+    objects, an object wider than the bounds above, or a longest path through its subschemas and
+    $refs (a cycle of references counts all its members: its recursion is bounded by them) past
+    MAX_CONSTRAINT_DEPTH. A grammar (Lark, GBNF, a tool-call grammar with %json schemas in it): more
+    than MAX_ALTERNATIVES alternatives in all (what may come next at one point), or more definitions plus '{'s (each subschema of an
+    embedded schema has one) than MAX_CONSTRAINT_DEPTH, since no chain can visit one twice. A regex
+    or a choice: its nesting is bounded by the library's own parsers."""
     if spec.kind == "json":
         depth = schema_depth_bound(spec.value)
-        if depth is None:
-            return f"the JSON schema has more than {MAX_SCHEMA_OBJECTS} objects"
+        if isinstance(depth, str):
+            return depth
         what = "its subschemas and $refs"
     elif spec.kind in ("grammar", "tool_calls"):
+        alternatives = sum(1 for token in _GRAMMAR_TOKEN.findall(text) if len(token) == 1)
+        if alternatives > MAX_ALTERNATIVES:
+            return (f"the {spec.kind} constraint has {alternatives} alternatives ('|', and the '?', '*', '+' and '[' that make one); "
+                    f"at most {MAX_ALTERNATIVES} are allowed (the grammar library's parser rows)")
         depth, what = len(_DEFINITION.findall(text)) + text.count("{"), "its rules (and embedded schemas)"
     else:
         return None
@@ -196,16 +224,41 @@ def depth_problem(spec: StructuredOutput, text: str) -> str | None:
     return f"the {spec.kind} constraint's chains through {what} could nest {depth} deep; at most {MAX_CONSTRAINT_DEPTH} are allowed"
 
 
+def width_problem(node: dict) -> str | None:
+    """Why one object of a JSON schema would widen the library's rows past their limit (or make its
+    compile take seconds), or None."""
+    properties = node.get("properties")
+    if isinstance(properties, dict):
+        required = node.get("required")
+        optional = len(properties.keys() - set(required if isinstance(required, list) and all(isinstance(r, str) for r in required) else ()))
+        if optional > MAX_OPTIONAL_PROPERTIES:
+            return f"an object of the JSON schema has {optional} optional properties; at most {MAX_OPTIONAL_PROPERTIES} are allowed"
+    patterns = node.get("patternProperties")
+    if isinstance(patterns, dict) and len(patterns) > MAX_PATTERN_PROPERTIES:
+        return f"an object of the JSON schema has {len(patterns)} patternProperties; at most {MAX_PATTERN_PROPERTIES} are allowed"
+    for key in ("anyOf", "oneOf", "enum"):
+        branches = node.get(key)
+        if isinstance(branches, list):
+            # a string enum is one lexeme of alternatives for the library's lexer, not a row's items
+            count = len(branches) if key != "enum" else sum(1 for b in branches if not isinstance(b, str))
+            if count > MAX_ALTERNATIVES:
+                return f"a {key} of the JSON schema has {count} branches; at most {MAX_ALTERNATIVES} are allowed"
+    return None
+
+
 # A Lark rule or terminal (`name:`, `?name:`, `name.2:`) or a GBNF rule (`name ::=`) at a line's start.
 _DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?::|::=)", re.M)
+# What makes an alternative in a grammar ('|', and '?', '*', '+', '[' each make an implicit one),
+# passing over what may hold them: comments, string literals, regexes.
+_GRAMMAR_TOKEN = re.compile(r'//[^\n]*|#[^\n]*|"(?:\\.|[^"\\\n])*"|/(?:\\.|[^/\\\n])+/|[|?*+\[]')
 
 
-def schema_depth_bound(schema) -> int | None:
+def schema_depth_bound(schema) -> int | str:
     """An upper bound on the longest path, in objects, from the root of a JSON schema through nested
     objects and local $refs ("#", "#/json/pointer"), a strongly connected set (recursive definitions)
-    counting all its members; None past MAX_SCHEMA_OBJECTS objects. A $ref this cannot resolve, or a
-    nested $id (a resource whose refs resolve against its own base), makes the bound the count of all
-    objects."""
+    counting all its members; or why the schema is refused (past MAX_SCHEMA_OBJECTS objects, or an
+    object too wide). A $ref this cannot resolve, or a nested $id (a resource whose refs resolve
+    against its own base), makes the bound the count of all objects."""
     if not isinstance(schema, dict):
         return 0
     nodes: list[dict] = [schema]
@@ -214,6 +267,9 @@ def schema_depth_bound(schema) -> int | None:
     count_all = False
     for i, node in enumerate(nodes):  # grows while it runs: breadth first over every object
         count_all = count_all or (i > 0 and "$id" in node)
+        too_wide = width_problem(node)
+        if too_wide:
+            return too_wide
         targets, children = [], list(node.values())
         while children:  # through lists (allOf, prefixItems, ...) to the nested objects
             child = children.pop()
@@ -232,7 +288,7 @@ def schema_depth_bound(schema) -> int | None:
             j = index.get(id(target))
             if j is None:
                 if len(nodes) >= MAX_SCHEMA_OBJECTS:
-                    return None
+                    return f"the JSON schema has more than {MAX_SCHEMA_OBJECTS} objects"
                 j = index[id(target)] = len(nodes)
                 nodes.append(target)
                 edges.append([])
@@ -301,6 +357,11 @@ def _resolve_pointer(schema, ref: str):
         else:
             return None
     return node
+
+
+def _key(spec: StructuredOutput) -> tuple[str, bytes]:
+    """The cache's key: a digest, not the text (a cache of 4 MiB constraints would hold GBs)."""
+    return spec.kind, hashlib.sha256(normalized(spec).encode()).digest()
 
 
 def normalized(spec: StructuredOutput) -> str:
