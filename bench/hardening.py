@@ -6,7 +6,16 @@
 - `gateway`: kvpilot-gateway's RSS with 80 bodies of 4 MiB held one byte short (no API key: the
   gateway checks none), on its default limits.
 
-Usage: python bench/hardening.py depth [--stack-mib 8] | gateway
+And issue #76's (bench/RESULTS.md, "Hardening III (second)"), each against a `kvpilot serve` of the
+code importable here (run it with PYTHONPATH at an older checkout for the "before"):
+- `compiles`: a plain 16-token completion's latency, alone and while two clients send the issue's
+  10,000-optional-property schema (300 KB) at once.
+- `masks`: the inter-token latency of 4 plain streams, alone and while 8 clients keep sending the
+  issue's 19-byte regex `((a{100}){100}){10}` (each resent as soon as it ends), or a new regex of
+  ~8 ms a mask each time (a cache cannot refuse it); the control is the cost of the flood of requests
+  itself: an invalid regex, refused at once.
+
+Usage: python bench/hardening.py depth [--stack-mib 8] | gateway | compiles | masks
 """
 
 from __future__ import annotations
@@ -112,16 +121,118 @@ def gateway() -> None:
         proc.kill()
 
 
+def serve(*args: str):
+    from server_harness import ServerProcess
+
+    return ServerProcess("--max-num-seqs", "16", "--max-waiting-requests", "64", *args).wait_ready()
+
+
+def plain_latency(url: str) -> float:
+    import httpx
+
+    started = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 16, "ignore_eos": True}, timeout=300)
+    r.raise_for_status()
+    return time.perf_counter() - started
+
+
+def compiles() -> None:
+    import httpx
+
+    server = serve()
+    try:
+        schema = {"type": "object", "properties": {f"property_{i}": {"type": "string"} for i in range(10_000)}}
+        body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}}
+        alone = plain_latency(server.url)
+        answers = []
+
+        def wide(i: int) -> None:
+            started = time.perf_counter()
+            r = httpx.post(server.url + "/v1/chat/completions", json={**body, "seed": i}, timeout=300)
+            answers.append(f"{r.status_code} in {time.perf_counter() - started:.2f} s")
+
+        threads = [threading.Thread(target=wide, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        during = plain_latency(server.url)
+        for t in threads:
+            t.join()
+        print(f"16-token completion: {alone:.2f} s alone, {during:.2f} s beside two {len(json.dumps(schema)) >> 10} KB schemas "
+              f"(their answers: {', '.join(answers)})")
+    finally:
+        server.terminate()
+
+
+def itl_p50(url: str, streams: int = 4) -> float:
+    import statistics
+
+    import httpx
+
+    gaps: list[float] = []
+
+    def one() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+            last = None
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+
+    threads = [threading.Thread(target=one) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return statistics.median(gaps)
+
+
+def masks() -> None:
+    import itertools
+
+    import httpx
+
+    server = serve()
+    fresh = itertools.count()
+    regexes = {"the issue's regex, resent": lambda: "((a{100}){100}){10}",
+               "a new ~8 ms-a-mask regex each time": lambda: f"((a{{{100 + next(fresh)}}}){{100}}){{4}}",
+               "(control: an invalid regex, resent)": lambda: "(a"}
+    try:
+        alone = itl_p50(server.url)
+        print(f"ITL p50 of 4 plain streams alone: {alone * 1000:.0f} ms")
+        for what, regex in regexes.items():
+            stop, outcomes = threading.Event(), {}
+
+            def regex_client(stop: threading.Event, regex, outcomes: dict) -> None:
+                while not stop.is_set():
+                    r = httpx.post(server.url + "/v1/completions", timeout=300,
+                                   json={"prompt": "x", "max_tokens": 48, "structured_outputs": {"regex": regex()}})
+                    outcomes[r.status_code] = outcomes.get(r.status_code, 0) + 1
+
+            clients = [threading.Thread(target=regex_client, args=(stop, regex, outcomes)) for _ in range(8)]
+            for t in clients:
+                t.start()
+            time.sleep(1)
+            beside = itl_p50(server.url)
+            stop.set()
+            for t in clients:
+                t.join()
+            print(f"  beside 8 clients sending {what}: {beside * 1000:.0f} ms ({beside / alone:.2f}x; their statuses: {outcomes})")
+    finally:
+        server.terminate()
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_compile"]:
         compile_once(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
         sys.exit(0)
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["depth", "gateway"])
+    ap.add_argument("what", choices=["depth", "gateway", "compiles", "masks"])
     ap.add_argument("--stack-mib", type=int, default=8)
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if args.what == "depth":
-        depth(args.stack_mib)
-    else:
-        gateway()
+    {"depth": lambda: depth(args.stack_mib), "gateway": gateway, "compiles": compiles, "masks": masks}[args.what]()

@@ -73,7 +73,7 @@ class AdapterConfig:
         """The factor B is multiplied by for `module` (its full name, e.g. model.layers.0.self_attn.q_proj)
         of rank `rank`: alpha / rank, or alpha / sqrt(rank) with rsLoRA; alpha from alpha_pattern when a key
         matches the module's name (PEFT's rule: the key matches a suffix of the name at a dot)."""
-        alpha = next((v for k, v in self.alpha_pattern.items() if re.match(rf"(.*\.)?({k})$", module)), self.alpha)
+        alpha = next((v for k, v in self.alpha_pattern.items() if _module_pattern(k).match(module)), self.alpha)
         return alpha / (math.sqrt(rank) if self.use_rslora else rank)
 
 
@@ -147,13 +147,19 @@ def read_adapter_config(directory: Path) -> AdapterConfig:
         if not _finite_number(value):
             raise AdapterError(f"{path}: alpha_pattern must map module names to finite numbers, got {value!r} for {key!r}")
         try:  # PEFT's keys are regular expressions over module names (AdapterConfig.scale)
-            re.compile(key)
+            _module_pattern(key)
         except re.error as e:
             raise AdapterError(f"{path}: alpha_pattern key {key!r} is not a regular expression ({e})") from None
     for key, value in rank_pattern.items():  # the ranks served are the tensors' (read_adapter): this is checked, not used
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise AdapterError(f"{path}: rank_pattern must map module names to positive integers, got {value!r} for {key!r}")
     return AdapterConfig(rank, float(alpha), bool(raw.get("use_rslora")), names, alpha_pattern)
+
+
+def _module_pattern(key: str) -> re.Pattern:
+    """An alpha_pattern key as PEFT matches it: a suffix of the module's name, at a dot (compiled as
+    used: a key such as "(?i)q_proj" is valid alone, not inside it)."""
+    return re.compile(rf"(.*\.)?({key})$")
 
 
 def _finite_number(x: object) -> bool:

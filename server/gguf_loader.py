@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from functools import cached_property
@@ -25,7 +26,7 @@ from kvpilot.kernels.gguf_dequant import (
     dequantize_q6_k,
     dequantize_q8_0,
 )
-from kvpilot.server.model_config import ModelConfig, ModelFormatError, RopeScaling, gguf_family_for
+from kvpilot.server.model_config import ModelConfig, ModelFormatError, RopeScaling, attention_heads, gguf_family_for
 
 DEQUANTIZE = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1,
               "Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k}  # GGML type name -> raw blocks to float32
@@ -210,9 +211,9 @@ class GGUFFile:
                 raise GGUFError(f"{self.path.name}: metadata key {arch}.{key} is missing")
             return value
 
-        hidden, heads = need("embedding_length"), need("attention.head_count")
+        hidden = need("embedding_length")
+        heads, kv_heads, head_dim = self._attention_heads(arch, hidden, need("attention.head_count"))
         tokens = self.get("tokenizer.ggml.tokens") or []
-        head_dim = self.get(f"{arch}.attention.key_length") or self.get(f"{arch}.rope.dimension_count") or hidden // heads
         return ModelConfig(
             name=self.get("general.name", self.path.stem),
             family=family,
@@ -221,7 +222,7 @@ class GGUFFile:
             intermediate_size=need("feed_forward_length"),
             num_layers=need("block_count"),
             num_heads=heads,
-            num_kv_heads=self.get(f"{arch}.attention.head_count_kv", heads),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             rope_theta=float(self.get(f"{arch}.rope.freq_base", 10000.0)),
             rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
@@ -232,6 +233,22 @@ class GGUFFile:
             mlp_bias="blk.0.ffn_down.bias" in self.tensors,
             sliding_window=self.get(f"{arch}.attention.sliding_window"),
         )
+
+    def _attention_heads(self, arch: str, hidden: int, heads: Any) -> tuple[int, int, int]:
+        """(heads, K/V heads, head size) through model_config.attention_heads (the check config.json's
+        pass), its refusals naming this file's metadata keys: K/V heads default to the heads, a head is
+        attention.key_length wide, else rope.dimension_count, else embedding_length / heads."""
+        dim_keys = [f"{arch}.attention.key_length", f"{arch}.rope.dimension_count"]
+        dim_key = next((k for k in dim_keys if self.get(k) is not None), None)
+        keys = {"num_attention_heads": f"{arch}.attention.head_count", "num_key_value_heads": f"{arch}.attention.head_count_kv",
+                "head_dim": dim_key or " or ".join(dim_keys), "hidden_size": f"{arch}.embedding_length"}
+        try:
+            return attention_heads(self.path.name, hidden, heads, self.get(keys["num_key_value_heads"]),
+                                   None if dim_key is None else self.get(dim_key))
+        except ModelFormatError as e:
+            message = str(e).removeprefix(f"{self.path.name}: ")
+            message = re.sub(r"\b(" + "|".join(keys) + r")\b", lambda m: keys[m[1]], message)
+            raise GGUFError(f"{self.path.name}: {message}") from None
 
     def _rope_scaling(self, arch: str) -> RopeScaling | None:
         kind = self.get(f"{arch}.rope.scaling.type", "none")

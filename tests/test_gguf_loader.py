@@ -194,3 +194,57 @@ def test_missing_tensor(gguf_file):
 
     with pytest.raises(GGUFError, match="'output.weight' is missing"):
         gguf_file.tensor("output.weight")
+
+
+# A GGUF's attention metadata that the check below varies (4 heads of 16 over an embedding length of 64, 2 K/V heads).
+HEADS_METADATA = {"llama.embedding_length": 64, "llama.feed_forward_length": 128, "llama.block_count": 1, "llama.context_length": 256,
+                  "llama.attention.layer_norm_rms_epsilon": 1e-6, "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2}
+
+
+@pytest.mark.parametrize("changes,message", [
+    # each divided by zero (ZeroDivisionError reading the config) or built attention that cannot split its rows into heads
+    ({"llama.attention.head_count": 0}, "llama.attention.head_count=0 (a count of heads is a positive integer)"),
+    ({"llama.attention.head_count": 0, "llama.attention.key_length": 16}, "llama.attention.head_count=0 (a count of heads is a positive integer)"),
+    ({"llama.attention.head_count": 4.0}, "llama.attention.head_count=4.0 (a count of heads is a positive integer)"),
+    ({"llama.attention.head_count": [4]}, "llama.attention.head_count=[4] (a count of heads is a positive integer)"),
+    ({"llama.attention.head_count_kv": 0}, "llama.attention.head_count_kv=0 (a count of heads is a positive integer)"),
+    ({"llama.attention.head_count_kv": 3},
+     "llama.attention.head_count=4 is not a multiple of llama.attention.head_count_kv=3"),
+    ({"llama.attention.key_length": 0}, "llama.attention.key_length=0 (a head's size is a positive integer)"),
+    ({"llama.rope.dimension_count": 0}, "llama.rope.dimension_count=0 (a head's size is a positive integer)"),
+    ({"llama.attention.head_count": 3, "llama.attention.head_count_kv": 3},
+     "llama.embedding_length 64 is not a multiple of llama.attention.head_count=3 "
+     "(and no llama.attention.key_length or llama.rope.dimension_count is given)"),
+])
+def test_attention_heads_that_do_not_fit_are_refused_by_name(tmp_path, capsys, changes, message):
+    """As a config.json's are (tests/test_model_families.py): a GGUFError naming the metadata key, which
+    `kvpilot generate` turns into `kvpilot: error: ...` and exit 2, never a ZeroDivisionError."""
+    import re
+
+    from kvpilot.server.cli import main
+    from kvpilot.server.gguf_loader import GGUFError, GGUFFile
+
+    path = write_gguf(tmp_path / "m.gguf", {"token_embd.weight": (np.zeros((8, 64), np.float32), "F32")},
+                      metadata={**HEADS_METADATA, **changes, "tokenizer.ggml.model": "gpt2",
+                                                     "tokenizer.ggml.tokens": [f"t{i}" for i in range(8)]})
+    with pytest.raises(GGUFError, match=re.escape(f"m.gguf: {message}")):
+        _ = GGUFFile(path).config
+    assert main(["generate", "Hello", "--model", str(path), "--num-threads", "1", "--kv-cache-memory", "16MiB"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"kvpilot: error: m.gguf: {message}"
+
+
+@pytest.mark.parametrize("changes,heads", [
+    ({}, (4, 2, 16)),
+    ({"llama.attention.head_count_kv": None}, (4, 4, 16)),
+    ({"llama.attention.key_length": 32}, (4, 2, 32)),
+    ({"llama.rope.dimension_count": 8}, (4, 2, 8)),
+    ({"llama.attention.key_length": 32, "llama.rope.dimension_count": 8}, (4, 2, 32)),
+])
+def test_attention_heads_of_a_gguf(tmp_path, changes, heads):
+    """Valid files read as before: K/V heads default to the heads; a head is key_length wide, else
+    rope.dimension_count, else embedding_length / heads."""
+    from kvpilot.server.gguf_loader import GGUFFile
+
+    metadata = {k: v for k, v in {**HEADS_METADATA, **changes}.items() if v is not None}
+    c = GGUFFile(write_gguf(tmp_path / "m.gguf", {"w": (np.zeros((2, 32), np.float32), "F32")}, metadata=metadata)).config
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == heads

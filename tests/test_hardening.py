@@ -535,13 +535,24 @@ def test_constraints_the_library_would_fail_mid_generation_are_400s_naming_the_f
     assert_still_serving(server, greedy_text)
 
 
-SLOW_MASK_REGEX = "((a{100}){100}){10}"  # 19 bytes: ~25 ms a mask here, ~150 ms the first (the issue: every co-batched stream 3.7x slower)
+COLD_MASK_REGEX = "((a{100}){100}){10}"  # 19 bytes: ~150 ms its first mask here, ~25 ms each after (the issue: co-batched streams 3.7x slower)
 
 
-def test_a_constraint_whose_masks_cost_past_the_bound_ends_naming_its_field_and_the_others_go_on(server, greedy_text):
-    """Before: taken, and served (200) at 25+ ms a step of mask for it and for every stream beside
-    it. Now the row ends once its masks cost past the bound (a 400 naming the field when nothing was
-    sent, an error event in a stream), and the plain request beside it is served."""
+def slow_mask_regex(repeats: int) -> str:
+    return f"((a{{100}}){{100}}){{{repeats}}}"  # 4 repeats: ~40 ms its first mask (at compile), ~8 ms a step after
+
+
+def test_a_constraint_whose_masks_cost_past_the_bound_is_refused_or_ended_naming_its_field(server, greedy_text):
+    """Before: taken and served (200) at 8-150 ms of mask a step, for it and every stream beside it.
+    Now a first mask past 100 ms is a 400 at admission; a row whose masks cost past the bound later
+    ends (a 400 naming the field when nothing was sent, an error event in a stream), the plain request
+    beside it is served, and the same constraint sent again is refused at admission."""
+    for stream in (False, True):
+        with httpx.stream("POST", server.url + "/v1/completions", headers=KEY, timeout=60,
+                          json={"prompt": "x", "max_tokens": 8, "stream": stream, "structured_outputs": {"regex": COLD_MASK_REGEX}}) as r:
+            r.read()
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+        assert "first token mask took" in r.json()["error"]["message"], r.text
     results = {}
 
     def plain():
@@ -549,24 +560,29 @@ def test_a_constraint_whose_masks_cost_past_the_bound_ends_naming_its_field_and_
 
     beside = threading.Thread(target=plain)
     beside.start()
-    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 8, "structured_outputs": {"regex": SLOW_MASK_REGEX}})
+    costly = {"prompt": "x", "max_tokens": 400, "structured_outputs": {"regex": slow_mask_regex(4)}}
+    r = post(server, "/v1/completions", costly)
     beside.join(60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
     assert r.json()["error"]["code"] == "constraint_failed" and "--structured-outputs-max-mask-ms" in r.json()["error"]["message"], r.text
     assert results["plain"].status_code == 200 and results["plain"].json()["choices"][0]["text"] == greedy_text
+    r = post(server, "/v1/completions", costly)  # refused from the cache, before it costs a step
+    assert r.status_code == 400 and r.json()["error"]["code"] is None and "--structured-outputs-max-mask-ms" in r.json()["error"]["message"]
     with httpx.stream("POST", server.url + "/v1/completions", headers=KEY, timeout=60,
-                      json={"prompt": "x", "max_tokens": 8, "stream": True, "guided_regex": SLOW_MASK_REGEX}) as r:
+                      json={"prompt": "x", "max_tokens": 400, "stream": True, "guided_regex": slow_mask_regex(5)}) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert r.status_code == 200 and events[-1] == "data: [DONE]", events
     error = json.loads(events[-2][6:])["error"]
-    assert "guided_regex" in error["message"] and "--structured-outputs-max-mask-ms" in error["message"], error
+    assert error["param"] == "guided_regex" and error["code"] == "constraint_failed", error
+    assert "--structured-outputs-max-mask-ms" in error["message"], error
     assert_still_serving(server, greedy_text)
 
 
 def test_constraint_compiles_hold_no_tokenizer_thread_and_a_client_holds_its_share():
     """Before: a compile ran on the tokenizer pool (two 300 KB schemas held both of its threads for
     13 s; a 16-token completion meanwhile took 12.9 s). Now it waits on the compile threads: the pool
-    tokenizes while compiles run, a client with one compile running gets a 429 for a second, another
+    tokenizes while compiles run, a client with one compile running gets a 429 for a second, a request
+    for a constraint already compiling waits for that compile (no 429, no second compile), another
     client's compile runs beside it, and a cached constraint never waits."""
     from kvpilot.server.api.async_engine import QueueFullError
     from kvpilot.server.api.constraint_compiles import ConstraintCompiles
@@ -580,12 +596,15 @@ def test_constraint_compiles_hold_no_tokenizer_thread_and_a_client_holds_its_sha
     release = threading.Event()
 
     class HeldCompiler(GrammarCompiler):
-        def _compile(self, spec, text):  # the real compile, once the test lets it go
-            assert release.wait(30)
-            return super()._compile(spec, text)
+        calls = 0
 
-    grammars = HeldCompiler(tok.backend_json(), 49152, tok.eos_token_ids)
-    compiles, pool = ConstraintCompiles(grammars, per_client=1, max_pending=4), TokenizerPool(1, 0)
+        def _compile(self, constraint):  # the real compile, once the test lets it go
+            self.calls += 1
+            assert release.wait(30)
+            return super()._compile(constraint)
+
+    grammars, pool = HeldCompiler(tok.backend_json(), 49152, tok.eos_token_ids), TokenizerPool(1, 1)
+    compiles = ConstraintCompiles(grammars, pool, per_client=1, max_pending=4)
     specs = [StructuredOutput("json", {"type": "object", "properties": {"n": {"type": "integer", "maximum": i}}, "required": ["n"]})
              for i in range(3)]
 
@@ -597,9 +616,13 @@ def test_constraint_compiles_hold_no_tokenizer_thread_and_a_client_holds_its_sha
         assert await asyncio.wait_for(pool.run(lambda: tok.encode("hello")), 5) == tok.encode("hello")
         with pytest.raises(QueueFullError, match="at most 1 at once"):
             await compiles.grammar(specs[2], "client-a")
+        same = asyncio.ensure_future(compiles.grammar(specs[0], "client-a"))
+        await asyncio.sleep(0.2)
+        assert not same.done() and compiles._by_client == {"client-a": 1, "client-b": 1}
         release.set()
-        grammar_a, grammar_b = await asyncio.wait_for(asyncio.gather(first, other), 30)
-        assert grammar_a.kind == grammar_b.kind == "json"
+        grammar_a, grammar_b, grammar_same = await asyncio.wait_for(asyncio.gather(first, other, same), 30)
+        assert grammar_a.kind == grammar_b.kind == "json" and grammar_same is grammar_a
+        assert grammars.calls == 2
         again = await asyncio.wait_for(compiles.grammar(specs[0], "client-a"), 1)  # a cache hit: no wait, no share taken
         assert again is grammar_a and compiles._by_client == {}
 

@@ -477,8 +477,8 @@ def test_a_save_that_fails_in_any_way_is_logged_and_the_writer_goes_on(tmp_path,
 
 def test_a_file_that_cannot_be_opened_is_a_miss_logged_once_and_not_opened_again(tmp_path, monkeypatch, caplog):
     """Another uid's 0600 file on a shared volume (EACCES; the tests run as root, so open is patched):
-    a miss, logged, then dropped as a refused file is (here it cannot be deleted either: remembered, also
-    across a rescan): later lookups do not open it again."""
+    a miss, logged, then passed over and left to its owner (remembered, also across a rescan): later
+    lookups do not open it again."""
     import errno
 
     from kvpilot.server.engine import kv_tiers

@@ -370,6 +370,7 @@ UNSERVABLE = {
     "alpha-1e300": r"'s B times its scale alpha/rank \(1\.25e\+299\) is not finite",  # finite, past float32 once applied
     "alpha-pattern-nan": "alpha_pattern must map module names to finite numbers",
     "alpha-pattern-1e300": r"q_proj's B times its scale alpha/rank \(1\.25e\+299\) is not finite",
+    "alpha-pattern-flags": r"alpha_pattern key '\(\?i\)q_proj' is not a regular expression",  # valid alone, not as matched
     "rank-0": "self_attn.q_proj has rank 0",
     "0-d": r"tensor '.*layers\.0\.self_attn\.q_proj\.lora_A\.weight' is 0-d",
     "deep-config": "nests deeper than the JSON parser's recursion limit",
@@ -383,6 +384,7 @@ def _make_unservable(case: str, src, dest):
     layer0_q = "layers.0.self_attn.q_proj.lora_"
     config = {"alpha-inf": {"lora_alpha": math.inf}, "alpha-nan": {"lora_alpha": math.nan}, "alpha-1e300": {"lora_alpha": 1e300},
               "alpha-pattern-nan": {"alpha_pattern": {"v_proj": math.nan}}, "alpha-pattern-1e300": {"alpha_pattern": {"q_proj": 1e300}},
+              "alpha-pattern-flags": {"alpha_pattern": {"(?i)q_proj": 16}},
               "big-config": {"notes": "x" * (1 << 20)}}.get(case)
     rename = {"rank-0": lambda t: {k: v.new_empty(0, v.shape[1]) if layer0_q + "A" in k else v.new_empty(v.shape[0], 0) if layer0_q + "B" in k else v
                                    for k, v in t.items()},

@@ -249,7 +249,7 @@ def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_
     async_engine.on_step = lambda _engine, outputs, _dt: metrics.observe(outputs)
     pool = TokenizerPool(server_config.tokenizer_workers, server_config.max_pending_tokenizations)
     compiles = None if limits.grammars is None else \
-        ConstraintCompiles(limits.grammars, server_config.max_compiles_per_client, server_config.max_pending_compiles)
+        ConstraintCompiles(limits.grammars, pool, server_config.max_compiles_per_client, server_config.max_pending_compiles)
     serving = OpenAIServing(async_engine, tokenizer, name, limits, pool, compiles, server_config.tool_call_parser, server_config.reasoning_parser)
     return ServerState(async_engine, serving, metrics, server_config)
 

@@ -26,8 +26,8 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def sse_error(status: int, message: str, param: str | None = None) -> str:
-    return f"data: {json.dumps(error_body(status, message, param))}\n\n"
+def sse_error(status: int, message: str, param: str | None = None, code: str | None = None) -> str:
+    return f"data: {json.dumps(error_body(status, message, param, code))}\n\n"
 
 
 def status_of(error: BaseException) -> int:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpilot.server.api import tool_calls
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, Job, RequestFailedError, ServerShutdownError
-from kvpilot.server.api.errors import APIError, sse_error, status_of
+from kvpilot.server.api.errors import APIError, param_of, sse_error, status_of
 from kvpilot.server.api.protocol import ToolUse
 from kvpilot.server.api.reasoning import ReasoningParser
 from kvpilot.server.api.tokenizer_pool import TokenizerPool
@@ -247,7 +247,7 @@ class OpenAIServing:
             raise
         except (EngineDeadError, RequestFailedError, ServerShutdownError, ValueError) as e:  # after the 200 went out: report in-stream
             rlog.status = "error"
-            yield sse_error(status_of(e), str(e))
+            yield sse_error(status_of(e), str(e), param_of(e) if isinstance(e, ValueError) else None, getattr(e, "code", None))
             yield "data: [DONE]\n\n"
         finally:
             rlog.output_tokens = sum(sent.values())

@@ -122,6 +122,7 @@ class DiskTier:
         # (they fill the disk as any other); forgotten once a scan no longer finds them.
         self._undeletable: dict[Path, int] = {}
         self._bad: set[Path] = set()  # refused files that could not be deleted: a lookup passes over them
+        self._unreadable: set[Path] = set()  # files this engine may not read (kept bad while they exist)
         self._strays: set[Path] = set()  # files named as no block is (logged when first seen): not counted, never evicted
         self._pending_bytes = 0
         self._queued: set[bytes] = set()
@@ -186,7 +187,8 @@ class DiskTier:
         with self._lock:
             self._index = OrderedDict((key, size) for key, (_, size) in sorted(found.items(), key=lambda kv: kv[1][0]))
             self._undeletable = undeletable | {f: size for f, size in self._undeletable.items() if f not in known}
-            self._bad &= self._undeletable.keys()
+            self._unreadable = {f for f in self._unreadable if f.exists()}
+            self._bad &= self._undeletable.keys() | self._unreadable
         self._strays = strays
 
     def _delete(self, path: Path) -> bool:
@@ -270,11 +272,16 @@ class DiskTier:
                 data = self._read_file(path)
             except FileNotFoundError:
                 return None  # evicted since the lookup (by another replica): computed, and saved again
-            except OSError as e:
-                # Unreadable to this engine (another uid's 0600 file on a shared volume, an I/O error): refused
-                # as a bad file is, so that it is neither opened nor logged again on each lookup.
-                log.warning("disk tier: %s cannot be read (%s): computing the block instead", path.name, e)
-                self._discard(key)
+            except PermissionError as e:
+                # Another uid's 0600 file on a shared volume: passed over from now on (neither opened nor logged
+                # again on each lookup), and left to its owner.
+                log.warning("disk tier: %s cannot be read (%s): passed over from now on", path.name, e)
+                with self._lock:
+                    self._bad.add(path)
+                    self._unreadable.add(path)
+                return None
+            except OSError as e:  # no file descriptor left, an I/O error: this read misses, the file stays
+                log.warning("disk tier: reading %s failed (%s): computing the block instead", path.name, e)
                 return None
             payload = self.decode(data, key, parent, chunk, rank)
             if payload is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -38,7 +39,8 @@ BLOCK_WRITE_BYTES_PER_STEP = 16 << 20
 # between steps (kv_tiers.DiskTier.read).
 TIER_READ_SHARE = 0.1
 # A constraint's masks may cost the first MASK_ALLOWANCE_S of a request (the library builds its lexer's
-# states as it meets them), then --structured-outputs-max-mask-ms a step on average.
+# states as it meets them), then --structured-outputs-max-mask-ms a mask on average (structured.py's
+# fill_masks times them once a step's masks are slow).
 MASK_ALLOWANCE_S = 0.1
 
 
@@ -155,8 +157,9 @@ class LLMEngine:
                                    max_block_writes=max(1, BLOCK_WRITE_BYTES_PER_STEP // self.runner.block_layout()[2]))
         if self.kv_tiers or self.kv_receiver:
             self.runner.stage_block_writes()
-        self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids)
         self.mask_budget_s = config.structured_outputs_max_mask_ms / 1000
+        self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
+                                        num_threads=config.num_threads or os.cpu_count() or 1, mask_budget_s=self.mask_budget_s)
         self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device, self.grammars)
         startup.mark("warm")
         self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids, _weakly(self._hold_for_transfer) if self.kv_sender else None)
@@ -310,7 +313,7 @@ class LLMEngine:
             if params.seed is not None:
                 seq.generator = self.runner.make_generator(params.seed + i)
             if admission.grammar is not None:
-                seq.guide = admission.grammar.matcher()
+                seq.guide, seq.constraint_key = admission.grammar.matcher(), admission.grammar.key
             seqs.append(seq)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -484,9 +487,11 @@ class LLMEngine:
                 continue
             seq.num_placeholders = 0  # its value is here (appended below, as any token)
             if seq.guide is not None and seq.mask_seconds > MASK_ALLOWANCE_S + self.mask_budget_s * seq.mask_steps:
-                failed[seq.request_id] = (f"{CONSTRAINT_FAILURE} the constraint's token masks took {seq.mask_seconds * 1000:.0f} ms over "
-                                          f"{seq.mask_steps} steps, past this server's bound ({self.mask_budget_s * 1000:g} ms a step after "
-                                          f"{MASK_ALLOWANCE_S * 1000:g} ms; --structured-outputs-max-mask-ms)")
+                why = (f"the constraint's token masks took {seq.mask_seconds * 1000:.0f} ms of CPU over {seq.mask_steps} masks, past "
+                       f"this server's bound ({self.mask_budget_s * 1000:g} ms a mask after {MASK_ALLOWANCE_S * 1000:g} ms; "
+                       "--structured-outputs-max-mask-ms)")
+                self.grammars.refuse(seq.constraint_key, why)
+                failed[seq.request_id] = f"{CONSTRAINT_FAILURE} {why}"
                 continue
             if i in out.errors:
                 guide_error = seq.guide.get_error() if seq.guide is not None and seq.guide.is_error() else None

@@ -266,9 +266,10 @@ def _allowed_tokens(seqs: list[Sequence], grammars: GrammarCompiler, buffers: In
     if not rows:
         return None, None
     masks = np.zeros((len(rows), grammars.mask_words), dtype=np.int32)
-    for seq, seconds in zip(guided, grammars.fill_masks(entries, masks.ctypes.data, len(rows))):
-        seq.mask_seconds += seconds  # charged against the engine's bound (llm_engine.py)
-        seq.mask_steps += 1
+    timed = grammars.fill_masks(entries, masks.ctypes.data, len(rows))
+    for seq, seconds in zip(guided, timed or ()):  # charged against the engine's bound (llm_engine.py), per row
+        seq.mask_seconds += seconds
+        seq.mask_steps += len(seq.spec_token_ids) + 1
     allowed = torch.from_numpy(np.unpackbits(masks.view(np.uint8), axis=-1, bitorder="little")[:, :grammars.vocab_size]).view(torch.bool)
     return buffers.upload(rows, torch.long), buffers.upload(allowed.reshape(-1), torch.bool).view(len(rows), -1)
 

@@ -46,8 +46,9 @@ class Sequence:
     num_preemptions: int = 0
     generator: Any = None                 # torch.Generator when the request is seeded (its rows draw from it)
     guide: Any = None                     # structured outputs: the matcher of its constraint, advanced on each output token
-    mask_seconds: float = 0.0             # what computing its masks has cost so far, over
-    mask_steps: int = 0                   # this many steps
+    constraint_key: Any = None            # its constraint's in the grammar cache (refused there if its masks cost too much)
+    mask_seconds: float = 0.0             # CPU time its masks took in the steps that timed them, over
+    mask_steps: int = 0                   # this many rows (a step with k proposed tokens has k + 1)
     kv_load: Any = None                   # KV tiers: its read of blocks past the in-memory prefix hits (kv_tiers.BlockLoad), until admitted
     tier_looked_up: bool = False          # whether that read was looked for since it last waited with no blocks
     kv_writes: list = field(default_factory=list)  # admitted: (block id, each rank's K/V) read from a tier, not yet in the cache

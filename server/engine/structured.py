@@ -54,7 +54,27 @@ ROW_ITEMS = 2_000
 MAX_ALTERNATIVES = ROW_ITEMS - 1          # anyOf/oneOf branches, non-string enum values, a grammar's `|`s
 MAX_OPTIONAL_PROPERTIES = (ROW_ITEMS - 8) // 4  # a row held 4n + 7 items for n optional properties
 MAX_PATTERN_PROPERTIES = 64               # compile time grows steeply with them: 200 took 0.8 s, 400 took 12 s
+# A compile ends by computing the first token mask (off the step loop: the library builds its lexer's
+# states there, and every sequence's copy shares them): a constraint whose first mask costs more than
+# this is refused, and one whose masks cost past the engine's bound later is refused from then on.
+FIRST_MASK_BOUND_S = 0.1
+TIMED_STEPS = 32                          # steps that time each row once a step's masks were slow (fill_masks)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Keyed:
+    """A constraint with its normalized text and its cache key: a digest, not the text (a cache of
+    4 MiB constraints would hold GBs). Made once per request (~20 ms a MiB), off the event loop."""
+
+    spec: StructuredOutput
+    text: str
+    key: tuple[str, bytes]
+
+
+def keyed(spec: StructuredOutput) -> Keyed:
+    text = normalized(spec)
+    return Keyed(spec, text, (spec.kind, hashlib.sha256(text.encode()).digest()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +83,7 @@ class Grammar:
 
     kind: str
     pristine: llguidance.LLMatcher
+    key: tuple[str, bytes]
 
     def matcher(self) -> llguidance.LLMatcher:
         return self.pristine.deep_copy()
@@ -71,12 +92,15 @@ class Grammar:
 class GrammarCompiler:
     """Compiles constraints for one tokenizer, caches them, and fills token masks for a step's rows."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...], cache_size: int = GRAMMAR_CACHE_SIZE):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int = 1,
+                 mask_budget_s: float = 0.003, cache_size: int = GRAMMAR_CACHE_SIZE):
         # The model's vocabulary may be padded past the tokenizer's: masks cover every logit.
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.vocab_size = vocab_size
         self.mask_words = (vocab_size + 31) // 32
-        self.executor = llguidance.LLExecutor(num_threads=1)  # rows are filled one call each (fill_masks): one thread is all it uses
+        self.executor = llguidance.LLExecutor(num_threads=num_threads)
+        self.mask_budget_s = mask_budget_s
+        self.timed_steps_left = 0            # fill_masks: steps that still time each row (see there)
         self.cache: OrderedDict[tuple[str, bytes], Grammar | str] = OrderedDict()  # a grammar, or why it is refused
         self.cache_size = cache_size
         self.lock = threading.Lock()
@@ -84,43 +108,74 @@ class GrammarCompiler:
         self.cache_hits = 0
         self.observe_compile: Callable[[float], None] = lambda seconds: None  # the server's histogram, when serving
 
-    def is_cached(self, spec: StructuredOutput) -> bool:
-        """Whether compile(spec) is a cache lookup (no compile)."""
-        with self.lock:
-            return _key(spec) in self.cache
-
     def compile(self, spec: StructuredOutput) -> Grammar:
         """The constraint's grammar, from the cache or compiled now (RequestRejected naming the
         request's field when it is not a valid constraint or breaks the library's limits). A refusal
         is cached as a grammar is: a retry costs no second compile."""
-        key, text = _key(spec), normalized(spec)
+        constraint = keyed(spec)
+        return self.lookup(constraint) or self.compile_new(constraint)
+
+    def lookup(self, constraint: Keyed) -> Grammar | None:
+        """The cached grammar (a cached refusal raised as RequestRejected), or None; counts a request."""
+        spec = constraint.spec
         with self.lock:
             self.requests_by_kind[spec.kind] = self.requests_by_kind.get(spec.kind, 0) + 1
-            compiled = self.cache.get(key)
-            if compiled is not None:
-                self.cache.move_to_end(key)
-                self.cache_hits += 1
-        if compiled is None:
-            started = time.perf_counter()
-            compiled = self._compile(spec, text)
-            self.observe_compile(time.perf_counter() - started)
-            with self.lock:
-                self.cache[key] = compiled
-                while len(self.cache) > self.cache_size:
-                    self.cache.popitem(last=False)
+            compiled = self.cache.get(constraint.key)
+            if compiled is None:
+                return None
+            self.cache.move_to_end(constraint.key)
+            self.cache_hits += 1
         if isinstance(compiled, str):
             raise RequestRejected(f"{spec.param}: {compiled}", spec.param)
         return compiled
 
-    def _compile(self, spec: StructuredOutput, text: str) -> Grammar | str:
+    def compile_new(self, constraint: Keyed) -> Grammar:
+        """Compile (after a lookup that missed) and cache the grammar or the refusal."""
+        started = time.perf_counter()
+        compiled = self._compile(constraint)
+        self.observe_compile(time.perf_counter() - started)
+        with self.lock:
+            self.cache[constraint.key] = compiled
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        if isinstance(compiled, str):
+            raise RequestRejected(f"{constraint.spec.param}: {compiled}", constraint.spec.param)
+        return compiled
+
+    def refuse(self, key: tuple[str, bytes], reason: str) -> None:
+        """From now on, refuse this constraint at admission: the engine ended a request of it for what
+        its masks cost (in CPU time), and sending it again must not cost the steps again."""
+        with self.lock:
+            self.cache[key] = reason
+
+    def _compile(self, constraint: Keyed) -> Grammar | str:
         """The grammar, or why the constraint is refused."""
-        too_deep = depth_problem(spec, text)
+        spec, text, kind = constraint.spec, constraint.text, constraint.spec.kind
+        too_deep = depth_problem(spec, text)  # before a GBNF grammar's conversion: a 6,000-rule one's took 13 s
         if too_deep:
             return too_deep
-        matcher = deep_stack_threads().run(lambda: self._matcher(spec.kind, text))
+        if kind == "grammar":  # Lark (llguidance's dialect), or a GBNF grammar (llama.cpp's, `name ::= ...`) converted
+            try:
+                text, kind = any_to_lark(text), "lark"
+            except Exception as e:  # noqa: BLE001 - the converter raises several types on bad input
+                return f"not a valid grammar constraint: {first_lines(str(e))}"
+        if kind in ("lark", "tool_calls"):
+            alternatives = count_alternatives(text)
+            if alternatives > MAX_ALTERNATIVES:
+                return (f"the {spec.kind} constraint has {alternatives} alternatives ('|', and the '?', '*', '+' and '[' that make "
+                        f"one); at most {MAX_ALTERNATIVES} are allowed (the grammar library's parser rows)")
+        matcher = deep_stack_threads().run(lambda: self._matcher(kind, text))
         if isinstance(matcher, str):
             return f"not a valid {spec.kind} constraint: {first_lines(matcher)}"
-        return Grammar(spec.kind, matcher)
+        started = time.thread_time()  # CPU time: waiting for the GIL must not refuse a constraint
+        matcher.compute_bitmask()  # on this thread; leaves the matcher where it is
+        cost = time.thread_time() - started
+        if matcher.is_error():
+            return f"the {spec.kind} constraint fails at its first token: {first_lines(matcher.get_error())}"
+        if cost > FIRST_MASK_BOUND_S:
+            return (f"the {spec.kind} constraint's first token mask took {cost * 1000:.0f} ms to compute; at most "
+                    f"{FIRST_MASK_BOUND_S * 1000:g} ms are allowed")
+        return Grammar(spec.kind, matcher, constraint.key)
 
     def _matcher(self, kind: str, text: str) -> llguidance.LLMatcher | str:
         """The compiled matcher, or the library's reason for refusing the text."""
@@ -131,22 +186,39 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         return matcher.get_error() if matcher.is_error() else matcher
 
-    def fill_masks(self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]], address: int, num_rows: int) -> list[float]:
+    def fill_masks(self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]], address: int, num_rows: int) -> list[float] | None:
         """Write the allowed-token bitmasks of a step's constrained rows into host memory at `address`
         ([num_rows, mask_words] int32, bit t of a row: token t allowed). Each entry is (matcher, its
         first row, the tokens proposed for it): row first + j is the mask after the first j proposed
-        tokens (speculative decoding), the matcher itself left where it was. Returns each entry's
-        seconds: one call per entry, so that what each constraint costs a step is known (the engine
-        bounds it: one 19-byte regex's rows made every co-batched stream 3.7x slower)."""
-        seconds = []
-        for matcher, first, proposed in rows:
-            started = time.perf_counter()
-            if proposed:
-                self.executor.unsafe_compute_mask_ptr_with_draft_token([(matcher, first, proposed)], address, self.mask_words * 4, num_rows)
-            else:
-                self.executor.unsafe_compute_mask_ptr([(matcher, first)], address, self.mask_words * 4, num_rows)
-            seconds.append(time.perf_counter() - started)
-        return seconds
+        tokens (speculative decoding), the matcher itself left where it was.
+
+        What each entry cost, in CPU seconds, when this step timed them, else None. The entries are
+        filled in one call over the library's threads while that is cheap; once a step's masks take
+        longer than mask_budget_s (one row's bound), the next TIMED_STEPS steps fill each entry in a
+        call of its own on this thread and return its thread time (waiting for the GIL is not counted),
+        so that the engine can end the rows whose masks cost past the bound (one 19-byte regex made
+        every co-batched stream 3.7x slower)."""
+        if self.timed_steps_left:
+            self.timed_steps_left -= 1
+            seconds = []
+            for entry in rows:
+                started = time.thread_time()
+                self._fill([entry], address, num_rows)  # one entry: computed on this thread
+                seconds.append(time.thread_time() - started)
+            return seconds
+        started = time.perf_counter()
+        self._fill(rows, address, num_rows)
+        if time.perf_counter() - started > self.mask_budget_s:
+            self.timed_steps_left = TIMED_STEPS
+        return None
+
+    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int, list[int]]], address: int, num_rows: int) -> None:
+        plain = [(m, first) for m, first, proposed in rows if not proposed]
+        if plain:
+            self.executor.unsafe_compute_mask_ptr(plain, address, self.mask_words * 4, num_rows)
+        speculated = [row for row in rows if row[2]]
+        if speculated:
+            self.executor.unsafe_compute_mask_ptr_with_draft_token(speculated, address, self.mask_words * 4, num_rows)
 
 
 class DeepStackThreads:
@@ -177,6 +249,8 @@ class DeepStackThreads:
     def _work(self) -> None:
         while True:
             fn, done = self._jobs.get()
+            if not done.set_running_or_notify_cancel():  # cancelled while it waited; once running it cannot be
+                continue
             try:
                 done.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
@@ -198,24 +272,20 @@ def deep_stack_threads() -> DeepStackThreads:
 
 
 def depth_problem(spec: StructuredOutput, text: str) -> str | None:
-    """Why the library could recurse too deep on the constraint, or fail it mid-generation on a row
-    too wide (or compile it for seconds), or None. A JSON schema: more than MAX_SCHEMA_OBJECTS
-    objects, an object wider than the bounds above, or a longest path through its subschemas and
-    $refs (a cycle of references counts all its members: its recursion is bounded by them) past
-    MAX_CONSTRAINT_DEPTH. A grammar (Lark, GBNF, a tool-call grammar with %json schemas in it): more
-    than MAX_ALTERNATIVES alternatives in all (what may come next at one point), or more definitions plus '{'s (each subschema of an
-    embedded schema has one) than MAX_CONSTRAINT_DEPTH, since no chain can visit one twice. A regex
-    or a choice: its nesting is bounded by the library's own parsers."""
+    """Why the library could recurse too deep on the constraint (or, for a JSON schema, fail it
+    mid-generation on a row too wide, or compile it for seconds), or None. A JSON schema: more than
+    MAX_SCHEMA_OBJECTS objects, an object wider than the bounds above, or a longest path through its
+    subschemas and $refs (a cycle of references counts all its members: its recursion is bounded by
+    them) past MAX_CONSTRAINT_DEPTH. A grammar (Lark, GBNF, a tool-call grammar with %json schemas in
+    it): more definitions plus '{'s (each subschema of an embedded schema has one) than
+    MAX_CONSTRAINT_DEPTH, since no chain can visit one twice (its alternatives are counted once it is
+    Lark: count_alternatives). A regex or a choice: its nesting is bounded by the library's own parsers."""
     if spec.kind == "json":
         depth = schema_depth_bound(spec.value)
         if isinstance(depth, str):
             return depth
         what = "its subschemas and $refs"
     elif spec.kind in ("grammar", "tool_calls"):
-        alternatives = sum(1 for token in _GRAMMAR_TOKEN.findall(text) if len(token) == 1)
-        if alternatives > MAX_ALTERNATIVES:
-            return (f"the {spec.kind} constraint has {alternatives} alternatives ('|', and the '?', '*', '+' and '[' that make one); "
-                    f"at most {MAX_ALTERNATIVES} are allowed (the grammar library's parser rows)")
         depth, what = len(_DEFINITION.findall(text)) + text.count("{"), "its rules (and embedded schemas)"
     else:
         return None
@@ -248,9 +318,41 @@ def width_problem(node: dict) -> str | None:
 
 # A Lark rule or terminal (`name:`, `?name:`, `name.2:`) or a GBNF rule (`name ::=`) at a line's start.
 _DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?::|::=)", re.M)
-# What makes an alternative in a grammar ('|', and '?', '*', '+', '[' each make an implicit one),
-# passing over what may hold them: comments, string literals, regexes.
-_GRAMMAR_TOKEN = re.compile(r'//[^\n]*|#[^\n]*|"(?:\\.|[^"\\\n])*"|/(?:\\.|[^/\\\n])+/|[|?*+\[]')
+# What makes an alternative in a Lark grammar ('|', and '?', '*', '+', '[' each make an implicit one:
+# group 1), passing over what may hold those characters: comments, string literals, regexes, a `?rule:`
+# prefix (it inlines the rule), and %json schemas (their objects are bounded as a schema's are not).
+_GRAMMAR_TOKEN = re.compile(r'//[^\n]*|"(?:\\.|[^"\\\n])*"|/(?:\\.|[^/\\\n])+/[imslux]*|^[ \t]*\?(?=\w)|%json\b|([|?*+\[])', re.M)
+
+
+def count_alternatives(lark: str) -> int:
+    """The alternatives a Lark grammar makes in all (what may come next at one point is among them);
+    its embedded %json schemas are skipped."""
+    count, at = 0, 0
+    while match := _GRAMMAR_TOKEN.search(lark, at):
+        at = match.end()
+        if match.group(0) == "%json":
+            at = _after_json_object(lark, at)
+        elif match.group(1):
+            count += 1
+    return count
+
+
+def _after_json_object(text: str, at: int) -> int:
+    """Where the JSON object that starts at or after `at` ends (its braces balanced, strings skipped)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(at, len(text)):
+        c = text[i]
+        if in_string:
+            in_string, escaped = (not (c == '"' and not escaped)), (c == "\\" and not escaped)
+        elif c == '"':
+            in_string = True
+        elif c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
 
 
 def schema_depth_bound(schema) -> int | str:
@@ -359,11 +461,6 @@ def _resolve_pointer(schema, ref: str):
     return node
 
 
-def _key(spec: StructuredOutput) -> tuple[str, bytes]:
-    """The cache's key: a digest, not the text (a cache of 4 MiB constraints would hold GBs)."""
-    return spec.kind, hashlib.sha256(normalized(spec).encode()).digest()
-
-
 def normalized(spec: StructuredOutput) -> str:
     """The constraint as one canonical text (the cache key): JSON with sorted keys, or the text itself."""
     if spec.kind == "json":
@@ -384,7 +481,7 @@ def grammar_text(kind: str, text: str) -> str:
     if kind == "choice":
         # One alternative per choice, each a Lark string literal (JSON's escapes are the same).
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text)))
-    if kind == "tool_calls":
+    if kind in ("tool_calls", "lark"):  # lark: a grammar constraint already converted (GrammarCompiler._compile)
         return llguidance.LLMatcher.grammar_from_lark(text)
     if kind == "grammar":
         # Lark (llguidance's dialect); a GBNF grammar (llama.cpp's, rules written `name ::= ...`) is converted.
