@@ -44,9 +44,9 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = Field(True, description="Split long prompts over several steps.")
     kv_cache_memory: int = Field(1 << 30, ge=1 << 20, description="Bytes of KV cache on CPU (e.g. 1GiB).")
     structured_outputs_max_mask_ms: float = Field(3.0, gt=0, description=(
-        "What a structured-output constraint's token masks may cost a step, on average over its steps after a first 100 ms "
-        "(for the library to build its lexer): a request past it ends with an error naming it, so constrained rows cannot slow "
-        "the others' steps by more than this each."))
+        "What a structured-output constraint's token mask may cost, in CPU time, on average after a first 25 ms (for the library "
+        "to build lexer states); timed once a step's masks take longer than this. A request past it ends with an error naming its "
+        "field and the constraint is refused from then on, so constrained rows cannot slow the others' steps by more than this each."))
     kv_offload_dir: str | None = Field(None, description=(
         "A disk tier for the prefix cache: full KV blocks are saved here as files named by their key, and a prompt whose prefix "
         "fell out of the cache (or was computed by another engine sharing the directory, or before a restart) is read back "

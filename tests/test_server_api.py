@@ -299,10 +299,12 @@ def test_request_log_lines_have_no_prompt(server):
 
 
 def test_a_slow_constraint_compile_does_not_stall_running_streams(served):
-    """A 6,000-property schema takes seconds to compile. The API process compiles it in its tokenizer
-    pool; the engine core compiled it again on its step loop, and every running stream stopped for as
-    long (7 s with 10,000 properties, issue #75). A stream running meanwhile now never waits on it."""
-    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(6000)}}
+    """A schema of 30 objects of 400 optional properties takes about a second to compile (the longest
+    we found within the bounds of issue #76). The API process compiles it on its compile threads; the
+    engine core compiled it again on its step loop, and every running stream stopped for as long (7 s
+    with 10,000 properties, issue #75). A stream running meanwhile now never waits on it."""
+    schema = {"type": "object", "properties": {f"o{j}": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(400)}}
+                                               for j in range(30)}, "required": ["o0"]}
     arrivals: list[float] = []
     started, done = threading.Event(), threading.Event()
 
@@ -325,14 +327,12 @@ def test_a_slow_constraint_compile_does_not_stall_running_streams(served):
         "response_format": {"type": "json_schema", "json_schema": {"name": "wide", "schema": schema}}})
     answered = time.monotonic()
     done.set()
-    # It compiled; its first mask breaks the library's row limit of 2,000 items (its request fails
-    # alone: issue #76 refuses such a constraint up front). What counts here is the stream meanwhile.
-    assert r.status_code in (200, 500), r.text
+    assert r.status_code == 200, r.text
     streamer.join(300)
     during = [t for t in arrivals if sent <= t <= answered]
     gaps = [b - a for a, b in zip(during, during[1:])]
     print(f"compile window {answered - sent:.1f} s, {len(during)} stream chunks in it, longest gap {max(gaps, default=0):.2f} s")
-    assert len(during) >= 10 and max(gaps) < (answered - sent) / 4
+    assert len(during) >= 5 and max(gaps) < (answered - sent) / 3
 
 
 def test_a_deep_constraint_never_takes_the_server_down(served):

@@ -38,10 +38,10 @@ BLOCK_WRITE_BYTES_PER_STEP = 16 << 20
 # Beside running sequences, reading a KV tier's files takes this share of the time of the step before,
 # between steps (kv_tiers.DiskTier.read).
 TIER_READ_SHARE = 0.1
-# A constraint's masks may cost the first MASK_ALLOWANCE_S of a request (the library builds its lexer's
-# states as it meets them), then --structured-outputs-max-mask-ms a mask on average (structured.py's
-# fill_masks times them once a step's masks are slow).
-MASK_ALLOWANCE_S = 0.1
+# A constraint's masks may cost the first MASK_ALLOWANCE_S of a request (the library builds lexer states
+# as it meets them; the first mask's were built at compile), then --structured-outputs-max-mask-ms a
+# mask on average (structured.py's fill_masks times them once a step's masks are slow).
+MASK_ALLOWANCE_S = 0.025
 
 
 @dataclass(slots=True)
