@@ -353,6 +353,28 @@ def test_auto_answers_in_text_or_calls_and_a_tool_result_round_trips(constrained
     assert answer.usage.prompt_tokens > without.usage.prompt_tokens
 
 
+def test_the_sdk_chat_loop_appends_each_reply_with_model_dump(constrained_client):
+    """Issue #77 (in part): the openai SDK's usual loop appends `message.model_dump()`, which carries
+    refusal, annotations, audio and function_call (all null); each was a 400 "unknown parameter". A
+    call, its result, an answer and one more turn now go through, and the SDK's dict renders as the
+    same message without those fields."""
+    kw = dict(model="smollm2-135m", tools=TOOLS, temperature=0)
+    history = list(ASK)
+    call = constrained_client.chat.completions.create(messages=history, tool_choice="required", max_tokens=80, parallel_tool_calls=False,
+                                                      **kw).choices[0].message
+    dumped = call.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= dumped.keys() and dumped["tool_calls"]
+    history += [dumped, {"role": "tool", "tool_call_id": call.tool_calls[0].id, "content": "21 C, sunny"}]
+    answer = constrained_client.chat.completions.create(messages=history, tool_choice="none", max_tokens=16, **kw)
+    bare = {"role": "assistant", "content": None, "tool_calls": [{"id": c.id, "type": "function", "function": {
+        "name": c.function.name, "arguments": c.function.arguments}} for c in call.tool_calls]}
+    same = constrained_client.chat.completions.create(messages=history[:-2] + [bare, history[-1]], tool_choice="none", max_tokens=16, **kw)
+    assert answer.choices[0].message.content == same.choices[0].message.content and answer.usage.prompt_tokens == same.usage.prompt_tokens
+    history += [answer.choices[0].message.model_dump(), {"role": "user", "content": "And tomorrow?"}]
+    last = constrained_client.chat.completions.create(messages=history, tool_choice="none", max_tokens=8, **kw)
+    assert last.choices[0].message.content and last.usage.prompt_tokens > answer.usage.prompt_tokens
+
+
 @pytest.mark.parametrize("body, param, needle", [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
     ({"tool_choice": "required"}, "tool_choice", "only allowed when tools"),
@@ -363,6 +385,9 @@ def test_auto_answers_in_text_or_calls_and_a_tool_result_round_trips(constrained
     ({"functions": [{"name": "f"}]}, "functions", "use tools"),
     ({"messages": [{"role": "user", "content": "hi", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages", "only assistant messages"),
+    ({"messages": [{"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": "{}"}}]}, "messages", "use tool_calls"),
+    ({"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}}]}, "messages", "audio is not supported"),
+    ({"messages": [{"role": "user", "content": "hi", "reasoning_content": "hmm"}]}, "messages", "only assistant messages carry reasoning"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(constrained_server, body, param, needle):
     r = httpx.post(constrained_server.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, **body}, timeout=30)
@@ -402,3 +427,19 @@ def test_the_parser_flags_llama3_json_calls_and_deepseek_r1_reasoning(llama_thin
                 assert not delta.get("content")
                 thought += delta.get("reasoning_content", "")
     assert thought == whole["reasoning_content"]
+
+
+def test_a_reply_with_reasoning_goes_back_as_the_sdk_dumps_it(llama_thinking_server):
+    """With --reasoning-parser, the SDK's `model_dump()` of a reply carries our own reasoning_content:
+    it was refused as an unknown parameter. It goes back now, to the template (which keeps or drops it)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=llama_thinking_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    first = client.chat.completions.create(model="smollm2-135m", messages=ASK, temperature=0, max_tokens=12).choices[0].message
+    dumped = first.model_dump()
+    assert dumped.get("reasoning_content") and {"refusal", "annotations", "audio", "function_call"} <= dumped.keys()
+    history = ASK + [dumped, {"role": "user", "content": "Thanks."}]
+    again = client.chat.completions.create(model="smollm2-135m", messages=history, temperature=0, max_tokens=4)
+    bare = client.chat.completions.create(model="smollm2-135m", messages=ASK + [{"role": "assistant", "content": None}, history[-1]],
+                                          temperature=0, max_tokens=4)
+    assert again.choices[0].finish_reason and again.usage.prompt_tokens >= bare.usage.prompt_tokens

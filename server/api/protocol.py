@@ -228,10 +228,29 @@ class ChatMessage(BaseModel):
     name: Text | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None                    # a tool message: the call it answers
+    # What the SDKs send back with a reply they returned (openai's `message.model_dump()`, the usual chat
+    # loop): taken as OpenAI takes them. A refusal and annotations are not part of the prompt; reasoning
+    # (ours, under either name) goes to the template, which keeps or drops it; audio and the legacy
+    # function_call must be empty (this server never returns them).
+    refusal: Text | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content if isinstance(self.content, str) or self.content is None else "".join(p.text for p in self.content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.function_call is not None:
+            raise ValueError("messages: function_call is not supported (use tool_calls)")
+        if self.audio is not None:
+            raise ValueError("messages: audio is not supported")
+        reasoning = self.reasoning_content or self.reasoning
+        if reasoning:
+            if self.role != "assistant":
+                raise ValueError("messages: only assistant messages carry reasoning")
+            message["reasoning_content"] = reasoning
         if self.tool_calls:
             if self.role != "assistant":
                 raise ValueError("messages: only assistant messages carry tool_calls")
