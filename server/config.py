@@ -363,6 +363,10 @@ class ServerConfig(BaseModel):
         "Threads that tokenize prompts, apply chat templates and serve /tokenize and /detokenize (off the event loop)."))
     max_pending_tokenizations: int = Field(64, ge=0, description=(
         "Tokenization tasks that may wait for a tokenizer thread; beyond it, 429 with Retry-After."))
+    reject_unknown_fields: bool = Field(False, description=(
+        "Refuse (400) request fields this server does not know, at a request's top level, in its messages and stream_options; "
+        "by default they are ignored, as vLLM does, and named in the x-kvpilot-ignored-fields response header and a log line. "
+        "Unknown fields inside constraints and tools are always refused."))
     max_compiles_per_client: int = Field(1, ge=1, description=(
         "Structured-output constraints one client (by address) may have compiling at once (on the compile threads, not the "
         "tokenizer pool); beyond it, 429 with Retry-After. A constraint already compiled is a cache hit and does not count."))

@@ -49,6 +49,9 @@ class ServerState:
     started: float = field(default_factory=time.time)
 
 
+IGNORED_FIELDS_HEADER = "x-kvpilot-ignored-fields"
+
+
 class EventStream(StreamingResponse):
     """Server-sent events whose engine requests are released however the response ends, even when
     the client left before the first byte (the body generator is then never started)."""
@@ -116,30 +119,45 @@ def build_app(state: ServerState) -> FastAPI:
         if not state.engine.alive:
             raise EngineDeadError("the engine is not running")
 
-    def respond(result):
+    def ignoring(req) -> dict[str, str]:
+        """The request's fields this server does not know: refused (--reject-unknown-fields), or named in
+        a response header and a log line, and ignored."""
+        ignored = req.ignored_fields()
+        if not ignored:
+            return {}
+        if state.config.reject_unknown_fields:
+            raise APIError(400, f"unknown parameter '{ignored[0]}'", ignored[0], "unknown_parameter")
+        log.warning("ignored request fields: %s", ", ".join(ignored))
+        return {IGNORED_FIELDS_HEADER: ", ".join(ignored)}
+
+    def respond(result, headers: dict[str, str]):
         if isinstance(result, dict):
-            return JSONResponse(result)
-        return EventStream(result.events, on_close=lambda: state.engine.release(result.job_ids))
+            return JSONResponse(result, headers=headers)
+        response = EventStream(result.events, on_close=lambda: state.engine.release(result.job_ids))
+        response.headers.update(headers)
+        return response
 
     guarded = [Depends(accepting)]
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(req: CompletionRequest, request: Request):
+        ignored = ignoring(req)
         adapter = serving.check_model(req.model)
         params = req.params()
         prompts = req.prompts()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return respond(await serving.completions(prompts, params, req.stream, include_usage, lambda: wait_for_disconnect(request),
-                                                 client_of(request), adapter))
+                                                 client_of(request), adapter), ignored)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(req: ChatCompletionRequest, request: Request):
+        ignored = ignoring(req)
         adapter = serving.check_model(req.model)
         params = req.params(serving.tool_format)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         messages = [m.as_template_dict() for m in req.messages]
         return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, include_usage, req.top_logprobs or 0,
-                                          lambda: wait_for_disconnect(request), client_of(request), req.tool_use(), adapter))
+                                          lambda: wait_for_disconnect(request), client_of(request), req.tool_use(), adapter), ignored)
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi():

@@ -1,7 +1,11 @@
 """OpenAI request bodies (pydantic) and their translation to SamplingParams.
 
-Unknown fields are rejected (400 naming them) rather than silently ignored; OpenAI fields we do not
-implement are declared so that setting them gets a 400 that says so by name.
+Fields this server does not know are ignored where clients send them (a request's top level, its
+messages, stream_options), as vLLM does, and named: `ignored_fields()` (the server puts them in a
+response header and a log line, or refuses them with --reject-unknown-fields). Inside what shapes
+the output (constraints, tools, tool_choice) an unknown field is a 400, since ignoring it would
+change the answer unseen. OpenAI fields we do not implement are declared so that setting them gets a
+400 that says so by name.
 """
 
 from __future__ import annotations
@@ -35,8 +39,16 @@ class UnsupportedParameter(ValueError):
         self.param = param
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Lenient(BaseModel):
+    """A part of a request where fields this server does not know are ignored (and named)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        return [f"{prefix}{name}" for name in self.model_extra or ()]
+
+
+class StreamOptions(_Lenient):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -80,9 +92,7 @@ def _json_schema(value: dict[str, Any] | str, param: str) -> dict[str, Any]:
     return value
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class _SamplingFields(_Lenient):
     model: Text | None = None
     n: int = Field(1, ge=1, le=16)
     temperature: float | None = None
@@ -114,6 +124,15 @@ class _SamplingFields(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's prefill/decode disaggregation fields (engine/kv_transfer.py)
     # OpenAI fields we do not implement: a 400 names them when set
     best_of: int | None = None
+
+    def ignored_fields(self) -> list[str]:
+        """The fields of this request that were ignored, by path (e.g. "store", "messages.1.audio_id")."""
+        names = self.unknown_fields()
+        if self.stream_options is not None:
+            names += self.stream_options.unknown_fields("stream_options.")
+        for i, message in enumerate(getattr(self, "messages", ())):
+            names += message.unknown_fields(f"messages.{i}.")
+        return names
 
     def token_biases(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -221,8 +240,7 @@ class AssistantToolCall(BaseModel):
     function: CalledFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
