@@ -130,8 +130,6 @@ class _SamplingFields(_Lenient):
         names = self.unknown_fields()
         if self.stream_options is not None:
             names += self.stream_options.unknown_fields("stream_options.")
-        for i, message in enumerate(getattr(self, "messages", ())):
-            names += message.unknown_fields(f"messages.{i}.")
         return names
 
     def token_biases(self) -> dict[int, float] | None:
@@ -324,6 +322,7 @@ class ToolUse:
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -335,6 +334,9 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's deprecated forms of tools: a 400 names them
     functions: list[Any] | None = None
     function_call: Any = None
+
+    def ignored_fields(self) -> list[str]:
+        return super().ignored_fields() + [name for i, m in enumerate(self.messages) for name in m.unknown_fields(f"messages.{i}.")]
 
     def tool_use(self) -> ToolUse | None:
         """The tools this request renders (and, unless tool_choice is none, parses); None: no tools."""

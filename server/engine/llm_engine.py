@@ -157,9 +157,9 @@ class LLMEngine:
                                    max_block_writes=max(1, BLOCK_WRITE_BYTES_PER_STEP // self.runner.block_layout()[2]))
         if self.kv_tiers or self.kv_receiver:
             self.runner.stage_block_writes()
-        self.mask_budget_s = config.structured_outputs_max_mask_ms / 1000
         self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
-                                        num_threads=config.num_threads or os.cpu_count() or 1, mask_budget_s=self.mask_budget_s)
+                                        num_threads=config.num_threads or os.cpu_count() or 1,
+                                        mask_budget_s=config.structured_outputs_max_mask_ms / 1000)
         self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device, self.grammars)
         startup.mark("warm")
         self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids, _weakly(self._hold_for_transfer) if self.kv_sender else None)
@@ -486,9 +486,10 @@ class LLMEngine:
             if seq.request_id in failed or seq.is_finished:
                 continue
             seq.num_placeholders = 0  # its value is here (appended below, as any token)
-            if seq.guide is not None and seq.mask_seconds > MASK_ALLOWANCE_S + self.mask_budget_s * seq.mask_steps:
+            budget = self.grammars.mask_budget_s
+            if seq.guide is not None and seq.mask_seconds > MASK_ALLOWANCE_S + budget * seq.mask_steps:
                 why = (f"the constraint's token masks took {seq.mask_seconds * 1000:.0f} ms of CPU over {seq.mask_steps} masks, past "
-                       f"this server's bound ({self.mask_budget_s * 1000:g} ms a mask after {MASK_ALLOWANCE_S * 1000:g} ms; "
+                       f"this server's bound ({budget * 1000:g} ms a mask after {MASK_ALLOWANCE_S * 1000:g} ms; "
                        "--structured-outputs-max-mask-ms)")
                 self.grammars.refuse(seq.constraint_key, why)
                 failed[seq.request_id] = f"{CONSTRAINT_FAILURE} {why}"
