@@ -179,6 +179,20 @@ def test_fields_the_server_does_not_know_are_ignored_and_named(served):
     assert r.headers["x-kvpilot-ignored-fields"] == "prompt_cache_key, stream_options.extra"
 
 
+def test_odd_field_names_are_named_safely(served):
+    """CI's schema fuzzing sent a field named "\\r": the header that named it was illegal, so the
+    server dropped the connection without a response. Names are now percent-encoded where not plain,
+    and a body with many unknown fields gets a header of bounded size."""
+    raw = b'{"\\r": null, "caf\\u00e9 x": 1, "prompt": "x", "max_tokens": 2}'
+    r = httpx.post(served.url + "/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvpilot-ignored-fields"] == "%0D, caf%C3%A9%20x"
+    many = {f"f{i}": i for i in range(40)}
+    r = httpx.post(served.url + "/v1/completions", json={**many, "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvpilot-ignored-fields"] == ", ".join(f"f{i}" for i in range(16)) + ", (+24 more)"
+
+
 @pytest.fixture(scope="module")
 def strict_server(tmp_path_factory):
     yield from serve_for_tests(tmp_path_factory, "--max-num-seqs", "2", "--kv-cache-memory", "64MiB", "--reject-unknown-fields")
@@ -186,7 +200,8 @@ def strict_server(tmp_path_factory):
 
 def test_reject_unknown_fields_makes_them_400s_naming_them(strict_server):
     for path, body, param in [("/v1/completions", {"prompt": "x", "store": True}, "store"),
-                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "audio_id": "a"}]}, "messages.0.audio_id")]:
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "audio_id": "a"}]}, "messages.0.audio_id"),
+                              ("/v1/completions", {"prompt": "x", "\r\n": 1}, "%0D%0A")]:
         r = httpx.post(strict_server.url + path, json={**body, "max_tokens": 2}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param and r.json()["error"]["code"] == "unknown_parameter", r.text
     r = httpx.post(strict_server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)

@@ -50,6 +50,7 @@ class ServerState:
 
 
 IGNORED_FIELDS_HEADER = "x-kvpilot-ignored-fields"
+MAX_NAMED_IGNORED_FIELDS = 16  # a header stays small however many fields a body holds
 
 
 class EventStream(StreamingResponse):
@@ -127,8 +128,11 @@ def build_app(state: ServerState) -> FastAPI:
             return {}
         if state.config.reject_unknown_fields:
             raise APIError(400, f"unknown parameter '{ignored[0]}'", ignored[0], "unknown_parameter")
-        log.warning("ignored request fields: %s", ", ".join(ignored))
-        return {IGNORED_FIELDS_HEADER: ", ".join(ignored)}
+        named = ", ".join(ignored[:MAX_NAMED_IGNORED_FIELDS])
+        if len(ignored) > MAX_NAMED_IGNORED_FIELDS:
+            named += f", (+{len(ignored) - MAX_NAMED_IGNORED_FIELDS} more)"
+        log.warning("ignored request fields: %s", named)
+        return {IGNORED_FIELDS_HEADER: named}
 
     def respond(result, headers: dict[str, str]):
         if isinstance(result, dict):

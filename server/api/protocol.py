@@ -11,6 +11,7 @@ change the answer unseen. OpenAI fields we do not implement are declared so that
 from __future__ import annotations
 
 import json
+import urllib.parse
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -45,7 +46,14 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def unknown_fields(self, prefix: str = "") -> list[str]:
-        return [f"{prefix}{name}" for name in self.model_extra or ()]
+        return [f"{prefix}{printable_name(name)}" for name in self.model_extra or ()]
+
+
+def printable_name(name: str) -> str:
+    """A client's field name as a response header, a log line and an error message can carry it: a
+    name may hold any character ("\\r" would make the header illegal and drop the response), so all
+    but letters, digits and `_-.` are percent-encoded (UTF-8)."""
+    return urllib.parse.quote(name, safe="_-.")
 
 
 class StreamOptions(_Lenient):
