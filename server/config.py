@@ -39,6 +39,11 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=16, description="Longest prompt + output in tokens (default: the model's context, capped by the KV cache).")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine step.")
     max_num_batched_tokens: int = Field(2048, ge=16, description="Token budget of one engine step (prefill chunks + decodes).")
+    scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description=(
+        "Which waiting request runs next, as vLLM's: fcfs = arrival order (a request with a non-zero priority is a 400); priority = "
+        "by the request field priority (an integer, default 0; lower runs first), then arrival, and when the KV cache is full the "
+        "running request with the highest priority value (the latest among equals) is preempted. A running request is never "
+        "preempted for a waiting one."))
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts over several steps.")

@@ -50,7 +50,7 @@ class _StuckEngine:
     def needs_step(self) -> bool:
         return bool(self.requests)
 
-    def add_admitted(self, admission, request_id) -> None:
+    def add_admitted(self, admission, request_id, arrival_time=None) -> None:
         self.requests.append(request_id)
 
     def step_or_fail_open(self):

@@ -232,7 +232,9 @@ def test_batched_processing_equals_row_by_row():
 
 def test_several_tokens_appended_at_once_stop_at_the_first_stop(llm):
     """What speculative decoding will do: a run of tokens appended in one step ends the sequence at the
-    first token that stops it (a stop token id here, max_tokens next), and nothing after it is kept."""
+    first token that stops it (a stop token id here, max_tokens next, a stop string in the output
+    assembler last, which tells the engine), and nothing after it is kept."""
+    from kvpilot.server.engine.output_assembler import OutputAssembler
     from kvpilot.server.engine.output_processor import OutputProcessor
     from kvpilot.server.engine.scheduler import Scheduler
 
@@ -241,12 +243,16 @@ def test_several_tokens_appended_at_once_stop_at_the_first_stop(llm):
     ids = tok.encode("one two three four five six")
     out = OutputProcessor(Scheduler(engine.block_manager, 4, 64), tok.eos_token_ids)
 
+    told = []
+
     def run(params, tokens):
         s = Sequence(0, "r", 0, [1, 2], params)
-        out.add("r", None, [1, 2], [s], lambda: engine._detokenizer(tok, True), 0.0)
+        out.add("r", [s], 0.0)
         out.scheduler.add(s)
+        assembler = OutputAssembler(tok, lambda *stop: told.append(stop))
+        assembler.add("r", None, [1, 2], params)
         out.append(s, tokens, None, 0.0)
-        return out.request_output("r").outputs[0]
+        return assembler.apply(out.delta("r")).outputs[0]
 
     stopped = run(SamplingParams(max_tokens=10, stop_token_ids=[ids[2]]), ids)
     assert stopped.token_ids == ids[:3] and stopped.finish_reason == "stop" and stopped.stop_reason == ids[2]
@@ -255,3 +261,4 @@ def test_several_tokens_appended_at_once_stop_at_the_first_stop(llm):
     assert capped.token_ids == ids[:2] and capped.finish_reason == "length"
     whole = run(SamplingParams(max_tokens=10, stop=[" four"]), ids)
     assert whole.finish_reason == "stop" and whole.text == "one two three" and len(whole.token_ids) <= 4
+    assert told == [("r", 0, " four")]

@@ -2,8 +2,9 @@
 
 Checked after every step: no block leaked or double-freed, ref counts equal the block tables that
 hold them, free and held blocks partition the cache, step budgets hold, running sequences use at most
-max_loras LoRA adapters, cached blocks chain from their sequence's adapter, and in the end every
-request finishes exactly once (none dropped, duplicated or starved)."""
+max_loras LoRA adapters, cached blocks chain from their sequence's adapter, under the priority policy
+the waiting queue stays in (priority, arrival) order, and in the end every request finishes exactly
+once (none dropped, duplicated or starved), under either policy."""
 
 import random
 from collections import Counter
@@ -26,6 +27,9 @@ def check_invariants(bm: BlockManager, sched: Scheduler) -> None:
     for h, block_id in bm.cached.items():
         assert bm.blocks[block_id].hash == h
     assert all(not s.block_table for s in sched.waiting if s.num_computed_tokens == 0)
+    if sched.policy == "priority":  # the waiting queue stays in (priority, arrival) order
+        ranks = [(s.params.priority, s.seq_id) for s in sched.waiting]
+        assert ranks == sorted(ranks)
     for s in sched.running:
         assert len(s.block_table) * bm.block_size >= s.num_computed_tokens
         assert len(s.block_hashes) <= len(s.block_table)
@@ -50,7 +54,8 @@ def workloads(draw):
         reqs.append((plen, out, arrive, abort_at, draw(st.integers(0, 3))))  # its LoRA adapter (0: none)
     return dict(block_size=block_size, num_blocks=num_blocks, vocab=vocab, reqs=reqs, max_loras=draw(st.integers(1, 2)),
                 max_num_seqs=draw(st.integers(1, 8)), budget=draw(st.integers(max(16, block_size), 96)),
-                chunked=draw(st.booleans()), prefix=draw(st.booleans()), seed=draw(st.integers(0, 10**6)))
+                chunked=draw(st.booleans()), prefix=draw(st.booleans()), seed=draw(st.integers(0, 10**6)),
+                policy=draw(st.sampled_from(["fcfs", "priority"])), priorities=draw(st.lists(st.integers(-2, 2), min_size=n, max_size=n)))
 
 
 @settings(max_examples=150, deadline=None)
@@ -59,11 +64,12 @@ def test_scheduler_properties(w):
     rng = random.Random(w["seed"])
     bm = BlockManager(w["num_blocks"], w["block_size"], w["prefix"], adapter_fingerprint=lambda adapter: bytes([adapter]))
     budget = w["budget"] if w["chunked"] else max(w["budget"], 64)
-    sched = Scheduler(bm, w["max_num_seqs"], budget, w["chunked"], w["max_loras"])
+    sched = Scheduler(bm, w["max_num_seqs"], budget, w["chunked"], w["max_loras"], policy=w["policy"])
     seqs, finished, lengths = [], Counter(), {}
     for i, (plen, out, arrive, abort_at, adapter) in enumerate(w["reqs"]):
         prompt = [rng.randrange(w["vocab"]) for _ in range(plen)]
-        seqs.append((arrive, abort_at, Sequence(i, f"r{i}", 0, prompt, SamplingParams(max_tokens=out, ignore_eos=True), adapter=adapter)))
+        seqs.append((arrive, abort_at, Sequence(i, f"r{i}", 0, prompt, SamplingParams(max_tokens=out, ignore_eos=True, priority=w["priorities"][i]),
+                                             adapter=adapter)))
     for step in range(5000):
         for arrive, abort_at, seq in seqs:
             if arrive == step:

@@ -1,8 +1,11 @@
 """Runs the synchronous engine in its own thread; the asyncio side submits, streams and aborts.
 
 The engine thread owns the LLMEngine: it builds it (see AsyncEngine.launch for why) and every change
-to it (add, abort) is a command queued to that thread, so there is no lock around the model. Outputs
-go back to each request's asyncio.Queue via loop.call_soon_threadsafe, one wake-up per step.
+to it is a command queued to that thread, so there is no lock around the model: AddRequest and Abort,
+the messages the engine core in its own process takes too (engine_core.py), and Call (a change to
+engine state between steps). The engine assembles its outputs itself (engine/output_assembler.py, the
+assembler the API process runs on the core's deltas); they go back to each request's asyncio.Queue via
+loop.call_soon_threadsafe, one wake-up per step.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvpilot.server.adapters import AdapterError
+from kvpilot.server.api.engine_core import Abort, AddRequest
 from kvpilot.server.engine.limits import CONSTRAINT_FAILURE, Admission, RequestRejected
 from kvpilot.server.engine.llm_engine import LLMEngine
 from kvpilot.server.engine.outputs import RequestOutput
@@ -60,6 +64,15 @@ class Job:
     admission: Admission
 
 
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Run fn(engine) on the engine thread between steps; settle `done` (on `loop`) with its result."""
+
+    fn: Callable[[LLMEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -69,10 +82,11 @@ class _Stream:
 
 @dataclass
 class AsyncEngine:
+    same_process: ClassVar[bool] = True    # the engine takes the API's objects as they are (its compiled grammars)
     engine: LLMEngine | None = None        # set by launch(), in the engine thread
     max_waiting_requests: int = 256
     on_step: Callable[[LLMEngine, list[RequestOutput], float], None] | None = None  # metrics hook, engine thread
-    _commands: queue.SimpleQueue[tuple] = field(default_factory=queue.SimpleQueue)
+    _commands: queue.SimpleQueue[AddRequest | Abort | _Call] = field(default_factory=queue.SimpleQueue)
     _streams: dict[str, _Stream] = field(default_factory=dict)
     _wake: threading.Event = field(default_factory=threading.Event)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -162,7 +176,7 @@ class AsyncEngine:
         for job in jobs:
             structured = job.admission.params.structured
             self._streams[job.request_id] = _Stream(loop, asyncio.Queue(), structured.param if structured else None)
-            self._post("add", job)
+            self._post(AddRequest.of(job, with_grammar=self.same_process))
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of a submitted job; closing the iterator early (client gone) aborts it."""
@@ -199,9 +213,9 @@ class AsyncEngine:
             stream.queue.put_nowait(error)
 
     def abort(self, request_id: str) -> None:
-        self._post("abort", request_id)
+        self._post(Abort(request_id))
 
-    def _post(self, *command) -> None:
+    def _post(self, command) -> None:
         """A command for the engine thread, taken between steps."""
         self._commands.put(command)
         self._wake.set()
@@ -242,7 +256,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._post("call", fn, loop, done)
+        self._post(_Call(fn, loop, done))
         return await done
 
     # --- engine thread ----------------------------------------------------------------------
@@ -271,25 +285,23 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                job: Job = cmd[1]
+            if isinstance(cmd, AddRequest):
                 with self._lock:
-                    self._pending -= job.admission.params.n
-                if job.request_id not in self._streams:  # the client left before the engine saw it
+                    self._pending -= cmd.params.n
+                if cmd.request_id not in self._streams:  # the client left before the engine saw it
                     continue
                 try:
-                    self.engine.add_admitted(job.admission, job.request_id)
+                    self.engine.add_admitted(cmd.admission(), cmd.request_id, cmd.arrival_time)
                 except ValueError as e:
-                    self._deliver(job.request_id, e)
-            elif cmd[0] == "call":
-                _, fn, loop, done = cmd
+                    self._deliver(cmd.request_id, e)
+            elif isinstance(cmd, _Call):
                 try:
-                    result, error = fn(self.engine), None
+                    result, error = cmd.fn(self.engine), None
                 except Exception as e:  # noqa: BLE001 - the caller's to handle
                     result, error = None, e
-                loop.call_soon_threadsafe(_settle, done, result, error)
+                cmd.loop.call_soon_threadsafe(_settle, cmd.done, result, error)
             else:
-                out = self.engine.abort_request(cmd[1])
+                out = self.engine.abort_request(cmd.request_id)
                 if out is not None and self.on_step:
                     self.on_step(self.engine, [out], 0.0)
 

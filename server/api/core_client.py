@@ -1,10 +1,10 @@
 """The API process's side of the engine core in its own process (engine_core.py): the same interface as
-AsyncEngine (submit, stream, release, abort), with the engine's text made here.
+AsyncEngine (submit, stream, release, abort), with the outputs made here.
 
-A receiver thread reads the core's StepOutputs, turns each RequestDelta into the RequestOutput the
-engine would have built (RequestTexts: detokenizing, stop strings and the held-back text, with the same
-TextState the engine uses), and hands a step's outputs to their streams with one wake-up per event
-loop. A stop string found here ends that sequence at once for the client and is sent to the core
+A receiver thread reads the core's StepOutputs, turns each RequestDelta into its RequestOutput with
+the output assembler the one-process engine runs itself (engine/output_assembler.py: detokenizing,
+stop strings and the held-back text), and hands a step's outputs to their streams with one wake-up per
+event loop. A stop string found here ends that sequence at once for the client and is sent to the core
 (StopSequence), which frees its blocks; tokens the core made after it are dropped.
 
 If the core dies, every open stream ends with an error, the cause goes to the log and the container's
@@ -21,11 +21,10 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 
 from kvpilot.server import startup
 from kvpilot.server.adapters import AdapterError
-from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, Job
+from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError
 from kvpilot.server.api.engine_core import (
     Abort,
     AdapterInfo,
@@ -34,10 +33,8 @@ from kvpilot.server.api.engine_core import (
     CoreFailed,
     CoreReady,
     LoadAdapter,
-    RequestDelta,
     Scrape,
     Scraped,
-    SeqDelta,
     Shutdown,
     StepOutputs,
     StopSequence,
@@ -48,100 +45,18 @@ from kvpilot.server.api.engine_core import (
 )
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.limits import RequestLimits
-from kvpilot.server.engine.output_processor import TextState, stop_check_applies
-from kvpilot.server.engine.outputs import CompletionOutput, RequestOutput
-from kvpilot.server.engine.sampling_params import SamplingParams
+from kvpilot.server.engine.output_assembler import OutputAssembler
 
 log = logging.getLogger("kvpilot.engine")
 START_TIMEOUT_S = float(os.environ.get("KVPILOT_CORE_START_TIMEOUT_SECONDS", "1800"))  # loading a large model from a slow disk
 DEAD_CORE_FLUSH_S = 1.0  # after the core died: time for open streams to write their error event before this process exits
 
 
-@dataclass(slots=True)
-class _SeqText:
-    text: TextState
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(slots=True)
-class _RequestText:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[_SeqText]
-    prompt_logprobs: list | None = None
-    finish_time: float | None = None   # when stop strings here ended its last sequence
-
-
-class RequestTexts:
-    """Every open request's text, made from the core's token deltas as the engine makes it in one process."""
-
-    def __init__(self, tokenizer, stop_sequence):
-        """stop_sequence(request_id, index, stop): tell the core that a stop string ended a sequence."""
-        self.tokenizer, self.stop_sequence = tokenizer, stop_sequence
-        self.requests: dict[str, _RequestText] = {}
-
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        from kvpilot.server.tokenizer import IncrementalDetokenizer
-
-        seqs = [_SeqText(TextState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), params.stop,
-                                   params.include_stop_str_in_output)) for _ in range(params.n)]
-        self.requests[request_id] = _RequestText(prompt, list(prompt_token_ids), params, seqs)
-
-    def apply(self, delta: RequestDelta) -> RequestOutput | None:
-        req = self.requests.get(delta.request_id)
-        if req is None:  # ended here already (stop strings): what the core made since is dropped
-            return None
-        if delta.prompt_logprobs is not None:
-            req.prompt_logprobs = delta.prompt_logprobs
-        for seq_delta in delta.seqs:
-            seq = req.seqs[seq_delta.index]
-            if seq.finish_reason is None:
-                self._extend(delta.request_id, req, seq, seq_delta)
-        finished = all(s.finish_reason is not None for s in req.seqs)
-        p = req.params
-        outputs = [CompletionOutput(i, s.text.text, list(s.token_ids), s.finish_reason, s.stop_reason,
-                                    list(s.logprobs) if p.logprobs is not None else None,
-                                    s.cumulative_logprob if p.logprobs is not None else None, s.text.delta(s.finish_reason is not None))
-                   for i, s in enumerate(req.seqs)]
-        metrics = delta.metrics
-        if finished:
-            del self.requests[delta.request_id]
-            if metrics.finish_time is None:
-                metrics.finish_time = req.finish_time
-        return RequestOutput(delta.request_id, req.prompt, req.prompt_token_ids, outputs, finished, req.prompt_logprobs, metrics,
-                             delta.num_cached_tokens, delta.error, delta.kv_transfer_params if finished else None)
-
-    def _extend(self, request_id: str, req: _RequestText, seq: _SeqText, delta: SeqDelta) -> None:
-        """Append a sequence's new tokens until a stop string ends it, then the core's finish, if any."""
-        eos = self.tokenizer.eos_token_ids
-        last = len(delta.token_ids) - 1
-        for j, token in enumerate(delta.token_ids):
-            seq.token_ids.append(token)
-            if delta.logprobs is not None:
-                seq.logprobs.append(delta.logprobs[j])
-                seq.cumulative_logprob += delta.logprobs[j][token]
-            stop = seq.text.add(token, stop_check_applies(token, len(seq.token_ids), req.params, eos))
-            if stop is not None:
-                seq.finish_reason, seq.stop_reason = "stop", stop
-                req.finish_time = time.monotonic()
-                if not (j == last and delta.finish_reason is not None):  # the core still runs it
-                    self.stop_sequence(request_id, delta.index, stop)
-                return
-        if delta.finish_reason is not None:
-            if delta.finish_reason in ("stop", "length"):
-                seq.text.flush()
-            seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
-
-
 class EngineCoreClient(AsyncEngine):
     """AsyncEngine's interface over the engine core's process. `engine` stays None: the engine's facts
     the server needs (tokenizer, limits, names) are made here from the core's CoreReady."""
 
+    same_process = False
     tokenizer = None
     limits: RequestLimits | None = None
     served_model_name: str = ""
@@ -177,11 +92,11 @@ class EngineCoreClient(AsyncEngine):
         startup.adopt(ready.startup_marks)
         _weights, self.tokenizer = open_model(resolve_model_path(config.model))
         grammars = GrammarCompiler(self.tokenizer.backend_json(), ready.vocab_size, self.tokenizer.eos_token_ids)
-        self.limits = RequestLimits(ready.max_model_len, ready.vocab_size, grammars, config.kv_role, kv_secret)
+        self.limits = RequestLimits(ready.max_model_len, ready.vocab_size, grammars, config.kv_role, kv_secret, config.scheduling_policy)
         self.served_model_name = ready.served_model_name
         self._lora_enabled = ready.lora_enabled
         self._adapters: dict[str, AdapterInfo] = {a.name: a for a in ready.adapters}  # the core's, as of its last AdapterReply
-        self.texts = RequestTexts(self.tokenizer, lambda rid, index, stop: self._send(StopSequence(rid, index, stop)))
+        self.outputs = OutputAssembler(self.tokenizer, lambda rid, index, stop: self._send(StopSequence(rid, index, stop)))
         self._thread = threading.Thread(target=self._receive, name="kvpilot-core-replies", daemon=True)
         self._thread.start()
         return self
@@ -243,19 +158,17 @@ class EngineCoreClient(AsyncEngine):
         if reply.not_found:
             raise KeyError(name)
 
-    def _post(self, kind: str, *payload) -> None:
-        if kind == "add":
-            job: Job = payload[0]
-            a = job.admission
-            self.texts.add(job.request_id, None, a.prompt_token_ids, a.params)
+    def _post(self, command) -> None:
+        if isinstance(command, AddRequest):
+            self.outputs.add(command.request_id, None, command.prompt_token_ids, command.params)
             with self._lock:
-                self._pending -= a.params.n  # the core's count (added_units) covers it from here
-                self._sent_units += a.params.n
-            self._send(AddRequest(job.request_id, a.prompt_token_ids, a.params, a.adapter, time.monotonic(), a.params.n))
-        elif kind == "abort":
-            self._send(Abort(payload[0]))
+                self._pending -= command.params.n  # the core's count (added_units) covers it from here
+                self._sent_units += command.params.n
+            self._send(command)
+        elif isinstance(command, Abort):
+            self._send(command)
         else:
-            raise NotImplementedError(f"{kind!r} is not available with the engine core in its own process")
+            raise NotImplementedError(f"{type(command).__name__} is not available with the engine core in its own process")
 
     def _send(self, command) -> None:
         """Never blocks: the queue toward a live core is unbounded, and toward a dead one (no peer: a
@@ -302,7 +215,7 @@ class EngineCoreClient(AsyncEngine):
                 self.heartbeat = time.monotonic()  # the core's loop is running: it steps, answers or beats (CoreAlive)
                 if isinstance(reply, StepOutputs):
                     self._added_units, self._core_waiting = reply.added_units, reply.num_waiting
-                    outputs = [out for out in map(self.texts.apply, reply.requests) if out is not None]
+                    outputs = [out for out in map(self.outputs.apply, reply.requests) if out is not None]
                     self._deliver_all([(out.request_id, out) for out in outputs])
                     if self.on_step:
                         self.on_step(None, outputs, reply.step_seconds)

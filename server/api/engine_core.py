@@ -1,12 +1,14 @@
 """The engine core in its own process (`kvpilot serve --engine-core-process`): the scheduler + model
 runner loop, behind two local ZeroMQ sockets, and the typed messages the API process exchanges with it.
 
-The API process (core_client.py) keeps HTTP, tokenization, chat templates, admission, detokenizing and
-stop strings; the core runs LLMEngine(detokenize=False) and its step loop. Requests go in as
-AddRequest (the admitted prompt ids and parameters; the core admits them again with its own limits,
-which compiles a structured-output constraint into its own grammar cache), and each step's outputs come
-back as token ids: one RequestDelta per request the step touched, with the tokens new since the last
-(and their logprobs), and why a sequence ended. A stop string found by the API process comes back as
+The API process (core_client.py) keeps HTTP, tokenization, chat templates, admission and the output
+assembler (detokenizing, stop strings: engine/output_assembler.py, the same one the one-process engine
+runs); the core runs LLMEngine(assemble=False) and its step loop. Requests go in as AddRequest, the
+command the one-process engine thread takes too (the admitted prompt ids, parameters and output limit:
+the core does not check them again; it compiles a structured-output constraint into its own grammar
+cache, as a compiled grammar does not cross processes), and each step's outputs come back as the
+engine's RequestDeltas: per request the step touched, the tokens new since the last (and their
+logprobs), and why a sequence ended. A stop string found by the API process comes back as
 StopSequence; LoRA adapters are loaded (read on a thread of the core, registered between steps) and
 unloaded by LoadAdapter / UnloadAdapter, each answered by an AdapterReply listing the loaded adapters,
 which the API process mirrors for `model` checks and /v1/models. Messages are msgpack (msgspec), typed on both sides; nothing is pickled after start-up.
@@ -26,14 +28,19 @@ import sys
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvpilot.server import startup
 from kvpilot.server.adapters import AdapterError
 from kvpilot.server.config import EngineConfig
-from kvpilot.server.engine.outputs import RequestMetrics, RequestOutput
+from kvpilot.server.engine.limits import Admission
+from kvpilot.server.engine.outputs import RequestDelta, RequestMetrics, SeqDelta
 from kvpilot.server.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvpilot.server.api.async_engine import Job
 
 log = logging.getLogger("kvpilot.engine_core")
 IDLE_POLL_MS = 200  # an idle core's wait for a command; also how often it checks that the API process lives
@@ -41,14 +48,26 @@ CORE_BEAT_S = 1.0  # the longest a running core stays silent (see CoreAlive)
 COMPILING_POLL_MS = 2  # an idle core's wait while a constraint compiles off the loop (its request is added when done)
 
 
-# --- API process -> core ---------------------------------------------------------------------------
+# --- API process -> engine (the core, or the one-process engine thread) -----------------------------
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    """An admitted request (RequestLimits.admit, in the API process): the engine takes it unchecked."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    max_output_tokens: int
     adapter: str | None
     arrival_time: float
-    units: int                  # sequences it adds to the waiting queue (params.n)
+    grammar: Any = None         # in one process: params.structured as the API compiled it (across processes: None, the core compiles it)
+
+    @classmethod
+    def of(cls, job: Job, with_grammar: bool) -> AddRequest:
+        a = job.admission
+        return cls(job.request_id, a.prompt_token_ids, a.params, a.max_output_tokens, a.adapter, time.monotonic(),
+                   a.grammar if with_grammar else None)
+
+    def admission(self, grammar=None) -> Admission:
+        return Admission(self.prompt_token_ids, self.params, self.max_output_tokens, grammar or self.grammar, self.adapter)
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -85,26 +104,8 @@ Command = AddRequest | Abort | StopSequence | Scrape | LoadAdapter | UnloadAdapt
 
 
 # --- core -> API process ---------------------------------------------------------------------------
-class SeqDelta(msgspec.Struct, array_like=True):
-    index: int
-    token_ids: list[int]                       # new since the request's previous delta
-    logprobs: list[dict[int, float]] | None    # one entry per new token, when asked for
-    finish_reason: str | None                  # the core's: EOS / stop token id / length / abort / error
-    stop_reason: int | None
-
-
-class RequestDelta(msgspec.Struct, array_like=True):
-    request_id: str
-    seqs: list[SeqDelta]
-    metrics: RequestMetrics
-    num_cached_tokens: int
-    prompt_logprobs: list[dict[int, float] | None] | None  # in the request's first delta only
-    error: str | None
-    kv_transfer_params: dict | None
-
-
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):
-    requests: list[RequestDelta]
+    requests: list[RequestDelta]  # the engine's (LLMEngine(assemble=False))
     added_units: int            # sequences added since the core started: the API process's pending count is what it sent beyond
     num_waiting: int            # sequences in the scheduler's waiting queue
     step_seconds: float
@@ -155,28 +156,6 @@ command_decoder = msgspec.msgpack.Decoder(Command)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-class DeltaTracker:
-    """Turns the engine's RequestOutputs (every token so far) into deltas (the tokens since the last)."""
-
-    def __init__(self):
-        self.sent: dict[str, list[int]] = {}   # request id -> tokens already sent, per sequence
-
-    def delta(self, out: RequestOutput) -> RequestDelta:
-        first = out.request_id not in self.sent
-        sent = self.sent.setdefault(out.request_id, [0] * len(out.outputs))
-        seqs = []
-        for o in out.outputs:
-            start = sent[o.index]
-            seqs.append(SeqDelta(o.index, o.token_ids[start:], o.logprobs[start:] if o.logprobs is not None else None, o.finish_reason,
-                                 o.stop_reason if isinstance(o.stop_reason, int) else None))
-            sent[o.index] = len(o.token_ids)
-        if out.finished:
-            del self.sent[out.request_id]
-        metrics = out.metrics or RequestMetrics(time.monotonic())
-        return RequestDelta(out.request_id, seqs, metrics, out.num_cached_tokens, out.prompt_logprobs if first else None, out.error,
-                            out.kv_transfer_params)
-
-
 def core_main(config: EngineConfig, commands_address: str, replies_address: str, parent_pid: int, log_level: str) -> None:
     """The core process: build the engine, say so, then step while there is work and apply commands
     between steps."""
@@ -219,7 +198,7 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
     try:
         from kvpilot.server.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(config, show_progress=False, detokenize=False)
+        engine = LLMEngine(config, show_progress=False, assemble=False)
     except BaseException as e:  # noqa: BLE001 - reported to the API process, which raises it as a start-up error
         report_failure(f"{type(e).__name__}: {e}", 1)
     from prometheus_client import CollectorRegistry, generate_latest
@@ -231,7 +210,6 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
     adapters = lambda: [AdapterInfo(a.name, a.source, a.loaded_at) for a in engine.lora.by_name.values()] if engine.lora else []
     send(CoreReady(engine.served_model_name, engine.max_model_len, engine.model_config.vocab_size, startup.marks(), engine.lora is not None,
                    adapters()))
-    deltas = DeltaTracker()
     added_units = 0
     adapter_reads: queue.SimpleQueue = queue.SimpleQueue()  # (LoadAdapter, Adapter | None, AdapterError | None) from reader threads
 
@@ -241,23 +219,23 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
     admissions: queue.SimpleQueue = queue.SimpleQueue()  # (AddRequest, Admission | None, ValueError | None)
     compiling: dict[str, int] = {}  # their request ids -> sequences (waiting: counted); one aborted meanwhile leaves, its admission is dropped
 
-    def admit_constrained(command: AddRequest) -> None:
+    def compile_constraint(command: AddRequest) -> None:
         try:
-            admissions.put((command, engine.limits.admit(command.prompt_token_ids, command.params, command.adapter), None))
+            admissions.put((command, command.admission(engine.limits.grammars.compile(command.params.structured)), None))
         except ValueError as e:
             admissions.put((command, None, e))
         except Exception as e:  # noqa: BLE001 - the compiler's own failure: this request's, the core goes on
-            log.exception("admitting request %s failed", command.request_id)
+            log.exception("compiling the constraint of request %s failed", command.request_id)
             admissions.put((command, None, ValueError(f"{type(e).__name__}: {e}")))
 
-    def add(command: AddRequest, admission, error: ValueError | None, extra: list[RequestOutput]) -> None:
+    def add(command: AddRequest, admission: Admission | None, error: ValueError | None, extra: list[RequestDelta]) -> None:
         if error is None:
             try:
                 engine.add_admitted(admission, command.request_id, command.arrival_time)
                 return
             except ValueError as e:
                 error = e
-        # admitted by the API process: a limit that differs here is a bug, this request's
+        # admitted by the API process (which compiled the same constraint): a refusal here is a bug, this request's
         log.error("request %s refused by the engine core: %s", command.request_id, error)
         extra.append(_refused(command, str(error)))
 
@@ -274,7 +252,7 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
     try:
         while True:
             busy = engine.needs_step()
-            extra: list[RequestOutput] = []
+            extra: list[RequestDelta] = []
             while not adapter_reads.empty():  # adapters read meanwhile are registered between steps
                 command, adapter, error = adapter_reads.get()
                 if adapter is not None:
@@ -296,16 +274,12 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                         break
                     command = command_decoder.decode(raw.buffer)
                     if isinstance(command, AddRequest):
-                        added_units += command.units
+                        added_units += command.params.n
                         if command.params.structured is not None:  # a daemon: a compile never holds up the core's exit
-                            compiling[command.request_id] = command.units
-                            threading.Thread(target=admit_constrained, args=(command,), name="kvpilot-core-admit", daemon=True).start()
+                            compiling[command.request_id] = command.params.n
+                            threading.Thread(target=compile_constraint, args=(command,), name="kvpilot-core-compile", daemon=True).start()
                             continue
-                        try:
-                            admission, error = engine.limits.admit(command.prompt_token_ids, command.params, command.adapter), None
-                        except ValueError as e:
-                            admission, error = None, e
-                        add(command, admission, error, extra)
+                        add(command, command.admission(), None, extra)
                     elif isinstance(command, Abort) and command.request_id in compiling:
                         del compiling[command.request_id]
                     elif isinstance(command, Abort):
@@ -334,7 +308,7 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
             started = time.monotonic()
             outputs = engine.step_or_fail_open() if engine.needs_step() else []
             if outputs or extra:
-                send(StepOutputs([deltas.delta(out) for out in extra + outputs], added_units,
+                send(StepOutputs(extra + outputs, added_units,
                                  len(engine.scheduler.waiting) + sum(compiling.values()), time.monotonic() - started))
             elif time.monotonic() - last_sent >= CORE_BEAT_S:
                 send(CoreAlive())
@@ -343,9 +317,6 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
         report_failure(f"engine core loop crashed ({type(e).__name__}: {e})", 70)
 
 
-def _refused(command: AddRequest, message: str) -> RequestOutput:
-    from kvpilot.server.engine.outputs import CompletionOutput
-
-    outputs = [CompletionOutput(i, "", [], "error") for i in range(command.params.n)]
-    return RequestOutput(command.request_id, None, command.prompt_token_ids, outputs, True, metrics=RequestMetrics(command.arrival_time),
-                         error=message)
+def _refused(command: AddRequest, message: str) -> RequestDelta:
+    seqs = [SeqDelta(i, [], None, "error", None) for i in range(command.params.n)]
+    return RequestDelta(command.request_id, seqs, RequestMetrics(command.arrival_time), 0, None, message, None)

@@ -58,6 +58,7 @@ class RequestLimits:
     grammars: GrammarCompiler | None = None  # compiles structured-output constraints (None: they are refused)
     kv_role: str = "none"                # prefill/decode disaggregation: which kv_transfer_params this engine takes
     kv_transfer_secret: bytes | None = None  # the pool's: a decode request's params must be signed with it (kv_transfer.py)
+    scheduling_policy: str = "fcfs"      # the engine's --scheduling-policy: under fcfs a request's priority must be 0 (as vLLM)
 
     def admit(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
               grammar: Grammar | None = None) -> Admission:
@@ -76,6 +77,9 @@ class RequestLimits:
             raise ContextLengthExceeded(f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
                                         f"and max_tokens is {params.max_tokens}", "max_tokens")
         max_output = room if params.max_tokens is None else params.max_tokens
+        if params.priority != 0 and self.scheduling_policy != "priority":
+            raise RequestRejected(f"priority {params.priority} needs an engine started with --scheduling-policy priority "
+                                  f"(this one's: {self.scheduling_policy}); leave it 0 or unset", "priority")
         if params.min_tokens > max_output:
             raise RequestRejected(f"min_tokens must be <= the output's length limit ({max_output} tokens), got {params.min_tokens}", "min_tokens")
         if any(t >= self.vocab_size for t in params.stop_token_ids):

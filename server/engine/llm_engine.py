@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 from kvpilot.server import startup
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.limits import CONSTRAINT_FAILURE, Admission, ModelNotFound, RequestLimits, RequestRejected
+from kvpilot.server.engine.output_assembler import OutputAssembler
 from kvpilot.server.engine.output_processor import OutputProcessor, StructuredOutputError
-from kvpilot.server.engine.outputs import RequestOutput
+from kvpilot.server.engine.outputs import RequestDelta, RequestOutput
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.scheduler import ScheduledBatch
 from kvpilot.server.engine.sequence import Sequence
@@ -65,9 +66,10 @@ def _weakly(method):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, show_progress: bool = True, detokenize: bool = True):
-        """detokenize=False: outputs carry token ids only, and stop strings are not matched here (the
-        engine core in its own process: the API process makes the text, engine_core.py)."""
+    def __init__(self, config: EngineConfig, show_progress: bool = True, assemble: bool = True):
+        """assemble=False: step() and abort_request() return RequestDeltas (token ids only), and whoever
+        receives them makes the outputs with an OutputAssembler (the engine core in its own process: the
+        API process does, api/core_client.py); True: the engine runs that assembler itself."""
         configure_threads(config.num_threads)
         # torch-side modules are imported only now, after the thread settings are in place.
         from kvpilot.server.engine.block_manager import BlockManager, cache_salt
@@ -77,7 +79,6 @@ class LLMEngine:
         from kvpilot.server.engine.scheduler import Scheduler
         from kvpilot.server.engine.spec_decode import DraftModelProposer, EagleProposer, NgramProposer
         from kvpilot.server.engine.structured import GrammarCompiler
-        from kvpilot.server.tokenizer import IncrementalDetokenizer
 
         startup.mark("engine_init")
         self.config = config
@@ -85,7 +86,7 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or default_served_name(config.model)
         weights, self.tokenizer = open_model(self.model_path)
         self.model_config = weights.config
-        self._detokenizer = IncrementalDetokenizer if detokenize else None
+        self.assembler = OutputAssembler(self.tokenizer, _weakly(self.stop_sequence)) if assemble else None
         window = self.model_config.sliding_window
         if window and config.max_model_len and config.max_model_len > window:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window}: sliding-window attention is not "
@@ -154,7 +155,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
                                    config.max_loras if config.enable_lora else 0,
                                    tier_lookup=_weakly(self._tier_lookup) if self.kv_tiers or self.kv_receiver else None,
-                                   max_block_writes=max(1, BLOCK_WRITE_BYTES_PER_STEP // self.runner.block_layout()[2]))
+                                   max_block_writes=max(1, BLOCK_WRITE_BYTES_PER_STEP // self.runner.block_layout()[2]),
+                                   policy=config.scheduling_policy)
         if self.kv_tiers or self.kv_receiver:
             self.runner.stage_block_writes()
         self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
@@ -164,7 +166,7 @@ class LLMEngine:
         startup.mark("warm")
         self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids, _weakly(self._hold_for_transfer) if self.kv_sender else None)
         self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size, self.grammars, config.kv_role,
-                                    self.kv_receiver.secret if self.kv_receiver else None)
+                                    self.kv_receiver.secret if self.kv_receiver else None, config.scheduling_policy)
         self.proposer = None
         if config.speculative_method == "ngram":
             self.proposer = NgramProposer(config, self.max_model_len)
@@ -317,19 +319,27 @@ class LLMEngine:
             seqs.append(seq)
         for seq in seqs:
             self.scheduler.add(seq)
-        self.output.add(request_id, prompt_text, admission.prompt_token_ids, seqs,
-                        (lambda: self._detokenizer(self.tokenizer, params.skip_special_tokens)) if self._detokenizer else None, now)
+        self.output.add(request_id, seqs, now)
+        if self.assembler is not None:
+            self.assembler.add(request_id, prompt_text, admission.prompt_token_ids, params)
         return request_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> RequestOutput | RequestDelta | None:
         """Stop a request at once (its blocks are freed); returns its final output, or None if unknown."""
         if request_id not in self.requests:
             return None
-        return self.output.abort(request_id)
+        outputs = self._assembled([self.output.abort(request_id)])
+        return outputs[0] if outputs else None
+
+    def _assembled(self, deltas: list[RequestDelta]) -> list[RequestOutput] | list[RequestDelta]:
+        """What step() and abort_request() hand back: the outputs (assemble=True), else the deltas."""
+        if self.assembler is None:
+            return deltas
+        return [out for out in map(self.assembler.apply, deltas) if out is not None]
 
     def stop_sequence(self, request_id: str, index: int, stop: str) -> None:
-        """End one sequence at a stop string its text completed (the API process matches them when the
-        engine does not detokenize); a request all of whose sequences ended is dropped."""
+        """End one sequence at a stop string its text completed (the output assembler matches them);
+        a request all of whose sequences ended is dropped."""
         req = self.requests.get(request_id)
         if req is None:
             return
@@ -338,7 +348,7 @@ class LLMEngine:
             self.output.state(seq).stop_reason = stop
             self.output.finish(seq, "stop")
         if all(s.is_finished for s in req.seqs):
-            self.output.request_output(request_id)
+            self.output.delta(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -350,8 +360,8 @@ class LLMEngine:
         return self.has_unfinished_requests() or (self.kv_sender is not None and self.kv_sender.has_releases())
 
     # --- one step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One scheduled step. A failure is contained to the request that caused it: a row that cannot
+    def step(self) -> list[RequestOutput] | list[RequestDelta]:
+        """One scheduled step: the outputs of the requests it moved (deltas: assemble=False). A failure is contained to the request that caused it: a row that cannot
         be sampled fails its request, and when the model step itself raises (out of memory, a kernel
         error) the batch is re-run one request at a time so that only the failing ones end.
 
@@ -360,7 +370,10 @@ class LLMEngine:
         hands outputs back, then schedules and builds step n + 1. Step n's sequences hold a placeholder
         for the token step n - 1 samples, whose value its input takes on the device. A sequence that
         step n - 1 ends still runs in step n; that row is dropped."""
-        outputs: list[RequestOutput] = []
+        return self._assembled(self._step())
+
+    def _step(self) -> list[RequestDelta]:
+        outputs: list[RequestDelta] = []
         if self.kv_sender is not None:
             self._release_transfers()
         if self.kv_tiers is not None and self.kv_tiers.reading() and self.scheduler.running:
@@ -408,16 +421,16 @@ class LLMEngine:
             return True
         return self.proposer is not None and (seq.params.has_penalties or seq.num_output_tokens < seq.params.min_tokens)
 
-    def step_or_fail_open(self) -> list[RequestOutput]:
+    def step_or_fail_open(self) -> list[RequestOutput] | list[RequestDelta]:
         """step(), where a failure outside the model step (a bug) fails the open requests and the
         engine goes on (the model step's own failures are contained by step())."""
         try:
             return self.step()
         except Exception as e:  # noqa: BLE001
             log.exception("engine step failed outside the model: failing the open requests")
-            return [self.fail_request(rid, f"engine step failed ({type(e).__name__}: {e})") for rid in list(self.requests)]
+            return self._assembled([self._fail(rid, f"engine step failed ({type(e).__name__}: {e})") for rid in list(self.requests)])
 
-    def _isolate(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _isolate(self, batch: ScheduledBatch) -> list[RequestDelta]:
         """Re-run a failed batch one request at a time: only the requests whose own step fails end."""
         outputs = []
         for part in batch.split_by_request():
@@ -426,10 +439,10 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - this request alone fails
                 log.exception("request %s failed in the engine step", part.seqs[0].request_id)
                 self.runner.recover()
-                outputs.append(self.fail_request(part.seqs[0].request_id, f"the engine could not run this request ({type(e).__name__}: {e})"))
+                outputs.append(self._fail(part.seqs[0].request_id, f"the engine could not run this request ({type(e).__name__}: {e})"))
         return outputs
 
-    def _run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _run_batch(self, batch: ScheduledBatch) -> list[RequestDelta]:
         return self._complete(self._launch(batch, None))
 
     def _launch(self, batch: ScheduledBatch, previous: StepInFlight | None) -> StepInFlight:
@@ -468,7 +481,7 @@ class LLMEngine:
                 seq.num_unsettled = k
         self._in_flight = step
 
-    def _complete(self, step: StepInFlight) -> list[RequestOutput]:
+    def _complete(self, step: StepInFlight) -> list[RequestDelta]:
         """Wait for a launched step and hand its outputs to the requests."""
         batch, plan = step.batch, step.plan
         out = step.launched.output()
@@ -515,11 +528,11 @@ class LLMEngine:
                 # (the step after it, if in flight, may write up to k positions past the accepted tokens)
                 self.scheduler.end_speculation(seq, self.proposer.k if self.async_scheduling else 0)
             self.proposer.verified(verified)
-        outputs = [self.output.request_output(rid) for rid in touched if rid not in failed]
-        return outputs + [self.fail_request(rid, why) for rid, why in failed.items()]
+        outputs = [self.output.delta(rid) for rid in touched if rid not in failed]
+        return outputs + [self._fail(rid, why) for rid, why in failed.items()]
 
-    def fail_request(self, request_id: str, message: str) -> RequestOutput:
-        """End every sequence of a request with finish_reason "error" (blocks freed); its final output."""
+    def _fail(self, request_id: str, message: str) -> RequestDelta:
+        """End every sequence of a request with finish_reason "error" (blocks freed); its final delta."""
         return self.output.fail(request_id, message)
 
     def close(self) -> None:

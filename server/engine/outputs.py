@@ -1,8 +1,13 @@
-"""What the engine hands back for a request (vLLM's RequestOutput / CompletionOutput shapes)."""
+"""What the engine hands back for a request: each step, a RequestDelta (the tokens new since the last,
+and how sequences ended), which an OutputAssembler (output_assembler.py) turns into the RequestOutput a
+client reads (vLLM's RequestOutput / CompletionOutput shapes: text, stop strings, all tokens so far).
+Deltas are what crosses from the engine core's process to the API process."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
 
 
 @dataclass(slots=True)
@@ -39,3 +44,21 @@ class RequestOutput:
     num_cached_tokens: int = field(default=0)
     error: str | None = None             # set when the request failed in the engine (it is also finished)
     kv_transfer_params: dict | None = None  # a finished prefill request's (do_remote_decode): what a decode request passes on
+
+
+class SeqDelta(msgspec.Struct, array_like=True):
+    index: int
+    token_ids: list[int]                       # new since the request's previous delta
+    logprobs: list[dict[int, float]] | None    # one entry per new token, when asked for
+    finish_reason: str | None                  # the engine's: EOS / stop token id / stop string / length / abort / error
+    stop_reason: int | str | None              # the stop token id or stop string that ended it
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    seqs: list[SeqDelta]
+    metrics: RequestMetrics
+    num_cached_tokens: int
+    prompt_logprobs: list[dict[int, float] | None] | None  # in the request's first delta only
+    error: str | None                          # the request failed in the engine (every sequence ended)
+    kv_transfer_params: dict | None            # a finished prefill request's

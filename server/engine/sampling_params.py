@@ -19,6 +19,7 @@ MAX_TOP_K = 2**31 - 1                    # top_k goes into an int64 tensor; any 
 FLOAT32_MAX = 3.4028234663852886e38      # sampling floats go into float32 tensors (a temperature past it is taken as this)
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
 MAX_CHOICES = 1024
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)    # the request's priority crosses to the engine core as a msgpack int64
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,9 @@ class SamplingParams:
     structured: StructuredOutput | None = None  # the output must match it (engine/structured.py)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's logit_bias)
     kv_transfer: KVTransferParams | None = None  # prefill/decode disaggregation (engine/kv_transfer.py)
+    # Scheduling, not sampling (vLLM passes it beside the params; here it travels with them to the engine core):
+    # under --scheduling-policy priority, lower runs first (engine/scheduler.py); under fcfs only 0 is admitted.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -158,6 +162,8 @@ class SamplingParams:
             bad("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} token ids >= 0")
         if self.seed is not None and (type(self.seed) is not int or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             bad("seed", f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
+        if type(self.priority) is not int or not PRIORITY_RANGE[0] <= self.priority <= PRIORITY_RANGE[1]:
+            bad("priority", f"must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}]")
         if self.structured is not None:
             self.structured.validate()
         if self.kv_transfer is not None:

@@ -4,10 +4,18 @@ Each step has a token budget (max_num_batched_tokens) and a sequence cap (max_nu
 sequences go first (decodes and unfinished prefill chunks), then waiting ones in arrival order.
 When blocks run out, the newest running sequence is preempted by recompute: its blocks are freed and
 it returns to the front of the waiting queue. Nothing is dropped or duplicated.
+
+Under policy "priority" (vLLM's --scheduling-policy priority) the waiting queue is kept in order of
+(the request's priority, arrival): lower values first, a preempted sequence goes back to its place in
+that order, and the running sequence preempted when blocks run out is the one with the highest value
+(the latest to arrive among equals), even one already given this step's tokens (they are taken back).
+As in vLLM, a waiting sequence never preempts a running one: it waits for room, ahead of worse ones.
+Arrival is the order the engine took the sequences in (their seq_id).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,12 +52,20 @@ class ScheduledBatch:
         return list(parts.values())
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 max_loras: int = 0, tier_lookup: Callable[[Sequence, list[int]], Any] | None = None, max_block_writes: int = 0):
+                 max_loras: int = 0, tier_lookup: Callable[[Sequence, list[int]], Any] | None = None, max_block_writes: int = 0,
+                 policy: str = "fcfs"):
         """tier_lookup(seq, its in-memory prefix hits): a read of the blocks after them from a KV tier
         (kv_tiers.BlockLoad: .done, .first_index, .payloads), or None. max_block_writes: how many blocks
-        read from a tier a step writes into the cache while other sequences run (0: no bound)."""
+        read from a tier a step writes into the cache while other sequences run (0: no bound).
+        policy: fcfs or priority (the module's docstring)."""
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
+        self.policy = policy
         self.bm = block_manager
         self.tier_lookup = tier_lookup
         self.max_block_writes = max_block_writes
@@ -66,7 +82,36 @@ class Scheduler:
         if needed > self.bm.num_blocks:
             raise ValueError(f"prompt of {seq.num_tokens} tokens cannot fit in a KV cache of {self.bm.num_blocks} blocks of {self.bm.block_size}")
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, int]:
+        """Policy priority: lower goes first (waiting), higher is preempted first (running)."""
+        return seq.params.priority, seq.seq_id
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        """Into the waiting queue: at its place by _rank (policy priority), else at the back (or the front)."""
+        if self.policy == "priority":
+            bisect.insort_right(self.waiting, seq, key=self._rank)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _victim(self, i: int, batch: ScheduledBatch) -> tuple[Sequence, int, int]:
+        """Take the running sequence to preempt out of `running` (fcfs: the newest; priority: the highest
+        _rank); when it came before running[i], this step may have scheduled it: its tokens are taken
+        back from the batch. Returns it, the index of running[i] after the removal, and the tokens given back."""
+        j = len(self.running) - 1 if self.policy != "priority" else max(range(len(self.running)), key=lambda k: self._rank(self.running[k]))
+        victim = self.running.pop(j)
+        freed = 0
+        if j < i:
+            i -= 1
+            k = next((k for k, s in enumerate(batch.seqs) if s is victim), None)
+            if k is not None:
+                del batch.seqs[k]
+                freed = batch.num_new_tokens.pop(k)
+        return victim, i, freed
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,7 +141,8 @@ class Scheduler:
                     n -= seq.num_spec_tokens
                     seq.set_spec(None)
                     continue
-                victim = self.running.pop()  # the newest running sequence
+                victim, i, freed = self._victim(i, batch)
+                budget += freed
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
@@ -211,7 +257,7 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
 
     def finish(self, seq: Sequence) -> None:
         """End seq wherever it is and free its blocks at once (why it ended is the output processor's)."""
