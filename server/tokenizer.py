@@ -149,16 +149,18 @@ class Tokenizer:
         """The tokenizer as the tokenizers library serializes it (what grammar libraries build from)."""
         return self._tk.to_str()
 
-    def encode(self, text: str) -> list[int]:
-        """A prompt's ids; special tokens spelled in the text are the control tokens (a raw prompt is the caller's to shape)."""
-        return self._with_bos(self._tk.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids; special tokens spelled in the text are the control tokens (a raw prompt is the caller's to shape).
+        add_special_tokens: the tokenizer's BOS is put first where it adds one and the text does not start with it."""
+        ids = self._tk.encode(text, add_special_tokens=False).ids
+        return self._with_bos(ids) if add_special_tokens else ids
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         if self.add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], /, add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         """A conversation's prompt ids: control tokens only where the template puts them; a message that
         spells one (`<|im_end|>\\n<|im_start|>system…`) gets the tokens of that text, not the control
         token, so it cannot close its own turn or open another role's.
@@ -212,15 +214,17 @@ class Tokenizer:
         """Whether the chat template renders a `tools` variable (Qwen2.5/3's, Llama 3.1's do; ChatML's does not)."""
         return bool(self.chat_template) and _renders_tools(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], /, add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """kwargs: the template's other variables (any name: `self` and `messages` are positional here)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use completions instead")
         template = _compile_template(self.chat_template)
-        return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self._tokens[self.bos_token_id] if self.bos_token_id is not None else "",
-            eos_token=self._tokens[self.eos_token_id] if self.eos_token_id is not None else "", **kwargs,
-        )
+        # kwargs: the template's other variables; as transformers passes them, they may replace bos_token and eos_token
+        return template.render({
+            "bos_token": self._tokens[self.bos_token_id] if self.bos_token_id is not None else "",
+            "eos_token": self._tokens[self.eos_token_id] if self.eos_token_id is not None else "",
+            **kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
+        })
 
 
 _PRIVATE_USE = 0xF0000  # Supplementary Private Use Area-A: stand-ins for control-token text in messages
@@ -283,23 +287,28 @@ def _inverse_byte_alphabet() -> dict[str, int]:
     return {c: b for b, c in _byte_alphabet().items()}
 
 
-@lru_cache(maxsize=8)
+# {% break %} and {% continue %} in chat templates, as transformers and vLLM render them
+TEMPLATE_EXTENSIONS = ("jinja2.ext.loopcontrols",)
+
+
 @lru_cache(maxsize=8)
 def _renders_tools(source: str) -> bool:
     from jinja2 import meta
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    return "tools" in meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(source))
+    return "tools" in meta.find_undeclared_variables(ImmutableSandboxedEnvironment(extensions=TEMPLATE_EXTENSIONS).parse(source))
 
 
+@lru_cache(maxsize=8)
 def _compile_template(source: str):
+    """A chat template, compiled once (a Template renders from any thread)."""
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=TEMPLATE_EXTENSIONS)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     # As transformers renders templates (the oracle): keys in their order, no HTML escaping of <, > and &

@@ -126,6 +126,12 @@ def test_tokenize_detokenize_version(server):
     assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
     chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()
     assert chat["tokens"][0] == 1  # <|im_start|> from the template, not a prepended BOS
+    assert r["token_strs"] is None and chat["token_strs"] is None
+    # vLLM's return_token_strs; add_special_tokens adds nothing here (SmolLM2's tokenizer adds no BOS)
+    strs = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True, "add_special_tokens": True}).json()
+    assert strs["tokens"] == r["tokens"] == [19556, 905] and strs["token_strs"] == ["Hello", "Ġworld"]
+    chat_strs = httpx.post(server.url + "/tokenize", json={"messages": CHAT, "return_token_strs": True, "add_special_tokens": True}).json()
+    assert chat_strs["tokens"] == chat["tokens"] and chat_strs["token_strs"][:3] == ["<|im_start|>", "system", "Ċ"]
     assert httpx.get(server.url + "/version").json()["version"]
 
 
@@ -148,6 +154,15 @@ def test_tokenize_detokenize_version(server):
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "role"),
     ("/detokenize", {"tokens": [10**7]}, 400, "tokens", "token ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": ["enable_thinking"]}, 400, "chat_template_kwargs", "dictionary"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400, "chat_template_kwargs", "'chat_template'"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs", "request's own field"),
+    ("/v1/chat/completions", {"messages": CHAT, "reasoning_effort": "extreme"}, 400, "reasoning_effort", "'low'"),
+    ("/v1/chat/completions", {"messages": CHAT, "include_reasoning": "sometimes"}, 400, "include_reasoning", "bool"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs", "dictionary"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs", "'tokenize'"),
+    ("/tokenize", {"prompt": "x", "chat_template_kwargs": {}}, 400, "chat_template_kwargs", "only with 'messages'"),
+    ("/tokenize", {"prompt": "x", "return_token_strs": "all"}, 400, "return_token_strs", "bool"),
 ])
 def test_bad_input_is_a_clear_4xx(server, path, body, status, param, needle):
     r = httpx.post(server.url + path, json=body, timeout=30)
@@ -167,10 +182,15 @@ def test_fields_the_server_does_not_know_are_ignored_and_named(served):
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name a color."}], max_tokens=6, temperature=0)
     plain = client.chat.completions.create(**kw)
     raw = client.chat.completions.with_raw_response.create(**kw, store=True, metadata={"team": "a"}, service_tier="auto",
-                                                           extra_body={"reasoning_effort": "low", "frobnicate": 1})
-    assert set(raw.headers["x-kvpilot-ignored-fields"].split(", ")) == {"store", "metadata", "service_tier", "reasoning_effort", "frobnicate"}
+                                                           extra_body={"safety_identifier": "u1", "frobnicate": 1})
+    assert set(raw.headers["x-kvpilot-ignored-fields"].split(", ")) == {"store", "metadata", "service_tier", "safety_identifier", "frobnicate"}
     assert raw.parse().choices[0].message.content == plain.choices[0].message.content
     assert "x-kvpilot-ignored-fields" not in client.chat.completions.with_raw_response.create(**kw).headers
+    # the chat template's variables and the reasoning fields are known (SmolLM2's template uses none of them)
+    known = client.chat.completions.with_raw_response.create(**kw, reasoning_effort="low", extra_body={
+        "chat_template_kwargs": {"enable_thinking": False}, "include_reasoning": False})
+    assert "x-kvpilot-ignored-fields" not in known.headers
+    assert known.parse().choices[0].message.content == plain.choices[0].message.content
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True, "extra": 1},
             "prompt_cache_key": "k"}
     with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
@@ -397,3 +417,54 @@ def test_a_deep_constraint_never_takes_the_server_down(served):
     r = chat(ref_chain_schema(2000))
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200
+
+
+def test_echo_with_logprobs_is_the_prompt_scored_as_hf_scores_it(served, hf_oracle_session):
+    """Issue #77: lm-evaluation-harness scores with echo + logprobs on token-id prompts (max_tokens 0
+    or 1). The echoed prompt's logprobs are the HF oracle's; the first token has none."""
+    from oracle import ORACLE_PROMPTS
+
+    ref = hf_oracle_session.run()[0]
+    ids = ref.prompt_ids
+    for max_tokens in (0, 1):
+        r = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1,
+                                                            "max_tokens": max_tokens, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + max_tokens and choice["text"].startswith(ORACLE_PROMPTS[0])
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+        worst = max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:len(ids)], ref.prompt_logprobs))
+        assert worst < 1e-3, worst
+        if max_tokens == 1:  # greedy: the output token is the oracle's, and the top of its own top_logprobs
+            assert lp["tokens"][-1] == httpx.post(served.url + "/detokenize", json={"tokens": [ref.tokens[0]]}).json()["prompt"]
+            assert max(lp["top_logprobs"][-1], key=lp["top_logprobs"][-1].get) == lp["tokens"][-1]
+        else:
+            assert choice["text"] == ORACLE_PROMPTS[0] and r.json()["usage"]["completion_tokens"] == 0
+    r = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_prompt_logprobs_and_usage_details(served):
+    """vLLM's prompt_logprobs (completions: per choice; chat: beside the choices), usage's
+    prompt_tokens_details.cached_tokens (a repeated prompt is served from the prefix cache), and
+    stream_options.continuous_usage_stats (each chunk's usage so far)."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    r = httpx.post(served.url + "/v1/completions", json={**body, "prompt_logprobs": 2}, timeout=60).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == r["usage"]["prompt_tokens"]
+    for entry in plp[1:]:
+        assert 2 <= len(entry) <= 3 and sorted(v["rank"] for v in entry.values() if v["rank"] is not None)[:2] == [1, 2]
+    first = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()["usage"]
+    again = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()["usage"]
+    assert again["prompt_tokens_details"]["cached_tokens"] >= 16 and again["prompt_tokens"] == first["prompt_tokens"]
+    chat = httpx.post(served.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                                  "max_tokens": 2, "prompt_logprobs": 0}, timeout=60).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    with httpx.stream("POST", served.url + "/v1/completions", json={**body, "max_tokens": 4, "stream": True,
+                      "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    counted = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counted == sorted(counted) and counted[-1] == 4 and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all(c["usage"]["prompt_tokens"] == first["prompt_tokens"] for c in chunks)

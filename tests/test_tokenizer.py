@@ -236,3 +236,40 @@ def test_role_injection_opens_no_system_turn(tok):
     assert plain.count(1) == 4 and plain.count(2) == 3  # what a live tokenization of the render gives
     assert ids.count(1) == 3 and ids.count(2) == 2      # the default system turn, the user's, the assistant's
     assert tok.decode(ids) == tok.apply_chat_template(messages)
+
+
+# {% continue %} skips the system turn, {% break %} ends a reversed walk at the last user turn; the
+# variables are the ones chat_template_kwargs and reasoning_effort set (protocol.template_variables).
+LOOP_CONTROL_TEMPLATE = (
+    "{%- for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{%- for m in messages | reverse %}{% if m.role == 'user' %}last user: {{ m.content }}\n{% break %}{% endif %}{% endfor %}"
+    "{%- if reasoning_effort is defined %}effort: {{ reasoning_effort }}\n{% endif %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}no thinking\n{% endif %}"
+    "{{- bos_token }}")
+
+
+def test_loop_controls_and_template_variables_render_as_transformers_does(gguf_file, hf_tok):
+    """Chat templates with {% break %} / {% continue %} (jinja's loopcontrols, which transformers turns on)
+    were a syntax error; the request's template variables go in as transformers passes its kwargs
+    (they may replace bos_token), after the request's own fields win (add_generation_prompt)."""
+    from kvpilot.server.api.protocol import template_variables
+    from kvpilot.server.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_gguf(gguf_file)
+    ours.chat_template = LOOP_CONTROL_TEMPLATE
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"}]
+    variables = template_variables({"enable_thinking": False, "add_generation_prompt": False, "bos_token": "<B>"}, "high")
+    assert variables == {"enable_thinking": False, "bos_token": "<B>", "reasoning_effort": "high"}
+    rendered = ours.apply_chat_template(messages, True, **variables)
+    assert rendered == "user: a\nassistant: b\nuser: c\nlast user: c\neffort: high\nno thinking\n<B>"
+    assert rendered == hf_tok.apply_chat_template(messages, chat_template=LOOP_CONTROL_TEMPLATE, tokenize=False, add_generation_prompt=True,
+                                                  **variables)
+    assert ours.decode(ours.encode_chat(messages, True, **variables)) == rendered
+    # reasoning_effort alone: thinking on unless the effort is "none" (or the kwargs say otherwise)
+    assert template_variables(None, "low") == {"reasoning_effort": "low", "enable_thinking": True}
+    assert template_variables({"enable_thinking": True}, "none") == {"enable_thinking": True, "reasoning_effort": "none"}
+    assert ours.apply_chat_template(messages, True, **template_variables(None, "none")).endswith("effort: none\nno thinking\n<|im_start|>")
+    for name in ("chat_template", "tokenize", "messages", "tools"):
+        with pytest.raises(ValueError, match=f"chat_template_kwargs: '{name}'"):
+            template_variables({name: 1})

@@ -396,12 +396,54 @@ def test_bad_tool_requests_are_400s_naming_the_field(constrained_server, body, p
     assert err["param"] == param and needle in err["message"], err
 
 
+# The bundled ChatML template plus what reasoning models' templates take: reasoning_effort in the default
+# system turn, enable_thinking false closing an empty <think> block after the generation prompt (Qwen3's),
+# and a loop that ends with {% break %}. Without those variables it renders as the bundled template does.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(replies=0) %}{% for message in messages | reverse %}{% if message['role'] == 'user' %}{% break %}{% endif %}"
+    "{% set ns.replies = ns.replies + 1 %}{% endfor %}"
+    "{%- set effort = '\\nReasoning effort: ' + reasoning_effort if reasoning_effort is defined and reasoning_effort else '' %}"
+    "{%- for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face' + effort + '<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
+
+
 @pytest.fixture(scope="module")
-def llama_thinking_server(tmp_path_factory):
+def thinking_model(tmp_path_factory, model_path):
+    """The bundled GGUF (weights byte for byte) with THINKING_TEMPLATE and a tokenizer that puts its BOS
+    (<|im_start|>, id 1) before a text prompt (add_bos_token), as Llama's do."""
+    from gguf import GGUFWriter
+
+    from kvpilot.server.gguf_loader import GGUFFile, copy_metadata
+    from kvpilot.server.tokenizer import Tokenizer
+
+    source = GGUFFile(model_path)
+    bundled = Tokenizer.from_gguf(source)
+    thinking = Tokenizer.from_gguf(source)
+    thinking.chat_template = THINKING_TEMPLATE
+    for messages in (ASK, ASK + [{"role": "assistant", "content": "ok"}], [{"role": "system", "content": "s"}] + ASK):
+        assert thinking.apply_chat_template(messages) == bundled.apply_chat_template(messages)
+    dest = tmp_path_factory.mktemp("thinking-model") / "smollm2-thinking.gguf"
+    writer = GGUFWriter(str(dest), source.architecture)
+    copy_metadata(source, writer, {"tokenizer.chat_template": THINKING_TEMPLATE, "tokenizer.ggml.add_bos_token": True})
+    for t in source.tensors.values():
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dest
+
+
+@pytest.fixture(scope="module")
+def llama_thinking_server(tmp_path_factory, thinking_model):
+    """--tool-call-parser llama3_json and --reasoning-parser deepseek_r1, serving thinking_model."""
     from server_harness import serve_for_tests
 
-    yield from serve_for_tests(tmp_path_factory, "--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--tool-call-parser", "llama3_json",
-                               "--reasoning-parser", "deepseek_r1")
+    yield from serve_for_tests(tmp_path_factory, "--model", str(thinking_model), "--served-model-name", "smollm2-135m", "--max-model-len", "2048",
+                               "--kv-cache-memory", "128MiB", "--tool-call-parser", "llama3_json", "--reasoning-parser", "deepseek_r1")
 
 
 def test_the_parser_flags_llama3_json_calls_and_deepseek_r1_reasoning(llama_thinking_server):
@@ -443,3 +485,122 @@ def test_a_reply_with_reasoning_goes_back_as_the_sdk_dumps_it(llama_thinking_ser
     bare = client.chat.completions.create(model="smollm2-135m", messages=ASK + [{"role": "assistant", "content": None}, history[-1]],
                                           temperature=0, max_tokens=4)
     assert again.choices[0].finish_reason and again.usage.prompt_tokens >= bare.usage.prompt_tokens
+
+
+# --- chat requests as vLLM takes them (issue #77, in part): template variables, reasoning, /tokenize -------------
+
+
+HI = [{"role": "user", "content": "Hi"}]
+DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def thinking_client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def tokenized(server, **body) -> dict:
+    r = httpx.post(server.url + "/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_chat_template_kwargs_and_reasoning_effort_reach_the_template(llama_thinking_server):
+    """vLLM's chat_template_kwargs are the template's variables ({"enable_thinking": false} closes the
+    think block, as Qwen3's template does) and OpenAI's reasoning_effort is its `reasoning_effort`, in
+    /tokenize and in a chat's prompt alike; the request's add_generation_prompt wins over the kwarg, names
+    the template does not use change nothing, and the template's {% break %} renders."""
+    def text(ids):
+        return httpx.post(llama_thinking_server.url + "/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+
+    plain = tokenized(llama_thinking_server, messages=HI)["tokens"]
+    assert text(plain) == DEFAULT_SYSTEM + "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    closed = tokenized(llama_thinking_server, messages=HI, chat_template_kwargs={"enable_thinking": False, "add_generation_prompt": False,
+                                                                                 "unused": [1, {"a": None}]})["tokens"]
+    assert text(closed) == text(plain) + "<think>\n\n</think>\n\n"
+    high = tokenized(llama_thinking_server, messages=HI, chat_template_kwargs={"reasoning_effort": "high"})["tokens"]
+    assert text(high) == text(plain).replace("Hugging Face", "Hugging Face\nReasoning effort: high")
+    client = thinking_client(llama_thinking_server)
+    kw = dict(model="smollm2-135m", messages=HI, temperature=0, max_tokens=1)
+    assert client.chat.completions.create(**kw).usage.prompt_tokens == len(plain)
+    assert client.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).usage.prompt_tokens == len(closed)
+    assert client.chat.completions.create(**kw, reasoning_effort="high").usage.prompt_tokens == len(high)
+    # "none" turns thinking off as well (enable_thinking false) unless the kwargs say otherwise
+    off = tokenized(llama_thinking_server, messages=HI, chat_template_kwargs={"reasoning_effort": "none", "enable_thinking": False})["tokens"]
+    on = tokenized(llama_thinking_server, messages=HI, chat_template_kwargs={"reasoning_effort": "none"})["tokens"]
+    assert text(off) == text(on) + "<think>\n\n</think>\n\n"
+    assert client.chat.completions.create(**kw, reasoning_effort="none").usage.prompt_tokens == len(off)
+    assert client.chat.completions.create(**kw, reasoning_effort="none",
+                                          extra_body={"chat_template_kwargs": {"enable_thinking": True}}).usage.prompt_tokens == len(on)
+
+
+def test_reasoning_comes_as_reasoning_and_reasoning_content_unless_include_reasoning_is_false(llama_thinking_server):
+    """vLLM (0.11 on) returns the reasoning as `reasoning`, earlier versions as `reasoning_content`: both
+    carry it, whole and in every streamed delta. include_reasoning false (vLLM's) drops it from both."""
+    url = llama_thinking_server.url + "/v1/chat/completions"
+    body = {"model": "smollm2-135m", "messages": ASK, "temperature": 0, "max_tokens": 12}
+
+    def streamed(**extra) -> tuple[dict, list[dict]]:
+        joined, deltas = {"reasoning": "", "reasoning_content": "", "content": ""}, []
+        with httpx.stream("POST", url, json={**body, **extra, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    deltas.append(json.loads(line[6:])["choices"][0]["delta"])
+                    for key in joined:
+                        joined[key] += deltas[-1].get(key) or ""
+        assert r.status_code == 200
+        return joined, deltas
+
+    whole = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]
+    assert whole["reasoning"] and whole["reasoning"] == whole["reasoning_content"] and whole["content"] is None
+    joined, deltas = streamed()
+    assert joined == {"reasoning": whole["reasoning"], "reasoning_content": whole["reasoning"], "content": ""}
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    dropped = httpx.post(url, json={**body, "include_reasoning": False}, timeout=60).json()["choices"][0]["message"]
+    assert dropped["reasoning"] is None and dropped["reasoning_content"] is None and dropped["content"] is None
+    joined, deltas = streamed(include_reasoning=False)
+    assert joined == {"reasoning": "", "reasoning_content": "", "content": ""} and len(deltas) > 2
+    assert not any({"reasoning", "reasoning_content"} & d.keys() for d in deltas)
+
+
+def test_the_sdk_chat_loop_sends_replies_with_reasoning_back_for_three_turns(llama_thinking_server):
+    """The openai client's usual loop with a reasoning parser on: each reply's `message.model_dump()`
+    (reasoning and reasoning_content among its fields; one reply streamed and accumulated by the SDK) is
+    appended and sent back, three turns long."""
+    client = thinking_client(llama_thinking_server)
+    history: list = [{"role": "user", "content": "Name a color."}]
+    prompts = []
+    for turn in range(3):
+        kw = dict(model="smollm2-135m", messages=history, temperature=0, max_tokens=8)
+        if turn == 1:
+            with client.chat.completions.stream(**kw, stream_options={"include_usage": True}) as stream:
+                for _ in stream:
+                    pass
+                reply = stream.current_completion_snapshot  # get_final_completion's, which raises for a reply cut at max_tokens
+        else:
+            reply = client.chat.completions.create(**kw)
+        dumped = reply.choices[0].message.model_dump()
+        assert dumped.get("reasoning") == dumped.get("reasoning_content") and (turn or dumped["reasoning"]), dumped  # a reply may be empty
+        prompts.append(reply.usage.prompt_tokens)
+        history += [dumped, {"role": "user", "content": f"And another one ({turn})?"}]
+    assert prompts[0] < prompts[1] < prompts[2]
+
+
+def test_tokenize_adds_special_tokens_and_returns_token_strings_as_vllm_does(llama_thinking_server):
+    """/tokenize's add_special_tokens: by default as the prompt's endpoint tokenizes it — a text prompt
+    gets the tokenizer's BOS (<|im_start|>, id 1, on this server) as a completion's does, messages only
+    what the chat template writes as a chat's prompt does; the other value turns that around.
+    return_token_strs: the vocabulary's token strings (vLLM's token_strs)."""
+    hello = ["Hello", "Ġworld"]  # the bundled tokenizer's tokens 19556 and 905
+    r = tokenized(llama_thinking_server, prompt="Hello world", return_token_strs=True)
+    assert r["tokens"] == [1, 19556, 905] and r["token_strs"] == ["<|im_start|>", *hello] and r["count"] == 3
+    r = tokenized(llama_thinking_server, prompt="Hello world", add_special_tokens=False, return_token_strs=True)
+    assert r["tokens"] == [19556, 905] and r["token_strs"] == hello
+    assert tokenized(llama_thinking_server, prompt="Hello world")["token_strs"] is None
+    completion = httpx.post(llama_thinking_server.url + "/v1/completions", json={"prompt": "Hello world", "max_tokens": 1}, timeout=60).json()
+    assert completion["usage"]["prompt_tokens"] == 3
+    chat = tokenized(llama_thinking_server, messages=HI, return_token_strs=True)
+    assert chat["tokens"][:2] == [1, 9690] and chat["token_strs"][:2] == ["<|im_start|>", "system"]  # the template's own first token only
+    assert tokenized(llama_thinking_server, messages=HI, add_special_tokens=True)["tokens"] == [1, *chat["tokens"]]
+    assert tokenized(llama_thinking_server, messages=HI, add_special_tokens=False)["tokens"] == chat["tokens"]

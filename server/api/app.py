@@ -28,6 +28,7 @@ from kvpilot.server.api.protocol import (
     LoadLoRAAdapterRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
+    template_variables,
 )
 from kvpilot.server.api.tokenizer_pool import TokenizerPool
 from kvpilot.server.config import EngineConfig, ServerConfig
@@ -149,19 +150,19 @@ def build_app(state: ServerState) -> FastAPI:
         adapter = serving.check_model(req.model)
         params = req.params()
         prompts = req.prompts()
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return respond(await serving.completions(prompts, params, req.stream, include_usage, lambda: wait_for_disconnect(request),
-                                                 client_of(request), adapter), ignored)
+        return respond(await serving.completions(prompts, params, req.stream, req.stream_options, lambda: wait_for_disconnect(request),
+                                                 client_of(request), adapter, req.echo, req.prompt_only, req.prompt_logprobs is not None), ignored)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(req: ChatCompletionRequest, request: Request):
         ignored = ignoring(req)
         adapter = serving.check_model(req.model)
         params = req.params(serving.tool_format)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         messages = [m.as_template_dict() for m in req.messages]
-        return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, include_usage, req.top_logprobs or 0,
-                                          lambda: wait_for_disconnect(request), client_of(request), req.tool_use(), adapter), ignored)
+        variables = template_variables(req.chat_template_kwargs, req.reasoning_effort)
+        return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, req.stream_options, req.top_logprobs or 0,
+                                          lambda: wait_for_disconnect(request), client_of(request), req.tool_use(), adapter,
+                                          variables=variables, include_reasoning=req.include_reasoning), ignored)
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi():
@@ -209,8 +210,11 @@ def build_app(state: ServerState) -> FastAPI:
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
+        if req.prompt is not None and req.chat_template_kwargs is not None:
+            raise APIError(400, "chat_template_kwargs: only with 'messages'", "chat_template_kwargs")
         messages = None if req.messages is None else [m.as_template_dict() for m in req.messages]
-        return await serving.tokenize(req.prompt, messages, req.add_generation_prompt)
+        return await serving.tokenize(req.prompt, messages, req.add_generation_prompt, template_variables(req.chat_template_kwargs),
+                                      req.add_special_tokens, req.return_token_strs)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

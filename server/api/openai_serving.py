@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvpilot.server.api import tool_calls
 from kvpilot.server.api.async_engine import AsyncEngine, EngineDeadError, Job, RequestFailedError, ServerShutdownError
 from kvpilot.server.api.errors import APIError, param_of, sse_error, status_of
-from kvpilot.server.api.protocol import ToolUse
+from kvpilot.server.api.protocol import StreamOptions, ToolUse
 from kvpilot.server.api.reasoning import ReasoningParser
 from kvpilot.server.api.tokenizer_pool import TokenizerPool
 from kvpilot.server.engine.limits import Admission, RequestLimits
@@ -121,15 +121,22 @@ class OpenAIServing:
         return await self.pool.run(build)
 
     # --- tokenizer endpoints ----------------------------------------------------------------------
-    async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None, add_generation_prompt: bool) -> dict:
+    async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None, add_generation_prompt: bool,
+                       variables: dict[str, Any] | None = None, add_special_tokens: bool | None = None, return_token_strs: bool = False) -> dict:
+        """vLLM's /tokenize. add_special_tokens (None: as the prompt's own endpoint tokenizes it): for a
+        prompt, whether the tokenizer's BOS is put first (completions: true); for messages, whether it is
+        put before what the chat template renders as well (chat: false, the ids a chat completion's prompt gets)."""
         def run() -> list[int]:
             if prompt is not None:
                 self.check_text_length(len(prompt), "prompt")
-                return self.tokenizer.encode(prompt)
-            return self.chat_ids(messages, add_generation_prompt)
+                return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False)
+            ids = self.chat_ids(messages, add_generation_prompt, variables=variables)
+            bos = self.tokenizer.bos_token_id
+            return [bos, *ids] if add_special_tokens and self.tokenizer.add_bos and bos is not None else ids
 
         ids = await self.pool.run(run)
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+        strs = [self.tokenizer.id_to_token(t) for t in ids] if return_token_strs else None
+        return {"tokens": ids, "token_strs": strs, "count": len(ids), "max_model_len": self.max_model_len}
 
     async def detokenize(self, ids: list[int]) -> dict:
         self.check_token_ids(ids, "tokens")
@@ -175,8 +182,8 @@ class OpenAIServing:
         for tid, entry in zip(token_ids, entries):
             text = self._token_text(tid)
             tokens.append(text)
-            token_lps.append(entry[tid])
-            tops.append({self._token_text(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+            token_lps.append(entry[tid] if entry is not None else None)  # None: an echoed prompt's first token
+            tops.append({self._token_text(t): lp for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])} if entry is not None else None)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
@@ -190,8 +197,27 @@ class OpenAIServing:
                             "top_logprobs": [{"token": self._token_text(t), "logprob": lp, "bytes": list(self.tokenizer.token_bytes(t))} for t, lp in top]})
         return {"content": content}
 
-    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+        """OpenAI's usage object; cached_tokens: prompt tokens whose KV came from the prefix cache (or a tier)."""
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+        if cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return usage
+
+    def prompt_logprobs(self, entries: list[dict[int, float] | None], prompt_ids: list[int], top_n: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token (the first has none), its logprob and the top_n ones,
+        keyed by token id, each with its rank (1: the most likely; None for the prompt's own token when
+        it is outside the top_n, whose rank the engine does not compute)."""
+        out: list[dict | None] = []
+        for tid, entry in zip(prompt_ids, entries):
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+            outside = len(entry) > top_n  # the prompt's token was added to the top_n
+            out.append({str(t): {"logprob": lp, "rank": None if outside and t == tid else r, "decoded_token": self._token_text(t)}
+                        for r, (t, lp) in enumerate(ranked, 1)})
+        return out
 
     async def _collect(self, jobs, rlog: RequestLog, disconnected: Callable[[], Awaitable[None]]) -> dict[int, RequestOutput]:
         """Non-streaming: run every job to the end (the final output of each), unless the client
@@ -224,23 +250,32 @@ class OpenAIServing:
             rlog.emit()
         return finals
 
-    async def _sse(self, jobs, rlog: RequestLog, render, base: dict, include_usage: bool, preamble: list[dict] = ()) -> AsyncIterator[str]:
+    async def _sse(self, jobs, rlog: RequestLog, render, base: dict, options: StreamOptions | None, preamble: list[dict] = ()) -> AsyncIterator[str]:
         """Streaming: one chunk per choice with news (text, tokens or the finish), then usage and [DONE].
-        render(job index, output, choice, first new token index) -> chunk body."""
+        render(job index, output, choice, first new token index) -> chunk body. stream_options: usage
+        at the end (include_usage), and in every chunk, that choice's so far (continuous_usage_stats)."""
         sent: dict[tuple[int, int], int] = {}
+        cached: dict[int, int] = {}
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
         try:
             for chunk in preamble:
                 yield f"data: {json.dumps(chunk)}\n\n"
             async for i, out in self._merged(jobs):
                 rlog.first_token = rlog.first_token or time.monotonic()
+                cached[i] = out.num_cached_tokens
                 for o in out.outputs:
                     start = sent.get((i, o.index), 0)
                     if not o.text_delta and not o.finish_reason and start == len(o.token_ids):
                         continue
                     sent[(i, o.index)] = len(o.token_ids)
-                    yield f"data: {json.dumps(render(i, out, o, start))}\n\n"
+                    chunk = render(i, out, o, start)
+                    if continuous:
+                        chunk["usage"] = self._usage(len(out.prompt_token_ids), len(o.token_ids))
+                    yield f"data: {json.dumps(chunk)}\n\n"
             if include_usage:
-                yield f"data: {json.dumps({**base, 'choices': [], 'usage': self._usage(rlog.prompt_tokens, sum(sent.values()))})}\n\n"
+                usage = self._usage(rlog.prompt_tokens, sum(sent.values()), sum(cached.values()))
+                yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
             rlog.status = "client_disconnected"
@@ -253,8 +288,12 @@ class OpenAIServing:
             rlog.output_tokens = sum(sent.values())
             rlog.emit()
 
-    async def completions(self, prompts: list[str | list[int]], params: SamplingParams, stream: bool, include_usage: bool,
-                          disconnected: Callable[[], Awaitable[None]], client: str, adapter: str | None = None) -> dict | EventSource:
+    async def completions(self, prompts: list[str | list[int]], params: SamplingParams, stream: bool, stream_options: StreamOptions | None,
+                          disconnected: Callable[[], Awaitable[None]], client: str, adapter: str | None = None,
+                          echo: bool = False, prompt_only: bool = False, show_prompt_logprobs: bool = False) -> dict | EventSource:
+        """echo: each choice begins with its prompt (its text as given, a token-id prompt decoded; its
+        logprobs too when logprobs are asked for, the first token having none); prompt_only (echo with
+        max_tokens 0): the choice is the prompt alone. show_prompt_logprobs: vLLM's prompt_logprobs field."""
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs = await self.jobs(prompts, params, rid, client, adapter)
         self.engine.submit(jobs)  # admission: a 429 or 400 here is a plain HTTP error, before any byte of a stream
@@ -262,30 +301,47 @@ class OpenAIServing:
         rlog = RequestLog(rid, "completions", prompt_tokens=sum(len(j.admission.prompt_token_ids) for j in jobs))
         n = params.n
         offsets: dict[tuple[int, int], int] = {}  # streamed text_offset goes on from chunk to chunk
+        begun: set[tuple[int, int]] = set()       # choices whose first chunk went out (streams)
+        prompt_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if echo else []
 
-        def choice(i: int, o, text: str, token_ids: list[int], logprobs) -> dict:
+        def choice(i: int, out: RequestOutput, o, text: str, token_ids: list[int], logprobs) -> dict:
+            first = (i, o.index) not in begun
+            begun.add((i, o.index))
+            if prompt_only:
+                text, token_ids, logprobs = "", [], [] if logprobs is not None else None
+            if echo and first:  # the prompt goes first: in the whole answer, or in a stream's first chunk
+                text = prompt_texts[i] + text
+                if logprobs is not None:
+                    token_ids, logprobs = out.prompt_token_ids + token_ids, (out.prompt_logprobs or [None]) + logprobs
             lp = None
             if logprobs is not None:
                 lp, offsets[(i, o.index)] = self.completion_logprobs(logprobs, token_ids, offsets.get((i, o.index), 0))
-            return {"index": i * n + o.index, "text": text, "logprobs": lp, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+            body = {"index": i * n + o.index, "text": text, "logprobs": lp, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+            if show_prompt_logprobs:
+                body["prompt_logprobs"] = self.prompt_logprobs(out.prompt_logprobs or [None], out.prompt_token_ids, params.prompt_logprobs) if first else None
+            return body
 
         if stream:
             def render(i, out, o, start):
                 lp = o.logprobs[start:] if o.logprobs is not None else None
-                return {**base, "choices": [choice(i, o, o.text_delta, o.token_ids[start:], lp)]}
+                return {**base, "choices": [choice(i, out, o, o.text_delta, o.token_ids[start:], lp)]}
 
-            return EventSource(self._sse(jobs, rlog, render, base, include_usage), [j.request_id for j in jobs])
+            return EventSource(self._sse(jobs, rlog, render, base, stream_options), [j.request_id for j in jobs])
         finals = await self._collect(jobs, rlog, disconnected)
-        choices = [choice(i, o, o.text, o.token_ids, o.logprobs) for i in sorted(finals) for o in finals[i].outputs]
-        return {**base, "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens), **_transfer(finals[0])}
+        choices = [choice(i, finals[i], o, o.text, o.token_ids, o.logprobs) for i in sorted(finals) for o in finals[i].outputs]
+        usage = self._usage(rlog.prompt_tokens, 0 if prompt_only else rlog.output_tokens, sum(f.num_cached_tokens for f in finals.values()))
+        return {**base, "choices": choices, "usage": usage, **_transfer(finals[0])}
 
     # --- chat ----------------------------------------------------------------------------------
-    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: ToolUse | None = None) -> list[int]:
+    def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: ToolUse | None = None,
+                 variables: dict[str, Any] | None = None) -> list[int]:
         """The conversation's prompt ids, message text tokenized as text (Tokenizer.encode_chat); tools
-        rendered by the template when it takes them, else in a system turn (api/tool_calls.py)."""
-        self.check_text_length(len(json.dumps(messages)) + (len(json.dumps(tools.tools)) if tools else 0), "messages")
+        rendered by the template when it takes them, else in a system turn (api/tool_calls.py);
+        variables: the template's others (protocol.template_variables)."""
+        self.check_text_length(len(json.dumps(messages)) + (len(json.dumps(tools.tools)) if tools else 0) + len(json.dumps(variables or {})),
+                               "messages")
         takes_tools = self.tokenizer.template_takes_tools
-        extra = {"tools": tools.tools} if tools and takes_tools else {}
+        extra = {**(variables or {}), **({"tools": tools.tools} if tools and takes_tools else {})}
         try:
             return self.tokenizer.encode_chat(tool_calls.template_messages(messages, tools.tools if tools else None, takes_tools, self.tool_format),
                                               add_generation_prompt=add_generation_prompt, **extra)
@@ -293,13 +349,16 @@ class OpenAIServing:
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
 
     async def chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams, stream: bool,
-                   include_usage: bool, top_logprobs: int, disconnected: Callable[[], Awaitable[None]], client: str,
-                   tools: ToolUse | None = None, adapter: str | None = None) -> dict | EventSource:
+                   stream_options: StreamOptions | None, top_logprobs: int, disconnected: Callable[[], Awaitable[None]], client: str,
+                   tools: ToolUse | None = None, adapter: str | None = None, variables: dict[str, Any] | None = None,
+                   include_reasoning: bool = True) -> dict | EventSource:
         """tools: the request's tools (rendered into the prompt); unless tool_choice is none, calls in
         the output are returned as message.tool_calls / delta.tool_calls with finish_reason tool_calls.
-        With a reasoning parser, the <think> block is reasoning_content and only the rest is parsed."""
+        With a reasoning parser, the <think> block is `reasoning` and `reasoning_content` (vLLM's name
+        since 0.11, and its older one: the same text) and only the rest is parsed; include_reasoning
+        false drops it (null). variables: the chat template's other variables (chat_ids)."""
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = await self.jobs(lambda: self.chat_ids(messages, add_generation_prompt, tools), params, rid, client, adapter)
+        jobs = await self.jobs(lambda: self.chat_ids(messages, add_generation_prompt, tools, variables), params, rid, client, adapter)
         self.engine.submit(jobs)
         created = int(time.time())
         rlog = RequestLog(rid, "chat.completions", prompt_tokens=len(jobs[0].admission.prompt_token_ids))
@@ -328,21 +387,22 @@ class OpenAIServing:
                 text, calls = parsers[o.index].feed(text, final=ended) if parsing else (text, [])
                 held = bool(parsing or splitters)
                 delta = {"content": text} if text or not (ended or held) else {}  # held-back text is not an empty content
-                if thought:
-                    delta["reasoning_content"] = thought
+                if thought and include_reasoning:
+                    delta["reasoning"] = delta["reasoning_content"] = thought
                 if calls:
                     delta["tool_calls"] = [{"index": calls_seen[o.index] + k, **c.message()} for k, c in enumerate(calls)]
                     calls_seen[o.index] += len(calls)
                 return {**base, "choices": [{"index": o.index, "delta": delta, "logprobs": logprobs(o, start),
                                              "finish_reason": finish(o.finish_reason, calls_seen[o.index] > 0), "stop_reason": o.stop_reason}]}
 
-            return EventSource(self._sse(jobs, rlog, render, base, include_usage, preamble), [j.request_id for j in jobs])
+            return EventSource(self._sse(jobs, rlog, render, base, stream_options, preamble), [j.request_id for j in jobs])
         final = (await self._collect(jobs, rlog, disconnected))[0]
         choices = []
         for o in final.outputs:
             message: dict[str, Any] = {"role": "assistant", "content": o.text}
             if self.reasoning:
-                message["reasoning_content"], message["content"] = thinking.split(o.text) if thinking else (None, o.text or None)
+                thought, message["content"] = thinking.split(o.text) if thinking else (None, o.text or None)
+                message["reasoning"] = message["reasoning_content"] = thought if include_reasoning else None
             calls = []
             if parsing and message["content"]:
                 message["content"], calls = self.tool_format.parse(message["content"], parsing.names)
@@ -350,8 +410,11 @@ class OpenAIServing:
                     message["tool_calls"] = [c.message() for c in calls]
             choices.append({"index": o.index, "message": message, "logprobs": logprobs(o),
                             "finish_reason": finish(o.finish_reason, bool(calls)), "stop_reason": o.stop_reason})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": adapter or self.model_name,
-                "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens), **_transfer(final)}
+        answer = {"id": rid, "object": "chat.completion", "created": created, "model": adapter or self.model_name,
+                  "choices": choices, "usage": self._usage(rlog.prompt_tokens, rlog.output_tokens, final.num_cached_tokens), **_transfer(final)}
+        if params.prompt_logprobs is not None:  # vLLM's, beside the choices
+            answer["prompt_logprobs"] = self.prompt_logprobs(final.prompt_logprobs or [None], final.prompt_token_ids, params.prompt_logprobs)
+        return answer
 
 
 def _transfer(output) -> dict:

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
 from kvpilot.server.api import tool_calls
-from kvpilot.server.engine.sampling_params import MAX_STOP_TOKEN_IDS, SEED_RANGE, KVTransferParams, SamplingParams, StructuredOutput
+from kvpilot.server.engine.sampling_params import MAX_STOP_TOKEN_IDS, PRIORITY_RANGE, SEED_RANGE, KVTransferParams, SamplingParams, StructuredOutput
 
 
 def _valid_unicode(text: str) -> str:
@@ -31,6 +31,23 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def _valid_unicode_within(value: Any) -> Any:
+    """Every string in a JSON value (keys too) is text (_valid_unicode); walked without recursion."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            _valid_unicode(item)
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            stack += item
+    return value
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode_within)]
 TokenId = StrictInt  # true/false are JSON booleans, not token ids
 
 
@@ -130,6 +147,9 @@ class _SamplingFields(_Lenient):
     guided_grammar: Text | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's prefill/decode disaggregation fields (engine/kv_transfer.py)
+    # vLLM's: lower runs first under --scheduling-policy priority; under fcfs anything but 0 is refused (engine/limits.py)
+    priority: StrictInt = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: the prompt tokens' logprobs and the top n at each
     # OpenAI fields we do not implement: a 400 names them when set
     best_of: int | None = None
 
@@ -185,7 +205,7 @@ class _SamplingFields(_Lenient):
             raise ValueError("kv_transfer_params.do_remote_decode: a prefill request is answered whole (stream must be false)")
         return transfer
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         self._check_unsupported()
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -195,24 +215,34 @@ class _SamplingFields(_Lenient):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, structured=self.structured(), logit_bias=self.token_biases(),
-            kv_transfer=self.kv_transfer())
+            kv_transfer=self.kv_transfer(), priority=self.priority)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool = False                   # the prompt (and its logprobs, with logprobs) first in each choice
     suffix: Text | None = None
 
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0 (lm-evaluation-harness's loglikelihood): the prompt is the answer."""
+        return self.echo and self.max_tokens == 0
+
     def params(self) -> SamplingParams:
-        if self.echo:
-            raise UnsupportedParameter("echo")
         if self.suffix:
             raise UnsupportedParameter("suffix")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo (the answer is then the prompt alone)")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs, with as many top ones as the output's
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        # the engine makes at least one token: with max_tokens 0 it is dropped
+        return self.sampling_params(1 if self.prompt_only else self.max_tokens, self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -328,6 +358,30 @@ class ToolUse:
         return self.choice != "none"
 
 
+# OpenAI's reasoning_effort values (the openai client's ReasoningEffort; vLLM takes the same)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+# chat_template_kwargs names that are not the client's to set, as vLLM refuses them: the template and
+# whether to tokenize are the server's; the messages and tools are the request's own fields.
+REFUSED_TEMPLATE_KWARGS = ("chat_template", "tokenize", "messages", "tools")
+
+
+def template_variables(chat_template_kwargs: dict[str, Any] | None, reasoning_effort: str | None = None) -> dict[str, Any]:
+    """The chat template's variables beyond the messages, tools and add_generation_prompt, merged as vLLM
+    merges them: chat_template_kwargs (`{"enable_thinking": false}`), under the request's own fields —
+    add_generation_prompt is the request's field, never the kwarg; reasoning_effort, when set, is the
+    template's `reasoning_effort`, and `enable_thinking` (unless the kwargs set it) is whether it is
+    other than "none". Names a template does not use change nothing."""
+    variables = dict(chat_template_kwargs or {})
+    for name in REFUSED_TEMPLATE_KWARGS:
+        if name in variables:
+            raise ValueError(f"chat_template_kwargs: '{name}' cannot be set there" + (" (use the request's own field)" if name in ("messages", "tools") else ""))
+    variables.pop("add_generation_prompt", None)
+    if reasoning_effort is not None:
+        variables["reasoning_effort"] = reasoning_effort
+        variables.setdefault("enable_thinking", reasoning_effort != "none")
+    return variables
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
 
@@ -339,6 +393,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # the chat template's own variables (template_variables); include_reasoning: false drops a --reasoning-parser's reasoning
+    chat_template_kwargs: JsonObject | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    include_reasoning: bool = True
     # OpenAI's deprecated forms of tools: a 400 names them
     functions: list[Any] | None = None
     function_call: Any = None
@@ -388,6 +446,11 @@ class TokenizeRequest(BaseModel):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: JsonObject | None = None  # with messages: as a chat request's
+    # vLLM's: the token strings too; special tokens added (the tokenizer's BOS): by default as the prompt's
+    # own endpoint adds them, true for a prompt (completions), false for messages (the chat template's)
+    return_token_strs: bool = False
+    add_special_tokens: bool | None = None
 
 
 class DetokenizeRequest(BaseModel):
