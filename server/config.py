@@ -372,6 +372,9 @@ class ServerConfig(BaseModel):
         "Refuse (400) request fields this server does not know, at a request's top level, in its messages and stream_options; "
         "by default they are ignored, as vLLM does, and named in the x-kvpilot-ignored-fields response header and a log line. "
         "Unknown fields inside constraints and tools are always refused."))
+    enable_tokenizer_info_endpoint: bool = Field(False, description=(
+        "Serve GET /tokenizer_info (vLLM's: the special tokens, chat template and length limit, which lm-evaluation-harness's "
+        "remote tokenizer reads); off by default, as in vLLM, since it shows the chat template."))
     max_compiles_per_client: int = Field(1, ge=1, description=(
         "Structured-output constraints one client (by address) may have compiling at once (on the compile threads, not the "
         "tokenizer pool); beyond it, 429 with Retry-After. A constraint already compiled is a cache hit and does not count."))

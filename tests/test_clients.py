@@ -1,6 +1,9 @@
 """The requests real clients send (#77): the official `openai` client's tool-calling chat loop (each reply
 appended with `message.model_dump()`) and its `chat.completions.parse`, and langchain-openai's
-`ChatOpenAI` with `bind_tools` and `with_structured_output`, against a real server in both modes.
+`ChatOpenAI` with `bind_tools` and `with_structured_output`, and lm-evaluation-harness's
+`local-completions` model (echo + logprobs loglikelihoods, greedy generation, the server's tokenizer
+through /tokenizer_info, /tokenize and /detokenize) against its own `hf` model on the same weights,
+against a real server in both modes.
 
 Every HTTP exchange goes through an httpx event hook that records it: each must be a 200, and the server
 must have understood every field the client sent (it names the fields it ignores in
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -20,7 +24,9 @@ from pydantic import BaseModel, Field
 from server_harness import SERVER_MODES, ServerProcess
 
 MODEL = "smollm2-135m"
-FLAGS = ("--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--max-num-seqs", "4", "--tool-call-parser", "hermes")
+FLAGS = ("--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--max-num-seqs", "4", "--tool-call-parser", "hermes",
+         "--enable-tokenizer-info-endpoint")
+LM_EVAL_TASKS = Path(__file__).parent / "data" / "lm_eval_task"  # kvpilot_mc (multiple choice) and kvpilot_gen (generate_until)
 
 WEATHER = {"name": "get_weather", "description": "The current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
@@ -187,3 +193,44 @@ def test_langchain_with_structured_output_returns_the_instance(served, exchanges
         assert body["tool_choice"] == {"type": "function", "function": {"name": "City"}}
     else:
         assert body["response_format"]["type"] == "json_schema"
+
+
+def run_lm_eval(model, model_args: dict | None = None) -> dict:
+    """Both shipped lm-eval tasks, offline: per task, each document's responses (loglikelihood and
+    is_greedy per choice; the generated text) and the metric."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["kvpilot_mc", "kvpilot_gen"], batch_size=1,
+                                  bootstrap_iters=0, log_samples=True,
+                                  task_manager=TaskManager(include_path=str(LM_EVAL_TASKS), include_defaults=False))
+    return {task: ({s["doc_id"]: s["resps"] for s in out["samples"][task]}, out["results"][task]) for task in ("kvpilot_mc", "kvpilot_gen")}
+
+
+@pytest.fixture(scope="module")
+def lm_eval_hf(hf_oracle_session):
+    from lm_eval.models.huggingface import HFLM
+
+    return run_lm_eval(HFLM(pretrained=hf_oracle_session.model, tokenizer=hf_oracle_session.tokenizer, batch_size=1))
+
+
+def test_lm_eval_local_completions_scores_and_generates_as_its_hf_model(served, lm_eval_hf, monkeypatch):
+    """Issue #77's done-when: lm-eval's local-completions against the server (its tokenizer the server's
+    own, by /tokenizer_info) and lm-eval's hf model on the same weights: the same accuracy, each
+    choice's loglikelihood within 1e-3 and the same is_greedy; the same greedy answers."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    ours = run_lm_eval("local-completions", {"base_url": served.url + "/v1/completions", "model": MODEL, "tokenizer_backend": "remote",
+                                             "max_retries": 1, "max_length": 2048})
+    docs, results = ours["kvpilot_mc"]
+    ref_docs, ref_results = lm_eval_hf["kvpilot_mc"]
+    assert docs.keys() == ref_docs.keys() and len(docs) == 8
+    for doc, ref in ref_docs.items():
+        got = [tuple(r[0]) for r in docs[doc]]
+        want = [tuple(r[0]) for r in ref]
+        assert [greedy for _, greedy in got] == [greedy for _, greedy in want], doc
+        assert max(abs(a - b) for (a, _), (b, _) in zip(got, want)) < 1e-3, (doc, got, want)
+    assert results["acc,none"] == ref_results["acc,none"]
+    gen_docs, gen_results = ours["kvpilot_gen"]
+    ref_gen_docs, ref_gen_results = lm_eval_hf["kvpilot_gen"]
+    assert gen_docs == ref_gen_docs and any(r[0][0].strip() for r in gen_docs.values())
+    assert gen_results["exact_match,none"] == ref_gen_results["exact_match,none"]

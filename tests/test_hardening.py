@@ -72,6 +72,29 @@ def test_a_row_with_nothing_to_sample_fails_alone():
     assert result.token_ids[0][0] in (0, 1, 2)
 
 
+def test_an_output_that_cannot_be_made_fails_only_its_request(engine):
+    """The output assembler runs after the engine's step (in the engine, or in the API process for the
+    engine core): a detokenizer error there fails that request alone, its blocks are freed, and the
+    engine and the other requests go on."""
+    from kvpilot.server.engine.sampling_params import SamplingParams
+
+    class Broken:
+        text = ""
+
+        def add(self, token):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated")
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    free = engine.block_manager.num_free_blocks
+    engine.add_request("The sky is", params, request_id="fine")
+    engine.add_request("The sky is", params, request_id="broken")
+    engine.assembler.requests["broken"].seqs[0].text.detokenizer = Broken()
+    finals = run_to_end(engine)
+    assert "UnicodeDecodeError" in finals["broken"].error and finals["broken"].outputs[0].finish_reason == "error"
+    assert finals["fine"].error is None and len(finals["fine"].outputs[0].token_ids) == 4
+    assert engine.block_manager.num_free_blocks == free and not engine.requests
+
+
 @pytest.mark.parametrize("overlapped", [False, True], ids=["sync", "async-scheduling"])
 def test_a_failing_model_step_fails_only_the_request_that_breaks_it(engine, monkeypatch, overlapped):
     """The poisoned request arrives while the others decode: with async scheduling the failing step

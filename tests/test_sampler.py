@@ -249,7 +249,7 @@ def test_several_tokens_appended_at_once_stop_at_the_first_stop(llm):
         s = Sequence(0, "r", 0, [1, 2], params)
         out.add("r", [s], 0.0)
         out.scheduler.add(s)
-        assembler = OutputAssembler(tok, lambda *stop: told.append(stop))
+        assembler = OutputAssembler(tok, lambda *stop: told.append(stop), told.append)
         assembler.add("r", None, [1, 2], params)
         out.append(s, tokens, None, 0.0)
         return assembler.apply(out.delta("r")).outputs[0]

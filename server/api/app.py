@@ -225,6 +225,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def version():
         return {"version": VERSION}
 
+    if state.config.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            """vLLM's: what a client needs to tokenize as this server does (lm-eval's remote tokenizer)."""
+            return serving.tokenizer_info()
+
     def engine_unavailable() -> Response | None:
         """The probes' answer when the engine cannot serve: its loop ended, or it made no progress for
         engine_stall_timeout_seconds with requests open (a hung step, a stopped core: every request

@@ -96,7 +96,8 @@ class EngineCoreClient(AsyncEngine):
         self.served_model_name = ready.served_model_name
         self._lora_enabled = ready.lora_enabled
         self._adapters: dict[str, AdapterInfo] = {a.name: a for a in ready.adapters}  # the core's, as of its last AdapterReply
-        self.outputs = OutputAssembler(self.tokenizer, lambda rid, index, stop: self._send(StopSequence(rid, index, stop)))
+        self.outputs = OutputAssembler(self.tokenizer, lambda rid, index, stop: self._send(StopSequence(rid, index, stop)),
+                                       lambda rid: self._send(Abort(rid)))
         self._thread = threading.Thread(target=self._receive, name="kvpilot-core-replies", daemon=True)
         self._thread.start()
         return self

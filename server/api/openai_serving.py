@@ -138,6 +138,13 @@ class OpenAIServing:
         strs = [self.tokenizer.id_to_token(t) for t in ids] if return_token_strs else None
         return {"tokens": ids, "token_strs": strs, "count": len(ids), "max_model_len": self.max_model_len}
 
+    def tokenizer_info(self) -> dict:
+        tok = self.tokenizer
+        token = lambda tid: tok.id_to_token(tid) if tid is not None else None  # noqa: E731
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token(tok.bos_token_id), "eos_token": token(tok.eos_token_id),
+                "add_bos_token": tok.add_bos, "chat_template": tok.chat_template,
+                "model_max_length": self.max_model_len}
+
     async def detokenize(self, ids: list[int]) -> dict:
         self.check_token_ids(ids, "tokens")
         return {"prompt": await self.pool.run(lambda: self.tokenizer.decode(ids))}

@@ -86,7 +86,7 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or default_served_name(config.model)
         weights, self.tokenizer = open_model(self.model_path)
         self.model_config = weights.config
-        self.assembler = OutputAssembler(self.tokenizer, _weakly(self.stop_sequence)) if assemble else None
+        self.assembler = OutputAssembler(self.tokenizer, _weakly(self.stop_sequence), _weakly(self._drop_request)) if assemble else None
         window = self.model_config.sliding_window
         if window and config.max_model_len and config.max_model_len > window:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window}: sliding-window attention is not "
@@ -336,6 +336,11 @@ class LLMEngine:
         if self.assembler is None:
             return deltas
         return [out for out in map(self.assembler.apply, deltas) if out is not None]
+
+    def _drop_request(self, request_id: str) -> None:
+        """The output assembler failed this request (its output is the error): end it, free its blocks."""
+        if request_id in self.requests:
+            self.output.abort(request_id)
 
     def stop_sequence(self, request_id: str, index: int, stop: str) -> None:
         """End one sequence at a stop string its text completed (the output assembler matches them);

@@ -5,11 +5,14 @@ RequestOutput a client reads. Every server mode and the offline LLM use it: the 
 the engine core sends (api/core_client.py).
 
 A stop string found here ends its sequence for the client at once, and is reported back
-(stop_sequence) so that the engine frees its blocks; tokens the engine made after it are dropped.
+(stop_sequence) so that the engine frees its blocks; tokens the engine made after it are dropped. A
+request whose output cannot be made (a detokenizer error, say) fails alone: its output is an error,
+and the engine is told to drop it (abort); no other request, and not the engine, is affected.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +20,8 @@ from typing import Any
 
 from kvpilot.server.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, SeqDelta
 from kvpilot.server.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("kvpilot.engine")
 
 
 @dataclass(slots=True)
@@ -88,9 +93,10 @@ class _RequestOutputState:
 class OutputAssembler:
     """Every open request's output, made from the engine's deltas."""
 
-    def __init__(self, tokenizer, stop_sequence: Callable[[str, int, str], None]):
-        """stop_sequence(request_id, index, stop): tell the engine that a stop string ended a sequence."""
-        self.tokenizer, self.stop_sequence = tokenizer, stop_sequence
+    def __init__(self, tokenizer, stop_sequence: Callable[[str, int, str], None], abort: Callable[[str], None]):
+        """stop_sequence(request_id, index, stop): tell the engine that a stop string ended a sequence;
+        abort(request_id): that the request failed here."""
+        self.tokenizer, self.stop_sequence, self.abort = tokenizer, stop_sequence, abort
         self.requests: dict[str, _RequestOutputState] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -112,10 +118,19 @@ class OutputAssembler:
             return None
         if delta.prompt_logprobs is not None:
             req.prompt_logprobs = delta.prompt_logprobs
-        for seq_delta in delta.seqs:
-            seq = req.seqs[seq_delta.index]
-            if seq.finish_reason is None:
-                self._extend(delta.request_id, req, seq, seq_delta)
+        error = delta.error
+        try:
+            for seq_delta in delta.seqs:
+                seq = req.seqs[seq_delta.index]
+                if seq.finish_reason is None:
+                    self._extend(delta.request_id, req, seq, seq_delta)
+        except Exception as e:  # noqa: BLE001 - this request's output alone: it fails, the engine drops it
+            log.exception("request %s: making its output failed", delta.request_id)
+            error = f"output processing failed ({type(e).__name__}: {e})"
+            for seq in req.seqs:
+                seq.finish_reason = seq.finish_reason or "error"
+            if not all(d.finish_reason is not None for d in delta.seqs):
+                self.abort(delta.request_id)
         finished = all(s.finish_reason is not None for s in req.seqs)
         p = req.params
         outputs = [CompletionOutput(i, s.text.text, list(s.token_ids), s.finish_reason, s.stop_reason,
@@ -128,7 +143,7 @@ class OutputAssembler:
             if metrics.finish_time is None:
                 metrics.finish_time = req.finish_time
         return RequestOutput(delta.request_id, req.prompt, req.prompt_token_ids, outputs, finished, req.prompt_logprobs, metrics,
-                             delta.num_cached_tokens, delta.error, delta.kv_transfer_params if finished else None)
+                             delta.num_cached_tokens, error, delta.kv_transfer_params if finished else None)
 
     def _extend(self, request_id: str, req: _RequestOutputState, seq: _SeqOutput, delta: SeqDelta) -> None:
         """Append a sequence's new tokens until a stop string ends it, then the engine's finish, if any."""
