@@ -148,6 +148,21 @@ def test_openai_three_turn_tool_chat_appending_model_dump(openai_client, exchang
     assert [m["tool_call_id"] for m in bodies[-1]["messages"] if m["role"] == "tool"] == [c["id"] for c in sent_calls]
 
 
+def test_openai_stream_with_continuous_usage_stats(openai_client, exchanges):
+    """The openai client's chat stream with stream_options include_usage + continuous_usage_stats
+    (vLLM's): every chunk with a choice carries the usage so far, the last one the totals."""
+    stream = openai_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=6,
+                                                   temperature=0, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(stream)
+    with_choice = [c for c in chunks if c.choices]
+    counted = [c.usage.completion_tokens for c in with_choice]
+    assert counted[0] == 0 and counted == sorted(counted), counted  # the role preamble: none yet
+    final = chunks[-1]
+    assert not final.choices and final.usage.completion_tokens == counted[-1] == 6
+    assert final.usage.prompt_tokens_details.cached_tokens >= 0 and final.usage.total_tokens == final.usage.prompt_tokens + 6
+    exchanges.check(1)
+
+
 def test_openai_parse_returns_the_pydantic_instance(openai_client, exchanges):
     completion = openai_client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Describe Paris in JSON."}],
                                                       response_format=City, temperature=0, max_tokens=80)

@@ -267,7 +267,7 @@ class OpenAIServing:
         continuous = include_usage and options.continuous_usage_stats
         try:
             for chunk in preamble:
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield f"data: {json.dumps({**chunk, 'usage': self._usage(rlog.prompt_tokens, 0)} if continuous else chunk)}\n\n"
             async for i, out in self._merged(jobs):
                 rlog.first_token = rlog.first_token or time.monotonic()
                 cached[i] = out.num_cached_tokens
