@@ -123,3 +123,14 @@ def test_dropping_the_last_llm_frees_its_engine_without_the_garbage_collector(en
         assert engine() is None and model() is None
     finally:
         gc.enable()
+
+
+def test_cached_prompt_tokens_are_counted_once_and_never_past_the_prompt():
+    """usage.prompt_tokens_details.cached_tokens: a preempted sequence's re-admission finds its own
+    output cached too (it reported more cached tokens than its prompt had)."""
+    seq = Sequence(0, "r", 0, list(range(40)), SamplingParams())
+    seq.record_cached_prompt(64)
+    assert seq.num_cached_tokens == 40
+    seq.num_preemptions = 1
+    seq.record_cached_prompt(16)
+    assert seq.num_cached_tokens == 40

@@ -404,3 +404,19 @@ def test_the_gateway_prefills_on_a_prefill_pod_then_streams_the_decode_pods_answ
         metrics = httpx.get(url + "/metrics", timeout=30).text
         assert f'kvpilot_gateway_prefill_requests_total{{model="{model}",outcome="handed_off"}} 3.0' in metrics
         assert f'kvpilot_gateway_prefill_requests_total{{model="{model}",outcome="failed"}} 1.0' in metrics
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_string_ends_a_prefill_request_with_its_transfer_params(prefill, reference):
+    """A prefill request (do_remote_decode) whose text meets a stop string before max_tokens: the stop
+    string is matched by the output assembler after the engine's step, which then ends the sequence
+    and holds its blocks; the answer waits for that final delta and carries the params (they were lost,
+    the blocks held until the timeout)."""
+    tok = prefill.engine.tokenizer
+    text = tok.decode(reference[0][:6])
+    stop = text[len(tok.decode(reference[0][:3])):].strip()[:4]
+    assert stop and stop in text
+    out = prefill.generate(PROMPTS[0], params(max_tokens=10, stop=[stop], kv_transfer=transfer(do_remote_decode=True)))[0]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop and len(out.outputs[0].token_ids) < 10
+    assert out.kv_transfer_params is not None and out.kv_transfer_params["remote_block_ids"]
+    assert not prefill.engine.requests

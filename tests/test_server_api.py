@@ -211,6 +211,8 @@ def test_odd_field_names_are_named_safely(served):
     r = httpx.post(served.url + "/v1/completions", json={**many, "prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200, r.text
     assert r.headers["x-kvpilot-ignored-fields"] == ", ".join(f"f{i}" for i in range(16)) + ", (+24 more)"
+    r = httpx.post(served.url + "/v1/completions", json={"x" * 100_000: 1, "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-kvpilot-ignored-fields"] == "x" * 64 + "...", r.headers
 
 
 @pytest.fixture(scope="module")
@@ -439,8 +441,14 @@ def test_echo_with_logprobs_is_the_prompt_scored_as_hf_scores_it(served, hf_orac
         if max_tokens == 1:  # greedy: the output token is the oracle's, and the top of its own top_logprobs
             assert lp["tokens"][-1] == httpx.post(served.url + "/detokenize", json={"tokens": [ref.tokens[0]]}).json()["prompt"]
             assert max(lp["top_logprobs"][-1], key=lp["top_logprobs"][-1].get) == lp["tokens"][-1]
-        else:
+        else:  # the engine's one token is not the answer's: nor is its finish
             assert choice["text"] == ORACLE_PROMPTS[0] and r.json()["usage"]["completion_tokens"] == 0
+            assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+    with httpx.stream("POST", served.url + "/v1/completions", json={"model": MODEL, "prompt": ids, "echo": True, "max_tokens": 0, "stream": True,
+                      "stream_options": {"include_usage": True}}, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ORACLE_PROMPTS[0]
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
     r = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 0}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
@@ -462,6 +470,9 @@ def test_prompt_logprobs_and_usage_details(served):
     chat = httpx.post(served.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                                                   "max_tokens": 2, "prompt_logprobs": 0}, timeout=60).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    streamed = httpx.post(served.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                                      "stream": True, "prompt_logprobs": 0}, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs", streamed.text  # (vLLM's rule)
     with httpx.stream("POST", served.url + "/v1/completions", json={**body, "max_tokens": 4, "stream": True,
                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, timeout=60) as s:
         chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]

@@ -51,7 +51,8 @@ class ServerState:
 
 
 IGNORED_FIELDS_HEADER = "x-kvpilot-ignored-fields"
-MAX_NAMED_IGNORED_FIELDS = 16  # a header stays small however many fields a body holds
+MAX_NAMED_IGNORED_FIELDS = 16  # a header stays small however many fields a body holds,
+MAX_IGNORED_NAME_CHARS = 64    # and however long their names (each cut here, as encoded)
 
 
 class EventStream(StreamingResponse):
@@ -129,7 +130,8 @@ def build_app(state: ServerState) -> FastAPI:
             return {}
         if state.config.reject_unknown_fields:
             raise APIError(400, f"unknown parameter '{ignored[0]}'", ignored[0], "unknown_parameter")
-        named = ", ".join(ignored[:MAX_NAMED_IGNORED_FIELDS])
+        named = ", ".join(name if len(name) <= MAX_IGNORED_NAME_CHARS else name[:MAX_IGNORED_NAME_CHARS] + "..."
+                          for name in ignored[:MAX_NAMED_IGNORED_FIELDS])
         if len(ignored) > MAX_NAMED_IGNORED_FIELDS:
             named += f", (+{len(ignored) - MAX_NAMED_IGNORED_FIELDS} more)"
         log.warning("ignored request fields: %s", named)

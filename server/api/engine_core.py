@@ -213,20 +213,20 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
     added_units = 0
     adapter_reads: queue.SimpleQueue = queue.SimpleQueue()  # (LoadAdapter, Adapter | None, AdapterError | None) from reader threads
 
-    # A request with an output constraint is admitted off the step loop: its compile takes milliseconds
+    # A request with an output constraint has it compiled off the step loop: a compile takes milliseconds
     # to seconds (a 10,000-property schema stalled running streams for 7 s when it ran here), as the
     # one-process server compiles in its tokenizer pool. The loop adds it once compiled.
-    admissions: queue.SimpleQueue = queue.SimpleQueue()  # (AddRequest, Admission | None, ValueError | None)
-    compiling: dict[str, int] = {}  # their request ids -> sequences (waiting: counted); one aborted meanwhile leaves, its admission is dropped
+    compiled: queue.SimpleQueue = queue.SimpleQueue()  # (AddRequest, Admission | None, ValueError | None)
+    compiling: dict[str, AddRequest] = {}  # by request id (its sequences count as waiting); one aborted meanwhile ends at once, its compile is dropped
 
     def compile_constraint(command: AddRequest) -> None:
         try:
-            admissions.put((command, command.admission(engine.limits.grammars.compile(command.params.structured)), None))
+            compiled.put((command, command.admission(engine.limits.grammars.compile(command.params.structured)), None))
         except ValueError as e:
-            admissions.put((command, None, e))
+            compiled.put((command, None, e))
         except Exception as e:  # noqa: BLE001 - the compiler's own failure: this request's, the core goes on
             log.exception("compiling the constraint of request %s failed", command.request_id)
-            admissions.put((command, None, ValueError(f"{type(e).__name__}: {e}")))
+            compiled.put((command, None, ValueError(f"{type(e).__name__}: {e}")))
 
     def add(command: AddRequest, admission: Admission | None, error: ValueError | None, extra: list[RequestDelta]) -> None:
         if error is None:
@@ -237,7 +237,7 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                 error = e
         # admitted by the API process (which compiled the same constraint): a refusal here is a bug, this request's
         log.error("request %s refused by the engine core: %s", command.request_id, error)
-        extra.append(_refused(command, str(error)))
+        extra.append(_ended(command, "error", str(error)))
 
     def read_adapter(command: LoadAdapter) -> None:
         """Off the step loop, as the one-process server reads adapters: files (or a download) and checks."""
@@ -262,8 +262,8 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                         error = e
                 send(AdapterReply(command.token, str(error) if error else None, error.param if error else None, False,
                                   adapter.rank if adapter else 0, adapters()))
-            while not admissions.empty():
-                command, admission, error = admissions.get()
+            while not compiled.empty():
+                command, admission, error = compiled.get()
                 if compiling.pop(command.request_id, None) is not None:
                     add(command, admission, error, extra)
             if inbox.poll(0 if busy else COMPILING_POLL_MS if compiling else IDLE_POLL_MS):
@@ -276,18 +276,20 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                     if isinstance(command, AddRequest):
                         added_units += command.params.n
                         if command.params.structured is not None:  # a daemon: a compile never holds up the core's exit
-                            compiling[command.request_id] = command.params.n
+                            compiling[command.request_id] = command
                             threading.Thread(target=compile_constraint, args=(command,), name="kvpilot-core-compile", daemon=True).start()
                             continue
                         add(command, command.admission(), None, extra)
-                    elif isinstance(command, Abort) and command.request_id in compiling:
-                        del compiling[command.request_id]
+                    elif isinstance(command, Abort) and command.request_id in compiling:  # its output ends here (the API process forgets it)
+                        extra.append(_ended(compiling.pop(command.request_id), "abort"))
                     elif isinstance(command, Abort):
                         out = engine.abort_request(command.request_id)
                         if out is not None:
                             extra.append(out)
                     elif isinstance(command, StopSequence):
-                        engine.stop_sequence(command.request_id, command.index, command.stop)
+                        final = engine.stop_sequence(command.request_id, command.index, command.stop)
+                        if final is not None:  # a prefill request's: its kv_transfer_params, which the API process waits for
+                            extra.append(final)
                     elif isinstance(command, Scrape):
                         send(Scraped(command.token, generate_latest(registry).decode()))
                     elif isinstance(command, LoadAdapter):
@@ -309,7 +311,7 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
             outputs = engine.step_or_fail_open() if engine.needs_step() else []
             if outputs or extra:
                 send(StepOutputs(extra + outputs, added_units,
-                                 len(engine.scheduler.waiting) + sum(compiling.values()), time.monotonic() - started))
+                                 len(engine.scheduler.waiting) + sum(c.params.n for c in compiling.values()), time.monotonic() - started))
             elif time.monotonic() - last_sent >= CORE_BEAT_S:
                 send(CoreAlive())
     except BaseException as e:  # noqa: BLE001 - the core cannot go on: say why, exit non-zero
@@ -317,6 +319,7 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
         report_failure(f"engine core loop crashed ({type(e).__name__}: {e})", 70)
 
 
-def _refused(command: AddRequest, message: str) -> RequestDelta:
-    seqs = [SeqDelta(i, [], None, "error", None) for i in range(command.params.n)]
-    return RequestDelta(command.request_id, seqs, RequestMetrics(command.arrival_time), 0, None, message, None)
+def _ended(command: AddRequest, reason: str, error: str | None = None) -> RequestDelta:
+    """The final delta of a request the engine never ran (refused: "error"; aborted while compiling)."""
+    seqs = [SeqDelta(i, [], None, reason, None) for i in range(command.params.n)]
+    return RequestDelta(command.request_id, seqs, RequestMetrics(command.arrival_time), 0, None, error, None)

@@ -71,6 +71,7 @@ class OpenAIServing:
         self.tool_format = tool_calls.parser_for(tool_call_parser, tokenizer.chat_template)
         self.reasoning = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.max_model_len = limits.max_model_len
+        self._token_texts: dict[int, str] = {}  # token id -> its text (_token_text): at most the vocabulary
 
     # --- shared -------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str | None:
@@ -180,7 +181,12 @@ class OpenAIServing:
             self.engine.release([job.request_id for job in jobs])
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """A token's text alone (logprobs name each token so): cached, as prompt logprobs name up to 21
+        tokens per prompt position."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     # --- completions ----------------------------------------------------------------------------
     def completion_logprobs(self, entries: list[dict[int, float]], token_ids: list[int], offset: int = 0) -> tuple[dict, int]:
@@ -257,10 +263,12 @@ class OpenAIServing:
             rlog.emit()
         return finals
 
-    async def _sse(self, jobs, rlog: RequestLog, render, base: dict, options: StreamOptions | None, preamble: list[dict] = ()) -> AsyncIterator[str]:
+    async def _sse(self, jobs, rlog: RequestLog, render, base: dict, options: StreamOptions | None, preamble: list[dict] = (),
+                   output_counts: bool = True) -> AsyncIterator[str]:
         """Streaming: one chunk per choice with news (text, tokens or the finish), then usage and [DONE].
         render(job index, output, choice, first new token index) -> chunk body. stream_options: usage
-        at the end (include_usage), and in every chunk, that choice's so far (continuous_usage_stats)."""
+        at the end (include_usage), and in every chunk, that choice's so far (continuous_usage_stats).
+        output_counts=False: the output tokens are not the answer's (echo with max_tokens 0)."""
         sent: dict[tuple[int, int], int] = {}
         cached: dict[int, int] = {}
         include_usage = bool(options and options.include_usage)
@@ -278,10 +286,10 @@ class OpenAIServing:
                     sent[(i, o.index)] = len(o.token_ids)
                     chunk = render(i, out, o, start)
                     if continuous:
-                        chunk["usage"] = self._usage(len(out.prompt_token_ids), len(o.token_ids))
+                        chunk["usage"] = self._usage(len(out.prompt_token_ids), len(o.token_ids) if output_counts else 0)
                     yield f"data: {json.dumps(chunk)}\n\n"
             if include_usage:
-                usage = self._usage(rlog.prompt_tokens, sum(sent.values()), sum(cached.values()))
+                usage = self._usage(rlog.prompt_tokens, sum(sent.values()) if output_counts else 0, sum(cached.values()))
                 yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
@@ -323,7 +331,8 @@ class OpenAIServing:
             lp = None
             if logprobs is not None:
                 lp, offsets[(i, o.index)] = self.completion_logprobs(logprobs, token_ids, offsets.get((i, o.index), 0))
-            body = {"index": i * n + o.index, "text": text, "logprobs": lp, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+            finish_reason, stop_reason = ("length" if o.finish_reason else None, None) if prompt_only else (o.finish_reason, o.stop_reason)
+            body = {"index": i * n + o.index, "text": text, "logprobs": lp, "finish_reason": finish_reason, "stop_reason": stop_reason}
             if show_prompt_logprobs:
                 body["prompt_logprobs"] = self.prompt_logprobs(out.prompt_logprobs or [None], out.prompt_token_ids, params.prompt_logprobs) if first else None
             return body
@@ -333,7 +342,7 @@ class OpenAIServing:
                 lp = o.logprobs[start:] if o.logprobs is not None else None
                 return {**base, "choices": [choice(i, out, o, o.text_delta, o.token_ids[start:], lp)]}
 
-            return EventSource(self._sse(jobs, rlog, render, base, stream_options), [j.request_id for j in jobs])
+            return EventSource(self._sse(jobs, rlog, render, base, stream_options, output_counts=not prompt_only), [j.request_id for j in jobs])
         finals = await self._collect(jobs, rlog, disconnected)
         choices = [choice(i, finals[i], o, o.text, o.token_ids, o.logprobs) for i in sorted(finals) for o in finals[i].outputs]
         usage = self._usage(rlog.prompt_tokens, 0 if prompt_only else rlog.output_tokens, sum(f.num_cached_tokens for f in finals.values()))

@@ -239,8 +239,8 @@ class CompletionRequest(_SamplingFields):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 is only allowed with echo (the answer is then the prompt alone)")
         prompt_logprobs = self.prompt_logprobs
-        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs, with as many top ones as the output's
-            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        if self.echo and self.logprobs is not None and prompt_logprobs is None:  # the echoed prompt's, as many top ones as the output's (vLLM's)
+            prompt_logprobs = self.logprobs
         # the engine makes at least one token: with max_tokens 0 it is dropped
         return self.sampling_params(1 if self.prompt_only else self.max_tokens, self.logprobs, prompt_logprobs)
 
@@ -429,6 +429,8 @@ class ChatCompletionRequest(_SamplingFields):
                 raise UnsupportedParameter(name, "use tools and tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        if self.prompt_logprobs is not None and self.stream:  # vLLM's rule: a chat stream has no place for them
+            raise ValueError("prompt_logprobs: not available when stream is true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         params = self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
         use = self.tool_use()

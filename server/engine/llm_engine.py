@@ -87,6 +87,7 @@ class LLMEngine:
         weights, self.tokenizer = open_model(self.model_path)
         self.model_config = weights.config
         self.assembler = OutputAssembler(self.tokenizer, _weakly(self.stop_sequence), _weakly(self._drop_request)) if assemble else None
+        self._stopped_transfers: list[RequestDelta] = []  # see stop_sequence
         window = self.model_config.sliding_window
         if window and config.max_model_len and config.max_model_len > window:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window}: sliding-window attention is not "
@@ -335,25 +336,39 @@ class LLMEngine:
         """What step() and abort_request() hand back: the outputs (assemble=True), else the deltas."""
         if self.assembler is None:
             return deltas
-        return [out for out in map(self.assembler.apply, deltas) if out is not None]
+        outputs = [out for out in map(self.assembler.apply, deltas) if out is not None]
+        while self._stopped_transfers:  # prefill requests a stop string ended while applying: their final deltas
+            out = self.assembler.apply(self._stopped_transfers.pop(0))
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     def _drop_request(self, request_id: str) -> None:
         """The output assembler failed this request (its output is the error): end it, free its blocks."""
         if request_id in self.requests:
             self.output.abort(request_id)
 
-    def stop_sequence(self, request_id: str, index: int, stop: str) -> None:
+    def stop_sequence(self, request_id: str, index: int, stop: str) -> RequestDelta | None:
         """End one sequence at a stop string its text completed (the output assembler matches them);
-        a request all of whose sequences ended is dropped."""
+        a request all of whose sequences ended is dropped. A prefill request's (do_remote_decode) final
+        delta is returned: it carries the kv_transfer_params of the blocks now held, which the
+        assembler waits for (with assemble=True it is applied after the step's others)."""
         req = self.requests.get(request_id)
         if req is None:
-            return
+            return None
         seq = req.seqs[index]
         if not seq.is_finished:
             self.output.state(seq).stop_reason = stop
             self.output.finish(seq, "stop")
-        if all(s.is_finished for s in req.seqs):
-            self.output.delta(request_id)
+        if not all(s.is_finished for s in req.seqs):
+            return None
+        final = self.output.delta(request_id)
+        transfer = seq.params.kv_transfer
+        if transfer is None or not transfer.do_remote_decode:
+            return None
+        if self.assembler is not None:
+            self._stopped_transfers.append(final)
+        return final
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -522,7 +537,7 @@ class LLMEngine:
                 log.warning("request %s: %s", seq.request_id, e)
                 failed[seq.request_id] = f"{CONSTRAINT_FAILURE} {e}"
                 continue
-            except Exception as e:  # noqa: BLE001 - e.g. a detokenizer error: this request only
+            except Exception as e:  # noqa: BLE001 - appending failed (a bug): this request only
                 log.exception("request %s: output processing failed", seq.request_id)
                 failed[seq.request_id] = f"output processing failed ({type(e).__name__}: {e})"
                 continue

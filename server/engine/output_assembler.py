@@ -88,6 +88,7 @@ class _RequestOutputState:
     seqs: list[_SeqOutput]
     prompt_logprobs: list | None = None
     finish_time: float | None = None   # when stop strings here ended its last sequence
+    awaiting_engine: bool = False      # a prefill request a stop string ended: its final delta (kv_transfer_params) is to come
 
 
 class OutputAssembler:
@@ -105,10 +106,6 @@ class OutputAssembler:
         seqs = [_SeqOutput(TextState(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens), params.stop,
                                      params.include_stop_str_in_output)) for _ in range(params.n)]
         self.requests[request_id] = _RequestOutputState(prompt, list(prompt_token_ids), params, seqs)
-
-    def drop(self, request_id: str) -> None:
-        """Forget a request the engine did not take."""
-        self.requests.pop(request_id, None)
 
     def apply(self, delta: RequestDelta) -> RequestOutput | None:
         """The request's output after this delta; None once it ended here (stop strings): what the
@@ -129,9 +126,12 @@ class OutputAssembler:
             error = f"output processing failed ({type(e).__name__}: {e})"
             for seq in req.seqs:
                 seq.finish_reason = seq.finish_reason or "error"
+            req.awaiting_engine = False
             if not all(d.finish_reason is not None for d in delta.seqs):
                 self.abort(delta.request_id)
-        finished = all(s.finish_reason is not None for s in req.seqs)
+        if req.awaiting_engine and all(d.finish_reason is not None for d in delta.seqs):
+            req.awaiting_engine = False
+        finished = all(s.finish_reason is not None for s in req.seqs) and not req.awaiting_engine
         p = req.params
         outputs = [CompletionOutput(i, s.text.text, list(s.token_ids), s.finish_reason, s.stop_reason,
                                     list(s.logprobs) if p.logprobs is not None else None,
@@ -159,6 +159,8 @@ class OutputAssembler:
                 seq.finish_reason, seq.stop_reason = "stop", stop
                 req.finish_time = time.monotonic()
                 if not (j == last and delta.finish_reason is not None):  # the engine still runs it
+                    transfer = req.params.kv_transfer
+                    req.awaiting_engine = transfer is not None and transfer.do_remote_decode
                     self.stop_sequence(request_id, delta.index, stop)
                 return
         if delta.finish_reason is not None:

@@ -186,7 +186,7 @@ class Scheduler:
                 first = len(cached)
                 seq.kv_writes = list(zip(seq.block_table[first:first + len(loaded)], loaded))
                 seq.num_computed_tokens += len(loaded) * self.bm.block_size
-                seq.num_cached_tokens = seq.num_computed_tokens
+                seq.record_cached_prompt(seq.num_computed_tokens)
                 # Alone, it is written at once; beside other sequences a few blocks per step, so that
                 # their steps are not held up by one long copy.
                 alone = not batch.seqs and not self.running

@@ -73,6 +73,12 @@ class Sequence:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    def record_cached_prompt(self, tokens: int) -> None:
+        """Tokens found cached at admission: counted once, at the first (a preempted sequence's own
+        output found cached again is not its prompt's), and never past the prompt."""
+        if self.num_preemptions == 0:
+            self.num_cached_tokens = min(tokens, self.num_prompt_tokens)
+
     def length_reached(self, more: int = 0) -> bool:
         """Whether, with `more` tokens after the ones counted now, the output is at its length limit:
         the one length rule (finishing, not scheduling a last awaited token, proposal room)."""
