@@ -256,6 +256,59 @@ def test_the_format_follows_the_flag_or_the_chat_template():
     assert parser_for("llama3_json", "{{ '<tool_call>' }}").name == "llama3_json"
 
 
+# pydantic's schema of a model (no additionalProperties anywhere), plus the cases left open.
+OPEN_CITY = {"type": "object", "title": "City", "required": ["name", "country", "population_millions"], "properties": {
+    "name": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
+    "population_millions": {"type": "integer", "minimum": 0, "maximum": 100}}}
+
+
+def test_closed_objects_closes_unset_objects_as_vllms_xgrammar_strict_mode_does():
+    import copy
+
+    from kvpilot.server.api.tool_calls import Hermes, Llama3Json
+    from kvpilot.server.engine.sampling_params import StructuredOutput
+    from kvpilot.server.engine.structured import closed_objects, keyed, normalized
+
+    item = {"type": "object", "properties": {"k": {"type": "string"}}}
+    schema = {"type": "object", "properties": {
+        "nested": item, "list": {"type": "array", "items": {"$ref": "#/$defs/Item"}}, "pair": {"prefixItems": [item, item]},
+        "maybe": {"anyOf": [{"$ref": "#/$defs/Item"}, {"type": "null"}]}, "one": {"oneOf": [item]},
+        "map": {"type": "object", "additionalProperties": item},                         # set (a schema): open, its values closed
+        "open": {"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+        "patterned": {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}},
+        "unevaluated": {"type": "object", "properties": {"a": {}}, "unevaluatedProperties": {"type": "integer"}},
+        "free": {"type": "object"},                                                      # no properties listed: any object
+        "both": {"allOf": [{"$ref": "#/$defs/Base"}, {"type": "object", "properties": {"extra": {"type": "integer"}}}]}},
+        "$defs": {"Item": item, "Base": {"type": "object", "properties": {"id": {"type": "integer"}}}},
+        "definitions": {"Old": {"type": "object", "properties": {"v": {}}}}}
+    before = copy.deepcopy(schema)
+    out = closed_objects(schema)
+    assert schema == before  # the caller's dict is never changed
+    props = out["properties"]
+    closed = [out, props["nested"], props["pair"]["prefixItems"][0], props["one"]["oneOf"][0], props["map"]["additionalProperties"],
+              out["$defs"]["Item"], out["definitions"]["Old"]]
+    assert all(node["additionalProperties"] is False for node in closed)
+    assert props["list"]["items"] == {"$ref": "#/$defs/Item"} and props["maybe"]["anyOf"][0] == {"$ref": "#/$defs/Item"}
+    for name in ("open", "patterned", "unevaluated", "free"):  # set, or no properties listed: left as they are
+        assert props[name] == before["properties"][name], name
+    # allOf parts, and the $defs they refer to, combine into one object: each closed alone, none could hold the other's keys
+    assert props["both"] == before["properties"]["both"] and out["$defs"]["Base"] == before["$defs"]["Base"]
+    assert closed_objects(True) is True and closed_objects({"type": "string"}) == {"type": "string"}
+
+    # Tool parameters (each format, required/named and auto) and JSON-schema constraints get it before their cache key:
+    # an open schema and the same schema closed are one constraint; json_object is left as it is.
+    for fmt in (Hermes(), Llama3Json()):
+        for choice in ("required", "auto"):
+            text = fmt.constraint([{"name": "City", "parameters": OPEN_CITY}], choice, False).value
+            assert json.dumps(closed_objects(OPEN_CITY)) in text and json.dumps(OPEN_CITY) not in text, (fmt.name, choice)
+    assert OPEN_CITY.get("additionalProperties") is None
+    explicit = {**OPEN_CITY, "additionalProperties": False}
+    assert normalized(StructuredOutput("json", OPEN_CITY)) == normalized(StructuredOutput("json", explicit))
+    assert keyed(StructuredOutput("json", OPEN_CITY)).key == keyed(StructuredOutput("json", explicit)).key
+    assert keyed(StructuredOutput("json", {**OPEN_CITY, "additionalProperties": True})).key != keyed(StructuredOutput("json", explicit)).key
+    assert normalized(StructuredOutput("json_object")) == ""
+
+
 # --- a Qwen-style template with tools -------------------------------------------------------------
 
 QWEN_TOOLS_TEMPLATE = (
@@ -335,6 +388,21 @@ def test_parallel_required_calls_each_validate(constrained_client):
     assert out.finish_reason in ("tool_calls", "length") and out.message.tool_calls, out
     for call in out.message.tool_calls:
         jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+def test_a_forced_tool_without_additional_properties_gets_only_its_keys(constrained_client):
+    """A tool's parameters as pydantic writes a model (what langchain's with_structured_output(...,
+    method="function_calling") sends) set no additionalProperties: the call holds exactly the listed
+    keys and ends, where the model, left free, invented keys until max_tokens."""
+    out = constrained_client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Describe Paris in JSON."}], temperature=0, max_tokens=60,
+        tools=[{"type": "function", "function": {"name": "City", "parameters": OPEN_CITY}}],
+        tool_choice={"type": "function", "function": {"name": "City"}}).choices[0]
+    assert out.finish_reason == "tool_calls", out
+    (call,) = out.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "City" and arguments.keys() == OPEN_CITY["properties"].keys(), arguments
+    jsonschema.validate(arguments, OPEN_CITY)
 
 
 def test_auto_answers_in_text_or_calls_and_a_tool_result_round_trips(constrained_client):

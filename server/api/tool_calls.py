@@ -21,7 +21,7 @@ import llguidance
 
 from kvpilot.server.api.reasoning import partial_tag_suffix
 from kvpilot.server.engine.sampling_params import StructuredOutput
-from kvpilot.server.engine.structured import JSON_LAYOUT
+from kvpilot.server.engine.structured import JSON_LAYOUT, closed_objects
 
 PARSERS = ("hermes", "llama3_json")
 
@@ -52,9 +52,10 @@ def _arguments_object(value: dict[str, Any], key: str, names: set[str]) -> ToolC
 
 
 def _schema(functions: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    """The JSON of one call to any of the functions: its name, and under `key` arguments matching its parameters."""
+    """The JSON of one call to any of the functions: its name, and under `key` arguments matching its
+    parameters, their objects closed to unlisted keys as vLLM's default backend closes them (closed_objects)."""
     options = [{"type": "object", "additionalProperties": False, "required": ["name", key],
-                "properties": {"name": {"const": f["name"]}, key: f.get("parameters") or {"type": "object", "properties": {}}}}
+                "properties": {"name": {"const": f["name"]}, key: closed_objects(f.get("parameters") or {"type": "object", "properties": {}})}}
                for f in functions]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "x-guidance": JSON_LAYOUT}

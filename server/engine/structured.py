@@ -461,10 +461,89 @@ def _resolve_pointer(schema, ref: str):
     return node
 
 
+# closed_objects: keywords that leave an object open to other keys; keywords whose subschemas are
+# combined with the object they sit in (their properties count as its own); where subschemas sit.
+_OPEN_KEYS = frozenset(("additionalProperties", "patternProperties", "unevaluatedProperties"))
+_COMBINING_KEYS = frozenset(("allOf", "if", "then", "else", "not", "dependentSchemas", "dependencies"))
+_BRANCHES = frozenset(("anyOf", "oneOf"))
+_ADDS_PROPERTIES = _OPEN_KEYS | _COMBINING_KEYS | {"properties", "$ref"}    # a branch of an object's own anyOf/oneOf with these combines with it
+_REF_COMBINED = _COMBINING_KEYS | _BRANCHES | {"properties", "patternProperties"}  # a $ref beside these combines with them
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf")
+
+
+def closed_objects(schema):
+    """The JSON schema with each object subschema that lists `properties` and sets none of
+    additionalProperties, patternProperties, unevaluatedProperties closed to other keys
+    (`additionalProperties: false`). vLLM's default structured-output backend, xgrammar, compiles
+    every JSON schema so (its compile_json_schema's strict_mode, on by default, allows no unlisted
+    property); left open, a small model invents keys until max_tokens and its output is cut (a
+    forced tool call from pydantic's schema came back as text).
+
+    Closed through properties, patternProperties, additionalProperties, items, prefixItems, anyOf
+    and oneOf subschemas and $defs/definitions targets; not where an object is combined with other
+    subschemas whose properties count as its own: allOf parts (and if/then/else, not,
+    dependentSchemas), an object beside a `$ref` or those, the anyOf/oneOf branches of an object
+    with properties or a `$ref` of its own, and any target of a `$ref` from there. Closing each part
+    alone would forbid the others' properties and make their combination unsatisfiable. The input
+    is never changed (the result shares the subschemas it leaves as they are)."""
+    if not isinstance(schema, dict):
+        return schema
+    mixed_in = _mixed_in_refs(schema)
+    copies = {id(schema): dict(schema)}
+    work = [(copies[id(schema)], "#")]
+    while work:
+        node, pointer = work.pop()
+        own = "properties" in node or "$ref" in node
+        branches = [b for k in ("anyOf", "oneOf") if own and isinstance(node.get(k), list) for b in node[k]]
+        combined = "$ref" in node or not _COMBINING_KEYS.isdisjoint(node) or any(
+            isinstance(b, dict) and not _ADDS_PROPERTIES.isdisjoint(b) for b in branches)
+        if isinstance(node.get("properties"), dict) and not combined and pointer not in mixed_in and _OPEN_KEYS.isdisjoint(node):
+            node["additionalProperties"] = False
+        slots = [(node, key, f"{pointer}/{key}") for key in ("additionalProperties", "items") if isinstance(node.get(key), dict)]
+        for key in _SCHEMA_MAPS + _SCHEMA_LISTS:
+            value = node.get(key)
+            if (key in ("anyOf", "oneOf") and own) or not isinstance(value, dict if key in _SCHEMA_MAPS else list):
+                continue  # an object's own anyOf/oneOf branches are combined with it: left as they are
+            value = node[key] = type(value)(value)
+            names = value.keys() if isinstance(value, dict) else range(len(value))
+            slots += [(value, name, f"{pointer}/{key}/{str(name).replace('~', '~0').replace('/', '~1')}") for name in names]
+        for parent, slot, at in slots:
+            sub = parent[slot]
+            if isinstance(sub, dict):
+                if id(sub) not in copies:
+                    copies[id(sub)] = dict(sub)
+                    work.append((copies[id(sub)], at))
+                parent[slot] = copies[id(sub)]
+    return copies[id(schema)]
+
+
+def _mixed_in_refs(schema) -> set[str]:
+    """The local $refs (as JSON pointers) that closed_objects must not close: those within subschemas
+    combined with an object (see there)."""
+    refs, seen, work = set(), set(), [(schema, False)]
+    while work:
+        node, mixed = work.pop()
+        if (id(node), mixed) in seen:
+            continue
+        seen.add((id(node), mixed))
+        if isinstance(node, list):
+            work += [(v, mixed) for v in node if isinstance(v, (dict, list))]
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (mixed or not _REF_COMBINED.isdisjoint(node)):
+            refs.add(urllib.parse.unquote(ref))
+        own = "properties" in node or "$ref" in node
+        work += [(v, mixed or k in _COMBINING_KEYS or (own and k in _BRANCHES))
+                 for k, v in node.items() if isinstance(v, (dict, list))]
+    return refs
+
+
 def normalized(spec: StructuredOutput) -> str:
-    """The constraint as one canonical text (the cache key): JSON with sorted keys, or the text itself."""
+    """The constraint as one canonical text (the cache key): JSON with sorted keys (a schema's objects
+    closed first, closed_objects), or the text itself."""
     if spec.kind == "json":
-        return json.dumps(spec.value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return json.dumps(closed_objects(spec.value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     if spec.kind == "choice":
         return json.dumps(spec.value, ensure_ascii=False)
     return spec.value if spec.kind != "json_object" else ""
