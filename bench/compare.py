@@ -1,9 +1,10 @@
 """This checkout's engine against an earlier commit's, interleaved, on this machine (speed-regression check).
 
-    .venv/bin/python bench/compare.py --baseline REV [--rounds 2] [--repeats 3] [--quantization gguf] [--clients 16] [--force]
+    .venv/bin/python bench/compare.py --baseline REV [--candidate REV] [--rounds 2] [--repeats 3] [--quantization gguf] [--clients 16] [--force]
 
 The baseline is exported from git into the cache and imported as `kvpilot` through a PYTHONPATH
-overlay (each run prints which tree it loaded). Offline: each side runs its own bench/offline.py
+overlay (each run prints which tree it loaded); so is --candidate, when given (a commit measured while
+the working tree changes), instead of this checkout. Offline: each side runs its own bench/offline.py
 (--skip-hf) in a fresh process, alternating sides and starting sides in turn, `--rounds` times.
 Both sides run with --quantization (default none: fp32 weights).
 Serving: both servers run side by side; at --clients (16) clients each repetition sends the same fresh prompts
@@ -61,6 +62,7 @@ def offline_once(script: Path, env: dict, quantization: str) -> tuple[float, flo
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", required=True, help="git revision to compare against")
+    ap.add_argument("--candidate", help="git revision to measure (default: this checkout as it is)")
     ap.add_argument("--rounds", type=int, default=3, help="offline runs per side")
     ap.add_argument("--repeats", type=int, default=3, help="serving repetitions")
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients while serving")
@@ -71,11 +73,15 @@ def main() -> None:
     commit, tree, overlay = export_baseline(args.baseline)
     old_env = {**os.environ, "PYTHONPATH": str(overlay)}
     new_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    for name, env in (("baseline", old_env), ("this checkout", new_env)):
+    new_root, new_label = ROOT, "this checkout"
+    if args.candidate:
+        candidate, new_root, candidate_overlay = export_baseline(args.candidate)
+        new_env, new_label = {**os.environ, "PYTHONPATH": str(candidate_overlay)}, f"candidate {candidate[:9]}"
+    for name, env in (("baseline", old_env), (new_label, new_env)):
         where = subprocess.run([sys.executable, "-c", "import kvpilot.server.engine.llm_engine as m; print(m.__file__)"],
                                capture_output=True, text=True, env=env, check=True).stdout.strip()
         print(f"{name}: kvpilot from {where}", file=sys.stderr)
-    sides = {"old": (tree / "bench" / "offline.py", old_env), "new": (ROOT / "bench" / "offline.py", new_env)}
+    sides = {"old": (tree / "bench" / "offline.py", old_env), "new": (new_root / "bench" / "offline.py", new_env)}
     offline: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
     for r in range(args.rounds):
         for side in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
@@ -107,7 +113,7 @@ def main() -> None:
     middle = statistics.median
     serve_col = f"serve {args.clients} clients tok/s"
     rows = []
-    for side, label in (("old", f"baseline {commit[:9]}"), ("new", "this checkout")):
+    for side, label in (("old", f"baseline {commit[:9]}"), ("new", new_label)):
         rows.append({"engine": label, "offline tok/s": f"{middle([t for t, _ in offline[side]]):.1f}",
                      "single-stream tok/s": f"{middle([s for _, s in offline[side]]):.1f}",
                      serve_col: f"{serve[side]['tok/s']:.1f}", "errors": serve[side]["errors"]})
