@@ -174,7 +174,7 @@ def combine(runs: list[dict]) -> dict:
     raws = [r["raw"] for r in runs]
     combined = summary(sum(r[0] for r in raws), sum(r[1] for r in raws), [x for r in raws for x in r[2]],
                        [x for r in raws for x in r[3]], sum(r["errors"] for r in runs))
-    per_token = sorted(r["cpu_s"] / r["raw"][0] for r in runs if r["raw"][0])
+    per_token = sorted(r["cpu_s"] / r["raw"][0] for r in runs if r["raw"][0] and "cpu_s" in r)  # (compare.py measures no CPU)
     combined["cpu_ms_per_token"] = per_token[len(per_token) // 2] * 1000 if per_token else float("nan")
     return combined
 
