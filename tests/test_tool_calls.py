@@ -405,6 +405,33 @@ def test_a_forced_tool_without_additional_properties_gets_only_its_keys(constrai
     jsonschema.validate(arguments, OPEN_CITY)
 
 
+NESTED_TRIP = {"type": "object", "title": "Trip", "required": ["city", "days"], "properties": {
+    "city": {"$ref": "#/$defs/City"}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "$defs": {"City": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string", "maxLength": 20}}}}}
+
+
+def test_a_tool_with_a_nested_model_compiles_and_its_call_resolves_the_refs(constrained_client):
+    """pydantic writes a nested model as a $ref into the parameters' $defs: nested in the call's
+    schema, "#/$defs/City" did not resolve and every tool grammar failed to compile (a 400). The
+    $defs move to the call's root; two tools defining one name differently are a 400."""
+    from kvpilot.server.api.tool_calls import _schema
+    from kvpilot.server.engine.structured import closed_objects
+
+    out = constrained_client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Plan a trip to Rome."}], temperature=0, max_tokens=60,
+        tools=[{"type": "function", "function": {"name": "Trip", "parameters": NESTED_TRIP}}],
+        tool_choice={"type": "function", "function": {"name": "Trip"}}).choices[0]
+    assert out.finish_reason == "tool_calls", out
+    arguments = json.loads(out.message.tool_calls[0].function.arguments)
+    jsonschema.validate(arguments, NESTED_TRIP)
+    assert arguments.keys() == {"city", "days"} and arguments["city"].keys() == {"name"}
+    other = {**NESTED_TRIP, "$defs": {"City": {"type": "string"}}}
+    with pytest.raises(ValueError, match="defined differently"):
+        _schema([{"name": "a", "parameters": NESTED_TRIP}, {"name": "b", "parameters": other}], "arguments")
+    merged = _schema([{"name": "a", "parameters": NESTED_TRIP}, {"name": "b", "parameters": NESTED_TRIP}], "arguments")
+    assert merged["$defs"] == closed_objects(NESTED_TRIP)["$defs"]
+
+
 def test_auto_answers_in_text_or_calls_and_a_tool_result_round_trips(constrained_client):
     first = constrained_client.chat.completions.create(model="smollm2-135m", messages=ASK, tools=TOOLS, temperature=0, max_tokens=40).choices[0]
     assert (first.finish_reason == "tool_calls") == bool(first.message.tool_calls)

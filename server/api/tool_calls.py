@@ -53,12 +53,25 @@ def _arguments_object(value: dict[str, Any], key: str, names: set[str]) -> ToolC
 
 def _schema(functions: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """The JSON of one call to any of the functions: its name, and under `key` arguments matching its
-    parameters, their objects closed to unlisted keys as vLLM's default backend closes them (closed_objects)."""
-    options = [{"type": "object", "additionalProperties": False, "required": ["name", key],
-                "properties": {"name": {"const": f["name"]}, key: closed_objects(f.get("parameters") or {"type": "object", "properties": {}})}}
-               for f in functions]
+    parameters, their objects closed to unlisted keys as vLLM's default backend closes them (closed_objects).
+    A parameters schema's `$defs`/`definitions` move to the root, where its `#/$defs/…` pointers
+    resolve once it is nested in the call (pydantic writes a nested model so); a name two tools define
+    differently is a 400."""
+    shared: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
+    options = []
+    for f in functions:
+        parameters = dict(closed_objects(f.get("parameters") or {"type": "object", "properties": {}}))
+        for section, defs in shared.items():
+            moved = parameters.pop(section, None) or {}
+            if not isinstance(moved, dict):
+                raise ValueError(f"tools: {f['name']!r} parameters' {section} must be an object")
+            for name, definition in moved.items():
+                if defs.setdefault(name, definition) != definition:
+                    raise ValueError(f"tools: the {section} entry {name!r} is defined differently by two tools ({f['name']!r} and another)")
+        options.append({"type": "object", "additionalProperties": False, "required": ["name", key],
+                        "properties": {"name": {"const": f["name"]}, key: parameters}})
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return {**schema, "x-guidance": JSON_LAYOUT}
+    return {**schema, **{section: defs for section, defs in shared.items() if defs}, "x-guidance": JSON_LAYOUT}
 
 
 class ToolFormat:
