@@ -10,7 +10,27 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvpilot.server.config import EngineConfig, ServerConfig, add_model_args, parse_size
+from kvpilot.server.config import (
+    VLLM_ALIASES,
+    EngineConfig,
+    ServerConfig,
+    add_model_args,
+    bare_switches,
+    config_file_args,
+    flag_error,
+    parse_size,
+    resolve_aliases,
+)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kvpilot")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _engine_config(ns: argparse.Namespace) -> EngineConfig:
@@ -18,7 +38,19 @@ def _engine_config(ns: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**values)
 
 
+def _hub_model(ns: argparse.Namespace) -> None:
+    """MODEL as a Hugging Face Hub repository id: downloaded (or found in the Hugging Face cache) before
+    anything loads, so that a missing repository is exit 2 at once; the engine gets the local path and the
+    API's model name stays the id (vLLM's)."""
+    from kvpilot.server.model_files import default_served_name, is_hub_model, resolve_model_path
+
+    if ns.model and is_hub_model(ns.model):
+        ns.served_model_name = ns.served_model_name or default_served_name(ns.model)
+        ns.model = str(resolve_model_path(ns.model))
+
+
 def _generate(ns: argparse.Namespace) -> int:
+    _hub_model(ns)
     config = _engine_config(ns)
     from kvpilot.server.engine.llm_engine import LLMEngine
     from kvpilot.server.engine.sampling_params import SamplingParams
@@ -43,6 +75,7 @@ def _generate(ns: argparse.Namespace) -> int:
 def _serve(ns: argparse.Namespace) -> int:
     from kvpilot.server.threads import configure_threads
 
+    _hub_model(ns)
     configure_threads(ns.num_threads)  # before torch and the server load
     from kvpilot.server.api.app import run_server
 
@@ -78,19 +111,41 @@ def _train_eagle(ns: argparse.Namespace) -> int:
     return 0
 
 
+MODEL_HELP = ("the model, as vLLM's `serve MODEL` (or --model): a bundled name, a GGUF file, a checkpoint directory, or a Hugging Face "
+              "Hub repository id (ORG/REPO, ORG/REPO@REVISION, hf://ORG/REPO[/FILE.gguf][@REVISION]) downloaded into the Hugging Face "
+              "cache (HF_HOME) unless there, with HF_TOKEN and HF_ENDPOINT")
+
+
+def _positional_model(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """`serve MODEL` / `generate MODEL PROMPT`: the positional MODEL is --model; both given must agree."""
+    given = getattr(ns, "model_arg", None)
+    if hasattr(ns, "model_arg"):
+        del ns.model_arg
+    if given is None:
+        return
+    if getattr(ns, "model", None) is not None and ns.model != given:
+        parser.error(f"argument MODEL: {given!r} and --model {ns.model!r} name different models (give one)")
+    ns.model = given
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot inference engine")
+    parser.add_argument("--version", action="version", version=f"kvpilot {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("model_arg", nargs="?", metavar="MODEL", help=MODEL_HELP)
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
+    gen.add_argument("--config", metavar="FILE.yaml", help=CONFIG_HELP)
     add_model_args(gen, EngineConfig)
     gen.set_defaults(func=_generate)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("model_arg", nargs="?", metavar="MODEL", help=MODEL_HELP)
+    serve.add_argument("--config", metavar="FILE.yaml", help=CONFIG_HELP)
     add_model_args(serve, EngineConfig)
     add_model_args(serve, ServerConfig)
     serve.set_defaults(func=_serve)
@@ -122,17 +177,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+CONFIG_HELP = ("vLLM's: flags from a YAML mapping of flag names (dashes or underscores) to values (true: the switch, false: its "
+               "--no- form, a list: its values); flags on the command line override it")
+
+
+def with_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """argv with the flags of its --config FILE.yaml inserted right after the subcommand, so those given on the
+    command line (later) override them; a key that is no flag of the subcommand is an error naming it."""
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"] + [a[len("--config="):] for a in argv if a.startswith("--config=")]
+    command = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if not paths or command is None:
+        return argv
+    sub = parser._subparsers._group_actions[0].choices.get(argv[command])
+    added: list[str] = []
+    for path in paths:
+        flags = config_file_args(path)
+        for flag in flags:
+            if flag.startswith("--") and sub is not None and flag not in sub._option_string_actions:
+                raise ValueError(f"--config {path}: {flag[2:]} is no flag of kvpilot {argv[command]}")
+        added += flags
+    return [*argv[:command + 1], *added, *argv[command + 1:]]
+
+
+def resolve_vllm_aliases(ns: argparse.Namespace) -> argparse.Namespace:
+    """vLLM's flags without a field of their own (config.VLLM_ALIASES) set the fields they mean, in place."""
+    values = {k: v for k, v in vars(ns).items() if v is not None}
+    for model in (EngineConfig, ServerConfig):
+        values = resolve_aliases(values, model)
+    for name in VLLM_ALIASES:
+        if hasattr(ns, name):
+            delattr(ns, name)
+    for name, value in values.items():
+        setattr(ns, name, value)
+    return ns
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvpilot.server.fetch import FetchError
 
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return ns.func(ns)
+        argv = with_config_file(parser, argv)
+    except ValueError as e:
+        parser.error(str(e))
+    ns = parser.parse_args(bare_switches(argv))
+    _positional_model(parser, ns)
+    try:
+        return resolve_vllm_aliases(ns).func(ns)
     except (ValueError, FileNotFoundError) as e:
         from kvpilot.server.engine.parallel import write_termination_message
 
-        print(f"kvpilot: error: {e}", file=sys.stderr)
-        write_termination_message(f"kvpilot: error: {e}")  # what the pod's status shows (Kubernetes' termination message)
+        message = flag_error(e)  # a pydantic ValidationError in the flags' terms: "--max-num-seqs: must be >= 1"
+        print(f"kvpilot: error: {message}", file=sys.stderr)
+        write_termination_message(f"kvpilot: error: {message}")  # what the pod's status shows (Kubernetes' termination message)
         return 2
     except FetchError as e:
         from kvpilot.server.engine.parallel import write_termination_message

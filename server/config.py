@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 FP8_KV_NAMES = ("fp8", "fp8_e4m3")  # kv_cache_dtype values of the FP8 (float8_e4m3fn) cache
+DTYPE_SPELLINGS = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings of kvpilot's values
 _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
 
@@ -77,7 +78,7 @@ class EngineConfig(BaseModel):
         "\"kv_role\": \"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_connector_extra_config\": {\"port\": 5600, \"host\": "
         "\"10.0.0.5\", \"timeout\": 60}} sets kv_role (prefill, decode, both) and kv_transfer_port, _host, _timeout."))
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache (CUDA).")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA (vLLM's half = float16, float = float32).")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8", "fp8_e4m3"] = Field("auto", description=(
         "KV-cache element type; auto = the compute dtype. bfloat16 with a float32 model halves the cache's bytes — twice the tokens "
         "in kv_cache_memory (or GPU memory), half the memory each decode step's attention reads (what bounds it) — at bfloat16's precision "
@@ -139,6 +140,24 @@ class EngineConfig(BaseModel):
     @classmethod
     def _size(cls, v: Any) -> int:
         return parse_size(v)
+
+    @field_validator("max_model_len", "max_num_batched_tokens", mode="before")
+    @classmethod
+    def _token_count(cls, v: Any) -> Any:  # vLLM's spellings: 32k = 32000, 32K = 32768
+        return vllm_human_int(v) if isinstance(v, str) and re.fullmatch(r"\s*\d+(?:\.\d+)?[kmgKMG]\s*", v) else v
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_spelling(cls, v: Any) -> Any:
+        return DTYPE_SPELLINGS.get(v, v) if isinstance(v, str) else v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_aliases(cls, data: Any) -> Any:
+        # LLM(speculative_config={...}, kv_cache_memory_bytes=...) as vLLM's LLM takes them: the fields they mean
+        if isinstance(data, dict) and any(name in data for name in VLLM_ALIASES):
+            return resolve_aliases(data, cls)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -268,7 +287,8 @@ class EngineConfig(BaseModel):
     def from_cli_args(cls, argv: list[str]) -> EngineConfig:
         parser = argparse.ArgumentParser(prog="kvpilot", add_help=False)
         add_model_args(parser, cls)
-        return cls(**{k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None})
+        values = resolve_aliases({k: v for k, v in vars(parser.parse_args(bare_switches(argv))).items() if v is not None}, cls)
+        return cls(**values)
 
 
 _SIZE_FIELDS = ("kv_host_offload_size", "kv_offload_size")
@@ -319,17 +339,121 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def format_size(n: int) -> str:
+    """The shortest exact binary spelling of a byte count: 1073741824 -> "1GiB", 4194304 -> "4MiB"."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+# --help's argument groups: a field's group is the first that names it (an entry ending in "_" names a prefix).
+_GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("model", ("model", "served_model_name", "max_model_len", "dtype", "quantization", "quantization_group_size", "seed", "device",
+               "num_threads", "enforce_eager", "tensor_parallel_size", "generation_config", "chat_template", "tokenizer", "revision")),
+    ("cache", ("block_size", "enable_prefix_caching", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization",
+               "kv_offload_", "kv_host_offload_size")),
+    ("KV transfer (prefill/decode)", ("kv_role", "kv_transfer_")),
+    ("scheduling", ("max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "enable_chunked_prefill", "async_scheduling",
+                    "structured_outputs_")),
+    ("speculative decoding", ("speculative_", "num_speculative_tokens", "prompt_lookup_")),
+    ("LoRA", ("enable_lora", "lora_", "max_loras", "max_cpu_loras", "max_lora_rank", "allow_runtime_lora")),
+    ("TLS", ("ssl_", "tls_", "enable_ssl_refresh")),
+    ("tools and reasoning", ("tool_call_parser", "enable_auto_tool_choice", "reasoning_parser")),
+]
+
+
+def _group_of(name: str, model: type[BaseModel]) -> str:
+    for title, names in _GROUPS:
+        if any(name == n or (n.endswith("_") and name.startswith(n)) for n in names):
+            return title
+    return "server" if model.__name__ == "ServerConfig" else "engine"
+
+
+def _group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
+def _choices(annotation: Any) -> list[str] | None:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is Literal:
+        return [str(a) for a in args]
+    if len(args) == 1 and typing.get_origin(args[0]) is Literal:
+        return [str(a) for a in typing.get_args(args[0])]
+    return None
+
+
+def _help(description: str | None, default: Any, name: str) -> str:
+    text = (description or "").replace("%", "%%")
+    if "(default:" in text:  # the description names its default itself
+        return text
+    if default is None:
+        shown = "unset"
+    elif name in SIZE_FLAG_FIELDS:
+        shown = format_size(default)
+    elif isinstance(default, bool):
+        shown = "on" if default else "off"
+    else:
+        shown = str(default)
+    return f"{text} (default: {shown})"
+
+
+# Fields given in bytes, shown as sizes in --help (e.g. "default: 1GiB").
+SIZE_FLAG_FIELDS = ("kv_cache_memory", "kv_offload_size", "kv_host_offload_size", "max_request_body_bytes", "max_buffered_request_bytes",
+                    "kv_cache_memory_bytes")
+# Fields whose flag also works bare, as vLLM's switch of the same name: `--async-scheduling` = on, `--no-async-scheduling` = off.
+BARE_SWITCHES = {"async_scheduling": ("on", "off")}
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "quantization": "-q"}  # vLLM's short spellings
+
+
+def bare_switches(argv: list[str]) -> list[str]:
+    """argv with a bare switch of BARE_SWITCHES followed by something other than its values written `--flag=on`, so that
+    `--async-scheduling MODEL` does not take MODEL for its value."""
+    values = {_flag(name): EngineConfig.model_fields[name].annotation for name in BARE_SWITCHES}
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        if arg in values and (i + 1 == len(argv) or argv[i + 1] not in typing.get_args(values[arg])):
+            out[i] = f"{arg}={BARE_SWITCHES[arg[2:].replace('-', '_')][0]}"
+    return out
+
+
 def add_model_args(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
-    """One flag per field of `model`; unset flags parse as None so the model's defaults apply."""
+    """One flag per field of `model` (in --help's argument groups), plus vLLM's spellings (VLLM_ALIASES); unset flags parse
+    as None so the model's defaults apply."""
     for name, field in model.model_fields.items():
         default = field.default
-        help_text = f"{field.description} (default: {default})"
+        group = _group(parser, _group_of(name, model))
+        help_text = _help(field.description, default, name)
+        choices = _choices(field.annotation)
+        if name == "dtype":
+            choices = [*choices, *DTYPE_SPELLINGS]
         if isinstance(default, bool):
-            parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            if name.startswith("enable_"):  # vLLM's other spelling of --no-enable-X
+                group.add_argument("--disable-" + name[len("enable_"):].replace("_", "-"), dest=name, action="store_const", const=False,
+                                   default=None, help="= --no-" + name.replace("_", "-"))
         elif typing.get_origin(field.annotation) is types.UnionType and list[str] in typing.get_args(field.annotation):
-            parser.add_argument(_flag(name), dest=name, nargs="+", default=None, help=help_text)
+            group.add_argument(_flag(name), dest=name, nargs="+", default=None, help=help_text)
+        elif name in BARE_SWITCHES:
+            on, off = BARE_SWITCHES[name]
+            group.add_argument(_flag(name), dest=name, nargs="?", const=on, choices=choices, default=None,
+                               help=f"{help_text}; bare {_flag(name)} = {on} (vLLM's switch)")
+            group.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_const", const=off, default=None,
+                               help=f"= {_flag(name)} {off}")
         else:
-            parser.add_argument(_flag(name), dest=name, default=None, help=help_text)
+            group.add_argument(*[f for f in (SHORT_FLAGS.get(name),) if f], _flag(name), dest=name, default=None, choices=choices,
+                               help=help_text)
+    for name, alias in VLLM_ALIASES.items():
+        if alias.model != model.__name__:
+            continue
+        group = _group(parser, _group_of(alias.group_of, model))
+        if alias.switch:
+            group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=f"vLLM's: {alias.help}")
+        else:
+            group.add_argument(_flag(name), dest=name, default=None, metavar=alias.metavar, help=f"vLLM's: {alias.help}")
 
 
 def model_to_args(config: BaseModel, include_defaults: bool = False) -> list[str]:
@@ -347,17 +471,253 @@ def model_to_args(config: BaseModel, include_defaults: bool = False) -> list[str
     return args
 
 
+# vLLM's flags that are no field of kvpilot's: each is translated into the fields it means (or refused with the reason)
+# when the flags are parsed, so `--kv-cache-memory-bytes 1073741824` makes the same EngineConfig as `--kv-cache-memory 1GiB`.
+class _Alias(typing.NamedTuple):
+    model: str                                     # the config whose flags it is among: EngineConfig or ServerConfig
+    help: str
+    maps_to: str                                   # kvpilot's spelling, for docs/coming-from-vllm.md
+    translate: typing.Callable[[Any, dict[str, Any]], dict[str, Any]]  # (its value, all given values) -> fields it sets
+    group_of: str                                  # the field whose --help group it is shown in
+    switch: bool = False
+    metavar: str | None = None
+    refines: bool = False                          # it sets its field from the field's own value (--revision: MODEL@REVISION)
+
+
+_SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "eagle3": "eagle3"}
+_SPECULATIVE_KEYS = {"method": "speculative_method", "model": "speculative_model", "num_speculative_tokens": "num_speculative_tokens",
+                     "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min",
+                     "disable_by_batch_size": "speculative_disable_batch_size"}
+
+
+def speculative_settings(value: str | dict, given: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The engine fields vLLM's --speculative-config JSON sets: {"method": "ngram" | "draft_model" | "eagle3", "model": ...,
+    "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n, "disable_by_batch_size": n}."""
+    try:
+        config = json.loads(value) if isinstance(value, str) else value
+    except ValueError as e:
+        raise ValueError(f"--speculative-config: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError("--speculative-config: must be a JSON object")
+    unknown = sorted(set(config) - set(_SPECULATIVE_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (known keys: {', '.join(_SPECULATIVE_KEYS)})")
+    method = config.get("method", "draft_model" if config.get("model") else None)
+    if method not in _SPECULATIVE_METHODS:
+        raise ValueError(f"--speculative-config: method {method!r} not supported ({', '.join(_SPECULATIVE_METHODS)} are)")
+    return {field: (_SPECULATIVE_METHODS[method] if key == "method" else config[key])
+            for key, field in _SPECULATIVE_KEYS.items() if key in config or key == "method"}
+
+
+def _kv_cache_memory_bytes(value: str, given: dict[str, Any]) -> dict[str, Any]:
+    if given.get("device") == "cuda":  # kv_cache_memory sizes a CPU engine's cache; CUDA's is gpu_memory_utilization's budget
+        raise ValueError("--kv-cache-memory-bytes: not supported with --device cuda (the KV cache is sized by --gpu-memory-utilization)")
+    return {"kv_cache_memory": vllm_human_int(value, "--kv-cache-memory-bytes")}
+
+
+def _gib(value: str | float) -> int:
+    try:
+        gib = float(value)
+    except ValueError:
+        raise ValueError(f"--kv-offloading-size: not a number of GiB: {value!r}") from None
+    return int(gib * 2**30)
+
+
+def _offloading_backend(value: str, given: dict[str, Any]) -> dict[str, Any]:
+    if value != "native":
+        raise ValueError(f"--kv-offloading-backend: {value!r} not supported (native is: kvpilot's host tier)")
+    if given.get("kv_offloading_size") is None:
+        raise ValueError("--kv-offloading-backend: needs --kv-offloading-size")
+    return {}
+
+
+def _spec_method(value: str) -> str:
+    if value not in _SPECULATIVE_METHODS:
+        raise ValueError(f"--spec-method: {value!r} not supported ({', '.join(_SPECULATIVE_METHODS)} are)")
+    return _SPECULATIVE_METHODS[value]
+
+
+def vllm_human_int(value: str | int, flag: str | None = None) -> int:
+    """vLLM's human_readable_int: 1k = 1000, 1K = 1024 (m/M, g/G alike; no decimals with the binary ones), else an integer."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", value.strip())
+    try:
+        if m and m.group(2).islower():
+            return int(float(m.group(1)) * {"k": 10**3, "m": 10**6, "g": 10**9}[m.group(2)])
+        if m:
+            return int(m.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)]
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{flag + ': ' if flag else ''}not a number: {value!r} (e.g. 1073741824, 1G = 2**30 or 1g = 10**9)") from None
+
+
+def _same_model(value: str, given: dict[str, Any]) -> dict[str, Any]:
+    import os
+
+    model = str(given.get("model") or EngineConfig.model_fields["model"].default)
+    if value == model or os.path.realpath(os.path.expanduser(value)) == os.path.realpath(os.path.expanduser(model)):
+        return {}
+    raise ValueError(f"--tokenizer: not supported: kvpilot uses the model's own tokenizer ({model}), not {value}")
+
+
+def _revision(value: str, given: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's --revision: the revision of a hub repository id (= MODEL@REVISION); anything else has none."""
+    from kvpilot.server.fetch import parse_hub_model
+    from kvpilot.server.model_files import is_hub_model
+
+    model = str(given.get("model") or "")
+    hub = parse_hub_model(model) if is_hub_model(model) else None
+    if hub is None:
+        raise ValueError(f"--revision: only for a Hugging Face Hub repository id (ORG/REPO); the model {model or '(bundled)'} is not one")
+    if hub.revision is not None and hub.revision != value:
+        raise ValueError(f"--revision {value}: the model names revision {hub.revision} already")
+    return {"model": model if hub.revision is not None else f"{model}@{value}"}
+
+
+def _auto_tool_choice(value: bool, given: dict[str, Any]) -> dict[str, Any]:
+    if value and not given.get("tool_call_parser"):
+        raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser (as in vLLM)")
+    return {}
+
+
+VLLM_ALIASES: dict[str, _Alias] = {
+    "kv_cache_memory_bytes": _Alias("EngineConfig", "bytes of KV cache, as vLLM reads them (1k = 1000, 1K = 1024; = --kv-cache-memory)",
+                                    "--kv-cache-memory", _kv_cache_memory_bytes, "kv_cache_memory", metavar="BYTES"),
+    "speculative_config": _Alias(
+        "EngineConfig", "speculative decoding as JSON: {\"method\": \"ngram\" | \"draft_model\" | \"eagle3\", \"model\": ..., "
+        "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": n, \"disable_by_batch_size\": n} "
+        "(= --speculative-method (draft_model: draft), --speculative-model, --num-speculative-tokens, --prompt-lookup-max, "
+        "--prompt-lookup-min, --speculative-disable-batch-size); other keys are refused",
+        "--speculative-method, --speculative-model, --num-speculative-tokens, --prompt-lookup-max, --prompt-lookup-min, "
+        "--speculative-disable-batch-size", speculative_settings, "speculative_method", metavar="JSON"),
+    "spec_method": _Alias("EngineConfig", "= --speculative-method (draft_model: draft)", "--speculative-method",
+                          lambda v, _: {"speculative_method": _spec_method(v)}, "speculative_method", metavar="METHOD"),
+    "spec_model": _Alias("EngineConfig", "= --speculative-model", "--speculative-model", lambda v, _: {"speculative_model": v},
+                         "speculative_method", metavar="MODEL"),
+    "spec_tokens": _Alias("EngineConfig", "= --num-speculative-tokens", "--num-speculative-tokens",
+                          lambda v, _: {"num_speculative_tokens": v}, "speculative_method", metavar="K"),
+    "device_memory_utilization": _Alias("EngineConfig", "= --gpu-memory-utilization", "--gpu-memory-utilization",
+                                        lambda v, _: {"gpu_memory_utilization": v}, "gpu_memory_utilization", metavar="FRACTION"),
+    "kv_offloading_size": _Alias("EngineConfig", "GiB of host memory for offloaded KV blocks (= --kv-host-offload-size in bytes)",
+                                 "--kv-host-offload-size", lambda v, _: {"kv_host_offload_size": _gib(v)}, "kv_host_offload_size",
+                                 metavar="GIB"),
+    "kv_offloading_backend": _Alias("EngineConfig", "native only (kvpilot's host tier); needs --kv-offloading-size", "--kv-host-offload-size",
+                                    _offloading_backend, "kv_host_offload_size", metavar="native"),
+    "tokenizer": _Alias("EngineConfig", "accepted only when it names the model itself: kvpilot uses the model's own tokenizer",
+                        "--model", _same_model, "model"),
+    "revision": _Alias("EngineConfig", "the revision (branch, tag or commit) of a hub repository id: = MODEL@REVISION",
+                       "MODEL@REVISION", _revision, "model", metavar="REVISION", refines=True),
+    "enable_auto_tool_choice": _Alias(
+        "ServerConfig", "tool_choice auto (needs --tool-call-parser, as in vLLM; kvpilot answers tool_choice auto without it too)",
+        "--tool-call-parser", _auto_tool_choice, "tool_call_parser", switch=True),
+}
+
+
+def _same_value(field: str, a: Any, b: Any) -> bool:
+    if field in SIZE_FLAG_FIELDS:
+        return parse_size(a) == parse_size(b)
+    return str(a) == str(b)
+
+
+def resolve_aliases(values: dict[str, Any], model: type[BaseModel]) -> dict[str, Any]:
+    """`values` (flag dests -> values) with the vLLM aliases of `model` translated into its fields; an alias that
+    disagrees with the field's own flag, or that kvpilot cannot honour, is a ValueError naming the flag."""
+    out = dict(values)
+    for name, alias in VLLM_ALIASES.items():
+        if alias.model != model.__name__ or out.get(name) is None:
+            continue
+        for field, value in alias.translate(out.pop(name), values).items():
+            if not alias.refines and values.get(field) is not None and not _same_value(field, values[field], value):
+                raise ValueError(f"{_flag(name)} sets {_flag(field)} {value}, and {_flag(field)} {values[field]} was given too")
+            out[field] = value
+    return out
+
+
+_PYDANTIC_MESSAGES = {
+    "greater_than_equal": "must be >= {ge}", "greater_than": "must be > {gt}", "less_than_equal": "must be <= {le}",
+    "less_than": "must be < {lt}", "literal_error": "must be one of {expected}", "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer", "float_parsing": "must be a number", "bool_parsing": "must be true or false",
+    "extra_forbidden": "unknown flag", "string_too_short": "must not be empty", "string_too_long": "is too long",
+}
+
+
+def flag_error(error: Exception) -> str:
+    """A pydantic ValidationError of EngineConfig or ServerConfig as the command line's terms: `--max-num-seqs: must be >= 1`
+    (field names in a refusal's text are written as flags too); any other error's text as is."""
+    from pydantic import ValidationError
+
+    if not isinstance(error, ValidationError):
+        return str(error)
+    fields = {*EngineConfig.model_fields, *ServerConfig.model_fields}
+
+    def flags(text: str) -> str:
+        return re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", lambda m: _flag(m.group(0)) if m.group(0) in fields else m.group(0), text)
+
+    parts = []
+    for e in error.errors():
+        template = _PYDANTIC_MESSAGES.get(e["type"])
+        text = template.format(**e.get("ctx", {})) if template else str((e.get("ctx") or {}).get("error", e["msg"]))
+        loc = [str(p) for p in e["loc"]]
+        parts.append(f"{_flag(loc[0])}: {flags(text)}" if loc else flags(text))
+    return "; ".join(parts)
+
+
+def config_file_args(path: str) -> list[str]:
+    """vLLM's --config FILE.yaml: a mapping of flag names (dashes or underscores) to values, as flags (command-line flags,
+    given after these, override them). true = the bare switch, false = its --no- form; a list = the values in turn;
+    a mapping = its JSON (--speculative-config, --kv-transfer-config)."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"--config: cannot read {path} ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config: {path} is not YAML ({e})") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ValueError(f"--config: {path} must be a mapping of flag names to values")
+    args: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is False:
+            args.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            args += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
+        elif value is not None:
+            args += [flag, str(value)]
+    return args
+
+
 class ServerConfig(BaseModel):
     """HTTP-server settings of `kvpilot serve` (engine settings stay in EngineConfig)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    host: str = Field("127.0.0.1", description="Address to bind.")
+    @property
+    def bind_host(self) -> str:
+        import os
+
+        return self.host or ("0.0.0.0" if os.environ.get("KUBERNETES_SERVICE_HOST") else "127.0.0.1")
+
+    host: str | None = Field(None, description=(
+        "Address to bind (unset: 127.0.0.1; in a Kubernetes pod, where KUBERNETES_SERVICE_HOST is set, 0.0.0.0, every interface, "
+        "as vLLM binds by default: a pod template written for vllm serve passes no --host, and the kubelet's probes come to the pod's IP)."))
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 = any free port).")
     api_key: str | None = Field(None, description="Require `Authorization: Bearer <key>` (or env KVPILOT_API_KEY).")
     max_waiting_requests: int = Field(256, ge=1, description="Requests allowed to wait; beyond it, 429 with Retry-After.")
     shutdown_grace_seconds: float = Field(30.0, ge=0, description="On SIGTERM, how long in-flight requests may finish.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    enable_log_requests: bool = Field(True, description=(
+        "A log line per request (its id, endpoint, status, token counts and timings; never the prompt). vLLM's --disable-log-requests "
+        "turns it off."))
     max_request_body_bytes: int = Field(4 << 20, ge=1024, description="Largest request body (e.g. 4MiB); larger ones get 413.")
     request_header_timeout_seconds: float = Field(10.0, gt=0, description="A connection that has not sent a whole request line and headers in this time is closed.")
     request_body_timeout_seconds: float = Field(30.0, gt=0, description="A request body not received in full in this time gets 408.")
@@ -389,6 +749,12 @@ class ServerConfig(BaseModel):
     reasoning_parser: Literal["qwen3", "deepseek_r1"] | None = Field(None, description=(
         "Return <think>...</think> as reasoning_content: qwen3 (the block opens the output) or deepseek_r1 (the template opens "
         "it: everything before </think> is reasoning); unset: reasoning stays in content."))
+    chat_template: str | None = Field(None, description=(
+        "The chat template instead of the model's own: a file (Jinja) or the template itself (vLLM's; unset: the model's)."))
+    generation_config: str = Field("auto", description=(
+        "Request defaults from a generation_config.json, as vLLM: auto = the model's (beside the checkpoint's config.json or the "
+        "GGUF file), DIR = DIR/generation_config.json, vllm = none. Its temperature, top_p, top_k, min_p, repetition_penalty and "
+        "max_new_tokens (as max_tokens) apply to requests that do not set them."))
 
     engine_core_process: bool = Field(False, description=(
         "Run the scheduler and the model runner in a process of their own (the engine core), behind a local socket; this process "
@@ -398,10 +764,38 @@ class ServerConfig(BaseModel):
         "With requests open, an engine loop that shows no progress for this long (a hung step, a stopped engine core) turns /health "
         "and /ready to 503 (code engine_stalled), so the liveness probe restarts the pod; an idle engine is never stalled."))
 
+    # TLS, as vLLM's flags (KServe's LLMInferenceService template serves HTTPS with them); read at start, before the model loads.
+    ssl_keyfile: str | None = Field(None, description="Serve HTTPS: the PEM private key of --ssl-certfile's certificate (unset: the key is in that file).")
+    ssl_certfile: str | None = Field(None, description="Serve HTTPS with this PEM certificate (chain); unset: plain HTTP.")
+    ssl_ca_certs: str | None = Field(None, description="PEM CA certificates that client certificates are verified against (with --ssl-cert-reqs 1 or 2).")
+    ssl_cert_reqs: int = Field(0, ge=0, le=2, description=(
+        "Client certificates, as Python's ssl.VerifyMode: 0 = not asked for (CERT_NONE), 1 = verified if sent (CERT_OPTIONAL), "
+        "2 = required (CERT_REQUIRED)."))
+    enable_ssl_refresh: bool = Field(False, description=(
+        "Reload the certificate, key and CA certificates when their files change (checked every second; a rotated Kubernetes "
+        "Secret included) without a restart: new connections get the new certificate, open ones keep theirs. A pair that does "
+        "not load (a half-written rotation) is logged and the old one kept until the files change again."))
+
     @field_validator("max_request_body_bytes", "max_buffered_request_bytes", mode="before")
     @classmethod
     def _body_size(cls, v: Any) -> int:
         return parse_size(v)
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, v: str) -> str:
+        import os
+
+        if v not in ("auto", "vllm") and not os.path.isdir(os.path.expanduser(v)):
+            raise ValueError(f"must be auto, vllm or a directory (with generation_config.json), not {v!r}")
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, v: str | None) -> str | None:
+        if v is not None:
+            load_chat_template(v)
+        return v
 
     @model_validator(mode="after")
     def _runtime_lora(self) -> ServerConfig:
@@ -416,3 +810,56 @@ class ServerConfig(BaseModel):
         if self.max_buffered_request_bytes < self.max_request_body_bytes:
             raise ValueError("max_buffered_request_bytes must be >= max_request_body_bytes (one largest body must fit)")
         return self
+
+    @model_validator(mode="after")
+    def _tls_consistent(self) -> ServerConfig:
+        needs_cert = [f for f in ("ssl_keyfile", "ssl_ca_certs") if getattr(self, f) is not None]
+        needs_cert += [f for f in ("ssl_cert_reqs", "enable_ssl_refresh") if getattr(self, f)]
+        if needs_cert and self.ssl_certfile is None:
+            raise ValueError(f"{', '.join(needs_cert)}: only with ssl_certfile (HTTPS is served only with a certificate)")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError(f"ssl_cert_reqs={self.ssl_cert_reqs} needs ssl_ca_certs (the CAs client certificates are verified against)")
+        return self
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file's text, or the value itself when it is a Jinja template (vLLM's rule: a value with none
+    of {{ {% {# that names no file is a mistake)."""
+    import os
+
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    if any(mark in value for mark in ("{{", "{%", "{#")):
+        return value
+    raise ValueError(f"not a file and not a Jinja template: {value!r}")
+
+
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(setting: str, model_path: str | None) -> dict[str, Any]:
+    """--generation-config: the request defaults (request field -> value) of a generation_config.json, as vLLM takes them:
+    auto = the one beside the model (a checkpoint directory's, or in a GGUF file's directory), DIR = DIR's, vllm = none.
+    A missing file is no defaults."""
+    import os
+
+    if setting == "vllm":
+        return {}
+    if setting == "auto":
+        if model_path is None:
+            return {}
+        directory = model_path if os.path.isdir(model_path) else os.path.dirname(model_path)
+    else:
+        directory = os.path.expanduser(setting)
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        try:
+            config = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"--generation-config: {path} is not JSON ({e})") from None
+    return {field: config[key] for key, field in GENERATION_DEFAULT_KEYS.items() if config.get(key) is not None}

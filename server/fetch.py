@@ -13,6 +13,14 @@ The token goes only to the hub itself: never to another host a redirect names (t
 redirects point at a CDN with signed URLs), never over plain http unless the hub is on loopback, and
 an https -> http redirect is refused whatever the source. urllib alone would copy the header onto
 every redirect.
+
+`kvpilot serve MODEL` / `generate` with a hub repository id (ORG/REPO, ORG/REPO@REVISION,
+hf://ORG/REPO[/FILE.gguf][@REVISION]) go through `hub_model` instead: huggingface_hub's snapshot_download
+into the shared Hugging Face cache (HF_HOME, HF_HUB_CACHE), with its retries, its resumption of a
+transfer cut mid-file and its progress bar, and only the files the engine reads. The same token rule
+holds there (see _HubGuard). fetch-model keeps its own downloader: it writes plain files into DEST (a
+claim), resumes from NAME.part across runs (an init container's restarts; huggingface_hub >= 1.x drops
+its partial files when a process ends), bounds the bytes (--max-size) and reports the commit.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import fnmatch
 import ipaddress
 import json
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -254,3 +263,157 @@ def _download(job: _Download, url: str, credentials: Credentials, dest: Path, re
         raise FetchError(f"{job.source}: {dest.name}: {getattr(e, 'reason', None) or e} (run again to resume)") from None
     part.replace(dest)
     print(f"fetch-model: {dest} complete ({done} bytes)", file=job.log, flush=True)
+
+
+# --- `kvpilot serve MODEL` / `generate` with a hub repository id: huggingface_hub ---
+
+_PART = r"[A-Za-z0-9][A-Za-z0-9_.-]*"
+_HUB_MODEL = re.compile(rf"(?P<hf>hf://)?(?P<repo>{_PART}/{_PART})(?:/(?P<file>[A-Za-z0-9_.+-]+(?:/[A-Za-z0-9_.+-]+)*))?"
+                        r"(?:@(?P<revision>[A-Za-z0-9_.+/-]+))?")
+
+
+@dataclass(frozen=True, slots=True)
+class HubModel:
+    repo: str            # ORG/REPO
+    file: str            # one GGUF in it (hf://ORG/REPO/FILE.gguf), "" for the whole repository
+    revision: str | None  # @REVISION; None: $HF_REVISION, else main
+    raw: str
+
+
+def parse_hub_model(model: str) -> HubModel | None:
+    """ORG/REPO, ORG/REPO@REVISION or hf://ORG/REPO[/FILE.gguf][@REVISION] as a HubModel, else None. A bundled
+    name or an existing path wins over this reading (the caller checks those first), as in vLLM and transformers."""
+    m = _HUB_MODEL.fullmatch(model)
+    if not m or (m["file"] and not m["hf"]) or any(seg in (".", "..") for seg in re.split(r"[/@]", model.removeprefix("hf://"))):
+        return None
+    return HubModel(m["repo"], m["file"] or "", m["revision"], model)
+
+
+class _HubGuard:
+    """A request hook on huggingface_hub's httpx2 client, run before every request it sends, each hop of a
+    redirect included (httpx2's Client._send_handling_redirects runs the request hooks per hop): the
+    Authorization header stays only on requests to the hub's own origin (huggingface_hub would also keep it
+    on redirects to huggingface.co / hf.co from a mirror, utils/_http.py _HUB_ORIGINS), and a hub reached
+    over https is never left for plain http (httpx2 follows an https -> http redirect, only without the
+    header). The plain-http-to-a-remote-hub refusal is Credentials' own, checked before any request."""
+
+    def __init__(self, credentials: Credentials):
+        self.credentials = credentials
+
+    def __call__(self, request) -> None:
+        scheme, host, port = _origin(str(request.url))
+        hub = self.credentials.hub
+        if hub and hub[0] == "https" and scheme != "https":
+            raise FetchError(f"refusing a request to {scheme}://{host}: the hub is https, this would be a downgrade to plain {scheme}")
+        if (scheme, host, port) != hub:
+            request.headers.pop("authorization", None)
+
+
+def _guard_hub_session(credentials: Credentials) -> None:
+    import huggingface_hub
+    from huggingface_hub.utils._http import default_client_factory  # its hooks: offline mode, request ids
+
+    def factory():
+        client = default_client_factory()
+        client.event_hooks = {**client.event_hooks, "request": [*client.event_hooks["request"], _HubGuard(credentials)]}
+        return client
+
+    huggingface_hub.set_client_factory(factory)
+
+
+def _log_bar():
+    """tqdm for huggingface_hub's bars when stderr is not a terminal (a server's log, a pod's): its own class
+    hides them there. Every bar on line 0, so that a log gets no cursor movements between them."""
+    if sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    class LogBar(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("name", None)
+            kwargs.update(file=sys.stderr, position=0)
+            kwargs.setdefault("mininterval", 1.0)
+            super().__init__(*args, **kwargs)
+
+    return LogBar
+
+
+def _serve_files(hub: HubModel, names: list[str]) -> list[str]:
+    """What the engine reads of a repository: a safetensors checkpoint's files (CHECKPOINT_PATTERNS, top level),
+    else its one GGUF."""
+    top = [n for n in names if "/" not in n]
+    if "config.json" in top and any(n.endswith(".safetensors") for n in top):
+        return sorted(n for n in top if any(fnmatch.fnmatchcase(n, p) for p in CHECKPOINT_PATTERNS))
+    ggufs = sorted(n for n in top if n.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return ggufs
+    if ggufs:
+        raise FileNotFoundError(f"MODEL {hub.raw!r}: {hub.repo} has {len(ggufs)} GGUF files ({', '.join(ggufs[:4])}{', …' if len(ggufs) > 4 else ''}): "
+                                f"name one, as hf://{hub.repo}/FILE.gguf")
+    raise FileNotFoundError(f"MODEL {hub.raw!r}: {hub.repo} is neither a safetensors checkpoint (config.json and *.safetensors at "
+                            "the top level) nor a GGUF repository")
+
+
+def _model_in(snapshot: Path, hub: HubModel) -> Path:
+    if (snapshot / "config.json").is_file() and any(snapshot.glob("*.safetensors")):
+        return snapshot
+    ggufs = sorted(snapshot.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    raise FileNotFoundError(f"MODEL {hub.raw!r}: the cached snapshot {snapshot} holds no safetensors checkpoint and not one GGUF")
+
+
+def hub_model(model: str, log=sys.stderr) -> Path:
+    """The checkpoint directory (in the Hugging Face cache) or GGUF file of a hub repository id, downloaded
+    by huggingface_hub unless cached: only the files the engine reads, from one commit. Raises
+    FileNotFoundError (exit 2) for a repository, revision or file the hub does not have, or one not cached
+    when HF_HUB_OFFLINE is set; FetchError (exit 1) when the download itself fails."""
+    hub = parse_hub_model(model)
+    if hub is None:
+        raise FileNotFoundError(f"MODEL {model!r} is not a hub repository id (ORG/REPO, ORG/REPO@REVISION, hf://ORG/REPO[/FILE.gguf])")
+    if hub.file and not hub.file.endswith(".gguf"):
+        raise FileNotFoundError(f"MODEL {model!r}: one file of a repository is served only if it is a GGUF")
+    try:
+        import httpx2 as httpx  # huggingface_hub 2.x's client
+    except ImportError:
+        import httpx  # 1.x's
+    import huggingface_hub as hf
+    from huggingface_hub import constants, errors
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    revision = hub.revision or os.environ.get("HF_REVISION") or "main"
+    _guard_hub_session(Credentials(hf.get_token(), endpoint))
+    offline = constants.is_offline_mode()
+    bar = _log_bar()
+    where = f"{hub.repo} at {revision} on {endpoint}"
+    try:
+        if hub.file:
+            return Path(hf.hf_hub_download(hub.repo, hub.file, revision=revision, endpoint=endpoint, tqdm_class=bar))
+        if offline:  # what the cache holds: a checkpoint's files, else a GGUF repository's snapshot
+            return _model_in(Path(hf.snapshot_download(hub.repo, revision=revision, endpoint=endpoint,
+                                                       allow_patterns=list(CHECKPOINT_PATTERNS))), hub)
+        info = hf.HfApi(endpoint=endpoint).model_info(hub.repo, revision=revision)
+        files = _serve_files(hub, [s.rfilename for s in info.siblings or []])
+        print(f"kvpilot: downloading {where} ({', '.join(files)}) into the Hugging Face cache {constants.HF_HUB_CACHE}", file=log, flush=True)
+        # snapshot_download resolves the revision to one commit and takes every file from it
+        return _model_in(Path(hf.snapshot_download(hub.repo, revision=revision, endpoint=endpoint, allow_patterns=files, tqdm_class=bar)), hub)
+    except errors.GatedRepoError:
+        raise FileNotFoundError(f"MODEL {model!r}: {hub.repo} is gated on {endpoint}: accept its terms there and set HF_TOKEN") from None
+    except errors.RepositoryNotFoundError:
+        raise FileNotFoundError(f"MODEL {model!r} is not a bundled model or an existing path, and the Hugging Face Hub ({endpoint}) has "
+                                f"no repository {hub.repo} (a private one needs HF_TOKEN)") from None
+    except errors.RevisionNotFoundError:
+        raise FileNotFoundError(f"MODEL {model!r}: {hub.repo} has no revision {revision!r} on {endpoint}") from None
+    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled) as e:
+        if offline:
+            raise FileNotFoundError(f"MODEL {model!r}: HF_HUB_OFFLINE is set and {hub.repo} ({revision}) is not in the Hugging Face cache "
+                                    f"{constants.HF_HUB_CACHE}: run once with the hub reachable, or give a local path") from None
+        raise FetchError(f"{model}: {where}: {str(e).splitlines()[0]}") from None
+    except errors.EntryNotFoundError:
+        raise FileNotFoundError(f"MODEL {model!r}: {hub.repo} has no file {hub.file} at {revision}") from None
+    except errors.HfHubHTTPError as e:
+        raise FetchError(f"{model}: {where}: {str(e).splitlines()[0]}") from None
+    except FileNotFoundError:
+        raise
+    except (httpx.HTTPError, OSError) as e:
+        raise FetchError(f"{model}: {where}: {e} (run again: complete files are kept in the cache)") from None

@@ -1,4 +1,5 @@
-"""Resolving a model name (bundled name, GGUF path or checkpoint directory) to a path on disk. torch-free."""
+"""Resolving a model name (bundled name, GGUF path, checkpoint directory or Hugging Face Hub repository id)
+to a path on disk. torch-free."""
 
 from __future__ import annotations
 
@@ -17,9 +18,20 @@ class ModelNotFoundError(FileNotFoundError):
     pass
 
 
+def is_hub_model(model: str) -> bool:
+    """Whether `model` names a Hugging Face Hub repository (ORG/REPO, ORG/REPO@REVISION, hf://ORG/REPO[/FILE.gguf]):
+    a bundled name or an existing path wins, as in vLLM and transformers."""
+    if model in BUNDLED or Path(model).expanduser().exists():
+        return False
+    from kvpilot.server.fetch import parse_hub_model
+
+    return parse_hub_model(model) is not None
+
+
 def resolve_model_path(model: str) -> Path:
     """The GGUF file or checkpoint directory (config.json, *.safetensors, tokenizer.json) for `model`:
-    a bundled name or a path. Raises ModelNotFoundError with the fix."""
+    a bundled name, a path, or a hub repository id (downloaded into the Hugging Face cache unless there:
+    server/fetch.py hub_model). Raises ModelNotFoundError with the fix."""
     if model in BUNDLED:
         package, filename, requirement = BUNDLED[model]
         spec = importlib.util.find_spec(package)  # finds without importing the package
@@ -34,16 +46,28 @@ def resolve_model_path(model: str) -> Path:
     path = Path(model).expanduser()
     if path.is_file() or (path / "config.json").is_file():
         return path
+    if is_hub_model(model):
+        from kvpilot.server.fetch import hub_model
+
+        try:
+            return hub_model(model)
+        except FileNotFoundError as e:
+            raise ModelNotFoundError(str(e)) from None
     known = ", ".join(sorted(BUNDLED))
     hint = f" ({path} is a directory without config.json)" if path.is_dir() else ""
-    raise ModelNotFoundError(f"model {model!r} is neither a bundled model ({known}) nor an existing GGUF file or checkpoint directory{hint}")
+    raise ModelNotFoundError(f"model {model!r} is neither a bundled model ({known}) nor an existing GGUF file or checkpoint directory{hint}, "
+                             "nor a Hugging Face Hub repository id (ORG/REPO, ORG/REPO@REVISION, hf://ORG/REPO[/FILE.gguf])")
 
 
 def default_served_name(model: str) -> str:
     """The API's model name when none is given: the bundled name, a checkpoint directory's name
-    (Qwen3-0.6B), a GGUF file's name without .gguf."""
+    (Qwen3-0.6B), a GGUF file's name without .gguf, a hub repository's id (Qwen/Qwen3-0.6B, as vLLM)."""
     if model in BUNDLED:
         return model
+    if is_hub_model(model):
+        from kvpilot.server.fetch import parse_hub_model
+
+        return parse_hub_model(model).repo
     path = Path(model.rstrip("/"))
     return path.name if path.is_dir() else path.stem
 

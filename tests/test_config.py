@@ -1,5 +1,6 @@
 """EngineConfig: one model for CLI, LLM(**kwargs) and the operator; torch-free imports."""
 
+import re
 import subprocess
 import sys
 
@@ -69,3 +70,219 @@ def test_thread_settings_applied_before_torch():
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("OMP_", "GOMP_"))}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.stdout.split() == ["PASSIVE", "20000", "1"], r.stderr[-500:]
+
+
+# --- vLLM's flag names and value spellings (issue #61) ---
+
+def _serve_configs(args: list[str]):
+    """(EngineConfig, ServerConfig) that `kvpilot serve ARGS` would run with (the CLI's path: parse, aliases, models)."""
+    from kvpilot.server.cli import _positional_model, build_parser, resolve_vllm_aliases
+    from kvpilot.server.config import ServerConfig, bare_switches
+
+    parser = build_parser()
+    ns = parser.parse_args(bare_switches(["serve", *args]))
+    _positional_model(parser, ns)
+    resolve_vllm_aliases(ns)
+    engine = EngineConfig(**{k: getattr(ns, k) for k in EngineConfig.model_fields if getattr(ns, k, None) is not None})
+    server = ServerConfig(**{k: getattr(ns, k) for k in ServerConfig.model_fields if getattr(ns, k, None) is not None})
+    return engine, server
+
+
+VLLM_SPELLINGS = [  # (vLLM's spelling, kvpilot's own)
+    (["--dtype", "half"], ["--dtype", "float16"]),
+    (["--dtype", "float"], ["--dtype", "float32"]),
+    (["--async-scheduling"], ["--async-scheduling", "on"]),
+    (["--no-async-scheduling"], ["--async-scheduling", "off"]),
+    (["--kv-cache-memory-bytes", "2147483648"], ["--kv-cache-memory", "2GiB"]),
+    (["--kv-cache-memory-bytes", "512M"], ["--kv-cache-memory", "512MiB"]),  # vLLM: upper case = binary
+    (["--kv-cache-memory-bytes", "2g"], ["--kv-cache-memory", "2G"]),        # lower case = decimal
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 3}'],
+     ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-max", "5", "--prompt-lookup-min", "3"]),
+    (["--speculative-config", '{"method": "draft_model", "model": "/models/draft.gguf", "num_speculative_tokens": 2}'],
+     ["--speculative-method", "draft", "--speculative-model", "/models/draft.gguf", "--num-speculative-tokens", "2"]),
+    (["--speculative-config", '{"model": "/models/draft.gguf"}'], ["--speculative-method", "draft", "--speculative-model", "/models/draft.gguf"]),
+    (["--speculative-config", '{"method": "eagle3", "model": "/heads/e3", "disable_by_batch_size": 8}'],
+     ["--speculative-method", "eagle3", "--speculative-model", "/heads/e3", "--speculative-disable-batch-size", "8"]),
+    (["-tp", "2"], ["--tensor-parallel-size", "2"]),
+    (["-q", "int8"], ["--quantization", "int8"]),
+    (["--model", "org/repo", "--revision", "v2"], ["--model", "org/repo@v2"]),  # a hub repository id's revision
+    (["--max-model-len", "32k"], ["--max-model-len", "32000"]),
+    (["--max-model-len", "32K"], ["--max-model-len", "32768"]),
+    (["--max-num-batched-tokens", "8K"], ["--max-num-batched-tokens", "8192"]),
+    (["--model", "/models/x.gguf", "--tokenizer", "/models/x.gguf"], ["--model", "/models/x.gguf"]),
+    (["--disable-prefix-caching"], ["--no-enable-prefix-caching"]),           # vLLM 0.33's spellings of the --no- forms
+    (["--disable-chunked-prefill"], ["--no-enable-chunked-prefill"]),
+    (["--spec-method", "draft_model", "--spec-model", "/models/d.gguf", "--spec-tokens", "3"],
+     ["--speculative-method", "draft", "--speculative-model", "/models/d.gguf", "--num-speculative-tokens", "3"]),
+    (["--device-memory-utilization", "0.5"], ["--gpu-memory-utilization", "0.5"]),
+    (["--kv-offloading-size", "8", "--kv-offloading-backend", "native"], ["--kv-host-offload-size", "8GiB"]),
+    (["--kv-offloading-size", "0.5"], ["--kv-host-offload-size", "512MiB"]),
+]
+
+
+@pytest.mark.parametrize("vllm,own", VLLM_SPELLINGS, ids=lambda a: " ".join(a)[:60])
+def test_vllm_spelling_is_the_same_config(vllm, own):
+    expected = EngineConfig.from_cli_args(own)
+    assert expected != EngineConfig() or own == ["--model", "/models/x.gguf"]  # each row changes something
+    assert EngineConfig.from_cli_args(vllm) == expected
+    assert _serve_configs(vllm) == _serve_configs(own)
+
+
+def test_vllm_spellings_in_python_too():
+    assert EngineConfig(dtype="half") == EngineConfig(dtype="float16")
+    assert EngineConfig(max_model_len="4K").max_model_len == 4096
+    assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}) == \
+        EngineConfig(speculative_method="ngram", num_speculative_tokens=2)  # LLM(speculative_config=...), as vLLM's LLM
+    assert EngineConfig(kv_cache_memory_bytes="4G") == EngineConfig(kv_cache_memory="4GiB")
+
+
+def test_a_bare_switch_before_the_positional_model():
+    assert _serve_configs(["--async-scheduling", "/models/x.gguf"]) == _serve_configs(["/models/x.gguf", "--async-scheduling", "on"])
+    assert _serve_configs(["--async-scheduling", "off", "/models/x.gguf"])[0].async_scheduling == "off"
+
+
+def test_enable_auto_tool_choice_needs_a_parser():
+    assert _serve_configs(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) == _serve_configs(["--tool-call-parser", "hermes"])
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice: needs --tool-call-parser"):
+        _serve_configs(["--enable-auto-tool-choice"])
+
+
+@pytest.mark.parametrize("args,refusal", [
+    (["--tokenizer", "/models/other"], "--tokenizer: not supported"),
+    (["--revision", "main"], "--revision: only for a Hugging Face Hub repository id"),
+    (["--model", "org/repo@v1", "--revision", "v2"], "--revision v2: the model names revision v1 already"),
+    (["--kv-cache-memory-bytes", "1G", "--device", "cuda"], "--kv-cache-memory-bytes: not supported with --device cuda"),
+    (["--kv-offloading-size", "8", "--kv-offloading-backend", "lmcache"], "--kv-offloading-backend: 'lmcache' not supported"),
+    (["--kv-offloading-backend", "native"], "--kv-offloading-backend: needs --kv-offloading-size"),
+    (["--spec-method", "mtp"], "--spec-method: 'mtp' not supported"),
+    (["--speculative-config", '{"method": "ngram", "acceptance_method": "typical"}'], "--speculative-config: acceptance_method not supported"),
+    (["--speculative-config", '{"method": "medusa", "model": "m"}'], "--speculative-config: method 'medusa' not supported"),
+    (["--speculative-config", "ngram"], "--speculative-config: not JSON"),
+    (["--kv-cache-memory-bytes", "1G", "--kv-cache-memory", "2GiB"], "--kv-cache-memory-bytes sets --kv-cache-memory"),
+    (["--speculative-config", '{"method": "ngram"}', "--speculative-method", "draft"], "--speculative-config sets --speculative-method"),
+])
+def test_vllm_flags_kvpilot_cannot_honour_are_refused_by_name(args, refusal):
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        _serve_configs(args)
+
+
+def test_bad_values_are_errors_naming_the_flag(capsys):
+    from pydantic import ValidationError
+
+    from kvpilot.server.cli import main
+    from kvpilot.server.config import flag_error
+
+    with pytest.raises(ValidationError) as e:
+        EngineConfig(max_num_seqs=0)
+    assert flag_error(e.value) == "--max-num-seqs: must be >= 1"
+    with pytest.raises(ValidationError) as e:
+        EngineConfig(speculative_method="draft")
+    assert flag_error(e.value) == "--speculative-method=draft needs --speculative-model (a model sharing the target's tokenizer)"
+    assert main(["generate", "hi", "--max-num-seqs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "kvpilot: error: --max-num-seqs: must be >= 1" in err and "max_num_seqs" not in err and "pydantic" not in err
+    with pytest.raises(SystemExit):
+        main(["serve", "--dtype", "int3"])
+    assert "argument --dtype: invalid choice: 'int3'" in capsys.readouterr().err
+
+
+def test_config_file_then_command_line_overrides(tmp_path):
+    from kvpilot.server.cli import build_parser, with_config_file
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("max-num-seqs: 8\ndtype: half\nenable_prefix_caching: false\nno-async-scheduling: true\n"
+                      "speculative_config: {method: ngram, num_speculative_tokens: 3}\nkv-cache-memory: 256MiB\nport: 9000\n")
+    argv = with_config_file(build_parser(), ["serve", "--config", str(config), "--max-num-seqs", "4"])
+    engine, server = _serve_configs(argv[1:])
+    assert (engine.max_num_seqs, engine.dtype, engine.enable_prefix_caching, engine.async_scheduling) == (4, "float16", False, "off")
+    assert (engine.speculative_method, engine.num_speculative_tokens, engine.kv_cache_memory, server.port) == ("ngram", 3, 256 << 20, 9000)
+    config.write_text("max-num-seqs: 8\nmax-num-sequences: 4\n")
+    with pytest.raises(ValueError, match="max-num-sequences is no flag of kvpilot serve"):
+        with_config_file(build_parser(), ["serve", "--config", str(config)])
+
+
+def test_version_prints_the_package_version(capsys):
+    from importlib.metadata import version
+
+    from kvpilot.server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"kvpilot {version('kvpilot')}"
+
+
+def test_help_is_grouped_with_choices_and_one_default_each():
+    from kvpilot.server.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    titles = {g.title for g in serve._action_groups}
+    assert {"model", "cache", "scheduling", "speculative decoding", "LoRA", "server"} <= titles
+    text = serve.format_help()
+    assert "{auto,float32,float16,bfloat16,half,float}" in text and "{fcfs,priority}" in text
+    assert "(default: 1GiB)" in " ".join(text.split())  # --kv-cache-memory, a size, written as one
+    for action in serve._actions:
+        if action.help and action.option_strings:
+            assert action.help.count("(default:") <= 1, action.option_strings
+
+
+def test_generation_config_defaults_reach_the_sampling_params(tmp_path):
+    import json
+
+    from kvpilot.server.api.protocol import ChatCompletionRequest, CompletionRequest
+    from kvpilot.server.config import ServerConfig, generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "max_new_tokens": 77,
+         "do_sample": True, "eos_token_id": 2}))
+    defaults = generation_defaults("auto", str(tmp_path))  # a checkpoint directory
+    assert defaults == generation_defaults("auto", str(tmp_path / "model.gguf")) == generation_defaults(str(tmp_path), None)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    p = chat.with_defaults(defaults).params()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (0.6, 0.9, 20, 0.05, 1.1, 77)
+    given = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=0.0, top_k=0, max_completion_tokens=5)
+    p = given.with_defaults(defaults).params()
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.0, 0, 0.9, 5)  # what a request sets wins
+    assert CompletionRequest(prompt="hi").with_defaults(defaults).params().temperature == 0.6
+    assert generation_defaults("vllm", str(tmp_path)) == {}  # --generation-config vllm: none
+    p = chat.with_defaults(generation_defaults("vllm", str(tmp_path))).params()
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (1.0, 1.0, 0, None)
+    assert ServerConfig(generation_config=str(tmp_path)).generation_config == str(tmp_path)
+    with pytest.raises(ValueError, match="generation_config"):
+        ServerConfig(generation_config=str(tmp_path / "missing"))
+
+
+def test_chat_template_is_a_file_or_a_template(tmp_path):
+    from kvpilot.server.config import ServerConfig, load_chat_template
+
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    assert load_chat_template(str(tmp_path / "t.jinja")) == load_chat_template("{{ messages[0]['content'] }}")
+    with pytest.raises(ValueError, match="not a file and not a Jinja template"):
+        ServerConfig(chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_chat_template_and_generation_config_reach_the_server(tmp_path):
+    """--chat-template replaces the model's template and --generation-config's defaults apply to requests over HTTP
+    (the bundled model, in process)."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from kvpilot.server.api.app import build_app, create_state
+    from kvpilot.server.config import ServerConfig
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 2, "temperature": 0.0}))
+    state = create_state(EngineConfig(kv_cache_memory="16MiB", num_threads=1, max_num_seqs=2),
+                         ServerConfig(chat_template="{{ messages[0]['content'] }} says the template", generation_config=str(tmp_path)),
+                         show_progress=False)
+    try:
+        client = TestClient(build_app(state))
+        rendered = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hello"}]}).json()
+        plain = client.post("/tokenize", json={"prompt": "Hello says the template"}).json()
+        assert rendered["tokens"][-4:] == plain["tokens"][-4:] and rendered["count"] == plain["count"]
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hello"}]}).json()
+        assert chat["usage"]["completion_tokens"] == 2 and chat["choices"][0]["finish_reason"] == "length"
+        given = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}).json()
+        assert given["usage"]["completion_tokens"] == 3
+    finally:
+        state.engine.stop()
+        state.serving.pool.shutdown()

@@ -109,3 +109,14 @@ def test_inference_service_examples_in_the_pages_are_valid():
                 InferenceServiceSpec.model_validate(doc["spec"])
                 found += 1
     assert found >= 1
+
+
+def test_coming_from_vllm_is_fresh_and_names_every_vllm_flag():
+    from kvpilot.server.vllm_compat import PAGE, render_page, vllm_flags
+
+    assert PAGE.read_text() == render_page(), "docs/coming-from-vllm.md is stale: run python -m kvpilot.server.vllm_compat"
+    text = PAGE.read_text()
+    _, flags = vllm_flags()
+    assert len(flags) > 400 and all(f"| `{flag}` |" in text for flag in flags)
+    assert "| `--trust-remote-code` | not supported" in text and "| `--dtype` | `--dtype`: half = float16" in text
+    assert "| `--kv-cache-memory-bytes` | `--kv-cache-memory-bytes` = `--kv-cache-memory`" in text

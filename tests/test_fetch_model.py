@@ -3,8 +3,10 @@ certificate trusted through SSL_CERT_FILE), atomic rename, errors with non-zero 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -354,3 +356,271 @@ def test_the_fetch_summary_names_the_commit_and_a_moving_repository_is_refused(t
         assert log.read_text().startswith("kvpilot: fetch failed: hf://org/repo: the source changed")
     finally:
         moved.close()
+
+
+# --- `kvpilot serve ORG/REPO` (issue #61): huggingface_hub against a local hub ---
+
+COMMIT = hashlib.sha1(b"kvpilot test commit").hexdigest()
+
+
+class HfHub:
+    """A hub on loopback that answers what huggingface_hub asks: GET /api/models/ORG/REPO/revision/REV (the
+    commit and the file names), GET /api/models/ORG/REPO/tree/COMMIT (sizes), HEAD and GET
+    /ORG/REPO/resolve/REV/FILE (X-Repo-Commit, ETag, Content-Length; GET honours Range), 404 RepoNotFound
+    for another repository. `cut`: that file's first GET sends half and drops the connection. `redirect`:
+    FILE -> the URL its resolve answers 302 to (a CDN; the metadata on the 302, as the real hub sends it).
+    `cdn`: files served at /cdn/FILE. Every request: (method, path, Range, Authorization)."""
+
+    def __init__(self, repos: dict[str, dict[str, bytes]], cut: str | None = None, redirect: dict[str, str] | None = None,
+                 cdn: dict[str, bytes] | None = None, address: str = "127.0.0.1", tls: tuple[Path, Path] | None = None):
+        seen = self.seen = []
+        cut_done = []
+        redirect, cdn = redirect or {}, cdn or {}
+
+        class Handler(BaseHTTPRequestHandler):
+            def _send(self, code, headers=(), body=b""):
+                self.send_response(code)
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def _answer(self):
+                path = self.path.split("?", 1)[0]
+                seen.append((self.command, path, self.headers.get("Range"), self.headers.get("Authorization")))
+                parts = path.strip("/").split("/")
+                if parts[0] == "cdn" and path.removeprefix("/cdn/") in cdn:
+                    return self._file(cdn[path.removeprefix("/cdn/")], path)
+                api = parts[0] == "api" and parts[1] == "models"
+                repo = "/".join(parts[2:4] if api else parts[0:2])
+                files = repos.get(repo)
+                if files is None:
+                    return self._send(404, [("X-Error-Code", "RepoNotFound"), ("X-Error-Message", "Repository not found")])
+                rev = parts[5] if api else parts[3] if len(parts) > 3 else ""
+                if rev not in ("main", COMMIT):
+                    return self._send(404, [("X-Error-Code", "RevisionNotFound"), ("X-Error-Message", "Invalid rev id")])
+                if api and parts[4] == "revision":
+                    return self._send(200, [("Content-Type", "application/json")], json.dumps(
+                        {"id": repo, "sha": COMMIT, "siblings": [{"rfilename": n} for n in files]}).encode())
+                if api and parts[4] == "tree":
+                    return self._send(200, [("Content-Type", "application/json")], json.dumps(
+                        [{"type": "file", "path": n, "size": len(b), "oid": hashlib.sha1(b).hexdigest()} for n, b in files.items()]).encode())
+                name = "/".join(parts[4:])
+                if parts[2:3] != ["resolve"] or name not in files:
+                    return self._send(404, [("X-Error-Code", "EntryNotFound"), ("X-Error-Message", "Entry not found")])
+                meta = [("X-Repo-Commit", COMMIT), ("ETag", f'"{hashlib.sha256(files[name]).hexdigest()}"')]
+                if name in redirect:
+                    return self._send(302, [*meta, ("Location", redirect[name]), ("X-Linked-Size", str(len(files[name]))),
+                                            ("X-Linked-Etag", f'"{hashlib.sha256(files[name]).hexdigest()}"')])
+                self._file(files[name], name, meta)
+
+            def _file(self, data, name, meta=()):
+                start = int(self.headers["Range"].removeprefix("bytes=").split("-")[0]) if self.headers.get("Range") else 0
+                self.send_response(206 if start else 200)
+                for k, v in meta:
+                    self.send_header(k, v)
+                if start:
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                self.send_header("Content-Length", str(len(data) - start))
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                if name == cut and not cut_done:
+                    cut_done.append(True)
+                    self.wfile.write(data[:len(data) // 2])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.wfile.write(data[start:])
+
+            do_GET = do_HEAD = _answer  # noqa: N815
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer((address, 0), Handler)
+        if tls:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(*tls)
+            self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
+        self.url = f"{'https' if tls else 'http'}://{address}:{self.server.server_address[1]}"
+        self.env = {"HF_ENDPOINT": self.url, "HF_TOKEN": "hf_secret", "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"}
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint():
+    """A servable Llama checkpoint in memory, random weights, with a byte-level tokenizer of 256 tokens and
+    an end token: ~27 MB of safetensors (more than huggingface_hub's 10 MiB read chunk, so that a transfer
+    cut at half has written a chunk to resume from), and files the engine does not read."""
+    import numpy as np
+    from safetensors.numpy import save
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(["<|endoftext|>"])
+    hidden, inter, layers, v = 256, 2560, 3, len(vocab)
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": v, "hidden_size": hidden, "intermediate_size": inter,
+              "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+              "bos_token_id": None, "eos_token_id": v - 1, "torch_dtype": "float32"}
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": w(v, hidden), "model.norm.weight": np.ones(hidden, np.float32)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors |= {p + "input_layernorm.weight": np.ones(hidden, np.float32), p + "post_attention_layernorm.weight": np.ones(hidden, np.float32),
+                    p + "self_attn.q_proj.weight": w(hidden, hidden), p + "self_attn.k_proj.weight": w(hidden // 2, hidden),
+                    p + "self_attn.v_proj.weight": w(hidden // 2, hidden), p + "self_attn.o_proj.weight": w(hidden, hidden),
+                    p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden), p + "mlp.down_proj.weight": w(hidden, inter)}
+    return {"config.json": json.dumps(config).encode(), "tokenizer.json": tk.to_str().encode(),
+            "tokenizer_config.json": json.dumps({"eos_token": "<|endoftext|>", "add_bos_token": False}).encode(),
+            "model.safetensors": save(tensors), "pytorch_model.bin": b"pickle: never fetched", "README.md": b"# not needed",
+            "onnx/model.onnx": b"not read"}
+
+
+def kvpilot(*args, env=None, timeout=120):
+    return subprocess.run([KVPILOT, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.timeout(180)
+def test_serve_a_hub_repo_id_positionally_resumed_with_a_progress_bar(tmp_path, tiny_checkpoint):
+    """`kvpilot serve org/tiny`: the engine's files only, into HF_HOME's cache, the transfer cut at half
+    resumed with a Range request, a progress bar in the log, the token only to the hub; the API's model
+    name is the id; then the cached copy serves with HF_HUB_OFFLINE=1."""
+    import httpx
+
+    from server_harness import ServerProcess
+
+    hub = HfHub({"org/tiny": tiny_checkpoint}, cut="model.safetensors")
+    env = {**hub.env, "HF_HOME": str(tmp_path / "hf")}
+    server = ServerProcess("org/tiny", "--kv-cache-memory", "16MiB", env=env, log_path=tmp_path / "server.log")
+    try:
+        server.wait_ready(120)
+        r = httpx.post(server.url + "/v1/completions", json={"model": "org/tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == "org/tiny" and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        assert server.terminate() == 0, server.log()[-3000:]
+    log = server.log()
+    weights = [(method, rng) for method, path, rng, _ in hub.seen if path.endswith("/model.safetensors") and method == "GET"]
+    half = len(tiny_checkpoint["model.safetensors"]) // 2
+    assert len(weights) == 2 and weights[0][1] is None, weights
+    assert weights[1][1].startswith("bytes=") and 0 < int(weights[1][1][6:-1]) <= half, weights  # resumed, not restarted
+    assert "Trying to resume download" in log
+    assert "100%" in log and "Fetching 4 files" in log, log[-3000:]  # tqdm's bar, though the log is no terminal
+    fetched = {path.rsplit("/", 1)[-1] for method, path, _, _ in hub.seen if "/resolve/" in path}
+    assert fetched == {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"}  # never the .bin, README, onnx/
+    snapshot = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / COMMIT
+    assert (snapshot / "model.safetensors").read_bytes() == tiny_checkpoint["model.safetensors"]
+    assert all(auth == "Bearer hf_secret" for *_, auth in hub.seen) and "hf_secret" not in log
+    # offline, from the cache: no request at all
+    before = len(hub.seen)
+    offline = kvpilot("generate", "org/tiny", "Hi", "--max-tokens", "2", "--num-threads", "1", "--kv-cache-memory", "16MiB",
+                      env={**env, "HF_HUB_OFFLINE": "1"})
+    hub.close()
+    assert offline.returncode == 0, offline.stderr[-3000:]
+    assert len(hub.seen) == before
+
+
+def test_hub_repo_errors_are_exit_2_naming_the_argument(tmp_path):
+    hub = HfHub({"org/tiny": {"config.json": b"{}", "a.gguf": b"GGUF", "b.gguf": b"GGUF"}})
+    env = {**hub.env, "HF_HOME": str(tmp_path / "hf")}
+    try:
+        missing = kvpilot("serve", "org/nope", env=env)
+        assert missing.returncode == 2, missing.stderr
+        assert "MODEL 'org/nope'" in missing.stderr and "no repository org/nope" in missing.stderr
+        revision = kvpilot("serve", "org/tiny@v9", env=env)
+        assert revision.returncode == 2 and "has no revision 'v9'" in revision.stderr, revision.stderr
+        two = kvpilot("generate", "org/tiny", "Hi", env=env)
+        assert two.returncode == 2 and "2 GGUF files (a.gguf, b.gguf): name one, as hf://org/tiny/FILE.gguf" in two.stderr, two.stderr
+        requests = len(hub.seen)
+        offline = kvpilot("serve", "hf://org/tiny", env={**env, "HF_HUB_OFFLINE": "1"})
+        assert offline.returncode == 2, offline.stderr
+        assert "MODEL 'hf://org/tiny': HF_HUB_OFFLINE is set and org/tiny (main) is not in the Hugging Face cache" in offline.stderr
+        assert len(hub.seen) == requests  # offline: not one request
+        both = kvpilot("serve", "org/tiny", "--model", "org/other", env=env)
+        assert both.returncode == 2 and "argument MODEL: 'org/tiny' and --model 'org/other' name different models" in both.stderr
+        assert "hf_secret" not in missing.stderr + revision.stderr + two.stderr + offline.stderr
+    finally:
+        hub.close()
+
+
+RESOLVE = "import sys; from kvpilot.server.fetch import hub_model; print(hub_model(sys.argv[1]))"
+
+
+@pytest.mark.timeout(120)
+def test_hub_downloads_keep_the_token_on_the_hub(tmp_path):
+    """huggingface_hub's path follows fetch-model's rule: the CDN a resolve redirects to never sees the token."""
+    cdn = HfHub({}, cdn={"a.gguf": PAYLOAD}, address="127.0.0.2")
+    hub = HfHub({"org/q": {"a.gguf": PAYLOAD}}, redirect={"a.gguf": cdn.url + "/cdn/a.gguf"})
+    try:
+        r = subprocess.run([sys.executable, "-c", RESOLVE, "hf://org/q/a.gguf"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, **hub.env, "HF_HOME": str(tmp_path / "hf")})
+        assert r.returncode == 0, r.stderr
+        assert Path(r.stdout.strip()).read_bytes() == PAYLOAD
+        assert [(m, p, a) for m, p, _, a in hub.seen] == [("HEAD", "/org/q/resolve/main/a.gguf", "Bearer hf_secret")]
+        assert [(m, p, a) for m, p, _, a in cdn.seen] == [("GET", "/cdn/a.gguf", None)]
+        assert "hf_secret" not in r.stderr
+        remote = kvpilot("generate", "org/q", "Hi", env={"HF_ENDPOINT": "http://hub.invalid", "HF_TOKEN": "hf_secret", "HF_HUB_OFFLINE": "0",
+                                                         "HF_HOME": str(tmp_path / "hf")})
+        assert remote.returncode == 1 and "would travel unencrypted" in remote.stderr and "hf_secret" not in remote.stderr
+    finally:
+        hub.close()
+        cdn.close()
+
+
+def test_the_hub_guard_drops_the_token_off_the_hub_and_refuses_downgrades():
+    """The request hook on huggingface_hub's client, hop by hop: the token only to the hub's origin (not
+    huggingface.co from a mirror, not another port), and no plain http once the hub is https."""
+    try:
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+    from kvpilot.server.fetch import Credentials, FetchError, _HubGuard
+
+    guard = _HubGuard(Credentials("hf_secret", "https://hub.example:8443"))
+
+    def sent(url):
+        request = httpx.Request("GET", url, headers={"Authorization": "Bearer hf_secret"})
+        guard(request)
+        return request.headers.get("authorization")
+
+    assert sent("https://hub.example:8443/org/repo/resolve/main/x") == "Bearer hf_secret"
+    for other in ("https://cdn.example/x", "https://hub.example/x", "https://huggingface.co/org/repo", "https://hub.example:8444/x"):
+        assert sent(other) is None, other
+    with pytest.raises(FetchError, match="downgrade to plain http"):
+        sent("http://cdn.example/x")
+    loopback = _HubGuard(Credentials("hf_secret", "http://127.0.0.1:8080"))
+    request = httpx.Request("GET", "http://127.0.0.2:8080/cdn/x", headers={"Authorization": "Bearer hf_secret"})
+    loopback(request)
+    assert "authorization" not in request.headers
+
+
+@pytest.mark.timeout(120)
+def test_an_https_hub_is_never_left_for_plain_http(tmp_path, test_ca):
+    """huggingface_hub alone follows an https hub's redirect to a plain-http CDN (without the token);
+    kvpilot refuses it, as fetch-model does."""
+    ca, cert = test_ca
+    plain_cdn = HfHub({}, cdn={"a.gguf": PAYLOAD}, address="127.0.0.2")
+    hub = HfHub({"org/q": {"a.gguf": PAYLOAD}}, redirect={"a.gguf": plain_cdn.url + "/cdn/a.gguf"}, tls=cert)
+    try:
+        r = kvpilot("generate", "hf://org/q/a.gguf", "Hi", env={**hub.env, "SSL_CERT_FILE": str(ca), "HF_HOME": str(tmp_path / "hf")})
+        assert r.returncode == 1 and "refusing a request to http://127.0.0.2: the hub is https" in r.stderr, r.stderr[-3000:]
+        assert [(m, a) for m, _, _, a in hub.seen] == [("HEAD", "Bearer hf_secret")] and plain_cdn.seen == []
+        assert "hf_secret" not in r.stderr
+    finally:
+        hub.close()
+        plain_cdn.close()

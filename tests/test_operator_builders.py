@@ -895,3 +895,26 @@ def test_engine_core_process_is_kvpilots_serve_flag_and_refused_elsewhere():
     [problem] = unsupported_settings(spec(engine="vllm", model={"source": "hf://org/m"}, engineSettings={"engineCoreProcess": True}))
     assert "engineCoreProcess is a kvpilot setting" in problem
     assert not unsupported_settings(spec(adapters=ADAPTERS, engineSettings={"engineCoreProcess": True}, resources={"cpuOnly": True}))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("engine", ["kvpilot", "vllm", "sglang"])
+def test_an_engine_given_a_certificate_is_probed_over_https(engine):
+    """--ssl-certfile in extraArgs (the flag of all three engines): every probe of the engine container gets scheme HTTPS,
+    the flags pass the pinned release's flag check, and `kvpilot serve` parses them; without it the probes stay as they were."""
+    from kvpilot.server.cli import build_parser
+
+    tls = ["--ssl-certfile", "/etc/ssl/certs/tls.crt", "--ssl-keyfile", "/etc/ssl/certs/tls.key"]
+    s = spec(model={"source": "smollm2-135m" if engine == "kvpilot" else "hf://org/m"}, engine=engine, extraArgs=tls,
+             resources={"cpuOnly": True} if engine == "kvpilot" else {})
+    c = container(deployment("svc", "ns", "uid-1", s))
+    probes = [c[p]["httpGet"] for p in ("startupProbe", "readinessProbe", "livenessProbe")]
+    assert [p["scheme"] for p in probes] == ["HTTPS"] * 3 and all(p["port"] == "http" for p in probes)
+    assert c["args"][-4:] == tls and not unsupported_settings(s)
+    if engine == "kvpilot":
+        ns = build_parser().parse_args([a.replace("$(POD_IP)", "10.0.0.1") for a in c["args"]])
+        assert (ns.ssl_certfile, ns.ssl_keyfile) == ("/etc/ssl/certs/tls.crt", "/etc/ssl/certs/tls.key")
+    inline = container(deployment("svc", "ns", "uid-1", s.model_copy(update={"extra_args": ["--ssl-certfile=/tls/c.pem"]})))
+    assert inline["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    plain = container(deployment("svc", "ns", "uid-1", s.model_copy(update={"extra_args": []})))
+    assert all("scheme" not in plain[p]["httpGet"] for p in ("startupProbe", "readinessProbe", "livenessProbe"))

@@ -37,6 +37,7 @@ class EngineContainer:
     ready_path: str
     health_path: str
     env: list[dict] = field(default_factory=list)
+    scheme: str = "HTTP"  # of the probes: HTTPS when the engine serves TLS (serves_tls)
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,8 +314,19 @@ def _is_gguf_source(source: str) -> bool:
 BUILDERS = {"kvpilot": kvpilot_container, "vllm": vllm_container, "sglang": sglang_container}
 
 
+TLS_FLAG = "--ssl-certfile"
+
+
+def serves_tls(spec: InferenceServiceSpec) -> bool:
+    """The engine serves HTTPS: extraArgs give it a certificate (--ssl-certfile: the flag of kvpilot, vLLM and SGLang alike,
+    with --ssl-keyfile). The files must be in the image: the spec mounts no Secret for them (docs/operator.md)."""
+    return any(a == TLS_FLAG or a.startswith(TLS_FLAG + "=") for a in spec.extra_args)
+
+
 def engine_container(spec: InferenceServiceSpec, name: str, pool: str | None = None) -> EngineContainer:
     """pool: of a disaggregated service (engine kvpilot), "prefill" or "decode"."""
     c = kvpilot_container(spec, name, pool) if pool is not None else BUILDERS[spec.engine](spec, name)
     c.args += list(spec.extra_args)
+    if serves_tls(spec):
+        c.scheme = "HTTPS"
     return c

@@ -10,6 +10,7 @@ from kvpilot.operator.builders.engines import (
     LORA_DIR,
     PORT,
     SHUTDOWN_GRACE_SECONDS,
+    EngineContainer,
     adapter_claims,
     engine_container,
     model_files,
@@ -183,6 +184,11 @@ def kv_tier_claim(name: str, namespace: str, uid: str, spec: InferenceServiceSpe
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {**meta, "name": kv_tier_claim_name(name)}, "spec": claim_spec}
 
 
+def _probe_get(c: EngineContainer, path: str) -> dict:
+    """A probe's httpGet; an engine serving TLS is probed over HTTPS (the kubelet does not verify its certificate)."""
+    return {"path": path, "port": "http", **({"scheme": c.scheme} if c.scheme != "HTTP" else {})}
+
+
 def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, prefill: bool = False) -> dict:
     """The service's own pods (of a disaggregated service: its decode pool), or (prefill) its prefill pool."""
     pool = "prefill" if prefill else "decode" if spec.disaggregation else None
@@ -211,10 +217,9 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"},
                   *([{"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"}] if prefill else [])],
         "resources": _resources(spec, resources),
-        "startupProbe": {"httpGet": {"path": c.health_path, "port": "http"}, "periodSeconds": 5,
-                         "failureThreshold": STARTUP_BUDGET_SECONDS // 5},
-        "readinessProbe": {"httpGet": {"path": c.ready_path, "port": "http"}, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": {"path": c.health_path, "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+        "startupProbe": {"httpGet": _probe_get(c, c.health_path), "periodSeconds": 5, "failureThreshold": STARTUP_BUDGET_SECONDS // 5},
+        "readinessProbe": {"httpGet": _probe_get(c, c.ready_path), "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": _probe_get(c, c.health_path), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
         "volumeMounts": [*mounts, {"name": "shm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": CACHE_DIR},
                          {"name": "tmp", "mountPath": "/tmp"}, *compile_mounts],
         "securityContext": CONTAINER_SECURITY_CONTEXT,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from kvpilot.server.api.protocol import (
     template_variables,
 )
 from kvpilot.server.api.tokenizer_pool import TokenizerPool
-from kvpilot.server.config import EngineConfig, ServerConfig
+from kvpilot.server.config import EngineConfig, ServerConfig, generation_defaults, load_chat_template
 from kvpilot.server.engine.limits import ModelNotFound, RequestRejected
 from kvpilot.server.http_limits import ApiKeyMiddleware, BodyLimitMiddleware, protocol_with_header_timeout
 
@@ -150,7 +151,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         ignored = ignoring(req)
         adapter = serving.check_model(req.model)
-        params = req.params()
+        params = req.with_defaults(serving.generation_defaults).params()
         prompts = req.prompts()
         return respond(await serving.completions(prompts, params, req.stream, req.stream_options, lambda: wait_for_disconnect(request),
                                                  client_of(request), adapter, req.echo, req.prompt_only, req.prompt_logprobs is not None), ignored)
@@ -159,7 +160,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(req: ChatCompletionRequest, request: Request):
         ignored = ignoring(req)
         adapter = serving.check_model(req.model)
-        params = req.params(serving.tool_format)
+        params = req.with_defaults(serving.generation_defaults).params(serving.tool_format)
         messages = [m.as_template_dict() for m in req.messages]
         variables = template_variables(req.chat_template_kwargs, req.reasoning_effort)
         return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, req.stream_options, req.top_logprobs or 0,
@@ -284,7 +285,13 @@ def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_
     pool = TokenizerPool(server_config.tokenizer_workers, server_config.max_pending_tokenizations)
     compiles = None if limits.grammars is None else \
         ConstraintCompiles(limits.grammars, pool, server_config.max_compiles_per_client, server_config.max_pending_compiles)
+    if server_config.chat_template is not None:  # --chat-template: instead of the model's (before the tool format is read from it)
+        tokenizer.chat_template = load_chat_template(server_config.chat_template)
     serving = OpenAIServing(async_engine, tokenizer, name, limits, pool, compiles, server_config.tool_call_parser, server_config.reasoning_parser)
+    if server_config.generation_config != "vllm":  # --generation-config: request defaults from a generation_config.json
+        from kvpilot.server.model_files import resolve_model_path
+
+        serving.generation_defaults = generation_defaults(server_config.generation_config, str(resolve_model_path(engine_config.model)))
     return ServerState(async_engine, serving, metrics, server_config)
 
 
@@ -297,17 +304,92 @@ def run_server(ns) -> int:
     server_values.setdefault("api_key", os.environ.get("KVPILOT_API_KEY") or None)
     server_config = ServerConfig(**server_values)
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if not server_config.enable_log_requests:  # (--disable-log-requests) the per-request lines are openai_serving.RequestLog's
+        logging.getLogger("kvpilot.requests").setLevel(logging.WARNING)
+    if server_config.ssl_certfile is not None:  # a bad file is an error naming its flag now, not after the model loads
+        load_tls(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), server_config)
     state = create_state(engine_config, server_config)
     app = build_app(state)
-    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level="warning",
+    config = uvicorn.Config(app, host=server_config.bind_host, port=server_config.port, log_level="warning",
                             timeout_graceful_shutdown=5, access_log=False, lifespan="off",
                             http=protocol_with_header_timeout(server_config.request_header_timeout_seconds),
-                            timeout_keep_alive=int(server_config.request_header_timeout_seconds))
+                            timeout_keep_alive=int(server_config.request_header_timeout_seconds),
+                            ssl_certfile=server_config.ssl_certfile, ssl_keyfile=server_config.ssl_keyfile,
+                            ssl_ca_certs=server_config.ssl_ca_certs, ssl_cert_reqs=server_config.ssl_cert_reqs)
     server = DrainingServer(config, state)
     server.run()
     state.engine.stop()
     state.serving.pool.shutdown()
     return 0
+
+
+TLS_REFRESH_SECONDS = 1.0  # --enable-ssl-refresh: how often the files are looked at
+
+
+def load_tls(context: ssl.SSLContext, config: ServerConfig) -> None:
+    """Loads --ssl-certfile/--ssl-keyfile (and --ssl-ca-certs) into `context`; a file that is missing,
+    unreadable or not what its flag names is a ValueError naming that flag (the CLI's exit 2)."""
+    files = (("--ssl-certfile", config.ssl_certfile), ("--ssl-keyfile", config.ssl_keyfile), ("--ssl-ca-certs", config.ssl_ca_certs))
+    for flag, path in files:
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path}: no such file")
+        if path is not None and not os.access(path, os.R_OK):
+            raise ValueError(f"{flag} {path}: not readable")
+    keyfile = config.ssl_keyfile or config.ssl_certfile
+
+    def encrypted_key() -> str:  # called by OpenSSL only for an encrypted key (instead of prompting on a terminal)
+        raise ValueError(f"--ssl-keyfile {keyfile}: the key is encrypted (give an unencrypted PEM key)")
+
+    try:
+        context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile, encrypted_key)
+    except ssl.SSLError as e:
+        try:  # which file: the certificate file holds a certificate, or it is the key
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=config.ssl_certfile)
+        except ssl.SSLError:
+            raise ValueError(f"--ssl-certfile {config.ssl_certfile}: not a PEM certificate ({e})") from None
+        if config.ssl_keyfile is None:
+            raise ValueError(f"--ssl-certfile {keyfile}: holds no PEM private key of its certificate (give --ssl-keyfile) ({e})") from None
+        raise ValueError(f"--ssl-keyfile {keyfile}: not the PEM private key of --ssl-certfile's certificate ({e})") from None
+    if config.ssl_ca_certs is not None:
+        try:
+            context.load_verify_locations(cafile=config.ssl_ca_certs)
+        except ssl.SSLError as e:
+            raise ValueError(f"--ssl-ca-certs {config.ssl_ca_certs}: not PEM certificates ({e})") from None
+
+
+async def refresh_tls(context: ssl.SSLContext, config: ServerConfig) -> None:
+    """--enable-ssl-refresh: when the TLS files change (another inode, size or modification time; a
+    Kubernetes Secret volume swaps a symlink), loads them into the server's own context, so new
+    connections get the new certificate. A set that does not load (a rotation half written) is logged
+    and tried again each time round; until it loads, the old certificate is served."""
+    paths = [p for p in (config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs) if p is not None]
+
+    def stamp() -> tuple:
+        out = []
+        for path in paths:
+            try:
+                st = os.stat(path)
+                out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    loaded = reported = stamp()
+    while True:
+        await asyncio.sleep(TLS_REFRESH_SECONDS)
+        now = stamp()
+        if now == loaded:
+            continue
+        try:
+            load_tls(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), config)  # a scratch context first: a bad set never reaches the server's
+            load_tls(context, config)
+        except (ValueError, OSError) as e:  # OSError: a file gone between the look and the load
+            if now != reported:
+                log.warning("TLS files changed but do not load; still serving the previous certificate: %s", e)
+                reported = now
+            continue
+        loaded = reported = now
+        log.info("TLS certificate reloaded from %s", config.ssl_certfile)
 
 
 class DrainingServer:
@@ -354,7 +436,11 @@ class DrainingServer:
         if self.server.started:
             sock = self.server.servers[0].sockets[0].getsockname() if self.server.servers else None
             host, port = (sock[0], sock[1]) if sock else (self.server.config.host, self.server.config.port)
-            print(f"kvpilot: serving {self.state.serving.model_name} — ready at http://{host}:{port}", file=sys.stderr, flush=True)
+            scheme = "https" if self.server.config.ssl is not None else "http"
+            print(f"kvpilot: serving {self.state.serving.model_name} — ready at {scheme}://{host}:{port}", file=sys.stderr, flush=True)
+        refresher = None
+        if self.state.config.enable_ssl_refresh and self.server.started and self.server.config.ssl is not None:
+            refresher = asyncio.create_task(refresh_tls(self.server.config.ssl, self.state.config))
         waiter = asyncio.create_task(self._stop.wait())
         await asyncio.wait({serve, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if self._stop.is_set() and not serve.done():
@@ -373,3 +459,5 @@ class DrainingServer:
             self.server.should_exit = True
             await serve
         waiter.cancel()
+        if refresher is not None:
+            refresher.cancel()

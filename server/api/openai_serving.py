@@ -64,6 +64,8 @@ class ClientDisconnected(Exception):
 class OpenAIServing:
     """limits: the engine's (RequestLimits), with which every request is admitted before it is submitted."""
 
+    generation_defaults: dict = {}  # --generation-config: request field -> default, for requests that do not set it
+
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, limits: RequestLimits, pool: TokenizerPool,
                  compiles: ConstraintCompiles | None, tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.engine, self.tokenizer, self.model_name, self.limits, self.pool = engine, tokenizer, model_name, limits, pool
