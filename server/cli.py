@@ -182,21 +182,27 @@ CONFIG_HELP = ("vLLM's: flags from a YAML mapping of flag names (dashes or under
 
 
 def with_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """argv with the flags of its --config FILE.yaml inserted right after the subcommand, so those given on the
-    command line (later) override them; a key that is no flag of the subcommand is an error naming it."""
+    """argv with the flags of its --config FILE.yaml inserted right after the subcommand and the positionals that follow
+    it (vLLM's `[subcommand, model_tag, *config_args, *rest]`), so those given on the command line (later) override them
+    and a list flag at the file's end (lora_modules: [...]) cannot take the positional MODEL for one of its values; a key
+    that is no flag of the subcommand is an error naming it."""
     paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"] + [a[len("--config="):] for a in argv if a.startswith("--config=")]
     command = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
     if not paths or command is None:
         return argv
     sub = parser._subparsers._group_actions[0].choices.get(argv[command])
     added: list[str] = []
+    switches = {flag for flag, action in sub._option_string_actions.items() if action.nargs == 0} if sub is not None else set()
     for path in paths:
-        flags = config_file_args(path)
+        flags = config_file_args(path, switches)
         for flag in flags:
             if flag.startswith("--") and sub is not None and flag not in sub._option_string_actions:
                 raise ValueError(f"--config {path}: {flag[2:]} is no flag of kvpilot {argv[command]}")
         added += flags
-    return [*argv[:command + 1], *added, *argv[command + 1:]]
+    at = command + 1
+    while at < len(argv) and not argv[at].startswith("-"):  # `serve MODEL`, `generate MODEL PROMPT`: the config goes after them
+        at += 1
+    return [*argv[:at], *added, *argv[at:]]
 
 
 def resolve_vllm_aliases(ns: argparse.Namespace) -> argparse.Namespace:

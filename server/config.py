@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import types
 import typing
@@ -35,7 +36,9 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    model: str = Field("smollm2-135m", description="Bundled model name, GGUF file, or Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json).")
+    model: str = Field("smollm2-135m", description=(
+        "Bundled model name, GGUF file, Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), or Hugging "
+        "Face Hub repository id (ORG/REPO[@REVISION], downloaded into the Hugging Face cache)."))
     served_model_name: str | None = Field(None, description="Name in the API and in metrics (default: the model's).")
     max_model_len: int | None = Field(None, ge=16, description="Longest prompt + output in tokens (default: the model's context, capped by the KV cache).")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one engine step.")
@@ -328,11 +331,30 @@ def kv_transfer_settings(value: str | dict) -> dict[str, Any]:
         raise ValueError(f"kv_transfer_config: {connector}'s kv_connector_extra_config takes {', '.join(keys)}, got {extra!r}")
     if role_field is None and not extra:
         raise ValueError(f"kv_transfer_config: {connector}'s kv_connector_extra_config must set a tier ({', '.join(keys)})")
-    settings: dict[str, Any] = {field: (parse_size(extra[key]) if field in _SIZE_FIELDS else kind(extra[key]))
+    settings: dict[str, Any] = {field: _extra_value(connector, key, extra[key], field, kind)
                                 for key, (field, kind) in keys.items() if key in extra}
     if role_field:
         settings[role_field] = _KV_ROLES[role]
     return settings
+
+
+def _extra_value(connector: str, key: str, value: Any, field: str, kind: type) -> Any:
+    """A kv_connector_extra_config value as its engine field's type; a value of another type (a list, an infinite number,
+    a float port) is a ValueError naming the key, never a TypeError or OverflowError."""
+    if field in _SIZE_FIELDS:
+        ok = isinstance(value, (int, str)) and not isinstance(value, bool)
+        return parse_size(value) if ok else parse_size(repr(value))  # parse_size's ValueError names the value
+    if kind is str and isinstance(value, str):
+        return value
+    if kind is not str and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+            if math.isfinite(number) and (kind is float or number == int(number)):
+                return kind(number)
+        except ValueError:
+            pass
+    what = {int: "an integer", float: "a finite number", str: "a string"}[kind]
+    raise ValueError(f"kv_transfer_config: {connector}'s kv_connector_extra_config {key} must be {what}, not {value!r}")
 
 
 def _flag(name: str) -> str:
@@ -476,7 +498,7 @@ def model_to_args(config: BaseModel, include_defaults: bool = False) -> list[str
 class _Alias(typing.NamedTuple):
     model: str                                     # the config whose flags it is among: EngineConfig or ServerConfig
     help: str
-    maps_to: str                                   # kvpilot's spelling, for docs/coming-from-vllm.md
+    maps_to: str                                   # kvpilot's spelling, for docs/coming-from-vllm.md ("": none, its help says)
     translate: typing.Callable[[Any, dict[str, Any]], dict[str, Any]]  # (its value, all given values) -> fields it sets
     group_of: str                                  # the field whose --help group it is shown in
     switch: bool = False
@@ -490,36 +512,78 @@ _SPECULATIVE_KEYS = {"method": "speculative_method", "model": "speculative_model
                      "disable_by_batch_size": "speculative_disable_batch_size"}
 
 
+_SPECULATIVE_INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+_VLLM_NGRAM_LOOKUP = 5  # vLLM's prompt_lookup_min and _max for ngram when the JSON sets neither (vllm/config/speculative.py)
+
+
+def _speculative_method(config: dict[str, Any]) -> str:
+    """The method vLLM's SpeculativeConfig runs: "method" when given, else inferred from "model" as vLLM does (ngram / [ngram]:
+    ngram; otherwise a draft model), and a draft model whose name says EAGLE is run as EAGLE (vLLM: "eagle-" in the name
+    = eagle, "eagle3" = eagle3, "dflash" = dflash)."""
+    method, model = config.get("method"), config.get("model")
+    if method is None:
+        if model is None:
+            raise ValueError("--speculative-config: needs \"method\" (or \"model\": a draft model)")
+        method = "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+    if method == "[ngram]":
+        method = "ngram"
+    if method == "draft_model" and model is not None:
+        name = model.lower()
+        method = "eagle" if "eagle-" in name else "eagle3" if "eagle3" in name else "dflash" if "dflash" in name else method
+    return method
+
+
 def speculative_settings(value: str | dict, given: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The engine fields vLLM's --speculative-config JSON sets: {"method": "ngram" | "draft_model" | "eagle3", "model": ...,
-    "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n, "disable_by_batch_size": n}."""
+    """The engine fields vLLM's --speculative-config JSON sets, meaning what vLLM makes of it: {"method": "ngram" |
+    "draft_model" | "eagle3", "model": ..., "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n,
+    "disable_by_batch_size": n}. Without "method" it is inferred from "model" as vLLM does; for ngram, one of
+    prompt_lookup_min/_max given sets the other too, and neither given is vLLM's 5 and 5 (unless kvpilot's own
+    --prompt-lookup-min/-max flags are given)."""
+    given = given or {}
     try:
         config = json.loads(value) if isinstance(value, str) else value
     except ValueError as e:
         raise ValueError(f"--speculative-config: not JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError("--speculative-config: must be a JSON object")
-    unknown = sorted(set(config) - set(_SPECULATIVE_KEYS))
+    unknown = sorted(str(k) for k in set(config) - set(_SPECULATIVE_KEYS))
     if unknown:
         raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (known keys: {', '.join(_SPECULATIVE_KEYS)})")
-    method = config.get("method", "draft_model" if config.get("model") else None)
+    for key in ("method", "model"):
+        if config.get(key) is not None and not isinstance(config[key], str):
+            raise ValueError(f"--speculative-config: {key} must be a string, not {json.dumps(config[key])}")
+    for key in _SPECULATIVE_INT_KEYS:
+        if config.get(key) is not None and (isinstance(config[key], bool) or not isinstance(config[key], int)):
+            raise ValueError(f"--speculative-config: {key} must be an integer, not {json.dumps(config[key])}")
+    config = {k: v for k, v in config.items() if v is not None}
+    method = _speculative_method(config)
     if method not in _SPECULATIVE_METHODS:
-        raise ValueError(f"--speculative-config: method {method!r} not supported ({', '.join(_SPECULATIVE_METHODS)} are)")
-    return {field: (_SPECULATIVE_METHODS[method] if key == "method" else config[key])
-            for key, field in _SPECULATIVE_KEYS.items() if key in config or key == "method"}
+        inferred = "" if method == config.get("method") else f" (vLLM's method for model {config.get('model')!r})"
+        raise ValueError(f"--speculative-config: method {method!r}{inferred} not supported ({', '.join(_SPECULATIVE_METHODS)} are)")
+    settings = {field: config[key] for key, field in _SPECULATIVE_KEYS.items() if key in config and key != "method"}
+    settings["speculative_method"] = _SPECULATIVE_METHODS[method]
+    if method == "ngram":
+        if config.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling of the method
+            del settings["speculative_model"]
+        low, high = (config.get(field, given.get(field)) for field in ("prompt_lookup_min", "prompt_lookup_max"))
+        low, high = (low, high) if low is not None or high is not None else (_VLLM_NGRAM_LOOKUP, _VLLM_NGRAM_LOOKUP)
+        for field, mirrored in (("prompt_lookup_min", high if low is None else low), ("prompt_lookup_max", low if high is None else high)):
+            if field not in config and given.get(field) is None:
+                settings[field] = mirrored
+    return settings
 
 
 def _kv_cache_memory_bytes(value: str, given: dict[str, Any]) -> dict[str, Any]:
-    if given.get("device") == "cuda":  # kv_cache_memory sizes a CPU engine's cache; CUDA's is gpu_memory_utilization's budget
-        raise ValueError("--kv-cache-memory-bytes: not supported with --device cuda (the KV cache is sized by --gpu-memory-utilization)")
     return {"kv_cache_memory": vllm_human_int(value, "--kv-cache-memory-bytes")}
 
 
 def _gib(value: str | float) -> int:
     try:
         gib = float(value)
-    except ValueError:
-        raise ValueError(f"--kv-offloading-size: not a number of GiB: {value!r}") from None
+    except (ValueError, TypeError):
+        gib = math.nan
+    if not math.isfinite(gib) or gib <= 0:  # inf would overflow int(), nan is no size
+        raise ValueError(f"--kv-offloading-size: must be a finite positive number of GiB, not {value!r}")
     return int(gib * 2**30)
 
 
@@ -548,7 +612,7 @@ def vllm_human_int(value: str | int, flag: str | None = None) -> int:
         if m:
             return int(m.group(1)) * {"K": 2**10, "M": 2**20, "G": 2**30}[m.group(2)]
         return int(value)
-    except ValueError:
+    except (ValueError, TypeError):
         raise ValueError(f"{flag + ': ' if flag else ''}not a number: {value!r} (e.g. 1073741824, 1G = 2**30 or 1g = 10**9)") from None
 
 
@@ -576,19 +640,24 @@ def _revision(value: str, given: dict[str, Any]) -> dict[str, Any]:
 
 
 def _auto_tool_choice(value: bool, given: dict[str, Any]) -> dict[str, Any]:
-    if value and not given.get("tool_call_parser"):
+    if not value:  # kvpilot has no switch that turns tool_choice auto off: refused rather than accepted and ignored
+        raise ValueError("--no-enable-auto-tool-choice: not supported (kvpilot always answers tool_choice auto: with "
+                         "--tool-call-parser's format, or without it the chat template's)")
+    if not given.get("tool_call_parser"):
         raise ValueError("--enable-auto-tool-choice: needs --tool-call-parser (as in vLLM)")
     return {}
 
 
 VLLM_ALIASES: dict[str, _Alias] = {
-    "kv_cache_memory_bytes": _Alias("EngineConfig", "bytes of KV cache, as vLLM reads them (1k = 1000, 1K = 1024; = --kv-cache-memory)",
+    "kv_cache_memory_bytes": _Alias("EngineConfig", "bytes of KV cache, as vLLM reads them (1k = 1000, 1K = 1024; = --kv-cache-memory); on a GPU, the KV cache's size "
+                                    "(instead of --gpu-memory-utilization's share)",
                                     "--kv-cache-memory", _kv_cache_memory_bytes, "kv_cache_memory", metavar="BYTES"),
     "speculative_config": _Alias(
         "EngineConfig", "speculative decoding as JSON: {\"method\": \"ngram\" | \"draft_model\" | \"eagle3\", \"model\": ..., "
         "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": n, \"disable_by_batch_size\": n} "
         "(= --speculative-method (draft_model: draft), --speculative-model, --num-speculative-tokens, --prompt-lookup-max, "
-        "--prompt-lookup-min, --speculative-disable-batch-size); other keys are refused",
+        "--prompt-lookup-min, --speculative-disable-batch-size); other keys are refused. As in vLLM: no method = inferred from "
+        "model; ngram with one of prompt_lookup_min/_max sets both, with neither 5 and 5",
         "--speculative-method, --speculative-model, --num-speculative-tokens, --prompt-lookup-max, --prompt-lookup-min, "
         "--speculative-disable-batch-size", speculative_settings, "speculative_method", metavar="JSON"),
     "spec_method": _Alias("EngineConfig", "= --speculative-method (draft_model: draft)", "--speculative-method",
@@ -604,13 +673,14 @@ VLLM_ALIASES: dict[str, _Alias] = {
                                  metavar="GIB"),
     "kv_offloading_backend": _Alias("EngineConfig", "native only (kvpilot's host tier); needs --kv-offloading-size", "--kv-host-offload-size",
                                     _offloading_backend, "kv_host_offload_size", metavar="native"),
-    "tokenizer": _Alias("EngineConfig", "accepted only when it names the model itself: kvpilot uses the model's own tokenizer",
-                        "--model", _same_model, "model"),
+    "tokenizer": _Alias("EngineConfig", "only the model's own tokenizer: accepted when it names the model itself, any other "
+                        "tokenizer is an error", "", _same_model, "model"),
     "revision": _Alias("EngineConfig", "the revision (branch, tag or commit) of a hub repository id: = MODEL@REVISION",
                        "MODEL@REVISION", _revision, "model", metavar="REVISION", refines=True),
     "enable_auto_tool_choice": _Alias(
-        "ServerConfig", "tool_choice auto (needs --tool-call-parser, as in vLLM; kvpilot answers tool_choice auto without it too)",
-        "--tool-call-parser", _auto_tool_choice, "tool_call_parser", switch=True),
+        "ServerConfig", "requires --tool-call-parser (as in vLLM) and changes nothing else: kvpilot answers tool_choice auto "
+        "with the parser set (and without either flag, with the chat template's format); --no-enable-auto-tool-choice is an error",
+        "", _auto_tool_choice, "tool_call_parser", switch=True),
 }
 
 
@@ -652,7 +722,8 @@ def flag_error(error: Exception) -> str:
     fields = {*EngineConfig.model_fields, *ServerConfig.model_fields}
 
     def flags(text: str) -> str:
-        return re.sub(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b", lambda m: _flag(m.group(0)) if m.group(0) in fields else m.group(0), text)
+        # an identifier on its own: not part of a file name or path (generation_config.json, /x/chat_template) or a longer word
+        return re.sub(r"(?<![\w./\\-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w/\\-]|\.\w)", lambda m: _flag(m.group(0)) if m.group(0) in fields else m.group(0), text)
 
     parts = []
     for e in error.errors():
@@ -663,10 +734,12 @@ def flag_error(error: Exception) -> str:
     return "; ".join(parts)
 
 
-def config_file_args(path: str) -> list[str]:
+def config_file_args(path: str, switches: typing.Container[str] = ()) -> list[str]:
     """vLLM's --config FILE.yaml: a mapping of flag names (dashes or underscores) to values, as flags (command-line flags,
     given after these, override them). true = the bare switch, false = its --no- form; a list = the values in turn;
-    a mapping = its JSON (--speculative-config, --kv-transfer-config)."""
+    a mapping = its JSON (--speculative-config, --kv-transfer-config). For the flags in `switches` (those that take no
+    value) the strings "true" and "false" are true and false too, and any other value is an error; a nested `config` key
+    is an error."""
     import yaml
 
     try:
@@ -683,6 +756,12 @@ def config_file_args(path: str) -> list[str]:
     args: list[str] = []
     for key, value in data.items():
         flag = "--" + str(key).lstrip("-").replace("_", "-")
+        if flag == "--config":
+            raise ValueError(f"--config: {path} sets config (a config file naming another is not supported)")
+        if flag in switches and not isinstance(value, bool) and value is not None:
+            if not isinstance(value, str) or value.strip().lower() not in ("true", "false"):
+                raise ValueError(f"--config: {path}: {key} is a switch: true or false, not {value!r}")
+            value = value.strip().lower() == "true"
         if value is True:
             args.append(flag)
         elif value is False:

@@ -18,19 +18,22 @@ NOTES: dict[str, str] = {
     "--async-scheduling": "bare = on, as in vLLM; kvpilot also takes `--async-scheduling` auto, on or off and its default is auto "
                           "(on for CUDA unless n-gram lookups run)",
     "--kv-cache-dtype": "auto, fp8 (= fp8_e4m3), and kvpilot's float32 and bfloat16; fp8_e5m2 is not supported",
-    "--kv-cache-memory-bytes": "vLLM's 1k = 1000 and 1K = 1024 are kept; sizes a CPU engine's cache (with `--device cuda` it is "
-                               "an error: there `--gpu-memory-utilization` sizes it)",
+    "--kv-cache-memory-bytes": "vLLM's 1k = 1000 and 1K = 1024 are kept; on a GPU, the KV cache's size (instead of "
+                               "`--gpu-memory-utilization`'s share), as in vLLM",
     "--speculative-config": "methods ngram, draft_model (= draft) and eagle3; keys method, model, num_speculative_tokens, "
-                            "prompt_lookup_max, prompt_lookup_min (and the older disable_by_batch_size); any other key or method is an error",
+                            "prompt_lookup_max, prompt_lookup_min (and the older disable_by_batch_size); any other key or method is an "
+                            "error. As in vLLM: without method, it is inferred from model (ngram; a name with eagle3: eagle3; "
+                            "otherwise draft_model); for ngram, prompt_lookup_min or _max alone sets both, and neither is 5 and 5",
     "--spec-method": "ngram, draft_model (= draft) and eagle3",
     "--kv-transfer-config": "kv_connector OffloadingConnector (host and disk tiers) and TCPConnector (prefill/decode) only",
-    "--tokenizer": "accepted only when it names the model itself (kvpilot always uses the model's own tokenizer); any other "
-                   "value is an error",
+    "--tokenizer": "only the model's own tokenizer: accepted when it names the model itself; any other value is an error",
     "--generation-config": "auto (the generation_config.json beside the checkpoint or GGUF), vllm (none) or a directory; "
                            "temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens) become "
                            "the defaults of requests that do not set them",
     "--chat-template": "a file or the template itself",
-    "--enable-auto-tool-choice": "needs `--tool-call-parser`, as in vLLM; kvpilot answers tool_choice auto without it too",
+    "--enable-auto-tool-choice": "requires `--tool-call-parser`, as in vLLM, and changes nothing else: kvpilot answers tool_choice "
+                                 "auto with the parser set (without either flag, with the chat template's format)",
+    "--enable-log-requests": "kvpilot logs requests by default (vLLM 0.33 does not); `--disable-log-requests` turns it off",
     "--tool-call-parser": "hermes and llama3_json; unset: the one the chat template writes",
     "--reasoning-parser": "qwen3 and deepseek_r1",
     "--lora-modules": "the name=path form (not JSON)",
@@ -88,7 +91,8 @@ def equivalent(flag: str, serve: argparse.ArgumentParser) -> str:
     text = f"`{flag}`"
     canonical = "--" + action.dest.replace("_", "-")  # kvpilot's own spelling of what the flag sets
     if alias is not None:
-        text += " = " + ", ".join(f"`{f.strip()}`" for f in alias.maps_to.split(","))
+        if alias.maps_to:  # "": no flag of kvpilot's is the same, the note says what it does
+            text += " = " + ", ".join(f"`{f.strip()}`" for f in alias.maps_to.split(","))
     elif isinstance(action, argparse.BooleanOptionalAction):
         pass  # kvpilot's own switch (--X and --no-X)
     elif action.const is False:
@@ -113,8 +117,8 @@ def render_page() -> str:
         "`--kv-cache-dtype`, `--enable-prefix-caching`, `--tensor-parallel-size`/`-tp`, …), vLLM's values (`--dtype half`, "
         "a bare `--async-scheduling`, `--max-model-len 32k`) and vLLM's flags that kvpilot spells otherwise, which parse to the "
         "same configuration as kvpilot's own (`--kv-cache-memory-bytes 2147483648` is `--kv-cache-memory 2GiB`; "
-        "`--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'` is "
-        "`--speculative-method ngram --num-speculative-tokens 4`). `--config FILE.yaml` reads flags from a YAML mapping, as "
+        "`--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'` is "
+        "`--speculative-method ngram --num-speculative-tokens 4 --prompt-lookup-max 4 --prompt-lookup-min 4`). `--config FILE.yaml` reads flags from a YAML mapping, as "
         "vLLM's does, and the flags on the command line override it.",
         "",
         "A flag kvpilot does not support is an error at start (`unrecognized arguments`), never accepted and ignored; so is "

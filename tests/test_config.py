@@ -1,5 +1,6 @@
 """EngineConfig: one model for CLI, LLM(**kwargs) and the operator; torch-free imports."""
 
+import json
 import re
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def test_vllm_spellings_in_python_too():
     assert EngineConfig(dtype="half") == EngineConfig(dtype="float16")
     assert EngineConfig(max_model_len="4K").max_model_len == 4096
     assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}) == \
-        EngineConfig(speculative_method="ngram", num_speculative_tokens=2)  # LLM(speculative_config=...), as vLLM's LLM
+        EngineConfig(speculative_method="ngram", num_speculative_tokens=2, prompt_lookup_min=5, prompt_lookup_max=5)  # as vLLM's LLM
     assert EngineConfig(kv_cache_memory_bytes="4G") == EngineConfig(kv_cache_memory="4GiB")
 
 
@@ -151,7 +152,6 @@ def test_enable_auto_tool_choice_needs_a_parser():
     (["--tokenizer", "/models/other"], "--tokenizer: not supported"),
     (["--revision", "main"], "--revision: only for a Hugging Face Hub repository id"),
     (["--model", "org/repo@v1", "--revision", "v2"], "--revision v2: the model names revision v1 already"),
-    (["--kv-cache-memory-bytes", "1G", "--device", "cuda"], "--kv-cache-memory-bytes: not supported with --device cuda"),
     (["--kv-offloading-size", "8", "--kv-offloading-backend", "lmcache"], "--kv-offloading-backend: 'lmcache' not supported"),
     (["--kv-offloading-backend", "native"], "--kv-offloading-backend: needs --kv-offloading-size"),
     (["--spec-method", "mtp"], "--spec-method: 'mtp' not supported"),
@@ -286,3 +286,136 @@ def test_chat_template_and_generation_config_reach_the_server(tmp_path):
     finally:
         state.engine.stop()
         state.serving.pool.shutdown()
+
+
+def test_config_file_list_flag_does_not_take_the_positional_model(tmp_path):
+    """A list flag last in --config's file (lora_modules: [...]) must not take `serve MODEL`'s MODEL for one of its values:
+    the file's flags go after the subcommand's positionals, as vLLM inserts them."""
+    from kvpilot.server.cli import build_parser, with_config_file
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("max-num-seqs: 8\nlora_modules: [a=/x]\n")
+    for argv in (["serve", "/models/x.gguf", "--config", str(config)], ["serve", "--config", str(config), "/models/x.gguf"],
+                 ["serve", "--port", "9000", "/models/x.gguf", "--config", str(config)]):
+        ns = _serve_namespace(with_config_file(build_parser(), argv))
+        assert (ns.model, ns.lora_modules, ns.max_num_seqs) == ("/models/x.gguf", ["a=/x"], "8"), argv
+    ns = _serve_namespace(with_config_file(build_parser(), ["generate", "/models/x.gguf", "hi", "--config", str(config)]))
+    assert (ns.model, ns.prompt, ns.lora_modules) == ("/models/x.gguf", "hi", ["a=/x"])
+
+
+def _serve_namespace(argv):
+    from kvpilot.server.cli import _positional_model, build_parser
+    from kvpilot.server.config import bare_switches
+
+    parser = build_parser()
+    ns = parser.parse_args(bare_switches(argv))
+    _positional_model(parser, ns)
+    return ns
+
+
+def test_config_file_switch_strings_and_nested_config(tmp_path):
+    from kvpilot.server.cli import build_parser, with_config_file
+
+    config = tmp_path / "serve.yaml"
+    config.write_text('enable-prefix-caching: "false"\nenable_log_requests: "True"\n')
+    ns = _serve_namespace(with_config_file(build_parser(), ["serve", "/models/x.gguf", "--config", str(config)]))
+    assert (ns.model, ns.enable_prefix_caching, ns.enable_log_requests) == ("/models/x.gguf", False, True)
+    config.write_text('enable-prefix-caching: "maybe"\n')
+    with pytest.raises(ValueError, match="enable-prefix-caching is a switch: true or false, not 'maybe'"):
+        with_config_file(build_parser(), ["serve", "/models/x.gguf", "--config", str(config)])
+    config.write_text("config: other.yaml\n")
+    with pytest.raises(ValueError, match="sets config \\(a config file naming another is not supported\\)"):
+        with_config_file(build_parser(), ["serve", "--config", str(config)])
+
+
+def test_pyyaml_is_an_engine_dependency():
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert any(re.match(r"pyyaml\b", d, re.IGNORECASE) for d in project["optional-dependencies"]["engine"])
+
+
+@pytest.mark.parametrize("spec,fields", [
+    ({"method": "ngram", "prompt_lookup_max": 3}, {"prompt_lookup_min": 3, "prompt_lookup_max": 3}),   # vLLM mirrors the one given
+    ({"method": "ngram", "prompt_lookup_min": 6}, {"prompt_lookup_min": 6, "prompt_lookup_max": 6}),
+    ({"method": "ngram"}, {"prompt_lookup_min": 5, "prompt_lookup_max": 5}),                          # vLLM's defaults
+    ({"model": "[ngram]", "num_speculative_tokens": 3}, {"speculative_method": "ngram", "num_speculative_tokens": 3}),
+    ({"model": "/heads/Qwen3-8B_eagle3"}, {"speculative_method": "eagle3", "speculative_model": "/heads/Qwen3-8B_eagle3"}),
+    ({"model": "/models/draft.gguf"}, {"speculative_method": "draft", "speculative_model": "/models/draft.gguf"}),
+])
+def test_speculative_config_means_what_vllm_makes_of_it(spec, fields):
+    config = EngineConfig.from_cli_args(["--speculative-config", json.dumps(spec)])
+    assert {k: getattr(config, k) for k in fields} == fields
+
+
+def test_speculative_config_ngram_defaults_leave_kvpilots_own_flags():
+    config = EngineConfig.from_cli_args(["--speculative-config", '{"method": "ngram"}', "--prompt-lookup-max", "3"])
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 3)
+
+
+@pytest.mark.parametrize("spec,refusal", [
+    ('{"method": ["x"]}', "--speculative-config: method must be a string"),
+    ('{"method": "ngram", "prompt_lookup_max": "3"}', "--speculative-config: prompt_lookup_max must be an integer"),
+    ('{"method": "ngram", "num_speculative_tokens": true}', "--speculative-config: num_speculative_tokens must be an integer"),
+    ('{"num_speculative_tokens": 2}', '--speculative-config: needs "method"'),
+    ('{"model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}', "--speculative-config: method 'eagle' (vLLM's method for model"),
+])
+def test_speculative_config_bad_types_are_value_errors(spec, refusal):
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        EngineConfig.from_cli_args(["--speculative-config", spec])
+
+
+@pytest.mark.parametrize("args,refusal", [
+    (["--kv-offloading-size", "inf"], "--kv-offloading-size: must be a finite positive number of GiB"),
+    (["--kv-offloading-size", "nan"], "--kv-offloading-size: must be a finite positive number of GiB"),
+    (["--kv-offloading-size", "-1"], "--kv-offloading-size: must be a finite positive number of GiB"),
+    (["--kv-transfer-config", '{"kv_connector": "TCPConnector", "kv_connector_extra_config": {"port": 1e999}}'],
+     "kv_connector_extra_config port must be an integer"),
+    (["--kv-transfer-config", '{"kv_connector": "TCPConnector", "kv_connector_extra_config": {"timeout": [1]}}'],
+     "kv_connector_extra_config timeout must be a finite number"),
+    (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"host_size": [1]}}'],
+     "not a size"),
+])
+def test_odd_numbers_are_value_errors_naming_the_flag(args, refusal):
+    from kvpilot.server.config import flag_error
+
+    with pytest.raises(ValueError) as e:  # not OverflowError or TypeError (a traceback)
+        EngineConfig.from_cli_args(args)
+    assert refusal in flag_error(e.value)
+
+
+def test_flag_error_leaves_file_names_alone():
+    from pydantic import ValidationError
+
+    from kvpilot.server.config import ServerConfig, flag_error
+
+    with pytest.raises(ValidationError) as e:
+        ServerConfig(generation_config="/no/such/generation_config")
+    message = flag_error(e.value)
+    assert message.startswith("--generation-config: ") and "(with generation_config.json)" in message
+    assert "/no/such/generation_config'" in message and "--generation-config.json" not in message
+    with pytest.raises(ValidationError) as e:
+        ServerConfig(allow_runtime_lora=True)
+    assert "--allow-runtime-lora needs --lora-dir" in flag_error(e.value)
+
+
+def test_auto_tool_choice_off_is_refused_and_tokenizer_is_no_model_flag():
+    from kvpilot.server.vllm_compat import equivalent, kvpilot_serve_parser
+
+    with pytest.raises(ValueError, match="--no-enable-auto-tool-choice: not supported"):
+        _serve_configs(["--no-enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    serve = kvpilot_serve_parser()
+    assert "requires `--tool-call-parser`" in equivalent("--enable-auto-tool-choice", serve)
+    assert " = " not in equivalent("--enable-auto-tool-choice", serve) and " = " not in equivalent("--tokenizer", serve)
+    assert "only the model's own tokenizer" in equivalent("--tokenizer", serve)
+    assert "by default (vLLM 0.33 does not)" in equivalent("--enable-log-requests", serve)
+    assert "Hub repository id (ORG/REPO[@REVISION]" in EngineConfig.model_fields["model"].description
+
+
+def test_kv_cache_memory_bytes_on_a_gpu_is_the_kv_cache_size():
+    config = EngineConfig.from_cli_args(["--kv-cache-memory-bytes", "1G", "--device", "cuda"])
+    assert (config.kv_cache_memory, config.device) == (1 << 30, "cuda")
+    from kvpilot.server.vllm_compat import kvpilot_serve_parser
+
+    assert "on a GPU, the KV cache's size" in kvpilot_serve_parser()._option_string_actions["--kv-cache-memory-bytes"].help
