@@ -51,7 +51,8 @@ class EngineConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts over several steps.")
-    kv_cache_memory: int = Field(1 << 30, ge=1 << 20, description="Bytes of KV cache on CPU (e.g. 1GiB).")
+    kv_cache_memory: int = Field(1 << 30, ge=1 << 20, description=(
+        "Bytes of KV cache (e.g. 1GiB). On a GPU, set: the cache's size; unset: --gpu-memory-utilization's share of the GPU."))
     structured_outputs_max_mask_ms: float = Field(3.0, gt=0, description=(
         "What a structured-output constraint's token mask may cost, in CPU time, on average after a first 25 ms (for the library "
         "to build lexer states); timed once a step's masks take longer than this. A request past it ends with an error naming its "
@@ -941,4 +942,10 @@ def generation_defaults(setting: str, model_path: str | None) -> dict[str, Any]:
             config = json.load(f)
         except ValueError as e:
             raise ValueError(f"--generation-config: {path} is not JSON ({e})") from None
-    return {field: config[key] for key, field in GENERATION_DEFAULT_KEYS.items() if config.get(key) is not None}
+    if not isinstance(config, dict):
+        raise ValueError(f"--generation-config: {path} is not a JSON object")
+    defaults = {field: config[key] for key, field in GENERATION_DEFAULT_KEYS.items() if config.get(key) is not None}
+    for field, value in defaults.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"--generation-config: {path}: {field} must be a finite number, got {value!r}")
+    return defaults

@@ -310,8 +310,14 @@ class _HubGuard:
 
 
 def _guard_hub_session(credentials: Credentials) -> None:
+    """Every request huggingface_hub sends goes through _HubGuard. Its Xet transfers are turned off: they
+    run in hf_xet's own (Rust) client, which is given the request's headers, the token with them, for a
+    token-refresh URL the server names (file_download.xet_get): requests the guard would never see."""
     import huggingface_hub
+    from huggingface_hub import constants
     from huggingface_hub.utils._http import default_client_factory  # its hooks: offline mode, request ids
+
+    constants.HF_HUB_DISABLE_XET = True  # read when a download starts (utils._runtime.is_xet_available)
 
     def factory():
         client = default_client_factory()

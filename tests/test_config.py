@@ -237,12 +237,21 @@ def test_generation_config_defaults_reach_the_sampling_params(tmp_path):
     defaults = generation_defaults("auto", str(tmp_path))  # a checkpoint directory
     assert defaults == generation_defaults("auto", str(tmp_path / "model.gguf")) == generation_defaults(str(tmp_path), None)
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
-    p = chat.with_defaults(defaults).params()
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (0.6, 0.9, 20, 0.05, 1.1, 77)
+    p = chat.with_defaults(defaults).params()  # max_new_tokens: a cap applied once the prompt's length is known (over HTTP below)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == (0.6, 0.9, 20, 0.05, 1.1, None)
+    nulled = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=None)
+    assert nulled.with_defaults(defaults).params().temperature == 0.6  # an explicit null is unset, as vLLM reads it
     given = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], temperature=0.0, top_k=0, max_completion_tokens=5)
     p = given.with_defaults(defaults).params()
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.0, 0, 0.9, 5)  # what a request sets wins
-    assert CompletionRequest(prompt="hi").with_defaults(defaults).params().temperature == 0.6
+    completion = CompletionRequest(prompt="hi").with_defaults(defaults).params()
+    assert completion.temperature == 0.6 and completion.max_tokens == 16  # completions' own default stays (vLLM's)
+    for bad in ({"temperature": "hot"}, {"top_p": float("nan")}, [1]):
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="--generation-config"):
+            generation_defaults("auto", str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                                                                 "repetition_penalty": 1.1, "max_new_tokens": 77}))
     assert generation_defaults("vllm", str(tmp_path)) == {}  # --generation-config vllm: none
     p = chat.with_defaults(generation_defaults("vllm", str(tmp_path))).params()
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (1.0, 1.0, 0, None)
@@ -270,8 +279,8 @@ def test_chat_template_and_generation_config_reach_the_server(tmp_path):
     from kvpilot.server.api.app import build_app, create_state
     from kvpilot.server.config import ServerConfig
 
-    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 2, "temperature": 0.0}))
-    state = create_state(EngineConfig(kv_cache_memory="16MiB", num_threads=1, max_num_seqs=2),
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4000, "temperature": 0.0}))
+    state = create_state(EngineConfig(kv_cache_memory="16MiB", num_threads=1, max_num_seqs=2, max_model_len=512),
                          ServerConfig(chat_template="{{ messages[0]['content'] }} says the template", generation_config=str(tmp_path)),
                          show_progress=False)
     try:
@@ -279,8 +288,11 @@ def test_chat_template_and_generation_config_reach_the_server(tmp_path):
         rendered = client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hello"}]}).json()
         plain = client.post("/tokenize", json={"prompt": "Hello says the template"}).json()
         assert rendered["tokens"][-4:] == plain["tokens"][-4:] and rendered["count"] == plain["count"]
-        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hello"}]}).json()
-        assert chat["usage"]["completion_tokens"] == 2 and chat["choices"][0]["finish_reason"] == "length"
+        # max_new_tokens 4000 is past the 512-token context: a cap at what the prompt leaves, not a 400 (vLLM's rule)
+        long_prompt = "word " * 490
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long_prompt}], "ignore_eos": True}).json()
+        assert chat["choices"][0]["finish_reason"] == "length", chat
+        assert chat["usage"]["prompt_tokens"] + chat["usage"]["completion_tokens"] == 512
         given = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}).json()
         assert given["usage"]["completion_tokens"] == 3
     finally:

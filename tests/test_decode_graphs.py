@@ -80,6 +80,10 @@ def test_the_kv_budget_profiles_a_prefill_and_a_graph_wide_decode_step(monkeypat
     # As on a GPU (the profile as measured above): 90% of 100,000 bytes, 40,000 in use.
     monkeypatch.setattr(runner, "_profile_peaks", lambda: (1000, 300))
     monkeypatch.setattr(runner, "device", torch.device("cuda"))
+    explicit = runner.config
+    assert runner._kv_cache_bytes() == 16 << 20  # set explicitly: the cache's size on a GPU too (vLLM's --kv-cache-memory-bytes)
+    unset = type(explicit).model_construct(_fields_set=explicit.model_fields_set - {"kv_cache_memory"}, **explicit.model_dump())
+    monkeypatch.setattr(runner, "config", unset)  # unset: the share of the GPU below
     assert runner._why_no_graphs() == "the cpu-c++ kernels are not capturable (they read device values on the host)"
     assert runner._kv_cache_bytes() == 90_000 - 40_000 - 1000  # no graphs with these kernels: no decode reserve
     monkeypatch.setattr(runner, "_why_no_graphs", lambda: None)

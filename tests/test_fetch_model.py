@@ -603,6 +603,12 @@ def test_the_hub_guard_drops_the_token_off_the_hub_and_refuses_downgrades():
         assert sent(other) is None, other
     with pytest.raises(FetchError, match="downgrade to plain http"):
         sent("http://cdn.example/x")
+    from huggingface_hub.utils._runtime import is_xet_available
+
+    from kvpilot.server.fetch import _guard_hub_session
+
+    _guard_hub_session(Credentials("hf_secret", "https://hub.example:8443"))
+    assert not is_xet_available()  # hf_xet's client is given the token for a URL the server names: never used
     loopback = _HubGuard(Credentials("hf_secret", "http://127.0.0.1:8080"))
     request = httpx.Request("GET", "http://127.0.0.2:8080/cdn/x", headers={"Authorization": "Bearer hf_secret"})
     loopback(request)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import ssl
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -269,6 +271,13 @@ def build_app(state: ServerState) -> FastAPI:
 def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_progress: bool = True) -> ServerState:
     if server_config.allow_runtime_lora and not engine_config.enable_lora:
         raise ValueError("allow_runtime_lora needs the engine's enable_lora")
+    # Read before the engine starts: a bad file must stop start-up, not leave an engine core running.
+    chat_template = load_chat_template(server_config.chat_template) if server_config.chat_template is not None else None
+    defaults = {}
+    if server_config.generation_config != "vllm":  # --generation-config: request defaults from a generation_config.json
+        from kvpilot.server.model_files import resolve_model_path
+
+        defaults = generation_defaults(server_config.generation_config, str(resolve_model_path(engine_config.model)))
     if server_config.engine_core_process:
         from kvpilot.server.api.core_client import EngineCoreClient
 
@@ -285,13 +294,10 @@ def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_
     pool = TokenizerPool(server_config.tokenizer_workers, server_config.max_pending_tokenizations)
     compiles = None if limits.grammars is None else \
         ConstraintCompiles(limits.grammars, pool, server_config.max_compiles_per_client, server_config.max_pending_compiles)
-    if server_config.chat_template is not None:  # --chat-template: instead of the model's (before the tool format is read from it)
-        tokenizer.chat_template = load_chat_template(server_config.chat_template)
+    if chat_template is not None:  # --chat-template: instead of the model's (before the tool format is read from it)
+        tokenizer.chat_template = chat_template
     serving = OpenAIServing(async_engine, tokenizer, name, limits, pool, compiles, server_config.tool_call_parser, server_config.reasoning_parser)
-    if server_config.generation_config != "vllm":  # --generation-config: request defaults from a generation_config.json
-        from kvpilot.server.model_files import resolve_model_path
-
-        serving.generation_defaults = generation_defaults(server_config.generation_config, str(resolve_model_path(engine_config.model)))
+    serving.generation_defaults = defaults
     return ServerState(async_engine, serving, metrics, server_config)
 
 
@@ -304,6 +310,9 @@ def run_server(ns) -> int:
     server_values.setdefault("api_key", os.environ.get("KVPILOT_API_KEY") or None)
     server_config = ServerConfig(**server_values)
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if server_config.host is None and server_config.bind_host == "0.0.0.0" and not server_config.api_key:
+        log.warning("serving on every interface (in a Kubernetes pod, --host unset) with no --api-key: anyone who reaches the pod's IP "
+                    "can send requests; give --host 127.0.0.1 or --api-key to restrict it")
     if not server_config.enable_log_requests:  # (--disable-log-requests) the per-request lines are openai_serving.RequestLog's
         logging.getLogger("kvpilot.requests").setLevel(logging.WARNING)
     if server_config.ssl_certfile is not None:  # a bad file is an error naming its flag now, not after the model loads
@@ -381,8 +390,13 @@ async def refresh_tls(context: ssl.SSLContext, config: ServerConfig) -> None:
         if now == loaded:
             continue
         try:
-            load_tls(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), config)  # a scratch context first: a bad set never reaches the server's
-            load_tls(context, config)
+            with tempfile.TemporaryDirectory(prefix="kvpilot-tls-") as private:  # mkdtemp: mode 0700
+                # One copy of the files, read once: what the scratch context accepted is what the server's loads
+                # (the files read twice could change in between: a new certificate with the old key).
+                copied = config.model_copy(update={name: shutil.copy(getattr(config, name), os.path.join(private, name))
+                                                   for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs") if getattr(config, name)})
+                load_tls(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), copied)  # a scratch context first: a bad set never reaches the server's
+                load_tls(context, copied)
         except (ValueError, OSError) as e:  # OSError: a file gone between the look and the load
             if now != reported:
                 log.warning("TLS files changed but do not load; still serving the previous certificate: %s", e)

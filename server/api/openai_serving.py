@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -106,6 +107,9 @@ class OpenAIServing:
         if isinstance(prompt, str):
             self.check_text_length(len(prompt), "prompt")
             prompt = self.tokenizer.encode(prompt)
+        default = self.generation_defaults.get("max_tokens")
+        if params.max_tokens is None and default is not None:  # the model's max_new_tokens: a cap, as vLLM applies it
+            params = dataclasses.replace(params, max_tokens=max(1, min(int(default), self.max_model_len - len(prompt))))
         return self.limits.admit(prompt, params, adapter, grammar)
 
     async def jobs(self, prompts: list[str | list[int]] | Callable[[], list[int]], params: SamplingParams, rid: str,

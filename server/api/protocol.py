@@ -206,10 +206,10 @@ class _SamplingFields(_Lenient):
         return transfer
 
     def with_defaults(self, defaults: dict[str, Any]):
-        """This request with the server's defaults (--generation-config: field -> value) in the fields it did not set;
-        max_tokens counts as set when max_completion_tokens is."""
-        given = self.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in self.model_fields_set else set())
-        update = {k: v for k, v in defaults.items() if k in type(self).model_fields and k not in given}
+        """This request with the server's defaults (--generation-config: field -> value) in the sampling fields it left
+        unset or null, as vLLM applies them. max_tokens is not among them: its default is a cap the prompt's length
+        decides (OpenAIServing.prepare)."""
+        update = {k: v for k, v in defaults.items() if k != "max_tokens" and k in type(self).model_fields and getattr(self, k) is None}
         return self.model_copy(update=update) if update else self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:

@@ -246,8 +246,9 @@ class ModelRunner:
         """CPU: kv_cache_memory. CUDA: gpu_memory_utilization of the GPU, less what is in use (the
         weights, other processes), the activations of the largest step (profiled) and the decode
         graphs' memory pool (a decode step at max_num_seqs rows, profiled: the pool holds the largest
-        graph's activations, the smaller graphs reuse them)."""
-        if self.device.type != "cuda":
+        graph's activations, the smaller graphs reuse them). A kv_cache_memory set explicitly is the
+        budget on CUDA too (vLLM's --kv-cache-memory-bytes: the cache's size, not a share of the GPU)."""
+        if self.device.type != "cuda" or "kv_cache_memory" in self.config.model_fields_set:
             return self.config.kv_cache_memory
         prefill_peak, decode_peak = self._profile_peaks()
         free, total = torch.cuda.mem_get_info()
