@@ -277,7 +277,11 @@ def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_
     if server_config.generation_config != "vllm":  # --generation-config: request defaults from a generation_config.json
         from kvpilot.server.model_files import resolve_model_path
 
-        defaults = generation_defaults(server_config.generation_config, str(resolve_model_path(engine_config.model)))
+        try:
+            model_path = str(resolve_model_path(engine_config.model))
+        except FileNotFoundError:  # no model there: the engine's load says so, in its own terms (the core's included)
+            model_path = None
+        defaults = generation_defaults(server_config.generation_config, model_path)
     if server_config.engine_core_process:
         from kvpilot.server.api.core_client import EngineCoreClient
 
