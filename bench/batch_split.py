@@ -48,7 +48,7 @@ def main() -> None:
         return y
 
     llm = LLM(quantization="gguf", kv_cache_dtype=args.kv_cache_dtype, show_progress=False, num_threads=args.threads, max_num_seqs=16)
-    head = llm.engine.runner.model.lm_head
+    head = llm.engine.worker.model.lm_head
     GGUFLinear._run = timed
     reqs = workload(32, 16000)
     llm.generate([p for p, _ in reqs[:2]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))

@@ -57,7 +57,7 @@ def accuracy(engine, prompts: list[str]) -> tuple[list[float], float, int]:
     from kvpilot.kernels.paged_attention import AttentionMetadata
     from kvpilot.server.engine.sampling_params import SamplingParams
 
-    runner, head = engine.runner, engine.runner.head
+    runner, head = engine.worker, engine.worker.drafter.head
     hits, total = [0] * TOP, 0
     before = counters(engine)
     for prompt in prompts:
@@ -71,10 +71,10 @@ def accuracy(engine, prompts: list[str]) -> tuple[list[float], float, int]:
         n = len(ids)
         meta = AttentionMetadata.one_prefill(n, runner.block_size, runner.device)
         with torch.inference_mode():
-            hidden, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, head.config.aux_layers)
+            hidden, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta)  # (the head declared this aux output)
             choice = runner.model.compute_logits(hidden).argmax(-1)
             # row p takes the token at p + 1 and drafts the target's choice after it (the engine's rows)
-            normed, _ = head(torch.tensor(ids[1:] + [0]), torch.arange(n), head.fc(aux), runner.head_kv_cache, meta)
+            normed, _ = head(torch.tensor(ids[1:] + [0]), torch.arange(n), head.fc(aux), engine.worker.drafter.kv_cache, meta)
             top = head.logits(normed).topk(TOP, dim=-1).indices
         for p in range(start - 1, n - 2):  # every draft after the answer's first token (the target samples that one)
             total += 1

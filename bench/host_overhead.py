@@ -35,7 +35,7 @@ def _median(values: list[float]) -> float:
 
 
 def measure(llm: LLM, batch: int, tokens: int) -> dict:
-    runner = llm.engine.runner
+    runner = llm.engine.worker
     engine, model = llm.engine, runner.model
     spent = {"forward": 0.0, "sampling": 0.0}
     sampler = runner.sampler

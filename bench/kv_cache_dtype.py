@@ -76,7 +76,7 @@ def quality(threads: int) -> None:
         llm = LLM(quantization="gguf", kv_cache_dtype=kv, kv_cache_memory="64MiB", show_progress=False, num_threads=threads,
                   enable_prefix_caching=False)
         ids = llm.engine.tokenizer.encode(QUALITY_TEXT)
-        logits[kv] = llm.engine.runner.score(ids)
+        logits[kv] = llm.engine.worker.score(ids)
         greedy[kv] = [o.outputs[0].token_ids for o in llm.generate(list(QUALITY_PROMPTS), params)]
         llm.engine.close()
     rows = []
@@ -144,7 +144,7 @@ def main() -> None:
     base = statistics.median(r for r, _ in results["auto"])
     rows = []
     for kv, llm in engines.items():
-        runner = llm.engine.runner
+        runner = llm.engine.worker
         rate = statistics.median(r for r, _ in results[kv])
         rows.append({"kv_cache_dtype": f"{kv} ({runner.kv_dtype})".replace("torch.", ""), "blocks": runner.num_blocks,
                      "tokens held": runner.num_blocks * runner.block_size, "tok/s": f"{rate:.1f}", "vs float32": f"{rate / base:.2f}x",

@@ -105,7 +105,7 @@ def main() -> None:
         llm, tput, dt, single = bench_kvpilot(prompts, outputs, args.threads, quantization)
         cfg = llm.engine.model_config
         flops = workload_flops(cfg, prompts, outputs)
-        wbytes = llm.engine.runner.model.weight_bytes()  # what one decode step reads
+        wbytes = llm.engine.worker.model.weight_bytes()  # what one decode step reads
         del llm
         kvpilot.append((tput, single))
         rows.append({"system": f"kvpilot ({'fp32' if quantization == 'none' else quantization})", "output tok/s": f"{tput:.1f}", "vs HF best": "",

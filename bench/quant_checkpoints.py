@@ -78,13 +78,13 @@ def run(model: Path, threads: int, **kw) -> dict[str, float]:
     t = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     batch = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
-    model_ = llm.engine.runner.model
+    model_ = llm.engine.worker.model
     projections = sum(p.numel() * p.element_size() for layer in model_.layers for p in [*layer.attn.parameters(), *layer.mlp.parameters(),
                                                                                           *layer.attn.buffers(), *layer.mlp.buffers()])
     everything = sum(t.numel() * t.element_size() for t in {id(t): t for t in [*model_.parameters(), *model_.buffers()]}.values())
     from kvpilot.kernels.quantized import GGUFLinear
 
-    kinds = sorted({m.kind for m in model_.layers.modules() if isinstance(m, GGUFLinear)}) or [str(llm.engine.runner.dtype).removeprefix("torch.")]
+    kinds = sorted({m.kind for m in model_.layers.modules() if isinstance(m, GGUFLinear)}) or [str(llm.engine.worker.dtype).removeprefix("torch.")]
     llm.engine.close()
     return {"single": single, "batch": batch, "proj_mib": projections / 2**20, "rest_mib": (everything - projections) / 2**20,
             "kinds": "+".join(kinds)}

@@ -23,7 +23,7 @@ TEXT = "\n\n".join(ORACLE_PROMPTS)
 def measure(llm, reference_logits: torch.Tensor | None, reference_tokens: list[list[int]] | None) -> tuple[torch.Tensor, list[list[int]], dict]:
     from kvpilot.server import SamplingParams
 
-    runner = llm.engine.runner
+    runner = llm.engine.worker
     ids = llm.get_tokenizer().encode(TEXT)
     logits = runner.score(ids)
     outs = llm.generate(ORACLE_PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))

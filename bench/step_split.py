@@ -41,7 +41,7 @@ def main() -> None:
         start = time.perf_counter()
         llm.generate("The capital of France is", params)
         best_step = min(best_step, (time.perf_counter() - start) / args.tokens)
-    projections = [m for m in llm.engine.runner.model.modules() if isinstance(m, GGUFLinear)]
+    projections = [m for m in llm.engine.worker.model.modules() if isinstance(m, GGUFLinear)]
     best_proj = float("inf")
     for _ in range(3):
         total = 0.0

@@ -195,7 +195,7 @@ def _cached(llm, key: list, make):
     from kvpilot.kernels.cache import cache_root
     from kvpilot.server.model_files import model_fingerprint
 
-    digest = hashlib.sha256(json.dumps([model_fingerprint(llm.engine.model_path), llm.engine.runner.quantization, *key]).encode()).hexdigest()[:24]
+    digest = hashlib.sha256(json.dumps([model_fingerprint(llm.engine.model_path), llm.engine.worker.quantization, *key]).encode()).hexdigest()[:24]
     cached = cache_root() / "eagle-texts" / f"{digest}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
@@ -247,14 +247,18 @@ def read_states(runner, sequences: list[list[int]], aux_layers: tuple[int, ...],
     from kvpilot.kernels.paged_attention import AttentionMetadata
 
     examples = []
-    for j, ids in enumerate(sequences):
-        n = len(ids)
-        meta = AttentionMetadata.one_prefill(n, runner.block_size, runner.device)
-        hidden, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, aux_layers)
-        logits = runner.model.compute_logits(hidden).float()
-        top = logits.softmax(-1).topk(SOFT_TOP, dim=-1)
-        examples.append(Example(torch.tensor(ids), aux.to(torch.bfloat16), logits.argmax(-1), top.indices.to(torch.int32),
-                                top.values.to(torch.float16), answer_starts[j] if answer_starts else 0))
+    runner.model.declare_aux_output(aux_layers)
+    try:
+        for j, ids in enumerate(sequences):
+            n = len(ids)
+            meta = AttentionMetadata.one_prefill(n, runner.block_size, runner.device)
+            hidden, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta)
+            logits = runner.model.compute_logits(hidden).float()
+            top = logits.softmax(-1).topk(SOFT_TOP, dim=-1)
+            examples.append(Example(torch.tensor(ids), aux.to(torch.bfloat16), logits.argmax(-1), top.indices.to(torch.int32),
+                                    top.values.to(torch.float16), answer_starts[j] if answer_starts else 0))
+    finally:
+        runner.model.declare_aux_output(())
     return examples
 
 
@@ -470,7 +474,7 @@ def train_eagle(out: str | Path, model: str = "smollm2-135m", prompts: int = 150
     started = time.monotonic()
     llm = LLM(model=model, num_threads=threads, show_progress=False, kv_cache_memory="256MiB", max_model_len=512, quantization=quantization)
     engine = llm.engine
-    target, runner = engine.model_config, engine.runner
+    target, runner = engine.model_config, engine.worker
     aux_layers = (2, target.num_layers // 2, target.num_layers - 3)  # the reference loaders' default (29 for L - 3: no better, measured)
     asked = training_prompts(prompts, seed)
     texts = write_texts(llm, asked, max_tokens)

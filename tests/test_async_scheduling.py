@@ -39,7 +39,7 @@ def run(mode, **engine_args):
 
     llm = LLM(num_threads=1, show_progress=False, async_scheduling=mode, **engine_args)
     assert llm.engine.async_scheduling is (mode == "on")
-    runner, penalty_fills = llm.engine.runner, []
+    runner, penalty_fills = llm.engine.worker, []
     launch = runner.launch
 
     def spy(inp, previous=None, proposal=None):
@@ -92,7 +92,7 @@ def test_steps_interleave_and_placeholders_take_the_device_tokens(sync_llm):
     from kvpilot.server import LLM, SamplingParams
 
     llm = LLM(num_threads=1, show_progress=False, async_scheduling="on")
-    runner = llm.engine.runner
+    runner = llm.engine.worker
     events = []
     spy_on_launches(runner, events)
     sync_tokens = [o.outputs[0].token_ids for o in sync_llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))]
@@ -154,7 +154,7 @@ def test_async_scheduling_through_the_decode_graph_buffers(sync_llm):
     params = [SamplingParams(temperature=0, max_tokens=3 + 4 * i, ignore_eos=True) for i in range(3)]
     expected = [o.outputs[0].token_ids for o in sync_llm.generate(PROMPTS[:3], params)]
     llm = LLM(num_threads=1, show_progress=False, async_scheduling="on")
-    runner = llm.engine.runner
+    runner = llm.engine.worker
     runner.start_decode_graphs(llm.engine.max_model_len, capture=False)
     took = []
     run = runner.decode_graphs.run

@@ -98,7 +98,7 @@ def test_the_engine_salts_its_keys_with_what_its_kv_depends_on():
     engine = LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB").engine
     identity = engine._kv_identity()
     assert identity["model"] == model_fingerprint(engine.model_path)
-    assert (identity["block_size"], identity["kv_dtype"], identity["quantization"]) == (engine.config.block_size, str(engine.runner.kv_dtype), "none")
+    assert (identity["block_size"], identity["kv_dtype"], identity["quantization"]) == (engine.config.block_size, str(engine.worker.kv_dtype), "none")
     assert engine.block_manager.salt == salt_of(identity)
     bm = engine.block_manager
     seq = Sequence(0, "r", 0, list(range(40)), SamplingParams())

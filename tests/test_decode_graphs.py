@@ -27,7 +27,7 @@ def test_static_decode_steps_give_the_plain_steps_tokens():
     prompts = ORACLE_PROMPTS[:7]
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True, logprobs=1) for i in range(len(prompts))]
     llm = LLM(num_threads=1, show_progress=False, enable_prefix_caching=False, kv_cache_memory="64MiB")
-    runner = llm.engine.runner
+    runner = llm.engine.worker
 
     def run():
         return [(o.outputs[0].token_ids, [max(e.values()) for e in o.outputs[0].logprobs]) for o in llm.generate(prompts, params)]
@@ -63,7 +63,7 @@ def test_the_kv_budget_profiles_a_prefill_and_a_graph_wide_decode_step(monkeypat
     from kvpilot.server import LLM
 
     llm = LLM(show_progress=False, num_threads=1, kv_cache_memory="16MiB", max_num_seqs=8, max_num_batched_tokens=64)
-    runner = llm.engine.runner
+    runner = llm.engine.worker
     calls = []
     peaks = iter([1000, 300])  # max_memory_allocated per profiled step (base 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)

@@ -63,16 +63,17 @@ def test_the_head_reads_the_hidden_states_transformers_numbers_as_the_layer_ids(
     (hidden_states[0] the embeddings)."""
     from kvpilot.kernels.paged_attention import AttentionMetadata
     from kvpilot.server.config import EngineConfig
-    from kvpilot.server.engine.model_runner import ModelRunner
+    from kvpilot.server.engine.worker import Worker
     from kvpilot.server.loading import open_model
 
     weights, tokenizer = open_model(model_path)
-    runner = ModelRunner(EngineConfig(num_threads=1, kv_cache_memory="16MiB"), weights, show_progress=False)
+    runner = Worker(EngineConfig(num_threads=1, kv_cache_memory="16MiB"), weights, show_progress=False)
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog")
     n = len(ids)
     meta = AttentionMetadata.one_prefill(n, runner.block_size, runner.device)
+    runner.model.declare_aux_output((0, 2, 29))
     with torch.inference_mode():
-        _, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, (0, 2, 29))
+        _, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta)
         hf = hf_oracle_session.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
     for k, layer in enumerate((0, 2, 29)):
         ours = aux[:, k * target.hidden_size:(k + 1) * target.hidden_size]
@@ -159,11 +160,12 @@ def test_training_math_is_the_serving_heads(target, model_path, tmp_path):
     from kvpilot.kernels.paged_attention import AttentionMetadata
     from kvpilot.server.config import EngineConfig
     from kvpilot.server.eagle_training import TrainingHead, _dense_embedding, save
-    from kvpilot.server.engine.model_runner import ModelRunner
+    from kvpilot.server.engine.drafters import Eagle3
+    from kvpilot.server.engine.worker import Worker
     from kvpilot.server.loading import open_model
 
     weights, tokenizer = open_model(model_path)
-    runner = ModelRunner(EngineConfig(num_threads=1, kv_cache_memory="16MiB"), weights, show_progress=False)
+    runner = Worker(EngineConfig(num_threads=1, kv_cache_memory="16MiB"), weights, show_progress=False)
     torch.manual_seed(0)
     draft_ids = sorted(torch.randperm(target.vocab_size)[:500].tolist())
     trainer = TrainingHead(target, _dense_embedding(runner.model), len(draft_ids), runner.model.rotary.cos, runner.model.rotary.sin)
@@ -175,15 +177,16 @@ def test_training_math_is_the_serving_heads(target, model_path, tmp_path):
     ids = tokenizer.encode("Write three short facts about the moon and the tides.")
     n = len(ids)
     meta = AttentionMetadata.one_prefill(n, runner.block_size, runner.device)
-    runner_with_head = ModelRunner(EngineConfig(num_threads=1, kv_cache_memory="16MiB", speculative_method="eagle3",
-                                                speculative_model=str(tmp_path / "head")), weights, show_progress=False, eagle_head=str(tmp_path / "head"))
-    head = runner_with_head.head
+    drafter = Worker(EngineConfig(num_threads=1, kv_cache_memory="16MiB", speculative_method="eagle3", speculative_model=str(tmp_path / "head")),
+                     weights, show_progress=False, drafter=lambda worker: Eagle3(worker, str(tmp_path / "head"))).drafter
+    head = drafter.head
     assert head.config.aux_layers == aux_layers
+    runner.model.declare_aux_output(aux_layers)
     with torch.inference_mode():
-        _, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta, aux_layers)
+        _, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta)
         # the engine's rows: position p takes the token at p + 1 (the last row's is a dummy here and left out)
         next_ids = torch.tensor(ids[1:] + [0])
-        normed, _ = head(next_ids, torch.arange(n), head.fc(aux), runner_with_head.head_kv_cache, meta)
+        normed, _ = head(next_ids, torch.arange(n), head.fc(aux), drafter.kv_cache, meta)
         served = head.logits(normed)[:-1][:, torch.tensor(draft_ids)]
         trained, _ = trainer(next_ids[None, :-1], aux[None, :-1].float(), torch.arange(n - 1)[None])
     torch.testing.assert_close(served, trained[0], rtol=1e-3, atol=1e-3)

@@ -83,13 +83,13 @@ def test_a_running_engine_writes_its_inputs_into_persistent_buffers():
 
     llm = LLM(num_threads=1, show_progress=False, max_num_seqs=4)
     storages = []
-    launch = llm.engine.runner.launch
+    launch = llm.engine.worker.launch
 
     def spy(inp, previous=None, proposal=None):
         storages.append((inp.input_ids.untyped_storage().data_ptr(), inp.sampling.temperature.untyped_storage().data_ptr()))
         return launch(inp, previous, proposal)
 
-    llm.engine.runner.launch = spy
+    llm.engine.worker.launch = spy
     params = SamplingParams(temperature=0.7, seed=1, max_tokens=12, ignore_eos=True, repetition_penalty=1.1)
     outs = llm.generate(["The capital of France is", "One, two, three,", "Hello"], params)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs) and len(storages) >= 12
@@ -117,7 +117,7 @@ def test_dropping_the_last_llm_frees_its_engine_without_the_garbage_collector(en
         llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="64MiB", block_size=8, **engine_args)
         out = llm.generate(["one two three one two three one two three"], SamplingParams(max_tokens=8, temperature=0))
         assert len(out[0].outputs[0].token_ids) == 8
-        engine, model = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.model)
+        engine, model = weakref.ref(llm.engine), weakref.ref(llm.engine.worker.model)
         llm.engine.close()
         del llm, out
         assert engine() is None and model() is None

@@ -40,17 +40,17 @@ def test_fp8_cache_holds_four_times_float32_and_stays_close_to_it(monkeypatch, r
 
     monkeypatch.setenv(KERNELS_ENV, "default")
     base = _llm(enable_prefix_caching=False)
-    blocks = {"auto": base.engine.runner.num_blocks}
+    blocks = {"auto": base.engine.worker.num_blocks}
     text = base.engine.tokenizer.encode(" ".join(ORACLE_PROMPTS))
-    float_logits = base.engine.runner.score(text)
+    float_logits = base.engine.worker.score(text)
     base.engine.close()
     bf16 = _llm(kv_cache_dtype="bfloat16")
-    blocks["bfloat16"] = bf16.engine.runner.num_blocks
+    blocks["bfloat16"] = bf16.engine.worker.num_blocks
     bf16_salt = bf16.engine.block_manager.salt
     bf16.engine.close()
 
     fp8 = _llm(kv_cache_dtype="fp8")
-    runner = fp8.engine.runner
+    runner = fp8.engine.worker
     assert {t.dtype for pair in runner.kv_caches for t in pair} == {FP8_KV}
     blocks["fp8"] = runner.num_blocks
     assert blocks["fp8"] + 1 >= 4 * (blocks["auto"] + 1) and blocks["fp8"] + 1 >= 2 * (blocks["bfloat16"] + 1)
@@ -86,7 +86,7 @@ def test_fp8_cache_holds_four_times_float32_and_stays_close_to_it(monkeypatch, r
 
     monkeypatch.setenv(KERNELS_ENV, "reference")
     ref = _llm(kv_cache_dtype="fp8")
-    assert ref.engine.runner.kv_scales == scales  # calibration is deterministic (and kernel-independent here)
+    assert ref.engine.worker.kv_scales == scales  # calibration is deterministic (and kernel-independent here)
     assert [o.outputs[0].token_ids for o in _greedy(ref, prompts, 12)] == cpp
     ref.engine.close()
 
@@ -109,8 +109,8 @@ def test_triton_kernels_on_a_narrower_cache_match_the_cpp_kernels(monkeypatch, f
     for kernels in ("default", "triton"):
         monkeypatch.setenv(KERNELS_ENV, kernels)
         llm = LLM(model=str(directory), kv_cache_dtype=kv, show_progress=False, num_threads=1, kv_cache_memory="8MiB", max_num_batched_tokens=16)
-        assert llm.engine.runner.kv_caches[0][0].dtype == (FP8_KV if kv == "fp8" else torch.bfloat16)
-        assert {layer.attn.ops.name for layer in llm.engine.runner.model.layers} == {"triton" if kernels == "triton" else "cpu-c++"}
+        assert llm.engine.worker.kv_caches[0][0].dtype == (FP8_KV if kv == "fp8" else torch.bfloat16)
+        assert {layer.attn.ops.name for layer in llm.engine.worker.model.layers} == {"triton" if kernels == "triton" else "cpu-c++"}
         runs[kernels] = llm.generate(prompts, params)
         llm.engine.close()
     for a, b in zip(runs["default"], runs["triton"]):
@@ -179,14 +179,14 @@ def test_a_checkpoints_own_kv_scales_are_used_and_bad_ones_refused(tmp_path, fam
     wanted = [(0.03125 * (i + 1), 0.0078125 * (i + 1)) for i in range(layers)]
     good = with_scales("good", wanted)
     llm = start(good)
-    assert llm.engine.runner.kv_scales == wanted and [layer.attn.kv_scales for layer in llm.engine.runner.model.layers] == wanted
+    assert llm.engine.worker.kv_scales == wanted and [layer.attn.kv_scales for layer in llm.engine.worker.model.layers] == wanted
     assert llm.generate("One, two,")[0].outputs[0].token_ids
     llm.engine.close()
     start(good, kv="auto").engine.close()  # the scales are not "weights the model never read"
 
     fp8_scheme = with_scales("fp8-scheme", wanted, {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False})
     llm = start(fp8_scheme)
-    assert llm.engine.runner.kv_scales == wanted
+    assert llm.engine.worker.kv_scales == wanted
     llm.engine.close()
     for name, scales, scheme, message in (
             ("int8", wanted, {"type": "int", "num_bits": 8}, "kv_cache_scheme 'int' 8 bits is not run"),

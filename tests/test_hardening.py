@@ -61,12 +61,12 @@ def test_a_row_with_nothing_to_sample_fails_alone():
     from kvpilot.server.engine.model_io import InputBuffers, SamplingTensors
     from kvpilot.server.engine.sampler import Sampler
     from kvpilot.server.engine.sampling_params import SamplingParams
-    from kvpilot.server.engine.sequence import Sequence
+    from kvpilot.server.engine.step_message import BatchSeq
 
     logits = torch.tensor([[1.0, 2.0, 0.5], [1.0, 2.0, 0.5], [float("nan"), 1.0, 0.0]])
     banned = SamplingParams(temperature=1.0, stop_token_ids=[0, 1], min_tokens=1, max_tokens=4)  # with EOS 2: every token banned
-    seqs = [Sequence(0, "ok", 0, [1], SamplingParams(temperature=1.0, seed=1)), Sequence(1, "banned", 0, [1], banned),
-            Sequence(2, "nan", 0, [1], SamplingParams(temperature=0))]
+    seqs = [BatchSeq(0, [1], 1, [], SamplingParams(temperature=1.0, seed=1)), BatchSeq(1, [1], 1, [], banned),
+            BatchSeq(2, [1], 1, [], SamplingParams(temperature=0))]
     result = Sampler(torch.Generator().manual_seed(0))(logits, SamplingTensors.build(seqs, (2,), torch.float32, InputBuffers(torch.device("cpu"))))
     assert set(result.errors) == {1, 2} and "no token can be sampled" in result.errors[1]
     assert result.token_ids[0][0] in (0, 1, 2)
@@ -102,7 +102,7 @@ def test_a_failing_model_step_fails_only_the_request_that_breaks_it(engine, monk
     (the placeholder inputs known by then)."""
     from kvpilot.server.engine.sampling_params import SamplingParams
 
-    runner = engine.runner
+    runner = engine.worker
     real = runner.launch
 
     poison_token = 9999  # only the poisoned request's prompt holds it

@@ -81,8 +81,8 @@ def test_a_load_beside_running_sequences_is_read_between_steps_and_written_a_few
     engine, disk = llm.engine, llm.engine.kv_tiers.disk
     engine.scheduler.max_block_writes = 2
     writes, slices = [], []
-    write_blocks, read = engine.runner.write_blocks, disk.read
-    engine.runner.write_blocks = lambda loads: (writes.append(len(loads)), write_blocks(loads))
+    write_blocks, read = engine.worker.write_blocks, disk.read
+    engine.worker.write_blocks = lambda loads: (writes.append(len(loads)), write_blocks(loads))
     disk.read = lambda seconds=None: (slices.append(seconds), read(seconds))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     decoding = engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))  # runs throughout

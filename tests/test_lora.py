@@ -210,10 +210,10 @@ def test_decode_graph_buffers_with_adapters_equal_peft(peft_case):
 
     paths, results, base = peft_case
     llm = LLM(num_threads=1, show_progress=False, enable_lora=True, max_loras=3, max_lora_rank=16, max_num_seqs=8)
-    llm.engine.runner.start_decode_graphs(llm.engine.max_model_len, capture=False)
+    llm.engine.worker.start_decode_graphs(llm.engine.max_model_len, capture=False)
     calls = []
-    run = llm.engine.runner.decode_graphs.run
-    llm.engine.runner.decode_graphs.run = lambda inp: calls.append(inp.input_ids.shape[0]) or run(inp)
+    run = llm.engine.worker.decode_graphs.run
+    llm.engine.worker.decode_graphs.run = lambda inp: calls.append(inp.input_ids.shape[0]) or run(inp)
     names = [None, "all7-r8", "qv-r4-rslora"]
     outs = llm.generate(ORACLE_PROMPTS[:6], _greedy(), lora_request=[_request(paths, names[i % 3]) if names[i % 3] else None for i in range(6)])
     assert calls and max(calls) == 6

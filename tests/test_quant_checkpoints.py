@@ -107,7 +107,7 @@ def packed_bytes(engine) -> float:
     from kvpilot.kernels.quantized import PANEL, GGUFLinear
 
     total = 0.0
-    for m in engine.engine.runner.model.modules():
+    for m in engine.engine.worker.model.modules():
         if isinstance(m, GGUFLinear):
             stored = sum(t.numel() * t.element_size() for t in (m.qs, m.d, m.m) if t is not None)
             total += stored * m.out_features / (m.qs.shape[0] * PANEL)
@@ -125,7 +125,7 @@ def checkpoint_projection_bytes(quantized: Path) -> int:
 def projection_kinds(engine) -> set[str]:
     from kvpilot.kernels.quantized import GGUFLinear
 
-    return {m.kind for m in engine.engine.runner.model.modules() if isinstance(m, GGUFLinear)}
+    return {m.kind for m in engine.engine.worker.model.modules() if isinstance(m, GGUFLinear)}
 
 
 @pytest.mark.timeout(300)
@@ -144,8 +144,8 @@ def test_a_quantized_checkpoint_runs_packed_as_its_dequantized_weights(family_ch
         differ = {n: (library[n] - dense_state[n]).abs().max().item() for n in library if not torch.equal(library[n], dense_state[n])}
         assert not differ, f"{case}: the library dequantizes these differently: {differ}"
     packed, reference = llm(quantized), llm(dense)
-    assert packed.engine.runner.quantization == scheme["quant_method"] and projection_kinds(packed) == ({kind} if kind else set())
-    assert reference.engine.runner.quantization == "none" and not projection_kinds(reference)
+    assert packed.engine.worker.quantization == scheme["quant_method"] and projection_kinds(packed) == ({kind} if kind else set())
+    assert reference.engine.worker.quantization == "none" and not projection_kinds(reference)
     prompts = ORACLE_PROMPTS[:3]
     (tokens, logprobs), (want_tokens, want_logprobs) = outputs(packed, prompts), outputs(reference, prompts)
     assert tokens == want_tokens
@@ -168,8 +168,8 @@ def test_act_order_and_the_override_paths(family_checkpoints, tmp_path):
     scheme = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True}
     quantized, dense = quantized_pair(family_checkpoints["llama3"][0], tmp_path, scheme, act_order=True)
     packed = llm(quantized)
-    model = packed.engine.runner.model
-    assert packed.engine.runner.quantization == "gptq" and projection_kinds(packed) == {"Q4_0"}
+    model = packed.engine.worker.model
+    assert packed.engine.worker.quantization == "gptq" and projection_kinds(packed) == {"Q4_0"}
     from kvpilot.kernels.quantized import GGUFLinear
 
     assert sum(isinstance(m, GGUFLinear) and m.perm is not None for m in model.modules()) == 5 * len(model.layers)  # qkv, o, gate, up, down
@@ -300,7 +300,7 @@ def test_an_fp8_checkpoint_reads_as_transformers_reads_it(family_checkpoints, tm
     with torch.no_grad():
         want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
     engine = llm(quantized)
-    assert engine.engine.runner.quantization == "fp8"
+    assert engine.engine.worker.quantization == "fp8"
     out = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=5, temperature=0))[0]
     got = out.prompt_logprobs[1:]
     for position, top in enumerate(got):

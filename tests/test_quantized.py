@@ -176,7 +176,7 @@ def test_a_k_quant_gguf_loads_in_every_mode(family_checkpoints, model_path, tmp_
         llm = LLM(model=str(path), quantization=mode.split("-")[0], num_threads=1, show_progress=False, kv_cache_memory="16MiB")
         outs[mode] = llm.generate(prompts, greedy)
         if mode.startswith("gguf"):
-            kept = [layer.mlp.down for layer in llm.engine.runner.model.layers]
+            kept = [layer.mlp.down for layer in llm.engine.worker.model.layers]
             kernel = TritonGGUFLinear if mode == "gguf-triton" else GGUFLinear
             assert [(type(m), m.kind) for m in kept] == [(kernel, "Q4_K"), (kernel, "Q6_K")]
         llm.engine.close()
@@ -357,9 +357,9 @@ def test_a_bfloat16_kv_cache_under_gguf_weights():
     outs, blocks = {}, {}
     for kv in ("auto", "bfloat16"):
         llm = LLM(quantization="gguf", kv_cache_dtype=kv, num_threads=1, show_progress=False, kv_cache_memory="32MiB")
-        caches = llm.engine.runner.kv_caches
+        caches = llm.engine.worker.kv_caches
         assert {t.dtype for pair in caches for t in pair} == {torch.float32 if kv == "auto" else torch.bfloat16}
-        blocks[kv] = llm.engine.runner.num_blocks
+        blocks[kv] = llm.engine.worker.num_blocks
         outs[kv] = llm.generate(list(ORACLE_PROMPTS[:4]), greedy)
         if kv == "bfloat16":
             long = ORACLE_PROMPTS[0] + " " + "and then the river ran on past the old mill " * 6
@@ -400,7 +400,7 @@ def test_loading_keeps_memory_near_the_files_tensor_bytes():
         import gc, torch
         torch.set_num_threads(1)
         from kvpilot.kernels import cpu_extension
-        from kvpilot.server.engine.model_runner import _return_freed_heap
+        from kvpilot.server.engine.worker import _return_freed_heap
         from kvpilot.server.gguf_loader import GGUFFile
         from kvpilot.server.model_files import resolve_model_path
         from kvpilot.server.models.decoder import DecoderModel
@@ -468,12 +468,12 @@ def test_each_mode_on_the_bundled_model():
     common = dict(num_threads=1, show_progress=False, kv_cache_memory="32MiB")
     reference = LLM(**common)
     ids = reference.get_tokenizer().encode(text)
-    p = torch.log_softmax(reference.engine.runner.score(ids), -1)
+    p = torch.log_softmax(reference.engine.worker.score(ids), -1)
     del reference
 
     def kl(**mode) -> float:
         llm = LLM(**common, **mode)
-        q = torch.log_softmax(llm.engine.runner.score(ids), -1)
+        q = torch.log_softmax(llm.engine.worker.score(ids), -1)
         return float((p.exp() * (p - q)).sum(-1).mean())
 
     results = {"gguf": kl(quantization="gguf"), "int4 g32": kl(quantization="int4", quantization_group_size=32),
@@ -493,7 +493,7 @@ def test_int_modes_load_hugging_face_checkpoints(family_checkpoints):
     sizes = {}
     for mode in ("none", "int8", "int4"):
         llm = LLM(model=str(directory), quantization=mode, show_progress=False, num_threads=1, kv_cache_memory="8MiB")
-        sizes[mode] = llm.engine.runner.model.weight_bytes()
+        sizes[mode] = llm.engine.worker.model.weight_bytes()
         out = llm.generate("Hello there", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
         assert len(out.outputs[0].token_ids) == 4
     assert sizes["int4"] < sizes["int8"] < sizes["none"] / 2

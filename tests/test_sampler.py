@@ -11,6 +11,7 @@ from kvpilot.server.engine.model_io import InputBuffers, SamplingTensors
 from kvpilot.server.engine.sampler import Sampler, apply_penalties, filter_logits, processed_logits
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.sequence import Sequence
+from kvpilot.server.engine.step_message import BatchSeq
 
 NEG = float("-inf")
 
@@ -68,9 +69,8 @@ def sample(logits, seqs, eos_token_ids=()):
 
 
 def seq(prompt, output=(), **params):
-    s = Sequence(0, "r", 0, list(prompt), SamplingParams(**params))
-    s.output_token_ids = list(output)
-    return s
+    """A sequence as a worker's batch holds it (what the sampling tensors read)."""
+    return BatchSeq(0, list(prompt) + list(output), len(prompt), [], SamplingParams(**params))
 
 
 def test_penalties_exact():

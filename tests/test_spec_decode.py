@@ -15,8 +15,8 @@ from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.model_io import InputBuffers, SamplingTensors
 from kvpilot.server.engine.sampler import Sampler
 from kvpilot.server.engine.sampling_params import SamplingParams
-from kvpilot.server.engine.sequence import Sequence
 from kvpilot.server.engine.spec_decode import ngram_lookup
+from kvpilot.server.engine.step_message import BatchSeq
 from oracle import ORACLE_PROMPTS
 
 FORCED = dict(speculative_disable_batch_size=0, speculative_min_acceptance=0.0)
@@ -25,10 +25,9 @@ NEG = float("-inf")
 
 # --- the verification rule ------------------------------------------------------------------
 
-def proposing(prompt, proposal, seq_id=0, **params) -> Sequence:
-    s = Sequence(seq_id, f"r{seq_id}", 0, list(prompt), SamplingParams(**params))
-    s.set_spec(proposal)
-    return s
+def proposing(prompt, proposal, seq_id=0, **params) -> BatchSeq:
+    """A sequence carrying a proposal, as a worker's batch holds it (what the sampling tensors read)."""
+    return BatchSeq(seq_id, list(prompt), len(prompt), [], SamplingParams(**params), spec_token_ids=list(proposal), num_spec_tokens=len(proposal))
 
 
 def verify(logits, seqs, draft_probs=None, generator=None):
@@ -193,12 +192,12 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
     engine = make_engine(**kw)
     assert engine.async_scheduling is setting.startswith("async")
     shifted = []  # async: steps whose verifications follow one in flight (rows moved on by its accepted counts on the device)
-    launch = engine.runner.launch
-    engine.runner.launch = lambda inp, previous=None, proposal=None: (
+    launch = engine.worker.launch
+    engine.worker.launch = lambda inp, previous=None, proposal=None: (
         shifted.append(inp.shift is not None and inp.from_proposal is not None) or launch(inp, previous, proposal))
     sources = Counter()  # *-lookup: proposals looked up, and the model's
     if method.endswith("-lookup"):
-        plan, propose = engine.proposer.plan, engine.proposer.propose
+        plan, propose = engine.proposer.plan, engine.worker.drafter.propose
 
         def counted_plan(running):
             plan(running)
@@ -210,27 +209,28 @@ def test_greedy_speculation_is_token_for_token_plain_decoding(method, setting, p
             sources["longest drafted"] = max(sources["longest drafted"], proposal.tokens.shape[1] if proposal else 0)
             return proposal
 
-        engine.proposer.plan, engine.proposer.propose = counted_plan, counted_propose
+        engine.proposer.plan, engine.worker.drafter.propose = counted_plan, counted_propose
     graph_rows = []
     if setting == "graph-buffers":
-        engine.runner.start_decode_graphs(engine.max_model_len, capture=False)
-        for graphs in (engine.runner.decode_graphs, engine.runner.draft_graphs):
+        engine.worker.start_decode_graphs(engine.max_model_len, capture=False)
+        drafter = engine.worker.drafter
+        for graphs in (engine.worker.decode_graphs, drafter.graphs if method == "draft" else None):
             if graphs is not None:
                 plain_run = graphs.run
                 graphs.run = lambda inp, plain_run=plain_run: graph_rows.append(inp.input_ids.shape[0]) or plain_run(inp)
-        assert (engine.runner.draft_graphs is not None) == (method == "draft")
+        assert (getattr(drafter, "graphs", None) is not None) == (method == "draft")
     outs, streamed = run(engine, GREEDY_PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_greedy
     if setting == "graph-buffers":
-        assert graph_rows and any(rows not in engine.runner.decode_graphs.buckets for rows in graph_rows)  # padded steps ran
+        assert graph_rows and any(rows not in engine.worker.decode_graphs.buckets for rows in graph_rows)  # padded steps ran
     assert streamed == [o.outputs[0].text for o in outs]  # multi-token deltas stream the same text
     stats = engine.proposer.stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_drafts
     if method != "eagle3":  # a random head's proposals are all but never right: counted, and exact all the same
         assert stats.num_accepted_tokens > 0
     if method.startswith("eagle3"):
-        engine.runner.start_decode_graphs(engine.max_model_len, capture=False)
-        assert engine.runner.decode_graphs is None and engine.runner.head_kv_cache[0].shape[0] == engine.runner.num_blocks + 1
+        engine.worker.start_decode_graphs(engine.max_model_len, capture=False)
+        assert engine.worker.decode_graphs is None and engine.worker.drafter.kv_cache[0].shape[0] == engine.worker.num_blocks + 1
     if setting.endswith("preempted"):
         assert engine.scheduler.num_preemptions > 0
     assert (sum(shifted) > 10) is setting.startswith("async")
@@ -258,8 +258,8 @@ def test_an_eagle_head_above_the_batch_threshold_writes_kv_only_and_proposes_bel
     engine = make_engine(kv_cache_memory="64MiB", speculative_method="eagle3", speculative_model=eagle_path,
                          speculative_disable_batch_size=3, speculative_min_acceptance=0.0)
     states = []
-    launch = engine.runner.launch
-    engine.runner.launch = lambda inp, previous=None, proposal=None: states.append(inp.head_states) or launch(inp, previous, proposal)
+    launch = engine.worker.launch
+    engine.worker.launch = lambda inp, previous=None, proposal=None: states.append(inp.head_states) or launch(inp, previous, proposal)
     lengths = [4 + 4 * i for i in range(len(GREEDY_PROMPTS))]  # they end one by one: the batch shrinks to the threshold
     outs, _ = run(engine, GREEDY_PROMPTS, [SamplingParams(temperature=0, max_tokens=n) for n in lengths])
     assert [o.outputs[0].token_ids for o in outs] == [tokens[:n] for tokens, n in zip(plain_greedy, lengths)]
@@ -267,16 +267,16 @@ def test_an_eagle_head_above_the_batch_threshold_writes_kv_only_and_proposes_bel
 
     def head_cache_after_a_prefill(states: bool) -> list[torch.Tensor]:
         engine = make_engine(kv_cache_memory="64MiB", speculative_method="eagle3", speculative_model=eagle_path)
-        launch = engine.runner.launch
+        launch = engine.worker.launch
 
         def spy(inp, previous=None, proposal=None):
             inp.head_states = states
             return launch(inp, previous, proposal)
 
-        engine.runner.launch = spy
+        engine.worker.launch = spy
         engine.add_request(GREEDY_PROMPTS[0], SamplingParams(temperature=0, max_tokens=1))
         engine.step()
-        return [c[:-1].clone() for c in engine.runner.head_kv_cache]  # (the last block: the scratch block)
+        return [c[:-1].clone() for c in engine.worker.drafter.kv_cache]  # (the last block: the scratch block)
 
     # The K/V-only pass writes what the whole layer's pass writes.
     whole, kv_only = head_cache_after_a_prefill(True), head_cache_after_a_prefill(False)
@@ -288,7 +288,7 @@ def test_a_truncated_draft_is_accepted_sometimes_and_rejections_are_resampled(dr
     # The draft's cache is carved from the same budget: a block costs 30 target + 4 draft layers of K/V
     # (one of them the scratch block).
     layer_block = 2 * 16 * 3 * 64 * 4
-    assert engine.runner.num_blocks == (64 << 20) // (34 * layer_block) - 1 and len(engine.runner.draft_kv_caches) == 4
+    assert engine.worker.num_blocks == (64 << 20) // (34 * layer_block) - 1 and len(engine.worker.drafter.kv_caches) == 4
     run(engine, COPY_PROMPTS, SamplingParams(temperature=1.0, max_tokens=32, seed=3))
     s = engine.proposer.stats
     assert 0 < s.num_accepted_tokens / s.num_draft_tokens < 0.95

@@ -102,7 +102,7 @@ def test_async_over_three_ranks_gives_the_synchronous_tokens_without_pickling_a_
 
     monkeypatch.setattr(dist, "broadcast_object_list", refuse)
     monkeypatch.setattr(c10d, "_object_to_tensor", refuse)
-    runner, events = llm.engine.runner, []
+    runner, events = llm.engine.worker, []
     spy_on_launches(runner, events)
     got = outputs(llm.generate(PROMPTS, params()))
     del runner.launch  # the class's launch again

@@ -57,13 +57,13 @@ def test_engine_with_the_triton_kernels_forced_matches_the_cpp_kernels(monkeypat
         monkeypatch.setenv(KERNELS_ENV, kernels)
         llm = LLM(model=str(directory), quantization="int4", dtype=dtype, show_progress=False, num_threads=1, kv_cache_memory="8MiB",
                   max_num_batched_tokens=16)
-        model = llm.engine.runner.model
+        model = llm.engine.worker.model
         triton_layers = sum(isinstance(m, TritonGGUFLinear) for m in model.modules())
         assert (triton_layers > 0) == (kernels == "triton")
         assert {layer.attn.ops.name for layer in model.layers} == {"triton" if kernels == "triton" else "cpu-c++"}
-        assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+        assert llm.engine.worker.kv_caches[0][0].dtype == getattr(torch, dtype)
         if kernels == "triton":
-            llm.engine.runner.start_decode_graphs(llm.engine.max_model_len, capture=False)
+            llm.engine.worker.start_decode_graphs(llm.engine.max_model_len, capture=False)
         outs = [o.outputs[0] for o in llm.generate(prompts, params)]
         runs[kernels, dtype] = [(o.token_ids, o.logprobs) for o in outs]
         del llm

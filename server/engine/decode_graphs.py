@@ -12,8 +12,8 @@ so it can never overwrite a live sequence's cache; their logits are dropped. The
 wide as the longest context (`table_width` blocks), so the attention kernel's split-K layout (a
 function of the tables' width) is the same for every step and every graph.
 
-ModelRunner keeps two sets: the model's decode steps (speculative verifications included, the draft
-model's forward riding along) and, with a draft model, its proposal steps.
+A worker keeps one set for its model's decode steps (speculative verifications included); a draft
+model (engine/drafters.py) one for its own steps (its proposals, and its pass over the target's rows).
 
 Capturing needs kernels that never read a device value on the host (`Ops.graph_safe`: the Triton
 kernels); prefills, mixed steps, prompt-logprob steps and batches past the largest bucket run
@@ -94,7 +94,7 @@ class DecodeGraphs:
         its kernels outside the capture."""
         pool = None
         self.capturing = True
-        with torch.inference_mode():  # as the steps run (ModelRunner.launch)
+        with torch.inference_mode():  # as the steps run (Worker.launch)
             for rows in reversed(self.buckets):
                 self._run_static(rows)
                 torch.cuda.synchronize()

@@ -28,8 +28,8 @@ from kvpilot.server.threads import configure_threads
 if TYPE_CHECKING:  # torch-side: imported in LLMEngine.__init__, after the thread settings
     from kvpilot.server.adapters import LoRARequest
     from kvpilot.server.engine.lora import Adapter, LoRARegistry
-    from kvpilot.server.engine.model_io import StepPlan
-    from kvpilot.server.engine.model_runner import LaunchedStep
+    from kvpilot.server.engine.step_message import GrammarMasks
+    from kvpilot.server.engine.worker import LaunchedStep
 
 log = logging.getLogger(__name__)
 # Beside running sequences, a step writes at most this much K/V read from a KV tier (or pulled from a
@@ -74,11 +74,9 @@ class LLMEngine:
         # torch-side modules are imported only now, after the thread settings are in place.
         from kvpilot.server.engine.block_manager import BlockManager, cache_salt
         from kvpilot.server.engine.kv_scales import kv_calibration_ids
-        from kvpilot.server.engine.model_io import InputBuilder
-        from kvpilot.server.engine.model_runner import ModelRunner
-        from kvpilot.server.engine.scheduler import Scheduler
-        from kvpilot.server.engine.spec_decode import DraftModelProposer, EagleProposer, NgramProposer
+        from kvpilot.server.engine.scheduler import AsyncScheduler, Scheduler
         from kvpilot.server.engine.structured import GrammarCompiler
+        from kvpilot.server.engine.worker import Worker
 
         startup.mark("engine_init")
         self.config = config
@@ -92,22 +90,11 @@ class LLMEngine:
         if window and config.max_model_len and config.max_model_len > window:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window}: sliding-window attention is not "
                              f"implemented, so contexts are limited to the window (where full attention is exact); use --max-model-len {window}")
-        draft = draft_model(config, self.tokenizer) if config.speculative_method == "draft" else None
-        self.workers = None
-        tp = None
-        if config.tensor_parallel_size > 1:
-            from kvpilot.server.engine.model_runner import resolve_device
-            from kvpilot.server.engine.parallel import Workers
-            from kvpilot.server.models.sharding import TensorParallel, check_tensor_parallel
-
-            check_tensor_parallel(self.model_config, config.tensor_parallel_size)
-            tp = TensorParallel(0, config.tensor_parallel_size)
-            self.workers = Workers(config, self.model_path, resolve_device(config).type)
-        self.runner = ModelRunner(config, weights, show_progress=show_progress, draft=draft, tp=tp, workers=self.workers,
-                                  eagle_head=str(resolve_model_path(config.speculative_model)) if config.speculative_method == "eagle3" else None,
-                                  kv_calibration_ids=kv_calibration_ids(config, self.tokenizer))
+        self.workers, tp = self._start_other_ranks()
+        self.worker = Worker(config, weights, show_progress=show_progress, tp=tp, kv_calibration_ids=kv_calibration_ids(config, self.tokenizer),
+                             eos_token_ids=self.tokenizer.eos_token_ids, drafter=self._drafter())
         startup.mark("loaded")
-        capacity = self.runner.num_blocks * config.block_size
+        capacity = self.worker.num_blocks * config.block_size
         limits = [self.model_config.max_position, capacity] + ([window] if window else [])
         self.max_model_len = min(config.max_model_len or min(limits), *limits)
         if config.max_model_len and config.max_model_len > self.max_model_len:
@@ -115,76 +102,124 @@ class LLMEngine:
         elif window and self.max_model_len == window:
             log.warning("contexts limited to the model's sliding_window=%d (sliding-window attention is not implemented; within the window "
                         "full attention is exact)", window)
-        self.runner.start_decode_graphs(self.max_model_len)
-        budget = config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len)
-        self.kv_tiers = None
-        if config.kv_offload_dir or config.kv_host_offload_size:
-            from kvpilot.server.engine.kv_tiers import DiskTier, HostTier, KVTiers
-
-            dtype, shape, nbytes = self.runner.block_layout()
-            self.kv_tiers = KVTiers(HostTier(config.kv_host_offload_size, nbytes) if config.kv_host_offload_size else None,
-                                    DiskTier(config.kv_offload_dir, config.kv_offload_size, (dtype, shape), nbytes,
-                                             world_size=config.tensor_parallel_size) if config.kv_offload_dir else None)
+        self.worker.start_decode_graphs(self.max_model_len)
+        self.kv_tiers = self._kv_tiers()
         self._step_seconds = 0.0  # the last step's time (a tier read's slice is a share of it)
         self._rank_saves: list = []  # tensor parallelism: blocks whose shards the other ranks are to save (after the scheduler's update)
-        self.lora: LoRARegistry | None = None
-        if config.enable_lora:
-            from kvpilot.server.adapters import parse_lora_module
-            from kvpilot.server.engine.lora import LoRARegistry
-
-            self.lora = LoRARegistry(self.model_config, config.max_loras, config.max_cpu_loras or config.max_loras, config.max_lora_rank,
-                                     self.runner.set_adapter, base_names=(self.served_model_name,))
-            for spec in config.lora_modules or ():
-                self.lora.add(*parse_lora_module(spec))
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+        self.lora = self._lora_registry()
+        self.block_manager = BlockManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
                                           cache_salt(self._kv_identity()), self.lora.fingerprint if self.lora else None,
                                           on_cached=_weakly(self._save_block) if self.kv_tiers else None)
-        self.kv_sender = self.kv_receiver = None
-        if config.kv_role != "none":
-            from kvpilot.server.engine.kv_transfer import KVReceiver, KVSender
-            from kvpilot.server.engine.kv_trust import transfer_secret
-
-            engine_id = self.block_manager.salt.hex()  # the KV identity: another model's or settings' keys never match
-            secret = transfer_secret(config.kv_role)
-            if config.kv_role in ("prefill", "both"):
-                self.kv_sender = KVSender(config.kv_transfer_host, config.kv_transfer_port, self.runner.block_bytes, engine_id,
-                                          config.kv_transfer_timeout, secret, -(-self.max_model_len // config.block_size))
-                weakref.finalize(self, self.kv_sender.close)  # its thread holds the runner: it ends with the engine
-            if config.kv_role in ("decode", "both"):
-                self.kv_receiver = KVReceiver(engine_id, self.runner.block_layout()[2], config.kv_transfer_timeout, secret)
-                weakref.finalize(self, self.kv_receiver.close)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill,
-                                   config.max_loras if config.enable_lora else 0,
-                                   tier_lookup=_weakly(self._tier_lookup) if self.kv_tiers or self.kv_receiver else None,
-                                   max_block_writes=max(1, BLOCK_WRITE_BYTES_PER_STEP // self.runner.block_layout()[2]),
-                                   policy=config.scheduling_policy)
+        self.kv_sender, self.kv_receiver = self._kv_transfer()
+        # N-gram proposals are looked up in the host's tokens: that method keeps its steps synchronous.
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.worker.device.type == "cuda" and config.speculative_method != "ngram"
+            and not config.speculative_lookup)
+        budget = config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(
+            self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill, config.max_loras if config.enable_lora else 0,
+            tier_lookup=_weakly(self._tier_lookup) if self.kv_tiers or self.kv_receiver else None,
+            max_block_writes=max(1, BLOCK_WRITE_BYTES_PER_STEP // self.worker.block_layout()[2]), policy=config.scheduling_policy)
         if self.kv_tiers or self.kv_receiver:
-            self.runner.stage_block_writes()
+            self.worker.stage_block_writes()
         self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
                                         num_threads=config.num_threads or os.cpu_count() or 1,
                                         mask_budget_s=config.structured_outputs_max_mask_ms / 1000)
-        self.inputs = InputBuilder(config.block_size, self.tokenizer.eos_token_ids, self.runner.device, self.grammars)
         startup.mark("warm")
         self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids, _weakly(self._hold_for_transfer) if self.kv_sender else None)
         self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size, self.grammars, config.kv_role,
                                     self.kv_receiver.secret if self.kv_receiver else None, config.scheduling_policy)
-        self.proposer = None
-        if config.speculative_method == "ngram":
-            self.proposer = NgramProposer(config, self.max_model_len)
-        elif config.speculative_method == "draft":
-            self.proposer = DraftModelProposer(config, self.max_model_len, self.runner, self.inputs, self.tokenizer.eos_token_ids)
-        elif config.speculative_method == "eagle3":
-            self.proposer = EagleProposer(config, self.max_model_len, self.runner, self.inputs, self.tokenizer.eos_token_ids)
+        self.proposer = self._proposer()
         self.requests = self.output.requests
-        # N-gram proposals are looked up in the host's tokens: that method keeps its steps synchronous.
-        self.async_scheduling = config.async_scheduling == "on" or (
-            config.async_scheduling == "auto" and self.runner.device.type == "cuda" and config.speculative_method != "ngram"
-            and not config.speculative_lookup)
-        self.messenger = StepMessenger() if self.workers is not None else None
+        self.messenger = StepMessenger()
         self._in_flight: StepInFlight | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._transfer_ids = itertools.count()
+
+    # --- the parts each feature adds ------------------------------------------------------------
+    def _start_other_ranks(self):
+        """Tensor parallelism: ranks 1…N−1 started (their handle) and rank 0's place; else (None, None)."""
+        if self.config.tensor_parallel_size == 1:
+            return None, None
+        from kvpilot.server.engine.parallel import Workers
+        from kvpilot.server.engine.worker import resolve_device
+        from kvpilot.server.models.sharding import TensorParallel, check_tensor_parallel
+
+        check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
+        return Workers(self.config, self.model_path, resolve_device(self.config).type), TensorParallel(0, self.config.tensor_parallel_size)
+
+    def _drafter(self):
+        """What makes rank 0's drafter on its worker (draft model, EAGLE-3 head), or None."""
+        from kvpilot.server.engine.drafters import DraftModel, Eagle3
+
+        if self.config.speculative_method == "draft":
+            weights = draft_model(self.config, self.tokenizer)
+            return lambda worker: DraftModel(worker, weights)
+        if self.config.speculative_method == "eagle3":
+            head = str(resolve_model_path(self.config.speculative_model))
+            return lambda worker: Eagle3(worker, head)
+        return None
+
+    def _proposer(self):
+        """The engine's side of speculative decoding: which sequences propose, how long, the off-switch."""
+        from kvpilot.server.engine.spec_decode import DeviceProposer, EagleProposer, NgramProposer
+
+        kind = {"ngram": NgramProposer, "draft": DeviceProposer, "eagle3": EagleProposer}.get(self.config.speculative_method)
+        return kind(self.config, self.max_model_len) if kind else None
+
+    def _kv_tiers(self):
+        config = self.config
+        if not (config.kv_offload_dir or config.kv_host_offload_size):
+            return None
+        from kvpilot.server.engine.kv_tiers import DiskTier, HostTier, KVTiers
+
+        dtype, shape, nbytes = self.worker.block_layout()
+        return KVTiers(HostTier(config.kv_host_offload_size, nbytes) if config.kv_host_offload_size else None,
+                       DiskTier(config.kv_offload_dir, config.kv_offload_size, (dtype, shape), nbytes,
+                                world_size=config.tensor_parallel_size) if config.kv_offload_dir else None)
+
+    def _lora_registry(self):
+        if not self.config.enable_lora:
+            return None
+        from kvpilot.server.adapters import parse_lora_module
+        from kvpilot.server.engine.lora import LoRARegistry
+
+        config = self.config
+        registry = LoRARegistry(self.model_config, config.max_loras, config.max_cpu_loras or config.max_loras, config.max_lora_rank,
+                                _weakly(self._set_adapter), base_names=(self.served_model_name,))
+        for spec in config.lora_modules or ():
+            registry.add(*parse_lora_module(spec))
+        return registry
+
+    def _kv_transfer(self):
+        """Prefill/decode disaggregation: (the sending side, the receiving side), as kv_role has them."""
+        config = self.config
+        if config.kv_role == "none":
+            return None, None
+        from kvpilot.server.engine.kv_transfer import KVReceiver, KVSender
+        from kvpilot.server.engine.kv_trust import transfer_secret
+
+        engine_id = self.block_manager.salt.hex()  # the KV identity: another model's or settings' keys never match
+        secret = transfer_secret(config.kv_role)
+        sender = receiver = None
+        if config.kv_role in ("prefill", "both"):
+            sender = KVSender(config.kv_transfer_host, config.kv_transfer_port, self.worker.block_bytes, engine_id,
+                              config.kv_transfer_timeout, secret, -(-self.max_model_len // config.block_size))
+            weakref.finalize(self, sender.close)  # its thread holds the worker: it ends with the engine
+        if config.kv_role in ("decode", "both"):
+            receiver = KVReceiver(engine_id, self.worker.block_layout()[2], config.kv_transfer_timeout, secret)
+            weakref.finalize(self, receiver.close)
+        return sender, receiver
+
+    def _set_adapter(self, slot: int, adapter: Adapter | None) -> None:
+        """Write an adapter into a LoRA slot (None: clear it), on every rank (the others read their share
+        from the adapter's directory)."""
+        if self.workers is not None:
+            from kvpilot.server.engine.step_message import SetAdapter
+
+            self.workers.send(SetAdapter(slot, str(adapter.path) if adapter else None))
+        self.worker.set_adapter(slot, adapter.tensors if adapter else None)
 
     def _kv_identity(self) -> dict:
         """What this engine's K/V depend on, the root of its prefix cache's keys: equal in every replica
@@ -194,29 +229,36 @@ class LLMEngine:
         if config.speculative_method in ("draft", "eagle3"):  # their K/V share the target's blocks
             speculative = [config.speculative_method, model_fingerprint(resolve_model_path(config.speculative_model))]
         return {"kvpilot": importlib.metadata.version("kvpilot"), "model": model_fingerprint(self.model_path),
-                "block_size": config.block_size, "dtype": str(self.runner.dtype), "kv_dtype": str(self.runner.kv_dtype),
-                "kv_scales": self.runner.kv_scales,
-                "quantization": self.runner.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative}
+                "block_size": config.block_size, "dtype": str(self.worker.dtype), "kv_dtype": str(self.worker.kv_dtype),
+                "kv_scales": self.worker.kv_scales,
+                "quantization": self.worker.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative}
 
     # --- the KV tiers -------------------------------------------------------------------------
     def _save_block(self, block_id: int, key: bytes, parent: bytes, token_ids: tuple[int, ...]) -> None:
-        queued = self.kv_tiers.save(key, parent, token_ids, lambda: self.runner.block_bytes(block_id))
+        queued = self.kv_tiers.save(key, parent, token_ids, lambda: self.worker.block_bytes(block_id))
         if queued and self.workers is not None:  # the other ranks save their shards of what rank 0 saves
             from kvpilot.server.engine.step_message import BlockRef
 
             self._rank_saves.append(BlockRef(block_id, key, parent, list(token_ids)))
 
-    def _update(self, batch: ScheduledBatch, rejected: dict[int, int] | None = None) -> None:
-        """The scheduler's update after a step (full blocks join the prefix cache; with KV tiers,
-        their saves start, on every rank: before any later step can reuse their blocks)."""
-        self.scheduler.update(batch, rejected)
+    def _send_rank_saves(self) -> None:
+        """After the scheduler counted a step (full blocks joined the prefix cache; with KV tiers their
+        saves started): the other ranks save their shards too, before any later step can reuse the blocks."""
         if self._rank_saves:
-            self.runner.save_blocks(self._rank_saves)
+            from kvpilot.server.engine.step_message import SaveBlocks
+
+            self.workers.send(SaveBlocks(self._rank_saves))
             self._rank_saves = []
 
     def _write_loaded(self, batch: ScheduledBatch) -> None:
-        """The step's blocks read from a tier (or pulled from a prefill engine) into the cache."""
-        self.runner.write_blocks(batch.kv_loads)
+        """The step's blocks read from a tier (or pulled from a prefill engine) into the cache, on every
+        rank (one payload per rank: the others get theirs in a message before the step that reads them)."""
+        loads = batch.kv_loads
+        if self.workers is not None:
+            from kvpilot.server.engine.step_message import LoadBlocks
+
+            self.workers.send(LoadBlocks([b for b, _ in loads], [[shards[r] for _, shards in loads] for r in range(1, self.config.tensor_parallel_size)]))
+        self.worker.write_blocks([(b, shards[0]) for b, shards in loads])
         batch.kv_loads = []  # the last references to the payloads: their read buffers are free again (kv_tiers.py)
 
     def _await_tier_read(self, timeout: float = 0.01) -> None:
@@ -313,8 +355,6 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, i, list(admission.prompt_token_ids), params, admission.max_output_tokens, adapter)
-            if params.seed is not None:
-                seq.generator = self.runner.make_generator(params.seed + i)
             if admission.grammar is not None:
                 seq.guide, seq.constraint_key = admission.grammar.matcher(), admission.grammar.key
             seqs.append(seq)
@@ -393,37 +433,24 @@ class LLMEngine:
         return self._assembled(self._step())
 
     def _step(self) -> list[RequestDelta]:
-        outputs: list[RequestDelta] = []
-        if self.kv_sender is not None:
-            self._release_transfers()
-        if self.kv_tiers is not None and self.kv_tiers.reading() and self.scheduler.running:
-            self.kv_tiers.read(TIER_READ_SHARE * self._step_seconds)  # a slice between steps (all of it: _await_tier_read)
+        self._between_steps()
         started = time.perf_counter()
+        outputs: list[RequestDelta] = []
         previous, self._in_flight = self._in_flight, None
         if previous is not None and any(self._needs_host_tokens(seq) for seq in self.scheduler.running):
-            # A constrained sequence's mask for the next step needs the token the step in flight
-            # samples (with proposals, so do penalties and min_tokens: how many tokens it adds): while
-            # any runs, steps do not overlap (the previous one completes first).
-            outputs += self._complete(previous)
+            outputs += self._complete(previous)  # the next step's masks or proposals need its tokens on the host
             previous = None
-        if self.proposer:
-            self.proposer.plan(self.scheduler.running)
-        if self.lora is not None and len(self.lora.by_id) > len(self.lora.by_name):  # an unloaded adapter may be done with
-            self.lora.release_unused(self._adapters_in_use())
-        batch = self.scheduler.schedule()
-        if batch.kv_loads and not batch:  # only blocks read from a tier to write (their sequences compute later)
-            self._write_loaded(batch)
-        self.output.scheduled(batch.seqs, time.monotonic())
+        batch = self._schedule()
         launched = failed = None
         if batch:
             try:
-                if self.async_scheduling:
-                    launched = self._launch(batch, previous)
-                else:
-                    outputs += self._run_batch(batch)
+                launched = self._launch(batch, previous)
+                if not self.async_scheduling:
+                    outputs += self._complete(launched)
+                    launched = None
             except Exception as e:  # noqa: BLE001 - isolated below
                 log.warning("engine step of %d sequences failed (%s: %s): re-running it request by request", len(batch.seqs), type(e).__name__, e)
-                self.runner.recover()
+                self.worker.recover()
                 failed = batch
         elif previous is None and (self.kv_tiers is not None or self.kv_receiver is not None):
             self._await_tier_read()
@@ -436,10 +463,33 @@ class LLMEngine:
         self._step_seconds = time.perf_counter() - started
         return outputs
 
+    def _between_steps(self) -> None:
+        """Transfer blocks a decode engine is done with given back; a slice of a KV tier's reads."""
+        if self.kv_sender is not None:
+            self._release_transfers()
+        if self.kv_tiers is not None and self.kv_tiers.reading() and self.scheduler.running:
+            self.kv_tiers.read(TIER_READ_SHARE * self._step_seconds)  # a slice between steps (all of it: _await_tier_read)
+
     def _needs_host_tokens(self, seq: Sequence) -> bool:
+        """A constrained sequence's mask for the next step needs the token the step in flight samples
+        (with proposals, so do penalties and min_tokens: how many tokens it adds): while any runs,
+        steps do not overlap (the previous one completes first)."""
         if seq.guide is not None:
             return True
         return self.proposer is not None and (seq.params.has_penalties or seq.num_output_tokens < seq.params.min_tokens)
+
+    def _schedule(self) -> ScheduledBatch:
+        """Proposals planned, adapters no longer needed let go, the step scheduled (blocks read from a
+        tier for sequences that compute later are written now)."""
+        if self.proposer:
+            self.proposer.plan(self.scheduler.running)
+        if self.lora is not None and len(self.lora.by_id) > len(self.lora.by_name):  # an unloaded adapter may be done with
+            self.lora.release_unused(self._adapters_in_use())
+        batch = self.scheduler.schedule()
+        if batch.kv_loads and not batch:  # only blocks read from a tier to write (their sequences compute later)
+            self._write_loaded(batch)
+        self.output.scheduled(batch.seqs, time.monotonic())
+        return batch
 
     def step_or_fail_open(self) -> list[RequestOutput] | list[RequestDelta]:
         """step(), where a failure outside the model step (a bug) fails the open requests and the
@@ -455,93 +505,101 @@ class LLMEngine:
         outputs = []
         for part in batch.split_by_request():
             try:
-                outputs += self._run_batch(part)
+                outputs += self._complete(self._launch(part, None))
             except Exception as e:  # noqa: BLE001 - this request alone fails
                 log.exception("request %s failed in the engine step", part.seqs[0].request_id)
-                self.runner.recover()
+                self.worker.recover()
                 outputs.append(self._fail(part.seqs[0].request_id, f"the engine could not run this request ({type(e).__name__}: {e})"))
         return outputs
 
-    def _run_batch(self, batch: ScheduledBatch) -> list[RequestDelta]:
-        return self._complete(self._launch(batch, None))
-
     def _launch(self, batch: ScheduledBatch, previous: StepInFlight | None) -> StepInFlight:
-        """Build the step's input and queue it on the device (on a CPU it runs here)."""
-        proposal = self.proposer.propose(batch, previous) if self.proposer else None
-        rows = previous.sampled_rows() if previous else None
+        """The step's message, run by every rank's worker (queued on the device: on a CPU it runs here)."""
         slots = None
         if self.lora is not None and any(seq.adapter for seq in batch.seqs):
             slots = self.lora.slots_for([seq.adapter for seq in batch.seqs], {seq.adapter for seq in self.scheduler.running})
         if batch.kv_loads:
             self._write_loaded(batch)
-        model_input, plan = self.inputs.build(batch, proposal, rows, adapter_slots=slots, next_tokens=self.runner.head is not None)
-        if self.runner.head is not None:  # the head's whole layer at the rows the next proposals start from: only if there may be any
-            model_input.head_states = self.proposer.may_propose(len(self.scheduler.running))
-        if self.messenger is not None:
-            tokens = previous.launched.tokens if previous else None
-            awaited = tokens is not None and any(seq.num_placeholders for seq in batch.seqs)
-            self.runner.send_step(self.messenger.step(batch, rows, tokens.shape[0] if awaited else 0, slots), tokens)
-        step = StepInFlight(batch, plan, self.runner.launch(model_input, previous.launched if previous else None, proposal.tokens if proposal else None))
+        in_flight = previous.launched if previous else None
+        awaited = in_flight is not None and any(seq.num_placeholders for seq in batch.seqs)
+        step = self.messenger.step(batch, previous.sampled_rows() if previous else None, in_flight.tokens.shape[0] if awaited else 0, slots)
+        if self.proposer is not None:  # (an EAGLE-3 head keeps the states the next proposals start from only if there may be any)
+            step.drafts_next = self.proposer.may_propose(len(self.scheduler.running))
+        if self.workers is not None:
+            self.workers.send(step.for_other_ranks())
+            if awaited:
+                self.workers.broadcast_tokens(in_flight.tokens)
+        proposal = self.worker.begin(step, in_flight)
+        step.grammar = self._grammar_masks(batch, proposal)
+        launched = self.worker.execute(step, in_flight, proposal)
+        by_id = {seq.seq_id: seq for seq in batch.seqs}
+        plan = launched.plan
+        flight = StepInFlight(batch, launched, [by_id[sid] for sid in plan.sampled], plan.proposed,
+                              [(by_id[sid], start) for sid, start in plan.prompt_logprobs])
         if self.proposer:
-            self.proposer.launched(step)
-        return step
+            self.proposer.launched(flight)
+        return flight
+
+    def _grammar_masks(self, batch: ScheduledBatch, proposal) -> GrammarMasks | None:
+        """The allowed tokens of the constrained sequences the step samples (after their proposed tokens
+        so far, one row each), filled by the grammar library; the CPU time each cost is charged to it."""
+        guided = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens) if seq.guide is not None and seq.num_computed_tokens + n >= seq.num_tokens]
+        if not guided:
+            return None
+        import numpy as np
+
+        from kvpilot.server.engine.step_message import GrammarMasks
+
+        proposed = [proposal.host_tokens.get(seq.seq_id, seq.spec_token_ids) if proposal else seq.spec_token_ids for seq in guided]
+        counts = [len(tokens) + 1 for tokens in proposed]
+        masks = np.zeros((sum(counts), self.grammars.mask_words), dtype=np.int32)
+        firsts = np.cumsum([0, *counts[:-1]]).tolist()
+        timed = self.grammars.fill_masks([(seq.guide, first, list(tokens)) for seq, first, tokens in zip(guided, firsts, proposed)],
+                                         masks.ctypes.data, masks.shape[0])
+        for seq, seconds, count in zip(guided, timed or (), counts):  # charged against the engine's bound (_complete), per row
+            seq.mask_seconds += seconds
+            seq.mask_steps += count
+        return GrammarMasks([seq.seq_id for seq in guided], counts, self.grammars.mask_words, self.grammars.vocab_size, masks.tobytes())
 
     def _begin_awaiting(self, step: StepInFlight) -> None:
-        """Async scheduling, after the step before `step` is complete: account for `step`'s computed
-        tokens and give each sequence it samples a placeholder for the coming token, so that the next
-        step is scheduled with it. A verification is counted as if none of its k proposed tokens were
-        accepted, with k unsettled: the next step's rows are moved on by the accepted count on the
-        device, and the host settles the count once the outputs arrive (_complete)."""
-        plan = step.plan
-        self._update(step.batch, {seq.seq_id: k for seq, k in zip(plan.sampled, plan.proposed) if k})
+        """Async scheduling, after the step before `step` is complete: the scheduler counts `step` as
+        launched (placeholders for its coming tokens), so that the next step is scheduled with it."""
+        self.scheduler.launched(step.batch, step.sampled, step.proposed)
+        self._send_rank_saves()
         step.updated = True
-        for seq, k in zip(plan.sampled, plan.proposed):
-            if not seq.is_finished:
-                seq.num_placeholders += 1
-                seq.num_unsettled = k
         self._in_flight = step
 
     def _complete(self, step: StepInFlight) -> list[RequestDelta]:
         """Wait for a launched step and hand its outputs to the requests."""
-        batch, plan = step.batch, step.plan
         out = step.launched.output()
-        for (seq, first_pos), entries in zip(plan.prompt_logprobs, out.prompt_logprobs):
+        for (seq, first_pos), entries in zip(step.prompt_logprobs, out.prompt_logprobs):
             self.output.record_prompt_logprobs(seq, first_pos, entries)
         # A proposal of k with a accepted adds a + 1 tokens: the K/V of the k - a rejected ones does not count.
         verified = [(seq, k, 0 if i in out.errors else len(out.token_ids[i]) - 1)
-                    for i, (seq, k) in enumerate(zip(plan.sampled, plan.proposed)) if k]
-        if not step.updated:  # counted as _begin_awaiting does: the accepted tokens are settled once appended
-            self._update(batch, {seq.seq_id: k for seq, k, _ in verified})
+                    for i, (seq, k) in enumerate(zip(step.sampled, step.proposed)) if k]
+        if not step.updated:  # counted as launched() counts them: the accepted tokens are settled once appended
+            self.scheduler.update(step.batch, {seq.seq_id: k for seq, k, _ in verified})
+            self._send_rank_saves()
         now = time.monotonic()
         touched: dict[str, None] = {}
         failed: dict[str, str] = {}
-        for i, seq in enumerate(plan.sampled):
+        for i, seq in enumerate(step.sampled):
             if seq.request_id in failed or seq.is_finished:
                 continue
-            seq.num_placeholders = 0  # its value is here (appended below, as any token)
-            budget = self.grammars.mask_budget_s
-            if seq.guide is not None and seq.mask_seconds > MASK_ALLOWANCE_S + budget * seq.mask_steps:
-                why = (f"the constraint's token masks took {seq.mask_seconds * 1000:.0f} ms of CPU over {seq.mask_steps} masks, past "
-                       f"this server's bound ({budget * 1000:g} ms a mask after {MASK_ALLOWANCE_S * 1000:g} ms; "
-                       "--structured-outputs-max-mask-ms)")
-                self.grammars.refuse(seq.constraint_key, why)
-                failed[seq.request_id] = f"{CONSTRAINT_FAILURE} {why}"
-                continue
-            if i in out.errors:
-                guide_error = seq.guide.get_error() if seq.guide is not None and seq.guide.is_error() else None
-                failed[seq.request_id] = f"{CONSTRAINT_FAILURE} {guide_error[:300]}" if guide_error else out.errors[i]
-                continue
-            try:
-                self.output.append(seq, out.token_ids[i], out.logprobs[i], now)
-            except StructuredOutputError as e:  # the library failed the constraint (e.g. a parser row past its limit)
-                log.warning("request %s: %s", seq.request_id, e)
-                failed[seq.request_id] = f"{CONSTRAINT_FAILURE} {e}"
-                continue
-            except Exception as e:  # noqa: BLE001 - appending failed (a bug): this request only
-                log.exception("request %s: output processing failed", seq.request_id)
-                failed[seq.request_id] = f"output processing failed ({type(e).__name__}: {e})"
-                continue
-            touched[seq.request_id] = None
+            self.scheduler.arrived(seq)
+            why = self._failure(seq, out.errors.get(i))
+            if why is None:
+                try:
+                    self.output.append(seq, out.token_ids[i], out.logprobs[i], now)
+                except StructuredOutputError as e:  # the library failed the constraint (e.g. a parser row past its limit)
+                    log.warning("request %s: %s", seq.request_id, e)
+                    why = f"{CONSTRAINT_FAILURE} {e}"
+                except Exception as e:  # noqa: BLE001 - appending failed (a bug): this request only
+                    log.exception("request %s: output processing failed", seq.request_id)
+                    why = f"output processing failed ({type(e).__name__}: {e})"
+            if why is not None:
+                failed[seq.request_id] = why
+            else:
+                touched[seq.request_id] = None
         if verified:
             for seq, _, accepted in verified:
                 self.scheduler.settle(seq, accepted)
@@ -550,6 +608,21 @@ class LLMEngine:
             self.proposer.verified(verified)
         outputs = [self.output.delta(rid) for rid in touched if rid not in failed]
         return outputs + [self._fail(rid, why) for rid, why in failed.items()]
+
+    def _failure(self, seq: Sequence, error: str | None) -> str | None:
+        """Why a sampled sequence fails this step: its constraint's masks cost past the bound, or its
+        row could not be sampled (None: it did not)."""
+        budget = self.grammars.mask_budget_s
+        if seq.guide is not None and seq.mask_seconds > MASK_ALLOWANCE_S + budget * seq.mask_steps:
+            why = (f"the constraint's token masks took {seq.mask_seconds * 1000:.0f} ms of CPU over {seq.mask_steps} masks, past "
+                   f"this server's bound ({budget * 1000:g} ms a mask after {MASK_ALLOWANCE_S * 1000:g} ms; "
+                   "--structured-outputs-max-mask-ms)")
+            self.grammars.refuse(seq.constraint_key, why)
+            return f"{CONSTRAINT_FAILURE} {why}"
+        if error is not None:
+            guide_error = seq.guide.get_error() if seq.guide is not None and seq.guide.is_error() else None
+            return f"{CONSTRAINT_FAILURE} {guide_error[:300]}" if guide_error else error
+        return None
 
     def _fail(self, request_id: str, message: str) -> RequestDelta:
         """End every sequence of a request with finish_reason "error" (blocks freed); its final delta."""
@@ -574,13 +647,15 @@ class LLMEngine:
 
 @dataclass(slots=True)
 class StepInFlight:
-    """A launched step whose outputs the requests have not had yet."""
+    """A launched step whose outputs the requests have not had yet, keyed to the engine's sequences."""
 
     batch: ScheduledBatch
-    plan: StepPlan
     launched: LaunchedStep
+    sampled: list[Sequence]         # the sequence of each sampled row
+    proposed: list[int]             # per sampled sequence: the tokens it verifies (0: none)
+    prompt_logprobs: list[tuple[Sequence, int]]  # per prompt-logprob span: its sequence and first position
     updated: bool = False           # the scheduler has counted its computed tokens
 
     def sampled_rows(self) -> dict[int, int]:
         """seq_id -> its index among the step's sampled sequences (LaunchedStep.tokens, accepted_counts)."""
-        return {seq.seq_id: i for i, seq in enumerate(self.plan.sampled)}
+        return {seq.seq_id: i for i, seq in enumerate(self.sampled)}

@@ -1,14 +1,15 @@
 """The step boundary: one ModelInput in, one ModelOutput out.
 
-`InputBuilder` turns a scheduled batch into tensors once per step, on the CPU side; the device side
-(`ModelRunner.launch`) sees nothing else: no Sequence, detokenizer or request object, so a
-tensor-parallel rank other than 0 can run a step from a ModelInput alone. Sequences are laid out
+`InputBuilder` turns one step of a worker's batch (`StepBatch`: the Step message applied to the
+worker's persistent batch, engine/step_message.py) into tensors once per step, on the CPU side; it
+never sees a Sequence, and every rank's worker, rank 0's included, builds its tensors the same way
+from the same message. The device side (`Worker.launch`) sees nothing but the ModelInput. Sequences are laid out
 prefills first (any number of query rows each: a prompt or a chunk of one), then one-row decodes.
 A verification step's k + 1 rows (speculative decoding) are laid out as k + 1 decode rows of the
 same block table, row j attending to the cache up to its own position: every row's K/V is stored
 before attention runs, so this is exact, and it runs on the batched decode kernel instead of a
-per-sequence prefill. The builder also returns a StepPlan (rank 0 only) saying which sequence each
-sampled or prompt-logprob row belongs to.
+per-sequence prefill. The builder also returns a StepPlan saying which sequence (by id) each sampled
+or prompt-logprob row belongs to.
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ import torch
 
 from kvpilot.kernels.lora import LoRABatch
 from kvpilot.server.engine.sampling_params import FLOAT32_MAX
-from kvpilot.server.engine.scheduler import ScheduledBatch
-from kvpilot.server.engine.sequence import Sequence
 
 if TYPE_CHECKING:
-    from kvpilot.server.engine.structured import GrammarCompiler
+    from kvpilot.server.engine.step_message import BatchSeq, GrammarMasks, StepBatch
 
 
 class InputBuffers:
@@ -170,14 +169,14 @@ class SamplingTensors:
     spec_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def build(cls, seqs: list[Sequence], eos_token_ids: tuple[int, ...], dtype: torch.dtype, buffers: InputBuffers,
+    def build(cls, seqs: list[BatchSeq], eos_token_ids: tuple[int, ...], dtype: torch.dtype, buffers: InputBuffers,
               draft_probs: dict[int, torch.Tensor] | None = None, proposing: bool = False,
-              previous: dict[int, int] | None = None, grammars: GrammarCompiler | None = None) -> SamplingTensors:
+              previous: dict[int, int] | None = None, grammar: GrammarMasks | None = None) -> SamplingTensors:
         """draft_probs: seq_id -> [k, V] distributions a draft model drew the proposal of a random-sampling
         sequence from. proposing: the rows of a draft model's proposal step instead: one per sequence,
         after its proposed tokens so far, checking nothing. previous: as InputBuilder.build's (a
-        sequence awaiting its last token counts it in its penalties from the device). grammars: fills
-        the masks of constrained sequences (their guides have taken every known output token); a draft
+        sequence awaiting its last token counts it in its penalties from the device). grammar: the masks
+        of constrained sequences (the step message's part, made by the engine's grammars); a draft
         model's proposal rows are not masked (the target's verification is)."""
         rows = [(seq, j) for seq in seqs for j in ([len(seq.spec_token_ids)] if proposing else range(len(seq.spec_token_ids) + 1))]
         params = [seq.params for seq, _ in rows]
@@ -223,7 +222,7 @@ class SamplingTensors:
             vocab = next(iter(draft_probs.values())).shape[-1]
             none = torch.zeros(vocab, dtype=dtype, device=buffers.device)
 
-            def q_row(seq: Sequence, j: int) -> torch.Tensor:
+            def q_row(seq: BatchSeq, j: int) -> torch.Tensor:
                 if j >= len(seq.spec_token_ids):  # the row after the proposal: checks nothing
                     return none
                 if seq.seq_id in draft_probs:
@@ -233,8 +232,8 @@ class SamplingTensors:
 
             q = torch.stack([q_row(*rows[i]) for i in random_rows]).to(dtype)
         guided_rows = allowed = None
-        if grammars is not None and not proposing:
-            guided_rows, allowed = _allowed_tokens(seqs, grammars, buffers)
+        if grammar is not None and not proposing:
+            guided_rows, allowed = _allowed_tokens(seqs, grammar, buffers)
         proposed = not proposing and any(seq.spec_token_ids for seq in seqs)
         spec_rows = None
         if proposed:
@@ -249,28 +248,21 @@ class SamplingTensors:
                    guided_rows, allowed, spec_rows)
 
 
-def _allowed_tokens(seqs: list[Sequence], grammars: GrammarCompiler, buffers: InputBuffers) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+def _allowed_tokens(seqs: list[BatchSeq], grammar: GrammarMasks, buffers: InputBuffers) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """The constrained rows of a step (a sequence's rows are consecutive: one, or k + 1 when it
-    carries k proposed tokens) and their allowed tokens. The grammar library fills bitmasks into host
-    memory; they are unpacked to one bool per token here, on the host (numpy's unpackbits: ~0.1 ms for
-    16 rows of 49k tokens), because unpacking them with tensor ops in the sampler cost ~4 ms per step
-    on a CPU (bench/structured.py)."""
-    rows, entries, guided, row = [], [], [], 0
+    carries k proposed tokens) and their allowed tokens, from the message's packed masks. They are
+    unpacked to one bool per token here, on the host (numpy's unpackbits: ~0.1 ms for 16 rows of 49k
+    tokens), because unpacking them with tensor ops in the sampler cost ~4 ms per step on a CPU
+    (bench/structured.py)."""
+    first, row = {}, 0
     for seq in seqs:
-        count = len(seq.spec_token_ids) + 1
-        if seq.guide is not None:
-            entries.append((seq.guide, len(rows), list(seq.spec_token_ids)))
-            guided.append(seq)
-            rows += range(row, row + count)
-        row += count
+        first[seq.seq_id] = row
+        row += len(seq.spec_token_ids) + 1
+    rows = [first[sid] + j for sid, count in zip(grammar.seq_ids, grammar.row_counts) for j in range(count)]
     if not rows:
         return None, None
-    masks = np.zeros((len(rows), grammars.mask_words), dtype=np.int32)
-    timed = grammars.fill_masks(entries, masks.ctypes.data, len(rows))
-    for seq, seconds in zip(guided, timed or ()):  # charged against the engine's bound (llm_engine.py), per row
-        seq.mask_seconds += seconds
-        seq.mask_steps += len(seq.spec_token_ids) + 1
-    allowed = torch.from_numpy(np.unpackbits(masks.view(np.uint8), axis=-1, bitorder="little")[:, :grammars.vocab_size]).view(torch.bool)
+    masks = np.frombuffer(grammar.packed, dtype=np.int32).reshape(len(rows), grammar.words)
+    allowed = torch.from_numpy(np.unpackbits(masks.view(np.uint8), axis=-1, bitorder="little")[:, :grammar.vocab_size].copy()).view(torch.bool)
     return buffers.upload(rows, torch.long), buffers.upload(allowed.reshape(-1), torch.bool).view(len(rows), -1)
 
 
@@ -371,15 +363,15 @@ class Proposal:
     tokens: torch.Tensor                    # [S, W] long: row i is a proposing sequence's (padded past its count)
     index: dict[int, int]                   # seq_id -> its row
     probs: dict[int, torch.Tensor] | None   # seq_id -> [k, V]: what a random-sampling sequence's tokens were drawn from
+    host_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> its tokens, where a mask or penalty needs them on the host
 
 
 @dataclass(slots=True)
 class StepPlan:
-    """Rank 0's key to a step: the sequence of each sampled row and each prompt-logprob span."""
+    """The key to a step's outputs: the sequence (seq_id) of each sampled row and each prompt-logprob span."""
 
-    sampled: list[Sequence]
-    prompt_logprobs: list[tuple[Sequence, int]]  # with the prompt position of the span's first row
-    spans: list[tuple[Sequence, int, int, int]] = field(default_factory=list)  # each sequence's rows: (seq, first row, first position, rows)
+    sampled: list[int]
+    prompt_logprobs: list[tuple[int, int]]  # with the prompt position of the span's first row
     proposed: list[int] = field(default_factory=list)  # per sampled sequence: the tokens it verifies (0: none)
 
 
@@ -392,24 +384,25 @@ class ModelOutput:
 
 
 class InputBuilder:
-    def __init__(self, block_size: int, eos_token_ids: tuple[int, ...], device: torch.device, grammars: GrammarCompiler | None = None):
-        self.block_size, self.eos_token_ids, self.grammars = block_size, eos_token_ids, grammars
+    def __init__(self, block_size: int, eos_token_ids: tuple[int, ...], device: torch.device):
+        self.block_size, self.eos_token_ids = block_size, eos_token_ids
         self.buffers = InputBuffers(device)
 
-    def build(self, batch: ScheduledBatch, proposal: Proposal | None = None,
-              previous: dict[int, int] | None = None, sample: bool = True, adapter_slots: list[int] | None = None,
+    def build(self, batch: StepBatch, proposal: Proposal | None = None, sample: bool = True,
               next_tokens: bool = False) -> tuple[ModelInput, StepPlan]:
-        """proposal: the proposed tokens made on the device (their sequences hold placeholders), and what
-        random-sampling ones were drawn from (see SamplingTensors.build). previous: seq_id -> its index
+        """batch: the step (its message applied to the worker's batch). Each sequence's LoRA slot (-1:
+        none) lays its rows out next to those of others with its slot (prefills and decodes each
+        grouped by slot), so that each slot's rows are few runs; batch.previous: seq_id -> its index
         among the sampled sequences of the step in flight, for sequences awaiting its tokens.
-        sample=False: no SamplingTensors (tensor-parallel ranks other than 0, whose batch holds their
-        mirrors of the sequences: step_message.RankSeq). adapter_slots: each sequence's LoRA slot (-1:
-        none); a sequence's rows are laid out next to those of others with its slot (prefills and
-        decodes each grouped by slot), so that each slot's rows are few runs. next_tokens: the input
-        says each row's next token where the host knows it (an EAGLE-3 head's pass: chunk_next)."""
+        proposal: the proposed tokens made on the device (their sequences hold placeholders), and what
+        random-sampling ones were drawn from (see SamplingTensors.build). sample=False: no
+        SamplingTensors (tensor-parallel ranks other than 0). next_tokens: the input says each row's
+        next token where the host knows it (an EAGLE-3 head's pass: chunk_next)."""
         self.buffers.begin_step()
         bs = self.block_size
-        slot_of = adapter_slots or [-1] * len(batch.seqs)
+        adapter_slots = batch.adapter_slots
+        previous = batch.previous or None
+        slot_of = adapter_slots
         order = sorted(range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] == 1 or batch.seqs[i].num_spec_tokens > 0, slot_of[i]))
         row_slots: list[int] = []
         ids: list[int] = []
@@ -422,6 +415,7 @@ class InputBuilder:
         context_lens: list[int] = []
         sample_rows: list[int] = []
         plan = StepPlan([], [])
+        sampled: list[BatchSeq] = []
         prompt_lp: list[PromptLogprobRows] = []
         placeholder_rows: list[int] = []
         previous_rows: list[int] = []
@@ -442,7 +436,6 @@ class InputBuilder:
                 previous_rows.append(previous[seq.seq_id])
             pos = range(start, start + n)
             positions += pos
-            plan.spans.append((seq, row0, start, n))
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in pos]
             if seq.num_unsettled:  # every row moves on by the accepted count of the verification in flight
@@ -462,7 +455,8 @@ class InputBuilder:
                 tables += [table] * n
                 sample_entries += range(len(seq_lens) - n, len(seq_lens))
                 sample_rows += range(row0, len(ids))
-                plan.sampled.append(seq)
+                sampled.append(seq)
+                plan.sampled.append(seq.seq_id)
                 plan.proposed.append(seq.num_spec_tokens)
                 continue
             starts.append(len(ids))
@@ -474,11 +468,12 @@ class InputBuilder:
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
                 count = min(start + n, seq.num_prompt_tokens - 1) - start
                 prompt_lp.append(PromptLogprobRows(row0, seq.prompt_token_ids[start + 1:start + 1 + count], seq.params.prompt_logprobs))
-                plan.prompt_logprobs.append((seq, start))
+                plan.prompt_logprobs.append((seq.seq_id, start))
             if start + n == seq.num_tokens:
                 sample_entries.append(len(seq_lens) - 1)
                 sample_rows.append(len(ids) - 1)
-                plan.sampled.append(seq)
+                sampled.append(seq)
+                plan.sampled.append(seq.seq_id)
                 plan.proposed.append(0)
             elif next_tokens:
                 # (a token still in flight, after a preemption, is not known here: 0 stands in, costing the head's K/V at one position its accuracy)
@@ -494,9 +489,9 @@ class InputBuilder:
             input_ids=ids_t, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
             block_tables=tables_t.view(len(tables), -1) if tables else tables_t.view(0, 0), logits_indices=rows_t,
             num_prefills=len(query_lens), query_lens=query_lens, context_lens=context_lens, prompt_logprobs=prompt_lp,
-            sampling=SamplingTensors.build(plan.sampled, self.eos_token_ids, torch.float32, self.buffers, proposal.probs if proposal else None,
-                                           previous=previous, grammars=self.grammars)
-            if plan.sampled and sample else None,
+            sampling=SamplingTensors.build(sampled, self.eos_token_ids, torch.float32, self.buffers, proposal.probs if proposal else None,
+                                           previous=previous, grammar=batch.grammar)
+            if sampled and sample else None,
             from_previous=previous_t.view(2, -1) if placeholder_rows else None,
             lora=self._lora_batch(row_slots) if adapter_slots and max(adapter_slots) >= 0 else None,
             from_proposal=proposed_t.view(3, -1) if proposed_rows[0] else None, shift=shifted_t.view(3, -1) if shifted[0] else None,
@@ -512,7 +507,7 @@ class InputBuilder:
                 runs.append((slot, row, row + 1))
         return LoRABatch(self.buffers.upload(row_slots, torch.long), [r for r in runs if r[0] >= 0])
 
-    def build_decode(self, seqs: list[Sequence], positions: list[int], input_ids: torch.Tensor, shift: torch.Tensor | None = None) -> ModelInput:
+    def build_decode(self, seqs: list[BatchSeq], positions: list[int], input_ids: torch.Tensor, shift: torch.Tensor | None = None) -> ModelInput:
         """A decode-only step of a proposer (a draft model's or an EAGLE-3 head's): one row per sequence
         at the given positions, taking `input_ids` (on the device), all rows' logits wanted. shift: per
         row, positions to move on by on the device (the accepted count of a verification in flight)."""

@@ -190,22 +190,22 @@ def worker_main(rank: int, world_size: int, init_method: str, config: dict, mode
         import torch.distributed as dist
 
         from kvpilot.server.engine.kv_scales import kv_calibration_ids
-        from kvpilot.server.engine.model_runner import ModelRunner
+        from kvpilot.server.engine.worker import Worker
         from kvpilot.server.loading import open_model
 
         dist.init_process_group(backend(device_type, world_size), init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT)
         channel = Channel()
         weights, tokenizer = open_model(Path(model_path))
-        runner = ModelRunner(engine_config, weights, show_progress=False, tp=TensorParallel(rank, world_size),
-                             kv_calibration_ids=kv_calibration_ids(engine_config, tokenizer))
+        worker = Worker(engine_config, weights, show_progress=False, tp=TensorParallel(rank, world_size),
+                        kv_calibration_ids=kv_calibration_ids(engine_config, tokenizer))
         del weights
     except BaseException as e:
         errors.put(f"failed at start-up: {type(e).__name__}: {e}")
         traceback.print_exc()
         sys.exit(1)
     try:
-        runner.serve_steps(channel)
+        worker.serve(channel)
     except BaseException as e:  # rank 0 went away (connection closed) or a step failed here
         errors.put(f"failed in a step: {type(e).__name__}: {e}")
         sys.exit(1)

@@ -236,7 +236,6 @@ class Scheduler:
         """A verification, counted as if none of its proposal was accepted (under async scheduling the
         step after it was scheduled so), accepted `accepted` tokens, now appended: their K/V count, full
         blocks join the prefix cache (unless the sequence ended or was preempted meanwhile)."""
-        seq.num_unsettled = 0
         if seq.status is Status.RUNNING:
             seq.num_computed_tokens += accepted
             self.bm.cache_full_blocks(seq, seq.num_computed_tokens)
@@ -270,5 +269,37 @@ class Scheduler:
         self.bm.free_seq(seq)
         seq.set_spec(None)
         seq.kv_writes = []
-        seq.num_placeholders = 0
         seq.status = Status.FINISHED
+
+    def launched(self, batch: ScheduledBatch, sampled: list[Sequence], proposed: list[int]) -> None:
+        """A step was launched (synchronous scheduling: nothing is counted before its outputs are here)."""
+
+    def arrived(self, seq: Sequence) -> None:
+        """The token a sequence awaited from the step in flight is here (synchronous scheduling: none is awaited)."""
+
+
+class AsyncScheduler(Scheduler):
+    """Async scheduling (the step after is scheduled while a step runs): the one writer of the counters
+    of tokens in flight. At launch a step's computed tokens are counted and each sequence it samples
+    gets a placeholder for its coming token, so that the next step is scheduled with it; a
+    verification is counted as if none of its k proposed tokens were accepted, with k unsettled (the
+    next step's rows are moved on by the accepted count on the device, and settle() counts them once
+    the outputs arrive)."""
+
+    def launched(self, batch: ScheduledBatch, sampled: list[Sequence], proposed: list[int]) -> None:
+        self.update(batch, {seq.seq_id: k for seq, k in zip(sampled, proposed) if k})
+        for seq, k in zip(sampled, proposed):
+            if not seq.is_finished:
+                seq.num_placeholders += 1
+                seq.num_unsettled = k
+
+    def arrived(self, seq: Sequence) -> None:
+        seq.num_placeholders = 0  # its value is here (appended as any token)
+
+    def settle(self, seq: Sequence, accepted: int) -> None:
+        seq.num_unsettled = 0
+        super().settle(seq, accepted)
+
+    def finish(self, seq: Sequence) -> None:
+        super().finish(seq)
+        seq.num_placeholders = 0

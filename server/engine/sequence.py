@@ -44,7 +44,6 @@ class Sequence:
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
     num_cached_tokens: int = 0            # of the prompt, found in the prefix cache at admission
     num_preemptions: int = 0
-    generator: Any = None                 # torch.Generator when the request is seeded (its rows draw from it)
     guide: Any = None                     # structured outputs: the matcher of its constraint, advanced on each output token
     constraint_key: Any = None            # its constraint's in the grammar cache (refused there if its masks cost too much)
     mask_seconds: float = 0.0             # CPU time its masks took in the steps that timed them, over

@@ -1,8 +1,8 @@
 """Speculative decoding: who proposes tokens, when it pays to, and what it achieved.
 
 A step with speculation: before scheduling, the proposer's `plan` gives each decoding sequence a
-proposal (n-gram: the tokens themselves; draft model: how many, drawn after scheduling has reserved
-their KV slots, by `propose`). The target verifies a sequence's k proposed tokens in one pass of
+proposal (n-gram: the tokens themselves; draft model, EAGLE-3 head: how many, drafted on the device
+by rank 0's worker once scheduling has reserved their KV slots: engine/drafters.py). The target verifies a sequence's k proposed tokens in one pass of
 k + 1 query rows (the sampler's exact acceptance rule), the accepted ones plus one more token join
 the output, and the scheduler gives back the slots of the rejected ones.
 
@@ -22,12 +22,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvpilot.server.config import EngineConfig
-from kvpilot.server.engine.model_io import InputBuilder, Proposal, SamplingTensors
-from kvpilot.server.engine.scheduler import ScheduledBatch
-from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN, Sequence
+from kvpilot.server.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvpilot.server.engine.llm_engine import StepInFlight
@@ -117,14 +114,6 @@ class Proposer:
     def plan_sequence(self, seq: Sequence, room: int) -> None:
         raise NotImplementedError
 
-    def propose(self, batch: ScheduledBatch, previous: StepInFlight | None = None) -> Proposal | None:
-        """After scheduling: make the proposals that need the reserved KV slots, on the device (the
-        sequences hold placeholders for them; a sequence whose mask or penalties need its proposed
-        tokens on the host gets them there too), and the distributions random-sampling sequences' were
-        drawn from. previous: the step in flight (async scheduling), whose tokens and accepted counts
-        the proposals start from on the device."""
-        return None
-
     def launched(self, step: StepInFlight) -> None:
         """A step was launched (its outputs still on the device)."""
 
@@ -183,19 +172,15 @@ def ngram_lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]
 
 
 class DeviceProposer(Proposer):
-    """A proposer that drafts on the device, k decode steps of its own (all proposing sequences
-    batched), each token drawn with the request's own sampling parameters, so that verification can
-    compare the two distributions. Under async scheduling its first step starts from the step in
-    flight's tokens and accepted counts, on the device: step n + 1's proposal never waits for step n's
-    tokens to reach the host."""
+    """The plan of a proposer that drafts on the device (engine/drafters.py: a draft model, an EAGLE-3
+    head, on rank 0's worker): a count of tokens per proposing sequence, reserved by scheduling, the
+    tokens drafted by the worker before the step runs. speculative_lookup: a sequence whose last
+    tokens occurred earlier in it gets what followed them there (n-gram), the model drafts for the others."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int, runner, inputs: InputBuilder, eos_token_ids: tuple[int, ...]):
+    def __init__(self, config: EngineConfig, max_model_len: int):
         super().__init__(config, max_model_len)
-        self.runner, self.inputs, self.eos_token_ids = runner, inputs, eos_token_ids
-        # speculative_lookup: a sequence whose last tokens occurred earlier in it gets what followed them
-        # there (n-gram), the model drafts for the others; seq_ids given a lookup this step.
         self.lookup = (config.prompt_lookup_min, config.prompt_lookup_max) if config.speculative_lookup else None
-        self.looked_up: set[int] = set()
+        self.looked_up: set[int] = set()  # seq_ids given a lookup this step
         self.draft_tokens = config.num_speculative_tokens
 
     def plan(self, running: list[Sequence]) -> None:
@@ -210,7 +195,7 @@ class DeviceProposer(Proposer):
                 self.looked_up.add(seq.seq_id)
                 return
         if self.can_draft(seq):
-            seq.set_spec(None, min(room, self.draft_tokens))  # the tokens come in propose(), once the slots are reserved
+            seq.set_spec(None, min(room, self.draft_tokens))  # the worker's drafter makes the tokens, once the slots are reserved
 
     def can_draft(self, seq: Sequence) -> bool:
         return True
@@ -218,135 +203,27 @@ class DeviceProposer(Proposer):
     def was_looked_up(self, seq: Sequence) -> bool:
         return seq.seq_id in self.looked_up  # (the plan of the step verified: lookups keep steps synchronous)
 
-    def propose(self, batch: ScheduledBatch, previous: StepInFlight | None = None) -> Proposal | None:
-        seqs = [s for s in batch.seqs if s.num_spec_tokens and s.seq_id not in self.looked_up]
-        if not seqs:
-            return None
-        # Penalties count the proposed tokens as output, and a grammar's masks follow them: those
-        # sequences' tokens come to the host (their steps never overlap the previous one: llm_engine.py).
-        host = any(s.guide is not None or s.params.has_penalties for s in seqs)
-        for seq in seqs:
-            seq.spec_token_ids = []  # a re-run of a failed step proposes again
-        width = max(s.num_spec_tokens for s in seqs)
-        index = {s.seq_id: i for i, s in enumerate(seqs)}
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=self.runner.device)
-        probs: dict[int, list[torch.Tensor]] = {}
-        for i, (rows, drawn, q, sampling) in enumerate(self.draft_steps(seqs, previous)):
-            active = [seqs[r] for r in rows]
-            tokens[self._index(rows), i] = drawn
-            known = drawn.tolist() if host else [PLACEHOLDER_TOKEN] * len(active)
-            for seq, token in zip(active, known):
-                seq.spec_token_ids.append(token)
-            if q is not None:
-                for j, row in enumerate(sampling.random_rows):
-                    probs.setdefault(active[row].seq_id, []).append(q[j])
-        return Proposal(tokens, index, {sid: torch.stack(rows) for sid, rows in probs.items()} or None)
-
-    def draft_steps(self, seqs: list[Sequence], previous: StepInFlight | None):
-        """Yield, for draft step i = 0, 1, …: (the rows of `seqs` proposing more than i tokens, their i-th
-        proposed tokens, the random rows' distributions, the draw's SamplingTensors)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _narrow(seqs: list[Sequence], rows: list[int], i: int) -> tuple[list[int], list[int]]:
-        """Of `rows` (of `seqs`), those proposing more than i tokens: (their places in `rows`, the rows)."""
-        keep = [j for j, r in enumerate(rows) if seqs[r].num_spec_tokens > i]
-        return keep, [rows[j] for j in keep]
-
-    def _draw_rows(self, active: list[Sequence]) -> SamplingTensors | None:
-        """Each row drawn as the target will judge it: with the proposed tokens so far counted as output.
-        None: every row is greedy with nothing that changes its logits (the argmax alone)."""
-        plain = all(s.params.greedy and not s.params.has_penalties and not s.params.logit_bias and s.guide is None
-                    and s.num_output_tokens >= s.params.min_tokens for s in active)
-        return None if plain else SamplingTensors.build(active, self.eos_token_ids, torch.float32, self.inputs.buffers, proposing=True)
-
-    def _index(self, values: list[int]) -> torch.Tensor:
-        """A host list as a device index (staged like a step's inputs: a plain torch.tensor to a GPU
-        would wait for the step in flight)."""
-        return self.inputs.buffers.upload(values, torch.long)
-
-    def _in_flight(self, seqs: list[Sequence], previous: StepInFlight | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Per sequence, from the step in flight, on the device: its last new token (where the host has
-        a placeholder; else -1) and how many positions on its rows are (the accepted count of its
-        verification; else 0). (None, None) without a step in flight."""
-        if previous is None:
-            return None, None
-        where = previous.sampled_rows()
-        at = self._index([where.get(s.seq_id, -1) if s.num_placeholders else -1 for s in seqs])
-        tokens = torch.where(at >= 0, previous.launched.tokens[at.clamp(min=0)], -1)
-        counts = previous.launched.accepted_counts
-        if counts is None:
-            return tokens, None
-        at = self._index([where.get(s.seq_id, -1) if s.num_unsettled else -1 for s in seqs])
-        return tokens, torch.where(at >= 0, counts[at.clamp(min=0)], 0)
-
-
-class DraftModelProposer(DeviceProposer):
-    """A small model sharing the tokenizer drafts k tokens. Its cache is filled by running every
-    target step's rows too (ModelRunner.launch), so proposing needs only the k new rows: the first
-    takes the sequence's last token, each further one the token drafted before it."""
-
-    def draft_steps(self, seqs: list[Sequence], previous: StepInFlight | None):
-        last, shift = self._in_flight(seqs, previous)
-        known = self._index([s.tokens_slice(s.num_computed_tokens, s.num_computed_tokens + 1)[0] for s in seqs])
-        ids = known if last is None else torch.where(last >= 0, last, known)
-        rows = list(range(len(seqs)))
-        for i in range(max(s.num_spec_tokens for s in seqs)):
-            keep, rows = self._narrow(seqs, rows, i)
-            active = [seqs[r] for r in rows]
-            inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active], ids[self._index(keep)],
-                                           shift[self._index(rows)] if shift is not None else None)
-            inp.sampling = self._draw_rows(active)
-            ids, q = self.runner.draft_propose(inp)
-            yield rows, ids, q, inp.sampling
-
 
 class EagleProposer(DeviceProposer):
-    """An EAGLE-3 head (server/models/eagle.py) drafts from the target's own hidden states. Every step
-    the head runs over all of that step's rows, on the device right after the target (ModelRunner:
-    its K/V cache stays as complete as the target's whether or not anything is proposed — above the
-    batch threshold too — for about one target layer's cost) and keeps, per sampled sequence, its
-    output at the row before the sequence's last new token: that gives the first proposed token, and
-    each further one is a decode step of the head fed its own output."""
+    """An EAGLE-3 head drafts from the state it kept of a sequence's last sampled step (engine/drafters.py):
+    a sequence may draft when the head's last launched pass kept one for it, since its last preemption."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int, runner, inputs: InputBuilder, eos_token_ids: tuple[int, ...]):
-        super().__init__(config, max_model_len, runner, inputs, eos_token_ids)
-        # seq_id -> (the sequence, its preemptions then, the head's normed and prenorm outputs of a step, its row there)
-        self.last: dict[int, tuple[Sequence, int, torch.Tensor, torch.Tensor, int]] = {}
+    def __init__(self, config: EngineConfig, max_model_len: int):
+        super().__init__(config, max_model_len)
+        self.kept: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (the sequence, its preemptions then)
 
     def launched(self, step: StepInFlight) -> None:
-        if step.launched.head_state is None:  # not computed (no proposals expected): its sequences' older states are stale now
-            for seq in step.plan.sampled:
-                self.last.pop(seq.seq_id, None)
-            return
-        normed, prenorm = step.launched.head_state
-        for i, seq in enumerate(step.plan.sampled):
-            self.last[seq.seq_id] = (seq, seq.num_preemptions, normed, prenorm, i)
+        for seq in step.sampled:
+            if step.launched.head_state is None:  # not computed (no proposals expected): its older state is stale now
+                self.kept.pop(seq.seq_id, None)
+            else:
+                self.kept[seq.seq_id] = (seq, seq.num_preemptions)
 
     def plan(self, running: list[Sequence]) -> None:
-        for seq_id in [i for i, entry in self.last.items() if entry[0].is_finished]:
-            del self.last[seq_id]
+        for seq_id in [i for i, (seq, _) in self.kept.items() if seq.is_finished]:
+            del self.kept[seq_id]
         super().plan(running)
 
     def can_draft(self, seq: Sequence) -> bool:
-        entry = self.last.get(seq.seq_id)
-        return entry is not None and entry[1] == seq.num_preemptions  # the head has seen every token (not so after a preemption's re-prefill began)
-
-    def draft_steps(self, seqs: list[Sequence], previous: StepInFlight | None):
-        _, shift = self._in_flight(seqs, previous)
-        normed = torch.stack([self.last[s.seq_id][2][self.last[s.seq_id][4]] for s in seqs])
-        prenorm = torch.stack([self.last[s.seq_id][3][self.last[s.seq_id][4]] for s in seqs])
-        rows = list(range(len(seqs)))  # every sequence proposes at least one token
-        tokens = None
-        for i in range(max(s.num_spec_tokens for s in seqs)):
-            keep, rows = self._narrow(seqs, rows, i)
-            active = [seqs[r] for r in rows]
-            if i:
-                # The row after the last proposed token's: that token in, the head's previous output as the hidden state.
-                kept = self._index(keep)
-                inp = self.inputs.build_decode(active, [s.num_tokens - 2 + i for s in active], tokens[kept],
-                                               shift[self._index(rows)] if shift is not None else None)
-                normed, prenorm = self.runner.head_propose(inp, prenorm[kept])
-            sampling = self._draw_rows(active)
-            tokens, q = self.runner.head_draw(normed, sampling)
-            yield rows, tokens, q, sampling
+        kept = self.kept.get(seq.seq_id)
+        return kept is not None and kept[1] == seq.num_preemptions  # the head has seen every token (not so after a preemption's re-prefill began)

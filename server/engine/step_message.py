@@ -1,19 +1,25 @@
-"""The one per-step message: what the scheduler decided for a step, as every tensor-parallel rank needs
-it to build that step's tensors itself (rank 0 builds its own from the same decisions).
+"""The one per-step message: what the scheduler decided for a step, as every rank's worker needs it to
+build that step's tensors itself — rank 0's included: it builds from the same message as the others
+(vLLM V1's SchedulerOutput), never from the engine's Sequences.
 
 Typed with msgspec Structs and sent as msgpack bytes over the process group (one length, one byte
 tensor: no pickle, no tensor, no ModelInput crosses per step). msgspec because it is a well-kept,
 typed, schema-checked encoder of exactly these shapes (lists of ints and small structs), an order of
-magnitude faster than pickle or json for them, with no code execution on decode.
+magnitude faster than pickle or json for them, with no code execution on decode. Rank 0's worker
+takes the message in-process, never encoded.
 
 A sequence's tokens and block table are sent in full once (NewSeq), then as deltas (SeqUpdate); each
-rank keeps them in a RankMirror. Rows carry the per-row fields that later features extend (a
-constraint handle, an adapter slot, KV loads and saves).
+worker keeps them in its WorkerBatch (the persistent per-rank batch). Each feature is a typed part
+of the message, not a branch of the builder: a row's adapter slot, prompt-logprob count and
+proposal (tokens known on the host, or a count a drafter fills on the device), the grammar masks of
+constrained rows (`GrammarMasks`, rank 0 alone samples), the sampling parameters of a new sequence
+(rank 0 only); KV blocks to load and save and adapters to set are messages of their own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -26,6 +32,10 @@ class NewSeq(msgspec.Struct, array_like=True, frozen=True):
     token_ids: list[int]            # its known tokens: prompt, then known output
     num_prompt_tokens: int
     block_table: list[int]
+    # Rank 0's worker alone (it samples): the request's SamplingParams (in-process, never encoded: None
+    # in what the other ranks get) and its generator's seed (None: unseeded).
+    params: Any = None
+    seed: int | None = None
 
 
 class SeqUpdate(msgspec.Struct, array_like=True, frozen=True):
@@ -40,19 +50,41 @@ class Row(msgspec.Struct, array_like=True, frozen=True):
     num_computed_tokens: int
     num_new_tokens: int
     num_placeholders: int
-    previous_row: int               # with a placeholder: its row among the step in flight's sampled tokens
-    spec_token_ids: list[int]
-    num_spec_tokens: int
+    previous_row: int               # with a placeholder or unsettled tokens: its row among the step in flight's sampled tokens
+    spec_token_ids: list[int]       # a proposal known on the host (n-gram, a lookup)...
+    num_spec_tokens: int            # ...or a count of tokens a drafter proposes on the device (rank 0)
+    num_unsettled: int              # proposed tokens of the verification in flight (their rows shift on the device)
     prompt_logprobs: int            # -1: none; else the top-n of the request's prompt logprobs
     adapter_slot: int               # its LoRA adapter's slot, -1: none
 
 
-class Step(msgspec.Struct, tag="step", array_like=True, frozen=True):
+class GrammarMasks(msgspec.Struct, array_like=True, frozen=True):
+    """Structured outputs: the allowed tokens of the constrained sequences this step samples, packed 32
+    to an int32 word (what the grammar library fills): each sequence's rows (one, or k + 1 with k
+    proposed tokens) one after another, in the order of seq_ids."""
+
+    seq_ids: list[int]
+    row_counts: list[int]
+    words: int                      # int32 words a row
+    vocab_size: int
+    packed: bytes
+
+
+class Step(msgspec.Struct, tag="step", array_like=True):
     new: list[NewSeq]
     updates: list[SeqUpdate]
-    finished: list[int]             # seq ids the ranks can forget
+    finished: list[int]             # seq ids the workers can forget
     rows: list[Row]                 # the scheduled sequences, in the scheduler's order
     num_previous_tokens: int        # sampled tokens of the step in flight that rank 0 broadcasts after this (0: none)
+    grammar: GrammarMasks | None = None  # rank 0 (set once the step's proposals are known: they are masked too)
+    drafts_next: bool = True        # rank 0: the next step may carry proposals (a drafter keeps the states they start from)
+
+    def for_other_ranks(self) -> Step:
+        """What ranks 1…N−1 get: no sampling parts (rank 0 alone samples)."""
+        if not self.new and self.grammar is None:
+            return self
+        new = [NewSeq(s.seq_id, s.token_ids, s.num_prompt_tokens, s.block_table) for s in self.new]
+        return Step(new, self.updates, self.finished, self.rows, self.num_previous_tokens)
 
 
 class SetAdapter(msgspec.Struct, tag="set_adapter", array_like=True, frozen=True):
@@ -100,17 +132,21 @@ def decode(data: bytes) -> Message:
 @dataclass(slots=True)
 class _Sent:
     seq: Sequence
-    num_tokens: int                 # known tokens the ranks have
-    block_table: list[int]          # the table the ranks have
+    num_tokens: int                 # known tokens the workers have
+    block_table: list[int]          # the table the workers have
 
 
 class StepMessenger:
-    """Rank 0: turns a scheduled batch into the Step message, remembering what the ranks already know."""
+    """The engine's side: turns a scheduled batch into the Step message, remembering what the workers
+    already know."""
 
     def __init__(self) -> None:
         self.sent: dict[int, _Sent] = {}
 
-    def step(self, batch: ScheduledBatch, previous: dict[int, int] | None, num_previous_tokens: int, adapter_slots: list[int] | None = None) -> Step:
+    def step(self, batch: ScheduledBatch, previous: dict[int, int] | None, num_previous_tokens: int = 0,
+             adapter_slots: list[int] | None = None) -> Step:
+        """previous: seq_id -> its index among the sampled sequences of the step in flight (async
+        scheduling); num_previous_tokens: how many tokens rank 0 broadcasts to the other ranks (0: none)."""
         finished = [sid for sid, s in self.sent.items() if s.seq.is_finished]
         for sid in finished:
             del self.sent[sid]
@@ -119,16 +155,18 @@ class StepMessenger:
             num_known = seq.num_prompt_tokens + len(seq.output_token_ids)
             sent = self.sent.get(seq.seq_id)
             if sent is None:
-                new.append(NewSeq(seq.seq_id, seq.token_ids(), seq.num_prompt_tokens, list(seq.block_table)))
+                seed = None if seq.params.seed is None else seq.params.seed + seq.index
+                new.append(NewSeq(seq.seq_id, seq.token_ids(), seq.num_prompt_tokens, list(seq.block_table), seq.params, seed))
                 self.sent[seq.seq_id] = _Sent(seq, num_known, list(seq.block_table))
             elif num_known != sent.num_tokens or seq.block_table != sent.block_table:
                 kept = _common_prefix(sent.block_table, seq.block_table)
                 updates.append(SeqUpdate(seq.seq_id, seq.output_token_ids[sent.num_tokens - seq.num_prompt_tokens:], kept, seq.block_table[kept:]))
                 sent.num_tokens, sent.block_table = num_known, list(seq.block_table)
             prompt_lp = seq.params.prompt_logprobs
+            awaits = seq.num_placeholders or seq.num_unsettled
             rows.append(Row(seq.seq_id, seq.num_computed_tokens, n, seq.num_placeholders,
-                            previous.get(seq.seq_id, -1) if previous else -1, list(seq.spec_token_ids), seq.num_spec_tokens,
-                            -1 if prompt_lp is None else prompt_lp, slot))
+                            previous.get(seq.seq_id, -1) if previous and awaits else -1, list(seq.spec_token_ids), seq.num_spec_tokens,
+                            seq.num_unsettled, -1 if prompt_lp is None else prompt_lp, slot))
         return Step(new, updates, finished, rows, num_previous_tokens)
 
 
@@ -147,19 +185,21 @@ class RowParams:
 
 
 @dataclass(slots=True)
-class RankSeq:
-    """A sequence as a rank other than 0 knows it: what InputBuilder reads of a Sequence."""
+class BatchSeq:
+    """A sequence as a worker knows it (from the messages alone): what InputBuilder and the sampling
+    tensors read of it."""
 
     seq_id: int
     known_token_ids: list[int]
     num_prompt_tokens: int
     block_table: list[int]
+    params: Any = None              # rank 0: the request's SamplingParams; other ranks: RowParams
+    generator: Any = None           # rank 0: its torch.Generator when seeded
     num_computed_tokens: int = 0
     num_placeholders: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_tokens: int = 0
-    params: RowParams = field(default_factory=lambda: RowParams(None))
-    num_unsettled: int = 0  # always: proposals made on the device (draft, eagle3) run on one rank only
+    num_unsettled: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -169,36 +209,70 @@ class RankSeq:
     def prompt_token_ids(self) -> list[int]:
         return self.known_token_ids[:self.num_prompt_tokens]
 
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.known_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.known_token_ids) - self.num_prompt_tokens + self.num_placeholders
+
     def tokens_slice(self, start: int, end: int) -> list[int]:
+        if end <= len(self.known_token_ids):
+            return self.known_token_ids[start:end]
         return (self.known_token_ids + [PLACEHOLDER_TOKEN] * self.num_placeholders + self.spec_token_ids)[start:end]
 
 
-class RankMirror:
-    """Ranks 1…N−1: the sequences rank 0 has told them about, kept up to date by each Step."""
+@dataclass(slots=True)
+class StepBatch:
+    """One step as a worker runs it: the scheduled sequences (its BatchSeqs, in the scheduler's order),
+    their new tokens and adapter slots, and where their awaited tokens come from."""
 
-    def __init__(self) -> None:
-        self.seqs: dict[int, RankSeq] = {}
+    seqs: list[BatchSeq]
+    num_new_tokens: list[int]
+    adapter_slots: list[int]
+    previous: dict[int, int]        # seq_id -> its row among the step in flight's sampled tokens
+    grammar: GrammarMasks | None = None
 
-    def apply(self, step: Step) -> tuple[ScheduledBatch, dict[int, int], list[int]]:
-        """The step's batch over this rank's mirrors, seq_id -> previous row for its placeholders, and
-        each sequence's adapter slot."""
+
+class WorkerBatch:
+    """Every worker's persistent batch: the sequences the messages told it about, kept up to date by each Step."""
+
+    def __init__(self, sampling_device=None) -> None:
+        """sampling_device: rank 0's worker samples there, and makes a seeded sequence's generator there
+        (None: no sampling on this rank)."""
+        self.seqs: dict[int, BatchSeq] = {}
+        self.sampling_device = sampling_device
+
+    def apply(self, step: Step) -> StepBatch:
         for sid in step.finished:
             self.seqs.pop(sid, None)
         for s in step.new:
-            self.seqs[s.seq_id] = RankSeq(s.seq_id, list(s.token_ids), s.num_prompt_tokens, list(s.block_table))
+            generator = _generator(s.seed, self.sampling_device) if self.sampling_device is not None and s.seed is not None else None
+            self.seqs[s.seq_id] = BatchSeq(s.seq_id, list(s.token_ids), s.num_prompt_tokens, list(s.block_table), s.params, generator)
         for u in step.updates:
             seq = self.seqs[u.seq_id]
             seq.known_token_ids += u.new_token_ids
-            seq.block_table = seq.block_table[:u.num_blocks_kept] + list(u.new_block_ids)
-        batch, previous, slots = ScheduledBatch(), {}, []
+            if u.num_blocks_kept != len(seq.block_table) or u.new_block_ids:
+                seq.block_table = seq.block_table[:u.num_blocks_kept] + list(u.new_block_ids)
+        batch = StepBatch([], [], [], {}, step.grammar)
         for row in step.rows:
             seq = self.seqs[row.seq_id]
-            seq.num_computed_tokens, seq.num_placeholders = row.num_computed_tokens, row.num_placeholders
+            seq.num_computed_tokens, seq.num_placeholders, seq.num_unsettled = row.num_computed_tokens, row.num_placeholders, row.num_unsettled
             seq.spec_token_ids, seq.num_spec_tokens = list(row.spec_token_ids), row.num_spec_tokens
-            seq.params = RowParams(None if row.prompt_logprobs < 0 else row.prompt_logprobs)
+            if self.sampling_device is None:
+                seq.params = RowParams(None if row.prompt_logprobs < 0 else row.prompt_logprobs)
             if row.previous_row >= 0:
-                previous[row.seq_id] = row.previous_row
+                batch.previous[row.seq_id] = row.previous_row
             batch.seqs.append(seq)
             batch.num_new_tokens.append(row.num_new_tokens)
-            slots.append(row.adapter_slot)
-        return batch, previous, slots
+            batch.adapter_slots.append(row.adapter_slot)
+        return batch
+
+
+def _generator(seed: int, device):
+    import torch
+
+    g = torch.Generator(device=device)
+    g.manual_seed(seed % 2**64)  # seed + choice index may leave the 64-bit range
+    return g

@@ -23,7 +23,7 @@ class PagedSelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.ops = ops
         self.scale = head_dim ** -0.5
-        # An FP8 KV cache's (k_scale, v_scale) for this layer, set by the model runner (model_runner.kv_scales).
+        # An FP8 KV cache's (k_scale, v_scale) for this layer, set by the worker (Worker.set_kv_scales).
         self.kv_scales = NO_SCALES
 
     def _qkv(self, x: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,7 @@ class DecoderModel(nn.Module):
         self.lora = lora
         self.num_kv_heads = num_kv_heads  # this rank's (all of them without tensor parallelism)
         self.tp = tp
+        self.aux_layers: tuple[int, ...] = ()  # a declared aux output (declare_aux_output)
         self.vocab_rows = embed.shape[0]  # this rank's
         self.layers = nn.ModuleList(layers)
         self.norm = norm
@@ -99,18 +100,22 @@ class DecoderModel(nn.Module):
             for module, layer, targets in self.lora.modules:
                 module.set_slot(slot, [tensors.get((layer, t)) if tensors else None for t in targets])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                aux_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The final hidden states; with aux_layers, also the residual stream entering each of those
-        layers, concatenated (an EAGLE-3 head drafts from them: server/models/eagle.py)."""
+    def declare_aux_output(self, layers: tuple[int, ...]) -> None:
+        """From now on forward() also gives the residual stream entering each of these layers,
+        concatenated: (hidden, aux) (an EAGLE-3 head drafts from them: server/models/eagle.py)."""
+        self.aux_layers = tuple(layers)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states; with a declared aux output (declare_aux_output), (hidden, aux)."""
         x = self._embed(input_ids).to(self.norm.weight.dtype)  # GGUF-block rows dequantize to float32
         rope = self.rotary.rope(positions, x.dtype)  # once per forward, shared by every layer
         aux = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            if i in aux_layers:
+            if i in self.aux_layers:
                 aux.append(x)  # every layer returns a new tensor: x is not written to later
             x = layer(x, rope, kv, meta)
-        return (self.norm(x), torch.cat(aux, dim=-1)) if aux_layers else self.norm(x)
+        return (self.norm(x), torch.cat(aux, dim=-1)) if self.aux_layers else self.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

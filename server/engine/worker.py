@@ -1,4 +1,12 @@
-"""Device side: model weights, the KV cache tensors, and launch(ModelInput) -> LaunchedStep -> ModelOutput (forward, sampling)."""
+"""One worker per rank: its model, that model's KV cache and decode graphs, its persistent batch, and
+the step: Step message -> StepBatch -> ModelInput -> launch -> LaunchedStep -> ModelOutput.
+
+Every rank's worker builds its tensors from the Step message alone (engine/step_message.py); rank 0's
+also samples, and holds the drafter of draft-model / EAGLE-3 speculation (engine/drafters.py: the
+proposer owns its model and cache; the worker runs it around the target's forward). Rank 0 is a
+worker like the others plus the engine, which sends each message to ranks 1…N−1 (engine/parallel.py)
+before its own worker runs it.
+"""
 
 from __future__ import annotations
 
@@ -16,16 +24,18 @@ from kvpilot.kernels.paged_attention import FP8_KV, AttentionMetadata
 from kvpilot.server.config import FP8_KV_NAMES, EngineConfig
 from kvpilot.server.engine import kv_scales
 from kvpilot.server.engine.decode_graphs import DecodeGraphs
-from kvpilot.server.engine.lora import Adapter, read_adapter
-from kvpilot.server.engine.model_io import InputBuilder, ModelInput, ModelOutput, PromptLogprobRows
+from kvpilot.server.engine.lora import read_adapter
+from kvpilot.server.engine.model_io import InputBuilder, ModelInput, ModelOutput, PromptLogprobRows, Proposal, StepPlan
 from kvpilot.server.engine.sampler import PendingSample, Sampler
-from kvpilot.server.engine.step_message import BlockRef, Describe, LoadBlocks, RankMirror, SaveBlocks, SetAdapter, Step, Stop
+from kvpilot.server.engine.step_message import Describe, LoadBlocks, SaveBlocks, SetAdapter, Step, StepBatch, Stop, WorkerBatch
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
-from kvpilot.server.models.eagle import Eagle3Head, load_head
 from kvpilot.server.models.sharding import TensorParallel
 
 if TYPE_CHECKING:
-    from kvpilot.server.engine.parallel import Channel, Workers
+    from collections.abc import Callable
+
+    from kvpilot.server.engine.drafters import Drafter
+    from kvpilot.server.engine.parallel import Channel
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +52,7 @@ class LaunchedStep:
     # With an EAGLE-3 head: its (normed, prenorm) output, on the device, at each sampled sequence's row
     # that drafts its next proposal (the row before its last new token).
     head_state: tuple[torch.Tensor, torch.Tensor] | None = None
+    plan: StepPlan | None = None      # which sequence each sampled and prompt-logprob row is
 
     @property
     def tokens(self) -> torch.Tensor | None:
@@ -111,6 +122,12 @@ def resolve_quantization(requested: str, weights: WeightSource) -> str:
     return requested
 
 
+def kv_block_bytes(model: DecoderModel, block_size: int, kv_dtype: torch.dtype) -> int:
+    """One KV block of a model's cache (every layer's K and V)."""
+    c = model.config
+    return 2 * c.num_layers * block_size * model.num_kv_heads * c.head_dim * torch.tensor([], dtype=kv_dtype).element_size()
+
+
 def _return_freed_heap() -> None:
     """Give the heap that loading freed back to the OS. Loading makes a transient copy per tensor
     (dequantized, converted, packed); glibc keeps such freed blocks for reuse, ~200 MB of resident
@@ -121,25 +138,25 @@ def _return_freed_heap() -> None:
         pass
 
 
-class ModelRunner:
-    """The model, and with speculative decoding's draft method the draft model too. The draft's KV
-    cache shares the target's block tables (the same block ids index both caches, so the block
-    manager needs no second account) and is carved from the same memory budget: a block costs the
-    target's bytes plus the draft's.
+class Worker:
+    """One rank's worker. With tensor parallelism every rank has one, holding its shard and the KV
+    cache of its heads (kv_cache_memory is per rank: every rank gets the same number of blocks); all
+    run the same collective part of a step (`_forward`), rank 0's alone samples (`samples`).
 
-    With tensor parallelism every rank has a ModelRunner holding its shard and the KV cache of its
-    heads (kv_cache_memory is per rank: every rank gets the same number of blocks). Rank 0's
-    (`workers` set) sends each step's Step message before running it; the others run `serve_steps`,
-    building the same ModelInput from it. All run the same collective part of a step (`_forward`);
-    rank 0 alone samples."""
+    A drafter (draft model, EAGLE-3 head) keeps its KV cache beside the target's: the same block ids
+    index both (the block manager needs no second account), carved from the same memory budget (a
+    block costs the target's bytes plus the drafter's)."""
 
-    def __init__(self, config: EngineConfig, weights: WeightSource, show_progress: bool = True, draft: WeightSource | None = None,
-                 tp: TensorParallel | None = None, workers: Workers | None = None, eagle_head: str | None = None,
-                 kv_calibration_ids: list[int] | None = None):
+    def __init__(self, config: EngineConfig, weights: WeightSource, show_progress: bool = True, tp: TensorParallel | None = None,
+                 kv_calibration_ids: list[int] | None = None, eos_token_ids: tuple[int, ...] = (),
+                 drafter: Callable[[Worker], Drafter] | None = None):
+        """drafter(worker): makes the proposer that drafts on this worker (it loads its own model), once
+        the target is loaded and before the caches are sized."""
         self.config = config
-        self.tp, self.workers = tp, workers
+        self.tp = tp
+        self.samples = tp is None or tp.rank == 0
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: block_bytes' copies off the device
-        self._load_staging: torch.Tensor | None = None      # _write_own's gathering buffer (LOAD_CHUNK blocks)
+        self._load_staging: torch.Tensor | None = None      # write_blocks' gathering buffer (LOAD_CHUNK blocks)
         self._copies_queued = False
         self.device = resolve_device(config, tp)
         self.dtype = resolve_dtype(config, self.device)
@@ -148,29 +165,23 @@ class ModelRunner:
         if self.quantization != "none" and self.dtype != torch.float32 and not triton_kernels(self.device):
             raise ValueError(f"quantization={self.quantization} on {self.device} computes in float32 (the C++ kernels take float32 "
                              f"activations), not {self.dtype}")
-        self.model = self._load(weights, show_progress, self.quantization, config.quantization_group_size,
-                                lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None)
-        self.draft = self._load(draft, show_progress, "none") if draft else None  # the draft is small: kept dense
-        self.head: Eagle3Head | None = None
-        self._aux: torch.Tensor | None = None  # with an EAGLE-3 head: the last step's target hidden states it reads
-        if eagle_head is not None:
-            # A quantized target's head is int8 too: a head step reads its weights once per row batch, so,
-            # as the target's, it is bound by their bytes (float32: ~1.8 ms of a ~9 ms decode step on a
-            # CPU for the bundled model's head; bench/RESULTS.md).
-            self.head = load_head(eagle_head, self.model.config, self.model.embed, self.device, self.dtype, int8=self.quantization != "none")
-        # An FP8 cache: the target's per-layer (k_scale, v_scale), fixed from here on (the draft's set on
-        # its layers too); the EAGLE head's one layer keeps its cache in the compute dtype.
-        self.kv_scales: list[tuple[float, float]] | None = None
-        self.head_kv_dtype = self.kv_dtype
-        if self.kv_dtype == FP8_KV:
-            self.kv_scales = self._set_kv_scales(self.model, weights, kv_calibration_ids)
-            if self.draft:
-                self._set_kv_scales(self.draft, draft, kv_calibration_ids)
-            self.head_kv_dtype = self.dtype
-        _return_freed_heap()
+        self.show_progress = show_progress
+        self.model = self.load(weights, self.quantization, config.quantization_group_size,
+                               lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None)
+        self.kv_calibration_ids = kv_calibration_ids
+        # An FP8 cache: the target's per-layer (k_scale, v_scale), fixed from here on (a drafter's set on its model too).
+        self.kv_scales = self.set_kv_scales(self.model, weights) if self.kv_dtype == FP8_KV else None
         self.block_size = config.block_size
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+        self.inputs = InputBuilder(config.block_size, eos_token_ids, self.device)
+        self.batch = WorkerBatch(self.device if self.samples else None)
+        self._step_batch: StepBatch | None = None  # between begin() and execute()
+        self.drafter = drafter(self) if drafter is not None else None
+        _return_freed_heap()
         self.model.ops.check_shapes(self.model.config.head_dim, self.block_size)  # before a step fails on them
-        self.bytes_per_block = sum(self._block_bytes(m) for m in (self.model, self.draft) if m) + self._head_block_bytes()
+        self.bytes_per_block = kv_block_bytes(self.model, self.block_size, self.kv_dtype) + (self.drafter.block_bytes() if self.drafter else 0)
         # One block of the budget is the scratch block, past those the block manager hands out: the
         # padding rows of a decode graph write there (decode_graphs.py).
         self.num_blocks = self._kv_cache_bytes() // self.bytes_per_block - 1
@@ -179,22 +190,18 @@ class ModelRunner:
                              "one is the scratch block)")
         self.scratch_block = self.num_blocks
         self.kv_caches = self._kv_caches(self.model)
-        self.draft_kv_caches = self._kv_caches(self.draft) if self.draft else None
-        self.head_kv_cache = self._head_kv_cache() if self.head else None  # beside the target's: the same block tables index it
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks)
         self.decode_graphs: DecodeGraphs | None = None
-        self.draft_graphs: DecodeGraphs | None = None  # the draft model's proposal steps (speculative method draft)
         c = self.model.config
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(config.seed)
-        self.sampler = Sampler(generator)
         log.info("model %s on %s/%s, weights %.0f MiB (quantization %s), KV cache: %d blocks of %d tokens (%.0f MiB, %s)", c.name, self.device,
                  self.dtype, self.model.weight_bytes() / 2**20, self.quantization, self.num_blocks, self.block_size,
                  self.num_blocks * self.bytes_per_block / 2**20, self.kv_dtype)
 
-    def _load(self, weights: WeightSource, show_progress: bool, quantization: str, group_size: int = 32,
-              lora: tuple[int, int] | None = None) -> DecoderModel:
+    def load(self, weights: WeightSource, quantization: str, group_size: int = 32, lora: tuple[int, int] | None = None) -> DecoderModel:
+        """A model on this worker's device, in its dtype (a drafter's too)."""
         bar = None
-        if show_progress:
+        if self.show_progress:
             from tqdm import tqdm
 
             bar = tqdm(total=len(weights.checkpoint_names()), desc=f"loading {weights.path.name}", unit="tensor", leave=False)
@@ -205,38 +212,23 @@ class ModelRunner:
             bar.close()
         return model
 
-    def _set_kv_scales(self, model: DecoderModel, weights: WeightSource, calibration_ids: list[int] | None) -> list[tuple[float, float]]:
+    def set_kv_scales(self, model: DecoderModel, weights: WeightSource) -> list[tuple[float, float]]:
         """A checkpoint's own KV scales, else calibrated (kv_scales.py); set on the model's attention layers."""
         scales = weights.kv_scales() if hasattr(weights, "kv_scales") else None
         source = "the checkpoint's"
         if scales is None:
-            if not calibration_ids:
+            if not self.kv_calibration_ids:
                 raise ValueError("kv_cache_dtype=fp8: no KV scales in the checkpoint and no calibration text to compute them from")
-            scales = kv_scales.calibrate(model, calibration_ids, self.config.block_size)
-            source = f"calibrated on {len(calibration_ids)} tokens"
+            scales = kv_scales.calibrate(model, self.kv_calibration_ids, self.config.block_size)
+            source = f"calibrated on {len(self.kv_calibration_ids)} tokens"
         for layer, pair in zip(model.layers, scales, strict=True):
             layer.attn.kv_scales = pair
         log.info("FP8 KV cache scales (%s): k %.3g-%.3g, v %.3g-%.3g", source, min(k for k, _ in scales), max(k for k, _ in scales),
                  min(v for _, v in scales), max(v for _, v in scales))
         return scales
 
-    def _block_bytes(self, model: DecoderModel) -> int:
-        c = model.config
-        return 2 * c.num_layers * self.block_size * model.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.kv_dtype).element_size()
-
-    def _head_block_bytes(self) -> int:
-        if self.head is None:
-            return 0
-        c = self.head.config
-        return 2 * self.block_size * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.head_kv_dtype).element_size()
-
-    def _head_kv_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.head.config
-        shape = (self.num_blocks + 1, self.block_size, c.num_kv_heads, c.head_dim)
-        return (torch.zeros(shape, dtype=self.head_kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.head_kv_dtype, device=self.device))
-
     def _kv_caches(self, model: DecoderModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A model's per-layer (K, V) cache of num_blocks blocks plus the scratch block."""
         c = model.config
         shape = (self.num_blocks + 1, self.block_size, model.num_kv_heads, c.head_dim)
         return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
@@ -265,7 +257,7 @@ class ModelRunner:
         max_num_seqs rows) and of a decode step of max_num_seqs rows, above what is allocated now; each
         run once over a throwaway KV cache just big enough (K and V one tensor: only the activations
         are measured)."""
-        models = [m for m in (self.model, self.draft) if m]
+        models = [self.model, *(self.drafter.profiled_models() if self.drafter else ())]
         tokens = min(self.config.max_num_batched_tokens, self.model.config.max_position)
         rows = min(self.config.max_num_seqs, tokens)
         blocks = -(-tokens // self.block_size)
@@ -282,8 +274,10 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             for m in models:
-                hidden = m(torch.zeros_like(positions), positions, caches[id(m)], meta)
-            self.model.compute_logits(hidden[:rows])
+                out = m(torch.zeros_like(positions), positions, caches[id(m)], meta)
+                hidden = out[0] if isinstance(out, tuple) else out  # (a declared aux output beside it)
+                if m is self.model:
+                    self.model.compute_logits(hidden[:rows])
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated() - base)
         del caches
@@ -292,11 +286,9 @@ class ModelRunner:
 
     def start_decode_graphs(self, max_model_len: int, capture: bool = True) -> None:
         """Run decode-only steps through DecodeGraphs (tables wide enough for max_model_len):
-        captured as CUDA graphs where that can work, else left eager (logged). capture=False builds the
-        static-buffer path without graphs on any device (what tests check on CPU)."""
-        if self.head is not None:  # its pass reads each step's hidden states, which the graphs do not give out
-            log.info("decode steps run eagerly: an EAGLE-3 head reads each step's hidden states")
-            return
+        captured as CUDA graphs where that can work, else left eager (logged); a drafter's proposal
+        steps too. capture=False builds the static-buffer path without graphs on any device (what
+        tests check on CPU)."""
         if capture and (why_not := self._why_no_graphs()):
             if self.device.type == "cuda":
                 log.info("decode steps run eagerly: %s", why_not)
@@ -304,42 +296,32 @@ class ModelRunner:
         width = -(-max_model_len // self.block_size)
         graphs = lambda step, lora=None: DecodeGraphs(step, self.config.max_num_seqs, width, self.scratch_block, self.block_size,  # noqa: E731
                                                       self.device, capture, lora)
+        if self.drafter is not None:
+            self.drafter.start_graphs(graphs)
+        if self.drafter is not None and self.drafter.reads_hidden_states:  # its pass reads each step's hidden states, which the graphs do not give out
+            log.info("decode steps run eagerly: an EAGLE-3 head reads each step's hidden states")
+            return
         self.decode_graphs = graphs(self._decode_logits, self.model.lora.context if self.model.lora else None)
-        if self.draft is not None:
-            self.draft_graphs = graphs(self._draft_logits)
-
-    def _draft_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """A draft model's proposal step as its graphs run it: every row's logits."""
-        return self.draft.compute_logits(self.draft(input_ids, positions, self.draft_kv_caches, meta))
 
     def _why_no_graphs(self) -> str | None:
         if self.config.enforce_eager:
             return "enforce_eager is set"
         if self.device.type != "cuda":
             return "the device is not CUDA"
-        if self.workers is not None or self.tp is not None:
+        if self.tp is not None:
             return "tensor parallelism runs its collectives eagerly"
         if not self.model.ops.graph_safe:
             return f"the {self.model.ops.name} kernels are not capturable (they read device values on the host)"
         return None
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """A decode-only step as the graphs run it: the model (and the draft model, whose cache must
-        hold the same tokens) and every row's logits."""
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if self.draft is not None:
-            self.draft(input_ids, positions, self.draft_kv_caches, meta)
-        return self.model.compute_logits(hidden)
+        """A decode-only step as the graphs run it: the model and every row's logits."""
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
     def recover(self) -> None:
         """After a failed step: give cached allocator blocks back so that the retry has room."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def make_generator(self, seed: int) -> torch.Generator:
-        g = torch.Generator(device=self.device)
-        g.manual_seed(seed % 2**64)  # seed + choice index may leave the 64-bit range
-        return g
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -348,7 +330,7 @@ class ModelRunner:
         overwrites those blocks, so never call it while the engine has requests)."""
         n = len(token_ids)
         blocks = -(-n // self.block_size)
-        if self.workers is not None or blocks > self.num_blocks:
+        if self.tp is not None or blocks > self.num_blocks:
             raise ValueError(f"score: {n} tokens need {blocks} KV blocks of {self.num_blocks}, and one process")
         meta = AttentionMetadata.one_prefill(n, self.block_size, self.device)
         ids = torch.tensor(token_ids, device=self.device)
@@ -381,15 +363,9 @@ class ModelRunner:
         self._copies_queued = True
         return HostCopy(host, done)
 
-    def write_blocks(self, loads: list[tuple[int, list[bytes]]]) -> None:
-        """Fill cache blocks with K/V read from a tier (block_bytes' layout; one payload per rank: the
-        other ranks get theirs in a message before the step that reads them)."""
-        if self.workers is not None:
-            self.workers.send(LoadBlocks([b for b, _ in loads], [[shards[r] for _, shards in loads] for r in range(1, self.tp.world_size)]))
-        self._write_own(zip([b for b, _ in loads], [shards[0] for _, shards in loads]))
-
-    def _write_own(self, loads) -> None:
-        """The blocks gathered LOAD_CHUNK at a time into one staging buffer (kept: a fresh 176 MB tensor
+    def write_blocks(self, loads) -> None:
+        """Fill cache blocks with this rank's K/V read from a tier ((block id, payload) pairs, payloads in
+        block_bytes' layout). The blocks gathered LOAD_CHUNK at a time into one staging buffer (kept: a fresh 176 MB tensor
         for a 4,000-token prompt cost more in page faults than the copy), then one copy per layer and
         K/V (a block at a time was 15,000 small copies)."""
         loads = list(loads)
@@ -423,29 +399,40 @@ class ModelRunner:
         cost that step ~10 ms on a CPU)."""
         self._load_staging = torch.zeros((LOAD_CHUNK, self.block_layout()[2]), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
-    def save_blocks(self, blocks: list[BlockRef]) -> None:
-        """Tensor parallelism: every other rank saves its shard of blocks that rank 0 just saved its own of."""
-        self.workers.send(SaveBlocks(blocks))
+    def set_adapter(self, slot: int, tensors: dict | None) -> None:
+        """Write an adapter's tensors into a LoRA slot (None: clear it)."""
+        self.model.set_adapter(slot, tensors)
 
-    def set_adapter(self, slot: int, adapter: Adapter | None) -> None:
-        """Write an adapter into a LoRA slot (None: clear it), on every rank (each reads its share from
-        the adapter's directory)."""
-        if self.workers is not None:
-            self.workers.send(SetAdapter(slot, adapter.path if adapter else None))
-        self.model.set_adapter(slot, adapter.tensors if adapter else None)
+    def _read_adapter(self, message: SetAdapter) -> None:
+        """Ranks 1…N−1: this rank's share of an adapter, read from its directory."""
+        self.set_adapter(message.slot, read_adapter(message.path, self.model.config, self.config.max_lora_rank)[0] if message.path else None)
 
-    def send_step(self, message: Step, previous_tokens: torch.Tensor | None) -> None:
-        """Tensor parallelism, right before launch(): the step as the other ranks build it, and the
-        sampled tokens of the step in flight when its placeholders need them."""
-        self.workers.send(message)
-        if message.num_previous_tokens:
-            self.workers.broadcast_tokens(previous_tokens)
+    # --- a step ----------------------------------------------------------------------------------
+    def begin(self, step: Step, previous: LaunchedStep | None = None) -> Proposal | None:
+        """Rank 0: take the step's message into the batch; a drafter's proposals for it (on the device,
+        known on the host where a sequence's masks or penalties need them). previous: the step in
+        flight (async scheduling), whose tokens and accepted counts they start from."""
+        self._step_batch = self.batch.apply(step)
+        return self.drafter.propose(self._step_batch, previous) if self.drafter is not None else None
+
+    def execute(self, step: Step, previous: LaunchedStep | None = None, proposal: Proposal | None = None) -> LaunchedStep:
+        """Rank 0: the step begun by begin(), its grammar masks set meanwhile, built and launched."""
+        batch, self._step_batch = self._step_batch, None
+        batch.grammar = step.grammar
+        heads = self.drafter is not None and self.drafter.reads_hidden_states
+        inp, plan = self.inputs.build(batch, proposal, next_tokens=heads)
+        inp.head_states = step.drafts_next
+        launched = self.launch(inp, previous, proposal.tokens if proposal else None)
+        launched.plan = plan
+        if self.drafter is not None:
+            self.drafter.launched(plan, launched)
+        return launched
 
     @torch.inference_mode()
     def launch(self, inp: ModelInput, previous: LaunchedStep | None = None, proposal: torch.Tensor | None = None) -> LaunchedStep:
         """The one device call of a step: forward, prompt logprobs, sampling (verifying proposed tokens)
-        and an EAGLE-3 head's pass over the step's rows, not waited for: on CUDA the step is queued and
-        the host goes on (async scheduling builds the next step meanwhile); LaunchedStep.output() waits.
+        and a drafter's pass over the step's rows, not waited for: on CUDA the step is queued and the
+        host goes on (async scheduling builds the next step meanwhile); LaunchedStep.output() waits.
         previous: the step before, whose sampled tokens and accepted counts, still on the device, the
         input's placeholders take; proposal: the proposed tokens this step verifies, made on the device."""
         if self._copies_queued:  # blocks being copied off the device (block_bytes) are not written over before the copies end
@@ -453,72 +440,68 @@ class ModelRunner:
             self._copies_queued = False
         inp.take_device_values(previous.tokens if previous else None, previous.accepted_counts if previous else None, proposal)
         sampled = inp.sampling is not None
-        prompt_logits, logits = self._forward(inp, sampled)
+        prompt_logits, logits, aux = self._forward(inp, sampled)
         prompt_logprobs = [self._prompt_logprobs(lg, r) for lg, r in zip(prompt_logits, inp.prompt_logprobs)]
         sample = self.sampler.draw(logits, inp.sampling) if sampled else None
-        return LaunchedStep(sample, prompt_logprobs, self._head_catch_up(inp, sample) if self.head is not None else None)
+        return LaunchedStep(sample, prompt_logprobs, self.drafter.after_target(inp, aux, sample) if self.drafter is not None else None)
 
-    def _forward(self, inp: ModelInput, sampled: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def _forward(self, inp: ModelInput, sampled: bool) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
         """The part of a step every rank runs alike (its all-reduces and gathers pair up across ranks):
-        the forward pass, then the logits of the prompt-logprob spans and of the sampled rows. A draft
-        model runs the same rows, so that its cache holds every token the target's does."""
+        the forward pass, then the logits of the prompt-logprob spans and of the sampled rows, and the
+        model's declared aux output (the hidden states an EAGLE-3 head reads; else None)."""
         if self.decode_graphs is not None and self.decode_graphs.takes(inp):
-            return [], self.decode_graphs.run(inp)
+            return [], self.decode_graphs.run(inp), None
         meta = AttentionMetadata.from_input(inp)
         if self.model.lora is not None:
             self.model.lora.context.batch = inp.lora
         try:
-            if self.head is not None:
-                hidden, self._aux = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, self.head.config.aux_layers)
-            else:
-                hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
+            out = self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
         finally:
             if self.model.lora is not None:
                 self.model.lora.context.batch = None
-        if self.draft is not None:
-            self.draft(inp.input_ids, inp.positions, self.draft_kv_caches, meta)
+        hidden, aux = out if isinstance(out, tuple) else (out, None)
         prompt_logits = [self.model.compute_logits(hidden[r.first_row:r.first_row + len(r.target_ids)]) for r in inp.prompt_logprobs]
-        return prompt_logits, (self.model.compute_logits(hidden[inp.logits_indices]) if sampled else None)
+        return prompt_logits, (self.model.compute_logits(hidden[inp.logits_indices]) if sampled else None), aux
 
-    def serve_steps(self, channel: Channel) -> None:
-        """Ranks 1…N−1: run the steps rank 0 sends until it says stop. Each Step updates this rank's
-        mirror of the sequences and builds the step's ModelInput here (no sampling: rank 0 samples)."""
-        import torch.distributed as dist
-
-        mirror = RankMirror()
-        builder = InputBuilder(self.block_size, (), self.device)
+    # --- ranks 1…N−1 ------------------------------------------------------------------------------
+    def serve(self, channel: Channel) -> None:
+        """Ranks 1…N−1: run what rank 0 sends until it says stop."""
         if self.config.kv_offload_dir:
             from kvpilot.server.engine.kv_tiers import DiskTier
 
             dtype, shape, nbytes = self.block_layout()
             self.kv_tier = DiskTier(self.config.kv_offload_dir, self.config.kv_offload_size, (dtype, shape), nbytes,
                                     self.tp.rank, self.tp.world_size)
-        while True:
-            message = channel.receive()
-            if isinstance(message, Step):
-                batch, previous, slots = mirror.apply(message)
-                inp, _ = builder.build(batch, previous=previous or None, sample=False, adapter_slots=slots)
-                tokens = None
-                if message.num_previous_tokens:
-                    tokens = torch.empty(message.num_previous_tokens, dtype=torch.long, device=self.device)
-                    dist.broadcast(tokens, src=0)
-                inp.take_device_values(tokens)
-                with torch.inference_mode():
-                    self._forward(inp, inp.logits_indices.numel() > 0)
-            elif isinstance(message, SaveBlocks):
-                for b in message.blocks:
-                    self.kv_tier.save(b.key, b.parent, tuple(b.token_ids), lambda block_id=b.block_id: self.block_bytes(block_id))
-            elif isinstance(message, LoadBlocks):
-                self._write_own(zip(message.block_ids, message.shards[self.tp.rank - 1]))
-            elif isinstance(message, SetAdapter):
-                tensors = read_adapter(message.path, self.model.config, self.config.max_lora_rank)[0] if message.path else None
-                self.model.set_adapter(message.slot, tensors)
-            elif isinstance(message, Describe):
-                dist.gather_object(self.describe(), None, dst=0)
-            elif isinstance(message, Stop):
-                if self.config.kv_offload_dir:
-                    self.kv_tier.drain()  # shards queued for the disk tier are written before the rank goes
-                return
+        handlers = {Step: self._run_rank_step, SaveBlocks: self._save_shards, SetAdapter: self._read_adapter,
+                    LoadBlocks: lambda m: self.write_blocks(zip(m.block_ids, m.shards[self.tp.rank - 1])),
+                    Describe: lambda m: self._gather_description()}
+        while type(message := channel.receive()) is not Stop:
+            handlers[type(message)](message)
+        if self.config.kv_offload_dir:
+            self.kv_tier.drain()  # shards queued for the disk tier are written before the rank goes
+
+    def _run_rank_step(self, step: Step) -> None:
+        """A step as ranks 1…N−1 run it: built from the message (no sampling: rank 0 samples), the
+        placeholders' tokens broadcast by rank 0."""
+        import torch.distributed as dist
+
+        inp, _ = self.inputs.build(self.batch.apply(step), sample=False)
+        tokens = None
+        if step.num_previous_tokens:
+            tokens = torch.empty(step.num_previous_tokens, dtype=torch.long, device=self.device)
+            dist.broadcast(tokens, src=0)
+        inp.take_device_values(tokens)
+        with torch.inference_mode():
+            self._forward(inp, inp.logits_indices.numel() > 0)
+
+    def _save_shards(self, message: SaveBlocks) -> None:
+        for b in message.blocks:
+            self.kv_tier.save(b.key, b.parent, tuple(b.token_ids), lambda block_id=b.block_id: self.block_bytes(block_id))
+
+    def _gather_description(self) -> None:
+        import torch.distributed as dist
+
+        dist.gather_object(self.describe(), None, dst=0)
 
     def describe(self) -> dict:
         """What this rank holds: projection weight bytes, KV heads and KV cache bytes (tests, logs)."""
@@ -528,51 +511,6 @@ class ModelRunner:
                           if name.rsplit(".", 1)[-1] in ("weight", "qs", "d", "m"))
         return {"rank": self.tp.rank if self.tp else 0, "projection_bytes": projections, "kv_heads": self.model.num_kv_heads,
                 "kv_cache_bytes": sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)}
-
-    def describe_ranks(self) -> list[dict]:
-        return self.workers.describe(self.describe()) if self.workers is not None else [self.describe()]
-
-    @torch.inference_mode()
-    def _head_catch_up(self, inp: ModelInput, sample: PendingSample | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The EAGLE-3 head over every row of the step (`inp`), on the device, right after it: each row
-        takes the target's hidden states at its position and the token after it, writing the head's K/V
-        there (its cache stays as complete as the target's, proposals or not); returns the head's
-        (normed, prenorm) output at each sampled sequence's row before its last new token (the row
-        after its accepted proposed tokens), which drafts its next proposal."""
-        ids, hidden = inp.next_token_ids(sample.tokens if sample else None), self.head.fc(self._aux)
-        self._aux = None
-        self.head.store_kv(ids, inp.positions, hidden, self.head_kv_cache, inp.slot_mapping)
-        if sample is None or not inp.head_states:
-            return None
-        sampled = torch.arange(inp.logits_indices.shape[0], device=self.device)
-        if sample.accepted_counts is not None:
-            sampled = inp.sampling.spec_rows[0][:, 0] + sample.accepted_counts
-        rows, entries = inp.logits_indices[sampled], inp.sample_entries[sampled]
-        # Those rows alone through the whole layer, each as a decode row over the cache up to its position
-        # (their K/V, computed again, go to the scratch block: the cache keeps what the pass over all rows wrote).
-        scratch = torch.full_like(rows, self.scratch_block * self.block_size)
-        meta = AttentionMetadata(scratch, [], [], [], inp.block_tables[entries], inp.positions[rows] + 1)
-        return self.head(ids[rows], inp.positions[rows], hidden[rows], self.head_kv_cache, meta)
-
-    @torch.inference_mode()
-    def head_propose(self, inp: ModelInput, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of the head (its own previous output as the hidden state); (normed, prenorm) per row."""
-        return self.head(inp.input_ids, inp.positions, hidden, self.head_kv_cache, AttentionMetadata.from_input(inp))
-
-    @torch.inference_mode()
-    def head_draw(self, normed: torch.Tensor, sampling) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft tokens from the head's outputs, each drawn as the target will judge it (sampling None:
-        the argmax, found in the draft vocabulary)."""
-        if sampling is None:
-            return self.head.draft_argmax(normed), None
-        return self.sampler.propose(self.head.logits(normed), sampling)
-
-    def draft_propose(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decode step of the draft model (it writes its own cache) and its draw per row."""
-        if self.draft_graphs is not None and self.draft_graphs.takes(inp):
-            return self.sampler.propose(self.draft_graphs.run(inp), inp.sampling)
-        hidden = self.draft(inp.input_ids, inp.positions, self.draft_kv_caches, AttentionMetadata.from_input(inp))
-        return self.sampler.propose(self.draft.compute_logits(hidden[inp.logits_indices]), inp.sampling)
 
     def _prompt_logprobs(self, logits: torch.Tensor, rows: PromptLogprobRows) -> list[dict[int, float]]:
         """Logprob of each next prompt token (plus the top-n) at these rows."""
