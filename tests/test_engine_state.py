@@ -134,3 +134,168 @@ def test_cached_prompt_tokens_are_counted_once_and_never_past_the_prompt():
     seq.num_preemptions = 1
     seq.record_cached_prompt(16)
     assert seq.num_cached_tokens == 40
+
+
+# --- one worker per rank, built from the Step message (issue #62) ------------------------------------
+
+ENGINE = ROOT / "server" / "engine"
+
+
+def _written_attributes(path: Path) -> dict[str, set[str]]:
+    """Attribute name -> the classes (or "<module>") of `path` whose code assigns it on some object."""
+    written: dict[str, set[str]] = {}
+    tree = ast.parse(path.read_text())
+
+    def visit(node, owner):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, ast.ClassDef) else owner
+            targets = child.targets if isinstance(child, ast.Assign) else [child.target] if isinstance(child, ast.AugAssign) else []
+            for t in targets:
+                for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(e, ast.Attribute):
+                        written.setdefault(e.attr, set()).add(owner)
+            visit(child, inner)
+
+    visit(tree, "<module>")
+    return written
+
+
+def test_only_the_async_scheduler_writes_the_in_flight_counters_of_a_sequence():
+    """num_placeholders / num_unsettled: one writer (AsyncScheduler); a worker's batch keeps its own copy
+    (BatchSeq, from the message)."""
+    writers = {}
+    for path in ENGINE.glob("*.py"):
+        for name, owners in _written_attributes(path).items():
+            if name in ("num_placeholders", "num_unsettled"):
+                writers.setdefault(path.name, set()).update(owners)
+    assert writers == {"scheduler.py": {"AsyncScheduler"}, "step_message.py": {"WorkerBatch"}}, writers
+
+
+def test_the_input_builder_and_the_worker_never_see_a_sequence():
+    """InputBuilder takes the message's StepBatch alone; the worker holds one model (a drafter holds its own)."""
+    import inspect
+
+    from kvpilot.server.engine import drafters, model_io, worker
+
+    for module in (model_io, worker, drafters):
+        source = inspect.getsource(module)
+        assert "engine.sequence import Sequence" not in source and "ScheduledBatch" not in source, module.__name__
+    build = inspect.signature(model_io.InputBuilder.build)
+    assert list(build.parameters) == ["self", "batch", "proposal", "sample", "next_tokens"]
+    assert "StepBatch" in str(build.parameters["batch"].annotation)
+    # one model attribute on a worker: `model`; DecoderModels elsewhere are the drafters'
+    models = [n for n, owners in _written_attributes(ENGINE / "worker.py").items() if n in ("model", "draft", "head") and "Worker" in owners]
+    assert models == ["model"], models
+
+
+def _reference_layout(batch, slots, block_size):
+    """A step's rows read straight off the engine's Sequences, the old way (rank 0 built its tensors from
+    them): the rows of each sequence in the builder's order (prefills first, then decodes and
+    verifications; each part grouped by adapter slot), their token (None where a drafter fills it on
+    the device), position, cache slot, adapter slot, and which rows are sampled."""
+    from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN
+
+    slots = slots or [-1] * len(batch.seqs)
+    order = sorted(range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] == 1 or batch.seqs[i].num_spec_tokens > 0, slots[i]))
+    ids, positions, cache_slots, row_slots, sampled = [], [], [], [], []
+    for i in order:
+        seq, n = batch.seqs[i], batch.num_new_tokens[i]
+        start = seq.num_computed_tokens
+        known = seq.prompt_token_ids + seq.output_token_ids + [PLACEHOLDER_TOKEN] * seq.num_placeholders
+        tokens = known + (list(seq.spec_token_ids) or [None] * seq.num_spec_tokens)
+        first = len(ids)
+        ids += tokens[start:start + n]
+        positions += range(start, start + n)
+        cache_slots += [seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+        row_slots += [slots[i]] * n
+        if seq.num_spec_tokens:
+            sampled += range(first, first + n)
+        elif start + n == seq.num_tokens:
+            sampled.append(first + n - 1)
+    return ids, positions, cache_slots, row_slots, sampled
+
+
+def _check_every_step(engine, seen):
+    """Compare each launched step's ModelInput (built by the worker from the message) with the reference."""
+    step, launch = engine.messenger.step, engine.worker.launch
+    expected = []
+
+    def message(batch, previous, num_previous_tokens=0, adapter_slots=None):
+        expected.append(_reference_layout(batch, adapter_slots, engine.config.block_size))
+        seen["preempted"] += sum(seq.num_preemptions > 0 for seq in batch.seqs)
+        seen["guided"] += sum(seq.guide is not None for seq in batch.seqs)
+        return step(batch, previous, num_previous_tokens, adapter_slots)
+
+    def launched(inp, previous=None, proposal=None):
+        ids, positions, cache_slots, row_slots, sampled = expected.pop()
+        assert inp.positions.tolist() == positions and inp.slot_mapping.tolist() == cache_slots
+        assert inp.logits_indices.tolist() == sampled
+        assert [a for a, b in zip(inp.input_ids.tolist(), ids) if b is not None] == [b for b in ids if b is not None]
+        assert (inp.lora.token_slots.tolist() if inp.lora is not None else [-1] * len(row_slots)) == row_slots
+        seen["steps"] += 1
+        seen["drafted"] += ids.count(None)
+        seen["proposed"] += len(sampled) - (0 if inp.sampling is None else len(inp.sampling.row_counts))
+        seen["masked"] += 0 if inp.sampling is None or inp.sampling.guided_rows is None else inp.sampling.guided_rows.numel()
+        seen["adapter rows"] += sum(s >= 0 for s in row_slots)
+        return launch(inp, previous, proposal)
+
+    engine.messenger.step, engine.worker.launch = message, launched
+
+
+def _run(engine, requests):
+    for i, (prompt, params, lora) in enumerate(requests):
+        engine.add_request(prompt, params, request_id=f"r{i}", lora_request=lora)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    return finals
+
+
+@pytest.mark.timeout(300)
+def test_rank_0_builds_from_the_message_what_the_sequences_say(lora_peft_case, model_path, tmp_path):
+    """Chunked prefill, preemption, prefix hits, a LoRA adapter, a structured row and n-gram proposals
+    in one engine; then draft-model (async: placeholders and shifted rows) and EAGLE-3 proposals: every
+    step's tensors, built by rank 0's worker from the Step message, are the layout the engine's
+    Sequences give."""
+    from collections import Counter
+
+    from eagle_factory import write_eagle3_head
+    from kvpilot.server.adapters import LoRARequest
+    from kvpilot.server.config import EngineConfig
+    from kvpilot.server.engine.llm_engine import LLMEngine
+    from kvpilot.server.engine.structured import StructuredOutput
+    from kvpilot.server.gguf_loader import write_truncated
+    from kvpilot.server.loading import open_model
+
+    paths = lora_peft_case[0]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    repeat = "one two three one two three one two three one two three"
+    seen = Counter()
+    engine = LLMEngine(EngineConfig(num_threads=1, kv_cache_memory="3MiB", max_num_batched_tokens=16, enable_lora=True, max_loras=2,
+                                    max_lora_rank=16, speculative_method="ngram", speculative_disable_batch_size=0,
+                                    speculative_min_acceptance=0.0), show_progress=False)
+    _check_every_step(engine, seen)
+    adapter = LoRARequest("all7-r8", 1, str(paths["all7-r8"]))
+    coded = SamplingParams(temperature=0, max_tokens=12, structured=StructuredOutput("regex", r"[0-9]{3}-[a-z]{2,8}"))
+    requests = [(repeat, greedy, None), ("The capital of France is Paris, and the capital of", greedy, adapter),
+                ("A code like 123-abc:", coded, None), (repeat + " four", SamplingParams(temperature=0.8, seed=2, max_tokens=24), None),
+                ("Hello, my name is", greedy, adapter)]
+    _run(engine, requests)
+    _run(engine, requests[:2])  # their prompts' blocks are cached now: prefix hits
+    assert engine.block_manager.prefix_hits > 0 and engine.scheduler.num_preemptions > 0
+    assert seen["preempted"] and seen["guided"] and seen["masked"] and seen["adapter rows"] and seen["proposed"]
+
+    draft = write_truncated(model_path, tmp_path / "draft4.gguf", 4)
+    weights, tokenizer = open_model(model_path)
+    head = write_eagle3_head(tmp_path / "head", weights.config, sorted(set(tokenizer.encode(repeat)) | set(range(8))))
+    drafted = {}
+    for method, extra in (("draft", {"speculative_model": str(draft), "async_scheduling": "on"}), ("eagle3", {"speculative_model": str(head)})):
+        seen = Counter()
+        engine = LLMEngine(EngineConfig(num_threads=1, kv_cache_memory="16MiB", max_num_batched_tokens=32, speculative_method=method,
+                                        speculative_disable_batch_size=0, speculative_min_acceptance=0.0, **extra), show_progress=False)
+        _check_every_step(engine, seen)
+        _run(engine, [(repeat, greedy, None), ("1, 2, 3, 4,", SamplingParams(temperature=1.0, seed=1, max_tokens=16), None),
+                      ("Penalised:", SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.2), None)])
+        drafted[method] = seen["drafted"]
+        assert seen["steps"] > 5
+    assert drafted["draft"] > 0 and drafted["eagle3"] > 0

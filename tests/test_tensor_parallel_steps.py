@@ -36,38 +36,44 @@ def outputs(outs):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["off", "on"])
 def test_a_rank_builds_from_the_step_message_what_rank_0_builds(mode):
-    """In one process: every step's Step message, through msgpack and a RankMirror, gives the ModelInput
-    that rank 0 builds from its Sequences, tensor for tensor, under chunked prefill, preemption, async
-    placeholders, n-gram proposals (off) and prompt logprobs."""
+    """In one process: every step's Step message, as the other ranks get it (through msgpack, without
+    the sampling parts) into a WorkerBatch of their own, gives the ModelInput rank 0's worker builds,
+    tensor for tensor, under chunked prefill, preemption, async placeholders, n-gram proposals (off)
+    and prompt logprobs."""
     import torch
 
     from kvpilot.server import LLM
-    from kvpilot.server.engine.step_message import RankMirror, StepMessenger, decode, encode
+    from kvpilot.server.engine.model_io import InputBuilder
+    from kvpilot.server.engine.step_message import WorkerBatch, decode, encode
 
     extra = {"speculative_method": "ngram", "speculative_disable_batch_size": 0} if mode == "off" else {}
     llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="8MiB", max_num_batched_tokens=16, async_scheduling=mode, **extra)
-    inputs, messenger, mirror, checked = llm.engine.inputs, StepMessenger(), RankMirror(), []
-    build = inputs.build
+    engine = llm.engine
+    rank_batch, rank_inputs, theirs, checked = WorkerBatch(), InputBuilder(engine.config.block_size, (), torch.device("cpu")), [], []
+    step, launch = engine.messenger.step, engine.worker.launch
 
-    def both(batch, proposal=None, previous=None, sample=True, adapter_slots=None, next_tokens=False):
-        inp, plan = build(batch, proposal, previous, sample, adapter_slots, next_tokens)
-        step = decode(encode(messenger.step(batch, previous, 0, adapter_slots)))
-        rank_batch, rank_previous, rank_slots = mirror.apply(step)
-        theirs, _ = build(rank_batch, None, rank_previous or None, False, rank_slots)
+    def message(*args):
+        sent = step(*args)
+        theirs.append(rank_inputs.build(rank_batch.apply(decode(encode(sent.for_other_ranks()))), sample=False)[0])
+        return sent
+
+    def launched(inp, previous=None, proposal=None):
+        other = theirs.pop()
         for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "logits_indices", "from_previous"):
-            a, b = getattr(inp, name), getattr(theirs, name)
+            a, b = getattr(inp, name), getattr(other, name)
             assert (a is None and b is None) or torch.equal(a, b), name
-        assert (inp.num_prefills, inp.query_lens, inp.context_lens) == (theirs.num_prefills, theirs.query_lens, theirs.context_lens)
-        assert [(r.first_row, r.target_ids, r.top_k) for r in inp.prompt_logprobs] == [(r.first_row, r.target_ids, r.top_k) for r in theirs.prompt_logprobs]
+        assert (inp.num_prefills, inp.query_lens, inp.context_lens) == (other.num_prefills, other.query_lens, other.context_lens)
+        assert [(r.first_row, r.target_ids, r.top_k) for r in inp.prompt_logprobs] == [(r.first_row, r.target_ids, r.top_k) for r in other.prompt_logprobs]
+        assert other.sampling is None
         checked.append(inp.from_previous is not None)
-        return inp, plan
+        return launch(inp, previous, proposal)
 
-    inputs.build = both
+    engine.messenger.step, engine.worker.launch = message, launched
     from kvpilot.server import SamplingParams
 
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)  # three of these outgrow the 160-token cache: preemptions
     llm.generate([p * 4 for p in PROMPTS] + PROMPTS[:3], params() + [long] * 3)
-    assert llm.engine.scheduler.num_preemptions > 0 and len(checked) > 20
+    assert engine.scheduler.num_preemptions > 0 and len(checked) > 20
     assert any(checked) == (mode == "on")
 
 

@@ -2,10 +2,10 @@
 NCCL on CUDA when there is a GPU per rank).
 
 Rank 0 is the engine: scheduler, block manager, tokenizer, HTTP server, sampling. It starts ranks
-1…N−1 (`Workers`), each of which loads its shard of the weights, allocates the KV cache of its heads
-and then runs every step from the Step message rank 0 sends (engine/step_message.py: what the
-scheduler decided, as bytes over a gloo `Channel`; each rank builds its own tensors from it and its
-mirror of the sequences' tokens and block tables). With async scheduling rank 0 also broadcasts the
+1…N−1 (`Workers`), each a Worker (engine/worker.py) that loads its shard of the weights, allocates
+the KV cache of its heads and then runs every step from the Step message rank 0 sends
+(engine/step_message.py: what the scheduler decided, as bytes over a gloo `Channel`; each rank's
+worker builds its own tensors from it and its WorkerBatch, as rank 0's worker does). With async scheduling rank 0 also broadcasts the
 sampled tokens of the step in flight (a device tensor collective), which the placeholders take.
 Projections are split Megatron-style: q/k/v and gate/up by output rows (heads, FFN columns), o and
 down by input columns with one all-reduce each; the embedding and the LM head by vocabulary rows.
