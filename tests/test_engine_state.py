@@ -268,10 +268,10 @@ def test_rank_0_builds_from_the_message_what_the_sequences_say(lora_peft_case, m
     from kvpilot.server.loading import open_model
 
     paths = lora_peft_case[0]
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    repeat = "one two three one two three one two three one two three"
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    repeat = "one two three " * 7  # over a block: its second run finds it cached
     seen = Counter()
-    engine = LLMEngine(EngineConfig(num_threads=1, kv_cache_memory="3MiB", max_num_batched_tokens=16, enable_lora=True, max_loras=2,
+    engine = LLMEngine(EngineConfig(num_threads=1, kv_cache_memory="6MiB", max_num_batched_tokens=16, enable_lora=True, max_loras=2,
                                     max_lora_rank=16, speculative_method="ngram", speculative_disable_batch_size=0,
                                     speculative_min_acceptance=0.0), show_progress=False)
     _check_every_step(engine, seen)
