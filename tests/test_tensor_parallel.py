@@ -73,7 +73,7 @@ def test_each_rank_holds_a_third(tp_llm):
     per_layer = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * c.hidden_size \
         + 3 * c.hidden_size * c.intermediate_size
     full = 4 * (c.num_layers * per_layer + c.vocab_size * c.hidden_size)  # fp32; the tied LM head packed once
-    ranks = tp_llm.engine.worker.describe_ranks()
+    ranks = tp_llm.engine.describe_ranks()
     assert [r["rank"] for r in ranks] == [0, 1, 2]
     assert all(r["projection_bytes"] == full // WORLD for r in ranks), (ranks, full)
     assert all(r["kv_heads"] == c.num_kv_heads // WORLD == 1 for r in ranks)

@@ -22,7 +22,7 @@ def test_two_ranks_on_each_family_equal_one(family_checkpoints, family):
         llm = LLM(model=str(directory), num_threads=1, show_progress=False, kv_cache_memory="16MiB", tensor_parallel_size=world)
         results.append(llm.generate(prompts, greedy))
         if world == 2:
-            assert [r["kv_heads"] for r in llm.engine.worker.describe_ranks()] == [llm.engine.model_config.num_kv_heads // 2 or 1] * 2
+            assert [r["kv_heads"] for r in llm.engine.describe_ranks()] == [llm.engine.model_config.num_kv_heads // 2 or 1] * 2
         llm.engine.close()
     one, two = results
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
@@ -44,7 +44,7 @@ def test_three_ranks_with_packed_weights_equal_one(quantization):
     for world in (1, 3):
         llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB", tensor_parallel_size=world, quantization=quantization)
         results.append(llm.generate(prompts, greedy))
-        held.append([r["projection_bytes"] for r in llm.engine.worker.describe_ranks()])
+        held.append([r["projection_bytes"] for r in llm.engine.describe_ranks()])
         llm.engine.close()
     one, three = results
     assert len(held[1]) == 3 and all(abs(b - held[0][0] / 3) < 0.01 * held[0][0] for b in held[1]), held

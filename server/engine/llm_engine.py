@@ -639,6 +639,11 @@ class LLMEngine:
             if side is not None:
                 side.close()
 
+    def describe_ranks(self) -> list[dict]:
+        """What each rank's worker holds (Worker.describe), rank 0's first (tests, logs; not on the step path)."""
+        own = self.worker.describe()
+        return self.workers.describe(own) if self.workers is not None else [own]
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage(), bm.num_blocks, bm.num_free_blocks,
