@@ -35,7 +35,7 @@ class LoRABatch:
 
 
 class LoRAContext:
-    """The step's LoRABatch, shared by every adapted projection of one model (the model runner sets it
+    """The step's LoRABatch, shared by every adapted projection of one model (the worker sets it
     around a forward; None: no row of the step has an adapter)."""
 
     def __init__(self) -> None:

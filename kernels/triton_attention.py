@@ -167,7 +167,7 @@ def _power_of_two(n: int) -> bool:
 
 def check_shapes(head_dim: int, block_size: int) -> None:
     """What the kernels take (tl.arange: powers of two; tl.dot: at least 16), refused by name: at load
-    (ModelRunner) and at every call."""
+    (Worker) and at every call."""
     if not (_power_of_two(head_dim) and _power_of_two(block_size) and min(head_dim, block_size) >= 16):
         raise ValueError(f"the Triton attention kernels need a power-of-two head_dim and block size of at least 16, "
                          f"not {head_dim} and {block_size} (use --block-size 16 or 32)")

@@ -247,6 +247,7 @@ def read_states(runner, sequences: list[list[int]], aux_layers: tuple[int, ...],
     from kvpilot.kernels.paged_attention import AttentionMetadata
 
     examples = []
+    declared = runner.model.aux_layers
     runner.model.declare_aux_output(aux_layers)
     try:
         for j, ids in enumerate(sequences):
@@ -258,7 +259,7 @@ def read_states(runner, sequences: list[list[int]], aux_layers: tuple[int, ...],
             examples.append(Example(torch.tensor(ids), aux.to(torch.bfloat16), logits.argmax(-1), top.indices.to(torch.int32),
                                     top.values.to(torch.float16), answer_starts[j] if answer_starts else 0))
     finally:
-        runner.model.declare_aux_output(())
+        runner.model.declare_aux_output(declared)
     return examples
 
 

@@ -56,7 +56,7 @@ def test_static_decode_steps_give_the_plain_steps_tokens():
 
 
 def test_the_kv_budget_profiles_a_prefill_and_a_graph_wide_decode_step(monkeypatch):
-    """ModelRunner's CUDA memory profile (_profile_peaks, _kv_cache_bytes) run on CPU with torch.cuda's
+    """A worker's CUDA memory profile (_profile_peaks, _kv_cache_bytes) run on CPU with torch.cuda's
     memory counters stubbed: the throwaway steps it builds (a prefill of max_num_batched_tokens, a
     decode of max_num_seqs rows over graph-wide tables) go through the real model, and the budget
     subtracts what they report (the decode peak only when graphs will be captured)."""

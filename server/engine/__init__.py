@@ -1,1 +1,1 @@
-"""The engine: request state, KV-block bookkeeping, scheduling policy, and the device-side runner."""
+"""The engine: request state, KV-block bookkeeping, scheduling policy, and the device side: one worker per rank, its drafters."""

@@ -44,7 +44,6 @@ class Drafter:
         # engine's caches alive until a garbage collection).
         self.device, self.inputs, self.sampler, self.batch = worker.device, worker.inputs, worker.sampler, worker.batch
         self.block_size, self.kv_dtype = worker.block_size, worker.kv_dtype
-        self.scratch_block = 0      # set by allocate()
 
     def block_bytes(self) -> int:
         """Its KV cache's bytes per block (beside the target's)."""
@@ -148,7 +147,6 @@ class DraftModel(Drafter):
         return kv_block_bytes(self.model, self.block_size, self.kv_dtype)
 
     def allocate(self, num_blocks: int) -> None:
-        self.scratch_block = num_blocks
         c = self.model.config
         shape = (num_blocks + 1, self.block_size, self.model.num_kv_heads, c.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
@@ -216,8 +214,8 @@ class Eagle3(Drafter):
         target.declare_aux_output(self.head.config.aux_layers)
         # An FP8 target cache: the head's one layer keeps its cache in the compute dtype.
         self.kv_dtype = worker.dtype if worker.kv_dtype == FP8_KV else worker.kv_dtype
-        self.block_size = worker.block_size
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.scratch_block = 0      # the worker's (set by allocate): the head's pass writes recomputed K/V there
         # seq_id -> (the head's normed and prenorm outputs of a step, the sequence's row there)
         self.last: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
 

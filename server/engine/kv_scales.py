@@ -42,7 +42,7 @@ SELECT city, COUNT(*) FROM orders WHERE total > 99.5 GROUP BY city ORDER BY 2 DE
 
 
 def kv_calibration_ids(config, tokenizer) -> list[int] | None:
-    """CALIBRATION_TEXT's token ids when the engine's cache is FP8 (the runner calibrates from them
+    """CALIBRATION_TEXT's token ids when the engine's cache is FP8 (the worker calibrates from them
     unless the checkpoint has its scales), else None."""
     from kvpilot.server.config import FP8_KV_NAMES
 

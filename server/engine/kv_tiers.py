@@ -9,7 +9,7 @@ a writer thread writes the file: tmp file + rename, so readers never see half a 
 sequence whose prompt continues past the in-memory prefix cache with blocks on disk has them read and
 verified between the engine's steps — all at once when nothing else runs, else a slice of each step's
 time, so other sequences' steps go on — while the scheduler passes over it; once the read is done it is
-admitted with those blocks counted as computed, and the runner writes them into fresh cache blocks
+admitted with those blocks counted as computed, and the worker writes them into fresh cache blocks
 before a step's forward pass (a few per step while other sequences run; it computes once all are).
 
 Under tensor parallelism each rank saves its own shard of a block (`<key>-<rank>.kvblock`; the keys
@@ -65,12 +65,12 @@ READ_ARENA_BYTES = 128 << 20
 
 
 class PendingCopy(Protocol):
-    """A block's K/V still being copied off the device (the runner's HostCopy on CUDA)."""
+    """A block's K/V still being copied off the device (the worker's HostCopy on CUDA)."""
 
     def result(self) -> bytes: ...
 
 
-Payload = bytes | memoryview | PendingCopy  # one rank's K/V of one block, in the runner's block_layout()
+Payload = bytes | memoryview | PendingCopy  # one rank's K/V of one block, in the worker's block_layout()
 
 
 @dataclass(slots=True)
@@ -106,7 +106,7 @@ class BlockLoad:
 class DiskTier:
     def __init__(self, directory: str | Path, max_bytes: int, layout: tuple[str, tuple[int, ...]], payload_bytes: int,
                  rank: int = 0, world_size: int = 1, max_pending_bytes: int = 256 << 20):
-        """layout: the K/V's dtype name and shape of one block (one rank's shard) as the runner gives
+        """layout: the K/V's dtype name and shape of one block (one rank's shard) as the worker gives
         it; payload_bytes: its size. Rank 0 reads (read(), on the engine's thread) and keeps the index
         (every rank's files); the other ranks only write their shards. Saves beyond max_pending_bytes in
         the writer's queue are dropped (counted)."""

@@ -109,7 +109,7 @@ class KVSender:
     def __init__(self, host: str, port: int, read_block: Callable[[int], Payload], engine_id: str, timeout: float, secret: bytes,
                  max_blocks: int):
         """Serves on host:port, the address decode engines are told (port 0: any free port, self.port
-        says which). read_block: a held block's K/V (the runner's block_bytes, called from the server
+        says which). read_block: a held block's K/V (the worker's block_bytes, called from the server
         thread: held blocks do not change). max_blocks: the most blocks one pull can ask for."""
         self.read_block, self.engine_id, self.timeout, self.secret = read_block, engine_id, timeout, secret
         self.stats = TransferStats()

@@ -27,7 +27,7 @@ from kvpilot.server.threads import configure_threads
 
 if TYPE_CHECKING:  # torch-side: imported in LLMEngine.__init__, after the thread settings
     from kvpilot.server.adapters import LoRARequest
-    from kvpilot.server.engine.lora import Adapter, LoRARegistry
+    from kvpilot.server.engine.lora import Adapter
     from kvpilot.server.engine.step_message import GrammarMasks
     from kvpilot.server.engine.worker import LaunchedStep
 
@@ -524,15 +524,15 @@ class LLMEngine:
         step = self.messenger.step(batch, previous.sampled_rows() if previous else None, in_flight.tokens.shape[0] if awaited else 0, slots)
         if self.proposer is not None:  # (an EAGLE-3 head keeps the states the next proposals start from only if there may be any)
             step.drafts_next = self.proposer.may_propose(len(self.scheduler.running))
+        worker_batch, proposal = self.worker.begin(step, in_flight)
+        step.grammar = self._grammar_masks(batch, proposal)
+        inp, plan = self.worker.build(worker_batch, step, proposal)
         if self.workers is not None:
             self.workers.send(step.for_other_ranks())
             if awaited:
                 self.workers.broadcast_tokens(in_flight.tokens)
-        proposal = self.worker.begin(step, in_flight)
-        step.grammar = self._grammar_masks(batch, proposal)
-        launched = self.worker.execute(step, in_flight, proposal)
+        launched = self.worker.execute(inp, plan, in_flight, proposal)
         by_id = {seq.seq_id: seq for seq in batch.seqs}
-        plan = launched.plan
         flight = StepInFlight(batch, launched, [by_id[sid] for sid in plan.sampled], plan.proposed,
                               [(by_id[sid], start) for sid, start in plan.prompt_logprobs])
         if self.proposer:

@@ -126,7 +126,7 @@ class LoRARegistry:
     """Adapters by name and id, their host copies and the compute device's slots.
 
     load_slot(slot, adapter | None) writes an adapter into a slot of every adapted projection (on every
-    rank; None clears it): the model runner's set_adapter."""
+    rank; None clears it): the engine's _set_adapter."""
 
     def __init__(self, config: ModelConfig, max_loras: int, max_cpu_loras: int, max_rank: int,
                  load_slot: Callable[[int, Adapter | None], None], base_names: Collection[str] = ()):

@@ -400,9 +400,8 @@ class InputBuilder:
         next token where the host knows it (an EAGLE-3 head's pass: chunk_next)."""
         self.buffers.begin_step()
         bs = self.block_size
-        adapter_slots = batch.adapter_slots
+        slot_of = batch.adapter_slots
         previous = batch.previous or None
-        slot_of = adapter_slots
         order = sorted(range(len(batch.seqs)), key=lambda i: (batch.num_new_tokens[i] == 1 or batch.seqs[i].num_spec_tokens > 0, slot_of[i]))
         row_slots: list[int] = []
         ids: list[int] = []
@@ -493,7 +492,7 @@ class InputBuilder:
                                            previous=previous, grammar=batch.grammar)
             if sampled and sample else None,
             from_previous=previous_t.view(2, -1) if placeholder_rows else None,
-            lora=self._lora_batch(row_slots) if adapter_slots and max(adapter_slots) >= 0 else None,
+            lora=self._lora_batch(row_slots) if slot_of and max(slot_of) >= 0 else None,
             from_proposal=proposed_t.view(3, -1) if proposed_rows[0] else None, shift=shifted_t.view(3, -1) if shifted[0] else None,
             block_size=bs, chunk_next=chunk_t.view(2, -1) if chunk_next[0] else None, sample_entries=entries_t if next_tokens else None)
         return inp, plan

@@ -53,7 +53,7 @@ class Sequence:
     kv_writes: list = field(default_factory=list)  # admitted: (block id, each rank's K/V) read from a tier, not yet in the cache
     # Speculative decoding: this step's proposal (verified in the step, then cleared).
     num_spec_tokens: int = 0              # tokens proposed (reserved) for this step
-    spec_token_ids: list[int] = field(default_factory=list)  # the proposed tokens themselves, once known
+    spec_token_ids: list[int] = field(default_factory=list)  # the proposed tokens known on the host (n-gram, a lookup; a drafter's stay on the worker)
 
     def __post_init__(self) -> None:
         if self.max_output_tokens is None:

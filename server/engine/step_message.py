@@ -81,7 +81,7 @@ class Step(msgspec.Struct, tag="step", array_like=True):
 
     def for_other_ranks(self) -> Step:
         """What ranks 1…N−1 get: no sampling parts (rank 0 alone samples)."""
-        if not self.new and self.grammar is None:
+        if not self.new:
             return self
         new = [NewSeq(s.seq_id, s.token_ids, s.num_prompt_tokens, s.block_table) for s in self.new]
         return Step(new, self.updates, self.finished, self.rows, self.num_previous_tokens)
@@ -255,7 +255,7 @@ class WorkerBatch:
             seq.known_token_ids += u.new_token_ids
             if u.num_blocks_kept != len(seq.block_table) or u.new_block_ids:
                 seq.block_table = seq.block_table[:u.num_blocks_kept] + list(u.new_block_ids)
-        batch = StepBatch([], [], [], {}, step.grammar)
+        batch = StepBatch([], [], [], {})
         for row in step.rows:
             seq = self.seqs[row.seq_id]
             seq.num_computed_tokens, seq.num_placeholders, seq.num_unsettled = row.num_computed_tokens, row.num_placeholders, row.num_unsettled

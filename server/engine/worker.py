@@ -177,7 +177,6 @@ class Worker:
         self.sampler = Sampler(generator)
         self.inputs = InputBuilder(config.block_size, eos_token_ids, self.device)
         self.batch = WorkerBatch(self.device if self.samples else None)
-        self._step_batch: StepBatch | None = None  # between begin() and execute()
         self.drafter = drafter(self) if drafter is not None else None
         _return_freed_heap()
         self.model.ops.check_shapes(self.model.config.head_dim, self.block_size)  # before a step fails on them
@@ -334,7 +333,8 @@ class Worker:
             raise ValueError(f"score: {n} tokens need {blocks} KV blocks of {self.num_blocks}, and one process")
         meta = AttentionMetadata.one_prefill(n, self.block_size, self.device)
         ids = torch.tensor(token_ids, device=self.device)
-        return self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)).float()
+        out = self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)
+        return self.model.compute_logits(out[0] if isinstance(out, tuple) else out).float()  # (a declared aux output beside it)
 
     # --- KV tiers: one block's K/V as bytes, every layer's keys then values ---------------------
     def block_layout(self) -> tuple[str, tuple[int, ...], int]:
@@ -408,20 +408,23 @@ class Worker:
         self.set_adapter(message.slot, read_adapter(message.path, self.model.config, self.config.max_lora_rank)[0] if message.path else None)
 
     # --- a step ----------------------------------------------------------------------------------
-    def begin(self, step: Step, previous: LaunchedStep | None = None) -> Proposal | None:
-        """Rank 0: take the step's message into the batch; a drafter's proposals for it (on the device,
-        known on the host where a sequence's masks or penalties need them). previous: the step in
-        flight (async scheduling), whose tokens and accepted counts they start from."""
-        self._step_batch = self.batch.apply(step)
-        return self.drafter.propose(self._step_batch, previous) if self.drafter is not None else None
+    def begin(self, step: Step, previous: LaunchedStep | None = None) -> tuple[StepBatch, Proposal | None]:
+        """Rank 0: the step's message taken into the batch, and a drafter's proposals for it (on the
+        device, known on the host where a sequence's masks or penalties need them). previous: the step
+        in flight (async scheduling), whose tokens and accepted counts they start from."""
+        batch = self.batch.apply(step)
+        return batch, self.drafter.propose(batch, previous) if self.drafter is not None else None
 
-    def execute(self, step: Step, previous: LaunchedStep | None = None, proposal: Proposal | None = None) -> LaunchedStep:
-        """Rank 0: the step begun by begin(), its grammar masks set meanwhile, built and launched."""
-        batch, self._step_batch = self._step_batch, None
+    def build(self, batch: StepBatch, step: Step, proposal: Proposal | None = None) -> tuple[ModelInput, StepPlan]:
+        """Rank 0: the begun step's tensors, its grammar masks set meanwhile (the engine sends the other
+        ranks the message after this: nothing that can fail is left before their collectives)."""
         batch.grammar = step.grammar
-        heads = self.drafter is not None and self.drafter.reads_hidden_states
-        inp, plan = self.inputs.build(batch, proposal, next_tokens=heads)
+        inp, plan = self.inputs.build(batch, proposal, next_tokens=self.drafter is not None and self.drafter.reads_hidden_states)
         inp.head_states = step.drafts_next
+        return inp, plan
+
+    def execute(self, inp: ModelInput, plan: StepPlan, previous: LaunchedStep | None = None, proposal: Proposal | None = None) -> LaunchedStep:
+        """Rank 0: a built step launched."""
         launched = self.launch(inp, previous, proposal.tokens if proposal else None)
         launched.plan = plan
         if self.drafter is not None:
