@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/spec.py [--force] [--rounds 3] [--draft-layers 8] [--threads N] [--quantization gguf]
                                    [--eagle-head DIR] [--eagle-tokens 1,2,3] [--engines plain,ngram,eagle3,eagle3-lookup]
+                                   [--tensor-parallel-size 3]
 
 Engines: plain decoding, n-gram prompt lookup, a draft model (the bundled model cut to its first
 --draft-layers blocks by `kvpilot make-draft`; a truncated model is a weak draft, so this measures the
@@ -16,6 +17,9 @@ Workloads, greedy (temperature 0), chat-formatted prompts:
   16x     16 requests at once (copy + chat prompts), as 16 concurrent clients
 Per engine and workload: output tok/s (median over rounds), ratio to plain, the share of decode
 steps that verified a proposal, and the acceptance rate (accepted / proposed tokens).
+
+--tensor-parallel-size N > 1: every engine over N ranks (one thread each), built one at a time (one
+tensor-parallel engine per process), its rounds run, then closed: the engines are not interleaved.
 """
 
 from __future__ import annotations
@@ -62,14 +66,15 @@ LOOKUP_TOKENS = 4  # eagle3-lookup: a lookup proposes as many as ngram's (its de
 
 
 def engines(threads: int, draft_layers: int, workdir: Path, quantization: str, eagle_head: str | None, wanted: list[str] | None,
-            eagle_tokens: list[int]) -> dict:
+            eagle_tokens: list[int], tensor_parallel_size: int = 1) -> dict:
+    """name -> a function that builds that engine."""
     from kvpilot.server.config import EngineConfig
     from kvpilot.server.engine.llm_engine import LLMEngine
     from kvpilot.server.gguf_loader import write_truncated
     from kvpilot.server.model_files import resolve_model_path
 
     draft = write_truncated(resolve_model_path("smollm2-135m"), workdir / f"draft{draft_layers}.gguf", draft_layers)
-    base = dict(num_threads=threads, kv_cache_memory="512MiB", quantization=quantization)
+    base = dict(num_threads=threads, kv_cache_memory="512MiB", quantization=quantization, tensor_parallel_size=tensor_parallel_size)
     configs = {"plain": {}, "ngram": dict(speculative_method="ngram"),
                "draft": dict(speculative_method="draft", speculative_model=str(draft))}
     families = {}  # eagle3: the head alone; eagle3-lookup: n-gram lookup first, the head for the rest (speculative_lookup)
@@ -84,7 +89,7 @@ def engines(threads: int, draft_layers: int, workdir: Path, quantization: str, e
     unknown = set(wanted or ()) - set(configs)
     if unknown:
         raise SystemExit(f"--engines: {', '.join(sorted(unknown))} unknown here (have: {', '.join(configs)}; eagle3 and eagle3-lookup need --eagle-head)")
-    return {name: LLMEngine(EngineConfig(**base, **kw), show_progress=False) for name, kw in configs.items() if not wanted or name in wanted}
+    return {name: (lambda kw=kw: LLMEngine(EngineConfig(**base, **kw), show_progress=False)) for name, kw in configs.items() if not wanted or name in wanted}
 
 
 def run(engine, prompts: list[str], concurrent: bool, max_tokens: int) -> tuple[int, float]:
@@ -127,27 +132,48 @@ def main() -> None:
     ap.add_argument("--eagle-head", help="an EAGLE-3 head's directory: adds the eagle3 and eagle3-lookup engines")
     ap.add_argument("--eagle-tokens", default="3", help="tokens the head proposes per step; several (1,2,3): one engine each, eagle3-kN")
     ap.add_argument("--engines", help="comma-separated subset of plain,ngram,draft,eagle3,eagle3-lookup (plain always)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of every engine (one thread each; engines run one after another)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
     workloads = {"copy": (COPY, False), "chat": (CHAT, False), "16x": ((COPY + CHAT) * 2, True)}
+    tp = args.tensor_parallel_size
     with tempfile.TemporaryDirectory() as tmp:
         wanted = ["plain", *args.engines.split(",")] if args.engines else None
-        eng = engines(args.threads, args.draft_layers, Path(tmp), args.quantization, args.eagle_head, wanted,
-                      [int(k) for k in args.eagle_tokens.split(",")])
-        for e in eng.values():
-            run(e, CHAT[:1], False, 8)  # warm-up
+        makers = engines(1 if tp > 1 else args.threads, args.draft_layers, Path(tmp), args.quantization, args.eagle_head, wanted,
+                         [int(k) for k in args.eagle_tokens.split(",")], tp)
         rates: dict[tuple[str, str], list[float]] = {}
         spec: dict[tuple[str, str], list[int]] = {}
-        names = list(eng)
-        for r in range(args.rounds):
-            for w, (prompts, concurrent) in workloads.items():
-                for name in names[r % len(names):] + names[:r % len(names)]:  # a rotating order
-                    before = counters(eng[name])
-                    tokens, dt = run(eng[name], prompts, concurrent, args.max_tokens)
-                    rates.setdefault((name, w), []).append(tokens / dt)
-                    delta = [a - b for a, b in zip(counters(eng[name]), before)]
-                    spec[(name, w)] = [x + y for x, y in zip(spec.get((name, w), [0] * len(delta)), delta)]
+        names = list(makers)
+        proposers, configs = {}, {}
+
+        def measure(name: str, engine, w: str) -> None:
+            prompts, concurrent = workloads[w]
+            before = counters(engine)
+            tokens, dt = run(engine, prompts, concurrent, args.max_tokens)
+            rates.setdefault((name, w), []).append(tokens / dt)
+            delta = [a - b for a, b in zip(counters(engine), before)]
+            spec[(name, w)] = [x + y for x, y in zip(spec.get((name, w), [0] * len(delta)), delta)]
+
+        if tp > 1:  # one engine at a time: all its rounds, then closed
+            for name in names:
+                engine = makers[name]()
+                run(engine, CHAT[:1], False, 8)  # warm-up
+                for _ in range(args.rounds):
+                    for w in workloads:
+                        measure(name, engine, w)
+                proposers[name], configs[name] = engine.proposer, engine.config
+                engine.close()
+        else:
+            eng = {name: make() for name, make in makers.items()}
+            for e in eng.values():
+                run(e, CHAT[:1], False, 8)  # warm-up
+            for r in range(args.rounds):
+                for w in workloads:
+                    for name in names[r % len(names):] + names[:r % len(names)]:  # a rotating order
+                        measure(name, eng[name], w)
+            proposers = {name: e.proposer for name, e in eng.items()}
+            configs = {name: e.config for name, e in eng.items()}
     rows = []
     for w in workloads:
         plain = statistics.median(rates[("plain", w)])
@@ -155,17 +181,18 @@ def main() -> None:
             tput = statistics.median(rates[(name, w)])
             steps, spec_steps, drafted, accepted, proposals, *per_pos = spec[(name, w)]
             positions = by_position(proposals, per_pos) if proposals else ""
-            stats = eng[name].proposer.stats if eng[name].proposer else None
+            stats = proposers[name].stats if proposers[name] else None
             if stats is not None and stats.lookup is not None and proposals:  # each source's own: the model's drafts, then the lookups
                 k = len(stats.accepted_per_pos)
                 per_pos, looked_up, lookup_pos = per_pos[:k], per_pos[k], per_pos[k + 1:]
-                drafted_pos = [a - b for a, b in zip(per_pos, lookup_pos)][:eng[name].config.num_speculative_tokens]
+                drafted_pos = [a - b for a, b in zip(per_pos, lookup_pos)][:configs[name].num_speculative_tokens]
                 positions = f"head {by_position(proposals - looked_up, drafted_pos)}; lookup {by_position(looked_up, lookup_pos)}"
             rows.append({"workload": w, "engine": name, "output tok/s": f"{tput:.1f}", "vs plain": f"{tput / plain:.2f}x",
                          "steps speculating": f"{spec_steps / steps:.0%}" if steps else "",
                          "acceptance": f"{accepted / drafted:.0%} of {drafted}" if drafted else "",
                          "accepted by position": positions})
-    print(f"machine: {machine()}; threads {args.threads}; quantization {args.quantization}; rounds {args.rounds} (median); max_tokens {args.max_tokens}")
+    threads = f"{tp} ranks of 1 thread" if tp > 1 else f"threads {args.threads}"
+    print(f"machine: {machine()}; {threads}; quantization {args.quantization}; rounds {args.rounds} (median); max_tokens {args.max_tokens}")
     print(table(rows, ["workload", "engine", "output tok/s", "vs plain", "steps speculating", "acceptance", "accepted by position"]))
 
 

@@ -223,8 +223,6 @@ class EngineConfig(BaseModel):
             raise ValueError("speculative_method=eagle3 needs speculative_model (the EAGLE-3 head's directory)")
         if self.speculative_model and self.speculative_method not in ("draft", "eagle3"):
             raise ValueError("speculative_model is only used with speculative_method=draft or eagle3")
-        if self.speculative_method in ("draft", "eagle3") and self.tensor_parallel_size > 1:
-            raise ValueError(f"speculative_method={self.speculative_method} is not implemented with tensor_parallel_size > 1 (ngram is)")
         if self.async_scheduling == "on" and self.speculative_method == "ngram":
             raise ValueError("async_scheduling=on with speculative_method=ngram: n-gram proposals are looked up in each step's tokens "
                              "on the host, so its steps stay synchronous (draft and eagle3 propose on the device): use auto or off")
@@ -279,8 +277,6 @@ class EngineConfig(BaseModel):
             raise ValueError(f"{', '.join(lora_set)} need enable_lora")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
-        if self.enable_lora and self.speculative_method == "draft":
-            raise ValueError("enable_lora with speculative_method=draft is not implemented (ngram is)")
         return self
 
     def to_cli_args(self, include_defaults: bool = False) -> list[str]:
@@ -537,7 +533,7 @@ def _speculative_method(config: dict[str, Any]) -> str:
 def speculative_settings(value: str | dict, given: dict[str, Any] | None = None) -> dict[str, Any]:
     """The engine fields vLLM's --speculative-config JSON sets, meaning what vLLM makes of it: {"method": "ngram" |
     "draft_model" | "eagle3", "model": ..., "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n,
-    "disable_by_batch_size": n}. Without "method" it is inferred from "model" as vLLM does; for ngram, one of
+    "disable_by_batch_size": n, "draft_tensor_parallel_size": 1}. Without "method" it is inferred from "model" as vLLM does; for ngram, one of
     prompt_lookup_min/_max given sets the other too, and neither given is vLLM's 5 and 5 (unless kvpilot's own
     --prompt-lookup-min/-max flags are given)."""
     given = given or {}
@@ -547,6 +543,11 @@ def speculative_settings(value: str | dict, given: dict[str, Any] | None = None)
         raise ValueError(f"--speculative-config: not JSON ({e})") from None
     if not isinstance(config, dict):
         raise ValueError("--speculative-config: must be a JSON object")
+    config = dict(config)
+    draft_tp = config.pop("draft_tensor_parallel_size", None)
+    if draft_tp is not None and draft_tp != 1:
+        raise ValueError(f"--speculative-config: draft_tensor_parallel_size={json.dumps(draft_tp)} is not implemented: a draft model runs whole "
+                         "on rank 0, its proposals broadcast to the other ranks (draft_tensor_parallel_size 1, the default)")
     unknown = sorted(str(k) for k in set(config) - set(_SPECULATIVE_KEYS))
     if unknown:
         raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (known keys: {', '.join(_SPECULATIVE_KEYS)})")

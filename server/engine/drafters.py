@@ -23,7 +23,7 @@ from kvpilot.server.engine.sampler import PendingSample
 from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN
 from kvpilot.server.engine.step_message import BatchSeq, StepBatch
 from kvpilot.server.engine.worker import LaunchedStep, Worker, kv_block_bytes
-from kvpilot.server.models.decoder import DecoderModel, WeightSource
+from kvpilot.server.models.decoder import DecoderModel, WeightSource, read_embedding
 from kvpilot.server.models.eagle import Eagle3Head, load_head
 
 # (the target worker's DecodeGraphs for a step function): a drafter's graphs, sized as the target's
@@ -137,7 +137,7 @@ class DraftModel(Drafter):
 
     def __init__(self, worker: Worker, weights: WeightSource):
         super().__init__(worker)
-        self.model = worker.load(weights, "none")
+        self.model = worker.load(weights, "none", shard=False)  # whole on rank 0 under tensor parallelism too: small, and no collectives
         if worker.kv_dtype == FP8_KV:
             worker.set_kv_scales(self.model, weights)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -204,13 +204,16 @@ class Eagle3(Drafter):
 
     reads_hidden_states = True
 
-    def __init__(self, worker: Worker, head_path: str):
+    def __init__(self, worker: Worker, head_path: str, target_weights: WeightSource | None = None):
         super().__init__(worker)
         target = worker.model
+        # The head embeds its tokens with the target's table: a tensor-parallel rank holds only its vocabulary
+        # shard of it, so rank 0 keeps the whole table beside (the residual stream the head reads is whole on every rank).
+        embed = target.embed if worker.tp is None else read_embedding(target_weights, worker.dtype, worker.device, worker.quantization)
         # A quantized target's head is int8 too: a head step reads its weights once per row batch, so,
         # as the target's, it is bound by their bytes (float32: ~1.8 ms of a ~9 ms decode step on a
         # CPU for the bundled model's head; bench/RESULTS.md).
-        self.head: Eagle3Head = load_head(head_path, target.config, target.embed, worker.device, worker.dtype, int8=worker.quantization != "none")
+        self.head: Eagle3Head = load_head(head_path, target.config, embed, worker.device, worker.dtype, int8=worker.quantization != "none")
         target.declare_aux_output(self.head.config.aux_layers)
         # An FP8 target cache: the head's one layer keeps its cache in the compute dtype.
         self.kv_dtype = worker.dtype if worker.kv_dtype == FP8_KV else worker.kv_dtype

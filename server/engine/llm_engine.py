@@ -92,7 +92,7 @@ class LLMEngine:
                              f"implemented, so contexts are limited to the window (where full attention is exact); use --max-model-len {window}")
         self.workers, tp = self._start_other_ranks()
         self.worker = Worker(config, weights, show_progress=show_progress, tp=tp, kv_calibration_ids=kv_calibration_ids(config, self.tokenizer),
-                             eos_token_ids=self.tokenizer.eos_token_ids, drafter=self._drafter())
+                             eos_token_ids=self.tokenizer.eos_token_ids, drafter=self._drafter(weights))
         startup.mark("loaded")
         capacity = self.worker.num_blocks * config.block_size
         limits = [self.model_config.max_position, capacity] + ([window] if window else [])
@@ -149,7 +149,7 @@ class LLMEngine:
         check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
         return Workers(self.config, self.model_path, resolve_device(self.config).type), TensorParallel(0, self.config.tensor_parallel_size)
 
-    def _drafter(self):
+    def _drafter(self, target_weights):
         """What makes rank 0's drafter on its worker (draft model, EAGLE-3 head), or None."""
         from kvpilot.server.engine.drafters import DraftModel, Eagle3
 
@@ -158,7 +158,7 @@ class LLMEngine:
             return lambda worker: DraftModel(worker, weights)
         if self.config.speculative_method == "eagle3":
             head = str(resolve_model_path(self.config.speculative_model))
-            return lambda worker: Eagle3(worker, head)
+            return lambda worker: Eagle3(worker, head, target_weights)
         return None
 
     def _proposer(self):
@@ -521,16 +521,20 @@ class LLMEngine:
             self._write_loaded(batch)
         in_flight = previous.launched if previous else None
         awaited = in_flight is not None and any(seq.num_placeholders for seq in batch.seqs)
-        step = self.messenger.step(batch, previous.sampled_rows() if previous else None, in_flight.tokens.shape[0] if awaited else 0, slots)
+        unsettled = in_flight is not None and any(seq.num_unsettled for seq in batch.seqs)
+        step = self.messenger.step(batch, previous.sampled_rows() if previous else None,
+                                   in_flight.tokens.shape[0] if awaited or unsettled else 0, slots, unsettled)
         if self.proposer is not None:  # (an EAGLE-3 head keeps the states the next proposals start from only if there may be any)
             step.drafts_next = self.proposer.may_propose(len(self.scheduler.running))
         worker_batch, proposal = self.worker.begin(step, in_flight)
         step.grammar = self._grammar_masks(batch, proposal)
         inp, plan = self.worker.build(worker_batch, step, proposal)
-        if self.workers is not None:
+        if self.workers is not None:  # the message, then what it says follows from rank 0's device
             self.workers.send(step.for_other_ranks())
-            if awaited:
-                self.workers.broadcast_tokens(in_flight.tokens)
+            for values, sent in ((in_flight and in_flight.tokens, step.num_previous_tokens), (in_flight and in_flight.accepted_counts, unsettled),
+                                 (proposal and proposal.tokens, proposal is not None)):
+                if sent:
+                    self.workers.broadcast_tokens(values)
         launched = self.worker.execute(inp, plan, in_flight, proposal)
         by_id = {seq.seq_id: seq for seq in batch.seqs}
         flight = StepInFlight(batch, launched, [by_id[sid] for sid in plan.sampled], plan.proposed,

@@ -341,7 +341,8 @@ class ModelInput:
             rows, sampled, entry = self.from_proposal
             drafted = proposal.reshape(-1)[entry]
             self.input_ids[rows] = drafted
-            self.sampling.draft_token_ids[sampled] = drafted
+            if self.sampling is not None:  # (tensor-parallel ranks other than 0 verify nothing: they only compute the rows)
+                self.sampling.draft_token_ids[sampled] = drafted
 
     def next_token_ids(self, sampled: torch.Tensor | None) -> torch.Tensor:
         """Each row's next token (an EAGLE-3 head's input over the step's rows), given the step's

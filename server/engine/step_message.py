@@ -76,6 +76,7 @@ class Step(msgspec.Struct, tag="step", array_like=True):
     finished: list[int]             # seq ids the workers can forget
     rows: list[Row]                 # the scheduled sequences, in the scheduler's order
     num_previous_tokens: int        # sampled tokens of the step in flight that rank 0 broadcasts after this (0: none)
+    previous_accepted: bool = False  # then as many accepted counts (rows follow a verification in flight)
     grammar: GrammarMasks | None = None  # rank 0 (set once the step's proposals are known: they are masked too)
     drafts_next: bool = True        # rank 0: the next step may carry proposals (a drafter keeps the states they start from)
 
@@ -84,7 +85,7 @@ class Step(msgspec.Struct, tag="step", array_like=True):
         if not self.new:
             return self
         new = [NewSeq(s.seq_id, s.token_ids, s.num_prompt_tokens, s.block_table) for s in self.new]
-        return Step(new, self.updates, self.finished, self.rows, self.num_previous_tokens)
+        return Step(new, self.updates, self.finished, self.rows, self.num_previous_tokens, self.previous_accepted)
 
 
 class SetAdapter(msgspec.Struct, tag="set_adapter", array_like=True, frozen=True):
@@ -144,9 +145,10 @@ class StepMessenger:
         self.sent: dict[int, _Sent] = {}
 
     def step(self, batch: ScheduledBatch, previous: dict[int, int] | None, num_previous_tokens: int = 0,
-             adapter_slots: list[int] | None = None) -> Step:
+             adapter_slots: list[int] | None = None, previous_accepted: bool = False) -> Step:
         """previous: seq_id -> its index among the sampled sequences of the step in flight (async
-        scheduling); num_previous_tokens: how many tokens rank 0 broadcasts to the other ranks (0: none)."""
+        scheduling); num_previous_tokens: how many tokens rank 0 broadcasts to the other ranks (0: none),
+        previous_accepted: and as many accepted counts."""
         finished = [sid for sid, s in self.sent.items() if s.seq.is_finished]
         for sid in finished:
             del self.sent[sid]
@@ -167,7 +169,7 @@ class StepMessenger:
             rows.append(Row(seq.seq_id, seq.num_computed_tokens, n, seq.num_placeholders,
                             previous.get(seq.seq_id, -1) if previous and awaits else -1, list(seq.spec_token_ids), seq.num_spec_tokens,
                             seq.num_unsettled, -1 if prompt_lp is None else prompt_lp, slot))
-        return Step(new, updates, finished, rows, num_previous_tokens)
+        return Step(new, updates, finished, rows, num_previous_tokens, previous_accepted)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -27,6 +27,7 @@ from kvpilot.server.engine.decode_graphs import DecodeGraphs
 from kvpilot.server.engine.lora import read_adapter
 from kvpilot.server.engine.model_io import InputBuilder, ModelInput, ModelOutput, PromptLogprobRows, Proposal, StepPlan
 from kvpilot.server.engine.sampler import PendingSample, Sampler
+from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN
 from kvpilot.server.engine.step_message import Describe, LoadBlocks, SaveBlocks, SetAdapter, Step, StepBatch, Stop, WorkerBatch
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
 from kvpilot.server.models.sharding import TensorParallel
@@ -197,15 +198,18 @@ class Worker:
                  self.dtype, self.model.weight_bytes() / 2**20, self.quantization, self.num_blocks, self.block_size,
                  self.num_blocks * self.bytes_per_block / 2**20, self.kv_dtype)
 
-    def load(self, weights: WeightSource, quantization: str, group_size: int = 32, lora: tuple[int, int] | None = None) -> DecoderModel:
-        """A model on this worker's device, in its dtype (a drafter's too)."""
+    def load(self, weights: WeightSource, quantization: str, group_size: int = 32, lora: tuple[int, int] | None = None,
+             shard: bool = True) -> DecoderModel:
+        """A model on this worker's device, in its dtype (a drafter's too); shard=False: whole on this rank
+        whatever the tensor parallelism (a draft model, replicated)."""
         bar = None
         if self.show_progress:
             from tqdm import tqdm
 
             bar = tqdm(total=len(weights.checkpoint_names()), desc=f"loading {weights.path.name}", unit="tensor", leave=False)
         with torch.inference_mode():
-            model = DecoderModel.load(weights, weights.config, self.dtype, self.device, progress=bar.update if bar else None, tp=self.tp,
+            model = DecoderModel.load(weights, weights.config, self.dtype, self.device, progress=bar.update if bar else None,
+                                      tp=self.tp if shard else None,
                                       quantization=quantization, group_size=group_size, lora=lora)
         if bar:
             bar.close()
@@ -484,16 +488,28 @@ class Worker:
             self.kv_tier.drain()  # shards queued for the disk tier are written before the rank goes
 
     def _run_rank_step(self, step: Step) -> None:
-        """A step as ranks 1…N−1 run it: built from the message (no sampling: rank 0 samples), the
-        placeholders' tokens broadcast by rank 0."""
+        """A step as ranks 1…N−1 run it: built from the message (no sampling: rank 0 samples); what rank 0
+        has on its device broadcast after the message: the step in flight's tokens (placeholders) and
+        accepted counts (unsettled rows), then the tokens rank 0's drafter proposed."""
         import torch.distributed as dist
 
-        inp, _ = self.inputs.build(self.batch.apply(step), sample=False)
-        tokens = None
-        if step.num_previous_tokens:
-            tokens = torch.empty(step.num_previous_tokens, dtype=torch.long, device=self.device)
-            dist.broadcast(tokens, src=0)
-        inp.take_device_values(tokens)
+        batch = self.batch.apply(step)
+        drafted = [s for s in batch.seqs if s.num_spec_tokens and not s.spec_token_ids]
+        proposal = None
+        if drafted:
+            for seq in drafted:
+                seq.spec_token_ids = [PLACEHOLDER_TOKEN] * seq.num_spec_tokens
+            tokens = torch.empty(len(drafted), max(s.num_spec_tokens for s in drafted), dtype=torch.long, device=self.device)
+            proposal = Proposal(tokens, {s.seq_id: i for i, s in enumerate(drafted)}, None)
+        inp, _ = self.inputs.build(batch, proposal, sample=False)
+        received = []
+        for count in (step.num_previous_tokens, step.num_previous_tokens if step.previous_accepted else 0):
+            received.append(torch.empty(count, dtype=torch.long, device=self.device) if count else None)
+            if count:
+                dist.broadcast(received[-1], src=0)
+        if proposal is not None:
+            dist.broadcast(proposal.tokens, src=0)
+        inp.take_device_values(*received, proposal.tokens if proposal is not None else None)
         with torch.inference_mode():
             self._forward(inp, inp.logits_indices.numel() > 0)
 

@@ -213,6 +213,12 @@ class LoRAModules:
 PACKED_FORMATS = ("gguf", "gptq", "awq", "compressed-tensors", "fp8")  # kept as the file holds them (the source's load_packed)
 
 
+def read_embedding(source: WeightSource, dtype: torch.dtype, device: torch.device, quantization: str = "none") -> torch.Tensor | GGUFWeight:
+    """The whole embedding table, as an unsharded model keeps it (an EAGLE-3 head beside a tensor-parallel
+    rank's target, whose own table is its vocabulary shard)."""
+    return _WeightReader(source, dtype, device, None, None, quantization).weight("model.embed_tokens.weight", table=True)
+
+
 class _WeightReader:
     """Reads weights by name, each cast to the compute dtype and moved to the device as it is read (no
     second full copy of the model in host memory), and keeps count: a weight the model never read
