@@ -104,6 +104,8 @@ VLLM_SPELLINGS = [  # (vLLM's spelling, kvpilot's own)
     (["--speculative-config", '{"model": "/models/draft.gguf"}'], ["--speculative-method", "draft", "--speculative-model", "/models/draft.gguf"]),
     (["--speculative-config", '{"method": "eagle3", "model": "/heads/e3", "disable_by_batch_size": 8}'],
      ["--speculative-method", "eagle3", "--speculative-model", "/heads/e3", "--speculative-disable-batch-size", "8"]),
+    (["--speculative-config", '{"model": "/models/draft.gguf", "draft_tensor_parallel_size": 1}'],  # what kvpilot does: whole on rank 0
+     ["--speculative-method", "draft", "--speculative-model", "/models/draft.gguf"]),
     (["-tp", "2"], ["--tensor-parallel-size", "2"]),
     (["-q", "int8"], ["--quantization", "int8"]),
     (["--model", "org/repo", "--revision", "v2"], ["--model", "org/repo@v2"]),  # a hub repository id's revision
@@ -158,6 +160,8 @@ def test_enable_auto_tool_choice_needs_a_parser():
     (["--speculative-config", '{"method": "ngram", "acceptance_method": "typical"}'], "--speculative-config: acceptance_method not supported"),
     (["--speculative-config", '{"method": "medusa", "model": "m"}'], "--speculative-config: method 'medusa' not supported"),
     (["--speculative-config", "ngram"], "--speculative-config: not JSON"),
+    (["--speculative-config", '{"model": "/models/draft.gguf", "draft_tensor_parallel_size": 3}'],
+     "--speculative-config: draft_tensor_parallel_size=3 is not implemented"),
     (["--kv-cache-memory-bytes", "1G", "--kv-cache-memory", "2GiB"], "--kv-cache-memory-bytes sets --kv-cache-memory"),
     (["--speculative-config", '{"method": "ngram"}', "--speculative-method", "draft"], "--speculative-config sets --speculative-method"),
 ])

@@ -85,6 +85,7 @@ def test_the_head_reads_the_hidden_states_transformers_numbers_as_the_layer_ids(
     (dict(hidden_size=512), "no embed_tokens.weight, and its hidden size 512 is not the target's 576"),
     (dict(vocab_size=1000), "vocab_size 1000 is not the target's 49152"),
     (dict(aux_layers=[2, 15, 30]), "must be three of the target's layers 0..29"),
+    (dict(aux_layers=[2, 15, 15]), "names a layer twice"),
     (dict(config={"num_hidden_layers": 2}), "num_hidden_layers=2"),
     (dict(config={"architectures": ["LlamaForCausalLM"]}), "is not ['LlamaForCausalLMEagle3']"),
     (dict(config={"target_hidden_size": 960}), "its target hidden size is 960, the target's is 576"),

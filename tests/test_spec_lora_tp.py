@@ -1,8 +1,8 @@
 """Speculation, LoRA, tensor parallelism and async scheduling together (issue #63), pairwise: every
 pair of values of the four axes appears in at least one engine below, not their full product.
 
-  tensor parallelism   1 and 3 (the bundled model: 9 query / 3 KV heads), 2 (the tiny Qwen2 checkpoint
-                       tests/test_tensor_parallel_families.py splits)
+  tensor parallelism   1 and 3 (the bundled model: 9 query / 3 KV heads), 2 (the tiny Qwen2 test checkpoint
+                       tests/test_tensor_parallel_families.py splits, with four layers here)
   speculation          none, n-gram, a draft model (whole on rank 0: a 4-layer truncation of the bundled
                        model; for the tiny checkpoint the checkpoint itself), an EAGLE-3 head (random)
   LoRA                 off, on (a peft adapter; the batch mixes adapter rows and base rows)
@@ -16,6 +16,7 @@ and an EAGLE-3 head under tensor parallelism also keep the sampling distribution
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -37,26 +38,30 @@ def test_the_rows_cover_every_pair_of_axis_values():
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory, model_path, family_checkpoints, lora_peft_case):
+def models(tmp_path_factory, model_path, lora_peft_case):
     """Per rank count: the model, its adapter, its draft model and a random EAGLE-3 head."""
     from transformers import AutoModelForCausalLM
 
+    from checkpoint_factory import CASES, build_checkpoint, save_tokenizer
     from eagle_factory import write_eagle3_head
     from kvpilot.server.gguf_loader import write_truncated
     from kvpilot.server.loading import open_model
     from lora_factory import save_adapter
 
     root = tmp_path_factory.mktemp("composition")
+    tokenizer_dir = save_tokenizer(model_path, root / "tokenizer")
     weights, tokenizer = open_model(model_path)
     draft_vocab = sorted(set(tokenizer.encode(" ".join(PROMPTS))) | set(range(8)))
     bundled = {"model": str(model_path), "adapter": str(lora_peft_case[0]["all7-r8"]),
                "draft": str(write_truncated(model_path, root / "draft4.gguf", 4)),
                "eagle3": str(write_eagle3_head(root / "head", weights.config, draft_vocab))}
-    tiny, _ = family_checkpoints["qwen2"]
+    # the Qwen2 test checkpoint with four layers (an EAGLE-3 head reads three different ones)
+    case = CASES["qwen2"]
+    tiny = build_checkpoint(replace(case, config={**case.config, "num_hidden_layers": 4}), root / "qwen2-4", tokenizer_dir)
     _, adapter = save_adapter(AutoModelForCausalLM.from_pretrained(str(tiny)), "all7-r8", root / "tiny-adapters")
     tiny_weights, _ = open_model(tiny)
     small = {"model": str(tiny), "adapter": str(adapter), "draft": str(tiny),
-             "eagle3": str(write_eagle3_head(root / "tiny-head", tiny_weights.config, draft_vocab, aux_layers=[0, 1, 1]))}
+             "eagle3": str(write_eagle3_head(root / "tiny-head", tiny_weights.config, draft_vocab, aux_layers=[0, 1, 3]))}
     return {1: bundled, 2: small, 3: bundled}
 
 
@@ -106,8 +111,9 @@ def test_greedy_output_is_plain_decodings_in_every_composition(models, plain, ra
     finally:
         llm.engine.close()
     assert got == plain[ranks][lora]
-    if stats is not None:
-        assert stats.num_drafts > 0
+    # (n-gram on the random tiny checkpoint: its output never repeats its context, nothing to look up)
+    if speculation in ("draft", "eagle3") or (speculation == "ngram" and ranks != 2):
+        assert stats.num_drafts > 0, stats
 
 
 MIXED = ["one two three four one two three four one two", "The capital of France is", "Hello, my name is", "def fibonacci(n):",
@@ -143,11 +149,12 @@ def test_a_draft_model_and_a_head_over_three_ranks_with_two_adapters_and_a_gramm
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("speculation", ["draft", "eagle3"])
-def test_sampling_distribution_over_three_ranks_is_unchanged_by_speculation(models, speculation):
-    """test_spec_decode's chi-square test (300 seeds at temperature 1, top-k 4), its proposals drafted on
-    rank 0 and verified over three ranks: the tokens at output positions 2 and 3 are distributed as
-    without speculation (on one rank: the same seeds, the same model)."""
+def test_sampling_distribution_over_three_ranks_is_unchanged_by_a_draft_model(models):
+    """test_spec_decode's chi-square test (300 seeds at temperature 1, top-k 4), a draft model's proposals
+    drawn on rank 0 and verified over three ranks: the tokens at output positions 2 and 3 are
+    distributed as without speculation (on one rank: the same seeds, the same model). (An EAGLE-3
+    head's proposals take the same path from the drafter on: its greedy rows are checked above.)"""
+    speculation = "draft"
     from test_spec_decode import DISTRIBUTION_KW, _chi_square_p_value, _sample_all, make_engine
 
     plain_samples = _sample_all(make_engine(**DISTRIBUTION_KW))

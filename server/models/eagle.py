@@ -97,6 +97,8 @@ def read_head_config(directory: Path, target: ModelConfig) -> HeadConfig:
     aux = tuple(layers) if layers else (2, target.num_layers // 2, target.num_layers - 3)
     if len(aux) != 3 or not all(isinstance(i, int) and 0 <= i < target.num_layers for i in aux):
         raise ModelFormatError(f"{where}: eagle_aux_hidden_state_layer_ids {list(aux)} must be three of the target's layers 0..{target.num_layers - 1}")
+    if len(set(aux)) != 3:  # the target gives each layer's state once: a repeated id would leave the head's fc a state short
+        raise ModelFormatError(f"{where}: eagle_aux_hidden_state_layer_ids {list(aux)} names a layer twice (three different layers are read)")
     rope = hf.get("rope_parameters") or {}
     return HeadConfig(hidden, target_hidden, need("intermediate_size"), heads, kv_heads, head_dim, vocab,
                       hf.get("draft_vocab_size") or vocab, float(need("rms_norm_eps")), aux,
