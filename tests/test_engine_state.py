@@ -220,11 +220,11 @@ def _check_every_step(engine, seen):
     step, launch = engine.messenger.step, engine.worker.launch
     expected = []
 
-    def message(batch, previous, num_previous_tokens=0, adapter_slots=None):
+    def message(batch, previous, num_previous_tokens=0, adapter_slots=None, *rest):
         expected.append(_reference_layout(batch, adapter_slots, engine.config.block_size))
         seen["preempted"] += sum(seq.num_preemptions > 0 for seq in batch.seqs)
         seen["guided"] += sum(seq.guide is not None for seq in batch.seqs)
-        return step(batch, previous, num_previous_tokens, adapter_slots)
+        return step(batch, previous, num_previous_tokens, adapter_slots, *rest)
 
     def launched(inp, previous=None, proposal=None):
         ids, positions, cache_slots, row_slots, sampled = expected.pop()

@@ -10,12 +10,11 @@ pair of values of the four axes appears in at least one engine below, not their 
                        steps synchronous, so its rows are off)
 
 Each engine's greedy tokens equal plain decoding of the same model and adapter on as many ranks (one
-plain engine per model and rank count, LoRA slots on, run with and without the adapter). A draft model
-and an EAGLE-3 head under tensor parallelism also keep the sampling distribution (seeded, chi-square)."""
+plain engine per model and rank count, LoRA slots on, run with and without the adapter); a draft model and
+an EAGLE-3 head over three ranks, with two adapters and a grammar in one batch, give one rank's tokens."""
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -146,25 +145,3 @@ def test_a_draft_model_and_a_head_over_three_ranks_with_two_adapters_and_a_gramm
         finally:
             llm.engine.close()
     assert results["draft"] == results["none"] and results["eagle3"] == results["none"]
-
-
-@pytest.mark.timeout(300)
-def test_sampling_distribution_over_three_ranks_is_unchanged_by_a_draft_model(models):
-    """test_spec_decode's chi-square test (300 seeds at temperature 1, top-k 4), a draft model's proposals
-    drawn on rank 0 and verified over three ranks: the tokens at output positions 2 and 3 are
-    distributed as without speculation (on one rank: the same seeds, the same model). (An EAGLE-3
-    head's proposals take the same path from the drafter on: its greedy rows are checked above.)"""
-    speculation = "draft"
-    from test_spec_decode import DISTRIBUTION_KW, _chi_square_p_value, _sample_all, make_engine
-
-    plain_samples = _sample_all(make_engine(**DISTRIBUTION_KW))
-    llm = engine(3, models[3], speculation, lora=False, **{k: v for k, v in DISTRIBUTION_KW.items() if k != "kv_cache_memory"})
-    try:
-        spec_samples = _sample_all(llm.engine)
-        s = llm.engine.proposer.stats
-    finally:
-        llm.engine.close()
-    assert s.num_drafts > 100 and 0 < s.num_accepted_tokens < s.num_draft_tokens
-    for position in (1, 2):
-        a, b = Counter(ids[position] for ids in plain_samples), Counter(ids[position] for ids in spec_samples)
-        assert _chi_square_p_value(a, b) > 1e-3, (position, a, b)
