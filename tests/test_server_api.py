@@ -207,6 +207,10 @@ def test_odd_field_names_are_named_safely(served):
     r = httpx.post(served.url + "/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 200, r.text
     assert r.headers["x-kvpilot-ignored-fields"] == "%0D, caf%C3%A9%20x"
+    # and an empty name, last (schema fuzzing again: the header ended in ", ", illegal trailing whitespace)
+    r = httpx.post(served.url + "/v1/completions", content=b'{"0": null, "prompt": "x", "max_tokens": 2, "": null}',
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-kvpilot-ignored-fields"] == '0, ""', r.headers
     many = {f"f{i}": i for i in range(40)}
     r = httpx.post(served.url + "/v1/completions", json={**many, "prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 200, r.text

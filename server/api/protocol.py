@@ -69,8 +69,9 @@ class _Lenient(BaseModel):
 def printable_name(name: str) -> str:
     """A client's field name as a response header, a log line and an error message can carry it: a
     name may hold any character ("\\r" would make the header illegal and drop the response), so all
-    but letters, digits and `_-.` are percent-encoded (UTF-8)."""
-    return urllib.parse.quote(name, safe="_-.")
+    but letters, digits and `_-.` are percent-encoded (UTF-8), and the empty name is `""` (named as
+    nothing, it left a header ending in ", ": trailing whitespace, as illegal as "\\r")."""
+    return urllib.parse.quote(name, safe="_-.") if name else '""'
 
 
 class StreamOptions(_Lenient):
