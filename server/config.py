@@ -118,6 +118,10 @@ class EngineConfig(BaseModel):
     speculative_model: str | None = Field(None, description=(
         "Method draft: the draft model (bundled name, GGUF file or checkpoint directory) sharing the target's tokenizer; method eagle3: "
         "the EAGLE-3 head's directory (config.json + safetensors, the published layout)."))
+    speculative_draft_tensor_parallel_size: int | None = Field(None, ge=1, le=64, description=(
+        "Method draft under tensor parallelism: tensor_parallel_size splits the draft model over the same ranks (its query heads, KV "
+        "heads and FFN width must divide as the target's), 1 keeps it whole on rank 0, its proposals broadcast to the other ranks; "
+        "unset: split where it fits, else whole on rank 0 (vLLM's draft_tensor_parallel_size)."))
     prompt_lookup_max: int = Field(4, ge=1, le=32, description="ngram, speculative_lookup: longest suffix of the sequence looked up in its earlier tokens.")
     prompt_lookup_min: int = Field(2, ge=1, le=32, description="ngram, speculative_lookup: shortest suffix looked up.")
     speculative_lookup: bool = Field(False, description=(
@@ -234,6 +238,13 @@ class EngineConfig(BaseModel):
         if self.speculative_lookup and self.async_scheduling == "on":
             raise ValueError("async_scheduling=on with speculative_lookup: its lookups read each step's tokens on the host, so its steps "
                              "stay synchronous: use auto or off")
+        draft_tp = self.speculative_draft_tensor_parallel_size
+        if draft_tp is not None and self.speculative_method != "draft":
+            raise ValueError("speculative_draft_tensor_parallel_size is only used with speculative_method=draft (an EAGLE-3 head is "
+                             "replicated: one layer, read beside the target's gathered hidden states)")
+        if draft_tp is not None and draft_tp not in (1, self.tensor_parallel_size):
+            raise ValueError(f"speculative_draft_tensor_parallel_size={draft_tp}: a draft model is split over all "
+                             f"tensor_parallel_size={self.tensor_parallel_size} ranks or kept whole on rank 0 (1)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
         return self
@@ -506,10 +517,11 @@ class _Alias(typing.NamedTuple):
 _SPECULATIVE_METHODS = {"ngram": "ngram", "draft_model": "draft", "eagle3": "eagle3"}
 _SPECULATIVE_KEYS = {"method": "speculative_method", "model": "speculative_model", "num_speculative_tokens": "num_speculative_tokens",
                      "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min",
-                     "disable_by_batch_size": "speculative_disable_batch_size"}
+                     "disable_by_batch_size": "speculative_disable_batch_size",
+                     "draft_tensor_parallel_size": "speculative_draft_tensor_parallel_size"}
 
 
-_SPECULATIVE_INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+_SPECULATIVE_INT_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size", "draft_tensor_parallel_size")
 _VLLM_NGRAM_LOOKUP = 5  # vLLM's prompt_lookup_min and _max for ngram when the JSON sets neither (vllm/config/speculative.py)
 
 
@@ -533,7 +545,7 @@ def _speculative_method(config: dict[str, Any]) -> str:
 def speculative_settings(value: str | dict, given: dict[str, Any] | None = None) -> dict[str, Any]:
     """The engine fields vLLM's --speculative-config JSON sets, meaning what vLLM makes of it: {"method": "ngram" |
     "draft_model" | "eagle3", "model": ..., "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": n,
-    "disable_by_batch_size": n, "draft_tensor_parallel_size": 1}. Without "method" it is inferred from "model" as vLLM does; for ngram, one of
+    "disable_by_batch_size": n, "draft_tensor_parallel_size": n}. Without "method" it is inferred from "model" as vLLM does; for ngram, one of
     prompt_lookup_min/_max given sets the other too, and neither given is vLLM's 5 and 5 (unless kvpilot's own
     --prompt-lookup-min/-max flags are given)."""
     given = given or {}
@@ -544,10 +556,6 @@ def speculative_settings(value: str | dict, given: dict[str, Any] | None = None)
     if not isinstance(config, dict):
         raise ValueError("--speculative-config: must be a JSON object")
     config = dict(config)
-    draft_tp = config.pop("draft_tensor_parallel_size", None)
-    if draft_tp is not None and draft_tp != 1:
-        raise ValueError(f"--speculative-config: draft_tensor_parallel_size={json.dumps(draft_tp)} is not implemented: a draft model runs whole "
-                         "on rank 0, its proposals broadcast to the other ranks (draft_tensor_parallel_size 1, the default)")
     unknown = sorted(str(k) for k in set(config) - set(_SPECULATIVE_KEYS))
     if unknown:
         raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (known keys: {', '.join(_SPECULATIVE_KEYS)})")

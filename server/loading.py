@@ -29,3 +29,21 @@ def draft_model(config: EngineConfig, tokenizer):
     if draft_tokenizer.vocabulary() != tokenizer.vocabulary():
         raise ValueError(f"speculative_model {config.speculative_model!r} does not share the model's tokenizer (its vocabulary differs)")
     return weights
+
+
+def draft_split(config: EngineConfig, weights) -> bool:
+    """Whether the draft model is split over the tensor-parallel ranks (else whole on rank 0): as
+    speculative_draft_tensor_parallel_size says, unset: where its heads and FFN width divide as the
+    target's must. Rank 0 and every other rank decide it alike from the same config and file."""
+    from kvpilot.server.models.sharding import check_tensor_parallel, tensor_parallel_problems
+
+    n, asked = config.tensor_parallel_size, config.speculative_draft_tensor_parallel_size
+    if n == 1 or asked == 1:
+        return False
+    if asked == n:
+        try:
+            check_tensor_parallel(weights.config, n)
+        except ValueError as e:
+            raise ValueError(f"speculative_draft_tensor_parallel_size={n}: the draft model cannot be split ({e}); 1 keeps it whole on rank 0") from None
+        return True
+    return not tensor_parallel_problems(weights.config, n)

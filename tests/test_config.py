@@ -104,8 +104,9 @@ VLLM_SPELLINGS = [  # (vLLM's spelling, kvpilot's own)
     (["--speculative-config", '{"model": "/models/draft.gguf"}'], ["--speculative-method", "draft", "--speculative-model", "/models/draft.gguf"]),
     (["--speculative-config", '{"method": "eagle3", "model": "/heads/e3", "disable_by_batch_size": 8}'],
      ["--speculative-method", "eagle3", "--speculative-model", "/heads/e3", "--speculative-disable-batch-size", "8"]),
-    (["--speculative-config", '{"model": "/models/draft.gguf", "draft_tensor_parallel_size": 1}'],  # what kvpilot does: whole on rank 0
-     ["--speculative-method", "draft", "--speculative-model", "/models/draft.gguf"]),
+    (["-tp", "2", "--speculative-config", '{"model": "/models/draft.gguf", "draft_tensor_parallel_size": 1}'],
+     ["--tensor-parallel-size", "2", "--speculative-method", "draft", "--speculative-model", "/models/draft.gguf",
+      "--speculative-draft-tensor-parallel-size", "1"]),
     (["-tp", "2"], ["--tensor-parallel-size", "2"]),
     (["-q", "int8"], ["--quantization", "int8"]),
     (["--model", "org/repo", "--revision", "v2"], ["--model", "org/repo@v2"]),  # a hub repository id's revision
@@ -160,8 +161,10 @@ def test_enable_auto_tool_choice_needs_a_parser():
     (["--speculative-config", '{"method": "ngram", "acceptance_method": "typical"}'], "--speculative-config: acceptance_method not supported"),
     (["--speculative-config", '{"method": "medusa", "model": "m"}'], "--speculative-config: method 'medusa' not supported"),
     (["--speculative-config", "ngram"], "--speculative-config: not JSON"),
-    (["--speculative-config", '{"model": "/models/draft.gguf", "draft_tensor_parallel_size": 3}'],
-     "--speculative-config: draft_tensor_parallel_size=3 is not implemented"),
+    (["-tp", "2", "--speculative-config", '{"model": "/models/draft.gguf", "draft_tensor_parallel_size": 3}'],
+     "speculative_draft_tensor_parallel_size=3: a draft model is split over all tensor_parallel_size=2 ranks or kept whole on rank 0 (1)"),
+    (["--speculative-config", '{"model": "/heads/eagle3-x", "draft_tensor_parallel_size": 1}'],
+     "speculative_draft_tensor_parallel_size is only used with speculative_method=draft"),
     (["--kv-cache-memory-bytes", "1G", "--kv-cache-memory", "2GiB"], "--kv-cache-memory-bytes sets --kv-cache-memory"),
     (["--speculative-config", '{"method": "ngram"}', "--speculative-method", "draft"], "--speculative-config sets --speculative-method"),
 ])

@@ -3,18 +3,22 @@ pair of values of the four axes appears in at least one engine below, not their 
 
   tensor parallelism   1 and 3 (the bundled model: 9 query / 3 KV heads), 2 (the tiny Qwen2 test checkpoint
                        tests/test_tensor_parallel_families.py splits, with four layers here)
-  speculation          none, n-gram, a draft model (whole on rank 0: a 4-layer truncation of the bundled
-                       model; for the tiny checkpoint the checkpoint itself), an EAGLE-3 head (random)
+  speculation          none, n-gram, a draft model (a 4-layer truncation of the bundled model, split over three
+                       ranks as the target is; the tiny checkpoint itself, whole on rank 0 over two), an EAGLE-3
+                       head (random, whole on rank 0)
   LoRA                 off, on (a peft adapter; the batch mixes adapter rows and base rows)
   async scheduling     off, on (on a CPU `auto` is off: `on` is what `auto` does on a GPU; n-gram keeps its
                        steps synchronous, so its rows are off)
 
 Each engine's greedy tokens equal plain decoding of the same model and adapter on as many ranks (one
-plain engine per model and rank count, LoRA slots on, run with and without the adapter); a draft model and
-an EAGLE-3 head over three ranks, with two adapters and a grammar in one batch, give one rank's tokens."""
+plain engine per model and rank count, LoRA slots on, run with and without the adapter); the draft model and
+EAGLE-3 head rows over three ranks also run 8 requests in one batch, with two adapters and a grammar, and
+give one rank's tokens. A draft model split over two ranks keeps the sampling distribution (seeded,
+chi-square) and proposes what it proposes on one rank."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -24,7 +28,7 @@ ADAPTED = [False, True, False, True]  # with LoRA on: which prompts run with the
 # (ranks, speculation, LoRA, async scheduling): a pairwise covering set of the four axes
 ROWS = [(1, "none", False, "off"), (1, "ngram", True, "off"), (1, "draft", True, "on"), (1, "eagle3", False, "on"),
         (2, "none", True, "on"), (2, "ngram", False, "off"), (2, "draft", False, "off"), (2, "eagle3", True, "off"),
-        (3, "none", False, "off"), (3, "ngram", True, "off"), (3, "draft", True, "on"), (3, "eagle3", False, "on")]
+        (3, "none", False, "off"), (3, "ngram", True, "off"), (3, "draft", True, "on"), (3, "eagle3", True, "on")]
 
 
 def test_the_rows_cover_every_pair_of_axis_values():
@@ -36,9 +40,25 @@ def test_the_rows_cover_every_pair_of_axis_values():
             assert wanted <= {(row[i], row[j]) for row in ROWS}, (i, j)
 
 
+def test_a_draft_model_is_split_where_it_fits_unless_asked_otherwise(model_path):
+    from kvpilot.server.config import EngineConfig
+    from kvpilot.server.loading import draft_split, open_model
+
+    weights, _ = open_model(model_path)  # 9 query heads, 3 KV heads, FFN width 1536
+    split = lambda **kw: draft_split(EngineConfig(speculative_method="draft", speculative_model="d", **kw), weights)  # noqa: E731
+    assert split(tensor_parallel_size=3) and split(tensor_parallel_size=3, speculative_draft_tensor_parallel_size=3)
+    assert not split(tensor_parallel_size=3, speculative_draft_tensor_parallel_size=1)
+    assert not split(tensor_parallel_size=2) and not split(tensor_parallel_size=1)  # 9 heads over 2 ranks: whole on rank 0
+    with pytest.raises(ValueError, match=r"speculative_draft_tensor_parallel_size=2: the draft model cannot be split \(tensor_parallel_size=2 "
+                                         r"does not fit .*the 9 query heads.*; 1 keeps it whole on rank 0"):
+        split(tensor_parallel_size=2, speculative_draft_tensor_parallel_size=2)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, model_path, lora_peft_case):
-    """Per rank count: the model, its adapter, its draft model and a random EAGLE-3 head."""
+    """Per rank count: the model, its adapter, its draft model and a random EAGLE-3 head; for two ranks
+    also a draft that differs a little (the tiny checkpoint with another RoPE base), for the distribution
+    test."""
     from transformers import AutoModelForCausalLM
 
     from checkpoint_factory import CASES, build_checkpoint, save_tokenizer
@@ -56,10 +76,13 @@ def models(tmp_path_factory, model_path, lora_peft_case):
                "eagle3": str(write_eagle3_head(root / "head", weights.config, draft_vocab))}
     # the Qwen2 test checkpoint with four layers (an EAGLE-3 head reads three different ones)
     case = CASES["qwen2"]
-    tiny = build_checkpoint(replace(case, config={**case.config, "num_hidden_layers": 4}), root / "qwen2-4", tokenizer_dir)
+    four = {**case.config, "num_hidden_layers": 4}
+    tiny = build_checkpoint(replace(case, config=four), root / "qwen2-4", tokenizer_dir)
     _, adapter = save_adapter(AutoModelForCausalLM.from_pretrained(str(tiny)), "all7-r8", root / "tiny-adapters")
     tiny_weights, _ = open_model(tiny)
     small = {"model": str(tiny), "adapter": str(adapter), "draft": str(tiny),
+             # the same weights, another RoPE base: its attention differs a little (accepted about half the time)
+             "near draft": str(build_checkpoint(replace(case, config={**four, "rope_theta": 1e4}), root / "qwen2-4-theta", tokenizer_dir)),
              "eagle3": str(write_eagle3_head(root / "tiny-head", tiny_weights.config, draft_vocab, aux_layers=[0, 1, 3]))}
     return {1: bundled, 2: small, 3: bundled}
 
@@ -71,7 +94,9 @@ def engine(ranks: int, model: dict, speculation: str = "none", lora: bool = True
                                              "speculative_min_acceptance": 0.0}
     if speculation in ("draft", "eagle3"):
         spec["speculative_model"] = model[speculation]
-    lora_kw = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8} if lora else {}
+    if speculation == "draft" and ranks == 2:  # whole on rank 0 unless asked (over three ranks: split, as it fits)
+        spec["speculative_draft_tensor_parallel_size"] = extra.pop("speculative_draft_tensor_parallel_size", 1)
+    lora_kw = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16} if lora else {}
     return LLM(model=model["model"], num_threads=1, show_progress=False, tensor_parallel_size=ranks, kv_cache_memory="32MiB",
                max_num_batched_tokens=32, async_scheduling=async_scheduling, **spec, **{**lora_kw, **extra})
 
@@ -86,14 +111,16 @@ def greedy(llm, model: dict, adapted: list[bool]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def plain(models):
+def plain(models, lora_peft_case):
     """Plain decoding per rank count: with the adapter where ADAPTED says, and without any (one
-    tensor-parallel engine at a time in a process)."""
+    tensor-parallel engine at a time in a process); on one rank, the mixed batch too."""
     out = {}
     for ranks in (1, 2, 3):
         llm = engine(ranks, models[ranks])
         try:
             out[ranks] = {True: greedy(llm, models[ranks], ADAPTED), False: greedy(llm, models[ranks], [False] * len(PROMPTS))}
+            if ranks == 1:
+                out["mixed"] = mixed(llm, lora_peft_case[0])
         finally:
             llm.engine.close()
     return out
@@ -101,18 +128,28 @@ def plain(models):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("ranks", "speculation", "lora", "async_scheduling"), ROWS, ids=["-".join(map(str, r)) for r in ROWS])
-def test_greedy_output_is_plain_decodings_in_every_composition(models, plain, ranks, speculation, lora, async_scheduling):
+def test_greedy_output_is_plain_decodings_in_every_composition(models, plain, lora_peft_case, ranks, speculation, lora, async_scheduling):
     llm = engine(ranks, models[ranks], speculation, lora, async_scheduling)
     try:
         assert llm.engine.async_scheduling is (async_scheduling == "on")
         got = greedy(llm, models[ranks], ADAPTED if lora else [False] * len(PROMPTS))
         stats = llm.engine.proposer.stats if llm.engine.proposer else None
+        held = llm.engine.describe_ranks() if ranks > 1 else None
+        mixed_batch = mixed(llm, lora_peft_case[0]) if ranks == 3 and speculation in ("draft", "eagle3") else None
     finally:
         llm.engine.close()
     assert got == plain[ranks][lora]
     # (n-gram on the random tiny checkpoint: its output never repeats its context, nothing to look up)
     if speculation in ("draft", "eagle3") or (speculation == "ngram" and ranks != 2):
         assert stats.num_drafts > 0, stats
+    if speculation == "draft" and ranks > 1:
+        draft_bytes = [r.get("draft_projection_bytes", 0) for r in held]
+        if ranks == 3:  # split: a third on each rank (its 3 KV heads one each)
+            assert draft_bytes == [draft_bytes[0]] * 3 and draft_bytes[0] > 0 and [r["draft_kv_heads"] for r in held] == [1] * 3, held
+        else:  # whole on rank 0
+            assert draft_bytes[1:] == [0] and draft_bytes[0] == 2 * held[0]["projection_bytes"], held
+    if mixed_batch is not None:
+        assert mixed_batch == plain["mixed"]
 
 
 MIXED = ["one two three four one two three four one two", "The capital of France is", "Hello, my name is", "def fibonacci(n):",
@@ -134,14 +171,29 @@ def mixed(llm, paths) -> list[list[int]]:
 
 
 @pytest.mark.timeout(300)
-def test_a_draft_model_and_a_head_over_three_ranks_with_two_adapters_and_a_grammar_equal_one_rank(models, lora_peft_case):
-    paths = lora_peft_case[0]
-    results = {}
-    for ranks, speculation in ((1, "none"), (3, "draft"), (3, "eagle3")):
-        llm = engine(ranks, models[ranks], speculation, max_loras=2, max_lora_rank=16)
-        try:
-            results[speculation] = mixed(llm, paths)
-            assert speculation == "none" or llm.engine.proposer.stats.num_drafts > 0
-        finally:
-            llm.engine.close()
-    assert results["draft"] == results["none"] and results["eagle3"] == results["none"]
+def test_a_draft_model_split_over_two_ranks_keeps_the_distribution_and_its_proposals(models):
+    """test_spec_decode's chi-square test (300 seeds at temperature 1, top-k 4) on the tiny checkpoint: a
+    draft split over two ranks (its shards in lockstep, the proposals drawn on rank 0) and the target
+    verifying over them give the tokens at output positions 2 and 3 the distribution plain decoding on
+    one rank gives (the same seeds, the same model); and the same draft on one rank, drawing with the
+    same seeds, has about as many proposals accepted (shards computing anything else would not)."""
+    from test_spec_decode import DISTRIBUTION_KW, _chi_square_p_value, _sample_all, make_engine
+
+    model = models[2]
+    spec = dict(speculative_method="draft", speculative_model=model["near draft"], speculative_disable_batch_size=0, speculative_min_acceptance=0.0)
+    plain_samples = _sample_all(make_engine(model=model["model"], **DISTRIBUTION_KW))
+    one_rank = make_engine(model=model["model"], **DISTRIBUTION_KW, **spec)
+    _sample_all(one_rank)
+    split = make_engine(model=model["model"], tensor_parallel_size=2, speculative_draft_tensor_parallel_size=2, **DISTRIBUTION_KW, **spec)
+    try:
+        spec_samples = _sample_all(split)
+        s = split.proposer.stats
+        held = split.describe_ranks()
+    finally:
+        split.close()
+    assert held[0]["draft_projection_bytes"] == held[1]["draft_projection_bytes"] > 0
+    assert s.num_drafts > 100 and 0 < s.num_accepted_tokens < s.num_draft_tokens, s
+    assert abs(s.num_accepted_tokens - one_rank.proposer.stats.num_accepted_tokens) <= 15, (s, one_rank.proposer.stats)
+    for position in (1, 2):
+        a, b = Counter(ids[position] for ids in plain_samples), Counter(ids[position] for ids in spec_samples)
+        assert _chi_square_p_value(a, b) > 1e-3, (position, a, b)

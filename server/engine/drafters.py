@@ -5,6 +5,11 @@ Step message gives a count of proposed tokens), `after_target` right after it (t
 the target's: every row of every step). Which sequences get a proposal, how long, and the off-switch
 are the engine's (engine/spec_decode.py).
 
+Under tensor parallelism a draft model is either whole on rank 0 (its proposals broadcast to the other
+ranks with the step) or split over the ranks as the target is (`collective`): then every rank's worker
+holds a shard and runs its steps, rank 0's proposing (drawing the tokens) and the others following
+(`follow`) from the inputs rank 0 broadcasts. An EAGLE-3 head is one layer: whole on rank 0.
+
 Their caches share the target's block tables (the same block ids index both: the block manager
 needs no second account) and are carved from the same budget (Worker: a block costs the target's
 bytes plus the drafter's).
@@ -15,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from kvpilot.kernels.paged_attention import FP8_KV, AttentionMetadata
 from kvpilot.server.engine.decode_graphs import DecodeGraphs
@@ -22,7 +28,7 @@ from kvpilot.server.engine.model_io import ModelInput, Proposal, SamplingTensors
 from kvpilot.server.engine.sampler import PendingSample
 from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN
 from kvpilot.server.engine.step_message import BatchSeq, StepBatch
-from kvpilot.server.engine.worker import LaunchedStep, Worker, kv_block_bytes
+from kvpilot.server.engine.worker import LaunchedStep, Worker, kv_block_bytes, projection_bytes
 from kvpilot.server.models.decoder import DecoderModel, WeightSource, read_embedding
 from kvpilot.server.models.eagle import Eagle3Head, load_head
 
@@ -38,6 +44,7 @@ class Drafter:
     the host."""
 
     reads_hidden_states = False     # whether it reads the target's hidden states (its decode steps then run eagerly)
+    collective = False              # split over the tensor-parallel ranks: every rank runs its steps (their collectives pair up)
 
     def __init__(self, worker: Worker):
         # The worker's parts it uses, not the worker (which holds it: no reference cycle keeps a dropped
@@ -56,6 +63,10 @@ class Drafter:
     def profiled_models(self) -> list[DecoderModel]:
         """Models whose activations the CUDA budget reserves beside the target's."""
         return []
+
+    def describe(self) -> dict:
+        """What it holds on this rank (Worker.describe)."""
+        return {}
 
     def start_graphs(self, graphs: GraphsFactory) -> None:
         """Its decode steps through graphs of the target worker's sizes (CUDA)."""
@@ -133,11 +144,15 @@ class Drafter:
 class DraftModel(Drafter):
     """A small model sharing the tokenizer drafts k tokens. Its cache is filled by running every
     target step's rows too (after_target), so proposing needs only the k new rows: the first takes the
-    sequence's last token, each further one the token drafted before it. Kept dense (it is small)."""
+    sequence's last token, each further one the token drafted before it. Kept dense (it is small).
 
-    def __init__(self, worker: Worker, weights: WeightSource):
+    split (tensor parallelism): sharded over the ranks as the target is (its KV heads' cache on each);
+    else whole on this worker (rank 0)."""
+
+    def __init__(self, worker: Worker, weights: WeightSource, split: bool = False):
         super().__init__(worker)
-        self.model = worker.load(weights, "none", shard=False)  # whole on rank 0 under tensor parallelism too: small, and no collectives
+        self.collective = split and worker.tp is not None
+        self.model = worker.load(weights, "none", shard=self.collective)
         if worker.kv_dtype == FP8_KV:
             worker.set_kv_scales(self.model, weights)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -154,6 +169,9 @@ class DraftModel(Drafter):
 
     def profiled_models(self) -> list[DecoderModel]:
         return [self.model]
+
+    def describe(self) -> dict:
+        return {"draft_projection_bytes": projection_bytes(self.model), "draft_kv_heads": self.model.num_kv_heads}
 
     def start_graphs(self, graphs: GraphsFactory) -> None:
         self.graphs = graphs(self._logits)
@@ -174,15 +192,41 @@ class DraftModel(Drafter):
         last, shift = self._in_flight(seqs, previous)
         known = self._index([s.tokens_slice(s.num_computed_tokens, s.num_computed_tokens + 1)[0] for s in seqs])
         ids = known if last is None else torch.where(last >= 0, last, known)
+        if self.collective:  # the other ranks' shards start from the same tokens and positions
+            first = torch.stack([ids, shift if shift is not None else torch.zeros_like(ids)])
+            dist.broadcast(first, src=0)
         rows = list(range(len(seqs)))
-        for i in range(max(s.num_spec_tokens for s in seqs)):
+        width = max(s.num_spec_tokens for s in seqs)
+        for i in range(width):
             keep, rows = self._narrow(seqs, rows, i)
             active = [seqs[r] for r in rows]
             inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active], ids[self._index(keep)],
                                            shift[self._index(rows)] if shift is not None else None)
             inp.sampling = self._draw_rows(active)
             ids, q = self._propose_step(inp)
+            if self.collective and i + 1 < width:  # the next step's input on every rank
+                dist.broadcast(ids.contiguous(), src=0)
             yield rows, ids, q, inp.sampling
+
+    @torch.inference_mode()
+    def follow(self, seqs: list[BatchSeq]) -> None:
+        """Ranks 1…N−1 of a split draft model: rank 0's draft steps over `seqs` (the step's proposing
+        sequences), their collectives paired with rank 0's, from the tokens rank 0 broadcasts (its first
+        inputs and shifts, then each step's drawn tokens); the logits are all-gathered, not drawn from."""
+        first = torch.empty(2, len(seqs), dtype=torch.long, device=self.device)
+        dist.broadcast(first, src=0)
+        ids, shift = first[0], first[1]
+        rows = list(range(len(seqs)))
+        width = max(s.num_spec_tokens for s in seqs)
+        for i in range(width):
+            keep, rows = self._narrow(seqs, rows, i)
+            active = [seqs[r] for r in rows]
+            inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active], ids[self._index(keep)], shift[self._index(rows)])
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, AttentionMetadata.from_input(inp))
+            self.model.compute_logits(hidden[inp.logits_indices])
+            if i + 1 < width:
+                ids = torch.empty(len(rows), dtype=torch.long, device=self.device)
+                dist.broadcast(ids, src=0)
 
     @torch.inference_mode()
     def _propose_step(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -21,14 +21,14 @@ from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.scheduler import ScheduledBatch
 from kvpilot.server.engine.sequence import Sequence
 from kvpilot.server.engine.step_message import StepMessenger
-from kvpilot.server.loading import draft_model, open_model
+from kvpilot.server.loading import draft_model, draft_split, open_model
 from kvpilot.server.model_files import default_served_name, model_fingerprint, resolve_model_path
 from kvpilot.server.threads import configure_threads
 
 if TYPE_CHECKING:  # torch-side: imported in LLMEngine.__init__, after the thread settings
     from kvpilot.server.adapters import LoRARequest
     from kvpilot.server.engine.lora import Adapter
-    from kvpilot.server.engine.step_message import GrammarMasks
+    from kvpilot.server.engine.step_message import GrammarMasks, Step
     from kvpilot.server.engine.worker import LaunchedStep
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,8 @@ class LLMEngine:
 
         if self.config.speculative_method == "draft":
             weights = draft_model(self.config, self.tokenizer)
-            return lambda worker: DraftModel(worker, weights)
+            split = draft_split(self.config, weights)
+            return lambda worker: DraftModel(worker, weights, split)
         if self.config.speculative_method == "eagle3":
             head = str(resolve_model_path(self.config.speculative_model))
             return lambda worker: Eagle3(worker, head, target_weights)
@@ -526,15 +527,26 @@ class LLMEngine:
                                    in_flight.tokens.shape[0] if awaited or unsettled else 0, slots, unsettled)
         if self.proposer is not None:  # (an EAGLE-3 head keeps the states the next proposals start from only if there may be any)
             step.drafts_next = self.proposer.may_propose(len(self.scheduler.running))
+        # The other ranks get the message, then what it says follows from rank 0's device: once rank 0 has built
+        # the step (nothing that can fail is left before their collectives), unless a split draft model's
+        # proposals, collective, come first: then rank 0 says whether its building after them worked.
+        collective_proposals = self.workers is not None and self.worker.drafter is not None and self.worker.drafter.collective
+        if collective_proposals:
+            self._send_step(step, in_flight, unsettled)
         worker_batch, proposal = self.worker.begin(step, in_flight)
-        step.grammar = self._grammar_masks(batch, proposal)
-        inp, plan = self.worker.build(worker_batch, step, proposal)
-        if self.workers is not None:  # the message, then what it says follows from rank 0's device
-            self.workers.send(step.for_other_ranks())
-            for values, sent in ((in_flight and in_flight.tokens, step.num_previous_tokens), (in_flight and in_flight.accepted_counts, unsettled),
-                                 (proposal and proposal.tokens, proposal is not None)):
-                if sent:
-                    self.workers.broadcast_tokens(values)
+        try:
+            step.grammar = self._grammar_masks(batch, proposal)
+            inp, plan = self.worker.build(worker_batch, step, proposal)
+        except Exception:
+            if collective_proposals:
+                self.workers.broadcast_go(False, self.worker.device)
+            raise
+        if collective_proposals:
+            self.workers.broadcast_go(True, self.worker.device)
+        elif self.workers is not None:
+            self._send_step(step, in_flight, unsettled)
+        if self.workers is not None and proposal is not None:
+            self.workers.broadcast_tokens(proposal.tokens)
         launched = self.worker.execute(inp, plan, in_flight, proposal)
         by_id = {seq.seq_id: seq for seq in batch.seqs}
         flight = StepInFlight(batch, launched, [by_id[sid] for sid in plan.sampled], plan.proposed,
@@ -542,6 +554,15 @@ class LLMEngine:
         if self.proposer:
             self.proposer.launched(flight)
         return flight
+
+    def _send_step(self, step: Step, in_flight: LaunchedStep | None, unsettled: bool) -> None:
+        """The step's message to ranks 1…N−1, then the step in flight's sampled tokens and accepted counts
+        its placeholders and unsettled rows take, from rank 0's device."""
+        self.workers.send(step.for_other_ranks())
+        if step.num_previous_tokens:
+            self.workers.broadcast_tokens(in_flight.tokens)
+        if unsettled:
+            self.workers.broadcast_tokens(in_flight.accepted_counts)
 
     def _grammar_masks(self, batch: ScheduledBatch, proposal) -> GrammarMasks | None:
         """The allowed tokens of the constrained sequences the step samples (after their proposed tokens

@@ -144,10 +144,19 @@ class Workers:
         self.channel.send(message)
 
     def broadcast_tokens(self, tokens) -> None:
-        """The sampled tokens of the step in flight, from rank 0's device to every rank's."""
+        """Token ids (or counts) from rank 0's device to every rank's: the step in flight's sampled tokens
+        and accepted counts, the step's proposed tokens."""
         import torch.distributed as dist
 
         dist.broadcast(tokens.contiguous(), src=0)
+
+    def broadcast_go(self, go: bool, device) -> None:
+        """Whether a step whose proposals were collective (a split draft model) goes on: False when rank 0
+        could not build it after them (the ranks drop it; rank 0's engine fails or retries its requests)."""
+        import torch
+        import torch.distributed as dist
+
+        dist.broadcast(torch.tensor([int(go)], dtype=torch.long, device=device), src=0)
 
     def describe(self, own: dict) -> list[dict]:
         """Every rank's description of what it holds (rank 0's first; not on the step path)."""
@@ -197,8 +206,16 @@ def worker_main(rank: int, world_size: int, init_method: str, config: dict, mode
                                 timeout=COLLECTIVE_TIMEOUT)
         channel = Channel()
         weights, tokenizer = open_model(Path(model_path))
+        drafter = None
+        if engine_config.speculative_method == "draft":  # this rank's shard of a split draft model (a whole one is rank 0's alone)
+            from kvpilot.server.engine.drafters import DraftModel
+            from kvpilot.server.loading import draft_model, draft_split
+
+            draft = draft_model(engine_config, tokenizer)
+            if draft_split(engine_config, draft):
+                drafter = lambda worker: DraftModel(worker, draft, split=True)  # noqa: E731
         worker = Worker(engine_config, weights, show_progress=False, tp=TensorParallel(rank, world_size),
-                        kv_calibration_ids=kv_calibration_ids(engine_config, tokenizer))
+                        kv_calibration_ids=kv_calibration_ids(engine_config, tokenizer), drafter=drafter)
         del weights
     except BaseException as e:
         errors.put(f"failed at start-up: {type(e).__name__}: {e}")

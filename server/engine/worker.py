@@ -129,6 +129,13 @@ def kv_block_bytes(model: DecoderModel, block_size: int, kv_dtype: torch.dtype) 
     return 2 * c.num_layers * block_size * model.num_kv_heads * c.head_dim * torch.tensor([], dtype=kv_dtype).element_size()
 
 
+def projection_bytes(model: DecoderModel) -> int:
+    """The bytes of a model's projection weights on this rank."""
+    # Projections keep their weights as buffers (dense or oneDNN "weight"; GGUF blocks "qs", "d", "m");
+    # norms and the embedding are parameters.
+    return sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name.rsplit(".", 1)[-1] in ("weight", "qs", "d", "m"))
+
+
 def _return_freed_heap() -> None:
     """Give the heap that loading freed back to the OS. Loading makes a transient copy per tensor
     (dequantized, converted, packed); glibc keeps such freed blocks for reuse, ~200 MB of resident
@@ -490,28 +497,38 @@ class Worker:
     def _run_rank_step(self, step: Step) -> None:
         """A step as ranks 1…N−1 run it: built from the message (no sampling: rank 0 samples); what rank 0
         has on its device broadcast after the message: the step in flight's tokens (placeholders) and
-        accepted counts (unsettled rows), then the tokens rank 0's drafter proposed."""
+        accepted counts (unsettled rows), then the tokens rank 0's drafter proposed. A split draft model
+        runs its proposal steps here too, between those, and then rank 0 says whether the step goes on
+        (its own building of the step, after the proposals, may have failed: the ranks then drop it)."""
         import torch.distributed as dist
 
         batch = self.batch.apply(step)
         drafted = [s for s in batch.seqs if s.num_spec_tokens and not s.spec_token_ids]
+        received = []
+        for count in (step.num_previous_tokens, step.num_previous_tokens if step.previous_accepted else 0):
+            received.append(torch.empty(count, dtype=torch.long, device=self.device) if count else None)
+            if count:
+                dist.broadcast(received[-1], src=0)
+        if self.drafter is not None:
+            if drafted:
+                self.drafter.follow(drafted)
+            go = torch.empty(1, dtype=torch.long, device=self.device)
+            dist.broadcast(go, src=0)
+            if not go.item():
+                return
         proposal = None
         if drafted:
             for seq in drafted:
                 seq.spec_token_ids = [PLACEHOLDER_TOKEN] * seq.num_spec_tokens
             tokens = torch.empty(len(drafted), max(s.num_spec_tokens for s in drafted), dtype=torch.long, device=self.device)
             proposal = Proposal(tokens, {s.seq_id: i for i, s in enumerate(drafted)}, None)
-        inp, _ = self.inputs.build(batch, proposal, sample=False)
-        received = []
-        for count in (step.num_previous_tokens, step.num_previous_tokens if step.previous_accepted else 0):
-            received.append(torch.empty(count, dtype=torch.long, device=self.device) if count else None)
-            if count:
-                dist.broadcast(received[-1], src=0)
-        if proposal is not None:
             dist.broadcast(proposal.tokens, src=0)
+        inp, _ = self.inputs.build(batch, proposal, sample=False)
         inp.take_device_values(*received, proposal.tokens if proposal is not None else None)
         with torch.inference_mode():
-            self._forward(inp, inp.logits_indices.numel() > 0)
+            _, _, aux = self._forward(inp, inp.logits_indices.numel() > 0)
+            if self.drafter is not None:
+                self.drafter.after_target(inp, aux, None)
 
     def _save_shards(self, message: SaveBlocks) -> None:
         for b in message.blocks:
@@ -524,12 +541,9 @@ class Worker:
 
     def describe(self) -> dict:
         """What this rank holds: projection weight bytes, KV heads and KV cache bytes (tests, logs)."""
-        # Projections keep their weights as buffers (dense or oneDNN "weight"; GGUF blocks "qs", "d", "m");
-        # norms and the embedding are parameters.
-        projections = sum(b.numel() * b.element_size() for name, b in self.model.named_buffers()
-                          if name.rsplit(".", 1)[-1] in ("weight", "qs", "d", "m"))
-        return {"rank": self.tp.rank if self.tp else 0, "projection_bytes": projections, "kv_heads": self.model.num_kv_heads,
-                "kv_cache_bytes": sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)}
+        return {"rank": self.tp.rank if self.tp else 0, "projection_bytes": projection_bytes(self.model), "kv_heads": self.model.num_kv_heads,
+                "kv_cache_bytes": sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches),
+                **(self.drafter.describe() if self.drafter is not None else {})}
 
     def _prompt_logprobs(self, logits: torch.Tensor, rows: PromptLogprobRows) -> list[dict[int, float]]:
         """Logprob of each next prompt token (plus the top-n) at these rows."""

@@ -32,8 +32,8 @@ class TensorParallel:
         return -(-vocab_size // self.world_size) * self.world_size
 
 
-def check_tensor_parallel(c: ModelConfig, n: int) -> None:
-    """Refuses a world size the model cannot be split over, naming the counts that decide it."""
+def tensor_parallel_problems(c: ModelConfig, n: int) -> list[str]:
+    """What keeps the model from being split over n ranks (empty: it can be)."""
     problems = []
     if c.num_heads % n:
         problems.append(f"the {c.num_heads} query heads")
@@ -41,6 +41,11 @@ def check_tensor_parallel(c: ModelConfig, n: int) -> None:
         problems.append(f"the {c.num_kv_heads} KV heads (or be a multiple of them)")
     if c.intermediate_size % n:
         problems.append(f"the FFN width {c.intermediate_size}")
-    if problems:
+    return problems
+
+
+def check_tensor_parallel(c: ModelConfig, n: int) -> None:
+    """Refuses a world size the model cannot be split over, naming the counts that decide it."""
+    if problems := tensor_parallel_problems(c, n):
         raise ValueError(f"tensor_parallel_size={n} does not fit {c.name}: it must divide {', '.join(problems)} "
                          f"(the model has {c.num_heads} query heads, {c.num_kv_heads} KV heads, FFN width {c.intermediate_size})")
