@@ -197,3 +197,46 @@ def test_a_draft_model_split_over_two_ranks_keeps_the_distribution_and_its_propo
     for position in (1, 2):
         a, b = Counter(ids[position] for ids in plain_samples), Counter(ids[position] for ids in spec_samples)
         assert _chi_square_p_value(a, b) > 1e-3, (position, a, b)
+
+
+@pytest.mark.timeout(120)
+def test_a_step_rank_0_cannot_build_after_split_proposals_is_dropped_by_every_rank(models):
+    """A split draft model's proposals are collective, so the other ranks run them before rank 0 builds
+    the rest of the step; when that building fails, rank 0 says so and every rank drops the step: the
+    engine re-runs its requests one by one and their tokens are plain decoding's (no rank left waiting
+    in a collective, none a step ahead)."""
+    from kvpilot.server import SamplingParams
+    from test_spec_decode import make_engine
+
+    model = models[2]
+    kw = dict(model=model["model"], kv_cache_memory="32MiB", tensor_parallel_size=2)
+    spec = make_engine(**kw, speculative_method="draft", speculative_model=model["near draft"], speculative_draft_tensor_parallel_size=2,
+                       speculative_disable_batch_size=0, speculative_min_acceptance=0.0)
+    build, failures = spec.worker.build, []
+
+    def failing_once(batch, step, proposal=None):
+        if proposal is not None and not failures:
+            failures.append(step)
+            raise RuntimeError("rank 0 could not build this step")
+        return build(batch, step, proposal)
+
+    spec.worker.build = failing_once
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    try:
+        ids = [spec.add_request(p, params) for p in PROMPTS]
+        got = {}
+        while spec.has_unfinished_requests():
+            got.update({o.request_id: o.outputs[0].token_ids for o in spec.step() if o.finished})
+        drafts = spec.proposer.stats.num_drafts
+    finally:
+        spec.close()
+    plain = make_engine(**kw)
+    try:
+        ids_plain = [plain.add_request(p, params) for p in PROMPTS]
+        want = {}
+        while plain.has_unfinished_requests():
+            want.update({o.request_id: o.outputs[0].token_ids for o in plain.step() if o.finished})
+    finally:
+        plain.close()
+    assert failures and drafts > 0
+    assert [got[i] for i in ids] == [want[i] for i in ids_plain]
