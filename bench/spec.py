@@ -19,7 +19,8 @@ Per engine and workload: output tok/s (median over rounds), ratio to plain, the 
 steps that verified a proposal, and the acceptance rate (accepted / proposed tokens).
 
 --tensor-parallel-size N > 1: every engine over N ranks (one thread each), built one at a time (one
-tensor-parallel engine per process), its rounds run, then closed: the engines are not interleaved.
+tensor-parallel engine per process), its rounds run, then closed: the engines are not interleaved. The
+draft model is split over the ranks (draft) or whole on rank 0 (draft-whole).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def engines(threads: int, draft_layers: int, workdir: Path, quantization: str, e
     base = dict(num_threads=threads, kv_cache_memory="512MiB", quantization=quantization, tensor_parallel_size=tensor_parallel_size)
     configs = {"plain": {}, "ngram": dict(speculative_method="ngram"),
                "draft": dict(speculative_method="draft", speculative_model=str(draft))}
+    if tensor_parallel_size > 1:  # draft: split over the ranks (it fits as the target does); draft-whole: whole on rank 0
+        configs["draft-whole"] = dict(configs["draft"], speculative_draft_tensor_parallel_size=1)
     families = {}  # eagle3: the head alone; eagle3-lookup: n-gram lookup first, the head for the rest (speculative_lookup)
     if eagle_head:
         for family, lookup in (("eagle3", False), ("eagle3-lookup", True)):
@@ -131,7 +134,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", help="the model's weights (gguf: the GGUF's own blocks)")
     ap.add_argument("--eagle-head", help="an EAGLE-3 head's directory: adds the eagle3 and eagle3-lookup engines")
     ap.add_argument("--eagle-tokens", default="3", help="tokens the head proposes per step; several (1,2,3): one engine each, eagle3-kN")
-    ap.add_argument("--engines", help="comma-separated subset of plain,ngram,draft,eagle3,eagle3-lookup (plain always)")
+    ap.add_argument("--engines", help="comma-separated subset of plain,ngram,draft,draft-whole (tensor parallelism),eagle3,eagle3-lookup (plain always)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of every engine (one thread each; engines run one after another)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
