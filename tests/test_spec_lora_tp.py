@@ -205,8 +205,9 @@ def test_a_step_rank_0_cannot_build_after_split_proposals_is_dropped_by_every_ra
     the rest of the step; when that building fails, rank 0 says so and every rank drops the step: the
     engine re-runs its requests one by one and their tokens are plain decoding's (no rank left waiting
     in a collective, none a step ahead)."""
-    from kvpilot.server import SamplingParams
     from test_spec_decode import make_engine
+
+    from kvpilot.server import SamplingParams
 
     model = models[2]
     kw = dict(model=model["model"], kv_cache_memory="32MiB", tensor_parallel_size=2)

@@ -169,6 +169,26 @@ def build_app(state: ServerState) -> FastAPI:
                                           lambda: wait_for_disconnect(request), client_of(request), req.tool_use(), adapter,
                                           variables=variables, include_reasoning=req.include_reasoning), ignored)
 
+    # vLLM's render endpoints: what a request becomes (its token ids, its resolved parameters), checked as the
+    # request itself would be and not run; routers hash the ids (llm-d's precise prefix-cache scorer).
+    @app.post("/v1/completions/render", dependencies=guarded)
+    async def render_completions(req: CompletionRequest, request: Request):
+        ignored = ignoring(req)
+        adapter = serving.check_model(req.model)
+        params = req.with_defaults(serving.generation_defaults).params()
+        return JSONResponse(await serving.render_completions(req.prompts(), params, client_of(request), adapter, req.stream, req.stream_options),
+                            headers=ignored)
+
+    @app.post("/v1/chat/completions/render", dependencies=guarded)
+    async def render_chat(req: ChatCompletionRequest, request: Request):
+        ignored = ignoring(req)
+        adapter = serving.check_model(req.model)
+        params = req.with_defaults(serving.generation_defaults).params(serving.tool_format)
+        messages = [m.as_template_dict() for m in req.messages]
+        variables = template_variables(req.chat_template_kwargs, req.reasoning_effort)
+        return JSONResponse(await serving.render_chat(messages, req.add_generation_prompt, params, client_of(request), req.tool_use(), adapter,
+                                                      variables, req.stream, req.stream_options), headers=ignored)
+
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi():
         return JSONResponse(app.openapi())
@@ -293,7 +313,7 @@ def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_
         async_engine = AsyncEngine.launch(lambda: LLMEngine(engine_config, show_progress=show_progress), server_config.max_waiting_requests)
         engine = async_engine.engine
         tokenizer, name, limits = engine.tokenizer, engine.served_model_name, engine.limits
-    metrics = EngineMetrics(engine, name, pending=lambda: async_engine._pending)
+    metrics = EngineMetrics(engine, name, limits.max_model_len, pending=lambda: async_engine._pending)
     async_engine.on_step = lambda _engine, outputs, _dt: metrics.observe(outputs)
     pool = TokenizerPool(server_config.tokenizer_workers, server_config.max_pending_tokenizations)
     compiles = None if limits.grammars is None else \

@@ -24,12 +24,51 @@ from kvpilot.server.engine.sampling_params import STRUCTURED_KINDS
 disable_created_metrics()  # no *_created series: they double the output and nothing here reads them
 P = "kvpilot:"
 VLLM = "vllm:"
-# Our families that vLLM exports under the same name and meaning (its v1 engine's names).
+# Our families that vLLM exports under the same name and meaning (its v1 engine's names, vllm/v1/metrics/loggers.py).
 VLLM_ALIASED = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "time_to_first_token_seconds",
                 "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds", "prefix_cache_queries",
-                "prefix_cache_hits", "prompt_tokens", "generation_tokens", "num_preemptions", "request_success", "lora_requests_info")
+                "prefix_cache_hits", "prompt_tokens", "generation_tokens", "num_preemptions", "request_success", "lora_requests_info",
+                "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+                "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens", "request_params_n",
+                "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                "spec_decode_num_accepted_tokens_per_pos", "cache_config_info")
+# vLLM's older names of the same families, still read by routers and recipes written against vLLM before 0.10.
+VLLM_OLDER_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc"}
+VLLM_ENGINE_LABEL = ("engine", "0")  # vLLM labels every family with its engine index (one engine core here)
 COMPILE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's bucket boundaries, so that dashboards and rules written for vLLM read the same le= values.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+                640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+                           1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def token_count_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, … up to max_model_len (vLLM's request-size buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+def vllm_names_markdown() -> str:
+    """docs/observability.md's list of the families exported under vLLM's names (a test keeps it current)."""
+    kinds = {"num_requests_running": "gauge", "num_requests_waiting": "gauge", "kv_cache_usage_perc": "gauge", "lora_requests_info": "gauge",
+             "cache_config_info": "gauge"}
+    counters = {"prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "num_preemptions", "request_success",
+                "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"}
+    rows = []
+    for name in VLLM_ALIASED:
+        kind = kinds.get(name) or ("counter" if name in counters else "histogram")
+        total = "_total" if kind == "counter" else ""
+        older = f" (also `vllm:{VLLM_OLDER_NAMES[name]}`, vLLM's older name)" if name in VLLM_OLDER_NAMES else ""
+        rows.append(f"- `vllm:{name}{total}`: {kind}, = `kvpilot:{name}{total}`{older}")
+    return "\n".join(rows)
 
 
 class EngineCollector:
@@ -69,6 +108,14 @@ class EngineCollector:
         counter = self._counter
 
         yield gauge("kv_cache_usage_perc", "KV-cache blocks held by live requests, 0-1 (evictable prefix-cache blocks count as free).", s.kv_cache_usage)
+        c = self.engine.config
+        cache = {"block_size": str(c.block_size), "num_gpu_blocks": str(s.num_blocks), "cache_dtype": c.kv_cache_dtype,
+                 "enable_prefix_caching": str(c.enable_prefix_caching), "gpu_memory_utilization": str(c.gpu_memory_utilization)}
+        info = GaugeMetricFamily(P + "cache_config_info", "The KV cache's configuration, in the labels (num_gpu_blocks: the blocks of the "
+                                 "cache, on whatever device; the Gateway API Inference Extension reads block_size and num_gpu_blocks).",
+                                 labels=list(cache))
+        info.add_metric(list(cache.values()), 1)
+        yield info
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting + self.pending())
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
@@ -174,7 +221,8 @@ class CoreFamilies:
 
 class _WithVllmNames:
     """Every family of `source`, and right after each aliased one the same samples renamed
-    kvpilot: -> vllm: (one collection: the two names always carry the same values)."""
+    kvpilot: -> vllm: with vLLM's engine label added, under its older name too where it had one (one
+    collection: the names always carry the same values)."""
 
     def __init__(self, source: CollectorRegistry):
         self.source = source
@@ -184,15 +232,19 @@ class _WithVllmNames:
         for family in self.source.collect():
             yield family
             if family.name in self.names:
-                alias = Metric(VLLM + family.name[len(P):], family.documentation, family.type, family.unit)
-                alias.samples = [s._replace(name=VLLM + s.name[len(P):]) for s in family.samples]
-                yield alias
+                name = family.name[len(P):]
+                for vllm_name in (name, *([VLLM_OLDER_NAMES[name]] if name in VLLM_OLDER_NAMES else [])):
+                    alias = Metric(VLLM + vllm_name, family.documentation, family.type, family.unit)
+                    alias.samples = [s._replace(name=VLLM + vllm_name + s.name[len(P) + len(name):], labels={**s.labels, VLLM_ENGINE_LABEL[0]:
+                                                                                                              VLLM_ENGINE_LABEL[1]})
+                                     for s in family.samples]
+                    yield alias
 
 
 class EngineMetrics:
     """`registry` is what /metrics serves: our families, each aliased one followed by its vLLM-named copy."""
 
-    def __init__(self, engine: LLMEngine | None, model_name: str, pending: callable = lambda: 0):
+    def __init__(self, engine: LLMEngine | None, model_name: str, max_model_len: int, pending: callable = lambda: 0):
         """engine None: the engine core runs in its own process; its families come from `core` (CoreFamilies)."""
         own = CollectorRegistry()
         self.registry = CollectorRegistry()
@@ -206,10 +258,28 @@ class EngineMetrics:
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", **kw).labels(model_name)
         self.success = Counter(P + "request_success", "Finished requests by finish reason.",
                                labelnames=["model_name", "finished_reason"], registry=own)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive output tokens.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
-        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling.", buckets=LATENCY_BUCKETS, **kw).labels(model_name)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token.", buckets=TTFT_BUCKETS, **kw).labels(model_name)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive output tokens.", buckets=TOKEN_LATENCY_BUCKETS,
+                             **kw).labels(model_name)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", buckets=REQUEST_LATENCY_BUCKETS, **kw).labels(model_name)
+        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling.", buckets=REQUEST_LATENCY_BUCKETS,
+                                    **kw).labels(model_name)
+        # A finished request's phases (vLLM's): prefill = first scheduling to first token, decode = first token to finish,
+        # inference = both; time per output token = decode over the tokens after the first.
+        self.prefill_time = Histogram(P + "request_prefill_time_seconds", "First scheduling to first token (finished requests).",
+                                      buckets=REQUEST_LATENCY_BUCKETS, **kw).labels(model_name)
+        self.decode_time = Histogram(P + "request_decode_time_seconds", "First token to finish (finished requests).",
+                                     buckets=REQUEST_LATENCY_BUCKETS, **kw).labels(model_name)
+        self.inference_time = Histogram(P + "request_inference_time_seconds", "First scheduling to finish (finished requests).",
+                                        buckets=REQUEST_LATENCY_BUCKETS, **kw).labels(model_name)
+        self.tpot = Histogram(P + "request_time_per_output_token_seconds", "A finished request's decode time over its output tokens after "
+                              "the first.", buckets=TOKEN_LATENCY_BUCKETS, **kw).labels(model_name)
+        sizes = token_count_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram(P + "request_prompt_tokens", "Prompt tokens of each finished request.", buckets=sizes,
+                                               **kw).labels(model_name)
+        self.request_generation_tokens = Histogram(P + "request_generation_tokens", "Tokens generated for each finished request (all its "
+                                                   "choices).", buckets=sizes, **kw).labels(model_name)
+        self.request_n = Histogram(P + "request_params_n", "Choices (n) of each finished request.", buckets=N_BUCKETS, **kw).labels(model_name)
         self.grammar_compile = Histogram(P + "structured_output_compile_seconds", "Time to compile a structured-output constraint "
                                          "(cache misses).", buckets=COMPILE_BUCKETS, **kw).labels(model_name)
         if engine is not None:
@@ -242,5 +312,20 @@ class EngineMetrics:
                 self._seen.pop(out.request_id, None)
                 for o in out.outputs:
                     self.success.labels(self.model_name, o.finish_reason or "abort").inc()
+                self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+                self.request_generation_tokens.observe(total)
+                self.request_n.observe(len(out.outputs))
                 if m:
-                    self.e2e.observe((m.finish_time or now) - m.arrival_time)
+                    self._phases(m, m.finish_time or now, total)
+
+    def _phases(self, m, finished: float, tokens: int) -> None:
+        self.e2e.observe(finished - m.arrival_time)
+        if m.scheduled_time is None:  # never scheduled (aborted while waiting)
+            return
+        self.inference_time.observe(finished - m.scheduled_time)
+        if m.first_token_time is None:
+            return
+        self.prefill_time.observe(m.first_token_time - m.scheduled_time)
+        self.decode_time.observe(finished - m.first_token_time)
+        if tokens > 1:
+            self.tpot.observe((finished - m.first_token_time) / (tokens - 1))

@@ -127,6 +127,30 @@ class OpenAIServing:
 
         return await self.pool.run(build)
 
+    # --- render: the requests a request becomes, not run (vLLM's /render endpoints) ---------------
+    async def render(self, prompts: list[str | list[int]] | Callable[[], list[int]], params: SamplingParams, rid: str, client: str,
+                     adapter: str | None, stream: bool, stream_options: StreamOptions | None) -> list[dict]:
+        """Each prompt tokenized and admitted exactly as its request would be (the same template, limits
+        and errors; a constraint compiled), not submitted: per prompt, vLLM's GenerateRequest (the token
+        ids a router hashes, the sampling parameters as resolved: max_tokens the output limit)."""
+        jobs = await self.jobs(prompts, params, rid, client, adapter)
+        return [{"request_id": job.request_id, "token_ids": job.admission.prompt_token_ids, "features": None,
+                 "sampling_params": _rendered_params(job.admission), "model": adapter or self.model_name, "stream": stream,
+                 "stream_options": stream_options.model_dump(exclude_none=True) if stream and stream_options else None,
+                 "cache_salt": None, "priority": params.priority,
+                 "kv_transfer_params": dataclasses.asdict(params.kv_transfer) if params.kv_transfer else None} for job in jobs]
+
+    async def render_completions(self, prompts: list[str | list[int]], params: SamplingParams, client: str, adapter: str | None,
+                                 stream: bool, stream_options: StreamOptions | None) -> list[dict]:
+        return await self.render(prompts, params, f"cmpl-{uuid.uuid4().hex}", client, adapter, stream, stream_options)
+
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, params: SamplingParams, client: str,
+                          tools: ToolUse | None, adapter: str | None, variables: dict[str, Any] | None, stream: bool,
+                          stream_options: StreamOptions | None) -> dict:
+        rendered = await self.render(lambda: self.chat_ids(messages, add_generation_prompt, tools, variables), params,
+                                     f"chatcmpl-{uuid.uuid4().hex}", client, adapter, stream, stream_options)
+        return rendered[0]
+
     # --- tokenizer endpoints ----------------------------------------------------------------------
     async def tokenize(self, prompt: str | None, messages: list[dict[str, Any]] | None, add_generation_prompt: bool,
                        variables: dict[str, Any] | None = None, add_special_tokens: bool | None = None, return_token_strs: bool = False) -> dict:
@@ -437,6 +461,15 @@ class OpenAIServing:
         if params.prompt_logprobs is not None:  # vLLM's, beside the choices
             answer["prompt_logprobs"] = self.prompt_logprobs(final.prompt_logprobs or [None], final.prompt_token_ids, params.prompt_logprobs)
         return answer
+
+
+def _rendered_params(admission: Admission) -> dict:
+    """A request's sampling parameters as /render shows them (vLLM's field names where they differ)."""
+    p = admission.params
+    out = {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if f.name not in ("structured", "kv_transfer")}
+    out["max_tokens"] = admission.max_output_tokens
+    out["structured_outputs"] = {p.structured.kind: p.structured.value} if p.structured is not None else None
+    return out
 
 
 def _transfer(output) -> dict:
