@@ -239,10 +239,12 @@ class EngineConfig(BaseModel):
             raise ValueError("async_scheduling=on with speculative_lookup: its lookups read each step's tokens on the host, so its steps "
                              "stay synchronous: use auto or off")
         draft_tp = self.speculative_draft_tensor_parallel_size
-        if draft_tp is not None and self.speculative_method != "draft":
-            raise ValueError("speculative_draft_tensor_parallel_size is only used with speculative_method=draft (an EAGLE-3 head is "
-                             "replicated: one layer, read beside the target's gathered hidden states)")
-        if draft_tp is not None and draft_tp not in (1, self.tensor_parallel_size):
+        if draft_tp is not None and self.speculative_method == "eagle3" and draft_tp != 1:
+            raise ValueError(f"speculative_draft_tensor_parallel_size={draft_tp} with speculative_method=eagle3: an EAGLE-3 head (one "
+                             "layer) runs whole on rank 0 (1, vLLM's EAGLE examples' value, is what it does)")
+        if draft_tp is not None and self.speculative_method not in ("draft", "eagle3"):
+            raise ValueError("speculative_draft_tensor_parallel_size is only used with speculative_method=draft or eagle3")
+        if draft_tp is not None and self.speculative_method == "draft" and draft_tp not in (1, self.tensor_parallel_size):
             raise ValueError(f"speculative_draft_tensor_parallel_size={draft_tp}: a draft model is split over all "
                              f"tensor_parallel_size={self.tensor_parallel_size} ranks or kept whole on rank 0 (1)")
         if self.prompt_lookup_min > self.prompt_lookup_max:

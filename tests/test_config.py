@@ -107,6 +107,8 @@ VLLM_SPELLINGS = [  # (vLLM's spelling, kvpilot's own)
     (["-tp", "2", "--speculative-config", '{"model": "/models/draft.gguf", "draft_tensor_parallel_size": 1}'],
      ["--tensor-parallel-size", "2", "--speculative-method", "draft", "--speculative-model", "/models/draft.gguf",
       "--speculative-draft-tensor-parallel-size", "1"]),
+    (["--speculative-config", '{"model": "/heads/eagle3-x", "draft_tensor_parallel_size": 1}'],  # vLLM's EAGLE examples' value
+     ["--speculative-method", "eagle3", "--speculative-model", "/heads/eagle3-x", "--speculative-draft-tensor-parallel-size", "1"]),
     (["-tp", "2"], ["--tensor-parallel-size", "2"]),
     (["-q", "int8"], ["--quantization", "int8"]),
     (["--model", "org/repo", "--revision", "v2"], ["--model", "org/repo@v2"]),  # a hub repository id's revision
@@ -163,8 +165,10 @@ def test_enable_auto_tool_choice_needs_a_parser():
     (["--speculative-config", "ngram"], "--speculative-config: not JSON"),
     (["-tp", "2", "--speculative-config", '{"model": "/models/draft.gguf", "draft_tensor_parallel_size": 3}'],
      "speculative_draft_tensor_parallel_size=3: a draft model is split over all tensor_parallel_size=2 ranks or kept whole on rank 0 (1)"),
-    (["--speculative-config", '{"model": "/heads/eagle3-x", "draft_tensor_parallel_size": 1}'],
-     "speculative_draft_tensor_parallel_size is only used with speculative_method=draft"),
+    (["--speculative-config", '{"model": "/heads/eagle3-x", "draft_tensor_parallel_size": 3}'],
+     "speculative_draft_tensor_parallel_size=3 with speculative_method=eagle3: an EAGLE-3 head (one layer) runs whole on rank 0"),
+    (["--speculative-config", '{"method": "ngram", "draft_tensor_parallel_size": 1}'],
+     "speculative_draft_tensor_parallel_size is only used with speculative_method=draft or eagle3"),
     (["--kv-cache-memory-bytes", "1G", "--kv-cache-memory", "2GiB"], "--kv-cache-memory-bytes sets --kv-cache-memory"),
     (["--speculative-config", '{"method": "ngram"}', "--speculative-method", "draft"], "--speculative-config sets --speculative-method"),
 ])

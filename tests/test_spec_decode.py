@@ -390,14 +390,14 @@ def test_spec_decode_metrics_are_exported(draft_path):
     run(engine, COPY_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=32))
     from prometheus_client import generate_latest
 
-    text = generate_latest(EngineMetrics(engine, "m").registry).decode()
+    text = generate_latest(EngineMetrics(engine, "m", engine.max_model_len).registry).decode()
     s = engine.proposer.stats
     assert f'kvpilot:spec_decode_num_drafts_total{{model_name="m"}} {float(s.num_drafts)}' in text
     assert f'kvpilot:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(s.num_draft_tokens)}' in text
     assert f'kvpilot:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(s.num_accepted_tokens)}' in text
     assert f'kvpilot:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(s.accepted_per_pos[0])}' in text
     assert s.num_accepted_tokens > 0 and "spec_decode_lookup" not in text
-    assert "spec_decode" not in generate_latest(EngineMetrics(make_engine(kv_cache_memory="16MiB"), "m").registry).decode()
+    assert "spec_decode" not in generate_latest(EngineMetrics(make_engine(kv_cache_memory="16MiB"), "m", 2048).registry).decode()
 
 
 def test_lookup_first_exports_the_looked_up_proposals_counters(draft_path):
@@ -410,7 +410,7 @@ def test_lookup_first_exports_the_looked_up_proposals_counters(draft_path):
     engine = make_engine(kv_cache_memory="64MiB", speculative_method="draft", speculative_model=draft_path, speculative_lookup=True,
                          num_speculative_tokens=2, speculative_lookup_tokens=4, **FORCED)
     run(engine, COPY_PROMPTS[:2], SamplingParams(temperature=0, max_tokens=32))
-    text = generate_latest(EngineMetrics(engine, "m").registry).decode()
+    text = generate_latest(EngineMetrics(engine, "m", engine.max_model_len).registry).decode()
     s, lookup = engine.proposer.stats, engine.proposer.stats.lookup
     assert 0 < lookup.num_drafts < s.num_drafts and 0 < lookup.num_accepted_tokens < s.num_accepted_tokens
     assert f'kvpilot:spec_decode_lookup_num_drafts_total{{model_name="m"}} {float(lookup.num_drafts)}' in text

@@ -200,11 +200,13 @@ def test_a_draft_model_split_over_two_ranks_keeps_the_distribution_and_its_propo
 
 
 @pytest.mark.timeout(120)
-def test_a_step_rank_0_cannot_build_after_split_proposals_is_dropped_by_every_rank(models):
+@pytest.mark.parametrize("failing", ["build", "draft step"])
+def test_a_step_rank_0_fails_in_after_split_proposals_began_is_dropped_by_every_rank(models, failing):
     """A split draft model's proposals are collective, so the other ranks run them before rank 0 builds
-    the rest of the step; when that building fails, rank 0 says so and every rank drops the step: the
-    engine re-runs its requests one by one and their tokens are plain decoding's (no rank left waiting
-    in a collective, none a step ahead)."""
+    the rest of the step; when rank 0's own work fails between two collective parts (building the step
+    after the proposals, or drawing a draft step's tokens), rank 0 says so and every rank drops the step:
+    the engine re-runs its requests one by one and their tokens are plain decoding's (no rank left
+    waiting in a collective, none a step ahead)."""
     from test_spec_decode import make_engine
 
     from kvpilot.server import SamplingParams
@@ -213,15 +215,29 @@ def test_a_step_rank_0_cannot_build_after_split_proposals_is_dropped_by_every_ra
     kw = dict(model=model["model"], kv_cache_memory="32MiB", tensor_parallel_size=2)
     spec = make_engine(**kw, speculative_method="draft", speculative_model=model["near draft"], speculative_draft_tensor_parallel_size=2,
                        speculative_disable_batch_size=0, speculative_min_acceptance=0.0)
-    build, failures = spec.worker.build, []
+    failures = []
+    if failing == "build":
+        build = spec.worker.build
 
-    def failing_once(batch, step, proposal=None):
-        if proposal is not None and not failures:
-            failures.append(step)
-            raise RuntimeError("rank 0 could not build this step")
-        return build(batch, step, proposal)
+        def failing_once(batch, step, proposal=None):
+            if proposal is not None and not failures:
+                failures.append(step)
+                raise RuntimeError("rank 0 could not build this step")
+            return build(batch, step, proposal)
 
-    spec.worker.build = failing_once
+        spec.worker.build = failing_once
+    else:
+        drafter = spec.worker.drafter
+        draw_rows, calls = drafter._draw_rows, []
+
+        def failing_at_the_second_draft_step(active):
+            calls.append(len(active))
+            if len(calls) == 2 and not failures:
+                failures.append(active)
+                raise RuntimeError("rank 0 could not draw this draft step")
+            return draw_rows(active)
+
+        drafter._draw_rows = failing_at_the_second_draft_step
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     try:
         ids = [spec.add_request(p, params) for p in PROMPTS]

@@ -316,9 +316,10 @@ class EngineMetrics:
                 self.request_generation_tokens.observe(total)
                 self.request_n.observe(len(out.outputs))
                 if m:
-                    self._phases(m, m.finish_time or now, total)
+                    self._phases(m, m.finish_time or now, max((len(o.token_ids) for o in out.outputs), default=0))
 
     def _phases(self, m, finished: float, tokens: int) -> None:
+        """tokens: the longest choice's (the choices decode side by side)."""
         self.e2e.observe(finished - m.arrival_time)
         if m.scheduled_time is None:  # never scheduled (aborted while waiting)
             return

@@ -149,9 +149,12 @@ class DraftModel(Drafter):
     split (tensor parallelism): sharded over the ranks as the target is (its KV heads' cache on each);
     else whole on this worker (rank 0)."""
 
-    def __init__(self, worker: Worker, weights: WeightSource, split: bool = False):
+    def __init__(self, worker: Worker, weights: WeightSource, split: bool = False, announce: Callable[[bool], None] | None = None):
+        """announce (rank 0 of a split draft): tells the other ranks, before each draft step, that rank 0's
+        own work before it went well (engine/parallel.py Workers.say)."""
         super().__init__(worker)
         self.collective = split and worker.tp is not None
+        self.announce = announce
         self.model = worker.load(weights, "none", shard=self.collective)
         if worker.kv_dtype == FP8_KV:
             worker.set_kv_scales(self.model, weights)
@@ -192,41 +195,45 @@ class DraftModel(Drafter):
         last, shift = self._in_flight(seqs, previous)
         known = self._index([s.tokens_slice(s.num_computed_tokens, s.num_computed_tokens + 1)[0] for s in seqs])
         ids = known if last is None else torch.where(last >= 0, last, known)
-        if self.collective:  # the other ranks' shards start from the same tokens and positions
-            first = torch.stack([ids, shift if shift is not None else torch.zeros_like(ids)])
-            dist.broadcast(first, src=0)
         rows = list(range(len(seqs)))
-        width = max(s.num_spec_tokens for s in seqs)
-        for i in range(width):
+        for i in range(max(s.num_spec_tokens for s in seqs)):
             keep, rows = self._narrow(seqs, rows, i)
             active = [seqs[r] for r in rows]
+            sampling = self._draw_rows(active)
+            if self.collective:  # rank 0's own work went well: the shards' step, from the same tokens (and first shifts)
+                self.announce(True)
+                shared = torch.stack([ids, shift if shift is not None else torch.zeros_like(ids)]) if i == 0 else ids.contiguous()
+                dist.broadcast(shared, src=0)
             inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active], ids[self._index(keep)],
                                            shift[self._index(rows)] if shift is not None else None)
-            inp.sampling = self._draw_rows(active)
+            inp.sampling = sampling
             ids, q = self._propose_step(inp)
-            if self.collective and i + 1 < width:  # the next step's input on every rank
-                dist.broadcast(ids.contiguous(), src=0)
-            yield rows, ids, q, inp.sampling
+            yield rows, ids, q, sampling
 
     @torch.inference_mode()
-    def follow(self, seqs: list[BatchSeq]) -> None:
+    def follow(self, seqs: list[BatchSeq], heard: Callable[[], bool]) -> bool:
         """Ranks 1…N−1 of a split draft model: rank 0's draft steps over `seqs` (the step's proposing
         sequences), their collectives paired with rank 0's, from the tokens rank 0 broadcasts (its first
-        inputs and shifts, then each step's drawn tokens); the logits are all-gathered, not drawn from."""
-        first = torch.empty(2, len(seqs), dtype=torch.long, device=self.device)
-        dist.broadcast(first, src=0)
-        ids, shift = first[0], first[1]
+        inputs and shifts, then each step's drawn tokens); the logits are all-gathered, not drawn from.
+        heard(): rank 0's word before each step; False (rank 0 failed before it): the step is dropped."""
         rows = list(range(len(seqs)))
-        width = max(s.num_spec_tokens for s in seqs)
-        for i in range(width):
+        for i in range(max(s.num_spec_tokens for s in seqs)):
+            drawn_rows = len(rows)  # the previous step's drawn tokens: one per row it had
             keep, rows = self._narrow(seqs, rows, i)
             active = [seqs[r] for r in rows]
+            if not heard():
+                return False
+            if i == 0:
+                first = torch.empty(2, len(seqs), dtype=torch.long, device=self.device)
+                dist.broadcast(first, src=0)
+                ids, shift = first[0], first[1]
+            else:
+                ids = torch.empty(drawn_rows, dtype=torch.long, device=self.device)
+                dist.broadcast(ids, src=0)
             inp = self.inputs.build_decode(active, [s.num_computed_tokens + i for s in active], ids[self._index(keep)], shift[self._index(rows)])
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, AttentionMetadata.from_input(inp))
             self.model.compute_logits(hidden[inp.logits_indices])
-            if i + 1 < width:
-                ids = torch.empty(len(rows), dtype=torch.long, device=self.device)
-                dist.broadcast(ids, src=0)
+        return True
 
     @torch.inference_mode()
     def _propose_step(self, inp: ModelInput) -> tuple[torch.Tensor, torch.Tensor | None]:

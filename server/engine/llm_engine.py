@@ -90,9 +90,11 @@ class LLMEngine:
         if window and config.max_model_len and config.max_model_len > window:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window}: sliding-window attention is not "
                              f"implemented, so contexts are limited to the window (where full attention is exact); use --max-model-len {window}")
-        self.workers, tp = self._start_other_ranks()
+        draft = draft_model(config, self.tokenizer) if config.speculative_method == "draft" else None
+        split = draft is not None and draft_split(config, draft)
+        self.workers, tp = self._start_other_ranks(draft.path if split else None)
         self.worker = Worker(config, weights, show_progress=show_progress, tp=tp, kv_calibration_ids=kv_calibration_ids(config, self.tokenizer),
-                             eos_token_ids=self.tokenizer.eos_token_ids, drafter=self._drafter(weights))
+                             eos_token_ids=self.tokenizer.eos_token_ids, drafter=self._drafter(weights, draft, split))
         startup.mark("loaded")
         capacity = self.worker.num_blocks * config.block_size
         limits = [self.model_config.max_position, capacity] + ([window] if window else [])
@@ -138,8 +140,9 @@ class LLMEngine:
         self._transfer_ids = itertools.count()
 
     # --- the parts each feature adds ------------------------------------------------------------
-    def _start_other_ranks(self):
-        """Tensor parallelism: ranks 1…N−1 started (their handle) and rank 0's place; else (None, None)."""
+    def _start_other_ranks(self, split_draft):
+        """Tensor parallelism: ranks 1…N−1 started (their handle) and rank 0's place; else (None, None).
+        split_draft: the draft model's file when it is split over the ranks."""
         if self.config.tensor_parallel_size == 1:
             return None, None
         from kvpilot.server.engine.parallel import Workers
@@ -147,16 +150,16 @@ class LLMEngine:
         from kvpilot.server.models.sharding import TensorParallel, check_tensor_parallel
 
         check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
-        return Workers(self.config, self.model_path, resolve_device(self.config).type), TensorParallel(0, self.config.tensor_parallel_size)
+        return (Workers(self.config, self.model_path, resolve_device(self.config).type, split_draft),
+                TensorParallel(0, self.config.tensor_parallel_size))
 
-    def _drafter(self, target_weights):
-        """What makes rank 0's drafter on its worker (draft model, EAGLE-3 head), or None."""
+    def _drafter(self, target_weights, draft, split: bool):
+        """What makes rank 0's drafter on its worker (draft model, EAGLE-3 head), or None. draft: the draft
+        model's weights; split: over the tensor-parallel ranks."""
         from kvpilot.server.engine.drafters import DraftModel, Eagle3
 
-        if self.config.speculative_method == "draft":
-            weights = draft_model(self.config, self.tokenizer)
-            split = draft_split(self.config, weights)
-            return lambda worker: DraftModel(worker, weights, split)
+        if draft is not None:
+            return lambda worker: DraftModel(worker, draft, split, announce=self.workers.say if split else None)
         if self.config.speculative_method == "eagle3":
             head = str(resolve_model_path(self.config.speculative_model))
             return lambda worker: Eagle3(worker, head, target_weights)
@@ -529,20 +532,22 @@ class LLMEngine:
             step.drafts_next = self.proposer.may_propose(len(self.scheduler.running))
         # The other ranks get the message, then what it says follows from rank 0's device: once rank 0 has built
         # the step (nothing that can fail is left before their collectives), unless a split draft model's
-        # proposals, collective, come first: then rank 0 says whether its building after them worked.
+        # proposals, collective, come first: then before each collective part rank 0 says whether its own
+        # work before it went well (the drafter before each draft step, here before the target's), and on a
+        # failure every rank drops the step.
         collective_proposals = self.workers is not None and self.worker.drafter is not None and self.worker.drafter.collective
         if collective_proposals:
             self._send_step(step, in_flight, unsettled)
-        worker_batch, proposal = self.worker.begin(step, in_flight)
         try:
+            worker_batch, proposal = self.worker.begin(step, in_flight)
             step.grammar = self._grammar_masks(batch, proposal)
             inp, plan = self.worker.build(worker_batch, step, proposal)
         except Exception:
             if collective_proposals:
-                self.workers.broadcast_go(False, self.worker.device)
+                self.workers.say(False)
             raise
         if collective_proposals:
-            self.workers.broadcast_go(True, self.worker.device)
+            self.workers.say(True)
         elif self.workers is not None:
             self._send_step(step, in_flight, unsettled)
         if self.workers is not None and proposal is not None:

@@ -94,11 +94,29 @@ class Channel:
         dist.broadcast(data, src=0, group=self.group)
         return decode(data.numpy().tobytes())
 
+    def say(self, go: bool) -> None:
+        """Rank 0: whether the ranks go on into the next collective part of a step (a host tensor: no
+        wait on the device)."""
+        import torch
+        import torch.distributed as dist
+
+        dist.broadcast(torch.tensor([int(go)]), src=0, group=self.group)
+
+    def heard(self) -> bool:
+        """Ranks 1…N−1: what rank 0 said (say)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.empty(1, dtype=torch.long)
+        dist.broadcast(flag, src=0, group=self.group)
+        return bool(flag.item())
+
 
 class Workers:
     """Rank 0's handle on ranks 1…N−1: starts them, joins the process group with them, sends each step."""
 
-    def __init__(self, config: EngineConfig, model_path: Path, device_type: str):
+    def __init__(self, config: EngineConfig, model_path: Path, device_type: str, split_draft: Path | None = None):
+        """split_draft: the draft model's file when it is split over the ranks (each loads its shard)."""
         import torch.distributed as dist
 
         if dist.is_initialized():  # torch.distributed has one default group per process
@@ -110,7 +128,8 @@ class Workers:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of rank 0's threads or torch state
         self._errors = ctx.SimpleQueue()
         self.procs = [ctx.Process(target=worker_main, name=f"kvpilot-tp-rank{rank}", daemon=True,
-                                  args=(rank, self.world_size, init_method, config.model_dump(), str(model_path), device_type, self._errors))
+                                  args=(rank, self.world_size, init_method, config.model_dump(), str(model_path), device_type, self._errors,
+                                        str(split_draft) if split_draft else None))
                       for rank in range(1, self.world_size)]
         for p in self.procs:
             p.start()
@@ -150,13 +169,11 @@ class Workers:
 
         dist.broadcast(tokens.contiguous(), src=0)
 
-    def broadcast_go(self, go: bool, device) -> None:
-        """Whether a step whose proposals were collective (a split draft model) goes on: False when rank 0
-        could not build it after them (the ranks drop it; rank 0's engine fails or retries its requests)."""
-        import torch
-        import torch.distributed as dist
-
-        dist.broadcast(torch.tensor([int(go)], dtype=torch.long, device=device), src=0)
+    def say(self, go: bool) -> None:
+        """With a split draft model: before each collective part of a step (each draft step, then the
+        target's), whether rank 0's own work before it went well; False: every rank drops the step
+        (rank 0's engine then re-runs its requests one by one)."""
+        self.channel.say(go)
 
     def describe(self, own: dict) -> list[dict]:
         """Every rank's description of what it holds (rank 0's first; not on the step path)."""
@@ -189,7 +206,8 @@ class Workers:
         shutil.rmtree(self._store_dir, ignore_errors=True)
 
 
-def worker_main(rank: int, world_size: int, init_method: str, config: dict, model_path: str, device_type: str, errors) -> None:
+def worker_main(rank: int, world_size: int, init_method: str, config: dict, model_path: str, device_type: str, errors,
+                split_draft: str | None = None) -> None:
     """Ranks 1…N−1: load this rank's shard, then run steps until rank 0 says stop."""
     engine_config = EngineConfig(**config)
     from kvpilot.server.threads import configure_threads
@@ -207,13 +225,11 @@ def worker_main(rank: int, world_size: int, init_method: str, config: dict, mode
         channel = Channel()
         weights, tokenizer = open_model(Path(model_path))
         drafter = None
-        if engine_config.speculative_method == "draft":  # this rank's shard of a split draft model (a whole one is rank 0's alone)
+        if split_draft:  # this rank's shard of the draft model (rank 0 checked and resolved it; a whole one is rank 0's alone)
             from kvpilot.server.engine.drafters import DraftModel
-            from kvpilot.server.loading import draft_model, draft_split
 
-            draft = draft_model(engine_config, tokenizer)
-            if draft_split(engine_config, draft):
-                drafter = lambda worker: DraftModel(worker, draft, split=True)  # noqa: E731
+            draft, _ = open_model(Path(split_draft))
+            drafter = lambda worker: DraftModel(worker, draft, split=True)  # noqa: E731
         worker = Worker(engine_config, weights, show_progress=False, tp=TensorParallel(rank, world_size),
                         kv_calibration_ids=kv_calibration_ids(engine_config, tokenizer), drafter=drafter)
         del weights

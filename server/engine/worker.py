@@ -455,9 +455,13 @@ class Worker:
         inp.take_device_values(previous.tokens if previous else None, previous.accepted_counts if previous else None, proposal)
         sampled = inp.sampling is not None
         prompt_logits, logits, aux = self._forward(inp, sampled)
+        collective = self.drafter is not None and self.drafter.collective
+        if collective:  # its collectives right after the target's, as the other ranks run them (nothing of rank 0's alone between)
+            self.drafter.after_target(inp, aux, None)
         prompt_logprobs = [self._prompt_logprobs(lg, r) for lg, r in zip(prompt_logits, inp.prompt_logprobs)]
         sample = self.sampler.draw(logits, inp.sampling) if sampled else None
-        return LaunchedStep(sample, prompt_logprobs, self.drafter.after_target(inp, aux, sample) if self.drafter is not None else None)
+        head_state = self.drafter.after_target(inp, aux, sample) if self.drafter is not None and not collective else None
+        return LaunchedStep(sample, prompt_logprobs, head_state)
 
     def _forward(self, inp: ModelInput, sampled: bool) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
         """The part of a step every rank runs alike (its all-reduces and gathers pair up across ranks):
@@ -486,6 +490,7 @@ class Worker:
             dtype, shape, nbytes = self.block_layout()
             self.kv_tier = DiskTier(self.config.kv_offload_dir, self.config.kv_offload_size, (dtype, shape), nbytes,
                                     self.tp.rank, self.tp.world_size)
+        self._channel = channel  # (rank 0's word before a split draft's collective parts)
         handlers = {Step: self._run_rank_step, SaveBlocks: self._save_shards, SetAdapter: self._read_adapter,
                     LoadBlocks: lambda m: self.write_blocks(zip(m.block_ids, m.shards[self.tp.rank - 1])),
                     Describe: lambda m: self._gather_description()}
@@ -498,8 +503,8 @@ class Worker:
         """A step as ranks 1…N−1 run it: built from the message (no sampling: rank 0 samples); what rank 0
         has on its device broadcast after the message: the step in flight's tokens (placeholders) and
         accepted counts (unsettled rows), then the tokens rank 0's drafter proposed. A split draft model
-        runs its proposal steps here too, between those, and then rank 0 says whether the step goes on
-        (its own building of the step, after the proposals, may have failed: the ranks then drop it)."""
+        runs its proposal steps here too, between those; before each of them and before the target's
+        forward rank 0 says whether its own work before it went well (else the ranks drop the step)."""
         import torch.distributed as dist
 
         batch = self.batch.apply(step)
@@ -509,12 +514,10 @@ class Worker:
             received.append(torch.empty(count, dtype=torch.long, device=self.device) if count else None)
             if count:
                 dist.broadcast(received[-1], src=0)
-        if self.drafter is not None:
-            if drafted:
-                self.drafter.follow(drafted)
-            go = torch.empty(1, dtype=torch.long, device=self.device)
-            dist.broadcast(go, src=0)
-            if not go.item():
+        if self.drafter is not None:  # (a drafter on these ranks: a split draft model)
+            if drafted and not self.drafter.follow(drafted, self._channel.heard):
+                return
+            if not self._channel.heard():
                 return
         proposal = None
         if drafted:
