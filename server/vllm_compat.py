@@ -21,7 +21,9 @@ NOTES: dict[str, str] = {
     "--kv-cache-memory-bytes": "vLLM's 1k = 1000 and 1K = 1024 are kept; on a GPU, the KV cache's size (instead of "
                                "`--gpu-memory-utilization`'s share), as in vLLM",
     "--speculative-config": "methods ngram, draft_model (= draft) and eagle3; keys method, model, num_speculative_tokens, "
-                            "prompt_lookup_max, prompt_lookup_min (and the older disable_by_batch_size); any other key or method is an "
+                            "prompt_lookup_max, prompt_lookup_min, draft_tensor_parallel_size (a draft model: 1 keeps it whole on rank 0, "
+                            "the tensor-parallel size splits it as the target; unset: split where it fits; eagle3: 1) (and the older "
+                            "disable_by_batch_size); any other key or method is an "
                             "error. As in vLLM: without method, it is inferred from model (ngram; a name with eagle3: eagle3; "
                             "otherwise draft_model); for ngram, prompt_lookup_min or _max alone sets both, and neither is 5 and 5",
     "--spec-method": "ngram, draft_model (= draft) and eagle3",
