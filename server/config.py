@@ -81,6 +81,11 @@ class EngineConfig(BaseModel):
         "kv_host_offload_size, kv_offload_dir and kv_offload_size (a flag given too must agree); {\"kv_connector\": \"TCPConnector\", "
         "\"kv_role\": \"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_connector_extra_config\": {\"port\": 5600, \"host\": "
         "\"10.0.0.5\", \"timeout\": 60}} sets kv_role (prefill, decode, both) and kv_transfer_port, _host, _timeout."))
+    kv_events_config: str | None = Field(None, description=(
+        "KV-cache events for routers, as vLLM's JSON: {\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv@POD@MODEL\", \"buffer_steps\": 10000, \"hwm\": "
+        "100000, \"max_queue_size\": 100000}: BlockStored, BlockRemoved and AllBlocksCleared in vLLM's wire format over ZeroMQ "
+        "(docs/observability.md#kv-events); other keys are refused."))
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory for weights + KV cache (CUDA).")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA (vLLM's half = float16, float = float32).")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8", "fp8_e4m3"] = Field("auto", description=(
@@ -179,6 +184,20 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"kv_transfer_config sets {name}={value!r}, and {name}={given!r} was given too")
         return {**data, **settings, "kv_transfer_config": data["kv_transfer_config"] if isinstance(data["kv_transfer_config"], str)
                 else json.dumps(data["kv_transfer_config"], sort_keys=True)}
+
+    @field_validator("kv_events_config", mode="before")
+    @classmethod
+    def _kv_events_json(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        return KVEventsConfig.parse(v).model_dump_json(exclude_defaults=True)
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """The KV events' settings when the engine publishes them (publisher zmq), else None."""
+        if self.kv_events_config is None:
+            return None
+        settings = KVEventsConfig.model_validate_json(self.kv_events_config)
+        return settings if settings.publisher_kind() == "zmq" else None
 
     @model_validator(mode="after")
     def _budget_fits(self) -> EngineConfig:
@@ -302,6 +321,53 @@ class EngineConfig(BaseModel):
         add_model_args(parser, cls)
         values = resolve_aliases({k: v for k, v in vars(parser.parse_args(bare_switches(argv))).items() if v is not None}, cls)
         return cls(**values)
+
+
+class KVEventsConfig(BaseModel):
+    """vLLM's --kv-events-config (vllm/config/kv_events.py): the same keys, defaults and meaning."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] | None = None  # None: zmq when events are enabled, else null (as vLLM)
+    endpoint: str = Field("tcp://*:5557", min_length=1)
+    replay_endpoint: str | None = None
+    buffer_steps: int = Field(10_000, ge=1, le=10_000_000)
+    hwm: int = Field(100_000, ge=0)
+    max_queue_size: int = Field(100_000, ge=1)
+    topic: str = ""
+
+    def publisher_kind(self) -> str:
+        return self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
+
+    @model_validator(mode="after")
+    def _enabled_to_publish(self) -> KVEventsConfig:
+        if self.publisher == "zmq" and not self.enable_kv_cache_events:
+            raise ValueError("kv_events_config: publisher zmq needs enable_kv_cache_events true")
+        return self
+
+    @classmethod
+    def parse(cls, value: str | dict) -> KVEventsConfig:
+        """From the flag's JSON (or a mapping); an error names the key."""
+        from pydantic import ValidationError
+
+        try:
+            data = json.loads(value) if isinstance(value, str) else value
+        except ValueError as e:
+            raise ValueError(f"kv_events_config is not JSON ({e})") from None
+        if isinstance(data, KVEventsConfig):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError("kv_events_config must be a JSON object")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            known = ", ".join(cls.model_fields)
+            why = (f"unknown key (known: {known})" if first["type"] == "extra_forbidden"
+                   else str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"])
+            raise ValueError(f"kv_events_config: {where + ': ' if where else ''}{why}") from None
 
 
 _SIZE_FIELDS = ("kv_host_offload_size", "kv_offload_size")

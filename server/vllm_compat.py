@@ -27,6 +27,8 @@ NOTES: dict[str, str] = {
                             "error. As in vLLM: without method, it is inferred from model (ngram; a name with eagle3: eagle3; "
                             "otherwise draft_model); for ngram, prompt_lookup_min or _max alone sets both, and neither is 5 and 5",
     "--spec-method": "ngram, draft_model (= draft) and eagle3",
+    "--kv-events-config": "the same keys; events in vLLM 0.32's wire format with kvpilot's own block keys (the token ids they carry "
+                          "are the request's); mediums GPU (the KV cache), CPU (host tier), STORAGE (disk tier)",
     "--kv-transfer-config": "kv_connector OffloadingConnector (host and disk tiers) and TCPConnector (prefill/decode) only",
     "--tokenizer": "only the model's own tokenizer: accepted when it names the model itself; any other value is an error",
     "--generation-config": "auto (the generation_config.json beside the checkpoint or GGUF), vllm (none) or a directory; "

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from server_harness import SERVER_MODES, ServerProcess, metrics
+from server_harness import SERVER_MODES, ServerProcess, free_port, metrics
 
 both_modes = pytest.mark.parametrize("mode", list(SERVER_MODES))  # the engine in the server's process, and in its own
 
@@ -41,8 +41,19 @@ def test_overload_gets_429_with_retry_after_and_server_survives(tmp_path, mode):
 
 @both_modes
 def test_api_key(tmp_path, mode):
+    import json
+
+    import msgspec
+    import zmq
+
     launched = time.time()
-    s = ServerProcess("--kv-cache-memory", "64MiB", *SERVER_MODES[mode], env={"KVPILOT_API_KEY": "sekret-key-123"}, log_path=tmp_path / "log").wait_ready()
+    # the router binds, the engine connects to it (no wildcard in its endpoint: vLLM's rule), as llm-d's indexer and vLLM pods do
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    events = f"tcp://127.0.0.1:{free_port()}"
+    sub.bind(events)
+    s = ServerProcess("--kv-cache-memory", "64MiB", "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": events}),
+                      *SERVER_MODES[mode], env={"KVPILOT_API_KEY": "sekret-key-123"}, log_path=tmp_path / "log").wait_ready()
     try:
         # The start-up record the operator reads for a pod's cold start (from /metrics, open to it without the key).
         from kvpilot.operator.cold_start import engine_startup
@@ -62,7 +73,29 @@ def test_api_key(tmp_path, mode):
             assert httpx.get(s.url + schema_path, headers={"Authorization": "Bearer sekret-key-123"}).status_code == 200
         for open_path in ("/health", "/ready", "/metrics"):
             assert httpx.get(s.url + open_path).status_code == 200
+
+        # vLLM's /reset_prefix_cache, behind the key: a repeated prompt hits the prefix cache until it is reset (#70);
+        # the engine's KV events (from the core's process in that mode) say so too
+        key = {"Authorization": "Bearer sekret-key-123"}
+        sub.poll(200)  # a bound SUB sends its subscription to a PUB that connected once it processes commands (libzmq#2267)
+        long = {"prompt": "A long prompt about rivers, " * 8, "max_tokens": 1}
+        hits = lambda: metrics(s.url)["kvpilot:prefix_cache_hits_total"]  # noqa: E731
+        for _ in range(2):
+            assert httpx.post(s.url + "/v1/completions", json=long, headers=key).status_code == 200
+        assert hits() > 0
+        assert httpx.post(s.url + "/reset_prefix_cache").status_code == 401
+        r = httpx.post(s.url + "/reset_prefix_cache?reset_running_requests=true", headers=key)
+        assert r.status_code == 200 and r.json() == {"success": True}
+        before = hits()
+        assert httpx.post(s.url + "/v1/completions", json=long, headers=key).status_code == 200
+        assert hits() == before
+        kinds = []
+        while sub.poll(1000):
+            topic, seq, payload = sub.recv_multipart()
+            kinds += [e["type"] for e in msgspec.msgpack.decode(payload)[1]]
+        assert "AllBlocksCleared" in kinds and kinds[-1] == "BlockStored", kinds  # (the first batches may be missed: slow joiner)
     finally:
+        sub.close(linger=0)
         s.terminate()
     assert "sekret-key-123" not in s.log()
 

@@ -230,6 +230,16 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(400, "run-time LoRA loading is off (the server needs --enable-lora, --allow-runtime-lora and --lora-dir)",
                            code="runtime_lora_disabled")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False):
+        """vLLM's: the prefix cache forgets every block (behind the API key, as every path but the probes'
+        and the metrics'). Running requests never stop a reset here (they keep their blocks, unfindable),
+        so reset_running_requests has nothing left to do and success is always true; reset_external: the
+        KV tiers are emptied too."""
+        forgotten = await state.engine.reset_prefix_cache(reset_external)
+        log.info("prefix cache reset by request: %d blocks forgotten", forgotten)
+        return {"success": True}
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)

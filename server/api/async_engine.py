@@ -249,6 +249,10 @@ class AsyncEngine:
         """KeyError: no adapter by that name."""
         await self.call(lambda engine: engine.unload_adapter(name))
 
+    async def reset_prefix_cache(self, external: bool) -> int:
+        """The engine's prefix cache (and with external its KV tiers) forgotten between steps; how many blocks."""
+        return await self.call(lambda engine: engine.reset_prefix_cache(external))
+
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the engine thread between steps (a change to engine state, e.g. registering
         an adapter); its result, or its exception raised here."""

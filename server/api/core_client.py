@@ -33,6 +33,8 @@ from kvpilot.server.api.engine_core import (
     CoreFailed,
     CoreReady,
     LoadAdapter,
+    PrefixCacheReset,
+    ResetPrefixCache,
     Scrape,
     Scraped,
     Shutdown,
@@ -182,6 +184,9 @@ class EngineCoreClient(AsyncEngine):
             except zmq.Again:
                 log.warning("the engine core is not connected: %s dropped", type(command).__name__)
 
+    async def reset_prefix_cache(self, external: bool) -> int:
+        return (await self._ask(lambda token: ResetPrefixCache(token, external), timeout=60)).forgotten
+
     async def scrape(self) -> str:
         """The core's metric families (Prometheus text), read between its steps."""
         if not self.alive:
@@ -220,7 +225,7 @@ class EngineCoreClient(AsyncEngine):
                     self._deliver_all([(out.request_id, out) for out in outputs])
                     if self.on_step:
                         self.on_step(None, outputs, reply.step_seconds)
-                elif isinstance(reply, Scraped | AdapterReply):
+                elif isinstance(reply, Scraped | AdapterReply | PrefixCacheReset):
                     if isinstance(reply, AdapterReply):
                         self._adapters = {a.name: a for a in reply.adapters}
                     waiter = self._waiters.get(reply.token)

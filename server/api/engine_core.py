@@ -96,11 +96,16 @@ class UnloadAdapter(msgspec.Struct, tag="unload_adapter", array_like=True):
     name: str
 
 
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    token: int
+    external: bool              # the KV tiers too
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-Command = AddRequest | Abort | StopSequence | Scrape | LoadAdapter | UnloadAdapter | Shutdown
+Command = AddRequest | Abort | StopSequence | Scrape | LoadAdapter | UnloadAdapter | ResetPrefixCache | Shutdown
 
 
 # --- core -> API process ---------------------------------------------------------------------------
@@ -144,12 +149,17 @@ class Scraped(msgspec.Struct, tag="scraped", array_like=True):
     text: str                   # the core's metric families, Prometheus text format
 
 
+class PrefixCacheReset(msgspec.Struct, tag="prefix_cache_reset", array_like=True):
+    token: int
+    forgotten: int              # blocks
+
+
 class CoreAlive(msgspec.Struct, tag="alive", array_like=True):
     """Sent when the core has sent nothing else for CORE_BEAT_S (idle, or a step that makes no output,
     such as a long prompt's chunks): the API process tells a running core from a hung one."""
 
 
-Reply = StepOutputs | CoreReady | CoreFailed | Scraped | AdapterReply | CoreAlive
+Reply = StepOutputs | CoreReady | CoreFailed | Scraped | AdapterReply | PrefixCacheReset | CoreAlive
 
 encoder = msgspec.msgpack.Encoder()
 command_decoder = msgspec.msgpack.Decoder(Command)
@@ -292,6 +302,8 @@ def core_main(config: EngineConfig, commands_address: str, replies_address: str,
                             extra.append(final)
                     elif isinstance(command, Scrape):
                         send(Scraped(command.token, generate_latest(registry).decode()))
+                    elif isinstance(command, ResetPrefixCache):
+                        send(PrefixCacheReset(command.token, engine.reset_prefix_cache(command.external)))
                     elif isinstance(command, LoadAdapter):
                         threading.Thread(target=read_adapter, args=(command,), name="kvpilot-adapter-read", daemon=True).start()
                     elif isinstance(command, UnloadAdapter):

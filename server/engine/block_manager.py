@@ -21,6 +21,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from kvpilot.server.engine.kv_events import KVEventRecorder
 from kvpilot.server.engine.sequence import Sequence
 
 
@@ -56,11 +57,14 @@ TEST_SALT = cache_salt({"model": "none"})
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: bytes = TEST_SALT,
                  adapter_fingerprint: Callable[[int], bytes] | None = None,
-                 on_cached: Callable[[int, bytes, bytes, tuple[int, ...]], None] | None = None):
+                 on_cached: Callable[[int, bytes, bytes, tuple[int, ...]], None] | None = None,
+                 events: KVEventRecorder | None = None):
         """salt: cache_salt of the engine's identity; adapter_fingerprint: a LoRA adapter id -> the
         digest of its files (the registry's); on_cached(block id, key, parent key, token ids): a block
-        just joined the prefix cache (a KV tier saves it)."""
+        just joined the prefix cache (a KV tier saves it); events: told what joins and leaves the
+        prefix cache (KV events for routers)."""
         self.on_cached = on_cached
+        self.events = events
         if num_blocks < 1:
             raise ValueError("the KV cache must hold at least one block")
         self.block_size = block_size
@@ -156,6 +160,8 @@ class BlockManager:
         if block.hash is not None:  # evict it from the prefix cache
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                if self.events is not None:
+                    self.events.removed([block.hash])
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id
@@ -166,16 +172,50 @@ class BlockManager:
             return
         full = num_computed_tokens // self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else self.root(seq)
+        run: list[bytes] = []  # consecutive blocks that joined the cache: one event
         for i in range(len(seq.block_hashes), full):
             chunk = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
             h = block_hash(parent, chunk)
             block = self.blocks[seq.block_table[i]]
+            joined = False
             if block.hash is None:
                 block.hash, block.token_ids = h, chunk
-                if self.cached.setdefault(h, block.block_id) == block.block_id and self.on_cached is not None:
-                    self.on_cached(block.block_id, h, parent, chunk)  # (an identical block computed alongside keeps the first)
+                joined = self.cached.setdefault(h, block.block_id) == block.block_id  # (an identical block computed alongside keeps the first)
+                if joined and self.on_cached is not None:
+                    self.on_cached(block.block_id, h, parent, chunk)
+            if self.events is not None:
+                if joined:
+                    run.append(h)
+                else:
+                    self._announce(seq, run, i)
             seq.block_hashes.append(h)
             parent = h
+        if self.events is not None:
+            self._announce(seq, run, full)
+
+    def _announce(self, seq: Sequence, run: list[bytes], end: int) -> None:
+        """The run of seq's blocks ending before block `end` joined the prefix cache (a KV event); emptied."""
+        if not run:
+            return
+        first = end - len(run)
+        parent = seq.block_hashes[first - 1] if first else None
+        tokens = seq.tokens_slice(first * self.block_size, end * self.block_size)
+        self.events.stored(list(run), parent, tokens, seq.adapter)
+        run.clear()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every key (vLLM's /reset_prefix_cache): no block is found by a later look-up; blocks
+        live sequences hold stay theirs, uncached. The number of keys forgotten."""
+        forgotten = len(self.cached)
+        for block_id in self.cached.values():
+            block = self.blocks[block_id]
+            block.hash, block.token_ids = None, ()
+            if block.ref_count == 0:  # evictable: now reused first, as any uncached free block
+                self.free.move_to_end(block_id, last=False)
+        self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return forgotten
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back seq's blocks past the first num_tokens tokens (reserved for proposed tokens that

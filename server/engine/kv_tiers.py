@@ -51,6 +51,7 @@ from typing import Protocol
 import torch
 
 from kvpilot.server.engine.block_manager import block_hash
+from kvpilot.server.engine.kv_events import MEDIUM_DISK, MEDIUM_HOST, KVEventRecorder
 
 log = logging.getLogger("kvpilot.server.kv_tiers")
 MAGIC = b"KVPILOT-KV-BLOCK-2\n"  # 2: the payload's checksum is a CRC-32 (1: SHA-256)
@@ -105,16 +106,18 @@ class BlockLoad:
 
 class DiskTier:
     def __init__(self, directory: str | Path, max_bytes: int, layout: tuple[str, tuple[int, ...]], payload_bytes: int,
-                 rank: int = 0, world_size: int = 1, max_pending_bytes: int = 256 << 20):
+                 rank: int = 0, world_size: int = 1, max_pending_bytes: int = 256 << 20, events: KVEventRecorder | None = None):
         """layout: the K/V's dtype name and shape of one block (one rank's shard) as the worker gives
         it; payload_bytes: its size. Rank 0 reads (read(), on the engine's thread) and keeps the index
         (every rank's files); the other ranks only write their shards. Saves beyond max_pending_bytes in
-        the writer's queue are dropped (counted)."""
+        the writer's queue are dropped (counted). events: told of the blocks this engine writes and deletes
+        (not those of other replicas sharing the directory: theirs announce them)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.layout, self.payload_bytes = max_bytes, [layout[0], list(layout[1])], payload_bytes
         self.rank, self.world_size = rank, world_size
         self.max_pending_bytes = max_pending_bytes
+        self.events = events
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # key (hex) -> bytes of its files, least recently used first
@@ -349,6 +352,8 @@ class DiskTier:
         with self._lock:
             self._index.pop(key.hex(), None)
         self._remove(key, bad=True)
+        if self.events is not None:
+            self.events.removed([key], MEDIUM_DISK)
 
     def _remove(self, key: bytes, bad: bool = False) -> int:
         """Delete a block's files (those known to be undeletable are not tried again); those that cannot
@@ -422,6 +427,8 @@ class DiskTier:
                     if self.rank == 0:  # the other ranks' shards of it are as big
                         self._index[key.hex()] = self.world_size * (len(head) + len(payload))
                         self._index.move_to_end(key.hex())
+                if self.events is not None:
+                    self.events.stored([key], parent, token_ids, medium=MEDIUM_DISK)
             except Exception as e:  # noqa: BLE001 - one save lost, never the writer: the saves after it must land
                 # An OSError (a full disk) is the volume's state; anything else (a device copy that failed) gets its traceback.
                 log.warning("disk tier: saving block %s failed (%s: %s)", key.hex(), type(e).__name__, e, exc_info=not isinstance(e, OSError))
@@ -459,6 +466,20 @@ class DiskTier:
             removed = self._remove(bytes.fromhex(name))
             with self._lock:
                 self.stats.evicted_files += removed
+            if self.events is not None:
+                self.events.removed([bytes.fromhex(name)], MEDIUM_DISK)
+
+    def clear(self) -> int:
+        """Delete every block's files the index knows (after the saves queued now are written); how many blocks."""
+        self.drain()
+        with self._lock:
+            names = list(self._index)
+            self._index.clear()
+        for name in names:
+            self._remove(bytes.fromhex(name))
+        if names and self.events is not None:
+            self.events.removed([bytes.fromhex(n) for n in names], MEDIUM_DISK)
+        return len(names)
 
     def drain(self, timeout: float = 30) -> None:
         """Wait until every queued save is written (tests, shutdown)."""
@@ -500,11 +521,13 @@ class HostTier:
     cache is host memory already, it holds what a larger kv_cache_memory would). In this process
     only: what it holds is checked against the chain asked for, as the disk tier's files are."""
 
-    def __init__(self, max_bytes: int, payload_bytes: int):
+    def __init__(self, max_bytes: int, payload_bytes: int, events: KVEventRecorder | None = None):
+        """events: told of the blocks that join and leave this tier."""
         if max_bytes < payload_bytes:
             raise ValueError(f"the host tier's size ({max_bytes} bytes) does not hold one block ({payload_bytes} bytes)")
         self.max_blocks = max_bytes // payload_bytes
         self.payload_bytes = payload_bytes
+        self.events = events
         self.stats = HostTierStats()
         self._blocks: OrderedDict[bytes, tuple[bytes, tuple[int, ...], Payload]] = OrderedDict()  # key -> (parent, tokens, payload)
 
@@ -512,13 +535,18 @@ class HostTier:
         return key in self._blocks
 
     def put(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], payload: Payload) -> None:
+        new = key not in self._blocks
         self._blocks[key] = (parent, tuple(token_ids), payload)
         self._blocks.move_to_end(key)
         self.stats.saved_blocks += 1
         self.stats.saved_bytes += self.payload_bytes
+        if new and self.events is not None:
+            self.events.stored([key], parent, token_ids, medium=MEDIUM_HOST)
         while len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
+            evicted, _ = self._blocks.popitem(last=False)
             self.stats.evicted_blocks += 1
+            if self.events is not None:
+                self.events.removed([evicted], MEDIUM_HOST)
 
     def chain(self, parent: bytes, chunks: list[tuple[int, ...]]) -> tuple[list[Payload], bytes]:
         """The payloads of the blocks held here chained from `parent` over `chunks`, as far as they go,
@@ -539,6 +567,13 @@ class HostTier:
 
     def total_bytes(self) -> int:
         return len(self._blocks) * self.payload_bytes
+
+    def clear(self) -> int:
+        keys = list(self._blocks)
+        self._blocks.clear()
+        if keys and self.events is not None:
+            self.events.removed(keys, MEDIUM_HOST)
+        return len(keys)
 
 
 class KVTiers:
@@ -585,6 +620,10 @@ class KVTiers:
 
     def reading(self) -> bool:
         return self.disk is not None and self.disk.reading()
+
+    def clear(self) -> int:
+        """Every block of both tiers dropped (a prefix-cache reset); how many."""
+        return (self.host.clear() if self.host is not None else 0) + (self.disk.clear() if self.disk is not None else 0)
 
     def drain(self) -> None:
         if self.disk is not None:

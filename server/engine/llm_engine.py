@@ -105,13 +105,14 @@ class LLMEngine:
             log.warning("contexts limited to the model's sliding_window=%d (sliding-window attention is not implemented; within the window "
                         "full attention is exact)", window)
         self.worker.start_decode_graphs(self.max_model_len)
+        self.kv_events, self.kv_event_publisher = self._kv_events()
         self.kv_tiers = self._kv_tiers()
         self._step_seconds = 0.0  # the last step's time (a tier read's slice is a share of it)
         self._rank_saves: list = []  # tensor parallelism: blocks whose shards the other ranks are to save (after the scheduler's update)
         self.lora = self._lora_registry()
         self.block_manager = BlockManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
                                           cache_salt(self._kv_identity()), self.lora.fingerprint if self.lora else None,
-                                          on_cached=_weakly(self._save_block) if self.kv_tiers else None)
+                                          on_cached=_weakly(self._save_block) if self.kv_tiers else None, events=self.kv_events)
         self.kv_sender, self.kv_receiver = self._kv_transfer()
         # N-gram proposals are looked up in the host's tokens: that method keeps its steps synchronous.
         self.async_scheduling = config.async_scheduling == "on" or (
@@ -179,9 +180,36 @@ class LLMEngine:
         from kvpilot.server.engine.kv_tiers import DiskTier, HostTier, KVTiers
 
         dtype, shape, nbytes = self.worker.block_layout()
-        return KVTiers(HostTier(config.kv_host_offload_size, nbytes) if config.kv_host_offload_size else None,
+        return KVTiers(HostTier(config.kv_host_offload_size, nbytes, self.kv_events) if config.kv_host_offload_size else None,
                        DiskTier(config.kv_offload_dir, config.kv_offload_size, (dtype, shape), nbytes,
-                                world_size=config.tensor_parallel_size) if config.kv_offload_dir else None)
+                                world_size=config.tensor_parallel_size, events=self.kv_events) if config.kv_offload_dir else None)
+
+    def _kv_events(self):
+        """KV events for routers (--kv-events-config): (where the block manager and tiers record them, the
+        publisher), or (None, None)."""
+        settings = self.config.kv_events()
+        if settings is None:
+            return None, None
+        from kvpilot.server.engine.kv_events import KVEventRecorder, ZmqEventPublisher
+
+        recorder = KVEventRecorder(self.config.block_size, _weakly(self._adapter_name), _weakly(self._is_root))
+        publisher = ZmqEventPublisher(recorder, settings.endpoint, settings.replay_endpoint, settings.buffer_steps, settings.hwm,
+                                      settings.max_queue_size, settings.topic)
+        weakref.finalize(self, publisher.close)
+        log.info("KV events: publishing on %s%s, topic %r", publisher.endpoint,
+                 f" (replay on {publisher.replay_endpoint})" if publisher.replay_endpoint else "", settings.topic)
+        return recorder, publisher
+
+    def _adapter_name(self, adapter_id: int) -> str | None:
+        adapter = self.lora.by_id.get(adapter_id) if self.lora else None
+        return adapter.name if adapter else None
+
+    def _is_root(self, key: bytes) -> bool:
+        """Whether a key is a chain's root (the cache's salt, a LoRA adapter's root): no block's."""
+        from kvpilot.server.engine.block_manager import adapter_root
+
+        bm = self.block_manager
+        return key == bm.salt or bool(self.lora) and any(key == adapter_root(bm.salt, a.fingerprint) for a in self.lora.by_id.values())
 
     def _lora_registry(self):
         if not self.config.enable_lora:
@@ -464,6 +492,8 @@ class LLMEngine:
             self._begin_awaiting(launched)
         if failed is not None:
             outputs += self._isolate(failed)
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.flush()  # the step's KV events go out as one batch
         self._step_seconds = time.perf_counter() - started
         return outputs
 
@@ -658,13 +688,28 @@ class LLMEngine:
         """End every sequence of a request with finish_reason "error" (blocks freed); its final delta."""
         return self.output.fail(request_id, message)
 
+    def reset_prefix_cache(self, external: bool = False) -> int:
+        """vLLM's /reset_prefix_cache: the prefix cache forgets every block (AllBlocksCleared in the KV
+        events); running requests keep theirs, so it never waits for them and never fails. external: the
+        KV tiers drop theirs too (the disk tier's files this engine knows of, other replicas' included:
+        the directory is one cache). The number of blocks forgotten."""
+        forgotten = self.block_manager.reset_prefix_cache()
+        if external and self.kv_tiers is not None:
+            forgotten += self.kv_tiers.clear()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.flush()
+        log.info("prefix cache reset%s: %d blocks forgotten", " (and the KV tiers)" if external else "", forgotten)
+        return forgotten
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (each writes what it queued for the disk tier first), and
-        write what this rank queued."""
+        write what this rank queued; the KV events recorded go out."""
         if self.workers is not None:
             self.workers.close()
         if self.kv_tiers is not None:
             self.kv_tiers.drain()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
         for side in (self.kv_sender, self.kv_receiver):
             if side is not None:
                 side.close()
