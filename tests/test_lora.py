@@ -328,6 +328,20 @@ def test_runtime_load_request_unload_over_http(peft_case, hf_oracle_session, tmp
         r = completion("first", 0)
         assert r.status_code == 200 and r.json()["model"] == "first"
         assert r.json()["choices"][0]["text"] == peft_text("all7-r8", 0)
+        # a router's view (#70): what a request for the adapter becomes, and the names the Gateway API Inference Extension reads
+        rendered = post("/v1/completions/render", {"model": "first", "prompt": ORACLE_PROMPTS[0], "max_tokens": STEPS})
+        assert rendered.status_code == 200 and rendered.json()[0]["model"] == "first", rendered.text
+        assert rendered.json()[0]["token_ids"] == post("/tokenize", {"model": "first", "prompt": ORACLE_PROMPTS[0]}).json()["tokens"]
+        assert r.json()["usage"]["prompt_tokens"] == len(rendered.json()[0]["token_ids"])
+        from prometheus_client.parser import text_string_to_metric_families
+
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+        for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "lora_requests_info", "cache_config_info"):
+            assert families["vllm:" + name].type == "gauge", name
+        adapters = families["vllm:lora_requests_info"].samples[0].labels
+        assert adapters["max_lora"] == "2" and {"running_lora_adapters", "waiting_lora_adapters"} <= adapters.keys(), adapters
+        cache = families["vllm:cache_config_info"].samples[0].labels
+        assert int(cache["block_size"]) == 16 and int(cache["num_gpu_blocks"]) > 0, cache
 
         assert post("/v1/load_lora_adapter", {"lora_name": "second", "lora_path": "mixed-r16"}, headers={}).status_code == 401
         outside = post("/v1/load_lora_adapter", {"lora_name": "second", "lora_path": str(paths["mixed-r16"])})
