@@ -71,11 +71,20 @@ class ServerProcess:
 
 
 def metrics(url: str) -> dict[str, float]:
-    """/metrics parsed with prometheus_client's parser: {sample name + sorted labels: value}."""
+    """/metrics parsed with prometheus_client's parser: {sample name + sorted labels: value}. Every engine
+    family (kvpilot:) is checked against the declared ones (server/api/metrics.py FAMILIES, the docs'
+    table): its kind and its labels."""
     from prometheus_client.parser import text_string_to_metric_families
+
+    from kvpilot.server.api.metrics import FAMILIES
 
     out = {}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
+        if fam.name.startswith("kvpilot:"):
+            declared = FAMILIES.get(fam.name.removeprefix("kvpilot:"))
+            assert declared is not None and fam.type == declared.kind, (fam.name, fam.type, declared)
+            own = {"le"} if fam.type == "histogram" else set()
+            assert all(set(s.labels) - own == {"model_name", *declared.labels} for s in fam.samples), (fam.name, fam.samples[:1])
         for s in fam.samples:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             out[s.name + (f"{{{labels}}}" if labels else "")] = s.value

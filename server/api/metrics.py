@@ -11,6 +11,7 @@ time under vLLM's names: the same samples, renamed at scrape time, so the two ca
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -45,6 +46,111 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 N_BUCKETS = (1, 2, 5, 10, 20)
 
 
+@dataclass(frozen=True)
+class Family:
+    kind: str                       # gauge, counter or histogram
+    help: str                       # its HELP line and its row in docs/observability.md
+    labels: tuple[str, ...] = ()    # beyond model_name
+
+
+def _spec(of: str = "") -> dict[str, Family]:
+    return {"num_drafts": Family("counter", "Proposals verified (one per sequence and step that speculated)." + of),
+            "num_draft_tokens": Family("counter", "Tokens proposed." + of),
+            "num_accepted_tokens": Family("counter", "Proposed tokens accepted." + of),
+            "num_accepted_tokens_per_pos": Family("counter", "Proposals whose token at this position was accepted." + of, ("position",))}
+
+
+# Every family the engine exports under kvpilot:, in the order docs/observability.md lists them (generated from
+# here: metrics_markdown(); the collectors take their HELP text from here, and tests check every scrape against it).
+FAMILIES: dict[str, Family] = {
+    "kv_cache_usage_perc": Family("gauge", "KV-cache blocks held by live requests, 0-1; evictable prefix-cache blocks count as free "
+                                  "(otherwise usage would never fall back and nothing would scale down)."),
+    "num_requests_running": Family("gauge", "Requests in the running batch."),
+    "num_requests_waiting": Family("gauge", "Sequences waiting to be scheduled, those submitted and not yet seen by the engine included."),
+    "cache_config_info": Family("gauge", "The KV cache's configuration in the labels, the value 1 (num_gpu_blocks: the cache's blocks, on "
+                                "whatever device; the Gateway API Inference Extension reads block_size and num_gpu_blocks).",
+                                ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization")),
+    "time_to_first_token_seconds": Family("histogram", "Arrival to first token."),
+    "inter_token_latency_seconds": Family("histogram", "Time between consecutive output tokens."),
+    "e2e_request_latency_seconds": Family("histogram", "Arrival to finish."),
+    "request_queue_time_seconds": Family("histogram", "Arrival to first scheduling."),
+    "request_prefill_time_seconds": Family("histogram", "First scheduling to first token (finished requests)."),
+    "request_decode_time_seconds": Family("histogram", "First token to finish (finished requests)."),
+    "request_inference_time_seconds": Family("histogram", "First scheduling to finish (finished requests)."),
+    "request_time_per_output_token_seconds": Family("histogram", "A finished request's decode time over its output tokens after the first "
+                                                    "(its longest choice's)."),
+    "request_prompt_tokens": Family("histogram", "Prompt tokens of each finished request."),
+    "request_generation_tokens": Family("histogram", "Tokens generated for each finished request (all its choices)."),
+    "request_params_n": Family("histogram", "Choices (n) of each finished request."),
+    "prompt_tokens": Family("counter", "Prompt tokens processed."),
+    "generation_tokens": Family("counter", "Tokens generated."),
+    "request_success": Family("counter", "Finished requests by finish reason: stop, length, abort, error.", ("finished_reason",)),
+    "prefix_cache_queries": Family("counter", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": Family("counter", "Prompt tokens found in the prefix cache."),
+    "num_preemptions": Family("counter", "Requests preempted (recomputed) for lack of KV blocks."),
+    **{"spec_decode_" + name: family for name, family in _spec(" Speculative decoding, when on.").items()},
+    **{"spec_decode_lookup_" + name: family for name, family in _spec(" Of them (spec_decode_*), looked-up proposals' "
+                                                                      "(--speculative-lookup; the rest are the model's).").items()},
+    "kv_host_tier_hit_blocks": Family("counter", "KV blocks copied back from the host tier (--kv-host-offload-size) instead of computed."),
+    "kv_host_tier_miss_blocks": Family("counter", "Lookups whose chain the host tier did not hold to its end (one per lookup)."),
+    "kv_host_tier_loaded_bytes": Family("counter", "Bytes of K/V copied back from the host tier."),
+    "kv_host_tier_saved_blocks": Family("counter", "KV blocks copied into the host tier."),
+    "kv_host_tier_saved_bytes": Family("counter", "Bytes copied into the host tier."),
+    "kv_host_tier_evicted_blocks": Family("counter", "Host tier blocks dropped to stay within kv_host_offload_size."),
+    "kv_host_tier_bytes": Family("gauge", "Bytes of K/V the host tier holds."),
+    "kv_offload_hit_blocks": Family("counter", "KV blocks read back from the disk tier (--kv-offload-dir) instead of computed."),
+    "kv_offload_miss_blocks": Family("counter", "Prompt blocks past the prefix cache's hits that the disk tier did not have (or refused)."),
+    "kv_offload_refused_files": Family("counter", "Disk tier files refused on read: torn, corrupted, foreign or another block's."),
+    "kv_offload_loaded_bytes": Family("counter", "Bytes of K/V read from the disk tier."),
+    "kv_offload_saved_blocks": Family("counter", "KV blocks written to the disk tier."),
+    "kv_offload_saved_bytes": Family("counter", "Bytes written to the disk tier."),
+    "kv_offload_dropped_saves": Family("counter", "Blocks not saved: the disk tier's writer was too far behind."),
+    "kv_offload_evicted_files": Family("counter", "Disk tier files removed to keep it within kv_offload_size."),
+    "kv_offload_load_seconds": Family("counter", "Seconds spent reading and verifying disk tier files."),
+    "kv_offload_save_seconds": Family("counter", "Seconds spent writing disk tier files."),
+    "kv_offload_bytes": Family("gauge", "Bytes of the disk tier's files this engine knows of."),
+    "kv_transfer_held_transfers": Family("counter", "Prefill engines (--kv-role prefill): prefill requests whose prompt blocks were held "
+                                         "for a decode engine."),
+    "kv_transfer_sent_blocks": Family("counter", "KV blocks a decode engine pulled from this one."),
+    "kv_transfer_sent_bytes": Family("counter", "Bytes of K/V pulled from this engine."),
+    "kv_transfer_expired_transfers": Family("counter", "Holds released unpulled after kv_transfer_timeout."),
+    "kv_transfer_held_blocks": Family("gauge", "KV blocks held now for decode engines' pulls."),
+    "kv_transfer_pulled_blocks": Family("counter", "Decode engines (--kv-role decode): KV blocks pulled from prefill engines instead of "
+                                        "computed."),
+    "kv_transfer_pulled_bytes": Family("counter", "Bytes of K/V pulled from prefill engines."),
+    "kv_transfer_failed_pulls": Family("counter", "Pulls that gave fewer blocks than asked for (the rest computed here)."),
+    "kv_transfer_pull_seconds": Family("counter", "Seconds pulls took, from asking to the blocks' arrival."),
+    "lora_requests_info": Family("gauge", "LoRA adapters of the running and waiting requests (labels, comma-separated) and the most "
+                                 "adapters a step runs; the value is when it was read (vLLM's).",
+                                 ("running_lora_adapters", "waiting_lora_adapters", "max_lora")),
+    "lora_requests": Family("counter", "Requests run with each loaded LoRA adapter.", ("adapter",)),
+    "structured_output_requests": Family("counter", "Requests with a structured-output constraint, by kind: json, json_object, regex, "
+                                         "choice, grammar, tool_calls.", ("kind",)),
+    "structured_output_compile_seconds": Family("histogram", "Time to compile a structured-output constraint (cache misses)."),
+    "structured_output_grammar_cache_hits": Family("counter", "Structured-output constraints found compiled in the grammar cache."),
+    "engine_start_time_seconds": Family("gauge", "When the engine process started (Unix time): where its start-up phases begin."),
+    "engine_startup_phase_seconds": Family("gauge", "Seconds of each start-up phase: import (process start to the engine's construction), "
+                                           "load (weights, KV cache), warmup (decode graphs, grammar compiler), listen (HTTP server up).",
+                                           ("phase",)),
+}
+
+
+def metrics_markdown() -> str:
+    """docs/observability.md's table of the kvpilot: families (a test keeps it current)."""
+    rows = ["| metric | kind | labels (beyond `model_name`) | meaning |", "|---|---|---|---|"]
+    for name, family in FAMILIES.items():
+        total = "_total" if family.kind == "counter" else ""
+        labels = ", ".join(f"`{label}`" for label in family.labels)
+        rows.append(f"| `{P}{name}{total}` | {family.kind} | {labels} | {family.help.replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+def _family(kind, name: str):
+    """An empty metric family of FAMILIES[name] (labels: model_name and the family's own)."""
+    family = FAMILIES[name]
+    return kind(P + name, family.help, labels=["model_name", *family.labels])
+
+
 def token_count_buckets(max_model_len: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, … up to max_model_len (vLLM's request-size buckets)."""
     out, scale = [], 1
@@ -58,13 +164,9 @@ def token_count_buckets(max_model_len: int) -> list[int]:
 
 def vllm_names_markdown() -> str:
     """docs/observability.md's list of the families exported under vLLM's names (a test keeps it current)."""
-    kinds = {"num_requests_running": "gauge", "num_requests_waiting": "gauge", "kv_cache_usage_perc": "gauge", "lora_requests_info": "gauge",
-             "cache_config_info": "gauge"}
-    counters = {"prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "num_preemptions", "request_success",
-                "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos"}
     rows = []
     for name in VLLM_ALIASED:
-        kind = kinds.get(name) or ("counter" if name in counters else "histogram")
+        kind = FAMILIES[name].kind
         total = "_total" if kind == "counter" else ""
         older = f" (also `vllm:{VLLM_OLDER_NAMES[name]}`, vLLM's older name)" if name in VLLM_OLDER_NAMES else ""
         rows.append(f"- `vllm:{name}{total}`: {kind}, = `kvpilot:{name}{total}`{older}")
@@ -78,115 +180,75 @@ class EngineCollector:
     def __init__(self, engine: LLMEngine, model_name: str, pending: callable = lambda: 0):
         self.engine, self.model_name, self.pending = engine, model_name, pending
 
-    def _counter(self, name: str, doc: str, value) -> CounterMetricFamily:
-        c = CounterMetricFamily(P + name, doc, labels=["model_name"])
-        c.add_metric([self.model_name], value)
-        return c
+    def _one(self, kind, name: str, value, *labels: str):
+        family = _family(kind, name)
+        family.add_metric([self.model_name, *labels], value)
+        return family
 
-    def _spec_decode(self, prefix: str, spec, of: str):
-        def counter(name, doc, value):
-            return self._counter(prefix + name, doc + of, value)
-
-        yield counter("num_drafts", "Proposals verified (one per sequence and step that speculated).", spec.num_drafts)
-        yield counter("num_draft_tokens", "Tokens proposed.", spec.num_draft_tokens)
-        yield counter("num_accepted_tokens", "Proposed tokens accepted.", spec.num_accepted_tokens)
-        per_pos = CounterMetricFamily(P + prefix + "num_accepted_tokens_per_pos", "Proposals whose token at this position was accepted." + of,
-                                      labels=["model_name", "position"])
+    def _spec_decode(self, prefix: str, spec):
+        yield self._one(CounterMetricFamily, prefix + "num_drafts", spec.num_drafts)
+        yield self._one(CounterMetricFamily, prefix + "num_draft_tokens", spec.num_draft_tokens)
+        yield self._one(CounterMetricFamily, prefix + "num_accepted_tokens", spec.num_accepted_tokens)
+        per_pos = _family(CounterMetricFamily, prefix + "num_accepted_tokens_per_pos")
         for position, count in enumerate(spec.accepted_per_pos):
             per_pos.add_metric([self.model_name, str(position)], count)
         yield per_pos
 
     def collect(self):
         s = self.engine.stats()
-        labels = [self.model_name]
+        gauge = lambda name, value: self._one(GaugeMetricFamily, name, value)  # noqa: E731
+        counter = lambda name, value: self._one(CounterMetricFamily, name, value)  # noqa: E731
 
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
-            g.add_metric(labels, value)
-            return g
-
-        counter = self._counter
-
-        yield gauge("kv_cache_usage_perc", "KV-cache blocks held by live requests, 0-1 (evictable prefix-cache blocks count as free).", s.kv_cache_usage)
+        yield gauge("kv_cache_usage_perc", s.kv_cache_usage)
         c = self.engine.config
-        cache = {"block_size": str(c.block_size), "num_gpu_blocks": str(s.num_blocks), "cache_dtype": c.kv_cache_dtype,
-                 "enable_prefix_caching": str(c.enable_prefix_caching), "gpu_memory_utilization": str(c.gpu_memory_utilization)}
-        info = GaugeMetricFamily(P + "cache_config_info", "The KV cache's configuration, in the labels (num_gpu_blocks: the blocks of the "
-                                 "cache, on whatever device; the Gateway API Inference Extension reads block_size and num_gpu_blocks).",
-                                 labels=list(cache))
-        info.add_metric(list(cache.values()), 1)
-        yield info
-        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting + self.pending())
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
-        yield counter("num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.", s.num_preemptions)
+        yield self._one(GaugeMetricFamily, "cache_config_info", 1, str(c.block_size), str(s.num_blocks), c.kv_cache_dtype,
+                        str(c.enable_prefix_caching), str(c.gpu_memory_utilization))
+        yield gauge("num_requests_running", s.num_running)
+        yield gauge("num_requests_waiting", s.num_waiting + self.pending())
+        yield counter("prefix_cache_queries", s.prefix_cache_queries)
+        yield counter("prefix_cache_hits", s.prefix_cache_hits)
+        yield counter("num_preemptions", s.num_preemptions)
         if self.engine.proposer is not None:  # vLLM's speculative-decoding counters, under our prefix
             spec = self.engine.proposer.stats
-            yield from self._spec_decode("spec_decode_", spec, "")
+            yield from self._spec_decode("spec_decode_", spec)
             if spec.lookup is not None:  # --speculative-lookup: the looked-up proposals' share of them
-                yield from self._spec_decode("spec_decode_lookup_", spec.lookup, " Of them, looked-up proposals' (the rest are the model's).")
+                yield from self._spec_decode("spec_decode_lookup_", spec.lookup)
         tiers = self.engine.kv_tiers
         host = tiers.host if tiers is not None else None
         if host is not None:  # the host tier (kv_tiers.py)
             h = host.stats
-            yield counter("kv_host_tier_hit_blocks", "KV blocks copied back from the host tier instead of computed.", h.hit_blocks)
-            yield counter("kv_host_tier_miss_blocks", "Lookups whose chain the host tier did not hold to its end (one per lookup).", h.miss_blocks)
-            yield counter("kv_host_tier_loaded_bytes", "Bytes of K/V copied back from the host tier.", h.loaded_bytes)
-            yield counter("kv_host_tier_saved_blocks", "KV blocks copied into the host tier.", h.saved_blocks)
-            yield counter("kv_host_tier_saved_bytes", "Bytes copied into the host tier.", h.saved_bytes)
-            yield counter("kv_host_tier_evicted_blocks", "Host tier blocks dropped to stay within kv_host_offload_size.", h.evicted_blocks)
-            yield gauge("kv_host_tier_bytes", "Bytes of K/V the host tier holds.", host.total_bytes())
+            for name in ("hit_blocks", "miss_blocks", "loaded_bytes", "saved_blocks", "saved_bytes", "evicted_blocks"):
+                yield counter("kv_host_tier_" + name, getattr(h, name))
+            yield gauge("kv_host_tier_bytes", host.total_bytes())
         sender, receiver = self.engine.kv_sender, self.engine.kv_receiver
         if sender is not None:  # prefill/decode disaggregation (kv_transfer.py), the prefill side
-            x = sender.stats
-            yield counter("kv_transfer_held_transfers", "Prefill requests whose prompt blocks were held for a decode engine.", x.held_transfers)
-            yield counter("kv_transfer_sent_blocks", "KV blocks a decode engine pulled from this one.", x.sent_blocks)
-            yield counter("kv_transfer_sent_bytes", "Bytes of K/V pulled from this engine.", x.sent_bytes)
-            yield counter("kv_transfer_expired_transfers", "Holds released unpulled after kv_transfer_timeout.", x.expired_transfers)
-            yield gauge("kv_transfer_held_blocks", "KV blocks held now for decode engines' pulls.", sender.num_held_blocks())
+            for name in ("held_transfers", "sent_blocks", "sent_bytes", "expired_transfers"):
+                yield counter("kv_transfer_" + name, getattr(sender.stats, name))
+            yield gauge("kv_transfer_held_blocks", sender.num_held_blocks())
         if receiver is not None:  # the decode side
-            x = receiver.stats
-            yield counter("kv_transfer_pulled_blocks", "KV blocks pulled from prefill engines instead of computed.", x.pulled_blocks)
-            yield counter("kv_transfer_pulled_bytes", "Bytes of K/V pulled from prefill engines.", x.pulled_bytes)
-            yield counter("kv_transfer_failed_pulls", "Pulls that gave fewer blocks than asked for (the rest computed here).", x.failed_pulls)
-            yield counter("kv_transfer_pull_seconds", "Seconds pulls took, from asking to the blocks' arrival.", x.pull_seconds)
+            for name in ("pulled_blocks", "pulled_bytes", "failed_pulls", "pull_seconds"):
+                yield counter("kv_transfer_" + name, getattr(receiver.stats, name))
         tier = tiers.disk if tiers is not None else None
         if tier is not None:  # the disk tier (kv_tiers.py)
-            t = tier.stats
-            yield counter("kv_offload_hit_blocks", "KV blocks read back from the disk tier instead of computed.", t.hit_blocks)
-            yield counter("kv_offload_miss_blocks", "Prompt blocks past the prefix cache's hits that the disk tier did not have (or refused).",
-                          t.miss_blocks)
-            yield counter("kv_offload_refused_files", "Disk tier files refused on read: torn, corrupted, foreign or another block's.",
-                          t.refused_files)
-            yield counter("kv_offload_loaded_bytes", "Bytes of K/V read from the disk tier.", t.loaded_bytes)
-            yield counter("kv_offload_saved_blocks", "KV blocks written to the disk tier.", t.saved_blocks)
-            yield counter("kv_offload_saved_bytes", "Bytes written to the disk tier.", t.saved_bytes)
-            yield counter("kv_offload_dropped_saves", "Blocks not saved: the disk tier's writer was too far behind.", t.dropped_saves)
-            yield counter("kv_offload_evicted_files", "Disk tier files removed to keep it within kv_offload_size.", t.evicted_files)
-            yield counter("kv_offload_load_seconds", "Seconds spent reading and verifying disk tier files.", t.load_seconds)
-            yield counter("kv_offload_save_seconds", "Seconds spent writing disk tier files.", t.save_seconds)
-            yield gauge("kv_offload_bytes", "Bytes of the disk tier's files this engine knows of.", tier.total_bytes())
+            for name in ("hit_blocks", "miss_blocks", "refused_files", "loaded_bytes", "saved_blocks", "saved_bytes", "dropped_saves",
+                         "evicted_files", "load_seconds", "save_seconds"):
+                yield counter("kv_offload_" + name, getattr(tier.stats, name))
+            yield gauge("kv_offload_bytes", tier.total_bytes())
         lora = self.engine.lora
         if lora is not None:  # vLLM's lora_requests_info: the adapters of running and waiting requests in its labels, a timestamp as its value
-            names = lambda seqs: ",".join(sorted({lora.by_id[s.adapter].name for s in list(seqs) if s.adapter in lora.by_id}))
-            info = GaugeMetricFamily(P + "lora_requests_info", "LoRA adapters of the running and waiting requests (labels); the value is when "
-                                     "it was read.", labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-            info.add_metric([self.model_name, names(self.engine.scheduler.running), names(self.engine.scheduler.waiting), str(lora.max_loras)],
-                            time.time())
-            yield info
-            per_adapter = CounterMetricFamily(P + "lora_requests", "Requests run with each loaded LoRA adapter.", labels=["model_name", "adapter"])
+            names = lambda seqs: ",".join(sorted({lora.by_id[s.adapter].name for s in list(seqs) if s.adapter in lora.by_id}))  # noqa: E731
+            yield self._one(GaugeMetricFamily, "lora_requests_info", time.time(), names(self.engine.scheduler.running),
+                            names(self.engine.scheduler.waiting), str(lora.max_loras))
+            per_adapter = _family(CounterMetricFamily, "lora_requests")
             for adapter in list(lora.by_name.values()):
                 per_adapter.add_metric([self.model_name, adapter.name], adapter.requests)
             yield per_adapter
         grammars = self.engine.grammars
-        by_kind = CounterMetricFamily(P + "structured_output_requests", "Requests with a structured-output constraint, by kind.",
-                                      labels=["model_name", "kind"])
+        by_kind = _family(CounterMetricFamily, "structured_output_requests")
         for kind in STRUCTURED_KINDS:
             by_kind.add_metric([self.model_name, kind], grammars.requests_by_kind.get(kind, 0))
         yield by_kind
-        yield counter("structured_output_grammar_cache_hits", "Structured-output constraints found compiled in the grammar cache.",
-                      grammars.cache_hits)
+        yield counter("structured_output_grammar_cache_hits", grammars.cache_hits)
 
 
 class StartupCollector:
@@ -196,13 +258,10 @@ class StartupCollector:
         self.model_name = model_name
 
     def collect(self):
-        start = GaugeMetricFamily(P + "engine_start_time_seconds", "When the engine process started (Unix time): where its start-up phases "
-                                  "begin.", labels=["model_name"])
+        start = _family(GaugeMetricFamily, "engine_start_time_seconds")
         start.add_metric([self.model_name], startup.process_start_time())
         yield start
-        phases = GaugeMetricFamily(P + "engine_startup_phase_seconds", "Seconds of each start-up phase: import (process start to the engine's "
-                                   "construction), load (weights, KV cache), warmup (decode graphs, grammar compiler), listen (HTTP server up).",
-                                   labels=["model_name", "phase"])
+        phases = _family(GaugeMetricFamily, "engine_startup_phase_seconds")
         for phase, seconds in startup.phases().items():
             phases.add_metric([self.model_name, phase], seconds)
         yield phases
@@ -254,34 +313,31 @@ class EngineMetrics:
         own.register(StartupCollector(model_name))
         own.register(self.core or EngineCollector(engine, model_name, pending))
         kw = dict(labelnames=["model_name"], registry=own)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", **kw).labels(model_name)
-        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", **kw).labels(model_name)
-        self.success = Counter(P + "request_success", "Finished requests by finish reason.",
-                               labelnames=["model_name", "finished_reason"], registry=own)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token.", buckets=TTFT_BUCKETS, **kw).labels(model_name)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive output tokens.", buckets=TOKEN_LATENCY_BUCKETS,
-                             **kw).labels(model_name)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to finish.", buckets=REQUEST_LATENCY_BUCKETS, **kw).labels(model_name)
-        self.queue_time = Histogram(P + "request_queue_time_seconds", "Arrival to first scheduling.", buckets=REQUEST_LATENCY_BUCKETS,
-                                    **kw).labels(model_name)
+
+        def counter(name: str):
+            return Counter(P + name, FAMILIES[name].help, **kw).labels(model_name)
+
+        def histogram(name: str, buckets):
+            return Histogram(P + name, FAMILIES[name].help, buckets=buckets, **kw).labels(model_name)
+
+        self.prompt_tokens = counter("prompt_tokens")
+        self.generation_tokens = counter("generation_tokens")
+        self.success = Counter(P + "request_success", FAMILIES["request_success"].help, labelnames=["model_name", "finished_reason"], registry=own)
+        self.ttft = histogram("time_to_first_token_seconds", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", REQUEST_LATENCY_BUCKETS)
         # A finished request's phases (vLLM's): prefill = first scheduling to first token, decode = first token to finish,
         # inference = both; time per output token = decode over the tokens after the first.
-        self.prefill_time = Histogram(P + "request_prefill_time_seconds", "First scheduling to first token (finished requests).",
-                                      buckets=REQUEST_LATENCY_BUCKETS, **kw).labels(model_name)
-        self.decode_time = Histogram(P + "request_decode_time_seconds", "First token to finish (finished requests).",
-                                     buckets=REQUEST_LATENCY_BUCKETS, **kw).labels(model_name)
-        self.inference_time = Histogram(P + "request_inference_time_seconds", "First scheduling to finish (finished requests).",
-                                        buckets=REQUEST_LATENCY_BUCKETS, **kw).labels(model_name)
-        self.tpot = Histogram(P + "request_time_per_output_token_seconds", "A finished request's decode time over its output tokens after "
-                              "the first.", buckets=TOKEN_LATENCY_BUCKETS, **kw).labels(model_name)
+        self.prefill_time = histogram("request_prefill_time_seconds", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", REQUEST_LATENCY_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds", TOKEN_LATENCY_BUCKETS)
         sizes = token_count_buckets(max_model_len)
-        self.request_prompt_tokens = Histogram(P + "request_prompt_tokens", "Prompt tokens of each finished request.", buckets=sizes,
-                                               **kw).labels(model_name)
-        self.request_generation_tokens = Histogram(P + "request_generation_tokens", "Tokens generated for each finished request (all its "
-                                                   "choices).", buckets=sizes, **kw).labels(model_name)
-        self.request_n = Histogram(P + "request_params_n", "Choices (n) of each finished request.", buckets=N_BUCKETS, **kw).labels(model_name)
-        self.grammar_compile = Histogram(P + "structured_output_compile_seconds", "Time to compile a structured-output constraint "
-                                         "(cache misses).", buckets=COMPILE_BUCKETS, **kw).labels(model_name)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", sizes)
+        self.request_generation_tokens = histogram("request_generation_tokens", sizes)
+        self.request_n = histogram("request_params_n", N_BUCKETS)
+        self.grammar_compile = histogram("structured_output_compile_seconds", COMPILE_BUCKETS)
         if engine is not None:
             engine.grammars.observe_compile = self.grammar_compile.observe
         self._seen: dict[str, tuple[int, float]] = {}  # request id -> (output tokens so far, time of last token)
