@@ -129,11 +129,12 @@ def test_cached_prompt_tokens_are_counted_once_and_never_past_the_prompt():
     """usage.prompt_tokens_details.cached_tokens: a preempted sequence's re-admission finds its own
     output cached too (it reported more cached tokens than its prompt had)."""
     seq = Sequence(0, "r", 0, list(range(40)), SamplingParams())
-    seq.record_cached_prompt(64)
-    assert seq.num_cached_tokens == 40
+    seq.record_cached_prompt(16, "device")
+    seq.record_cached_prompt(48, "host")  # read from a tier after the in-memory hits
+    assert seq.num_cached_tokens == 40 and seq.cached_sources == {"device": 16, "host": 24}
     seq.num_preemptions = 1
-    seq.record_cached_prompt(16)
-    assert seq.num_cached_tokens == 40
+    seq.record_cached_prompt(16, "device")
+    assert seq.num_cached_tokens == 40 and seq.cached_sources == {"device": 16, "host": 24}
 
 
 # --- one worker per rank, built from the Step message (issue #62) ------------------------------------

@@ -47,7 +47,9 @@ class Subscriber:
             kind = event["type"]
             self.kinds.append(kind)
             if kind == "BlockStored":
-                assert set(event) == {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"}
+                assert set(event) == {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                                      "extra_keys", "group_idx", "kv_cache_spec_kind"}
+                assert event["extra_keys"] == [None] * len(event["block_hashes"]) and event["group_idx"] == 0
                 assert event["block_size"] == BLOCK and len(event["token_ids"]) == BLOCK * len(event["block_hashes"])
                 parent = event["parent_block_hash"]
                 for i, h in enumerate(event["block_hashes"]):
@@ -180,9 +182,11 @@ def test_an_adapters_blocks_carry_its_id_and_name_and_a_run_breaks_at_a_block_ca
     keys = one.block_hashes + two.block_hashes[2:]
     assert events == [
         {"type": "BlockStored", "block_hashes": [external(k) for k in one.block_hashes], "parent_block_hash": None,
-         "token_ids": list(range(8)), "block_size": 4, "lora_id": 3, "medium": "GPU", "lora_name": "sql-adapter"},
+         "token_ids": list(range(8)), "block_size": 4, "lora_id": 3, "medium": "GPU", "lora_name": "sql-adapter",
+         "extra_keys": [["sql-adapter"], ["sql-adapter"]], "group_idx": 0, "kv_cache_spec_kind": "full_attention"},
         {"type": "BlockStored", "block_hashes": [external(keys[2])], "parent_block_hash": external(keys[1]),
-         "token_ids": [50, 51, 52, 53], "block_size": 4, "lora_id": 3, "medium": "GPU", "lora_name": "sql-adapter"}]
+         "token_ids": [50, 51, 52, 53], "block_size": 4, "lora_id": 3, "medium": "GPU", "lora_name": "sql-adapter",
+         "extra_keys": [["sql-adapter"]], "group_idx": 0, "kv_cache_spec_kind": "full_attention"}]
     assert bm.reset_prefix_cache() == 3 and [type(e).__name__ for e in recorder.take()] == ["AllBlocksCleared"]
 
 

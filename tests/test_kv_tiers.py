@@ -212,7 +212,7 @@ def test_three_ranks_save_and_read_back_their_shards(tmp_path, reference):
 def test_host_tier_hits_equal_plain_decoding_set_by_kv_transfer_config(tmp_path, reference):
     """Both tiers from vLLM's JSON: after eviction from the engine's cache a prompt comes back from the
     host tier (nothing read from disk); a restarted engine has an empty host tier and reads the disk."""
-    from kvpilot.server import LLM
+    from kvpilot.server import LLM, SamplingParams
     from kvpilot.server.api.metrics import EngineCollector
 
     transfer = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -224,16 +224,21 @@ def test_host_tier_hits_equal_plain_decoding_set_by_kv_transfer_config(tmp_path,
     assert [greedy(llm, [p])[0] for p in PROMPTS] == reference
     llm.engine.kv_tiers.drain()
     assert llm.engine.block_manager.match_prefix(_seq(llm, PROMPTS[0])) == []
-    assert greedy(llm, [PROMPTS[0]]) == reference[:1]
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == reference[0]
     prompt_blocks = (len(llm.engine.tokenizer.encode(PROMPTS[0])) - 1) // BLOCK
     assert host.stats.hit_blocks == prompt_blocks and disk.stats.hit_blocks == 0, (host.stats, disk.stats)
+    assert out.metrics.cached_sources == {"host": prompt_blocks * BLOCK} and out.num_cached_tokens == prompt_blocks * BLOCK  # (#70's by-source counts)
     samples = {s.name: s.value for family in EngineCollector(llm.engine, "m").collect() for s in family.samples}
     assert samples["kvpilot:kv_host_tier_hit_blocks_total"] == prompt_blocks
     assert samples["kvpilot:kv_host_tier_bytes"] == host.total_bytes() == host.stats.saved_bytes > 0
+    assert samples["kvpilot:external_prefix_cache_hits_total"] == prompt_blocks * BLOCK <= samples["kvpilot:external_prefix_cache_queries_total"]
 
     restarted = make()
-    assert greedy(restarted, [PROMPTS[1]]) == reference[1:2]
+    out = restarted.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == reference[1]
     assert restarted.engine.kv_tiers.host.stats.hit_blocks == 0 and restarted.engine.kv_tiers.disk.stats.hit_blocks == prompt_blocks
+    assert out.metrics.cached_sources == {"disk": prompt_blocks * BLOCK}
 
 
 def test_a_lookup_takes_the_host_tiers_part_of_a_chain_then_the_disks(tmp_path):

@@ -91,6 +91,7 @@ def test_prefill_then_decode_equals_the_aggregated_engine_one_and_batched(prefil
     pulled = prompt_blocks(decode, PROMPTS[0])
     # the decode side computed only the prompt's tail: a side that recomputed would have pulled nothing
     assert decode.engine.kv_receiver.stats.pulled_blocks == pulled and out.num_cached_tokens == pulled * BLOCK
+    assert out.metrics.cached_sources == {"p2p": pulled * BLOCK}  # (#70: prompt_tokens_cached_by_source)
     # a batch of two more
     sent = prefilled(prefill, PROMPTS[1:])
     outs = decode.generate(PROMPTS[1:], [params(kv_transfer=KVTransferParams.from_dict(p)) for p in sent])

@@ -97,6 +97,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(QueueFullError)
     async def _full(request: Request, e: QueueFullError):
+        state.metrics.queue_full.inc()
         return errors.error_response(429, f"server overloaded: {e}; retry later", code="queue_full", headers={"Retry-After": "1"})
 
     @app.exception_handler(EngineDeadError)

@@ -148,7 +148,7 @@ class BlockManager:
             seq.block_hashes.append(block.hash)
         if cached:
             seq.num_computed_tokens = len(cached) * self.block_size
-            seq.record_cached_prompt(seq.num_computed_tokens)
+            seq.record_cached_prompt(seq.num_computed_tokens, "device")
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         for _ in range(need):
             seq.block_table.append(self._take_fresh())

@@ -4,8 +4,9 @@
 What goes out is what vLLM 0.32 publishes (vllm/distributed/kv_events.py, read, not copied): one
 msgpack message per batch, `[ts, [event, ...], data_parallel_rank]` (the batch is an array), each event
 a map tagged by `type` — `BlockStored` (block_hashes, parent_block_hash, token_ids, block_size,
-lora_id, medium, lora_name), `BlockRemoved` (block_hashes, medium), `AllBlocksCleared` — with fields
-that have defaults left out when unset. A block hash is the low 64 bits of its key, big-endian and
+lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind), `BlockRemoved` (block_hashes,
+medium), `AllBlocksCleared` — with fields that have defaults left out when unset (checked against vLLM's
+own events for the same requests: bench/vllm_contract.py). A block hash is the low 64 bits of its key, big-endian and
 unsigned (vLLM's default, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1); a first block's parent is nil. The
 medium says where the block is: "GPU" for the engine's KV cache (whatever the device: the name routers
 expect for it), "CPU" for the host tier, "STORAGE" for the disk tier.
@@ -61,6 +62,9 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None  # per block: what its key depends on beyond tokens and parent (vLLM: the LoRA name, …)
+    group_idx: int | None = None                            # the KV-cache group (one here: every layer attends to all of its context)
+    kv_cache_spec_kind: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -92,9 +96,10 @@ class KVEventRecorder:
     def stored(self, keys: list[bytes], parent: bytes | None, token_ids: list[int], adapter: int = 0, medium: str = MEDIUM_DEVICE) -> None:
         """Consecutive blocks of one chain joined `medium`; parent: the key before the first (None or a root: it is a first block)."""
         first = parent is None or self.is_root(parent)
+        lora_name = self.lora_name(adapter) if adapter else None
         self._events.append(BlockStored([external_hash(k) for k in keys], None if first else external_hash(parent),
-                                        list(token_ids), self.block_size, adapter or None, medium,
-                                        self.lora_name(adapter) if adapter else None))
+                                        list(token_ids), self.block_size, adapter or None, medium, lora_name,
+                                        [(lora_name,) if lora_name else None] * len(keys), 0, "full_attention"))
 
     def removed(self, keys: list[bytes], medium: str = MEDIUM_DEVICE) -> None:
         self._events.append(BlockRemoved([external_hash(k) for k in keys], medium))

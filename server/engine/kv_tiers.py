@@ -102,6 +102,8 @@ class BlockLoad:
     payloads: list[list[bytes | memoryview]] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
     num_read: int = 0                  # of keys, read (or refused) so far
+    num_host: int = 0                  # leading payloads from the host tier (the rest from `source`)
+    source: str = "disk"               # where the others come from: disk, p2p (a prefill engine)
 
 
 class DiskTier:
@@ -606,10 +608,11 @@ class KVTiers:
         if self.disk is not None and rest:
             load = self.disk.lookup(parent, rest, first_index, shards)
             if load is not None:
+                load.num_host = len(found)
                 return load
         if not found:
             return None
-        load = BlockLoad(first_index, parent, [], [], shards)
+        load = BlockLoad(first_index, parent, [], [], shards, num_host=len(found))
         load.done.set()
         return load
 

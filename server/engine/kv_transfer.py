@@ -227,7 +227,7 @@ class KVReceiver:
         for chunk in chunks:
             parent_key = keys[-1] if keys else parent
             keys.append(block_hash(parent_key, chunk))
-        load = BlockLoad(first_index, parent, keys, [tuple(c) for c in chunks])
+        load = BlockLoad(first_index, parent, keys, [tuple(c) for c in chunks], source="p2p")
         self._pulls.put(_Pull(params, load))
         return load
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import importlib.metadata
 import itertools
 import logging
@@ -39,6 +40,8 @@ BLOCK_WRITE_BYTES_PER_STEP = 16 << 20
 # Beside running sequences, reading a KV tier's files takes this share of the time of the step before,
 # between steps (kv_tiers.DiskTier.read).
 TIER_READ_SHARE = 0.1
+# vLLM's buckets of tokens scheduled per step (its vllm:iteration_tokens_total).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # A constraint's masks may cost the first MASK_ALLOWANCE_S of a request (the library builds lexer states
 # as it meets them; the first mask's were built at compile), then --structured-outputs-max-mask-ms a
 # mask on average (structured.py's fill_masks times them once a step's masks are slow).
@@ -55,6 +58,11 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    external_prefix_cache_queries: int    # prompt tokens looked up in the KV tiers or at a prefill engine, past the in-memory hits
+    external_prefix_cache_hits: int       # of them, read or pulled instead of computed
+    num_waiting_deferred: int             # waiting sequences held back by something other than capacity (a tier read, the LoRA slots)
+    step_tokens: list[int]                # steps by tokens scheduled, per ITERATION_TOKEN_BUCKETS bucket (the last: above them all)
+    step_tokens_sum: int
 
 
 def _weakly(method):
@@ -108,6 +116,8 @@ class LLMEngine:
         self.kv_events, self.kv_event_publisher = self._kv_events()
         self.kv_tiers = self._kv_tiers()
         self._step_seconds = 0.0  # the last step's time (a tier read's slice is a share of it)
+        self._step_tokens, self._step_tokens_sum = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1), 0
+        self._external_queries = 0  # prompt tokens looked up past the in-memory hits (tiers, a prefill engine)
         self._rank_saves: list = []  # tensor parallelism: blocks whose shards the other ranks are to save (after the scheduler's update)
         self.lora = self._lora_registry()
         self.block_manager = BlockManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
@@ -313,6 +323,7 @@ class LLMEngine:
             return None
         parent = bm.blocks[cached[-1]].hash if cached else bm.root(seq)
         chunks = [tuple(tokens[i * size:(i + 1) * size]) for i in range(len(cached), usable)]
+        self._external_queries += len(chunks) * size
         transfer = seq.params.kv_transfer
         if transfer is not None and transfer.do_remote_prefill and self.kv_receiver is not None:
             return self.kv_receiver.pull(transfer, parent, chunks, len(cached))
@@ -520,6 +531,10 @@ class LLMEngine:
         if self.lora is not None and len(self.lora.by_id) > len(self.lora.by_name):  # an unloaded adapter may be done with
             self.lora.release_unused(self._adapters_in_use())
         batch = self.scheduler.schedule()
+        if batch:
+            tokens = sum(batch.num_new_tokens)
+            self._step_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+            self._step_tokens_sum += tokens
         if batch.kv_loads and not batch:  # only blocks read from a tier to write (their sequences compute later)
             self._write_loaded(batch)
         self.output.scheduled(batch.seqs, time.monotonic())
@@ -720,9 +735,10 @@ class LLMEngine:
         return self.workers.describe(own) if self.workers is not None else [own]
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.usage(), bm.num_blocks, bm.num_free_blocks,
-                           bm.prefix_queries, bm.prefix_hits, self.scheduler.num_preemptions)
+        bm, scheduler = self.block_manager, self.scheduler
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), bm.usage(), bm.num_blocks, bm.num_free_blocks,
+                           bm.prefix_queries, bm.prefix_hits, scheduler.num_preemptions, self._external_queries, scheduler.external_hit_tokens,
+                           scheduler.num_deferred(), list(self._step_tokens), self._step_tokens_sum)
 
 
 @dataclass(slots=True)

@@ -141,7 +141,8 @@ class OutputProcessor:
         first = req.seqs[0]
         metrics = RequestMetrics(req.arrival_time, req.scheduled_time, min((o.first_token_time for o in req.outputs if o.first_token_time), default=None),
                                  max((o.finish_time or 0 for o in req.outputs), default=None) if finished else None,
-                                 first.num_cached_tokens, sum(s.num_preemptions for s in req.seqs))
+                                 first.num_cached_tokens, sum(s.num_preemptions for s in req.seqs), dict(first.cached_sources),
+                                 first.params.max_tokens)
         prompt_lp = None
         if first.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:  # a delta comes once the prompt is done
             prompt_lp, req.prompt_logprobs_sent = [None] + list(req.prompt_logprobs), True

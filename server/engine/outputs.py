@@ -30,6 +30,8 @@ class RequestMetrics:
     finish_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    cached_sources: dict[str, int] = field(default_factory=dict)  # the cached prompt tokens by where they were (Sequence.cached_sources)
+    max_tokens: int | None = None        # the request's max_tokens parameter
 
 
 @dataclass(slots=True)

@@ -76,6 +76,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.external_hit_tokens = 0  # prompt tokens read from a KV tier or pulled from a prefill engine at admission
 
     def add(self, seq: Sequence) -> None:
         needed = self.bm.blocks_needed(seq.num_tokens + 1)
@@ -186,7 +187,7 @@ class Scheduler:
                 first = len(cached)
                 seq.kv_writes = list(zip(seq.block_table[first:first + len(loaded)], loaded))
                 seq.num_computed_tokens += len(loaded) * self.bm.block_size
-                seq.record_cached_prompt(seq.num_computed_tokens)
+                self._record_loaded(seq, len(cached or ()), len(loaded))
                 # Alone, it is written at once; beside other sequences a few blocks per step, so that
                 # their steps are not held up by one long copy.
                 alone = not batch.seqs and not self.running
@@ -211,6 +212,24 @@ class Scheduler:
         take = len(seq.kv_writes) if most == 0 else most
         batch.kv_loads += seq.kv_writes[:take]
         del seq.kv_writes[:take]
+
+    def num_deferred(self) -> int:
+        """Waiting sequences held back by something other than room in the batch or the cache: a tier read
+        or pull in flight, a verification in flight, the LoRA slots (vLLM's "deferred" waiting reason)."""
+        adapters = {seq.adapter for seq in self.running} - {0}
+        return sum(1 for seq in list(self.waiting)
+                   if (seq.kv_load is not None and not seq.kv_load.done.is_set()) or seq.num_unsettled
+                   or (seq.adapter and seq.adapter not in adapters and len(adapters) >= self.max_loras))
+
+    def _record_loaded(self, seq: Sequence, num_cached: int, num_loaded: int) -> None:
+        """seq's prompt blocks num_cached… were read from a tier or pulled: counted by where they came from."""
+        load, size = seq.kv_load, self.bm.block_size
+        host = max(0, min(load.first_index + load.num_host, num_cached + num_loaded) - num_cached)
+        if host:
+            seq.record_cached_prompt(host * size, "host")
+        if num_loaded > host:
+            seq.record_cached_prompt((num_loaded - host) * size, load.source)
+        self.external_hit_tokens += num_loaded * size
 
     def _loaded_after(self, seq: Sequence, num_cached: int) -> list[list[bytes]]:
         """The tier's blocks that continue seq's in-memory hits (none when the hits changed so that they

@@ -43,6 +43,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained keys of its full, cached blocks (block_manager.py)
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
     num_cached_tokens: int = 0            # of the prompt, found in the prefix cache at admission
+    cached_sources: dict[str, int] = field(default_factory=dict)  # those tokens by where they were: device, host, disk, p2p
     num_preemptions: int = 0
     guide: Any = None                     # structured outputs: the matcher of its constraint, advanced on each output token
     constraint_key: Any = None            # its constraint's in the grammar cache (refused there if its masks cost too much)
@@ -72,11 +73,14 @@ class Sequence:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    def record_cached_prompt(self, tokens: int) -> None:
-        """Tokens found cached at admission: counted once, at the first (a preempted sequence's own
-        output found cached again is not its prompt's), and never past the prompt."""
+    def record_cached_prompt(self, tokens: int, source: str) -> None:
+        """`tokens` more of the prompt found cached at admission, in the KV cache (device), the host or disk
+        tier, or pulled from a prefill engine (p2p): counted at the first admission only (a preempted
+        sequence's own output found cached again is not its prompt's), and never past the prompt."""
         if self.num_preemptions == 0:
-            self.num_cached_tokens = min(tokens, self.num_prompt_tokens)
+            tokens = min(tokens, self.num_prompt_tokens - self.num_cached_tokens)
+            self.num_cached_tokens += tokens
+            self.cached_sources[source] = self.cached_sources.get(source, 0) + tokens
 
     def length_reached(self, more: int = 0) -> bool:
         """Whether, with `more` tokens after the ones counted now, the output is at its length limit:
