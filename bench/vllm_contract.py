@@ -175,6 +175,7 @@ def main() -> None:
             items = {n: (p if isinstance(p, list) else [p]) for n, p in pair.items()}
             renders[name] = {"status": {n: r.status_code for n, r in got.items()}, "errors": {n: p for n, p in pair.items() if "status" in p},
                              "same_token_ids": all(a.get("token_ids") == b.get("token_ids") for a, b in zip(items["kvpilot"], items["vllm"])),
+                             "token_ids": {n: [item.get("token_ids") for item in its] for n, its in items.items()},
                              "shape_differences": diff_shapes(shape(items["kvpilot"][0]), shape(items["vllm"][0]))}
         report["render"] = renders
 

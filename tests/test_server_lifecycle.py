@@ -35,6 +35,7 @@ def test_overload_gets_429_with_retry_after_and_server_survives(tmp_path, mode):
         m = metrics(s.url)
         assert m["kvpilot:num_requests_waiting"] == 0 and m["kvpilot:kv_cache_usage_perc"] == 0.0
         assert m["kvpilot:request_success_total{finished_reason=length}"] == sum(c == 200 for c in codes)
+        assert m["kvpilot:admission_rejections_total{reason=max_num_queued_reqs}"] == len(rejected)
     finally:
         assert s.terminate() == 0
 

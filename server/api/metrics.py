@@ -39,7 +39,8 @@ VLLM_ALIASED = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_
                 "prompt_tokens_cached_by_source", "admission_rejections")
 # vLLM's older names of the same families, still read by routers and recipes written against vLLM before 0.10.
 VLLM_OLDER_NAMES = {"kv_cache_usage_perc": "gpu_cache_usage_perc"}
-VLLM_ENGINE_LABEL = ("engine", "0")  # vLLM labels every family with its engine index (one engine core here)
+VLLM_ENGINE_LABEL = ("engine", "0")  # vLLM labels every family with its engine index (one engine core here) ...
+VLLM_FRONTEND = ("admission_rejections",)  # ... but its API server's own
 COMPILE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # vLLM's bucket boundaries, so that dashboards and rules written for vLLM read the same le= values.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
@@ -328,10 +329,10 @@ class _WithVllmNames:
             yield family
             if family.name in self.names:
                 name = family.name[len(P):]
+                engine = {} if name in VLLM_FRONTEND else dict([VLLM_ENGINE_LABEL])
                 for vllm_name in (name, *([VLLM_OLDER_NAMES[name]] if name in VLLM_OLDER_NAMES else [])):
                     alias = Metric(VLLM + vllm_name, family.documentation, family.type, family.unit)
-                    alias.samples = [s._replace(name=VLLM + vllm_name + s.name[len(P) + len(name):], labels={**s.labels, VLLM_ENGINE_LABEL[0]:
-                                                                                                              VLLM_ENGINE_LABEL[1]})
+                    alias.samples = [s._replace(name=VLLM + vllm_name + s.name[len(P) + len(name):], labels={**s.labels, **engine})
                                      for s in family.samples]
                     yield alias
 
