@@ -3,7 +3,9 @@
 8 system prompts × 6 users, sent 4 at a time in a seeded order: once through the gateway (prefix
 affinity), once round-robin straight to the same pods (8 other system prompts, so that neither phase
 inherits the other's cache); each set has 2 prompts per pod on the gateway's ring (balanced_prompts). The engines' own prefix-cache counters give each phase's hit rate; the
-gateway's must be at least twice round-robin's, with TTFT p50 no worse."""
+gateway's must be at least twice round-robin's, with TTFT p50 no worse. Then the Responses API through
+the gateway: a three-turn conversation by previous_response_id (each turn back on the pod that stored
+the one before), and after a replica is removed, its stored responses are a 404 naming them."""
 
 from __future__ import annotations
 
@@ -98,6 +100,37 @@ def run_phase(urls, prompts: list[str], seed: int) -> tuple[list[float], dict[st
     return ttfts, served
 
 
+def responses_conversation(gw: str, endpoints: list[str]) -> dict[str, str]:
+    """The Responses API through the gateway (#71): a three-turn conversation by previous_response_id, each
+    turn on the pod that stored the turn before (its input tokens: the whole conversation); then one
+    stored response on every pod. Returns endpoint -> a response id stored there."""
+    from kvpilot.server.response_ids import id_pod_tag, pod_tag
+
+    by_tag = {pod_tag(e.rsplit(":", 1)[0]): e for e in endpoints}
+    previous, tokens = None, 0
+    for text in ("My name is Ada. Say hello.", "What is my name?", "Spell it backwards."):
+        r = httpx.post(f"{gw}/v1/responses", json={"model": "chat", "input": text, "max_output_tokens": 6, "temperature": 0,
+                                                   "previous_response_id": previous}, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert r.headers["x-kvpilot-endpoint"] == by_tag[id_pod_tag(body["id"])]  # the id names the pod that answered
+        if previous is not None:
+            assert r.headers["x-kvpilot-endpoint"] == by_tag[id_pod_tag(previous)]  # and the continuation went back to it
+        assert body["usage"]["input_tokens"] > tokens  # the conversation so far is the prompt
+        tokens = body["usage"]["input_tokens"] + body["usage"]["output_tokens"]
+        previous = body["id"]
+    stored: dict[str, str] = {}
+    for i in range(64):
+        if len(stored) == len(endpoints):
+            break
+        r = httpx.post(f"{gw}/v1/responses", json={"model": "chat", "instructions": f"You are helper number {i}. " * 12, "input": "hi",
+                                                   "max_output_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        stored.setdefault(by_tag[id_pod_tag(r.json()["id"])], r.json()["id"])
+    assert len(stored) == len(endpoints), stored
+    return stored
+
+
 @pytest.mark.timeout(400)
 def test_prefix_affinity_beats_round_robin(cluster, namespace, tmp_path):
     cluster.kubectl("apply", "-f", str(Path(__file__).resolve().parents[1] / "crds"))
@@ -136,6 +169,7 @@ def test_prefix_affinity_beats_round_robin(cluster, namespace, tmp_path):
         assert len(served_gw) == 4  # 2 prefixes per replica
         assert rate_gw >= 2 * rate_rr
         assert p50_gw <= p50_rr
+        stored = responses_conversation(gw, endpoints)
         # A replica removed mid-run (scale 4 -> 3: the pod is deleted, its engine drains and refuses new
         # work): every request through the gateway is still answered.
         done = threading.Event()
@@ -151,6 +185,14 @@ def test_prefix_affinity_beats_round_robin(cluster, namespace, tmp_path):
         results = run_phase(itertools.repeat(gw), system_prompts(3), seed=3)[0]
         assert done.is_set() and len(results) == 8 * USERS and all(t is not None for t in results)
         wait_until(lambda: len(ready_endpoints(api, cluster.server, namespace, "chat")) == 3, timeout=60, what="3 replicas left")
+        # The responses stored on the pod that went are gone with it: a 404 naming the id; the others are read back.
+        left = set(ready_endpoints(api, cluster.server, namespace, "chat"))
+        for endpoint, rid in stored.items():
+            r = httpx.get(f"{gw}/v1/responses/{rid}", timeout=30)
+            if endpoint in left:
+                assert r.status_code == 200 and r.json()["id"] == rid, r.text
+            else:
+                assert r.status_code == 404 and rid in r.json()["error"]["message"] and r.json()["error"]["code"] == "response_not_found", r.text
     finally:
         gateway.stop()
         op.stop()

@@ -501,7 +501,7 @@ def _help(description: str | None, default: Any, name: str) -> str:
 
 # Fields given in bytes, shown as sizes in --help (e.g. "default: 1GiB").
 SIZE_FLAG_FIELDS = ("kv_cache_memory", "kv_offload_size", "kv_host_offload_size", "max_request_body_bytes", "max_buffered_request_bytes",
-                    "kv_cache_memory_bytes")
+                    "kv_cache_memory_bytes", "responses_store_max_bytes")
 # Fields whose flag also works bare, as vLLM's switch of the same name: `--async-scheduling` = on, `--no-async-scheduling` = off.
 BARE_SWITCHES = {"async_scheduling": ("on", "off")}
 SHORT_FLAGS = {"tensor_parallel_size": "-tp", "quantization": "-q"}  # vLLM's short spellings
@@ -917,6 +917,12 @@ class ServerConfig(BaseModel):
         "Run the scheduler and the model runner in a process of their own (the engine core), behind a local socket; this process "
         "keeps HTTP, tokenization, chat templates, detokenizing and stop strings, so their Python never holds the step loop's GIL "
         "(vLLM V1's and SGLang's split). Off by default until measured to pay (docs/engine.md#the-engine-core-in-its-own-process)."))
+    responses_store_max_responses: int = Field(1000, ge=0, description=(
+        "Responses API (/v1/responses): the most stored responses kept (store true, the default) for previous_response_id and "
+        "GET /v1/responses/{id}; beyond it the oldest go. 0 = none kept."))
+    responses_store_max_bytes: int = Field(64 << 20, ge=0, description=(
+        "The most bytes the stored responses take (their conversations and outputs as JSON, e.g. 64MiB); beyond it the oldest go."))
+    responses_store_ttl_seconds: float = Field(3600.0, gt=0, description="How long a stored response is kept.")
     engine_stall_timeout_seconds: float = Field(60.0, gt=0, le=3600, description=(
         "With requests open, an engine loop that shows no progress for this long (a hung step, a stopped engine core) turns /health "
         "and /ready to 503 (code engine_stalled), so the liveness probe restarts the pod; an idle engine is never stalled."))
@@ -933,7 +939,7 @@ class ServerConfig(BaseModel):
         "Secret included) without a restart: new connections get the new certificate, open ones keep theirs. A pair that does "
         "not load (a half-written rotation) is logged and the old one kept until the files change again."))
 
-    @field_validator("max_request_body_bytes", "max_buffered_request_bytes", mode="before")
+    @field_validator("max_request_body_bytes", "max_buffered_request_bytes", "responses_store_max_bytes", mode="before")
     @classmethod
     def _body_size(cls, v: Any) -> int:
         return parse_size(v)

@@ -64,7 +64,7 @@ class Upstream:
     a Set-Cookie header when `set_cookie` is given); streams SSE slowly. `seen`: (path, Authorization,
     body) of each request; `headers`: each request's headers."""
 
-    def __init__(self, name: str, status: int = 200, answer: dict | None = None, set_cookie: str | None = None):
+    def __init__(self, name: str, status: int = 200, answer: dict | None = None, set_cookie: str | None = None, host: str = "127.0.0.1"):
         seen = self.seen = []
         headers = self.headers = []
 
@@ -104,11 +104,22 @@ class Upstream:
                 self.end_headers()
                 self.wfile.write(out)
 
+            def do_GET(self):  # noqa: N802 - a stored response's GET (or DELETE): answered with who served it
+                seen.append((self.command + " " + self.path, self.headers.get("Authorization"), None))
+                out = json.dumps({"served_by": name}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            do_DELETE = do_GET  # noqa: N815
+
             def log_message(self, *a):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer((host, 0), Handler)
+        self.endpoint = f"{host}:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
@@ -378,3 +389,36 @@ def test_a_buffer_cap_below_one_body_is_refused():
     with pytest.raises(SystemExit) as refused:
         main(["--max-request-body", "4MiB", "--max-buffered-request-bytes", "1MiB"])
     assert refused.value.code == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_stored_responses_continuations_and_reads_go_to_the_pod_that_stored_it():
+    """The Responses API (#71): a response id names the pod that stored it (a hash of its address); a
+    request with that previous_response_id, and GET / DELETE of the id, go to that pod whatever the prefix
+    says; an id naming no pod of the gateway (gone) is a 404 naming the id; a new response is routed by
+    its instructions and input."""
+    from kvpilot.operator.gateway.proxy import GatewayConfig, StaticEndpoints, build_app
+    from kvpilot.server.response_ids import pod_tag
+
+    pods = [Upstream(f"pod{i}", host=f"127.0.0.{i + 2}") for i in range(3)]  # pods have addresses of their own
+    app = build_app(StaticEndpoints({"m": [u.endpoint for u in pods]}), GatewayConfig())
+    with asgi_server(app) as url:
+        for i, pod in enumerate(pods):
+            rid = f"resp_{pod_tag(f'127.0.0.{i + 2}')}_{'ab' * 16}"
+            for prompt in ("first topic " * 30, "second topic " * 30):
+                r = httpx.post(url + "/v1/responses", json={"model": "m", "input": prompt, "previous_response_id": rid})
+                assert r.status_code == 200, r.text
+                assert r.json()["served_by"] == f"pod{i}"
+            for method in ("GET", "DELETE"):
+                r = httpx.request(method, f"{url}/v1/responses/{rid}", headers={"Authorization": "Bearer k"})
+                assert r.status_code == 200 and r.json()["served_by"] == f"pod{i}"
+                assert pod.seen[-1][:2] == (f"{method} /v1/responses/{rid}", "Bearer k")
+        gone = f"resp_{pod_tag('127.0.0.99')}_{'cd' * 16}"
+        for r in (httpx.post(url + "/v1/responses", json={"model": "m", "input": "hi", "previous_response_id": gone}),
+                  httpx.get(f"{url}/v1/responses/{gone}"), httpx.delete(f"{url}/v1/responses/{gone}")):
+            assert r.status_code == 404 and gone in r.json()["error"]["message"] and r.json()["error"]["code"] == "response_not_found"
+        owners = {httpx.post(url + "/v1/responses", json={"model": "m", "instructions": f"system {i} " * 40, "input": "hi"}).json()["served_by"]
+                  for i in range(24)}
+        assert owners == {"pod0", "pod1", "pod2"}
+    assert prefix_key("/v1/responses", {"instructions": "Be terse.", "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]}) \
+        == "<|system|>Be terse.<|user|>Hi"

@@ -583,3 +583,118 @@ def test_render_gives_the_ids_and_parameters_a_request_becomes(server, client):
     assert refused.status_code == 400 and "image_url" in refused.text, refused.text
     too_long = httpx.post(server.url + "/v1/completions/render", json={"model": MODEL, "prompt": "word " * 5000})
     assert too_long.status_code == 400 and "context length" in too_long.json()["error"]["message"]
+
+
+# --- the Responses API (#71) ---------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}
+
+
+def test_responses_plain_and_streamed_through_the_openai_client(server, client):
+    """responses.create answers as the chat path does (the same prompt: its input tokens are the chat's);
+    streamed, the events come in the documented order, numbered, and their text is the plain answer's."""
+    plain = client.responses.create(model=MODEL, instructions="Answer briefly.", input="Name three colors.", max_output_tokens=12,
+                                    temperature=0)
+    assert plain.object == "response" and plain.id.startswith("resp_") and plain.status in ("completed", "incomplete")
+    assert plain.output_text and plain.output[0].type == "message" and plain.output[0].content[0].type == "output_text"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Answer briefly."},
+                                                                 {"role": "user", "content": "Name three colors."}], max_tokens=12, temperature=0)
+    assert plain.usage.input_tokens == chat.usage.prompt_tokens and plain.output_text == chat.choices[0].message.content
+    assert plain.usage.output_tokens == chat.usage.completion_tokens and plain.usage.total_tokens == plain.usage.input_tokens + plain.usage.output_tokens
+    assert (plain.status == "incomplete") == (chat.choices[0].finish_reason == "length")
+    if plain.status == "incomplete":
+        assert plain.incomplete_details.reason == "max_output_tokens"
+
+    events = list(client.responses.create(model=MODEL, instructions="Answer briefly.", input="Name three colors.", max_output_tokens=12,
+                                          temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert deltas >= 2 and kinds == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+                                     *["response.output_text.delta"] * deltas, "response.output_text.done", "response.content_part.done",
+                                     "response.output_item.done", "response." + plain.status], kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain.output_text
+    final = events[-1].response
+    assert final.output_text == plain.output_text and final.usage.output_tokens == plain.usage.output_tokens and final.id == events[0].response.id
+
+
+def test_responses_function_tool_round_trip_and_text_format(server, client):
+    called = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER_TOOL], tool_choice="required",
+                                     max_output_tokens=40, temperature=0)
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and isinstance(json.loads(calls[0].arguments)["city"], str), called.output
+    # the stateless round trip: the call and its output sent back as input items
+    answer = client.responses.create(model=MODEL, tools=[WEATHER_TOOL], max_output_tokens=16, temperature=0, store=False,
+                                     input=[{"role": "user", "content": "What is the weather in Paris?"}, calls[0].model_dump(exclude_none=True),
+                                            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "22 C and sunny"}])
+    assert answer.status in ("completed", "incomplete") and answer.usage.input_tokens > called.usage.input_tokens
+    # and the stateful one: the call's output after previous_response_id
+    followed = client.responses.create(model=MODEL, tools=[WEATHER_TOOL], max_output_tokens=16, temperature=0, previous_response_id=called.id,
+                                       input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "22 C and sunny"}])
+    assert followed.usage.input_tokens == answer.usage.input_tokens and followed.output_text == answer.output_text
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}}, "required": ["city", "sunny"],
+              "additionalProperties": False}
+    shaped = client.responses.create(model=MODEL, input="Describe Paris's weather as JSON.", max_output_tokens=80, temperature=0,
+                                     text={"format": {"type": "json_schema", "name": "weather", "schema": schema, "strict": True}})
+    assert set(json.loads(shaped.output_text)) == {"city", "sunny"}
+
+
+def test_responses_previous_response_id_over_three_turns_then_read_and_deleted(server, client):
+    """Each turn's prompt is the conversation so far: its input tokens are a chat request's over the same
+    messages (the earlier turns' answers included); the response is read back and deleted; an unknown or
+    deleted id is a 404 that names it."""
+    import openai
+
+    turns = ["My name is Ada. Say hello.", "What is my name?", "Spell it backwards."]
+    messages, previous = [], None
+    for text in turns:
+        r = client.responses.create(model=MODEL, input=text, max_output_tokens=8, temperature=0, previous_response_id=previous)
+        messages.append({"role": "user", "content": text})
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        assert r.usage.input_tokens == chat.usage.prompt_tokens and r.output_text == chat.choices[0].message.content
+        assert r.previous_response_id == previous
+        messages.append({"role": "assistant", "content": r.output_text})
+        previous = r.id
+    assert client.responses.retrieve(previous).output_text == r.output_text
+    client.responses.delete(previous)
+    for call in (lambda: client.responses.retrieve(previous),
+                 lambda: client.responses.create(model=MODEL, input="again", previous_response_id=previous),
+                 lambda: client.responses.retrieve("resp_nothing")):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.body["code"] == "response_not_found" and ("resp_nothing" in str(e.value) or previous in str(e.value))
+    unstored = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_responses_refuse_what_they_do_not_implement_by_name(server):
+    for body, named in (({"input": "hi", "background": True}, "background"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, "input_image"),
+                        ({"input": "hi", "tools": [{"type": "web_search"}]}, "web_search"),
+                        ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
+                        ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "grammar"),
+                        ({"input": "hi", "truncation": "auto"}, "truncation"),
+                        ({"input": "x " * 5000}, "context length")):
+        r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, **body})
+        assert r.status_code == 400 and named in r.json()["error"]["message"], (body, r.text)
+
+
+def test_the_response_store_keeps_its_bounds_under_a_flood(monkeypatch):
+    """Count, bytes and age: the oldest go first; a flood of responses leaves the store at its bounds."""
+    from kvpilot.server.api import responses
+
+    store = responses.ResponseStore(max_responses=100, max_bytes=50_000, ttl_seconds=60)
+    clock = [1000.0]
+    monkeypatch.setattr(responses.time, "monotonic", lambda: clock[0])
+    for i in range(10_000):
+        store.put({"id": f"resp_{i}", "output": [{"text": "x" * (i % 400)}]}, [{"role": "user", "content": "y" * 50}])
+        assert len(store) <= 100 and store.bytes <= 50_000
+    assert store.get("resp_9999") is not None and store.get("resp_0") is None and len(store) >= 50
+    kept = len(store)
+    assert store.bytes == sum(len(json.dumps(r)) + len(json.dumps(c)) for r, c in (store.get(f"resp_{i}") for i in range(10_000 - kept, 10_000)))
+    clock[0] += 61  # past the age bound: all gone
+    assert store.get("resp_9999") is None and len(store) == 0 and store.bytes == 0
+    store.put({"id": "huge", "output": ["z" * 60_000]}, [])  # larger than the whole store: not kept
+    assert store.get("huge") is None and store.bytes == 0

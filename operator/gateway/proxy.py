@@ -27,6 +27,13 @@ client error (4xx) is the answer.
 A request for a model with no ready pod (scaled to zero, or every pod starting) is held — a bounded
 number of them, for a bounded time — while the source asks for a pod (`wake`), then forwarded as soon
 as one is Ready; past the bound or the time, 503 with Retry-After.
+
+The Responses API: a stored response lives in the memory of the engine pod that made it, and its id
+names that pod (server/response_ids.py). A request that continues one (previous_response_id), and GET
+or DELETE /v1/responses/{id}, go to that pod; when it is gone (or the id names no pod this gateway
+routes to) the answer is a 404 that names the id, never another pod's. A new response is routed by
+prefix affinity as a chat request is (its instructions and input); it is not split into prefill and
+decode (the Responses API carries no kv_transfer_params).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from starlette.routing import Route
 
 from kvpilot.operator.gateway.routing import PREFIX_CHARS, HashRing, choose, prefix_key
 from kvpilot.server.http_limits import BodyLimitMiddleware, protocol_with_header_timeout
+from kvpilot.server.response_ids import id_pod_tag, pod_tag
 
 log = logging.getLogger("kvpilot.gateway")
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
@@ -114,6 +122,21 @@ class GatewayConfig:
 
 def error(status: int, message: str, kind: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status, headers=dict(headers or {}))
+
+
+def response_not_found(response_id: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": f"no response with id {response_id!r} can be found: the engine pod that stored it is gone, or the "
+                                 "id names no pod of this gateway", "type": "invalid_request_error", "param": param, "code": "response_not_found"}}
+    return JSONResponse(body, status_code=404)
+
+
+def holder(response_id: str, endpoints: list[str]) -> list[str] | None:
+    """The endpoints that may hold a stored response: the pod its id names (none if gone); None: the id
+    names no pod (an engine outside Kubernetes), any may."""
+    tag = id_pod_tag(response_id)
+    if tag is None:
+        return None
+    return [e for e in endpoints if pod_tag(e.rsplit(":", 1)[0].strip("[]")) == tag]
 
 
 def model_not_found(model: str) -> JSONResponse:
@@ -234,8 +257,15 @@ class Gateway:
             endpoints = held
         key = prefix_key(request.url.path, body, self.config.prefix_chars)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        responses = request.url.path.endswith("/responses")
+        previous = body.get("previous_response_id") if responses else None
+        held = holder(previous, endpoints) if isinstance(previous, str) else None
+        if held is not None:  # the continuation goes to the pod that stored the response it continues
+            if not held:
+                return response_not_found(previous, "previous_response_id")
+            endpoints = held
         prefill = self.source.prefill_endpoints(model)
-        if prefill and body.get("n", 1) == 1:
+        if prefill and body.get("n", 1) == 1 and not responses:
             handed = await self._prefill(request, body, key, prefill, headers, model)
             if isinstance(handed, Response):
                 return handed
@@ -302,6 +332,23 @@ class Gateway:
         log.warning("prefill of a %s request failed (%s): the decode pod computes its prompt", model, why)
         return None
 
+    async def stored_response(self, request: Request) -> Response:
+        """GET or DELETE /v1/responses/{id}: forwarded to the pod the id names."""
+        response_id = request.path_params["response_id"]
+        every = sorted({e for model in self.source.models() for e in self.source.endpoints(model) or ()})
+        candidates = holder(response_id, every)
+        if candidates == [] or not every:
+            return response_not_found(response_id)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        for endpoint in candidates or every:  # an id that names no pod: asked of each until one has it
+            try:
+                answer = await self.client.request(request.method, f"http://{endpoint}{request.url.path}", headers=headers)
+            except httpx.HTTPError:
+                continue
+            if candidates or answer.status_code != 404:
+                return Response(answer.content, status_code=answer.status_code, media_type=answer.headers.get("content-type"))
+        return response_not_found(response_id)
+
     async def _relay(self, upstream: httpx.Response, model: str, endpoint: str, held_since: float | None = None):
         try:
             async for chunk in upstream.aiter_raw():
@@ -339,6 +386,8 @@ def build_app(source: EndpointSource, config: GatewayConfig = GatewayConfig()) -
 
     app = Starlette(routes=[Route("/v1/completions", gateway.proxy, methods=["POST"]),
                             Route("/v1/chat/completions", gateway.proxy, methods=["POST"]),
+                            Route("/v1/responses", gateway.proxy, methods=["POST"]),
+                            Route("/v1/responses/{response_id}", gateway.stored_response, methods=["GET", "DELETE"]),
                             Route("/v1/models", gateway.models, methods=["GET"]),
                             Route("/health", gateway.health, methods=["GET"]),
                             Route("/metrics", gateway.prometheus, methods=["GET"])],

@@ -42,6 +42,12 @@ def prefix_key(path: str, body: Mapping[str, Any], chars: int = PREFIX_CHARS) ->
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         text = "".join(f"<|{m.get('role')}|>{_text(m.get('content'))}" for m in messages if isinstance(m, dict)) if isinstance(messages, list) else ""
+    elif path.endswith("/responses"):  # the instructions, then the input (text, or its items' text)
+        items = body.get("input")
+        text = items if isinstance(items, str) else "".join(
+            f"<|{m.get('role')}|>{_text(m.get('content'))}" for m in items if isinstance(m, dict)) if isinstance(items, list) else ""
+        instructions = body.get("instructions")
+        text = f"<|system|>{instructions}{text}" if isinstance(instructions, str) else text
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):

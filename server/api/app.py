@@ -33,6 +33,7 @@ from kvpilot.server.api.protocol import (
     UnloadLoRAAdapterRequest,
     template_variables,
 )
+from kvpilot.server.api.responses import ResponsesRequest, ResponsesServing, ResponseStore
 from kvpilot.server.api.tokenizer_pool import TokenizerPool
 from kvpilot.server.config import EngineConfig, ServerConfig, generation_defaults, load_chat_template
 from kvpilot.server.engine.limits import ModelNotFound, RequestRejected
@@ -159,16 +160,36 @@ def build_app(state: ServerState) -> FastAPI:
         return respond(await serving.completions(prompts, params, req.stream, req.stream_options, lambda: wait_for_disconnect(request),
                                                  client_of(request), adapter, req.echo, req.prompt_only, req.prompt_logprobs is not None), ignored)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat(req: ChatCompletionRequest, request: Request):
-        ignored = ignoring(req)
+    async def answer_chat(req: ChatCompletionRequest, request: Request):
         adapter = serving.check_model(req.model)
         params = req.with_defaults(serving.generation_defaults).params(serving.tool_format)
         messages = [m.as_template_dict() for m in req.messages]
         variables = template_variables(req.chat_template_kwargs, req.reasoning_effort)
-        return respond(await serving.chat(messages, req.add_generation_prompt, params, req.stream, req.stream_options, req.top_logprobs or 0,
-                                          lambda: wait_for_disconnect(request), client_of(request), req.tool_use(), adapter,
-                                          variables=variables, include_reasoning=req.include_reasoning), ignored)
+        return await serving.chat(messages, req.add_generation_prompt, params, req.stream, req.stream_options, req.top_logprobs or 0,
+                                  lambda: wait_for_disconnect(request), client_of(request), req.tool_use(), adapter,
+                                  variables=variables, include_reasoning=req.include_reasoning)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat(req: ChatCompletionRequest, request: Request):
+        ignored = ignoring(req)
+        return respond(await answer_chat(req, request), ignored)
+
+    # OpenAI's Responses API, over the chat path (api/responses.py)
+    responses = ResponsesServing(serving, ResponseStore(config.responses_store_max_responses, config.responses_store_max_bytes,
+                                                        config.responses_store_ttl_seconds))
+
+    @app.post("/v1/responses", dependencies=guarded)
+    async def create_response(req: ResponsesRequest, request: Request):
+        ignored = ignoring(req)
+        return respond(await responses.create(req, lambda chat_req: answer_chat(chat_req, request)), ignored)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
 
     # vLLM's render endpoints: what a request becomes (its token ids, its resolved parameters), checked as the
     # request itself would be and not run; routers hash the ids (llm-d's precise prefix-cache scorer).
