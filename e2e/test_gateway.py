@@ -106,7 +106,7 @@ def responses_conversation(gw: str, endpoints: list[str]) -> dict[str, str]:
     stored response on every pod. Returns endpoint -> a response id stored there."""
     from kvpilot.server.response_ids import id_pod_tag, pod_tag
 
-    by_tag = {pod_tag(e.rsplit(":", 1)[0]): e for e in endpoints}
+    by_tag = {pod_tag(httpx.URL(e).host): e.removeprefix("http://") for e in endpoints}  # http://podIP:port -> podIP:port
     previous, tokens = None, 0
     for text in ("My name is Ada. Say hello.", "What is my name?", "Spell it backwards."):
         r = httpx.post(f"{gw}/v1/responses", json={"model": "chat", "input": text, "max_output_tokens": 6, "temperature": 0,
@@ -186,7 +186,7 @@ def test_prefix_affinity_beats_round_robin(cluster, namespace, tmp_path):
         assert done.is_set() and len(results) == 8 * USERS and all(t is not None for t in results)
         wait_until(lambda: len(ready_endpoints(api, cluster.server, namespace, "chat")) == 3, timeout=60, what="3 replicas left")
         # The responses stored on the pod that went are gone with it: a 404 naming the id; the others are read back.
-        left = set(ready_endpoints(api, cluster.server, namespace, "chat"))
+        left = {e.removeprefix("http://") for e in ready_endpoints(api, cluster.server, namespace, "chat")}
         for endpoint, rid in stored.items():
             r = httpx.get(f"{gw}/v1/responses/{rid}", timeout=30)
             if endpoint in left:

@@ -621,12 +621,13 @@ def test_responses_plain_and_streamed_through_the_openai_client(server, client):
 
 def test_responses_function_tool_round_trip_and_text_format(server, client):
     called = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER_TOOL], tool_choice="required",
-                                     max_output_tokens=40, temperature=0)
+                                     parallel_tool_calls=False, max_output_tokens=40, temperature=0)
     calls = [item for item in called.output if item.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and isinstance(json.loads(calls[0].arguments)["city"], str), called.output
-    # the stateless round trip: the call and its output sent back as input items
+    # the stateless round trip: the output (the call) and the call's output sent back as input items
     answer = client.responses.create(model=MODEL, tools=[WEATHER_TOOL], max_output_tokens=16, temperature=0, store=False,
-                                     input=[{"role": "user", "content": "What is the weather in Paris?"}, calls[0].model_dump(exclude_none=True),
+                                     input=[{"role": "user", "content": "What is the weather in Paris?"},
+                                            *(item.model_dump(exclude_none=True) for item in called.output),
                                             {"type": "function_call_output", "call_id": calls[0].call_id, "output": "22 C and sunny"}])
     assert answer.status in ("completed", "incomplete") and answer.usage.input_tokens > called.usage.input_tokens
     # and the stateful one: the call's output after previous_response_id

@@ -127,8 +127,9 @@ def _text_of(content: Any, where: str) -> str:
 
 def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`input` as chat messages: text is a user message; items are messages (roles user, system,
-    developer, assistant), function_call items (an assistant's tool_calls, consecutive ones in one
-    message) and function_call_output items (tool messages). Reasoning items are not put back in the
+    developer, assistant), function_call items (an assistant's tool_calls, in the assistant message
+    before them: a response's output sent back as input is one turn, as it was stored) and
+    function_call_output items (tool messages). Reasoning items are not put back in the
     prompt (chat templates drop earlier turns' reasoning); other item types are refused by name."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
@@ -147,7 +148,7 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise APIError(400, f"{where}: a function_call item needs call_id, name and arguments (strings)", "input")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or not last["content"]):
+            if last is not None and last["role"] == "assistant":  # one turn: the assistant's text, then its calls
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
