@@ -13,6 +13,6 @@ def _printable(text: str | None) -> str | None:
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    # OpenAI answers an unknown model with a 404 of type invalid_request_error (code model_not_found).
-    kind = "invalid_request_error" if code == "model_not_found" else _TYPES.get(status, "server_error")
+    # OpenAI answers an unknown model or response with a 404 of type invalid_request_error (code model_not_found, response_not_found).
+    kind = "invalid_request_error" if code in ("model_not_found", "response_not_found") else _TYPES.get(status, "server_error")
     return {"error": {"message": _printable(message), "type": kind, "param": _printable(param), "code": code}}

@@ -401,7 +401,7 @@ def test_a_stored_responses_continuations_and_reads_go_to_the_pod_that_stored_it
     from kvpilot.server.response_ids import pod_tag
 
     pods = [Upstream(f"pod{i}", host=f"127.0.0.{i + 2}") for i in range(3)]  # pods have addresses of their own
-    app = build_app(StaticEndpoints({"m": [u.endpoint for u in pods]}), GatewayConfig())
+    app = build_app(StaticEndpoints({"m": [u.endpoint for u in pods], "idle": []}), GatewayConfig(hold_timeout_seconds=30))
     with asgi_server(app) as url:
         for i, pod in enumerate(pods):
             rid = f"resp_{pod_tag(f'127.0.0.{i + 2}')}_{'ab' * 16}"
@@ -417,6 +417,15 @@ def test_a_stored_responses_continuations_and_reads_go_to_the_pod_that_stored_it
         for r in (httpx.post(url + "/v1/responses", json={"model": "m", "input": "hi", "previous_response_id": gone}),
                   httpx.get(f"{url}/v1/responses/{gone}"), httpx.delete(f"{url}/v1/responses/{gone}")):
             assert r.status_code == 404 and gone in r.json()["error"]["message"] and r.json()["error"]["code"] == "response_not_found"
+        started = time.monotonic()  # a continuation for a model scaled to zero: its pod is gone, no pod is woken for it
+        r = httpx.post(url + "/v1/responses", json={"model": "idle", "input": "hi", "previous_response_id": gone}, timeout=60)
+        assert r.status_code == 404 and time.monotonic() - started < 5 and r.json()["error"]["type"] == "invalid_request_error"
+        untagged = "resp_" + "ef" * 16  # names no pod (not a kvpilot engine's): read from nowhere, the key sent nowhere
+        seen = sum(len(p.seen) for p in pods)
+        for r in (httpx.get(f"{url}/v1/responses/{untagged}", headers={"Authorization": "Bearer k"}),
+                  httpx.delete(f"{url}/v1/responses/{untagged}", headers={"Authorization": "Bearer k"})):
+            assert r.status_code == 404 and untagged in r.json()["error"]["message"]
+        assert sum(len(p.seen) for p in pods) == seen
         owners = {httpx.post(url + "/v1/responses", json={"model": "m", "instructions": f"system {i} " * 40, "input": "hi"}).json()["served_by"]
                   for i in range(24)}
         assert owners == {"pod0", "pod1", "pod2"}

@@ -604,7 +604,7 @@ def test_responses_plain_and_streamed_through_the_openai_client(server, client):
     assert plain.usage.output_tokens == chat.usage.completion_tokens and plain.usage.total_tokens == plain.usage.input_tokens + plain.usage.output_tokens
     assert (plain.status == "incomplete") == (chat.choices[0].finish_reason == "length")
     if plain.status == "incomplete":
-        assert plain.incomplete_details.reason == "max_output_tokens"
+        assert plain.incomplete_details.reason == "max_output_tokens" and plain.output[-1].status == "incomplete"
 
     events = list(client.responses.create(model=MODEL, instructions="Answer briefly.", input="Name three colors.", max_output_tokens=12,
                                           temperature=0, stream=True))
@@ -616,6 +616,7 @@ def test_responses_plain_and_streamed_through_the_openai_client(server, client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain.output_text
     final = events[-1].response
+    assert [item.status for item in final.output] == [item.status for item in plain.output]
     assert final.output_text == plain.output_text and final.usage.output_tokens == plain.usage.output_tokens and final.id == events[0].response.id
 
 
@@ -677,9 +678,32 @@ def test_responses_refuse_what_they_do_not_implement_by_name(server):
                         ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
                         ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "grammar"),
                         ({"input": "hi", "truncation": "auto"}, "truncation"),
+                        ({"input": "hi", "text": {"format": "json"}}, "text.format"),
+                        ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
+                        ({"input": [{"role": "user", "content": 7}]}, "input"),
                         ({"input": "x " * 5000}, "context length")):
         r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, **body})
         assert r.status_code == 400 and named in r.json()["error"]["message"], (body, r.text)
+    accepted = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2, "store": False,
+                                                             "include": ["reasoning.encrypted_content"]})
+    assert accepted.status_code == 200, accepted.text
+
+
+def test_responses_input_items_become_the_chats_messages():
+    """A response's output sent back as input is one assistant turn (its reasoning as reasoning_content, its
+    text, its calls), the call outputs tool messages: what a stored response carries on, the same."""
+    from kvpilot.server.api.responses import input_messages, output_messages, reasoning_item
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "calling"}]}, call,
+             {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "42"}]}]
+    turn = {"role": "assistant", "content": "calling", "reasoning_content": "think",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    assert input_messages(items) == [{"role": "user", "content": "hi"}, turn, {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    output = [reasoning_item("rs_1", "think"), items[2] | {"id": "msg_1"}, call | {"id": "fc_1"}]
+    assert output_messages(output) == [turn]
 
 
 def test_the_response_store_keeps_its_bounds_under_a_flood(monkeypatch):
@@ -694,7 +718,7 @@ def test_the_response_store_keeps_its_bounds_under_a_flood(monkeypatch):
         assert len(store) <= 100 and store.bytes <= 50_000
     assert store.get("resp_9999") is not None and store.get("resp_0") is None and len(store) >= 50
     kept = len(store)
-    assert store.bytes == sum(len(json.dumps(r)) + len(json.dumps(c)) for r, c in (store.get(f"resp_{i}") for i in range(10_000 - kept, 10_000)))
+    assert store.bytes == sum(len(json.dumps([r, c]).encode()) for r, c in (store.get(f"resp_{i}") for i in range(10_000 - kept, 10_000)))
     clock[0] += 61  # past the age bound: all gone
     assert store.get("resp_9999") is None and len(store) == 0 and store.bytes == 0
     store.put({"id": "huge", "output": ["z" * 60_000]}, [])  # larger than the whole store: not kept

@@ -30,8 +30,10 @@ as one is Ready; past the bound or the time, 503 with Retry-After.
 
 The Responses API: a stored response lives in the memory of the engine pod that made it, and its id
 names that pod (server/response_ids.py). A request that continues one (previous_response_id), and GET
-or DELETE /v1/responses/{id}, go to that pod; when it is gone (or the id names no pod this gateway
-routes to) the answer is a 404 that names the id, never another pod's. A new response is routed by
+or DELETE /v1/responses/{id}, go to that pod; when it is gone the answer is a 404 that names the id,
+never another pod's (and a scaled-to-zero model is not woken for it: a new pod would not hold it). An
+id that names no pod (not a kvpilot engine's with POD_IP set) is continued by prefix affinity, and its
+GET or DELETE is a 404: the client's API key is never sent to pods that may not hold the response. A new response is routed by
 prefix affinity as a chat request is (its instructions and input); it is not split into prefill and
 decode (the Responses API carries no kv_transfer_params).
 """
@@ -57,6 +59,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvpilot.operator.gateway.routing import PREFIX_CHARS, HashRing, choose, prefix_key
+from kvpilot.server.error_body import error_body
 from kvpilot.server.http_limits import BodyLimitMiddleware, protocol_with_header_timeout
 from kvpilot.server.response_ids import id_pod_tag, pod_tag
 
@@ -125,14 +128,14 @@ def error(status: int, message: str, kind: str, headers: Mapping[str, str] | Non
 
 
 def response_not_found(response_id: str, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": f"no response with id {response_id!r} can be found: the engine pod that stored it is gone, or the "
-                                 "id names no pod of this gateway", "type": "invalid_request_error", "param": param, "code": "response_not_found"}}
-    return JSONResponse(body, status_code=404)
+    return JSONResponse(error_body(404, f"no response with id {response_id!r} can be found through this gateway: the engine pod that "
+                                        "stored it is gone, or the id names no kvpilot engine pod it routes to", param, "response_not_found"),
+                        status_code=404)
 
 
 def holder(response_id: str, endpoints: list[str]) -> list[str] | None:
     """The endpoints that may hold a stored response: the pod its id names (none if gone); None: the id
-    names no pod (an engine outside Kubernetes), any may."""
+    names no pod (not a kvpilot engine's with POD_IP set)."""
     tag = id_pod_tag(response_id)
     if tag is None:
         return None
@@ -248,6 +251,9 @@ class Gateway:
         endpoints = self.source.endpoints(model)
         if endpoints is None:
             return model_not_found(model)
+        previous = body.get("previous_response_id") if request.url.path.endswith("/responses") else None
+        if isinstance(previous, str) and id_pod_tag(previous) is not None and not holder(previous, endpoints):
+            return response_not_found(previous, "previous_response_id")  # its pod is gone: a pod woken now would not hold it either
         held_since = None
         if not endpoints:
             held_since = time.monotonic()
@@ -258,11 +264,8 @@ class Gateway:
         key = prefix_key(request.url.path, body, self.config.prefix_chars)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
         responses = request.url.path.endswith("/responses")
-        previous = body.get("previous_response_id") if responses else None
         held = holder(previous, endpoints) if isinstance(previous, str) else None
-        if held is not None:  # the continuation goes to the pod that stored the response it continues
-            if not held:
-                return response_not_found(previous, "previous_response_id")
+        if held:  # the continuation goes to the pod that stored the response it continues (an untagged id: by prefix)
             endpoints = held
         prefill = self.source.prefill_endpoints(model)
         if prefill and body.get("n", 1) == 1 and not responses:
@@ -333,21 +336,19 @@ class Gateway:
         return None
 
     async def stored_response(self, request: Request) -> Response:
-        """GET or DELETE /v1/responses/{id}: forwarded to the pod the id names."""
+        """GET or DELETE /v1/responses/{id}: forwarded to the pod the id names, and to no other (a client's
+        API key goes only where its response is); an id that names no pod here is a 404."""
         response_id = request.path_params["response_id"]
         every = sorted({e for model in self.source.models() for e in self.source.endpoints(model) or ()})
         candidates = holder(response_id, every)
-        if candidates == [] or not every:
+        if not candidates:
             return response_not_found(response_id)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
-        for endpoint in candidates or every:  # an id that names no pod: asked of each until one has it
-            try:
-                answer = await self.client.request(request.method, f"http://{endpoint}{request.url.path}", headers=headers)
-            except httpx.HTTPError:
-                continue
-            if candidates or answer.status_code != 404:
-                return Response(answer.content, status_code=answer.status_code, media_type=answer.headers.get("content-type"))
-        return response_not_found(response_id)
+        try:
+            answer = await self.client.request(request.method, f"http://{candidates[0]}{request.url.path}", headers=headers)
+        except httpx.HTTPError as e:
+            return error(502, f"the engine pod holding {response_id!r} failed to answer ({type(e).__name__})", "bad_gateway")
+        return Response(answer.content, status_code=answer.status_code, media_type=answer.headers.get("content-type"))
 
     async def _relay(self, upstream: httpx.Response, model: str, endpoint: str, held_since: float | None = None):
         try:

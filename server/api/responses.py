@@ -74,9 +74,12 @@ class ResponsesRequest(_Lenient):
             raise UnsupportedParameter("background", "responses are answered in the request")
         if self.truncation == "auto":
             raise UnsupportedParameter("truncation", "auto is not implemented: a conversation longer than the context is refused (disabled)")
-        for name in ("include", "top_logprobs", "max_tool_calls", "prompt", "conversation"):
+        for name in ("top_logprobs", "max_tool_calls", "prompt", "conversation"):
             if getattr(self, name):
                 raise UnsupportedParameter(name)
+        other = sorted(set(self.include or ()) - {"reasoning.encrypted_content"})
+        if other:  # encrypted reasoning: none here (reasoning items carry their text), and they come back as they went
+            raise UnsupportedParameter("include", f"{printable_name(other[0])} is not available (reasoning.encrypted_content is accepted)")
 
     def chat_request(self, history: list[dict[str, Any]]) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
         """The chat request this is (history: the messages of the conversation before it, without its
@@ -101,10 +104,10 @@ class ResponsesRequest(_Lenient):
             body["stream_options"] = {"include_usage": True}
         try:
             return ChatCompletionRequest.model_validate(body), conversation
-        except ValidationError as e:
+        except ValidationError as e:  # named as the client sent it: the messages are its instructions and input
             first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise APIError(400, f"{where}: {first['msg']}", where.split(".")[0] or None) from None
+            loc = ["input" if p == "messages" else "max_output_tokens" if p == "max_completion_tokens" else str(p) for p in first["loc"]]
+            raise APIError(400, f"{'.'.join(loc)}: {first['msg']}", loc[0] if loc else None) from None
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -128,12 +131,21 @@ def _text_of(content: Any, where: str) -> str:
 def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`input` as chat messages: text is a user message; items are messages (roles user, system,
     developer, assistant), function_call items (an assistant's tool_calls, in the assistant message
-    before them: a response's output sent back as input is one turn, as it was stored) and
-    function_call_output items (tool messages). Reasoning items are not put back in the
-    prompt (chat templates drop earlier turns' reasoning); other item types are refused by name."""
+    before them: a response's output sent back as input is one turn, as it was stored),
+    function_call_output items (tool messages) and reasoning items (their text the next assistant
+    message's reasoning_content, as a chat request carries it: templates such as Qwen3's keep it within
+    a tool-calling turn); other item types are refused by name."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     messages: list[dict[str, Any]] = []
+    reasoning = ""  # a reasoning item's text: the next assistant message's reasoning_content (the template keeps or drops it)
+
+    def assistant(message: dict[str, Any]) -> dict[str, Any]:
+        nonlocal reasoning
+        if reasoning:
+            message["reasoning_content"], reasoning = reasoning, ""
+        return message
+
     for i, item in enumerate(value):
         kind = item.get("type", "message")
         where = f"input[{i}]"
@@ -141,24 +153,26 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"{where}.role: must be user, system, developer or assistant", "input")
-            messages.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+            message = {"role": role, "content": _text_of(item.get("content"), f"{where}.content")}
+            messages.append(assistant(message) if role == "assistant" else message)
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
             if not all(isinstance(x, str) for x in (call_id, name, arguments)):
                 raise APIError(400, f"{where}: a function_call item needs call_id, name and arguments (strings)", "input")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # one turn: the assistant's text, then its calls
+            if last is not None and last["role"] == "assistant" and not reasoning:  # one turn: the assistant's text, then its calls
                 last.setdefault("tool_calls", []).append(call)
             else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                messages.append(assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise APIError(400, f"{where}: a function_call_output item needs call_id (a string)", "input")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": _text_of(output, f"{where}.output")})
         elif kind == "reasoning":
-            continue
+            parts = [p.get("text") for p in item.get("content") or () if isinstance(p, dict)]
+            reasoning += "".join(t for t in parts if isinstance(t, str))
         else:
             raise APIError(400, f"{where}: items of type {printable_name(str(kind))} are not supported (message, function_call, "
                                 "function_call_output and reasoning are)", "input")
@@ -186,6 +200,8 @@ def chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
 def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """text.format as the chat's response_format (text: none)."""
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, "text.format: must be an object ({\"type\": \"text\" | \"json_object\" | \"json_schema\", ...})", "text")
     if fmt is None or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
@@ -201,43 +217,47 @@ def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 class ResponseStore:
     """Stored responses by id, oldest first: at most max_responses of them, max_bytes of JSON, each for
-    ttl_seconds. A record: the response object and the conversation's messages after it."""
+    ttl_seconds. A record: the response object and the conversation's messages after it, kept as JSON
+    bytes (so the byte bound is what it holds). One queue for every client: a client storing many
+    responses pushes out the oldest of anyone's; each record holds its whole conversation, so a long
+    conversation costs each of its turns' records."""
 
     def __init__(self, max_responses: int, max_bytes: int, ttl_seconds: float):
         self.max_responses, self.max_bytes, self.ttl = max_responses, max_bytes, ttl_seconds
-        self._records: OrderedDict[str, tuple[float, int, dict, list]] = OrderedDict()
+        # id -> (when stored, the record as JSON bytes: what max_bytes counts is what it holds)
+        self._records: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._records)
 
     def put(self, response: dict, conversation: list[dict]) -> None:
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
-        if size > self.max_bytes or self.max_responses == 0:
+        blob = json.dumps([response, conversation]).encode()
+        if len(blob) > self.max_bytes or self.max_responses == 0:
             return  # larger than the whole store: not kept (a later GET or continuation is a 404)
-        self._records[response["id"]] = (time.monotonic(), size, response, conversation)
-        self.bytes += size
+        self._records[response["id"]] = (time.monotonic(), blob)
+        self.bytes += len(blob)
         self._trim()
 
     def get(self, response_id: str) -> tuple[dict, list] | None:
         self._trim()
         record = self._records.get(response_id)
-        return (record[2], record[3]) if record else None
+        return tuple(json.loads(record[1])) if record else None
 
     def delete(self, response_id: str) -> bool:
         record = self._records.pop(response_id, None)
         if record is not None:
-            self.bytes -= record[1]
+            self.bytes -= len(record[1])
         return record is not None
 
     def _trim(self) -> None:
         now = time.monotonic()
         while self._records:
-            oldest_id, (stored, size, _, _) = next(iter(self._records.items()))
+            oldest_id, (stored, blob) = next(iter(self._records.items()))
             if len(self._records) <= self.max_responses and self.bytes <= self.max_bytes and now - stored <= self.ttl:
                 return
             del self._records[oldest_id]
-            self.bytes -= size
+            self.bytes -= len(blob)
 
 
 def not_found(response_id: str, param: str | None = None) -> APIError:
@@ -283,14 +303,16 @@ class ResponsesServing:
             items.append(message_item(f"msg_{uuid.uuid4().hex}", message["content"]))
         for call in message.get("tool_calls") or ():
             items.append(function_call_item(f"fc_{uuid.uuid4().hex}", call))
+        if choice["finish_reason"] == "length" and items and items[-1]["type"] != "function_call":
+            items[-1]["status"] = "incomplete"  # the length limit cut the item being written (OpenAI's status for it)
         return items, choice["finish_reason"]
 
     def _response(self, req: ResponsesRequest, rid: str, created: int, output: list[dict], finish_reason: str | None,
                   usage: dict | None, status: str | None = None) -> dict:
         incomplete = finish_reason == "length"
         # the reasoning's tokens: its text tokenized again (the engine counts the output's tokens, not their parts')
-        reasoning_tokens = sum(len(self.serving.tokenizer.encode(part["text"])) for item in output if item["type"] == "reasoning"
-                               for part in item["content"])
+        reasoning_tokens = sum(len(self.serving.tokenizer.encode(part["text"], add_special_tokens=False)) for item in output
+                               if item["type"] == "reasoning" for part in item["content"])
         return {
             "id": rid, "object": "response", "created_at": created, "status": status or ("incomplete" if incomplete else "completed"),
             "model": req.model or self.serving.model_name, "output": output, "error": None,
@@ -302,7 +324,8 @@ class ResponsesServing:
             "store": req.store, "truncation": "disabled", "background": False, "user": req.user,
             "usage": None if usage is None else {
                 "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"], "total_tokens": usage["total_tokens"],
-                "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0},
+                "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+                                         "cache_write_tokens": 0},
                 "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, usage["completion_tokens"])}},
         }
 
@@ -310,20 +333,22 @@ class ResponsesServing:
         """The chat stream's chunks as the Responses API's events."""
         numbers = iter(range(1 << 62))
         output: list[dict] = []
-        open_item: dict | None = None  # the reasoning or message item whose text is streaming
+        open_item: dict | None = None  # the reasoning or message item whose text is streaming ...
+        pieces: list[str] = []          # ... and its text so far
         finish_reason, usage = None, None
 
         def event(kind: str, **fields) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(numbers), **fields})}\n\n"
 
-        def close() -> list[str]:
+        def close(status: str = "completed") -> list[str]:
             nonlocal open_item
             if open_item is None:
                 return []
             item, open_item = open_item, None
             index, part = len(output) - 1, item["content"][0]
+            part["text"] = "".join(pieces)
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            item["status"] = "completed"
+            item["status"] = status
             if item["type"] == "reasoning":
                 return [event("response.reasoning_text.done", **where, text=part["text"]), event("response.content_part.done", **where, part=part),
                         event("response.output_item.done", output_index=index, item=item)]
@@ -339,11 +364,12 @@ class ResponsesServing:
                 item["status"] = "in_progress"
                 output.append(item)
                 open_item = item
+                pieces.clear()
                 shown = {**item, "content": []}
                 events += [event("response.output_item.added", output_index=len(output) - 1, item=shown),
                            event("response.content_part.added", item_id=item["id"], output_index=len(output) - 1, content_index=0,
                                  part=dict(item["content"][0]))]
-            open_item["content"][0]["text"] += delta
+            pieces.append(delta)
             where = {"item_id": open_item["id"], "output_index": len(output) - 1, "content_index": 0}
             name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
             return events + [event(name, **where, delta=delta, **({} if kind == "reasoning" else {"logprobs": []}))]
@@ -360,7 +386,9 @@ class ResponsesServing:
                     error = chunk["error"]
                     yield event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))
                     failed = self._response(req, rid, created, output, None, None, "failed")
-                    failed["error"] = {"code": error.get("code") or "server_error", "message": error.get("message")}
+                    # the Responses API's error codes: a full queue is its rate limit, anything else the server's
+                    failed["error"] = {"code": "rate_limit_exceeded" if error.get("code") == "queue_full" else "server_error",
+                                       "message": error.get("message")}
                     yield event("response.failed", response=failed)
                     return
                 if chunk.get("usage") and not chunk["choices"]:
@@ -385,7 +413,7 @@ class ResponsesServing:
                 finish_reason = choice.get("finish_reason") or finish_reason
         finally:
             await chunks.aclose()  # a client that left ends the chat stream too (its engine requests are released)
-        for e in close():
+        for e in close("incomplete" if finish_reason == "length" else "completed"):
             yield e
         response = self._response(req, rid, created, output, finish_reason, usage)
         self._keep(req, response, conversation)
@@ -422,8 +450,11 @@ def output_messages(output: list[dict]) -> list[dict]:
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
     calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
+    reasoning = "".join(part["text"] for item in output if item["type"] == "reasoning" for part in item["content"])
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if calls:
         message["tool_calls"] = calls
-    return [message] if text or calls else []
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return [message] if text or calls or reasoning else []
 
