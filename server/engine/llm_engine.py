@@ -219,7 +219,8 @@ class LLMEngine:
         from kvpilot.server.engine.block_manager import adapter_root
 
         bm = self.block_manager
-        return key == bm.salt or bool(self.lora) and any(key == adapter_root(bm.salt, a.fingerprint) for a in self.lora.by_id.values())
+        # a copy of the adapters: the disk tier's writer thread asks too, while the engine's may register one
+        return key == bm.salt or self.lora is not None and any(key == adapter_root(bm.salt, a.fingerprint) for a in list(self.lora.by_id.values()))
 
     def _lora_registry(self):
         if not self.config.enable_lora:

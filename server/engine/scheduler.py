@@ -162,8 +162,7 @@ class Scheduler:
         passed: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
-            # Preempted with a verification in flight: its length is known once that step's outputs are.
-            if seq.num_unsettled or (seq.adapter and seq.adapter not in adapters and len(adapters) >= self.max_loras):
+            if self._must_wait(seq, adapters):
                 passed.append(self.waiting.popleft())
                 continue
             cached = self.bm.match_prefix(seq) if not seq.block_table else None
@@ -213,13 +212,17 @@ class Scheduler:
         batch.kv_loads += seq.kv_writes[:take]
         del seq.kv_writes[:take]
 
+    def _must_wait(self, seq: Sequence, adapters: set[int]) -> bool:
+        """Whether a waiting sequence cannot be admitted whatever the room: preempted with a verification in
+        flight (its length is known once that step's outputs are), or its adapter one too many for the slots."""
+        return bool(seq.num_unsettled) or bool(seq.adapter and seq.adapter not in adapters and len(adapters) >= self.max_loras)
+
     def num_deferred(self) -> int:
         """Waiting sequences held back by something other than room in the batch or the cache: a tier read
-        or pull in flight, a verification in flight, the LoRA slots (vLLM's "deferred" waiting reason)."""
+        or pull in flight, or what _must_wait says (vLLM's "deferred" waiting reason)."""
         adapters = {seq.adapter for seq in self.running} - {0}
         return sum(1 for seq in list(self.waiting)
-                   if (seq.kv_load is not None and not seq.kv_load.done.is_set()) or seq.num_unsettled
-                   or (seq.adapter and seq.adapter not in adapters and len(adapters) >= self.max_loras))
+                   if (seq.kv_load is not None and not seq.kv_load.done.is_set()) or self._must_wait(seq, adapters))
 
     def _record_loaded(self, seq: Sequence, num_cached: int, num_loaded: int) -> None:
         """seq's prompt blocks num_cached… were read from a tier or pulled: counted by where they came from."""
