@@ -80,21 +80,21 @@ def ttfts(args, new_ids) -> None:
         prefix = new_ids(args.prefix_tokens)
         times["recompute"].append(ttft(llm, prefix + new_ids(16)))
         ttft(llm, new_ids(args.prefix_tokens + 16))  # evicts the prefix from the engine's cache
-        llm.engine.kv_tiers.drain()
+        llm.engine.kv_connector.drain()
         times["tier after eviction"].append(ttft(llm, prefix + new_ids(16)))
         prefix = new_ids(args.prefix_tokens)
         ttft(llm, prefix + new_ids(16))
-        llm.engine.kv_tiers.drain()
+        llm.engine.kv_connector.drain()
         restarted = make()
         times["tier after restart"].append(ttft(restarted, prefix + new_ids(16)))
-        hits_before += restarted.engine.kv_tiers.disk.stats.hit_blocks
+        hits_before += restarted.engine.kv_connector.disk.stats.hit_blocks
         del restarted
         prefix = new_ids(args.prefix_tokens)
         ttft(hosted, prefix + new_ids(16))
         ttft(hosted, new_ids(args.prefix_tokens + 16))
-        hosted.engine.kv_tiers.drain()  # as above: the disk writer done with the evicting prompt's blocks
+        hosted.engine.kv_connector.drain()  # as above: the disk writer done with the evicting prompt's blocks
         times["host tier after eviction"].append(ttft(hosted, prefix + new_ids(16)))
-    stats = llm.engine.kv_tiers.disk.stats
+    stats = llm.engine.kv_connector.disk.stats
     base = statistics.median(times["recompute"])
     rows = [{"path": name, "TTFT s (median)": f"{statistics.median(v):.3f}", "vs recompute": f"{statistics.median(v) / base:.3f}×"}
             for name, v in times.items()]
@@ -103,7 +103,7 @@ def ttfts(args, new_ids) -> None:
     print(table(rows, ["path", "TTFT s (median)", "vs recompute"]))
     print(f"first engine: {stats.hit_blocks} blocks read ({stats.loaded_bytes / 2**20:.0f} MiB in {stats.load_seconds:.2f} s), "
           f"{stats.saved_blocks} saved ({stats.saved_bytes / 2**20:.0f} MiB in {stats.save_seconds:.2f} s); restarted engines read "
-          f"{hits_before} blocks; the host tier: {hosted.engine.kv_tiers.host.stats.hit_blocks} blocks copied back")
+          f"{hits_before} blocks; the host tier: {hosted.engine.kv_connector.host.stats.hit_blocks} blocks copied back")
     del llm, hosted
 
 
@@ -169,11 +169,11 @@ def itl(args, new_ids) -> None:
         windows["saved"] = decode_steps(tiered, clients(), new_ids(long))[1]
         saved = new_ids(long)
         tiered.generate([saved], None)  # its blocks on disk, and in this engine's own cache
-        tiered.engine.kv_tiers.drain()
+        tiered.engine.kv_connector.drain()
         windows["hit"] = decode_steps(tiered, clients(), saved + new_ids(8))[1]
         fresh = engine(kv_offload_dir=directory)  # nothing in memory: the prompt's blocks come from disk
         _, windows["loaded"], windows["in flight"] = decode_steps(fresh, clients(), saved + new_ids(8))
-        reads.append(fresh.engine.kv_tiers.disk.stats)
+        reads.append(fresh.engine.kv_connector.disk.stats)
         del fresh
         medians.append(statistics.median(windows["alone"]))
         for case, window in windows.items():

@@ -58,7 +58,7 @@ def main() -> None:
             times["aggregated"].append(timed(plain, ids, first)[0])
             seconds, out = timed(prefill, ids, SamplingParams(temperature=0, max_tokens=1, kv_transfer=KVTransferParams(do_remote_decode=True)))
             times["prefill"].append(seconds)
-            stats = decode.engine.kv_receiver.stats
+            stats = decode.engine.kv_connector.receiver.stats
             pulled, pull_seconds = stats.pulled_bytes, stats.pull_seconds
             seconds, _ = timed(decode, ids, SamplingParams(temperature=0, max_tokens=1,
                                                            kv_transfer=KVTransferParams.from_dict(out.kv_transfer_params)))
@@ -71,7 +71,7 @@ def main() -> None:
                      "handoff adds s": f"{added:.3f} ({added / med['aggregated']:.0%})", "pull GB/s": f"{statistics.median(rates):.2f}"})
     print(f"machine: {machine()}; threads {args.threads}; rounds {args.rounds} (median); loopback, ZeroMQ")
     print(table(rows, list(rows[0])))
-    stats = decode.engine.kv_receiver.stats
+    stats = decode.engine.kv_connector.receiver.stats
     print(f"decode engine: {stats.pulled_blocks} blocks pulled ({stats.pulled_bytes / 2**20:.0f} MiB), {stats.failed_pulls} pulls short")
 
 

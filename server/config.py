@@ -76,9 +76,9 @@ class EngineConfig(BaseModel):
     kv_transfer_timeout: float = Field(60.0, gt=0, le=3600, description=(
         "Seconds a prefill engine holds blocks nobody pulled, and a decode engine waits for a pull (then computes the blocks itself)."))
     kv_transfer_config: str | None = Field(None, description=(
-        "vLLM's spelling of the KV tiers, as JSON: {\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+        "The KV connector in vLLM's JSON shape (the connector names are kvpilot's own): the KV tiers as {\"kv_connector\": \"KVPilotTiersConnector\", \"kv_role\": \"kv_both\", "
         "\"kv_connector_extra_config\": {\"host_size\": \"8GiB\", \"disk_dir\": \"/kv\", \"disk_size\": \"100GiB\"}} sets "
-        "kv_host_offload_size, kv_offload_dir and kv_offload_size (a flag given too must agree); {\"kv_connector\": \"TCPConnector\", "
+        "kv_host_offload_size, kv_offload_dir and kv_offload_size (a flag given too must agree); {\"kv_connector\": \"KVPilotNixlConnector\", "
         "\"kv_role\": \"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_connector_extra_config\": {\"port\": 5600, \"host\": "
         "\"10.0.0.5\", \"timeout\": 60}} sets kv_role (prefill, decode, both) and kv_transfer_port, _host, _timeout."))
     kv_events_config: str | None = Field(None, description=(
@@ -209,16 +209,11 @@ class EngineConfig(BaseModel):
     def _offload_consistent(self) -> EngineConfig:
         if self.kv_offload_dir is None and self.kv_offload_size != type(self).model_fields["kv_offload_size"].default:
             raise ValueError("kv_offload_size needs kv_offload_dir")
-        if self.kv_host_offload_size and self.tensor_parallel_size > 1:
-            raise ValueError("kv_host_offload_size with tensor_parallel_size > 1 is not implemented (the disk tier is: each rank saves its shard)")
         for tier in ("kv_offload_dir", "kv_host_offload_size"):
             if not getattr(self, tier):
                 continue
             if not self.enable_prefix_caching:
                 raise ValueError(f"{tier} needs enable_prefix_caching (the KV tiers hold the prefix cache's blocks)")
-            if self.speculative_method in ("draft", "eagle3"):
-                raise ValueError(f"{tier} with speculative_method={self.speculative_method} is not implemented (the draft's K/V "
-                                 "shares the blocks and is not saved; ngram is)")
         return self
 
     @model_validator(mode="after")
@@ -230,11 +225,6 @@ class EngineConfig(BaseModel):
             return self
         if not self.enable_prefix_caching:
             raise ValueError(f"kv_role={self.kv_role} needs enable_prefix_caching (blocks are pulled by their prefix-cache keys)")
-        if self.speculative_method in ("draft", "eagle3"):
-            raise ValueError(f"kv_role={self.kv_role} with speculative_method={self.speculative_method} is not implemented (the draft's "
-                             "K/V shares the blocks and is not transferred; ngram is)")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"kv_role={self.kv_role} with tensor_parallel_size > 1 is not implemented (each rank's shard would be pulled)")
         return self
 
     @model_validator(mode="after")
@@ -373,9 +363,9 @@ class KVEventsConfig(BaseModel):
 _SIZE_FIELDS = ("kv_host_offload_size", "kv_offload_size")
 # kv_connector -> (its kv_connector_extra_config keys -> engine fields, their types; the engine field its kv_role sets)
 _KV_CONNECTORS: dict[str, tuple[dict[str, tuple[str, type]], str | None]] = {
-    "OffloadingConnector": ({"host_size": ("kv_host_offload_size", int), "disk_dir": ("kv_offload_dir", str),
+    "KVPilotTiersConnector": ({"host_size": ("kv_host_offload_size", int), "disk_dir": ("kv_offload_dir", str),
                              "disk_size": ("kv_offload_size", int)}, None),
-    "TCPConnector": ({"port": ("kv_transfer_port", int), "host": ("kv_transfer_host", str), "timeout": ("kv_transfer_timeout", float)},
+    "KVPilotNixlConnector": ({"port": ("kv_transfer_port", int), "host": ("kv_transfer_host", str), "timeout": ("kv_transfer_timeout", float)},
                      "kv_role"),
 }
 _KV_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
@@ -396,7 +386,7 @@ def kv_transfer_settings(value: str | dict) -> dict[str, Any]:
     connector = config.get("kv_connector")
     if connector not in _KV_CONNECTORS:
         raise ValueError(f"kv_transfer_config: kv_connector {connector!r} is not implemented; {' and '.join(map(repr, _KV_CONNECTORS))} "
-                         "are (kvpilot's host and disk tiers; prefill/decode over TCP)")
+                         "are (kvpilot's own: its host and disk tiers; prefill/decode over NIXL)")
     keys, role_field = _KV_CONNECTORS[connector]
     role = config.get("kv_role", "kv_both")
     if role not in _KV_ROLES or (role_field is None and role != "kv_both"):

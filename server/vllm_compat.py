@@ -29,7 +29,7 @@ NOTES: dict[str, str] = {
     "--spec-method": "ngram, draft_model (= draft) and eagle3",
     "--kv-events-config": "the same keys; events in vLLM 0.32's wire format with kvpilot's own block keys (the token ids they carry "
                           "are the request's); mediums GPU (the KV cache), CPU (host tier), STORAGE (disk tier)",
-    "--kv-transfer-config": "kv_connector OffloadingConnector (host and disk tiers) and TCPConnector (prefill/decode) only",
+    "--kv-transfer-config": "kv_connector KVPilotTiersConnector (host and disk tiers) and KVPilotNixlConnector (prefill/decode) only",
     "--tokenizer": "only the model's own tokenizer: accepted when it names the model itself; any other value is an error",
     "--generation-config": "auto (the generation_config.json beside the checkpoint or GGUF), vllm (none) or a directory; "
                            "temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens) become "

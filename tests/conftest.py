@@ -7,6 +7,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# NIXL's UCX (prefill/decode tests): over the loopback device only (its TCP transport would use every interface)
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # Triton kernels run in its interpreter on CPU tensors here (read when a kernel module is imported).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 

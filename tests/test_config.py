@@ -393,11 +393,11 @@ def test_speculative_config_bad_types_are_value_errors(spec, refusal):
     (["--kv-offloading-size", "inf"], "--kv-offloading-size: must be a finite positive number of GiB"),
     (["--kv-offloading-size", "nan"], "--kv-offloading-size: must be a finite positive number of GiB"),
     (["--kv-offloading-size", "-1"], "--kv-offloading-size: must be a finite positive number of GiB"),
-    (["--kv-transfer-config", '{"kv_connector": "TCPConnector", "kv_connector_extra_config": {"port": 1e999}}'],
+    (["--kv-transfer-config", '{"kv_connector": "KVPilotNixlConnector", "kv_connector_extra_config": {"port": 1e999}}'],
      "kv_connector_extra_config port must be an integer"),
-    (["--kv-transfer-config", '{"kv_connector": "TCPConnector", "kv_connector_extra_config": {"timeout": [1]}}'],
+    (["--kv-transfer-config", '{"kv_connector": "KVPilotNixlConnector", "kv_connector_extra_config": {"timeout": [1]}}'],
      "kv_connector_extra_config timeout must be a finite number"),
-    (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"host_size": [1]}}'],
+    (["--kv-transfer-config", '{"kv_connector": "KVPilotTiersConnector", "kv_connector_extra_config": {"host_size": [1]}}'],
      "not a size"),
 ])
 def test_odd_numbers_are_value_errors_naming_the_flag(args, refusal):

@@ -131,18 +131,18 @@ def test_an_fp8_disk_tier_hit_equals_plain_fp8_decoding(tmp_path):
     plain.engine.close()
     tiered = lambda: _llm(quantization="none", kv_cache_dtype="fp8", kv_cache_memory="4MiB", kv_offload_dir=str(tmp_path))
     llm = tiered()
-    tier = llm.engine.kv_tiers.disk
+    tier = llm.engine.kv_connector.disk
     assert [greedy(llm, [p])[0] for p in PROMPTS] == reference  # one by one: each evicts the ones before it
     tier.drain()
     assert tier.stats.saved_blocks >= 4 * 8
     assert greedy(llm, [PROMPTS[0]]) == reference[:1] and tier.stats.hit_blocks >= 8
     llm.engine.close()
     restarted = tiered()
-    assert greedy(restarted, PROMPTS[1:3]) == reference[1:3] and restarted.engine.kv_tiers.disk.stats.hit_blocks >= 16
+    assert greedy(restarted, PROMPTS[1:3]) == reference[1:3] and restarted.engine.kv_connector.disk.stats.hit_blocks >= 16
     restarted.engine.close()
     other = _llm(quantization="none", kv_cache_dtype="bfloat16", kv_cache_memory="8MiB", kv_offload_dir=str(tmp_path))
     greedy(other, PROMPTS[:1])
-    assert other.engine.kv_tiers.disk.stats.hit_blocks == 0
+    assert other.engine.kv_connector.disk.stats.hit_blocks == 0
 
 
 @pytest.mark.timeout(120)

@@ -120,7 +120,7 @@ def test_a_subscriber_rebuilds_the_prefix_cache_and_host_tier_from_the_events_wi
     # 16 MiB: 22 blocks of 16 tokens: each prompt (9 blocks) evicts what the one before the last left
     llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB", kv_host_offload_size="4MiB", kv_events_config=events_config())
     engine = llm.engine
-    publisher, bm, host = engine.kv_event_publisher, engine.block_manager, engine.kv_tiers.host
+    publisher, bm, host = engine.kv_event_publisher, engine.block_manager, engine.kv_connector.host
     sub = Subscriber(publisher.endpoint)
     time.sleep(0.3)  # a SUB socket's subscription reaches the PUB side after its connect (ZeroMQ's slow joiner)
 

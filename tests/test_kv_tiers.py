@@ -45,7 +45,7 @@ def tiered(directory, **kwargs):
 @pytest.mark.timeout(240)
 def test_tier_hits_equal_plain_decoding_after_eviction_and_after_a_restart(tmp_path, reference):
     llm = tiered(tmp_path)
-    tier = llm.engine.kv_tiers.disk
+    tier = llm.engine.kv_connector.disk
     assert [greedy(llm, [p])[0] for p in PROMPTS] == reference  # one by one: each evicts the one before it
     tier.drain()
     assert tier.stats.saved_blocks >= 4 * 8 and tier.stats.hit_blocks == 0
@@ -63,8 +63,8 @@ def test_tier_hits_equal_plain_decoding_after_eviction_and_after_a_restart(tmp_p
 
     restarted = tiered(tmp_path)  # a new engine (or another replica) on the same directory
     assert greedy(restarted, PROMPTS[1:3]) == reference[1:3]  # batched, both read back
-    assert restarted.engine.kv_tiers.disk.stats.hit_blocks >= 2 * prompt_blocks - 2
-    assert restarted.engine.kv_tiers.disk.stats.refused_files == 0
+    assert restarted.engine.kv_connector.disk.stats.hit_blocks >= 2 * prompt_blocks - 2
+    assert restarted.engine.kv_connector.disk.stats.refused_files == 0
 
 
 @pytest.mark.timeout(240)
@@ -76,9 +76,9 @@ def test_a_load_beside_running_sequences_is_read_between_steps_and_written_a_few
 
     writer = tiered(tmp_path)
     greedy(writer, [PROMPTS[0]])
-    writer.engine.kv_tiers.drain()
+    writer.engine.kv_connector.drain()
     llm = LLM(num_threads=1, show_progress=False, kv_cache_memory="32MiB", kv_offload_dir=str(tmp_path))  # room for both
-    engine, disk = llm.engine, llm.engine.kv_tiers.disk
+    engine, disk = llm.engine, llm.engine.kv_connector.disk
     engine.scheduler.max_block_writes = 2
     writes, slices = [], []
     write_blocks, read = engine.worker.write_blocks, disk.read
@@ -118,10 +118,10 @@ def test_torn_corrupted_foreign_and_mismatched_files_are_misses(tmp_path, refere
 
     llm = tiered(tmp_path)
     assert greedy(llm, [PROMPTS[0]]) == reference[:1]
-    llm.engine.kv_tiers.drain()
-    first = llm.engine.kv_tiers.disk.path(block_hash(llm.engine.block_manager.salt, llm.engine.tokenizer.encode(PROMPTS[0])[:BLOCK]))
+    llm.engine.kv_connector.drain()
+    first = llm.engine.kv_connector.disk.path(block_hash(llm.engine.block_manager.salt, llm.engine.tokenizer.encode(PROMPTS[0])[:BLOCK]))
     pristine = first.read_bytes()
-    other = next(f for f in _files(llm.engine.kv_tiers.disk) if f != first).read_bytes()
+    other = next(f for f in _files(llm.engine.kv_connector.disk) if f != first).read_bytes()
     header_size = struct.unpack_from("<I", pristine, len(MAGIC))[0]
     header = json.loads(pristine[len(MAGIC) + 4:len(MAGIC) + 4 + header_size])
     lying = dict(header, tokens=[t + 1 for t in header["tokens"]])  # another block's tokens under this key
@@ -135,9 +135,9 @@ def test_torn_corrupted_foreign_and_mismatched_files_are_misses(tmp_path, refere
         first.write_bytes(data)
         fresh = tiered(tmp_path)
         assert greedy(fresh, [PROMPTS[0]]) == reference[:1], kind
-        stats = fresh.engine.kv_tiers.disk.stats
+        stats = fresh.engine.kv_connector.disk.stats
         assert stats.hit_blocks == 0 and stats.refused_files == 1 and stats.miss_blocks == 1, (kind, stats)
-        fresh.engine.kv_tiers.drain()  # the block is computed and saved again: the next case starts whole
+        fresh.engine.kv_connector.drain()  # the block is computed and saved again: the next case starts whole
         assert first.read_bytes() == pristine, kind
 
 
@@ -146,7 +146,7 @@ def test_the_directory_stays_within_its_size_bound(tmp_path):
     from kvpilot.server.engine.kv_tiers import DiskTier
 
     payload = bytes(range(256)) * 16
-    tier = DiskTier(tmp_path, max_bytes=10 * 4500, layout=("torch.float32", (1, 2, 16, 1, 32)), payload_bytes=len(payload))
+    tier = DiskTier(tmp_path, max_bytes=10 * 4500, layout=[["torch.float32", [1, 2, 16, 1, 32]]], payload_bytes=len(payload))
     keys = []
     parent = TEST_SALT
     for i in range(25):
@@ -164,7 +164,6 @@ def test_the_directory_stays_within_its_size_bound(tmp_path):
 
 @pytest.mark.parametrize("settings,refusal", [
     ({"enable_prefix_caching": False}, "needs enable_prefix_caching"),
-    ({"speculative_method": "draft", "speculative_model": "smollm2-135m"}, "speculative_method=draft is not implemented"),
 ])
 def test_what_the_disk_tier_does_not_do_is_refused(tmp_path, settings, refusal):
     from pydantic import ValidationError
@@ -187,12 +186,12 @@ def test_three_ranks_save_and_read_back_their_shards(tmp_path, reference):
     llm = tiered(tmp_path, tensor_parallel_size=3)
     try:
         assert [greedy(llm, [p])[0] for p in PROMPTS] == reference
-        llm.engine.kv_tiers.drain()
+        llm.engine.kv_connector.drain()
         deadline = time.monotonic() + 30  # the other ranks' writers: every block's three shards on disk
         while len(list(tmp_path.glob("*/*-[12].kvblock"))) < 2 * len(list(tmp_path.glob("*/*-0.kvblock"))) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert greedy(llm, [PROMPTS[0]]) == reference[:1]
-        assert llm.engine.kv_tiers.disk.stats.hit_blocks == (len(llm.engine.tokenizer.encode(PROMPTS[0])) - 1) // BLOCK
+        assert llm.engine.kv_connector.disk.stats.hit_blocks == (len(llm.engine.tokenizer.encode(PROMPTS[0])) - 1) // BLOCK
         first = block_hash(llm.engine.block_manager.salt, llm.engine.tokenizer.encode(PROMPTS[1])[:BLOCK])
     finally:
         llm.engine.close()
@@ -202,7 +201,7 @@ def test_three_ranks_save_and_read_back_their_shards(tmp_path, reference):
     restarted = tiered(tmp_path, tensor_parallel_size=3)
     try:
         assert greedy(restarted, PROMPTS[1:3]) == reference[1:3]
-        stats = restarted.engine.kv_tiers.disk.stats
+        stats = restarted.engine.kv_connector.disk.stats
         assert stats.hit_blocks == (len(restarted.engine.tokenizer.encode(PROMPTS[2])) - 1) // BLOCK, stats  # PROMPTS[1]: all computed
     finally:
         restarted.engine.close()
@@ -215,14 +214,14 @@ def test_host_tier_hits_equal_plain_decoding_set_by_kv_transfer_config(tmp_path,
     from kvpilot.server import LLM, SamplingParams
     from kvpilot.server.api.metrics import EngineCollector
 
-    transfer = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    transfer = json.dumps({"kv_connector": "KVPilotTiersConnector", "kv_role": "kv_both",
                            "kv_connector_extra_config": {"host_size": "64MiB", "disk_dir": str(tmp_path)}})
     make = lambda: LLM(num_threads=1, show_progress=False, kv_cache_memory="16MiB", kv_transfer_config=transfer)  # noqa: E731
     llm = make()
-    host, disk = llm.engine.kv_tiers.host, llm.engine.kv_tiers.disk
+    host, disk = llm.engine.kv_connector.host, llm.engine.kv_connector.disk
     assert host is not None and disk is not None and llm.engine.config.kv_host_offload_size == 64 << 20
     assert [greedy(llm, [p])[0] for p in PROMPTS] == reference
-    llm.engine.kv_tiers.drain()
+    llm.engine.kv_connector.drain()
     assert llm.engine.block_manager.match_prefix(_seq(llm, PROMPTS[0])) == []
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == reference[0]
@@ -237,40 +236,54 @@ def test_host_tier_hits_equal_plain_decoding_set_by_kv_transfer_config(tmp_path,
     restarted = make()
     out = restarted.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == reference[1]
-    assert restarted.engine.kv_tiers.host.stats.hit_blocks == 0 and restarted.engine.kv_tiers.disk.stats.hit_blocks == prompt_blocks
+    assert restarted.engine.kv_connector.host.stats.hit_blocks == 0 and restarted.engine.kv_connector.disk.stats.hit_blocks == prompt_blocks
     assert out.metrics.cached_sources == {"disk": prompt_blocks * BLOCK}
 
 
 def test_a_lookup_takes_the_host_tiers_part_of_a_chain_then_the_disks(tmp_path):
+    """The connector's scheduler side over the two tiers (its worker side stood in for: one rank whose
+    block i holds payloads[i])."""
+    from types import SimpleNamespace
+
+    from kvpilot.server.config import EngineConfig
     from kvpilot.server.engine.block_manager import TEST_SALT, block_hash
-    from kvpilot.server.engine.kv_tiers import DiskTier, HostTier, KVTiers
+    from kvpilot.server.engine.kv_connector import KVConnector
+    from kvpilot.server.engine.kv_tiers import DiskTier, HostTier
 
     size = 4096
     payloads = [bytes([i]) * size for i in range(8)]
     host = HostTier(max_bytes=3 * size + 100, payload_bytes=size)  # three blocks
-    tiers = KVTiers(host, DiskTier(tmp_path, 1 << 20, ("torch.uint8", (size,)), size))
+    disk = DiskTier(tmp_path, 1 << 20, [["torch.uint8", [size]]], size)
+    worker = SimpleNamespace(block_bytes=lambda block_id: payloads[block_id])
+    connector = KVConnector(EngineConfig(), SimpleNamespace(host=host, disk=disk, worker=worker, payload_bytes=size), None, None, 1024)
     chunks, keys, parent = [tuple(range(i * 4, i * 4 + 4)) for i in range(8)], [], TEST_SALT
-    for chunk, payload in zip(chunks[:6], payloads):
+    for block_id, chunk in enumerate(chunks[:6]):
         key = block_hash(parent, chunk)
-        assert tiers.save(key, parent, chunk, lambda payload=payload: payload)
+        connector.block_cached(block_id, key, parent, chunk)
         keys.append(key)
         parent = key
-    tiers.drain()
+    connector.save_cached()
+    connector.drain()
     assert host.stats.evicted_blocks == 3 and [host.has(k) for k in keys] == [False] * 3 + [True] * 3  # least recently used out
+    assert disk.stats.saved_blocks == 6
 
-    rows = tiers.disk.free_rows()
-    load = tiers.lookup(TEST_SALT, chunks, 0)  # blocks 0-2 only on disk: the host tier's 3-5 are not reached from the root
-    assert tiers.reading() and not load.done.is_set()
-    tiers.read(0)  # one block at least, then the time is up
+    rows = disk.free_rows()
+    load = connector.find(TEST_SALT, chunks, 0)  # blocks 0-2 only on disk: the host tier's 3-5 are not reached from the root
+    assert disk.reading() and not load.done.is_set() and load.keys == keys
+    disk.read(0)  # one block at least, then the time is up
     assert load.num_read == 1 and not load.done.is_set()
-    tiers.read()
-    assert not tiers.reading() and load.done.is_set() and [p for (p,) in load.payloads] == payloads[:6] and host.stats.hit_blocks == 0
-    assert tiers.disk.free_rows() == rows - 6  # the six blocks read from disk are in read buffers of the arena...
+    connector.wait([])
+    assert not disk.reading() and load.done.is_set() and load.payloads == payloads[:6] and host.stats.hit_blocks == 0
+    assert disk.free_rows() == rows - 6  # the six blocks read from disk are in read buffers of the arena...
     del load
-    assert tiers.disk.free_rows() == rows  # ...free again once nothing holds them
-    load = tiers.lookup(keys[2], chunks[3:], 3)  # from block 3: the host tier has 3-5, done at once; 6-7 nowhere
-    assert load.done.is_set() and [p for (p,) in load.payloads] == payloads[3:6] and host.stats.hit_blocks == 3
-    assert tiers.lookup(keys[5], chunks[6:], 6) is None
+    assert disk.free_rows() == rows  # ...free again once nothing holds them
+    load = connector.find(keys[2], chunks[3:], 3)  # from block 3: the host tier has 3-5, done at once; 6-7 nowhere
+    assert load.done.is_set() and load.payloads == payloads[3:6] and load.num_host == 3 and host.stats.hit_blocks == 3
+    assert connector.find(keys[5], chunks[6:], 6) is None
+    host.put(keys[0], TEST_SALT, chunks[0], payloads[0])  # the host tier's head of the chain, the disk's rest after it
+    load = connector.find(TEST_SALT, chunks, 0)
+    connector.wait([])
+    assert load.num_host == 1 and load.payloads == payloads[:6] and load.keys == keys
     assert HostTier(3 * size, size).chain(TEST_SALT, chunks)[0] == []
     with pytest.raises(ValueError, match="does not hold one block"):
         HostTier(size - 1, size)
@@ -278,16 +291,15 @@ def test_a_lookup_takes_the_host_tiers_part_of_a_chain_then_the_disks(tmp_path):
 
 @pytest.mark.parametrize("settings,refusal", [
     ({"kv_host_offload_size": "1GiB", "enable_prefix_caching": False}, "kv_host_offload_size needs enable_prefix_caching"),
-    ({"kv_host_offload_size": "1GiB", "tensor_parallel_size": 3}, "kv_host_offload_size with tensor_parallel_size > 1 is not implemented"),
     ({"kv_transfer_config": '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}'}, "kv_connector 'LMCacheConnectorV1' is not implemented"),
-    ({"kv_transfer_config": '{"kv_connector": "OffloadingConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"host_size": 1}}'},
+    ({"kv_transfer_config": '{"kv_connector": "KVPilotTiersConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"host_size": 1}}'},
      "kv_role 'kv_producer' is not implemented"),
-    ({"kv_transfer_config": '{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 8}}'},
+    ({"kv_transfer_config": '{"kv_connector": "KVPilotTiersConnector", "kv_connector_extra_config": {"num_cpu_blocks": 8}}'},
      "kv_connector_extra_config takes host_size, disk_dir, disk_size"),
-    ({"kv_transfer_config": '{"kv_connector": "OffloadingConnector", "kv_ip": "1.2.3.4", "kv_connector_extra_config": {"host_size": 1}}'},
+    ({"kv_transfer_config": '{"kv_connector": "KVPilotTiersConnector", "kv_ip": "1.2.3.4", "kv_connector_extra_config": {"host_size": 1}}'},
      "kv_ip not implemented"),
     ({"kv_transfer_config": "{not json"}, "kv_transfer_config is not JSON"),
-    ({"kv_transfer_config": '{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"disk_dir": "/a"}}', "kv_offload_dir": "/b"},
+    ({"kv_transfer_config": '{"kv_connector": "KVPilotTiersConnector", "kv_connector_extra_config": {"disk_dir": "/a"}}', "kv_offload_dir": "/b"},
      "kv_transfer_config sets kv_offload_dir='/a', and kv_offload_dir='/b' was given too"),
 ])
 def test_what_the_host_tier_and_kv_transfer_config_do_not_do_is_refused(settings, refusal):
@@ -336,10 +348,24 @@ def _undeletable(monkeypatch, *paths):
     return attempts
 
 
+def _lookup(tier, chunks):
+    """A read of the blocks of `chunks` (chained from the root) the tier has files for, queued (what
+    the KV connector does with the disk's part of a chain); None when the first has none."""
+    from kvpilot.server.engine.block_manager import TEST_SALT
+    from kvpilot.server.engine.kv_tiers import BlockLoad
+
+    keys = tier.find(TEST_SALT, chunks)
+    if not keys:
+        return None
+    load = BlockLoad(0, TEST_SALT, keys, chunks[:len(keys)])
+    tier.queue(load)
+    return load
+
+
 def _tier(directory, max_bytes=1 << 20):
     from kvpilot.server.engine.kv_tiers import DiskTier
 
-    return DiskTier(directory, max_bytes=max_bytes, layout=("torch.float32", (1, 2, 16, 1, 32)), payload_bytes=4096)
+    return DiskTier(directory, max_bytes=max_bytes, layout=[["torch.float32", [1, 2, 16, 1, 32]]], payload_bytes=4096)
 
 
 def test_eviction_passes_over_a_file_it_cannot_delete_and_keeps_the_bound(tmp_path, monkeypatch, caplog):
@@ -406,10 +432,10 @@ def test_a_file_that_cannot_be_parsed_is_a_miss_logged_once_and_not_read_again(t
     tier.path(foreign).write_bytes(b"not a block file")
     _undeletable(monkeypatch, tier.path(foreign))
     with caplog.at_level("WARNING", logger="kvpilot.server.kv_tiers"):
-        loads = [tier.lookup(TEST_SALT, chunks, 0) for chunks in (deep_chunks, foreign_chunks)]
+        loads = [_lookup(tier, chunks) for chunks in (deep_chunks, foreign_chunks)]
         tier.read()
         assert [(load.done.is_set(), load.payloads) for load in loads] == [(True, [])] * 2
-        assert [tier.lookup(TEST_SALT, chunks, 0) for chunks in (deep_chunks, foreign_chunks)] == [None, None]
+        assert [_lookup(tier, chunks) for chunks in (deep_chunks, foreign_chunks)] == [None, None]
     assert not tier.path(deep).exists() and tier.path(foreign).exists() and tier.total_bytes() == len(b"not a block file")
     assert tier.stats.refused_files == 2 and tier.stats.miss_blocks == 4 and tier.stats.hit_blocks == 0, tier.stats
     records = [(r.levelname, r.exc_info, r.getMessage()) for r in caplog.records]
@@ -503,12 +529,12 @@ def test_a_file_that_cannot_be_opened_is_a_miss_logged_once_and_not_opened_again
     monkeypatch.setattr(kv_tiers, "open", guarded, raising=False)
     _undeletable(monkeypatch, path)
     with caplog.at_level("WARNING", logger="kvpilot.server.kv_tiers"):
-        load = tier.lookup(TEST_SALT, chunks, 0)
+        load = _lookup(tier, chunks)
         tier.read()
         assert load.done.is_set() and load.payloads == []
         for _ in range(3):
             tier._scan()  # what an eviction does first
-            assert tier.lookup(TEST_SALT, chunks, 0) is None
+            assert _lookup(tier, chunks) is None
     assert len(opens) == 1 and path.exists() and tier.stats.hit_blocks == 0 and tier.stats.miss_blocks == 4, (opens, tier.stats)
     reads = [r.getMessage() for r in caplog.records if "Permission denied" in r.getMessage()]
     assert len(reads) == 1 and path.name in reads[0], [r.getMessage() for r in caplog.records]

@@ -83,23 +83,23 @@ def test_prefill_then_decode_equals_the_aggregated_engine_one_and_batched(prefil
     free = prefill.engine.block_manager.num_free_blocks
     # one request
     [sent] = prefilled(prefill, PROMPTS[:1])
-    assert sent["do_remote_prefill"] and sent["remote_port"] == prefill.engine.kv_sender.port
+    assert sent["do_remote_prefill"] and sent["remote_port"] == prefill.engine.kv_connector.sender.port
     assert len(sent["remote_block_ids"]) == prompt_blocks(prefill, PROMPTS[0])
-    assert prefill.engine.kv_sender.num_held_blocks() == prompt_blocks(prefill, PROMPTS[0])  # held until pulled
+    assert prefill.engine.kv_connector.sender.num_held_blocks() == prompt_blocks(prefill, PROMPTS[0])  # held until pulled
     [out] = decode.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(sent)))
     assert out.outputs[0].token_ids == reference[0]
     pulled = prompt_blocks(decode, PROMPTS[0])
     # the decode side computed only the prompt's tail: a side that recomputed would have pulled nothing
-    assert decode.engine.kv_receiver.stats.pulled_blocks == pulled and out.num_cached_tokens == pulled * BLOCK
+    assert decode.engine.kv_connector.receiver.stats.pulled_blocks == pulled and out.num_cached_tokens == pulled * BLOCK
     assert out.metrics.cached_sources == {"p2p": pulled * BLOCK}  # (#70: prompt_tokens_cached_by_source)
     # a batch of two more
     sent = prefilled(prefill, PROMPTS[1:])
     outs = decode.generate(PROMPTS[1:], [params(kv_transfer=KVTransferParams.from_dict(p)) for p in sent])
     assert [o.outputs[0].token_ids for o in outs] == reference[1:]
-    assert decode.engine.kv_receiver.stats.pulled_blocks == sum(prompt_blocks(decode, p) for p in PROMPTS)
-    assert decode.engine.kv_receiver.stats.failed_pulls == 0
+    assert decode.engine.kv_connector.receiver.stats.pulled_blocks == sum(prompt_blocks(decode, p) for p in PROMPTS)
+    assert decode.engine.kv_connector.receiver.stats.failed_pulls == 0
     prefill.generate(["a step"], params(max_tokens=1))  # the prefill engine's loop gives pulled holds back
-    assert prefill.engine.kv_sender.num_held_blocks() == 0 and prefill.engine.block_manager.num_free_blocks == free
+    assert prefill.engine.kv_connector.sender.num_held_blocks() == 0 and prefill.engine.block_manager.num_free_blocks == free
     assert decode.engine.block_manager.num_free_blocks == decode.engine.block_manager.num_blocks
 
 
@@ -121,7 +121,7 @@ def test_a_prefill_engine_gone_an_unpulled_hold_and_other_settings_recompute_or_
     assert time.monotonic() - started < 15  # the timeout is 30 s
     assert [o.outputs[0].token_ids for o in outs[:2]] + [outs[3].outputs[0].token_ids] == [*reference[1:], reference[0]]
     assert [o.num_cached_tokens for o in outs[:3]] == [0, 0, 0] and outs[3].num_cached_tokens > 0
-    stats = decode.engine.kv_receiver.stats
+    stats = decode.engine.kv_connector.receiver.stats
     assert stats.failed_pulls == 3 and stats.pulled_blocks == prompt_blocks(decode, PROMPTS[0])
     assert decode.engine.block_manager.num_free_blocks == decode.engine.block_manager.num_blocks
 
@@ -129,10 +129,10 @@ def test_a_prefill_engine_gone_an_unpulled_hold_and_other_settings_recompute_or_
     prefill.engine.step()  # (gives back the blocks pulled above)
     free = prefill.engine.block_manager.num_free_blocks
     prefilled(prefill, PROMPTS[1:2])
-    assert prefill.engine.kv_sender.num_held_blocks() > 0
+    assert prefill.engine.kv_connector.sender.num_held_blocks() > 0
     time.sleep(3.2)
     prefill.generate(["a step"], params(max_tokens=1))
-    assert prefill.engine.kv_sender.num_held_blocks() == 0 and prefill.engine.kv_sender.stats.expired_transfers >= 1
+    assert prefill.engine.kv_connector.sender.num_held_blocks() == 0 and prefill.engine.kv_connector.sender.stats.expired_transfers >= 1
     assert prefill.engine.block_manager.num_free_blocks == free
 
     # a decode engine of other settings (its KV identity differs): refused by identity, computed here
@@ -141,8 +141,8 @@ def test_a_prefill_engine_gone_an_unpulled_hold_and_other_settings_recompute_or_
     other.engine.block_manager.cached.clear()  # (its own prefix cache must not answer instead)
     [sent] = prefilled(prefill, PROMPTS[2:])
     [out] = other.generate(PROMPTS[2:], params(kv_transfer=KVTransferParams.from_dict(sent)))
-    assert out.outputs[0].token_ids == own and other.engine.kv_receiver.stats.failed_pulls == 1
-    assert other.engine.kv_receiver.stats.pulled_blocks == 0
+    assert out.outputs[0].token_ids == own and other.engine.kv_connector.receiver.stats.failed_pulls == 1
+    assert other.engine.kv_connector.receiver.stats.pulled_blocks == 0
 
 
 @pytest.fixture
@@ -165,6 +165,8 @@ def test_transfer_params_not_signed_by_the_pool_are_refused_before_any_connectio
     for, for every later request sharing the prompt. Now only params a prefill engine of the pool
     signed are taken: a client's, a signed one pointed elsewhere, one signed with another secret are
     refused at admission, and the puller itself never connects for them."""
+    from kvpilot.server.engine.block_manager import block_hash
+    from kvpilot.server.engine.kv_tiers import BlockLoad
     from kvpilot.server.engine.kv_trust import sign_params
     from kvpilot.server.engine.limits import RequestRejected
     from kvpilot.server.engine.sampling_params import KVTransferParams
@@ -179,11 +181,12 @@ def test_transfer_params_not_signed_by_the_pool_are_refused_before_any_connectio
         with pytest.raises(RequestRejected, match="not signed by a prefill engine of this engine's pool") as refused:
             decode.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(bad)))
         assert refused.value.param == "kv_transfer_params"
-    load = decode.engine.kv_receiver.pull(KVTransferParams.from_dict(forged), decode.engine.block_manager.salt, [tuple(ids[:BLOCK])], 0)
+    salt, chunk = decode.engine.block_manager.salt, tuple(ids[:BLOCK])
+    load = decode.engine.kv_connector.receiver.pull(KVTransferParams.from_dict(forged), BlockLoad(0, salt, [block_hash(salt, chunk)], [chunk]))
     assert load.done.wait(10) and load.payloads == []  # the puller refuses them too (defence in depth)
     assert fake.poll(500) == 0  # nobody connected to the forger's server
     [out] = decode.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(signed)))  # the pool's own: pulled
-    assert decode.engine.kv_receiver.stats.pulled_blocks == prompt_blocks(decode, PROMPTS[0]) and out.num_cached_tokens > 0
+    assert decode.engine.kv_connector.receiver.stats.pulled_blocks == prompt_blocks(decode, PROMPTS[0]) and out.num_cached_tokens > 0
 
 
 @pytest.mark.timeout(120)
@@ -201,7 +204,7 @@ def test_the_transfer_port_serves_the_pool_alone_and_survives_what_a_member_send
     from kvpilot.server.engine.sampling_params import KVTransferParams
 
     [sent] = prefilled(prefill, PROMPTS[:1])
-    address = f"tcp://127.0.0.1:{prefill.engine.kv_sender.port}"
+    address = f"tcp://127.0.0.1:{prefill.engine.kv_connector.sender.port}"
     context = zmq.Context.instance()
 
     def connect(keys: tuple[bytes, bytes] | None):
@@ -244,7 +247,7 @@ def test_the_transfer_port_serves_the_pool_alone_and_survives_what_a_member_send
     assert "JSON object" in answer()["error"]
     member.send(json.dumps({"transfer": sent["remote_request_id"], "keys": [], "mac": "0" * 64}).encode())
     assert "not signed" in answer()["error"]
-    assert prefill.engine.kv_sender.num_held_blocks() == len(sent["remote_block_ids"])  # still held for the pool's pull
+    assert prefill.engine.kv_connector.sender.num_held_blocks() == len(sent["remote_block_ids"])  # still held for the pool's pull
     events(monitor, 0.2)
     member.send(b"x" * (64 << 20))
     assert zmq.EVENT_DISCONNECTED in events(monitor, 20, until=zmq.EVENT_DISCONNECTED)
@@ -253,7 +256,7 @@ def test_the_transfer_port_serves_the_pool_alone_and_survives_what_a_member_send
     decode = engine(kv_role="decode", kv_transfer_timeout=10)
     [out] = decode.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(sent)))
     assert out.outputs[0].token_ids == reference[0]
-    assert decode.engine.kv_receiver.stats.pulled_blocks == prompt_blocks(decode, PROMPTS[0])
+    assert decode.engine.kv_connector.receiver.stats.pulled_blocks == prompt_blocks(decode, PROMPTS[0])
 
 
 def test_prefill_and_decode_engines_need_the_pools_secret(monkeypatch):
@@ -272,11 +275,9 @@ def test_prefill_and_decode_engines_need_the_pools_secret(monkeypatch):
 
 @pytest.mark.parametrize("settings,refusal", [
     ({"kv_role": "prefill", "enable_prefix_caching": False}, "kv_role=prefill needs enable_prefix_caching"),
-    ({"kv_role": "decode", "tensor_parallel_size": 3}, "kv_role=decode with tensor_parallel_size > 1 is not implemented"),
-    ({"kv_role": "both", "speculative_method": "draft", "speculative_model": "smollm2-135m"}, "speculative_method=draft is not implemented"),
     ({"kv_transfer_port": 7000}, "kv_transfer_port need kv_role"),
     ({"kv_transfer_config": '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}'}, "kv_connector 'NixlConnector' is not implemented"),
-    ({"kv_transfer_config": '{"kv_connector": "TCPConnector", "kv_role": "kv_leader"}'}, "kv_role 'kv_leader' is not implemented"),
+    ({"kv_transfer_config": '{"kv_connector": "KVPilotNixlConnector", "kv_role": "kv_leader"}'}, "kv_role 'kv_leader' is not implemented"),
 ])
 def test_what_disaggregation_does_not_do_is_refused(settings, refusal):
     import re
@@ -287,7 +288,7 @@ def test_what_disaggregation_does_not_do_is_refused(settings, refusal):
 
     with pytest.raises(ValidationError, match=re.escape(refusal)):
         EngineConfig(**settings)
-    config = EngineConfig(kv_transfer_config='{"kv_connector": "TCPConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": '
+    config = EngineConfig(kv_transfer_config='{"kv_connector": "KVPilotNixlConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": '
                                              '{"timeout": 5}}')
     assert (config.kv_role, config.kv_transfer_timeout) == ("decode", 5.0)
 

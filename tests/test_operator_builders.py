@@ -618,8 +618,8 @@ def test_the_kv_disk_tier_is_a_shared_claim_or_a_per_pod_directory():
     assert "kvOffload is the kvpilot engine's KV tiers" in problem
     body = {"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "engineSettings": {
         "kvOffload": {}, "speculative": {"method": "draft", "draftModel": "smollm2-135m"}}}}
-    parsed, problems = parse_spec(body)
-    assert problems and "speculative_method=draft is not implemented" in problems[0][1], problems
+    parsed, problems = parse_spec(body)  # (a drafter's K/V moves with the blocks: the two compose)
+    assert not problems and parsed.engineSettings.speculative.method == "draft", problems
 
 
 def test_the_kv_host_tier_sizes_the_engines_flag_with_or_without_a_disk_tier():

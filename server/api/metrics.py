@@ -250,14 +250,14 @@ class EngineCollector:
             yield from self._spec_decode("spec_decode_", spec)
             if spec.lookup is not None:  # --speculative-lookup: the looked-up proposals' share of them
                 yield from self._spec_decode("spec_decode_lookup_", spec.lookup)
-        tiers = self.engine.kv_tiers
-        host = tiers.host if tiers is not None else None
+        connector = self.engine.kv_connector  # (kv_connector.py: the tiers and prefill/decode)
+        host = connector.host if connector is not None else None
         if host is not None:  # the host tier (kv_tiers.py)
             h = host.stats
             for name in ("hit_blocks", "miss_blocks", "loaded_bytes", "saved_blocks", "saved_bytes", "evicted_blocks"):
                 yield counter("kv_host_tier_" + name, getattr(h, name))
             yield gauge("kv_host_tier_bytes", host.total_bytes())
-        sender, receiver = self.engine.kv_sender, self.engine.kv_receiver
+        sender, receiver = (connector.sender, connector.receiver) if connector is not None else (None, None)
         if sender is not None:  # prefill/decode disaggregation (kv_transfer.py), the prefill side
             for name in ("held_transfers", "sent_blocks", "sent_bytes", "expired_transfers"):
                 yield counter("kv_transfer_" + name, getattr(sender.stats, name))
@@ -265,7 +265,7 @@ class EngineCollector:
         if receiver is not None:  # the decode side
             for name in ("pulled_blocks", "pulled_bytes", "failed_pulls", "pull_seconds"):
                 yield counter("kv_transfer_" + name, getattr(receiver.stats, name))
-        tier = tiers.disk if tiers is not None else None
+        tier = connector.disk if connector is not None else None
         if tier is not None:  # the disk tier (kv_tiers.py)
             for name in ("hit_blocks", "miss_blocks", "refused_files", "loaded_bytes", "saved_blocks", "saved_bytes", "dropped_saves",
                          "evicted_files", "load_seconds", "save_seconds"):

@@ -60,6 +60,12 @@ class Drafter:
         """Its KV cache of num_blocks blocks (and the scratch block)."""
         raise NotImplementedError
 
+    def cache_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Its KV cache's (keys, values) per layer, indexed by the target's block ids: a block saved to a
+        KV tier or handed to a decode engine carries them with the target's (the drafter's cache of a
+        loaded prefix is moved, not recomputed)."""
+        raise NotImplementedError
+
     def profiled_models(self) -> list[DecoderModel]:
         """Models whose activations the CUDA budget reserves beside the target's."""
         return []
@@ -170,6 +176,9 @@ class DraftModel(Drafter):
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(c.num_layers)]
 
+    def cache_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.kv_caches
+
     def profiled_models(self) -> list[DecoderModel]:
         return [self.model]
 
@@ -276,6 +285,9 @@ class Eagle3(Drafter):
     def block_bytes(self) -> int:
         c = self.head.config
         return 2 * self.block_size * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=self.kv_dtype).element_size()
+
+    def cache_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.kv_cache]
 
     def allocate(self, num_blocks: int) -> None:
         self.scratch_block = num_blocks

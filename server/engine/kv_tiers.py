@@ -1,4 +1,4 @@
-"""The tiers below the KV cache, behind one seam (KVTiers, the engine's connector): a host tier (blocks
+"""The tiers below the KV cache (the KV connector, kv_connector.py, chains them): a host tier (blocks
 in host memory, least recently used out first) and a disk tier, full blocks' K/V in files named by
 their SHA-256 block key, under a directory that several engines (replicas on one shared volume, or one
 engine across restarts) may use. A block is saved to each tier; a lookup takes what the host tier holds
@@ -13,10 +13,11 @@ admitted with those blocks counted as computed, and the worker writes them into 
 before a step's forward pass (a few per step while other sequences run; it computes once all are).
 
 Under tensor parallelism each rank saves its own shard of a block (`<key>-<rank>.kvblock`; the keys
-of a tensor-parallel engine differ from a single-process one's, its salt holds the world size). Rank 0
-reads and verifies every rank's shard before a block counts as found, and sends each rank its shard
-with the step: a block is loaded on all ranks or on none. Rank 0 keeps the directory's index and
-evicts a block's shards together.
+of a tensor-parallel engine differ from a single-process one's, its salt holds the world size) and
+reads it back itself when the block is written, verified as rank 0 verifies its own ahead: when one
+rank's shard fails, every rank drops the load and the block is computed (a block is loaded on all
+ranks or on none). Rank 0 keeps the directory's index and evicts a block's shards together. The host
+tier is per rank too: rank 0's decides what is held and evicted, the others hold their shards of it.
 
 A file is trusted only when everything in it matches what the reader asked for: the magic, its key,
 parent key and token ids (and the key recomputed from those two), its rank, the K/V layout (dtype and
@@ -46,7 +47,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -92,31 +93,37 @@ class TierStats:
 
 @dataclass(slots=True)
 class BlockLoad:
-    """A waiting sequence's read from the disk tier: blocks first_index, first_index + 1, ... of its
-    prompt, as far as the files were found and verified (per block, every rank's shard)."""
+    """A waiting sequence's blocks from outside the cache (kv_connector.py): blocks first_index,
+    first_index + 1, ... of its prompt, from the host tier (the first num_host), then from `source`:
+    the disk tier (read and verified between steps, rank 0's shard; the other ranks read theirs when
+    the blocks are written) or a prefill engine (p2p: every rank reads its shard then)."""
 
     first_index: int
     parent: bytes                      # the key before the first block's
     keys: list[bytes]
     chunks: list[tuple[int, ...]]      # each block's token ids
-    payloads: list[list[bytes | memoryview]] = field(default_factory=list)
+    payloads: list[Payload | None] = field(default_factory=list)  # rank 0's K/V of each block found so far (None: read when written)
     done: threading.Event = field(default_factory=threading.Event)
     num_read: int = 0                  # of keys, read (or refused) so far
     num_host: int = 0                  # leading payloads from the host tier (the rest from `source`)
     source: str = "disk"               # where the others come from: disk, p2p (a prefill engine)
+    remote: Any = None                 # p2p: kv_transfer.RemoteBlocks (the prefill engine's ranks and block ids)
+    num_taken: int = 0                 # blocks the scheduler took at admission
+    num_written: int = 0               # of them, written into the cache on every rank
 
 
 class DiskTier:
-    def __init__(self, directory: str | Path, max_bytes: int, layout: tuple[str, tuple[int, ...]], payload_bytes: int,
+    def __init__(self, directory: str | Path, max_bytes: int, layout: list, payload_bytes: int,
                  rank: int = 0, world_size: int = 1, max_pending_bytes: int = 256 << 20, events: KVEventRecorder | None = None):
-        """layout: the K/V's dtype name and shape of one block (one rank's shard) as the worker gives
-        it; payload_bytes: its size. Rank 0 reads (read(), on the engine's thread) and keeps the index
-        (every rank's files); the other ranks only write their shards. Saves beyond max_pending_bytes in
+        """layout: the regions' dtype names and block shapes of one block (this rank's shard) as the
+        worker gives them; payload_bytes: its size. Rank 0 keeps the index (every rank's files) and reads
+        its shards ahead (read(), on the engine's thread); every rank writes its shards and reads them
+        when their blocks are written (read_block). Saves beyond max_pending_bytes in
         the writer's queue are dropped (counted). events: told of the blocks this engine writes and deletes
         (not those of other replicas sharing the directory: theirs announce them)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_bytes, self.layout, self.payload_bytes = max_bytes, [layout[0], list(layout[1])], payload_bytes
+        self.max_bytes, self.layout, self.payload_bytes = max_bytes, layout, payload_bytes
         self.rank, self.world_size = rank, world_size
         self.max_pending_bytes = max_pending_bytes
         self.events = events
@@ -141,7 +148,7 @@ class DiskTier:
         # A row is free again once nothing holds its payload (written into the cache, or dropped with its
         # sequence); while every row is taken, reads go into fresh buffers.
         self._buffer_bytes = payload_bytes + (64 << 10)  # a file: its header (~1 KB) and payload
-        self._arena = torch.zeros((max(1, min(READ_ARENA_BYTES, max_bytes) // self._buffer_bytes) if rank == 0 else 0, self._buffer_bytes),
+        self._arena = torch.zeros((max(1, min(READ_ARENA_BYTES, max_bytes) // self._buffer_bytes), self._buffer_bytes),
                                   dtype=torch.uint8).numpy()
         self._free_rows: list[int] = list(range(len(self._arena)))
 
@@ -244,13 +251,11 @@ class DiskTier:
             return refuse("payload checksum mismatch (corrupted)")
         return payload
 
-    # --- loads (rank 0) ---------------------------------------------------------------------
-    def lookup(self, parent: bytes, chunks: list[tuple[int, ...]], first_index: int,
-               found: list[list[bytes]] | None = None) -> BlockLoad | None:
-        """A read of the blocks whose files exist, chained from `parent` over `chunks` (the prompt's full
-        blocks past the in-memory hits), queued for read(); None when the first is not on disk.
-        found: blocks before `chunks` another tier already had (the load starts with them)."""
-        keys, first_parent = [], parent
+    # --- loads ----------------------------------------------------------------------------------
+    def find(self, parent: bytes, chunks: list[tuple[int, ...]]) -> list[bytes]:
+        """Rank 0: the keys of the blocks chained from `parent` over `chunks` whose every rank's file is
+        there (and not known bad), as far as they go."""
+        keys = []
         for chunk in chunks:
             key = block_hash(parent, chunk)
             paths = [self.path(key, r) for r in range(self.world_size)]
@@ -258,44 +263,41 @@ class DiskTier:
                 break
             keys.append(key)
             parent = key
-        if not keys:
-            if chunks:
-                with self._lock:
-                    self.stats.miss_blocks += 1
-            return None
-        load = BlockLoad(first_index, first_parent, keys, [tuple(c) for c in chunks[:len(keys)]], list(found or ()))
-        self._loads.append(load)
-        return load
+        if len(keys) < len(chunks):
+            with self._lock:
+                self.stats.miss_blocks += 1
+        return keys
 
-    def _read(self, key: bytes, parent: bytes, chunk: tuple[int, ...]) -> list[bytes] | None:
-        """Every rank's shard of one block, verified (and the block touched: recently used); None (the
-        bad file removed) when one is not."""
-        shards, size = [], 0
-        for rank in range(self.world_size):
-            path = self.path(key, rank)
-            try:
-                data = self._read_file(path)
-            except FileNotFoundError:
-                return None  # evicted since the lookup (by another replica): computed, and saved again
-            except PermissionError as e:
-                # Another uid's 0600 file on a shared volume: passed over from now on (neither opened nor logged
-                # again on each lookup), and left to its owner.
-                log.warning("disk tier: %s cannot be read (%s): passed over from now on", path.name, e)
-                with self._lock:
-                    self._bad.add(path)
-                    self._unreadable.add(path)
-                return None
-            except OSError as e:  # no file descriptor left, an I/O error: this read misses, the file stays
-                log.warning("disk tier: reading %s failed (%s): computing the block instead", path.name, e)
-                return None
-            payload = self.decode(data, key, parent, chunk, rank)
-            if payload is None:
-                self._discard(key)  # the block is computed and saved again
-                return None
-            shards.append(payload)
-            size += len(data)
-        self._touch(key, size)
-        return shards
+    def queue(self, load: BlockLoad) -> None:
+        """Rank 0: read (read()) the load's blocks from load.num_read on."""
+        self._loads.append(load)
+
+    def read_block(self, key: bytes, parent: bytes, chunk: tuple[int, ...]) -> memoryview | None:
+        """This rank's shard of one block, verified (on rank 0 the block touched: recently used); None
+        (a bad file removed) when it is not."""
+        path = self.path(key)
+        try:
+            data = self._read_file(path)
+        except FileNotFoundError:
+            return None  # evicted since the lookup (by another replica): computed, and saved again
+        except PermissionError as e:
+            # Another uid's 0600 file on a shared volume: passed over from now on (neither opened nor logged
+            # again on each lookup), and left to its owner.
+            log.warning("disk tier: %s cannot be read (%s): passed over from now on", path.name, e)
+            with self._lock:
+                self._bad.add(path)
+                self._unreadable.add(path)
+            return None
+        except OSError as e:  # no file descriptor left, an I/O error: this read misses, the file stays
+            log.warning("disk tier: reading %s failed (%s): computing the block instead", path.name, e)
+            return None
+        payload = self.decode(data, key, parent, chunk, self.rank)
+        if payload is None:
+            self._discard(key)  # the block is computed and saved again
+            return None
+        if self.rank == 0:
+            self._touch(key, self.world_size * len(data))
+        return payload
 
     def _read_file(self, path: Path) -> memoryview:
         """A file's bytes, in a free row of the arena when there is one (the row is freed with the last
@@ -328,21 +330,21 @@ class DiskTier:
             key, parent = load.keys[load.num_read], load.keys[load.num_read - 1] if load.num_read else load.parent
             began = time.perf_counter()
             try:
-                shards = self._read(key, parent, load.chunks[load.num_read])
+                payload = self.read_block(key, parent, load.chunks[load.num_read])
             except Exception:  # noqa: BLE001 - a read that fails is a miss; the engine goes on
                 log.exception("disk tier: reading a block failed")
-                shards = None
+                payload = None
             load.num_read += 1
             with self._lock:
                 self.stats.load_seconds += time.perf_counter() - began
-                if shards is None:
+                if payload is None:
                     self.stats.miss_blocks += 1
                 else:
                     self.stats.hit_blocks += 1
-                    self.stats.loaded_bytes += sum(len(s) for s in shards)
-            if shards is not None:
-                load.payloads.append(shards)
-            if shards is None or load.num_read == len(load.keys):
+                    self.stats.loaded_bytes += len(payload)  # (rank 0's shard: the other ranks read theirs when writing)
+            if payload is not None:
+                load.payloads.append(payload)
+            if payload is None or load.num_read == len(load.keys):
                 self._loads.popleft()
                 load.done.set()
             if seconds is not None and time.perf_counter() - started >= seconds:
@@ -536,7 +538,8 @@ class HostTier:
     def has(self, key: bytes) -> bool:
         return key in self._blocks
 
-    def put(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], payload: Payload) -> None:
+    def put(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], payload: Payload) -> list[bytes]:
+        """Hold a block (the least recently used go past the bound); the keys that went."""
         new = key not in self._blocks
         self._blocks[key] = (parent, tuple(token_ids), payload)
         self._blocks.move_to_end(key)
@@ -544,16 +547,18 @@ class HostTier:
         self.stats.saved_bytes += self.payload_bytes
         if new and self.events is not None:
             self.events.stored([key], parent, token_ids, medium=MEDIUM_HOST)
+        evicted = []
         while len(self._blocks) > self.max_blocks:
-            evicted, _ = self._blocks.popitem(last=False)
+            evicted.append(self._blocks.popitem(last=False)[0])
             self.stats.evicted_blocks += 1
-            if self.events is not None:
-                self.events.removed([evicted], MEDIUM_HOST)
+        if evicted and self.events is not None:
+            self.events.removed(evicted, MEDIUM_HOST)
+        return evicted
 
-    def chain(self, parent: bytes, chunks: list[tuple[int, ...]]) -> tuple[list[Payload], bytes]:
-        """The payloads of the blocks held here chained from `parent` over `chunks`, as far as they go,
-        and the key after the last one (each touched: recently used)."""
-        found = []
+    def chain(self, parent: bytes, chunks: list[tuple[int, ...]]) -> tuple[list[Payload], list[bytes]]:
+        """The payloads and keys of the blocks held here chained from `parent` over `chunks`, as far as
+        they go (each touched: recently used)."""
+        found, keys = [], []
         for chunk in chunks:
             key = block_hash(parent, chunk)
             entry = self._blocks.get(key)
@@ -561,73 +566,20 @@ class HostTier:
                 break
             self._blocks.move_to_end(key)
             found.append(entry[2])
+            keys.append(key)
             parent = key
         self.stats.hit_blocks += len(found)
         self.stats.loaded_bytes += len(found) * self.payload_bytes
         self.stats.miss_blocks += len(found) < len(chunks)
-        return found, parent
+        return found, keys
 
     def total_bytes(self) -> int:
         return len(self._blocks) * self.payload_bytes
 
-    def clear(self) -> int:
+    def clear(self) -> list[bytes]:
+        """Every block dropped; their keys."""
         keys = list(self._blocks)
         self._blocks.clear()
         if keys and self.events is not None:
             self.events.removed(keys, MEDIUM_HOST)
-        return len(keys)
-
-
-class KVTiers:
-    """The engine's one seam to the tiers below its KV cache (the connector, in vLLM's words): a block
-    that joins the prefix cache is saved to each tier; a waiting sequence's prompt blocks past its
-    in-memory hits are looked up in the host tier, then on disk, and come back as one load."""
-
-    def __init__(self, host: HostTier | None, disk: DiskTier | None):
-        self.host, self.disk = host, disk
-
-    def save(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], read_payload: Callable[[], Payload]) -> bool:
-        """Save a computed block (its K/V copied off the cache once, now); True when the disk tier
-        queued it (under tensor parallelism the other ranks then save their shards)."""
-        payload = None
-        if self.host is not None and not self.host.has(key):
-            payload = read_payload()
-            self.host.put(key, parent, token_ids, payload)
-        if self.disk is None:
-            return False
-        return self.disk.save(key, parent, token_ids, read_payload if payload is None else lambda: payload)
-
-    def lookup(self, parent: bytes, chunks: list[tuple[int, ...]], first_index: int) -> BlockLoad | None:
-        """The blocks of `chunks` (chained from `parent`) the tiers hold, in order, as far as they go;
-        None when the first is in none. Done at once when the host tier had them all."""
-        found: list[Payload] = []
-        if self.host is not None:
-            found, parent = self.host.chain(parent, chunks)
-        rest = chunks[len(found):]
-        shards = [[payload] for payload in found]
-        if self.disk is not None and rest:
-            load = self.disk.lookup(parent, rest, first_index, shards)
-            if load is not None:
-                load.num_host = len(found)
-                return load
-        if not found:
-            return None
-        load = BlockLoad(first_index, parent, [], [], shards, num_host=len(found))
-        load.done.set()
-        return load
-
-    def read(self, seconds: float | None = None) -> None:
-        """The disk tier's queued reads, for about `seconds` (None: all)."""
-        if self.disk is not None:
-            self.disk.read(seconds)
-
-    def reading(self) -> bool:
-        return self.disk is not None and self.disk.reading()
-
-    def clear(self) -> int:
-        """Every block of both tiers dropped (a prefix-cache reset); how many."""
-        return (self.host.clear() if self.host is not None else 0) + (self.disk.clear() if self.disk is not None else 0)
-
-    def drain(self) -> None:
-        if self.disk is not None:
-            self.disk.drain()
+        return keys

@@ -1,19 +1,25 @@
 """Prefill/decode disaggregation: a prefill engine holds a finished prompt's KV blocks for a decode
-engine to pull over TCP (ZeroMQ), and the decode engine loads them like a KV tier read.
+engine to pull, and the decode engine loads them like a KV tier read (the KV connector's P/D part,
+kv_connector.py). The metadata — which blocks, under which keys, where — crosses this module's
+transfer port (ZeroMQ); the K/V itself is read by every decode rank from the prefill rank of the same
+index with NIXL (kv_nixl.py), straight into its cache blocks.
 
 Prefill side (KVSender): a request with kv_transfer_params.do_remote_decode runs as usual; when it
 ends, its prompt's full blocks are held (a reference each, so nothing evicts or reuses them) under a
 transfer id, and its output carries the params to pass on, signed. A ROUTER socket serves a pull of
-that id: the held blocks' keys and K/V, then the hold is released (by the engine's loop: the block
-manager is its alone). A hold nobody pulls is released after `timeout` seconds.
+that id: the held blocks' keys and ids, the tensor-parallel size and each rank's NIXL agent; the hold
+is released (by the engine's loop: the block manager is its alone) when the decode engine says its
+ranks have read the blocks, or after `timeout` seconds.
 
 Decode side (KVReceiver): a request with do_remote_prefill waits like a sequence whose blocks are on
-disk while a puller thread asks the prefill engine for them. Each pulled block is used only when its
+disk while a puller thread asks the prefill engine for them. A prefill engine of another tensor
+parallelism is refused by name. Each pulled block is used only when its
 key is the one this engine computes for the prompt's tokens: keys chain from a salt of the engine's
 identity (model files, block size, dtypes, ...), so a prefill engine of another model or settings
 gives no block that counts, and a block of other tokens cannot slip in. What is not pulled (a prefill
 engine gone, a timeout, a mismatch) is computed here: never wrong tokens, never a failed request for
-that reason. The prompt's last token is always computed (its logits are needed).
+that reason; nor is a read that fails on any rank (every rank then drops the blocks: kv_connector.py).
+The prompt's last token is always computed (its logits are needed).
 
 Trust: the engines of one pool share a secret (KVPILOT_KV_TRANSFER_SECRET; the operator makes one
 per service). A key check alone cannot tell true K/V from false K/V under the right keys, and the
@@ -22,9 +28,12 @@ anywhere and cache what comes back for every tenant. Hence: the prefill engine s
 hands out (HMAC over where and what), and a decode engine refuses params that do not verify (a
 client's: a 400) before it connects anywhere. The transfer port speaks ZeroMQ's CURVE with a key
 pair derived from the secret: a peer without it never completes the handshake, so it can neither
-send a frame (nor fill memory with them) nor read the K/V, which crosses the network encrypted and
-authenticated; a pull also carries a MAC the prefill engine checks before it sends a byte. A pulled
-block is trusted as much as a member of the pool. Without the variable an engine with kv_role both
+send a frame (nor fill memory with them) nor learn where the K/V is; a pull (and the word that it was
+read) also carries a MAC the prefill engine checks before it answers. The K/V crosses UCX's data path,
+which carries no authentication of its own: whoever has an agent's metadata and reaches its port
+could read the registered cache, so the metadata is only ever sent over the authenticated port, and
+the network policy closes the data port to other pods. A pulled block is trusted as much as a member
+of the pool. Without the variable an engine with kv_role both
 makes up its own secret (it hands off to itself); prefill and decode engines refuse to start.
 
 Bounds: a frame larger than a pull (or, on the decode side, than a block) disconnects its peer
@@ -32,13 +41,11 @@ Bounds: a frame larger than a pull (or, on the decode side, than a block) discon
 cannot be reached within PEER_CONNECT_TIMEOUT_S, or drops the connection, fails its pull at once
 (its blocks are computed here) instead of after the whole timeout.
 
-The transport is plain TCP through ZeroMQ, K/V copied through host memory: on GPUs with RDMA, NIXL/UCX
-would move blocks device to device instead (what vLLM's NixlConnector does); the protocol here (pull
-by transfer id, verify by key) would stay.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -53,10 +60,10 @@ import zmq
 import zmq.utils.monitor
 import zmq.utils.z85
 
-from kvpilot.server.engine.block_manager import block_hash
-from kvpilot.server.engine.kv_tiers import BlockLoad, Payload
+from kvpilot.server.engine.kv_tiers import BlockLoad
 from kvpilot.server.engine.kv_trust import mac, params_verify, sign_params
 from kvpilot.server.engine.sampling_params import KVTransferParams
+from kvpilot.server.engine.step_message import NixlPeer
 
 log = logging.getLogger("kvpilot.server.kv_transfer")
 PEER_CONNECT_TIMEOUT_S = 1.0   # a prefill engine not reached in this time is gone: its blocks are computed here
@@ -77,6 +84,28 @@ def pull_mac(secret: bytes, transfer_id: str, keys: list[str]) -> str:
     return mac(secret, b"kv-transfer-pull", transfer_id.encode(), len(keys).to_bytes(8, "little"), *map(str.encode, keys))
 
 
+def done_mac(secret: bytes, transfer_id: str) -> str:
+    return mac(secret, b"kv-transfer-done", transfer_id.encode())
+
+
+def peer_json(peer: NixlPeer) -> dict:
+    return {"agent": peer.agent, "metadata": base64.b64encode(peer.metadata).decode(), "regions": peer.regions}
+
+
+def peer_from_json(value: dict) -> NixlPeer:
+    return NixlPeer(str(value["agent"]), base64.b64decode(value["metadata"]), [[int(a), int(b)] for a, b in value["regions"]])
+
+
+@dataclass(slots=True)
+class RemoteBlocks:
+    """Where a pulled load's blocks are read from: the prefill engine's ranks and its block ids (per
+    key of the load; -1 for those from elsewhere)."""
+
+    params: KVTransferParams
+    peers: list[NixlPeer]
+    block_ids: list[int]
+
+
 @dataclass(slots=True)
 class TransferStats:
     """Monotonic counters for metrics (blocks, bytes, seconds)."""
@@ -87,8 +116,8 @@ class TransferStats:
     expired_transfers: int = 0       # holds released unpulled after the timeout
     pulled_blocks: int = 0           # decode side
     pulled_bytes: int = 0
-    failed_pulls: int = 0            # pulls that gave fewer blocks than asked for (computed here instead)
-    pull_seconds: float = 0.0
+    failed_pulls: int = 0            # pulls that gave fewer blocks than asked for, or whose reads failed (computed here instead)
+    pull_seconds: float = 0.0        # from asking to the blocks in the cache
 
 
 @dataclass(slots=True)
@@ -96,6 +125,7 @@ class _Hold:
     block_ids: list[int]
     keys: list[bytes]
     deadline: float
+    pulled: bool = False
 
 
 @dataclass(slots=True)
@@ -105,13 +135,18 @@ class _Pull:
     started: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(slots=True)
+class _Done:
+    params: KVTransferParams
+
+
 class KVSender:
-    def __init__(self, host: str, port: int, read_block: Callable[[int], Payload], engine_id: str, timeout: float, secret: bytes,
-                 max_blocks: int):
+    def __init__(self, host: str, port: int, engine_id: str, timeout: float, secret: bytes, max_blocks: int, block_bytes: int,
+                 peers: Callable[[], list[NixlPeer]]):
         """Serves on host:port, the address decode engines are told (port 0: any free port, self.port
-        says which). read_block: a held block's K/V (the worker's block_bytes, called from the server
-        thread: held blocks do not change). max_blocks: the most blocks one pull can ask for."""
-        self.read_block, self.engine_id, self.timeout, self.secret = read_block, engine_id, timeout, secret
+        says which). max_blocks: the most blocks one pull can ask for; block_bytes: a block's K/V over
+        every rank (for the counters); peers(): each rank's NIXL agent, rank 0's first."""
+        self.engine_id, self.timeout, self.secret, self.block_bytes, self.peers = engine_id, timeout, secret, block_bytes, peers
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._holds: dict[str, _Hold] = {}
@@ -129,20 +164,22 @@ class KVSender:
         self._thread.start()
 
     def hold(self, transfer_id: str, block_ids: list[int], keys: list[bytes]) -> None:
-        """Blocks the engine has just taken a reference on for transfer_id, until pulled or expired."""
+        """Blocks the engine has just taken a reference on for transfer_id, until read or expired."""
         with self._lock:
             self._holds[transfer_id] = _Hold(block_ids, keys, time.monotonic() + self.timeout)
             self.stats.held_transfers += 1
 
     def releases(self) -> list[list[int]]:
-        """Held blocks to give back now (pulled, or unpulled past the timeout): the engine's loop
+        """Held blocks to give back now (read, or not read past the timeout): the engine's loop
         drops its references on them."""
         now, out = time.monotonic(), []
         with self._lock:
             for transfer_id in [t for t, h in self._holds.items() if h.deadline <= now]:
-                out.append(self._holds.pop(transfer_id).block_ids)
+                held = self._holds.pop(transfer_id)
+                out.append(held.block_ids)
                 self.stats.expired_transfers += 1
-                log.warning("KV transfer %s was not pulled in %.0f s: its blocks are released", transfer_id, self.timeout)
+                log.warning("KV transfer %s was not %s in %.0f s: its blocks are released", transfer_id,
+                            "read" if held.pulled else "pulled", self.timeout)
         while not self._released.empty():
             out.append(self._released.get())
         return out
@@ -175,122 +212,173 @@ class KVSender:
             try:
                 self._answer(frames)
             except Exception as e:  # noqa: BLE001 - whatever a peer sends, the server goes on
-                log.warning("KV transfer: a pull failed (%s: %s)", type(e).__name__, e)
+                log.warning("KV transfer: a request failed (%s: %s)", type(e).__name__, e)
                 self._socket.send_multipart([frames[0], json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()])
         self._socket.close()
 
     def _answer(self, frames: list) -> None:
         identity, *request = frames
         if len(request) != 1:
-            raise ValueError(f"a pull is one frame, got {len(request)}")
+            raise ValueError(f"a request is one frame, got {len(request)}")
         ask = json.loads(request[0].bytes)
-        if not isinstance(ask, dict):
-            raise ValueError("a pull is a JSON object")
-        transfer_id, keys = str(ask.get("transfer")), ask.get("keys")
-        if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys) and isinstance(ask.get("mac"), str)):
+        if not isinstance(ask, dict) or not isinstance(ask.get("mac"), str):
+            raise ValueError("a request is a JSON object with a mac")
+        transfer_id = str(ask.get("transfer"))
+        if ask.get("op") == "done":  # the decode engine's ranks have read the blocks (or given up): the hold ends
+            if not hmac.compare_digest(ask["mac"].encode(), done_mac(self.secret, transfer_id).encode()):
+                raise PermissionError("the request is not signed with this pool's secret")
+            with self._lock:
+                held = self._holds.pop(transfer_id, None)
+            if held is not None:
+                self._released.put(held.block_ids)
+            self._socket.send_multipart([identity, json.dumps({"released": held is not None}).encode()])
+            return
+        keys = ask.get("keys")
+        if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
             raise ValueError("a pull has transfer, keys and mac")
         if not hmac.compare_digest(ask["mac"].encode(), pull_mac(self.secret, transfer_id, keys).encode()):
             raise PermissionError("the pull is not signed with this pool's secret")
         with self._lock:
-            held = self._holds.pop(transfer_id, None)
-        if held is None:
-            self._socket.send_multipart([identity, json.dumps({"error": f"no held transfer {transfer_id!r} (pulled, expired or never made)"}).encode()])
+            held = self._holds.get(transfer_id)
+            pulled, fresh = held is not None and held.pulled, held is not None and not held.pulled
+            if fresh:
+                held.pulled = True
+        if not fresh:
+            why = "already pulled" if pulled else "pulled, expired or never made"
+            self._socket.send_multipart([identity, json.dumps({"error": f"no held transfer {transfer_id!r} to pull ({why})"}).encode()])
             return
-        try:
-            wanted = {bytes.fromhex(k) for k in keys}
-            sent = [(k, b) for k, b in zip(held.keys, held.block_ids) if k in wanted]  # not those the decode engine has cached
-            payloads = [self.read_block(b) for _, b in sent]
-            payloads = [p if isinstance(p, bytes) else p.result() for p in payloads]
-        finally:
-            self._released.put(held.block_ids)
-        header = {"engine_id": self.engine_id, "keys": [k.hex() for k, _ in sent]}
-        self._socket.send_multipart([identity, json.dumps(header).encode(), *payloads], copy=False)
+        wanted = {bytes.fromhex(k) for k in keys}
+        sent = [(k, b) for k, b in zip(held.keys, held.block_ids) if k in wanted]  # not those the decode engine has cached
+        peers = self.peers()
+        answer = {"engine_id": self.engine_id, "tensor_parallel_size": len(peers), "keys": [k.hex() for k, _ in sent],
+                  "block_ids": [b for _, b in sent], "peers": [peer_json(p) for p in peers]}
+        self._socket.send_multipart([identity, json.dumps(answer).encode()])
         with self._lock:
-            self.stats.sent_blocks += len(payloads)
-            self.stats.sent_bytes += sum(len(p) for p in payloads)
+            self.stats.sent_blocks += len(sent)
+            self.stats.sent_bytes += len(sent) * self.block_bytes
 
 
 class KVReceiver:
-    def __init__(self, engine_id: str, payload_bytes: int, timeout: float, secret: bytes):
-        self.engine_id, self.payload_bytes, self.timeout, self.secret = engine_id, payload_bytes, timeout, secret
+    def __init__(self, engine_id: str, block_bytes: int, timeout: float, secret: bytes, tensor_parallel_size: int):
+        """block_bytes: a block's K/V over every rank (for the counters)."""
+        self.engine_id, self.block_bytes, self.timeout, self.secret = engine_id, block_bytes, timeout, secret
+        self.tensor_parallel_size = tensor_parallel_size
         self.curve_public, self.curve_secret = curve_keys(secret)
         self.stats = TransferStats()
         self._lock = threading.Lock()
-        self._pulls: queue.SimpleQueue[_Pull | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Pull | _Done | None] = queue.SimpleQueue()
         for i in range(PULL_THREADS):  # daemons: a pull in flight never holds up the process's exit
             threading.Thread(target=self._puller, name=f"kvpilot-kv-receiver-{i}", daemon=True).start()
 
-    def pull(self, params: KVTransferParams, parent: bytes, chunks: list[tuple[int, ...]], first_index: int) -> BlockLoad:
-        """A pull of the blocks chained from `parent` over `chunks` from the prefill engine `params`
-        names; its payloads are those that came back and verified, in order (done when it ends)."""
-        keys = []
-        for chunk in chunks:
-            parent_key = keys[-1] if keys else parent
-            keys.append(block_hash(parent_key, chunk))
-        load = BlockLoad(first_index, parent, keys, [tuple(c) for c in chunks], source="p2p")
-        self._pulls.put(_Pull(params, load))
+    def pull(self, params: KVTransferParams, load: BlockLoad) -> BlockLoad:
+        """Ask the prefill engine `params` names for the load's blocks past its first load.num_host
+        (those from the host tier): the load is done when the answer is in, with one (empty) payload per
+        block that came back and verified, in order, and where to read them (load.remote)."""
+        load.source = "p2p"
+        self._jobs.put(_Pull(params, load))
         return load
+
+    def finish(self, load: BlockLoad, written: bool, seconds: float) -> None:
+        """A pulled load's blocks are in the cache on every rank (written), or never will be: the
+        prefill engine is told to release them (in the background: a gone one is not waited for)."""
+        with self._lock:
+            if written:
+                n = load.num_taken - load.num_host
+                self.stats.pulled_blocks += n
+                self.stats.pulled_bytes += n * self.block_bytes
+            else:
+                self.stats.failed_pulls += 1
+            self.stats.pull_seconds += seconds
+        self._jobs.put(_Done(load.remote.params))
 
     def close(self) -> None:
         for _ in range(PULL_THREADS):
-            self._pulls.put(None)
+            self._jobs.put(None)
 
     def _puller(self) -> None:
-        while (pull := self._pulls.get()) is not None:
-            self._run(pull)
+        while (job := self._jobs.get()) is not None:
+            if isinstance(job, _Done):
+                try:
+                    self._request(job.params, {"op": "done", "transfer": job.params.remote_request_id,
+                                               "mac": done_mac(self.secret, job.params.remote_request_id)}, 4096)
+                except Exception as e:  # noqa: BLE001 - its hold expires instead
+                    log.info("KV transfer %s: telling the prefill engine the blocks were read failed (%s: %s): its hold expires",
+                             job.params.remote_request_id, type(e).__name__, e)
+            else:
+                self._run(job)
 
     def _run(self, pull: _Pull) -> None:
-        got = []
+        load = pull.load
         try:
-            got = self._fetch(pull)
+            self._fetch(pull)
         except Exception as e:  # noqa: BLE001 - a failed pull means computing the blocks here
             log.warning("KV transfer %s from %s:%s failed (%s: %s): computing its blocks here", pull.params.remote_request_id,
                         pull.params.remote_host, pull.params.remote_port, type(e).__name__, e)
-        pull.load.payloads.extend([[p] for p in got])
+            with self._lock:
+                self.stats.failed_pulls += 1
         with self._lock:
-            self.stats.pulled_blocks += len(got)
-            self.stats.pulled_bytes += len(got) * self.payload_bytes
-            self.stats.failed_pulls += len(got) < len(pull.load.keys)
             self.stats.pull_seconds += time.perf_counter() - pull.started
-        pull.load.done.set()
+        load.done.set()
 
-    def _fetch(self, pull: _Pull) -> list[bytes]:
-        params = pull.params
+    def _fetch(self, pull: _Pull) -> None:
+        params, load = pull.params, pull.load
         if not params_verify(self.secret, params):  # admission refused these already: never connect where unsigned params say
             raise PermissionError("the kv_transfer_params are not signed by this pool's prefill engines")
+        if params.tp_size != self.tensor_parallel_size:
+            raise ValueError(f"the prefill engine runs tensor_parallel_size={params.tp_size} and this decode engine "
+                             f"{self.tensor_parallel_size}: a decode engine pulls from a prefill engine of the same tensor parallelism")
         if params.remote_engine_id != self.engine_id:
             raise ValueError(f"the prefill engine's KV identity {params.remote_engine_id!r} is not this engine's {self.engine_id!r} "
                              "(another model or settings)")
-        keys = [k.hex() for k in pull.load.keys]
+        asked = load.keys[load.num_host:]
+        keys = [k.hex() for k in asked]
+        answer = self._request(params, {"op": "pull", "transfer": params.remote_request_id, "keys": keys,
+                                        "mac": pull_mac(self.secret, params.remote_request_id, keys)},
+                               FRAME_OVERHEAD_BYTES + (KEY_FRAME_BYTES + 24) * len(keys) + 4096 * self.tensor_parallel_size * 2)
+        if "error" in answer:
+            raise ValueError(answer["error"])
+        size = answer.get("tensor_parallel_size")
+        if size != self.tensor_parallel_size:
+            raise ValueError(f"the prefill engine runs tensor_parallel_size={size} and this decode engine {self.tensor_parallel_size}: "
+                             "a decode engine pulls from a prefill engine of the same tensor parallelism")
+        if answer.get("engine_id") != self.engine_id:
+            raise ValueError(f"the prefill engine's KV identity {answer.get('engine_id')!r} is not this engine's {self.engine_id!r} "
+                             "(another model or settings)")
+        peers = [peer_from_json(p) for p in answer["peers"]]
+        if len(peers) != size:
+            raise ValueError(f"the prefill engine named {len(peers)} ranks' agents for tensor_parallel_size={size}")
+        verified = 0
+        for expected, key in zip(keys, answer["keys"]):
+            if key != expected:
+                break  # another prompt's block: from here on, computed here
+            verified += 1
+        if verified < len(keys):
+            log.warning("KV transfer %s: %d of %d blocks verified (the rest are computed here)", params.remote_request_id, verified, len(keys))
+            with self._lock:
+                self.stats.failed_pulls += 1
+        load.payloads.extend([None] * verified)
+        load.remote = RemoteBlocks(params, peers, [-1] * load.num_host + [int(b) for b in answer["block_ids"][:verified]])
+
+    def _request(self, params: KVTransferParams, ask: dict, max_answer: int) -> dict:
+        """One request to the prefill engine's transfer port, its JSON answer."""
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.curve_serverkey = sock.curve_publickey = self.curve_public
         sock.curve_secretkey = self.curve_secret
-        # (an encrypted frame is a little larger than what it carries: CURVE's box and nonce)
-        sock.setsockopt(zmq.MAXMSGSIZE, FRAME_OVERHEAD_BYTES + max(self.payload_bytes, KEY_FRAME_BYTES * len(keys)))
+        sock.setsockopt(zmq.MAXMSGSIZE, max_answer)
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
         try:
             sock.connect(f"tcp://{params.remote_host}:{params.remote_port}")
-            sock.send(json.dumps({"transfer": params.remote_request_id, "keys": keys, "mac": pull_mac(self.secret, params.remote_request_id, keys)}).encode())
+            sock.send(json.dumps(ask).encode())
             frames = self._answer(sock, monitor)
         finally:
             sock.disable_monitor()
             monitor.close()
             sock.close()
-        header, *payloads = frames
-        answer = json.loads(header.bytes)
-        if "error" in answer:
-            raise ValueError(answer["error"])
-        sent_keys = answer["keys"]
-        got = []
-        for expected, key, payload in zip(pull.load.keys, sent_keys, payloads):
-            if key != expected.hex() or len(payload) != self.payload_bytes:
-                break  # another prompt's (or another layout's) block: from here on, computed here
-            got.append(payload.bytes)
-        if len(got) < len(pull.load.keys):
-            log.warning("KV transfer %s: %d of %d blocks verified (the rest are computed here)", params.remote_request_id, len(got),
-                        len(pull.load.keys))
-        return got
+        answer = json.loads(frames[0].bytes)
+        if not isinstance(answer, dict):
+            raise ValueError("the prefill engine's answer is not a JSON object")
+        return answer
 
     def _answer(self, sock, monitor) -> list:
         """The answer's frames: the peer must be reached within PEER_CONNECT_TIMEOUT_S and answer within

@@ -37,9 +37,6 @@ log = logging.getLogger(__name__)
 # prefill engine) into the cache: a 4,000-token prompt's 176 MB at once held their step up by ~50 ms
 # on a 2-core CPU; 16 MiB is ~5 ms there and under 1 ms over PCIe.
 BLOCK_WRITE_BYTES_PER_STEP = 16 << 20
-# Beside running sequences, reading a KV tier's files takes this share of the time of the step before,
-# between steps (kv_tiers.DiskTier.read).
-TIER_READ_SHARE = 0.1
 # vLLM's buckets of tokens scheduled per step (its vllm:iteration_tokens_total).
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # A constraint's masks may cost the first MASK_ALLOWANCE_S of a request (the library builds lexer states
@@ -66,9 +63,9 @@ class EngineStats:
 
 
 def _weakly(method):
-    """A callable for the engine's own parts (block manager, scheduler) to call back into it: a strong
-    reference would make the engine a cycle that only the garbage collector frees, its KV cache and
-    weights with it; dropping the last LLM must free them at once."""
+    """A callable for the engine's own parts to call back into it or into each other: a strong reference
+    would make a cycle that only the garbage collector frees, the KV cache and weights with it; dropping
+    the last LLM must free them at once."""
     ref = weakref.WeakMethod(method)
     return lambda *args: ref()(*args)
 
@@ -114,16 +111,12 @@ class LLMEngine:
                         "full attention is exact)", window)
         self.worker.start_decode_graphs(self.max_model_len)
         self.kv_events, self.kv_event_publisher = self._kv_events()
-        self.kv_tiers = self._kv_tiers()
         self._step_seconds = 0.0  # the last step's time (a tier read's slice is a share of it)
         self._step_tokens, self._step_tokens_sum = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1), 0
-        self._external_queries = 0  # prompt tokens looked up past the in-memory hits (tiers, a prefill engine)
-        self._rank_saves: list = []  # tensor parallelism: blocks whose shards the other ranks are to save (after the scheduler's update)
         self.lora = self._lora_registry()
         self.block_manager = BlockManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          cache_salt(self._kv_identity()), self.lora.fingerprint if self.lora else None,
-                                          on_cached=_weakly(self._save_block) if self.kv_tiers else None, events=self.kv_events)
-        self.kv_sender, self.kv_receiver = self._kv_transfer()
+                                          cache_salt(self._kv_identity()), self.lora.fingerprint if self.lora else None, events=self.kv_events)
+        self.kv_connector = self._kv_connector()
         # N-gram proposals are looked up in the host's tokens: that method keeps its steps synchronous.
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.worker.device.type == "cuda" and config.speculative_method != "ngram"
@@ -131,24 +124,23 @@ class LLMEngine:
         budget = config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(
             self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill, config.max_loras if config.enable_lora else 0,
-            tier_lookup=_weakly(self._tier_lookup) if self.kv_tiers or self.kv_receiver else None,
-            max_block_writes=max(1, BLOCK_WRITE_BYTES_PER_STEP // self.worker.block_layout()[2]), policy=config.scheduling_policy)
-        if self.kv_tiers or self.kv_receiver:
-            self.worker.stage_block_writes()
+            connector=self.kv_connector, max_block_writes=max(1, BLOCK_WRITE_BYTES_PER_STEP // self.worker.block_layout()[1]),
+            policy=config.scheduling_policy)
         self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
                                         num_threads=config.num_threads or os.cpu_count() or 1,
                                         mask_budget_s=config.structured_outputs_max_mask_ms / 1000)
         startup.mark("warm")
-        self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids, _weakly(self._hold_for_transfer) if self.kv_sender else None)
+        receiver = self.kv_connector.receiver if self.kv_connector else None
+        self.output = OutputProcessor(self.scheduler, self.tokenizer.eos_token_ids,
+                                      self.kv_connector.request_finished if self.kv_connector and self.kv_connector.sender else None)
         self.limits = RequestLimits(self.max_model_len, self.model_config.vocab_size, self.grammars, config.kv_role,
-                                    self.kv_receiver.secret if self.kv_receiver else None, config.scheduling_policy)
+                                    receiver.secret if receiver else None, config.scheduling_policy)
         self.proposer = self._proposer()
         self.requests = self.output.requests
         self.messenger = StepMessenger()
         self._in_flight: StepInFlight | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-        self._transfer_ids = itertools.count()
 
     # --- the parts each feature adds ------------------------------------------------------------
     def _start_other_ranks(self, split_draft):
@@ -183,16 +175,18 @@ class LLMEngine:
         kind = {"ngram": NgramProposer, "draft": DeviceProposer, "eagle3": EagleProposer}.get(self.config.speculative_method)
         return kind(self.config, self.max_model_len) if kind else None
 
-    def _kv_tiers(self):
+    def _kv_connector(self):
+        """The KV connector (kv_connector.py) when the engine has KV tiers or a prefill/decode role, else None."""
         config = self.config
-        if not (config.kv_offload_dir or config.kv_host_offload_size):
+        if not (config.kv_offload_dir or config.kv_host_offload_size or config.kv_role != "none"):
             return None
-        from kvpilot.server.engine.kv_tiers import DiskTier, HostTier, KVTiers
+        from kvpilot.server.engine.kv_connector import KVConnector, KVConnectorWorker
 
-        dtype, shape, nbytes = self.worker.block_layout()
-        return KVTiers(HostTier(config.kv_host_offload_size, nbytes, self.kv_events) if config.kv_host_offload_size else None,
-                       DiskTier(config.kv_offload_dir, config.kv_offload_size, (dtype, shape), nbytes,
-                                world_size=config.tensor_parallel_size, events=self.kv_events) if config.kv_offload_dir else None)
+        connector = KVConnector(config, KVConnectorWorker(config, self.worker, self.kv_events), self.workers, self.block_manager,
+                                self.max_model_len)
+        if connector.host is not None or connector.disk is not None:  # (weakly: the block manager and the connector are not a cycle)
+            self.block_manager.on_cached = _weakly(connector.block_cached)
+        return connector
 
     def _kv_events(self):
         """KV events for routers (--kv-events-config): (where the block manager and tiers record them, the
@@ -235,26 +229,6 @@ class LLMEngine:
             registry.add(*parse_lora_module(spec))
         return registry
 
-    def _kv_transfer(self):
-        """Prefill/decode disaggregation: (the sending side, the receiving side), as kv_role has them."""
-        config = self.config
-        if config.kv_role == "none":
-            return None, None
-        from kvpilot.server.engine.kv_transfer import KVReceiver, KVSender
-        from kvpilot.server.engine.kv_trust import transfer_secret
-
-        engine_id = self.block_manager.salt.hex()  # the KV identity: another model's or settings' keys never match
-        secret = transfer_secret(config.kv_role)
-        sender = receiver = None
-        if config.kv_role in ("prefill", "both"):
-            sender = KVSender(config.kv_transfer_host, config.kv_transfer_port, self.worker.block_bytes, engine_id,
-                              config.kv_transfer_timeout, secret, -(-self.max_model_len // config.block_size))
-            weakref.finalize(self, sender.close)  # its thread holds the worker: it ends with the engine
-        if config.kv_role in ("decode", "both"):
-            receiver = KVReceiver(engine_id, self.worker.block_layout()[2], config.kv_transfer_timeout, secret)
-            weakref.finalize(self, receiver.close)
-        return sender, receiver
-
     def _set_adapter(self, slot: int, adapter: Adapter | None) -> None:
         """Write an adapter into a LoRA slot (None: clear it), on every rank (the others read their share
         from the adapter's directory)."""
@@ -275,77 +249,6 @@ class LLMEngine:
                 "block_size": config.block_size, "dtype": str(self.worker.dtype), "kv_dtype": str(self.worker.kv_dtype),
                 "kv_scales": self.worker.kv_scales,
                 "quantization": self.worker.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative}
-
-    # --- the KV tiers -------------------------------------------------------------------------
-    def _save_block(self, block_id: int, key: bytes, parent: bytes, token_ids: tuple[int, ...]) -> None:
-        queued = self.kv_tiers.save(key, parent, token_ids, lambda: self.worker.block_bytes(block_id))
-        if queued and self.workers is not None:  # the other ranks save their shards of what rank 0 saves
-            from kvpilot.server.engine.step_message import BlockRef
-
-            self._rank_saves.append(BlockRef(block_id, key, parent, list(token_ids)))
-
-    def _send_rank_saves(self) -> None:
-        """After the scheduler counted a step (full blocks joined the prefix cache; with KV tiers their
-        saves started): the other ranks save their shards too, before any later step can reuse the blocks."""
-        if self._rank_saves:
-            from kvpilot.server.engine.step_message import SaveBlocks
-
-            self.workers.send(SaveBlocks(self._rank_saves))
-            self._rank_saves = []
-
-    def _write_loaded(self, batch: ScheduledBatch) -> None:
-        """The step's blocks read from a tier (or pulled from a prefill engine) into the cache, on every
-        rank (one payload per rank: the others get theirs in a message before the step that reads them)."""
-        loads = batch.kv_loads
-        if self.workers is not None:
-            from kvpilot.server.engine.step_message import LoadBlocks
-
-            self.workers.send(LoadBlocks([b for b, _ in loads], [[shards[r] for _, shards in loads] for r in range(1, self.config.tensor_parallel_size)]))
-        self.worker.write_blocks([(b, shards[0]) for b, shards in loads])
-        batch.kv_loads = []  # the last references to the payloads: their read buffers are free again (kv_tiers.py)
-
-    def _await_tier_read(self, timeout: float = 0.01) -> None:
-        """Nothing to run while waiting sequences' reads are outstanding: the disk tier's are read now,
-        all of them; a pull from a prefill engine is waited for (no busy loop)."""
-        if self.kv_tiers is not None and self.kv_tiers.reading():
-            self.kv_tiers.read()
-            return
-        load = next((seq.kv_load for seq in self.scheduler.waiting if seq.kv_load is not None and not seq.kv_load.done.is_set()), None)
-        if load is not None:
-            load.done.wait(timeout)
-
-    def _tier_lookup(self, seq: Sequence, cached: list[int]):
-        """A read of seq's prompt blocks after its in-memory hits: pulled from the prefill engine its
-        kv_transfer_params name, or from the KV tiers (None: nowhere to read them from)."""
-        bm, size = self.block_manager, self.config.block_size
-        tokens = seq.token_ids()
-        usable = (len(tokens) - 1) // size
-        if len(cached) >= usable:
-            return None
-        parent = bm.blocks[cached[-1]].hash if cached else bm.root(seq)
-        chunks = [tuple(tokens[i * size:(i + 1) * size]) for i in range(len(cached), usable)]
-        self._external_queries += len(chunks) * size
-        transfer = seq.params.kv_transfer
-        if transfer is not None and transfer.do_remote_prefill and self.kv_receiver is not None:
-            return self.kv_receiver.pull(transfer, parent, chunks, len(cached))
-        return self.kv_tiers.lookup(parent, chunks, len(cached)) if self.kv_tiers else None
-
-    # --- prefill/decode disaggregation (kv_transfer.py) ----------------------------------------
-    def _hold_for_transfer(self, seq: Sequence) -> dict:
-        """A prefill request's sequence ended: hold its prompt's full blocks for a decode engine's pull;
-        the params its output carries."""
-        n = min(len(seq.block_hashes), (seq.num_prompt_tokens - 1) // self.config.block_size)
-        block_ids, keys = list(seq.block_table[:n]), list(seq.block_hashes[:n])
-        self.block_manager.hold(block_ids)
-        transfer_id = f"{seq.request_id}-{next(self._transfer_ids)}"
-        self.kv_sender.hold(transfer_id, block_ids, keys)
-        return self.kv_sender.sign({"do_remote_decode": False, "do_remote_prefill": True, "remote_host": self.config.kv_transfer_host,
-                                    "remote_port": self.kv_sender.port, "remote_request_id": transfer_id,
-                                    "remote_engine_id": self.kv_sender.engine_id, "remote_block_ids": block_ids})
-
-    def _release_transfers(self) -> None:
-        for block_ids in self.kv_sender.releases():
-            self.block_manager.release(block_ids)
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
@@ -461,7 +364,7 @@ class LLMEngine:
         """Unfinished requests, or held transfer blocks to give back now (pulled or expired), which a
         step releases: the serving loops step on either (an idle prefill engine kept a pulled prompt's
         blocks held until its next request)."""
-        return self.has_unfinished_requests() or (self.kv_sender is not None and self.kv_sender.has_releases())
+        return self.has_unfinished_requests() or (self.kv_connector is not None and self.kv_connector.needs_step())
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput] | list[RequestDelta]:
@@ -496,8 +399,8 @@ class LLMEngine:
                 log.warning("engine step of %d sequences failed (%s: %s): re-running it request by request", len(batch.seqs), type(e).__name__, e)
                 self.worker.recover()
                 failed = batch
-        elif previous is None and (self.kv_tiers is not None or self.kv_receiver is not None):
-            self._await_tier_read()
+        elif previous is None and self.kv_connector is not None:
+            self.kv_connector.wait(self.scheduler.waiting)
         if previous is not None:
             outputs += self._complete(previous)
         if launched is not None:
@@ -510,11 +413,9 @@ class LLMEngine:
         return outputs
 
     def _between_steps(self) -> None:
-        """Transfer blocks a decode engine is done with given back; a slice of a KV tier's reads."""
-        if self.kv_sender is not None:
-            self._release_transfers()
-        if self.kv_tiers is not None and self.kv_tiers.reading() and self.scheduler.running:
-            self.kv_tiers.read(TIER_READ_SHARE * self._step_seconds)  # a slice between steps (all of it: _await_tier_read)
+        """The KV connector's part between steps: held blocks given back, a slice of the disk tier's reads."""
+        if self.kv_connector is not None:
+            self.kv_connector.between_steps(self._step_seconds, bool(self.scheduler.running))
 
     def _needs_host_tokens(self, seq: Sequence) -> bool:
         """A constrained sequence's mask for the next step needs the token the step in flight samples
@@ -525,19 +426,23 @@ class LLMEngine:
         return self.proposer is not None and (seq.params.has_penalties or seq.num_output_tokens < seq.params.min_tokens)
 
     def _schedule(self) -> ScheduledBatch:
-        """Proposals planned, adapters no longer needed let go, the step scheduled (blocks read from a
-        tier for sequences that compute later are written now)."""
+        """Proposals planned, adapters no longer needed let go, the step scheduled, the blocks it loads
+        from outside the cache written on every rank (sequences whose loads failed somewhere compute
+        their prompts instead: out of this step, back to waiting)."""
         if self.proposer:
             self.proposer.plan(self.scheduler.running)
         if self.lora is not None and len(self.lora.by_id) > len(self.lora.by_name):  # an unloaded adapter may be done with
             self.lora.release_unused(self._adapters_in_use())
         batch = self.scheduler.schedule()
+        if batch.kv_loads:
+            failed = self.kv_connector.load(batch.kv_loads)
+            batch.kv_loads = []  # the last references to the payloads: their read buffers are free again (kv_tiers.py)
+            if failed:
+                self.scheduler.drop_loads(failed, batch)
         if batch:
             tokens = sum(batch.num_new_tokens)
             self._step_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
             self._step_tokens_sum += tokens
-        if batch.kv_loads and not batch:  # only blocks read from a tier to write (their sequences compute later)
-            self._write_loaded(batch)
         self.output.scheduled(batch.seqs, time.monotonic())
         return batch
 
@@ -567,8 +472,6 @@ class LLMEngine:
         slots = None
         if self.lora is not None and any(seq.adapter for seq in batch.seqs):
             slots = self.lora.slots_for([seq.adapter for seq in batch.seqs], {seq.adapter for seq in self.scheduler.running})
-        if batch.kv_loads:
-            self._write_loaded(batch)
         in_flight = previous.launched if previous else None
         awaited = in_flight is not None and any(seq.num_placeholders for seq in batch.seqs)
         unsettled = in_flight is not None and any(seq.num_unsettled for seq in batch.seqs)
@@ -640,9 +543,15 @@ class LLMEngine:
         """Async scheduling, after the step before `step` is complete: the scheduler counts `step` as
         launched (placeholders for its coming tokens), so that the next step is scheduled with it."""
         self.scheduler.launched(step.batch, step.sampled, step.proposed)
-        self._send_rank_saves()
+        self._save_cached()
         step.updated = True
         self._in_flight = step
+
+    def _save_cached(self) -> None:
+        """After the scheduler counted computed tokens: the blocks that joined the prefix cache are saved
+        by the KV connector on every rank, before any later step can reuse them."""
+        if self.kv_connector is not None:
+            self.kv_connector.save_cached()
 
     def _complete(self, step: StepInFlight) -> list[RequestDelta]:
         """Wait for a launched step and hand its outputs to the requests."""
@@ -654,7 +563,7 @@ class LLMEngine:
                     for i, (seq, k) in enumerate(zip(step.sampled, step.proposed)) if k]
         if not step.updated:  # counted as launched() counts them: the accepted tokens are settled once appended
             self.scheduler.update(step.batch, {seq.seq_id: k for seq, k, _ in verified})
-            self._send_rank_saves()
+            self._save_cached()
         now = time.monotonic()
         touched: dict[str, None] = {}
         failed: dict[str, str] = {}
@@ -682,6 +591,7 @@ class LLMEngine:
                 # (the step after it, if in flight, may write up to k positions past the accepted tokens)
                 self.scheduler.end_speculation(seq, self.proposer.k if self.async_scheduling else 0)
             self.proposer.verified(verified)
+            self._save_cached()  # (blocks the accepted tokens completed)
         outputs = [self.output.delta(rid) for rid in touched if rid not in failed]
         return outputs + [self._fail(rid, why) for rid, why in failed.items()]
 
@@ -710,8 +620,8 @@ class LLMEngine:
         KV tiers drop theirs too (the disk tier's files this engine knows of, other replicas' included:
         the directory is one cache). The number of blocks forgotten."""
         forgotten = self.block_manager.reset_prefix_cache()
-        if external and self.kv_tiers is not None:
-            forgotten += self.kv_tiers.clear()
+        if external and self.kv_connector is not None:
+            forgotten += self.kv_connector.reset()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.flush()
         log.info("prefix cache reset%s: %d blocks forgotten", " (and the KV tiers)" if external else "", forgotten)
@@ -722,13 +632,10 @@ class LLMEngine:
         write what this rank queued; the KV events recorded go out."""
         if self.workers is not None:
             self.workers.close()
-        if self.kv_tiers is not None:
-            self.kv_tiers.drain()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
-        for side in (self.kv_sender, self.kv_receiver):
-            if side is not None:
-                side.close()
 
     def describe_ranks(self) -> list[dict]:
         """What each rank's worker holds (Worker.describe), rank 0's first (tests, logs; not on the step path)."""
@@ -738,7 +645,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm, scheduler = self.block_manager, self.scheduler
         return EngineStats(len(scheduler.running), len(scheduler.waiting), bm.usage(), bm.num_blocks, bm.num_free_blocks,
-                           bm.prefix_queries, bm.prefix_hits, scheduler.num_preemptions, self._external_queries, scheduler.external_hit_tokens,
+                           bm.prefix_queries, bm.prefix_hits, scheduler.num_preemptions,
+                           self.kv_connector.external_queries if self.kv_connector else 0, scheduler.external_hit_tokens,
                            scheduler.num_deferred(), list(self._step_tokens), self._step_tokens_sum)
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.server.config import EngineConfig
-from kvpilot.server.engine.step_message import Describe, Message, Stop, decode, encode
+from kvpilot.server.engine.step_message import Describe, DescribePeers, Message, NixlPeer, Stop, decode, encode
 from kvpilot.server.models.sharding import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,15 @@ class Channel:
         dist.broadcast(flag, src=0, group=self.group)
         return bool(flag.item())
 
+    def agree(self, ok: bool) -> bool:
+        """Every rank: whether every rank's part went well (the KV connector's loads)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
 
 class Workers:
     """Rank 0's handle on ranks 1…N−1: starts them, joins the process group with them, sends each step."""
@@ -174,6 +183,19 @@ class Workers:
         target's), whether rank 0's own work before it went well; False: every rank drops the step
         (rank 0's engine then re-runs its requests one by one)."""
         self.channel.say(go)
+
+    def agree(self, ok: bool) -> bool:
+        """After a KVWork with loads: whether every rank's went well (else every rank drops them)."""
+        return self.channel.agree(ok)
+
+    def peers(self) -> list[NixlPeer]:
+        """Ranks 1…N−1's NIXL agents (a prefill engine hands them to decode engines)."""
+        import torch.distributed as dist
+
+        self.send(DescribePeers())
+        out: list[Any] = [None] * self.world_size
+        dist.gather_object(None, out, dst=0)
+        return out[1:]
 
     def describe(self, own: dict) -> list[dict]:
         """Every rank's description of what it holds (rank 0's first; not on the step path)."""

@@ -58,6 +58,7 @@ class KVTransferParams:
     remote_request_id: str | None = None     # the transfer's id on the prefill engine
     remote_engine_id: str | None = None      # the prefill engine's KV identity: a decode engine of another model refuses it
     remote_block_ids: list[int] | None = None  # the held blocks on the prefill side (for the record: blocks are pulled by key)
+    tp_size: int | None = None               # the prefill engine's tensor parallelism: a decode engine of another refuses it by name
     signature: str | None = None             # the prefill engine's HMAC over the fields above: only its pool's are pulled from (kv_transfer.py)
 
     @classmethod
@@ -86,6 +87,8 @@ class KVTransferParams:
                 raise ValueError("kv_transfer_params.remote_request_id must be the prefill engine's transfer id")
             if not (isinstance(self.remote_engine_id, str) and len(self.remote_engine_id) <= 128):
                 raise ValueError("kv_transfer_params.remote_engine_id must be the prefill engine's id")
+            if self.tp_size is not None and (type(self.tp_size) is not int or not 0 < self.tp_size <= 1024):
+                raise ValueError("kv_transfer_params.tp_size must be the prefill engine's tensor-parallel size")
         if self.signature is not None and not (isinstance(self.signature, str) and re.fullmatch(r"[0-9a-f]{64}", self.signature)):
             raise ValueError("kv_transfer_params.signature must be the prefill engine's signature (64 hex digits)")
 

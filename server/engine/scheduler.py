@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +29,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    kv_loads: list[tuple[int, list[bytes]]] = field(default_factory=list)  # (block id, each rank's K/V read from a tier): written before the step
+    kv_loads: list[tuple[Sequence, int, Any, int]] = field(default_factory=list)  # (sequence, block id, its BlockLoad, index there): written before the step
 
     @property
     def total_tokens(self) -> int:
@@ -57,17 +56,17 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 max_loras: int = 0, tier_lookup: Callable[[Sequence, list[int]], Any] | None = None, max_block_writes: int = 0,
-                 policy: str = "fcfs"):
-        """tier_lookup(seq, its in-memory prefix hits): a read of the blocks after them from a KV tier
-        (kv_tiers.BlockLoad: .done, .first_index, .payloads), or None. max_block_writes: how many blocks
-        read from a tier a step writes into the cache while other sequences run (0: no bound).
+                 max_loras: int = 0, connector: Any = None, max_block_writes: int = 0, policy: str = "fcfs"):
+        """connector: the KV connector (kv_connector.py), whose lookup(seq, its in-memory prefix hits) is
+        a read of the blocks after them from outside the cache (kv_tiers.BlockLoad: .done, .first_index,
+        .payloads), or None. max_block_writes: how many such blocks a step writes into the cache while
+        other sequences run (0: no bound).
         policy: fcfs or priority (the module's docstring)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.policy = policy
         self.bm = block_manager
-        self.tier_lookup = tier_lookup
+        self.connector = connector
         self.max_block_writes = max_block_writes
         self.max_loras = max_loras  # LoRA: most distinct adapters among running sequences (0: no adapters)
         self.max_num_seqs = max_num_seqs
@@ -166,27 +165,29 @@ class Scheduler:
                 passed.append(self.waiting.popleft())
                 continue
             cached = self.bm.match_prefix(seq) if not seq.block_table else None
-            loaded: list[list[bytes]] = []
-            if cached is not None and self.tier_lookup is not None:
+            loaded = 0
+            if cached is not None and self.connector is not None:
                 if not seq.tier_looked_up:
-                    seq.tier_looked_up, seq.kv_load = True, self.tier_lookup(seq, cached)
+                    seq.tier_looked_up, seq.kv_load = True, self.connector.lookup(seq, cached)
                 if seq.kv_load is not None and not seq.kv_load.done.is_set():  # read in flight: the others go on
                     passed.append(self.waiting.popleft())
                     continue
                 loaded = self._loaded_after(seq, len(cached))
-            computed = (len(cached or ()) + len(loaded)) * self.bm.block_size
+            computed = (len(cached or ()) + loaded) * self.bm.block_size
             n = seq.num_tokens - seq.num_computed_tokens - computed
             if n > budget:
                 if not self.chunked:
                     break
                 n = budget
-            if not self.bm.allocate(seq, n + len(loaded) * self.bm.block_size, cached):
+            if not self.bm.allocate(seq, n + loaded * self.bm.block_size, cached):
                 break
             if loaded:  # fresh blocks after the in-memory hits, to hold what the tier read
-                first = len(cached)
-                seq.kv_writes = list(zip(seq.block_table[first:first + len(loaded)], loaded))
-                seq.num_computed_tokens += len(loaded) * self.bm.block_size
-                self._record_loaded(seq, len(cached or ()), len(loaded))
+                first, load = len(cached), seq.kv_load
+                start = first - load.first_index
+                seq.kv_writes = [(block_id, load, start + j) for j, block_id in enumerate(seq.block_table[first:first + loaded])]
+                load.num_taken = loaded
+                seq.num_computed_tokens += loaded * self.bm.block_size
+                self._record_loaded(seq, len(cached or ()), loaded)
                 # Alone, it is written at once; beside other sequences a few blocks per step, so that
                 # their steps are not held up by one long copy.
                 alone = not batch.seqs and not self.running
@@ -209,7 +210,7 @@ class Scheduler:
     def _write_some(seq: Sequence, batch: ScheduledBatch, most: int) -> None:
         """Move up to `most` (0: all) of seq's blocks read from a tier into the step's writes."""
         take = len(seq.kv_writes) if most == 0 else most
-        batch.kv_loads += seq.kv_writes[:take]
+        batch.kv_loads += [(seq, *write) for write in seq.kv_writes[:take]]
         del seq.kv_writes[:take]
 
     def _must_wait(self, seq: Sequence, adapters: set[int]) -> bool:
@@ -234,14 +235,33 @@ class Scheduler:
             seq.record_cached_prompt((num_loaded - host) * size, load.source)
         self.external_hit_tokens += num_loaded * size
 
-    def _loaded_after(self, seq: Sequence, num_cached: int) -> list[list[bytes]]:
-        """The tier's blocks that continue seq's in-memory hits (none when the hits changed so that they
-        do not), short of its last prompt token (always computed: its logits are needed)."""
+    def _loaded_after(self, seq: Sequence, num_cached: int) -> int:
+        """How many of the load's blocks continue seq's in-memory hits (none when the hits changed so that
+        they do not), short of its last prompt token (always computed: its logits are needed)."""
         load = seq.kv_load
         if load is None or not load.first_index <= num_cached < load.first_index + len(load.payloads):
-            return []
+            return 0
         usable = (seq.num_tokens - 1) // self.bm.block_size - num_cached
-        return load.payloads[num_cached - load.first_index:][:max(0, usable)]
+        return max(0, min(usable, load.first_index + len(load.payloads) - num_cached))
+
+    def drop_loads(self, seqs: list[Sequence], batch: ScheduledBatch) -> None:
+        """Sequences whose loaded blocks could not be written on every rank: out of this step and back to
+        waiting (at the front), their blocks freed; they compute their prompts past the in-memory hits
+        (not looked up again until a preemption)."""
+        for seq in seqs:
+            if seq.status is not Status.RUNNING:
+                continue
+            self.running.remove(seq)
+            k = next((k for k, s in enumerate(batch.seqs) if s is seq), None)
+            if k is not None:
+                del batch.seqs[k]
+                del batch.num_new_tokens[k]
+            seq.kv_writes = []
+            self.bm.free_seq(seq)
+            seq.num_computed_tokens = 0
+            seq.kv_load, seq.tier_looked_up = None, True
+            seq.status = Status.WAITING
+            self._enqueue(seq, front=True)
 
     def update(self, batch: ScheduledBatch, rejected: dict[int, int] | None = None) -> None:
         """After the batch ran: its tokens' K/V are in the cache, and full blocks join the prefix cache.

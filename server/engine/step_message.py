@@ -93,31 +93,61 @@ class SetAdapter(msgspec.Struct, tag="set_adapter", array_like=True, frozen=True
     path: str | None                # the adapter's directory (each rank reads its share), None: clear the slot
 
 
-class BlockRef(msgspec.Struct, array_like=True, frozen=True):
+class SavedBlock(msgspec.Struct, array_like=True, frozen=True):
+    """A block that joined rank 0's prefix cache: each rank copies its shard to the tiers rank 0 did."""
+
     block_id: int
     key: bytes
     parent: bytes
     token_ids: list[int]
+    to_host: bool
+    to_disk: bool
 
 
-class SaveBlocks(msgspec.Struct, tag="save_blocks", array_like=True, frozen=True):
-    blocks: list[BlockRef]          # just joined rank 0's prefix cache: each rank saves its shard to the disk tier
+class NixlPeer(msgspec.Struct, array_like=True, frozen=True):
+    """A prefill rank's NIXL agent: what a decode rank of the same index reads its shard with (kv_nixl.py)."""
+
+    agent: str
+    metadata: bytes
+    regions: list[list[int]]        # each cache region's base address and bytes per block
 
 
-class LoadBlocks(msgspec.Struct, tag="load_blocks", array_like=True, frozen=True):
-    block_ids: list[int]            # fresh blocks of the next step...
-    shards: list[list[bytes]]       # ...filled with rank r's K/V read from the disk tier: shards[r - 1][i] (rank 0 keeps its own)
+class LoadedBlock(msgspec.Struct, array_like=True, frozen=True):
+    """A fresh block of the next step, to fill with this rank's shard of a block from outside the cache."""
+
+    block_id: int
+    key: bytes
+    parent: bytes
+    token_ids: list[int]
+    source: str                     # host (the rank's host tier), disk (its shard's file), p2p (read from a prefill rank)
+    remote_block: int = -1          # p2p: the prefill engine's block id
+    peer: int = -1                  # p2p: its index in KVWork.peers
+
+
+class KVWork(msgspec.Struct, tag="kv_work", array_like=True, frozen=True):
+    """The KV connector's work for ranks 1…N−1 (kv_connector.py): saves (their copies first), then
+    loads (every rank then says whether its own went well: a block is loaded on all ranks or none),
+    then the host tier's evictions rank 0 decided."""
+
+    saves: list[SavedBlock]
+    loads: list[LoadedBlock]
+    evicted: list[bytes]
+    peers: list[list[NixlPeer]]     # per prefill engine read from: its ranks' agents
 
 
 class Describe(msgspec.Struct, tag="describe", array_like=True, frozen=True):
     pass
 
 
+class DescribePeers(msgspec.Struct, tag="describe_peers", array_like=True, frozen=True):
+    """Every rank's NIXL agent (its KV connector's), gathered at rank 0 for decode engines to read from."""
+
+
 class Stop(msgspec.Struct, tag="stop", array_like=True, frozen=True):
     pass
 
 
-Message = Step | SetAdapter | SaveBlocks | LoadBlocks | Describe | Stop
+Message = Step | SetAdapter | KVWork | Describe | DescribePeers | Stop
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

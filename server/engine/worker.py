@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,7 +27,7 @@ from kvpilot.server.engine.lora import read_adapter
 from kvpilot.server.engine.model_io import InputBuilder, ModelInput, ModelOutput, PromptLogprobRows, Proposal, StepPlan
 from kvpilot.server.engine.sampler import PendingSample, Sampler
 from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN
-from kvpilot.server.engine.step_message import Describe, LoadBlocks, SaveBlocks, SetAdapter, Step, StepBatch, Stop, WorkerBatch
+from kvpilot.server.engine.step_message import Describe, DescribePeers, KVWork, SetAdapter, Step, StepBatch, Stop, WorkerBatch
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
 from kvpilot.server.models.sharding import TensorParallel
 
@@ -347,26 +346,32 @@ class Worker:
         out = self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)
         return self.model.compute_logits(out[0] if isinstance(out, tuple) else out).float()  # (a declared aux output beside it)
 
-    # --- KV tiers: one block's K/V as bytes, every layer's keys then values ---------------------
-    def block_layout(self) -> tuple[str, tuple[int, ...], int]:
-        """The dtype, shape and size of block_bytes(): (layers, keys|values, block_size, KV heads, head dim)."""
-        k = self.kv_caches[0][0]
-        shape = (len(self.kv_caches), 2, *k.shape[1:])
-        return str(self.kv_dtype), shape, math.prod(shape) * k.element_size()
+    # --- the KV connector: one block's K/V as bytes, every region's in turn ---------------------
+    def cache_regions(self) -> list[torch.Tensor]:
+        """The KV cache tensors a block has a row in: the target's keys and values of every layer, then a
+        drafter's (its cache shares the block ids: a block saved or handed off carries its K/V too)."""
+        layers = list(self.kv_caches) + (self.drafter.cache_layers() if self.drafter is not None else [])
+        return [t for k, v in layers for t in (k, v)]
+
+    def block_layout(self) -> tuple[list[list], int]:
+        """The layout of block_bytes(): each region's dtype and block shape, in order; and the size."""
+        regions = self.cache_regions()
+        layout = [[str(r.dtype), list(r.shape[1:])] for r in regions]
+        return layout, sum(r[0].numel() * r.element_size() for r in regions)
 
     def block_bytes(self, block_id: int) -> bytes | HostCopy:
-        """A copy of one cache block's K/V, off the device, taken before the block can be reused. On
-        CUDA it is queued on a side stream after the work queued so far (the step that computed the
-        block may still run) into pinned memory: the host goes on, and the next step waits for the
-        copy before it can overwrite anything (launch)."""
+        """A copy of one cache block's K/V (block_layout()), off the device, taken before the block can
+        be reused. On CUDA it is queued on a side stream after the work queued so far (the step that
+        computed the block may still run) into pinned memory: the host goes on, and the next step waits
+        for the copy before it can overwrite anything (launch)."""
+        regions = self.cache_regions()
         if self.device.type != "cuda":
-            stacked = torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches])
-            return stacked.view(torch.uint8).numpy().tobytes()
+            return b"".join(r[block_id].view(torch.uint8).numpy().tobytes() for r in regions)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
-            stacked = torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches]).view(torch.uint8).flatten()
+            stacked = torch.cat([r[block_id].view(torch.uint8).flatten() for r in regions])
             host = torch.empty(stacked.shape, dtype=torch.uint8, pin_memory=True)
             host.copy_(stacked, non_blocking=True)
             done = torch.cuda.Event()
@@ -377,12 +382,12 @@ class Worker:
     def write_blocks(self, loads) -> None:
         """Fill cache blocks with this rank's K/V read from a tier ((block id, payload) pairs, payloads in
         block_bytes' layout). The blocks gathered LOAD_CHUNK at a time into one staging buffer (kept: a fresh 176 MB tensor
-        for a 4,000-token prompt cost more in page faults than the copy), then one copy per layer and
-        K/V (a block at a time was 15,000 small copies)."""
+        for a 4,000-token prompt cost more in page faults than the copy), then one copy per region (a
+        block at a time was 15,000 small copies)."""
         loads = list(loads)
-        _, shape, nbytes = self.block_layout()
         if loads and self._load_staging is None:
             self.stage_block_writes()
+        regions = self.cache_regions()
         for start in range(0, len(loads), LOAD_CHUNK):
             chunk = loads[start:start + LOAD_CHUNK]
             host = []
@@ -397,18 +402,19 @@ class Worker:
             staged = self._load_staging[:len(chunk)]
             torch.stack(host, out=staged)
             # (synchronous on CUDA: the staging buffer is refilled for the next chunk)
-            fp8 = self.kv_dtype == FP8_KV  # torch has no index_copy_ for float8 types: their bytes are copied
-            as_copied = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)
-            stacked = staged.view(torch.uint8 if fp8 else self.kv_dtype).view(len(chunk), *shape).to(self.device)
+            moved = staged.to(self.device)
             ids = torch.tensor([block_id for block_id, _ in chunk], device=self.device)
-            for layer, (k, v) in enumerate(self.kv_caches):
-                as_copied(k).index_copy_(0, ids, stacked[:, layer, 0])
-                as_copied(v).index_copy_(0, ids, stacked[:, layer, 1])
+            offset = 0
+            for region in regions:
+                size = region[0].numel() * region.element_size()
+                # bytes copied as bytes: torch has no index_copy_ for float8 types
+                region.view(torch.uint8).view(region.shape[0], -1).index_copy_(0, ids, moved[:, offset:offset + size])
+                offset += size
 
     def stage_block_writes(self) -> None:
         """Make write_blocks' staging buffer now, its pages touched (at the first write their faults
         cost that step ~10 ms on a CPU)."""
-        self._load_staging = torch.zeros((LOAD_CHUNK, self.block_layout()[2]), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self._load_staging = torch.zeros((LOAD_CHUNK, self.block_layout()[1]), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
     def set_adapter(self, slot: int, tensors: dict | None) -> None:
         """Write an adapter's tensors into a LoRA slot (None: clear it)."""
@@ -484,20 +490,26 @@ class Worker:
     # --- ranks 1…N−1 ------------------------------------------------------------------------------
     def serve(self, channel: Channel) -> None:
         """Ranks 1…N−1: run what rank 0 sends until it says stop."""
-        if self.config.kv_offload_dir:
-            from kvpilot.server.engine.kv_tiers import DiskTier
+        kv = None
+        if self.config.kv_offload_dir or self.config.kv_host_offload_size or self.config.kv_role != "none":
+            from kvpilot.server.engine.kv_connector import KVConnectorWorker
 
-            dtype, shape, nbytes = self.block_layout()
-            self.kv_tier = DiskTier(self.config.kv_offload_dir, self.config.kv_offload_size, (dtype, shape), nbytes,
-                                    self.tp.rank, self.tp.world_size)
+            kv = KVConnectorWorker(self.config, self)
         self._channel = channel  # (rank 0's word before a split draft's collective parts)
-        handlers = {Step: self._run_rank_step, SaveBlocks: self._save_shards, SetAdapter: self._read_adapter,
-                    LoadBlocks: lambda m: self.write_blocks(zip(m.block_ids, m.shards[self.tp.rank - 1])),
-                    Describe: lambda m: self._gather_description()}
+
+        def kv_work(work: KVWork) -> None:
+            failed = kv.run(work)
+            if work.loads:  # every rank says how its loads went, and all go by the worst
+                if failed is not None:
+                    log.warning("KV connector: %s", failed)
+                channel.agree(failed is None)
+
+        handlers = {Step: self._run_rank_step, KVWork: kv_work, SetAdapter: self._read_adapter,
+                    Describe: lambda m: self._gather_description(), DescribePeers: lambda m: self._gather(kv.peer())}
         while type(message := channel.receive()) is not Stop:
             handlers[type(message)](message)
-        if self.config.kv_offload_dir:
-            self.kv_tier.drain()  # shards queued for the disk tier are written before the rank goes
+        if kv is not None:
+            kv.close()  # shards queued for the disk tier are written before the rank goes
 
     def _run_rank_step(self, step: Step) -> None:
         """A step as ranks 1…N−1 run it: built from the message (no sampling: rank 0 samples); what rank 0
@@ -533,14 +545,14 @@ class Worker:
             if self.drafter is not None:
                 self.drafter.after_target(inp, aux, None)
 
-    def _save_shards(self, message: SaveBlocks) -> None:
-        for b in message.blocks:
-            self.kv_tier.save(b.key, b.parent, tuple(b.token_ids), lambda block_id=b.block_id: self.block_bytes(block_id))
-
     def _gather_description(self) -> None:
+        self._gather(self.describe())
+
+    @staticmethod
+    def _gather(value) -> None:
         import torch.distributed as dist
 
-        dist.gather_object(self.describe(), None, dst=0)
+        dist.gather_object(value, None, dst=0)
 
     def describe(self) -> dict:
         """What this rank holds: projection weight bytes, KV heads and KV cache bytes (tests, logs)."""
