@@ -202,7 +202,18 @@ def test_three_ranks_save_and_read_back_their_shards(tmp_path, reference):
     try:
         assert greedy(restarted, PROMPTS[1:3]) == reference[1:3]
         stats = restarted.engine.kv_connector.disk.stats
-        assert stats.hit_blocks == (len(restarted.engine.tokenizer.encode(PROMPTS[2])) - 1) // BLOCK, stats  # PROMPTS[1]: all computed
+        hits = (len(restarted.engine.tokenizer.encode(PROMPTS[2])) - 1) // BLOCK
+        assert stats.hit_blocks == hits, stats  # PROMPTS[1]: all computed
+        # rank 1's shard of PROMPTS[3]'s second block corrupted: rank 0 finds every file and reads its own, rank 1 refuses
+        # its own when writing it, and every rank drops the load: computed, the same tokens, the bad file gone (saved anew)
+        ids = restarted.engine.tokenizer.encode(PROMPTS[3])
+        second = block_hash(block_hash(restarted.engine.block_manager.salt, ids[:BLOCK]), ids[BLOCK:2 * BLOCK])
+        bad = tmp_path / second.hex()[:2] / f"{second.hex()}-1.kvblock"
+        data = bytearray(bad.read_bytes())
+        data[-1] ^= 0xFF
+        bad.write_bytes(bytes(data))
+        assert greedy(restarted, PROMPTS[3:4]) == reference[3:4]
+        assert stats.hit_blocks == hits and (not bad.exists() or bad.read_bytes() != bytes(data)), stats
     finally:
         restarted.engine.close()
 

@@ -422,3 +422,70 @@ def test_a_stop_string_ends_a_prefill_request_with_its_transfer_params(prefill, 
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop and len(out.outputs[0].token_ids) < 10
     assert out.kv_transfer_params is not None and out.kv_transfer_params["remote_block_ids"]
     assert not prefill.engine.requests
+
+
+def _kill_with_its_ranks(server) -> None:
+    """SIGKILL a server and the tensor-parallel ranks it started (a pod killed: nothing gets to clean up)."""
+    import os
+    import signal
+    import subprocess
+
+    children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+    for pid in [server.proc.pid, *map(int, children)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    server.proc.wait(30)
+
+
+@pytest.mark.timeout(420)
+def test_three_decode_ranks_read_from_three_prefill_ranks_and_failures_cost_time_only(tmp_path, reference, caplog):
+    """Issue #64, two processes: a prefill server of three ranks hands prompts off to a decode engine of
+    three ranks (each rank reads its own shard from the prefill rank of its index, with NIXL over TCP):
+    greedy tokens equal the aggregated engine's. A decode engine of one rank refuses the three-rank
+    prefill engine by name and computes the prompt; a prefill server killed after the handshake, before
+    the decode ranks read, makes every decode rank drop the blocks, and the prompt is computed: the same
+    tokens either way."""
+    from server_harness import ServerProcess
+
+    from kvpilot.server.engine.sampling_params import KVTransferParams
+
+    server = ServerProcess("--kv-cache-memory", "32MiB", "--tensor-parallel-size", "3", "--kv-role", "prefill", "--kv-transfer-port", "0",
+                           "--kv-transfer-timeout", "60", env={"KVPILOT_KV_TRANSFER_SECRET": POOL_SECRET},
+                           log_path=tmp_path / "prefill.log").wait_ready(240)
+    try:
+        sent = [httpx.post(server.url + "/v1/completions", json={"prompt": p, "max_tokens": 1, "temperature": 0,
+                                                                 "kv_transfer_params": {"do_remote_decode": True}}, timeout=120).json()["kv_transfer_params"]
+                for p in PROMPTS]
+        assert [s["tp_size"] for s in sent] == [3] * 3
+        one = engine(kv_role="decode", kv_transfer_timeout=10)
+        with caplog.at_level("WARNING", logger="kvpilot.server.kv_transfer"):
+            [out] = one.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(sent[0])))
+        stats = one.engine.kv_connector.receiver.stats
+        assert out.outputs[0].token_ids == reference[0] and stats.pulled_blocks == 0 and stats.failed_pulls == 1
+        assert "the prefill engine runs tensor_parallel_size=3 and this decode engine 1" in caplog.text
+        one.engine.close()
+        decode = engine(kv_role="decode", kv_transfer_timeout=10, tensor_parallel_size=3)
+        try:
+            [out] = decode.generate(PROMPTS[1:2], params(kv_transfer=KVTransferParams.from_dict(sent[1])))
+            stats = decode.engine.kv_connector.receiver.stats
+            assert out.outputs[0].token_ids == reference[1] and stats.pulled_blocks == prompt_blocks(decode, PROMPTS[1]) > 0
+            assert out.num_cached_tokens == stats.pulled_blocks * BLOCK
+            # killed mid-transfer: the decode engine has the blocks' whereabouts, the prefill ranks are gone before it reads them
+            eng = decode.engine
+            request = eng.add_request(PROMPTS[2], params(kv_transfer=KVTransferParams.from_dict(sent[2])))
+            eng.step()  # looked up: the pull's handshake begins
+            load = eng.requests[request].seqs[0].kv_load
+            assert load.done.wait(30) and load.remote is not None and len(load.payloads) == prompt_blocks(decode, PROMPTS[2])
+            _kill_with_its_ranks(server)
+            done = {}
+            while eng.has_unfinished_requests():
+                done.update({o.request_id: o for o in eng.step() if o.finished})
+            assert done[request].outputs[0].token_ids == reference[2] and done[request].num_cached_tokens == 0
+            assert stats.failed_pulls == 1 and stats.pulled_blocks == prompt_blocks(decode, PROMPTS[1])
+        finally:
+            decode.engine.close()
+    finally:
+        if server.proc.poll() is None:
+            _kill_with_its_ranks(server)

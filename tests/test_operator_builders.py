@@ -619,7 +619,7 @@ def test_the_kv_disk_tier_is_a_shared_claim_or_a_per_pod_directory():
     body = {"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "engineSettings": {
         "kvOffload": {}, "speculative": {"method": "draft", "draftModel": "smollm2-135m"}}}}
     parsed, problems = parse_spec(body)  # (a drafter's K/V moves with the blocks: the two compose)
-    assert not problems and parsed.engineSettings.speculative.method == "draft", problems
+    assert not problems and parsed.engine_settings.speculative.method == "draft", problems
 
 
 def test_the_kv_host_tier_sizes_the_engines_flag_with_or_without_a_disk_tier():
@@ -738,10 +738,14 @@ def test_the_kv_transfer_port_is_open_to_the_services_own_engine_pods_alone():
     # the port the prefill engine serves held blocks on, as its flags and its container port say
     prefill_port = EngineConfig.from_cli_args(engine_args(container(pools[1]))).kv_transfer_port
     assert next(p["containerPort"] for p in container(pools[1])["ports"] if p["name"] == "kv-transfer") == prefill_port
-    assert kv_rule == {"from": [{"podSelector": spec_["podSelector"]}], "ports": [{"protocol": "TCP", "port": prefill_port}]}
+    # and NIXL's data ports (UCX's reads carry no authentication), where both pools' engines listen
+    ranges = {e["value"] for pool in pools for e in container(pool)["env"] if e["name"] == "UCX_TCP_PORT_RANGE"}
+    assert len(ranges) == 1
+    first, last = map(int, ranges.pop().split("-"))
+    assert kv_rule["from"] == [{"podSelector": spec_["podSelector"]}] and _tcp_ports(kv_rule["ports"]) == {prefill_port, *range(first, last + 1)}
     # every other TCP port open to all (no `from`): the gateway, Prometheus, probes; the HTTP port even where endPort is not implemented
     http_port = next(p["containerPort"] for p in container(pools[0])["ports"] if p["name"] == "http")
-    assert "from" not in open_rule and _tcp_ports(open_rule["ports"]) == set(range(1, 65536)) - {prefill_port}
+    assert "from" not in open_rule and _tcp_ports(open_rule["ports"]) == set(range(1, 65536)) - _tcp_ports(kv_rule["ports"])
     assert http_port in _tcp_ports(open_rule["ports"], ignore_end_port=True)
     # off in the operator, or a service that is not disaggregated: none
     assert "NetworkPolicy" not in {o["kind"] for o in render("svc", "ns", "uid-1", s, with_kv_transfer_policy=False)}

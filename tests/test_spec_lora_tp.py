@@ -9,9 +9,15 @@ pair of values of the four axes appears in at least one engine below, not their 
   LoRA                 off, on (a peft adapter; the batch mixes adapter rows and base rows)
   async scheduling     off, on (on a CPU `auto` is off: `on` is what `auto` does on a GPU; n-gram keeps its
                        steps synchronous, so its rows are off)
+  KV tier              none, host, disk, host and disk (issue #64: the KV connector)
+  prefill/decode       off, on (kv_role both: the engine hands its prompts' blocks off to itself, read with NIXL
+                       rank to rank)
 
 Each engine's greedy tokens equal plain decoding of the same model and adapter on as many ranks (one
-plain engine per model and rank count, LoRA slots on, run with and without the adapter); the draft model and
+plain engine per model and rank count, LoRA slots on, run with and without the adapter); with a KV tier,
+served again after the prefix cache forgot the prompts (their blocks come back from the tier), and with
+prefill/decode, decoded from blocks a prefill request held and the cache forgot (pulled), they are still
+plain decoding's — a drafter's proposals as good as on computed blocks (its K/V moved with them); the draft model and
 EAGLE-3 head rows over three ranks also run 8 requests in one batch, with two adapters and a grammar, and
 give one rank's tokens. A draft model split over two ranks keeps the sampling distribution (seeded,
 chi-square) and proposes what it proposes on one rank."""
@@ -25,17 +31,20 @@ import pytest
 
 PROMPTS = ["one two three four one two three four one two", "The capital of France is", "A code like 123-abc:", "def fibonacci(n):"]
 ADAPTED = [False, True, False, True]  # with LoRA on: which prompts run with the adapter (the others the base model)
-# (ranks, speculation, LoRA, async scheduling): a pairwise covering set of the four axes
-ROWS = [(1, "none", False, "off"), (1, "ngram", True, "off"), (1, "draft", True, "on"), (1, "eagle3", False, "on"),
-        (2, "none", True, "on"), (2, "ngram", False, "off"), (2, "draft", False, "off"), (2, "eagle3", True, "off"),
-        (3, "none", False, "off"), (3, "ngram", True, "off"), (3, "draft", True, "on"), (3, "eagle3", True, "on")]
+# (ranks, speculation, LoRA, async scheduling, KV tier, prefill/decode): a pairwise covering set of the six axes
+ROWS = [(1, "none", False, "off", "none", "on"), (1, "ngram", True, "off", "host+disk", "on"), (1, "draft", True, "on", "host", "on"),
+        (1, "eagle3", False, "on", "host", "off"), (2, "none", True, "on", "host+disk", "on"), (2, "ngram", False, "off", "none", "off"),
+        (2, "draft", False, "off", "host+disk", "off"), (2, "eagle3", True, "off", "disk", "on"), (3, "none", False, "off", "host", "off"),
+        (3, "ngram", True, "off", "disk", "on"), (3, "draft", True, "on", "none", "off"), (3, "eagle3", True, "on", "host+disk", "on"),
+        (2, "none", False, "on", "disk", "off"), (2, "ngram", False, "off", "host", "on"), (1, "draft", False, "on", "disk", "on"),
+        (3, "eagle3", False, "off", "none", "on")]
 
 
 def test_the_rows_cover_every_pair_of_axis_values():
-    values = [{1, 2, 3}, {"none", "ngram", "draft", "eagle3"}, {False, True}, {"off", "on"}]
+    values = [{1, 2, 3}, {"none", "ngram", "draft", "eagle3"}, {False, True}, {"off", "on"}, {"none", "host", "disk", "host+disk"}, {"off", "on"}]
     refused = {("ngram", "on")}  # n-gram's lookups read each step's tokens on the host (EngineConfig refuses it)
-    for i in range(4):
-        for j in range(i + 1, 4):
+    for i in range(6):
+        for j in range(i + 1, 6):
             wanted = {(a, b) for a in values[i] for b in values[j]} - (refused if (i, j) == (1, 3) else set())
             assert wanted <= {(row[i], row[j]) for row in ROWS}, (i, j)
 
@@ -87,8 +96,18 @@ def models(tmp_path_factory, model_path, lora_peft_case):
     return {1: bundled, 2: small, 3: bundled}
 
 
-def engine(ranks: int, model: dict, speculation: str = "none", lora: bool = True, async_scheduling: str = "off", **extra):
+def engine(ranks: int, model: dict, speculation: str = "none", lora: bool = True, async_scheduling: str = "off", tier: str = "none",
+           pd: str = "off", tier_dir=None, **extra):
     from kvpilot.server import LLM
+
+    if tier != "none" or pd == "on":  # (blocks of 4 tokens: every prompt here has some to save and load)
+        extra["block_size"] = 4
+    if "host" in tier:
+        extra["kv_host_offload_size"] = "16MiB"
+    if "disk" in tier:
+        extra["kv_offload_dir"] = str(tier_dir)
+    if pd == "on":
+        extra.update(kv_role="both", kv_transfer_port=0, kv_transfer_timeout=20)
 
     spec = {} if speculation == "none" else {"speculative_method": speculation, "speculative_disable_batch_size": 0,
                                              "speculative_min_acceptance": 0.0}
@@ -101,13 +120,49 @@ def engine(ranks: int, model: dict, speculation: str = "none", lora: bool = True
                max_num_batched_tokens=32, async_scheduling=async_scheduling, **spec, **{**lora_kw, **extra})
 
 
-def greedy(llm, model: dict, adapted: list[bool]) -> list[list[int]]:
+def greedy(llm, model: dict, adapted: list[bool], transfers: list[dict] | None = None) -> list[list[int]]:
+    """Each prompt's greedy tokens (transfers: each decoded from the blocks its kv_transfer_params name)."""
     from kvpilot.server import SamplingParams
     from kvpilot.server.adapters import LoRARequest
+    from kvpilot.server.engine.sampling_params import KVTransferParams
 
     lora = LoRARequest("all7-r8", 1, model["adapter"])
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                             kv_transfer=KVTransferParams.from_dict(transfers[i]) if transfers else None) for i in range(len(PROMPTS))]
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, lora_request=[lora if a else None for a in adapted])]
+
+
+def served_from_outside(llm, model: dict, adapted: list[bool], tier: str, pd: str) -> dict:
+    """After a first round: the prompts served again from the KV tier once the prefix cache forgot them,
+    and decoded from blocks prefill requests held once the cache (and the tiers) forgot them; each
+    round's tokens and what came from where."""
+    from kvpilot.server import SamplingParams
+    from kvpilot.server.adapters import LoRARequest
+    from kvpilot.server.engine.sampling_params import KVTransferParams
+
+    connector, out = llm.engine.kv_connector, {}
+    proposer = llm.engine.proposer
+
+    def accepted() -> int:
+        return proposer.stats.num_accepted_tokens if proposer else 0
+
+    if tier != "none":
+        connector.drain()
+        llm.engine.reset_prefix_cache()
+        before = accepted()
+        out["tier"] = greedy(llm, model, adapted)
+        out["tier accepted"] = accepted() - before
+        out["tier hits"] = sum(t.stats.hit_blocks for t in (connector.host, connector.disk) if t is not None)
+    if pd == "on":
+        lora = LoRARequest("all7-r8", 1, model["adapter"])
+        prefill = SamplingParams(temperature=0, max_tokens=1, kv_transfer=KVTransferParams(do_remote_decode=True))
+        transfers = [o.kv_transfer_params for o in llm.generate(PROMPTS, prefill, lora_request=[lora if a else None for a in adapted])]
+        llm.engine.reset_prefix_cache(external=True)  # the held blocks stay held; nothing else has them
+        before = accepted()
+        out["pd"] = greedy(llm, model, adapted, transfers)
+        out["pd accepted"] = accepted() - before
+        out["pulled"] = connector.receiver.stats.pulled_blocks
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -127,18 +182,31 @@ def plain(models, lora_peft_case):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("ranks", "speculation", "lora", "async_scheduling"), ROWS, ids=["-".join(map(str, r)) for r in ROWS])
-def test_greedy_output_is_plain_decodings_in_every_composition(models, plain, lora_peft_case, ranks, speculation, lora, async_scheduling):
-    llm = engine(ranks, models[ranks], speculation, lora, async_scheduling)
+@pytest.mark.parametrize(("ranks", "speculation", "lora", "async_scheduling", "tier", "pd"), ROWS, ids=["-".join(map(str, r)) for r in ROWS])
+def test_greedy_output_is_plain_decodings_in_every_composition(models, plain, lora_peft_case, tmp_path, ranks, speculation, lora,
+                                                               async_scheduling, tier, pd):
+    llm = engine(ranks, models[ranks], speculation, lora, async_scheduling, tier, pd, tmp_path)
+    adapted = ADAPTED if lora else [False] * len(PROMPTS)
     try:
         assert llm.engine.async_scheduling is (async_scheduling == "on")
-        got = greedy(llm, models[ranks], ADAPTED if lora else [False] * len(PROMPTS))
+        got = greedy(llm, models[ranks], adapted)
         stats = llm.engine.proposer.stats if llm.engine.proposer else None
+        accepted = stats.num_accepted_tokens if stats else 0
         held = llm.engine.describe_ranks() if ranks > 1 else None
-        mixed_batch = mixed(llm, lora_peft_case[0]) if ranks == 3 and speculation in ("draft", "eagle3") else None
+        mixed_batch = mixed(llm, lora_peft_case[0]) if ranks == 3 and speculation in ("draft", "eagle3") and tier == pd == "none" else None
+        outside = served_from_outside(llm, models[ranks], adapted, tier, pd)
     finally:
         llm.engine.close()
     assert got == plain[ranks][lora]
+    for served in ("tier", "pd"):  # from blocks that came from outside the cache: the same tokens
+        assert outside.get(served, got) == got, (served, outside)
+    if tier != "none":
+        assert outside["tier hits"] > 0, outside
+    if pd == "on":
+        assert outside["pulled"] > 0, outside
+    for served in ("tier", "pd"):  # the drafter's K/V came with the blocks: its proposals are as good as on computed ones
+        if speculation in ("draft", "eagle3") and served in outside:
+            assert outside[f"{served} accepted"] >= 0.8 * accepted, (served, accepted, outside)
     # (n-gram on the random tiny checkpoint: its output never repeats its context, nothing to look up)
     if speculation in ("draft", "eagle3") or (speculation == "ngram" and ranks != 2):
         assert stats.num_drafts > 0, stats

@@ -24,6 +24,8 @@ DEFAULT_IMAGES = {
 SHUTDOWN_GRACE_SECONDS = 30
 # A disaggregated service's prefill pods serve the KV blocks they hold on this port (the engine's --kv-transfer-port).
 KV_TRANSFER_PORT = 5600
+# ...and NIXL's UCX listens for reads of them on these ports (UCX_TCP_PORT_RANGE: one per engine rank, and room)
+KV_DATA_PORTS = (5601, 5699)
 # With spec.adapters: a writable directory (an emptyDir) where the kvpilot engine downloads hf:// adapters,
 # and under it pvc/CLAIM, each adapter claim mounted read-only. The kvpilot engine's --lora-dir.
 LORA_DIR = "/var/lib/kvpilot/adapters"

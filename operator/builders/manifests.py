@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvpilot.operator.builders.engines import (
     DEFAULT_IMAGES,
     KV_TIER_DIR,
+    KV_DATA_PORTS,
     KV_TRANSFER_PORT,
     LORA_DIR,
     PORT,
@@ -212,6 +213,8 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
         env.append(_secret_env("KVPILOT_API_KEY", spec.api_key_secret_ref))
     if pool is not None:  # both pools: the prefill engine signs the kv_transfer_params it hands out, the decode engine checks them
         env.append(_secret_env(KV_TRANSFER_SECRET_ENV, SecretKeyRef(name=kv_transfer_name(name), key=KV_TRANSFER_SECRET_KEY)))
+        # NIXL's data path (UCX) on ports the KV transfer NetworkPolicy closes to other pods: it carries no authentication
+        env.append({"name": "UCX_TCP_PORT_RANGE", "value": f"{KV_DATA_PORTS[0]}-{KV_DATA_PORTS[1]}"})
     container = {
         "name": "engine", "image": c.image, "command": c.command, "args": c.args, "env": env,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"},
@@ -290,22 +293,25 @@ def kv_transfer_secret(name: str, namespace: str, uid: str, spec: InferenceServi
 
 
 def kv_transfer_network_policy(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
-    """A disaggregated service's KV transfer port reachable from its own engine pods alone (decode pods pull from prefill
-    pods; any other client is refused), every other port of its pods open to all as before (the gateway, Prometheus).
+    """A disaggregated service's KV transfer port and NIXL's data ports (KV_DATA_PORTS, right after it: UCX's reads carry
+    no authentication) reachable from its own engine pods alone (decode pods pull from prefill pods; any other client is
+    refused), every other port of its pods open to all as before (the gateway, Prometheus).
 
     A NetworkPolicy only allows, and a pod it selects is closed to what none allows: so the second rule names every other
-    TCP port, as the two ranges around the KV transfer port, and the HTTP port on its own too (on a network plugin that
+    TCP port, as the two ranges around the KV ports, and the HTTP port on its own too (on a network plugin that
     does not implement endPort a range reads as its first port alone: the HTTP port must not depend on it). The engine
     serves TCP alone (one container, the operator's); replies to the pod's own UDP requests (DNS) are not ingress.
     Kubelet probes come from the node, which most network plugins let through whatever the policy; they probe the HTTP
     port, which is open to all anyway."""
     engine_pods = {"matchLabels": selector_labels(name)}  # both pools
     every_other_port = [{"protocol": "TCP", "port": PORT}, {"protocol": "TCP", "port": 1, "endPort": KV_TRANSFER_PORT - 1},
-                        {"protocol": "TCP", "port": KV_TRANSFER_PORT + 1, "endPort": 65535}]
+                        {"protocol": "TCP", "port": KV_DATA_PORTS[1] + 1, "endPort": 65535}]
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": {**_meta(name, namespace, uid, spec), "name": kv_transfer_name(name)},
             "spec": {"podSelector": engine_pods, "policyTypes": ["Ingress"],
-                     "ingress": [{"from": [{"podSelector": engine_pods}], "ports": [{"protocol": "TCP", "port": KV_TRANSFER_PORT}]},
+                     "ingress": [{"from": [{"podSelector": engine_pods}], "ports": [{"protocol": "TCP", "port": KV_TRANSFER_PORT},
+                                                                                   {"protocol": "TCP", "port": KV_DATA_PORTS[0],
+                                                                                    "endPort": KV_DATA_PORTS[1]}]},
                                  {"ports": every_other_port}]}}
 
 

@@ -272,11 +272,15 @@ class KVConnector:
                         why or "on another rank: its log says why")
         failed: dict[int, Sequence] = {}
         touched: dict[int, BlockLoad] = {}
-        for seq, _, load, _ in loads:
+        for (seq, _, load, _), block in zip(loads, blocks):
             load.num_written += 1
             touched[id(load)] = load
             if not ok:
                 failed[seq.seq_id] = seq
+                tier = {"host": self.host, "disk": self.disk}.get(block.source)
+                if tier is not None:  # counted as a hit when rank 0 had its shard: computed after all
+                    tier.stats.hit_blocks -= 1
+                    tier.stats.miss_blocks += 1
         for load in touched.values():
             finished = not ok or load.num_written >= load.num_taken
             if load.remote is not None and self.receiver is not None and finished:

@@ -77,7 +77,7 @@ class NixlCache:
         local = [(r.data_ptr() + lb * s, s, self.dev_id) for lb, _ in pairs for r, s in zip(self.regions, self.strides)]
         remote = [(base + rb * s, s, self.dev_id) for _, rb in pairs for base, s in regions]
         with self._lock:
-            if peer["agent"] not in self._known:
+            if peer["agent"] not in self._known and peer["agent"] != self.name:  # (its own: a loopback read, kv_role both)
                 self.agent.add_remote_agent(peer["metadata"])
                 self._known.add(peer["agent"])
             handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem),

@@ -260,6 +260,9 @@ class Scheduler:
             self.bm.free_seq(seq)
             seq.num_computed_tokens = 0
             seq.kv_load, seq.tier_looked_up = None, True
+            # what its admission counted as found is counted again at the next (the loaded part computed)
+            self.external_hit_tokens -= sum(n for source, n in seq.cached_sources.items() if source != "device")
+            seq.num_cached_tokens, seq.cached_sources = 0, {}
             seq.status = Status.WAITING
             self._enqueue(seq, front=True)
 
