@@ -2,7 +2,7 @@
 or read back from the disk tier (after the engine's cache evicted it, and after an engine restart on the
 same directory); same run, interleaved rounds, median.
 
-    .venv/bin/python bench/kv_tiers.py [--force] [--parts ttft,itl] [--rounds 3] [--prefix-tokens 2000] [--load-tokens 4000] [--threads 2]
+    .venv/bin/python bench/kv_tiers.py [--force] [--parts ttft,itl,spec] [--rounds 3] [--prefix-tokens 2000] [--load-tokens 4000] [--threads 2]
 
 Each round draws a fresh random prefix (so nothing is cached anywhere) and a 16-token suffix per
 request; one output token is generated (its time is the TTFT, tokenization excluded: ids go in).
@@ -17,6 +17,10 @@ prompt's blocks are read from the disk tier (a fresh engine on a directory holdi
 such a prompt is computed and its blocks saved (vs the same prompt on an engine without a tier): the
 p99 of the steps from its arrival until it is done, vs the clients decoding alone; for the load also the
 steps while its blocks are read and written into the cache (before the step that computes its tail).
+
+Then (spec) a draft model's acceptance on prompts computed vs the same prompts read back from the disk
+tier (the drafter's K/V moves with the target's blocks: the KV connector), and the draft's share of a
+block's bytes: the draft is the bundled model cut to 4 layers.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=2000)
     ap.add_argument("--load-tokens", type=int, default=4000, help="the prompt loaded or saved while the clients decode")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--parts", default="ttft,itl", help="which tables: ttft, itl or both")
+    ap.add_argument("--parts", default="ttft,itl,spec", help="which tables: ttft, itl, spec (comma-separated)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
@@ -58,6 +62,8 @@ def main() -> None:
     parts = args.parts.split(",")
     if "ttft" in parts:
         ttfts(args, new_ids)
+    if "spec" in parts:
+        drafted_on_loaded_blocks(args)
     if "itl" in parts:
         itl(args, new_ids)
 
@@ -189,6 +195,44 @@ def itl(args, new_ids) -> None:
           f"a load read {read.hit_blocks} blocks ({read.loaded_bytes / 2**20:.0f} MiB in {read.load_seconds:.2f} s)")
     print(table(rows, ["case", "steps", "ITL p99 ms", "vs alone"]))
 
+
+
+def drafted_on_loaded_blocks(args) -> None:
+    """Acceptance of a 4-layer draft of the bundled model, prompts computed vs read back from disk."""
+    from kvpilot.server import LLM, SamplingParams
+    from kvpilot.server.gguf_loader import write_truncated
+    from kvpilot.server.model_files import resolve_model_path
+
+    sentences = ["The harbour master logs every ship that enters the port before dawn.",
+                 "A lighthouse keeper trims the wick and polishes the lens each evening.",
+                 "Glaciers carve valleys slowly, leaving moraines where they melt away.",
+                 "Beekeepers smoke the hive gently so the bees stay calm during inspection."]
+    prompts = [" ".join(sentences[(i + j) % 4] for j in range(24)) for i in range(4)]  # ~350 tokens each
+    with tempfile.TemporaryDirectory() as tmp:
+        draft = write_truncated(resolve_model_path("smollm2-135m"), os.path.join(tmp, "draft4.gguf"), 4)
+        llm = LLM(num_threads=args.threads, show_progress=False, kv_cache_memory="256MiB", kv_offload_dir=os.path.join(tmp, "tier"),
+                  speculative_method="draft", speculative_model=str(draft), num_speculative_tokens=4, speculative_disable_batch_size=0,
+                  speculative_min_acceptance=0.0)
+        engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        rows, first = [], None
+        for case in ("computed", "read back from the disk tier"):
+            stats = engine.proposer.stats
+            drafted, accepted, hits = stats.num_draft_tokens, stats.num_accepted_tokens, engine.kv_connector.disk.stats.hit_blocks
+            outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            drafted, accepted = stats.num_draft_tokens - drafted, stats.num_accepted_tokens - accepted
+            rows.append({"prompts": case, "blocks from disk": engine.kv_connector.disk.stats.hit_blocks - hits, "draft tokens": drafted,
+                         "accepted": accepted, "acceptance": f"{accepted / drafted:.3f}",
+                         "greedy output": "-" if first is None else ("the same" if outs == first else "DIFFERENT")})
+            first = first or outs
+            engine.kv_connector.drain()
+            engine.reset_prefix_cache()  # the cache forgets them: the disk tier has them
+        regions = engine.worker.cache_regions()
+        draft_bytes = sum(r[0].numel() * r.element_size() for r in regions[2 * len(engine.worker.kv_caches):])
+        engine.close()
+    print(f"machine: {machine()}; threads {args.threads}; 4 prompts of ~350 tokens, 64 greedy tokens each, k = 4")
+    print(table(rows, list(rows[0])))
+    print(f"the draft's K/V: {draft_bytes / engine.worker.block_layout()[1]:.1%} of a block's bytes ({draft_bytes} of "
+          f"{engine.worker.block_layout()[1]})")
 
 if __name__ == "__main__":
     main()

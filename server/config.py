@@ -384,6 +384,10 @@ def kv_transfer_settings(value: str | dict) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"kv_transfer_config: {', '.join(unknown)} not implemented (kv_connector, kv_role and kv_connector_extra_config are)")
     connector = config.get("kv_connector")
+    renamed = {"OffloadingConnector": "KVPilotTiersConnector", "TCPConnector": "KVPilotNixlConnector"}.get(connector)
+    if renamed:
+        raise ValueError(f"kv_transfer_config: kv_connector {connector!r} is now {renamed!r} (kvpilot's own name; the "
+                         f"prefill/decode K/V moves over NIXL)")
     if connector not in _KV_CONNECTORS:
         raise ValueError(f"kv_transfer_config: kv_connector {connector!r} is not implemented; {' and '.join(map(repr, _KV_CONNECTORS))} "
                          "are (kvpilot's own: its host and disk tiers; prefill/decode over NIXL)")

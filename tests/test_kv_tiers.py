@@ -432,7 +432,6 @@ def test_a_file_that_cannot_be_parsed_is_a_miss_logged_once_and_not_read_again(t
     """A header nested too deep for the JSON parser (a RecursionError), and a file of bad magic that cannot
     be deleted: each is a miss, logged without a traceback, and dropped (deleted, or remembered as bad and
     counted): the next lookup does not read it again."""
-    from kvpilot.server.engine.block_manager import TEST_SALT
     from kvpilot.server.engine.kv_tiers import MAGIC
 
     tier = _tier(tmp_path)
@@ -524,7 +523,6 @@ def test_a_file_that_cannot_be_opened_is_a_miss_logged_once_and_not_opened_again
     import errno
 
     from kvpilot.server.engine import kv_tiers
-    from kvpilot.server.engine.block_manager import TEST_SALT
 
     tier = _tier(tmp_path)
     (key,), chunks = _chain(tier, 1)

@@ -145,6 +145,52 @@ def test_a_prefill_engine_gone_an_unpulled_hold_and_other_settings_recompute_or_
     assert other.engine.kv_connector.receiver.stats.pulled_blocks == 0
 
 
+@pytest.mark.timeout(120)
+def test_pulled_blocks_are_not_read_past_the_hold_and_a_request_let_go_releases_it(prefill, reference):
+    """The prefill engine holds pulled blocks for its timeout from the pull's answer, then may reuse them:
+    a decode engine that could not admit the prompt within it (here: the test waits) computes the prompt
+    instead of reading blocks that may be another's by then (the hold is given back at once). A decode
+    request aborted while its pull is answered, and one whose prompt is all in the decode engine's cache,
+    release the prefill engine's hold at once (not at its timeout)."""
+    from kvpilot.server.engine.sampling_params import KVTransferParams
+
+    sender = prefill.engine.kv_connector.sender
+    expired = sender.stats.expired_transfers
+    decode = engine(kv_role="decode", kv_transfer_timeout=30)
+    eng = decode.engine
+    [late] = prefilled(prefill, PROMPTS[:1])
+    request = eng.add_request(PROMPTS[0], params(kv_transfer=KVTransferParams.from_dict(late)))
+    eng.step()  # looked up: the pull begins
+    load = eng.requests[request].seqs[0].kv_load
+    assert load.done.wait(10) and load.remote is not None
+    time.sleep(0.8 * 3 - 1 + 0.3)  # past the read-by time of the prefill engine's 3 s hold
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert done[request].outputs[0].token_ids == reference[0] and done[request].num_cached_tokens == 0
+    assert eng.kv_connector.receiver.stats.failed_pulls == 1 and eng.kv_connector.receiver.stats.pulled_blocks == 0
+
+    def released(seconds: float = 2.0) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            prefill.engine.step()  # (gives back what was released)
+            if sender.num_held_blocks() == 0:
+                return True
+            time.sleep(0.05)
+        return False
+
+    assert released()  # (told, not expired: the hold's own timeout is 3 s after the pull)
+    [aborted] = prefilled(prefill, PROMPTS[1:2])
+    request = eng.add_request(PROMPTS[1], params(kv_transfer=KVTransferParams.from_dict(aborted)))
+    eng.step()
+    eng.abort_request(request)
+    assert released() and sender.stats.expired_transfers == expired
+    decode.generate(PROMPTS[2:], params())  # its own cache has the prompt: nothing to pull
+    [cached] = prefilled(prefill, PROMPTS[2:])
+    [out] = decode.generate(PROMPTS[2:], params(kv_transfer=KVTransferParams.from_dict(cached)))
+    assert out.outputs[0].token_ids == reference[2] and released() and sender.stats.expired_transfers == expired
+
+
 @pytest.fixture
 def fake_prefill_engine():
     """A ZeroMQ server where a forged kv_transfer_params would send a decode engine: it records any
@@ -447,9 +493,8 @@ def test_three_decode_ranks_read_from_three_prefill_ranks_and_failures_cost_time
     prefill engine by name and computes the prompt; a prefill server killed after the handshake, before
     the decode ranks read, makes every decode rank drop the blocks, and the prompt is computed: the same
     tokens either way."""
-    from server_harness import ServerProcess
-
     from kvpilot.server.engine.sampling_params import KVTransferParams
+    from server_harness import ServerProcess
 
     server = ServerProcess("--kv-cache-memory", "32MiB", "--tensor-parallel-size", "3", "--kv-role", "prefill", "--kv-transfer-port", "0",
                            "--kv-transfer-timeout", "60", env={"KVPILOT_KV_TRANSFER_SECRET": POOL_SECRET},

@@ -136,15 +136,16 @@ FAMILIES: dict[str, Family] = {
     "kv_offload_bytes": Family("gauge", "Bytes of the disk tier's files this engine knows of."),
     "kv_transfer_held_transfers": Family("counter", "Prefill engines (--kv-role prefill): prefill requests whose prompt blocks were held "
                                          "for a decode engine."),
-    "kv_transfer_sent_blocks": Family("counter", "KV blocks a decode engine pulled from this one."),
-    "kv_transfer_sent_bytes": Family("counter", "Bytes of K/V pulled from this engine."),
-    "kv_transfer_expired_transfers": Family("counter", "Holds released unpulled after kv_transfer_timeout."),
+    "kv_transfer_sent_blocks": Family("counter", "KV blocks a decode engine was told to read from this one."),
+    "kv_transfer_sent_bytes": Family("counter", "Bytes of K/V of those blocks, over every rank."),
+    "kv_transfer_expired_transfers": Family("counter", "Holds released after kv_transfer_timeout, not read."),
     "kv_transfer_held_blocks": Family("gauge", "KV blocks held now for decode engines' pulls."),
     "kv_transfer_pulled_blocks": Family("counter", "Decode engines (--kv-role decode): KV blocks pulled from prefill engines instead of "
                                         "computed."),
-    "kv_transfer_pulled_bytes": Family("counter", "Bytes of K/V pulled from prefill engines."),
-    "kv_transfer_failed_pulls": Family("counter", "Pulls that gave fewer blocks than asked for (the rest computed here)."),
-    "kv_transfer_pull_seconds": Family("counter", "Seconds pulls took, from asking to the blocks' arrival."),
+    "kv_transfer_pulled_bytes": Family("counter", "Bytes of K/V pulled from prefill engines, over every rank."),
+    "kv_transfer_failed_pulls": Family("counter", "Pulls that gave fewer blocks than asked for, or whose reads failed on a rank "
+                                       "(those blocks computed here)."),
+    "kv_transfer_pull_seconds": Family("counter", "Seconds pulls took: asking the prefill engine, then the ranks' NIXL reads."),
     "lora_requests_info": Family("gauge", "LoRA adapters of the running and waiting requests (labels, comma-separated) and the most "
                                  "adapters a step runs; the value is when it was read (vLLM's).",
                                  ("running_lora_adapters", "waiting_lora_adapters", "max_lora")),

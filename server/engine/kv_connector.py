@@ -40,6 +40,9 @@ log = logging.getLogger("kvpilot.server.kv_connector")
 # Beside running sequences, reading a KV tier's files takes this share of the time of the step before,
 # between steps (kv_tiers.DiskTier.read).
 TIER_READ_SHARE = 0.1
+# A step's NIXL reads from one prefill engine take at most this long (they are milliseconds: the step waits for them, and a
+# prefill engine that hangs must not stall every running sequence for kv_transfer_timeout).
+NIXL_READ_TIMEOUT_S = 10.0
 
 
 class KVConnectorWorker:
@@ -70,17 +73,18 @@ class KVConnectorWorker:
         described = self.nixl.describe()
         return NixlPeer(described["agent"], described["metadata"], described["regions"])
 
-    def run(self, work: KVWork) -> str | None:
+    def run(self, work: KVWork) -> list[bytes]:
         """Ranks 1…N−1: a KVWork as rank 0 decided it — the saved blocks copied first (a load may reuse
-        a block), then the loads (None: they went well; else why not), then the copies into the tiers
+        a block), then the loads (the keys of those that failed here), then the copies into the tiers
         and the host tier's evictions."""
         copies = [self.worker.block_bytes(s.block_id) if s.to_host or s.to_disk else None for s in work.saves]
-        failed = None
+        failed: list[bytes] = []
         if work.loads:
             try:
                 failed = self.load(work.loads, work.peers, None)
             except Exception as e:  # noqa: BLE001 - every rank agrees on the outcome: this rank's is a failure
-                failed = f"{type(e).__name__}: {e}"
+                log.warning("KV connector: rank %d: loading failed (%s: %s)", self.rank, type(e).__name__, e)
+                failed = [block.key for block in work.loads]
         for save, payload in zip(work.saves, copies):
             if save.to_host:
                 self.host_shards[save.key] = payload
@@ -90,32 +94,40 @@ class KVConnectorWorker:
             self.host_shards.pop(key, None)
         return failed
 
-    def load(self, blocks: list[LoadedBlock], peers: list[list[NixlPeer]], own: list[Payload | None] | None) -> str | None:
+    def load(self, blocks: list[LoadedBlock], peers: list[list[NixlPeer]], own: list[Payload | None] | None) -> list[bytes]:
         """Fill fresh cache blocks with this rank's shard of each: own[i] when rank 0 has it already, else
-        from this rank's host tier or disk file, or read from the prefill rank of this index. None when
-        all went well, else why not (the first failure: the rest are not tried)."""
+        from this rank's host tier or disk file, or read from the prefill rank of this index. The keys of
+        the blocks that could not be (logged)."""
+        self.worker.settle_writes()  # (on a GPU: nothing queued may still write these blocks, or copy them off)
         written: list[tuple[int, Payload]] = []
-        remote: dict[int, list[tuple[int, int]]] = {}
+        remote: dict[int, list[LoadedBlock]] = {}
+        failed: list[bytes] = []
         for i, block in enumerate(blocks):
             payload = own[i] if own is not None else None
             if block.source == "p2p":
-                remote.setdefault(block.peer, []).append((block.block_id, block.remote_block))
+                remote.setdefault(block.peer, []).append(block)
                 continue
             if payload is None and block.source == "host":
                 payload = self.host_shards.get(block.key)
             elif payload is None and block.source == "disk" and self.disk is not None:
                 payload = self.disk.read_block(block.key, block.parent, tuple(block.token_ids))
             if payload is None:
-                return f"rank {self.rank}: block {block.key.hex()[:16]}… is no longer in its {block.source} tier"
-            written.append((block.block_id, payload))
+                log.warning("KV connector: rank %d: block %s… is no longer in its %s tier (or its shard is bad): computed instead",
+                            self.rank, block.key.hex()[:16], block.source)
+                failed.append(block.key)
+            else:
+                written.append((block.block_id, payload))
         self.worker.write_blocks(written)
-        for peer, pairs in remote.items():
-            if self.nixl is None:
-                return f"rank {self.rank}: no NIXL agent to read from a prefill engine"
-            why = self.nixl.read(_peer_dict(peers[peer][self.rank]), pairs, self.config.kv_transfer_timeout)
+        for peer, reads in remote.items():
+            agent = peers[peer][self.rank]
+            why = (self.nixl.read(_peer_dict(agent), [(b.block_id, b.remote_block) for b in reads], min(self.config.kv_transfer_timeout,
+                                                                                                          NIXL_READ_TIMEOUT_S))
+                   if self.nixl is not None else "no NIXL agent on this engine")
             if why is not None:
-                return f"rank {self.rank}: reading from {peers[peer][self.rank].agent}: {why}"
-        return None
+                log.warning("KV connector: rank %d: reading %d blocks from %s failed (%s): computed instead", self.rank, len(reads),
+                            agent.agent, why)
+                failed += [b.key for b in reads]
+        return failed
 
     def close(self) -> None:
         """Saves queued for the disk tier are written first."""
@@ -147,6 +159,7 @@ class KVConnector:
         self.block_size = config.block_size
         self.external_queries = 0  # prompt tokens looked up past the in-memory hits
         self._saves: list[_Save] = []
+        self._evicted: list[bytes] = []  # host tier keys the other ranks are to drop with the next saves
         self._transfer_ids = 0
         self.sender = self.receiver = None
         if config.kv_role != "none":
@@ -181,6 +194,9 @@ class KVConnector:
         tokens = seq.token_ids()
         usable = (len(tokens) - 1) // size
         if len(cached) >= usable:
+            transfer = seq.params.kv_transfer
+            if transfer is not None and transfer.do_remote_prefill and self.receiver is not None:
+                self.receiver.release(transfer)  # all in the cache already: the prefill engine's hold is not needed
             return None
         parent = bm.blocks[cached[-1]].hash if cached else bm.root(seq)
         chunks = [tuple(tokens[i * size:(i + 1) * size]) for i in range(len(cached), usable)]
@@ -194,10 +210,13 @@ class KVConnector:
         payloads, keys = self.host.chain(parent, chunks) if self.host is not None else ([], [])
         load = BlockLoad(first_index, parent, keys, chunks[:len(keys)], list(payloads), num_host=len(keys), num_read=len(keys))
         rest = chunks[len(keys):]
-        if rest and transfer is not None and transfer.do_remote_prefill and self.receiver is not None:
+        remote = transfer is not None and transfer.do_remote_prefill and self.receiver is not None
+        if rest and remote:
             load.keys += _chain(keys[-1] if keys else parent, rest)
             load.chunks += rest
             return self.receiver.pull(transfer, load)
+        if remote:  # nothing to pull (all here already): the prefill engine need not hold the blocks any longer
+            self.receiver.release(transfer)
         if rest and self.disk is not None:
             found = self.disk.find(keys[-1] if keys else parent, rest)
             if found:
@@ -220,9 +239,9 @@ class KVConnector:
         """The blocks that joined the prefix cache since the last call: each copied off every rank's
         cache once, into the tiers that do not hold it yet."""
         saves, self._saves = self._saves, []
-        if not saves or (self.host is None and self.disk is None):
+        if not (saves or self._evicted) or (self.host is None and self.disk is None):
             return
-        sent, evicted = [], []
+        sent, evicted, self._evicted = [], self._evicted, []
         for save in saves:
             copied: list[Payload] = []
 
@@ -237,17 +256,22 @@ class KVConnector:
             to_disk = self.disk is not None and self.disk.save(save.key, save.parent, save.token_ids, copy)
             if to_host or to_disk:
                 sent.append(SavedBlock(save.block_id, save.key, save.parent, list(save.token_ids), to_host, to_disk))
-        if self.workers is not None and (sent or evicted):
-            self.workers.send(KVWork(sent, [], evicted, []))
+        if self.workers is not None and (sent or evicted):  # (a key evicted, then saved again in this batch, stays)
+            self.workers.send(KVWork(sent, [], [key for key in evicted if not self.host.has(key)], []))
 
     def load(self, loads: list[tuple[Sequence, int, BlockLoad, int]]) -> list[Sequence]:
         """Write the step's loaded blocks ((sequence, cache block, its load, index in the load)) on every
-        rank; the sequences whose loads failed somewhere (every rank dropped them)."""
+        rank; the sequences whose loads failed somewhere (every rank dropped them: computed instead). A
+        pulled block is not read past the time its prefill engine holds it."""
         if not loads:
             return []
-        started = time.perf_counter()
+        started, now = time.perf_counter(), time.monotonic()
+        late = {id(load) for _, _, load, _ in loads if load.remote is not None and now > load.remote.read_by}
+        if late:
+            log.warning("KV transfer: %d pulled loads waited past their prefill engine's hold: computed instead", len(late))
+        doing = [entry for entry in loads if id(entry[2]) not in late]
         blocks, own, peers, peer_index = [], [], [], {}
-        for _, block_id, load, i in loads:
+        for _, block_id, load, i in doing:
             source = "host" if i < load.num_host else load.source
             remote_block, peer = -1, -1
             if source == "p2p":
@@ -258,34 +282,55 @@ class KVConnector:
             blocks.append(LoadedBlock(block_id, load.keys[i], load.keys[i - 1] if i else load.parent, list(load.chunks[i]), source,
                                       remote_block, peer))
             own.append(load.payloads[i])
-        if self.workers is not None:
-            self.workers.send(KVWork([], blocks, [], peers))
-        try:
-            why = self.own.load(blocks, peers, own)
-        except Exception as e:  # noqa: BLE001 - agreed on below: a failed load is computed, never fatal
-            why = f"rank 0: {type(e).__name__}: {e}"
-        ok = why is None
-        if self.workers is not None:
-            ok = self.workers.agree(ok)
-        if not ok:
-            log.warning("loading %d KV blocks failed (%s): their sequences compute them instead", len(blocks),
-                        why or "on another rank: its log says why")
-        failed: dict[int, Sequence] = {}
-        touched: dict[int, BlockLoad] = {}
-        for (seq, _, load, _), block in zip(loads, blocks):
-            load.num_written += 1
-            touched[id(load)] = load
+        failed_keys: set[bytes] = set()
+        if blocks:
+            if self.workers is not None:
+                self.workers.send(KVWork([], blocks, [], peers))
+            try:
+                failed_keys = set(self.own.load(blocks, peers, own))
+            except Exception as e:  # noqa: BLE001 - agreed on below: a failed load is computed, never fatal
+                log.warning("KV connector: rank 0: loading failed (%s: %s)", type(e).__name__, e)
+                failed_keys = {block.key for block in blocks}
+            if self.workers is not None:
+                failed_keys = self.workers.agree(failed_keys)  # every rank's failures, on every rank
+        failed = {seq.seq_id: seq for (seq, _, load, _), block in zip(doing, blocks) if block.key in failed_keys or id(load) in late}
+        failed |= {seq.seq_id: seq for seq, _, load, _ in loads if id(load) in late}
+        outcome: dict[int, tuple[BlockLoad, bool]] = {}
+        for (seq, _, load, i), block in zip(doing, blocks):
+            ok = seq.seq_id not in failed
+            load.payloads[i] = None  # written (or not): its read buffer is free again (kv_tiers.py)
+            load.num_written += ok
+            outcome[id(load)] = (load, outcome.get(id(load), (load, True))[1] and ok)
             if not ok:
-                failed[seq.seq_id] = seq
-                tier = {"host": self.host, "disk": self.disk}.get(block.source)
-                if tier is not None:  # counted as a hit when rank 0 had its shard: computed after all
-                    tier.stats.hit_blocks -= 1
-                    tier.stats.miss_blocks += 1
-        for load in touched.values():
-            finished = not ok or load.num_written >= load.num_taken
-            if load.remote is not None and self.receiver is not None and finished:
+                self._forget(block, block.key in failed_keys)
+        for seq, _, load, _ in loads:
+            if id(load) in late:
+                outcome[id(load)] = (load, False)
+        for load, ok in outcome.values():
+            if load.remote is not None and self.receiver is not None and (not ok or load.num_written >= load.num_taken):
                 self.receiver.finish(load, ok, time.perf_counter() - started)
         return list(failed.values())
+
+    def _forget(self, block: LoadedBlock, bad: bool) -> None:
+        """A block of a load dropped (its sequence computes it): not counted as found; when some rank could
+        not load it (bad), not offered again (its disk files removed, its host entry dropped on every rank)."""
+        tier = {"host": self.host, "disk": self.disk}.get(block.source)
+        if tier is None:
+            return
+        tier.stats.hit_blocks -= 1  # counted as a hit when rank 0 had its shard: computed after all
+        tier.stats.miss_blocks += 1
+        if not bad:
+            return
+        if tier is self.disk:
+            self.disk.discard(block.key)
+        elif self.host.drop(block.key):
+            self._evicted.append(block.key)
+
+    def abandon(self, load: BlockLoad) -> None:
+        """The scheduler lets go of a load before all of it was written (its sequence ended or was
+        preempted, or took none of it): a prefill engine holding its blocks releases them now."""
+        if load.source == "p2p" and self.receiver is not None:
+            self.receiver.abandon(load)
 
     def between_steps(self, step_seconds: float, running: bool) -> None:
         """Held blocks a decode engine is done with given back; a slice of the disk tier's reads while

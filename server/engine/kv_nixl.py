@@ -64,44 +64,55 @@ class NixlCache:
 
     def describe(self) -> dict[str, Any]:
         """What a peer needs to READ from this rank: the agent's name and metadata, each region's base
-        address and bytes per block."""
-        return {"agent": self.name, "metadata": self.agent.get_agent_metadata(),
-                "regions": [[r.data_ptr(), s] for r, s in zip(self.regions, self.strides)]}
+        address, bytes per block and device."""
+        with self._lock:
+            metadata = self.agent.get_agent_metadata()
+        return {"agent": self.name, "metadata": metadata, "regions": [[r.data_ptr(), s, self.dev_id] for r, s in zip(self.regions, self.strides)]}
 
     def read(self, peer: dict[str, Any], pairs: list[tuple[int, int]], timeout: float) -> str | None:
         """READ blocks from a peer rank into this one's cache: pairs of (local block, the peer's block),
-        every region of each. None when done; else why not (a layout that differs, an error, a timeout)."""
+        every region of each. None when done; else why not (a layout that differs, an error, a timeout).
+        A read that can be neither finished nor cancelled stops the process: its bytes could still land
+        in blocks that are someone else's by then."""
         regions = peer["regions"]
-        if [s for _, s in regions] != self.strides:
-            return f"the peer's K/V regions ({len(regions)}, {[s for _, s in regions][:2]}… bytes a block) are not this rank's"
+        if [r[1] for r in regions] != self.strides:
+            return f"the peer's K/V regions ({len(regions)}, {[r[1] for r in regions][:2]}… bytes a block) are not this rank's"
         local = [(r.data_ptr() + lb * s, s, self.dev_id) for lb, _ in pairs for r, s in zip(self.regions, self.strides)]
-        remote = [(base + rb * s, s, self.dev_id) for _, rb in pairs for base, s in regions]
+        remote = [(base + rb * s, s, dev) for _, rb in pairs for base, s, dev in regions]
         with self._lock:
             if peer["agent"] not in self._known and peer["agent"] != self.name:  # (its own: a loopback read, kv_role both)
                 self.agent.add_remote_agent(peer["metadata"])
                 self._known.add(peer["agent"])
             handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem),
                                                 self.agent.get_xfer_descs(remote, self.mem), peer["agent"])
+        with self._lock:
+            state = self.agent.transfer(handle)
+        state = self._wait(handle, state, timeout)
+        why = None if state == "DONE" else "the transfer failed (the peer gone?)" if state == "ERR" else f"no answer in {timeout:.0f} s"
         try:
-            deadline = time.monotonic() + timeout
             with self._lock:
-                state = self.agent.transfer(handle)
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    return f"no answer in {timeout:.0f} s"
-                time.sleep(0)  # (the peer's progress thread answers; ours polls)
-                with self._lock:
-                    state = self.agent.check_xfer_state(handle)
-            return None if state == "DONE" else "the transfer failed (the peer gone?)"
-        finally:
+                self.agent.release_xfer_handle(handle)  # (cancels one in progress)
+        except Exception as e:  # noqa: BLE001 - not cancelled: it may still write into these blocks
+            if self._wait(handle, state, timeout) == "PROC":
+                from kvpilot.server.engine.parallel import fatal
+
+                fatal(f"a NIXL read from {peer['agent']} could be neither finished nor cancelled ({type(e).__name__}: {e}): "
+                      "the KV cache can no longer be trusted")
+        if why is not None:
+            self.forget(peer["agent"])
+        return why
+
+    def _wait(self, handle, state: str, timeout: float) -> str:
+        """The transfer's state once it is no longer in progress, or PROC after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(0)  # (the peer's progress thread answers; ours polls)
             with self._lock:
-                try:
-                    self.agent.release_xfer_handle(handle)
-                except Exception:  # noqa: BLE001 - a handle of a failed transfer may not release: it is the agent's to drop
-                    pass
+                state = self.agent.check_xfer_state(handle)
+        return state
 
     def forget(self, agent: str) -> None:
-        """A peer gone (its transfer failed): its metadata is dropped, so that a restarted one is met anew."""
+        """A peer whose read failed (gone, most likely): its metadata is dropped (agents are not piled up)."""
         with self._lock:
             if agent in self._known:
                 self._known.discard(agent)

@@ -110,6 +110,7 @@ class BlockLoad:
     remote: Any = None                 # p2p: kv_transfer.RemoteBlocks (the prefill engine's ranks and block ids)
     num_taken: int = 0                 # blocks the scheduler took at admission
     num_written: int = 0               # of them, written into the cache on every rank
+    finished: bool = False             # p2p: the prefill engine was told it may release the blocks
 
 
 class DiskTier:
@@ -293,7 +294,7 @@ class DiskTier:
             return None
         payload = self.decode(data, key, parent, chunk, self.rank)
         if payload is None:
-            self._discard(key)  # the block is computed and saved again
+            self.discard(key)  # the block is computed and saved again
             return None
         if self.rank == 0:
             self._touch(key, self.world_size * len(data))
@@ -350,7 +351,7 @@ class DiskTier:
             if seconds is not None and time.perf_counter() - started >= seconds:
                 return
 
-    def _discard(self, key: bytes) -> None:
+    def discard(self, key: bytes) -> None:
         """Every shard of a block goes (one bad shard makes the block a miss); one that cannot is
         remembered as bad, so that it is not read again."""
         with self._lock:
@@ -537,6 +538,14 @@ class HostTier:
 
     def has(self, key: bytes) -> bool:
         return key in self._blocks
+
+    def drop(self, key: bytes) -> bool:
+        """Forget a block (a rank could not load it); whether it was held."""
+        if self._blocks.pop(key, None) is None:
+            return False
+        if self.events is not None:
+            self.events.removed([key], MEDIUM_HOST)
+        return True
 
     def put(self, key: bytes, parent: bytes, token_ids: tuple[int, ...], payload: Payload) -> list[bytes]:
         """Hold a block (the least recently used go past the bound); the keys that went."""

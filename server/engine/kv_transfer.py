@@ -36,7 +36,7 @@ the network policy closes the data port to other pods. A pulled block is trusted
 of the pool. Without the variable an engine with kv_role both
 makes up its own secret (it hands off to itself); prefill and decode engines refuse to start.
 
-Bounds: a frame larger than a pull (or, on the decode side, than a block) disconnects its peer
+Bounds: a frame larger than a pull (or, on the decode side, than an answer) disconnects its peer
 (ZeroMQ's MAXMSGSIZE), pulls run side by side on PULL_THREADS threads, and a prefill engine that
 cannot be reached within PEER_CONNECT_TIMEOUT_S, or drops the connection, fails its pull at once
 (its blocks are computed here) instead of after the whole timeout.
@@ -70,6 +70,9 @@ PEER_CONNECT_TIMEOUT_S = 1.0   # a prefill engine not reached in this time is go
 PULL_THREADS = 8               # pulls in flight at once (one slow or dead peer never holds up the others)
 KEY_FRAME_BYTES = 70           # a block key in a request or header: 64 hex digits, quotes and a comma
 FRAME_OVERHEAD_BYTES = 4096    # the rest of a request or header, and CURVE's framing
+# A rank's NIXL agent in a pull's answer: its metadata (a UCX remote key per registered region: ~80 bytes each over TCP, more
+# over RDMA) in base64, and its regions' addresses: a model of 128 layers with a drafter stays well within this.
+PEER_ANSWER_BYTES = 1 << 20
 
 
 def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
@@ -93,7 +96,7 @@ def peer_json(peer: NixlPeer) -> dict:
 
 
 def peer_from_json(value: dict) -> NixlPeer:
-    return NixlPeer(str(value["agent"]), base64.b64decode(value["metadata"]), [[int(a), int(b)] for a, b in value["regions"]])
+    return NixlPeer(str(value["agent"]), base64.b64decode(value["metadata"]), [[int(a), int(b), int(c)] for a, b, c in value["regions"]])
 
 
 @dataclass(slots=True)
@@ -104,6 +107,7 @@ class RemoteBlocks:
     params: KVTransferParams
     peers: list[NixlPeer]
     block_ids: list[int]
+    read_by: float                     # (monotonic) the prefill engine holds the blocks until about then: not read after it
 
 
 @dataclass(slots=True)
@@ -191,9 +195,9 @@ class KVSender:
     def has_releases(self) -> bool:
         """Whether releases() has blocks to give back now: the engine's loop steps for them even when
         it has no request (an idle prefill engine kept pulled blocks held until its next request)."""
-        with self._lock:  # holds are made in deadline order (one timeout): the first expires first
-            first = next(iter(self._holds.values()), None)
-            return not self._released.empty() or (first is not None and first.deadline <= time.monotonic())
+        now = time.monotonic()
+        with self._lock:
+            return not self._released.empty() or any(h.deadline <= now for h in self._holds.values())
 
     def sign(self, params: dict) -> dict:
         return {**params, "signature": sign_params(self.secret, params)}
@@ -241,8 +245,8 @@ class KVSender:
         with self._lock:
             held = self._holds.get(transfer_id)
             pulled, fresh = held is not None and held.pulled, held is not None and not held.pulled
-            if fresh:
-                held.pulled = True
+            if fresh:  # held for the decode ranks' reads from now on, as long again (the decode side reads within it, or not at all)
+                held.pulled, held.deadline = True, time.monotonic() + self.timeout
         if not fresh:
             why = "already pulled" if pulled else "pulled, expired or never made"
             self._socket.send_multipart([identity, json.dumps({"error": f"no held transfer {transfer_id!r} to pull ({why})"}).encode()])
@@ -250,7 +254,7 @@ class KVSender:
         wanted = {bytes.fromhex(k) for k in keys}
         sent = [(k, b) for k, b in zip(held.keys, held.block_ids) if k in wanted]  # not those the decode engine has cached
         peers = self.peers()
-        answer = {"engine_id": self.engine_id, "tensor_parallel_size": len(peers), "keys": [k.hex() for k, _ in sent],
+        answer = {"engine_id": self.engine_id, "tensor_parallel_size": len(peers), "hold_seconds": self.timeout, "keys": [k.hex() for k, _ in sent],
                   "block_ids": [b for _, b in sent], "peers": [peer_json(p) for p in peers]}
         self._socket.send_multipart([identity, json.dumps(answer).encode()])
         with self._lock:
@@ -289,7 +293,24 @@ class KVReceiver:
             else:
                 self.stats.failed_pulls += 1
             self.stats.pull_seconds += seconds
-        self._jobs.put(_Done(load.remote.params))
+        self.abandon(load)
+
+    def abandon(self, load: BlockLoad) -> None:
+        """A pulled load no longer needed (its sequence ended, was preempted, or took none of it): the
+        prefill engine releases the hold now rather than at its timeout (once the answer is in, if the
+        pull is in flight)."""
+        with self._lock:
+            if load.finished:
+                return
+            load.finished = True
+            answered = load.done.is_set()
+        if answered:
+            self.release(load.remote.params if load.remote is not None else None)
+
+    def release(self, params: KVTransferParams | None) -> None:
+        """Tell the prefill engine to release a transfer's hold (a request that needed no pull of it too)."""
+        if params is not None:
+            self._jobs.put(_Done(params))
 
     def close(self) -> None:
         for _ in range(PULL_THREADS):
@@ -318,14 +339,18 @@ class KVReceiver:
                 self.stats.failed_pulls += 1
         with self._lock:
             self.stats.pull_seconds += time.perf_counter() - pull.started
-        load.done.set()
+            load.done.set()
+            abandoned = load.finished  # (while the answer was on its way)
+        if abandoned or not load.payloads[load.num_host:]:  # nothing of it will be read
+            load.finished = True
+            self.release(pull.params)
 
     def _fetch(self, pull: _Pull) -> None:
         params, load = pull.params, pull.load
         if not params_verify(self.secret, params):  # admission refused these already: never connect where unsigned params say
             raise PermissionError("the kv_transfer_params are not signed by this pool's prefill engines")
-        if params.tp_size != self.tensor_parallel_size:
-            raise ValueError(f"the prefill engine runs tensor_parallel_size={params.tp_size} and this decode engine "
+        if (params.tp_size or 1) != self.tensor_parallel_size:  # (params of engines before tp_size was signed: one rank)
+            raise ValueError(f"the prefill engine runs tensor_parallel_size={params.tp_size or 1} and this decode engine "
                              f"{self.tensor_parallel_size}: a decode engine pulls from a prefill engine of the same tensor parallelism")
         if params.remote_engine_id != self.engine_id:
             raise ValueError(f"the prefill engine's KV identity {params.remote_engine_id!r} is not this engine's {self.engine_id!r} "
@@ -334,7 +359,7 @@ class KVReceiver:
         keys = [k.hex() for k in asked]
         answer = self._request(params, {"op": "pull", "transfer": params.remote_request_id, "keys": keys,
                                         "mac": pull_mac(self.secret, params.remote_request_id, keys)},
-                               FRAME_OVERHEAD_BYTES + (KEY_FRAME_BYTES + 24) * len(keys) + 4096 * self.tensor_parallel_size * 2)
+                               FRAME_OVERHEAD_BYTES + (KEY_FRAME_BYTES + 24) * len(keys) + PEER_ANSWER_BYTES * self.tensor_parallel_size)
         if "error" in answer:
             raise ValueError(answer["error"])
         size = answer.get("tensor_parallel_size")
@@ -356,8 +381,11 @@ class KVReceiver:
             log.warning("KV transfer %s: %d of %d blocks verified (the rest are computed here)", params.remote_request_id, verified, len(keys))
             with self._lock:
                 self.stats.failed_pulls += 1
+        hold = float(answer.get("hold_seconds", self.timeout))
         load.payloads.extend([None] * verified)
-        load.remote = RemoteBlocks(params, peers, [-1] * load.num_host + [int(b) for b in answer["block_ids"][:verified]])
+        # read only well within the prefill engine's hold (it restarted when it answered): past it, its blocks may be reused
+        load.remote = RemoteBlocks(params, peers, [-1] * load.num_host + [int(b) for b in answer["block_ids"][:verified]],
+                                   time.monotonic() + 0.8 * hold - 1)
 
     def _request(self, params: KVTransferParams, ask: dict, max_answer: int) -> dict:
         """One request to the prefill engine's transfer port, its JSON answer."""

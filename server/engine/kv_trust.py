@@ -44,7 +44,8 @@ def mac(secret: bytes, *parts: bytes | memoryview) -> str:
 
 def sign_params(secret: bytes, params: dict) -> str:
     """The signature of a prefill engine's hand-out: where to pull from and what."""
-    fields = [str(params.get(k)).encode() for k in ("remote_host", "remote_port", "remote_request_id", "remote_engine_id", "tp_size")]
+    names = ("remote_host", "remote_port", "remote_request_id", "remote_engine_id") + (("tp_size",) if params.get("tp_size") is not None else ())
+    fields = [str(params[k]).encode() for k in names]  # (tp_size signed where given: params of engines before it still verify)
     return mac(secret, b"kv-transfer-params", *fields)
 
 

@@ -245,7 +245,9 @@ class LLMEngine:
         speculative = None
         if config.speculative_method in ("draft", "eagle3"):  # their K/V share the target's blocks
             speculative = [config.speculative_method, model_fingerprint(resolve_model_path(config.speculative_model))]
-        return {"kvpilot": importlib.metadata.version("kvpilot"), "model": model_fingerprint(self.model_path),
+        # block_format: how a block's K/V is laid out in a tier file or handed off (2: every cache region in turn, a
+        # drafter's too); another format's blocks are other keys, never files refused and deleted by each other's replicas
+        return {"kvpilot": importlib.metadata.version("kvpilot"), "block_format": 2, "model": model_fingerprint(self.model_path),
                 "block_size": config.block_size, "dtype": str(self.worker.dtype), "kv_dtype": str(self.worker.kv_dtype),
                 "kv_scales": self.worker.kv_scales,
                 "quantization": self.worker.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative}

@@ -111,14 +111,13 @@ class Channel:
         dist.broadcast(flag, src=0, group=self.group)
         return bool(flag.item())
 
-    def agree(self, ok: bool) -> bool:
-        """Every rank: whether every rank's part went well (the KV connector's loads)."""
-        import torch
+    def agree(self, failed) -> set:
+        """Every rank: what failed on any rank (the KV connector's loads: their keys)."""
         import torch.distributed as dist
 
-        flag = torch.tensor([int(ok)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(flag.item())
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, list(failed), group=self.group)
+        return {key for keys in every for key in keys}
 
 
 class Workers:
@@ -184,9 +183,9 @@ class Workers:
         (rank 0's engine then re-runs its requests one by one)."""
         self.channel.say(go)
 
-    def agree(self, ok: bool) -> bool:
-        """After a KVWork with loads: whether every rank's went well (else every rank drops them)."""
-        return self.channel.agree(ok)
+    def agree(self, failed) -> set:
+        """After a KVWork with loads: the keys of those that failed on any rank (every rank drops them)."""
+        return self.channel.agree(failed)
 
     def peers(self) -> list[NixlPeer]:
         """Ranks 1…N−1's NIXL agents (a prefill engine hands them to decode engines)."""

@@ -179,9 +179,11 @@ class Scheduler:
                 if not self.chunked:
                     break
                 n = budget
+            counted = (seq.num_cached_tokens, dict(seq.cached_sources), loaded * self.bm.block_size)
             if not self.bm.allocate(seq, n + loaded * self.bm.block_size, cached):
                 break
             if loaded:  # fresh blocks after the in-memory hits, to hold what the tier read
+                seq.counted_before_load = counted
                 first, load = len(cached), seq.kv_load
                 start = first - load.first_index
                 seq.kv_writes = [(block_id, load, start + j) for j, block_id in enumerate(seq.block_table[first:first + loaded])]
@@ -192,6 +194,8 @@ class Scheduler:
                 # their steps are not held up by one long copy.
                 alone = not batch.seqs and not self.running
                 self._write_some(seq, batch, 0 if alone else self.max_block_writes)
+            elif seq.kv_load is not None:  # none of it continues the hits (or fits): whoever holds it may let go
+                self.connector.abandon(seq.kv_load)
             seq.kv_load = None
             self.waiting.popleft()
             if seq.adapter:
@@ -261,8 +265,8 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.kv_load, seq.tier_looked_up = None, True
             # what its admission counted as found is counted again at the next (the loaded part computed)
-            self.external_hit_tokens -= sum(n for source, n in seq.cached_sources.items() if source != "device")
-            seq.num_cached_tokens, seq.cached_sources = 0, {}
+            seq.num_cached_tokens, seq.cached_sources, loaded_tokens = seq.counted_before_load
+            self.external_hit_tokens -= loaded_tokens
             seq.status = Status.WAITING
             self._enqueue(seq, front=True)
 
@@ -292,9 +296,17 @@ class Scheduler:
         if not seq.is_finished and seq.status is Status.RUNNING:
             self.bm.trim(seq, seq.num_tokens + keep)
 
+    def _let_go(self, seq: Sequence) -> None:
+        """seq's load from outside the cache, not all written, is given up (its sequence ended or was
+        preempted): whoever holds its blocks for it may let them go (a prefill engine)."""
+        load = seq.kv_load if seq.kv_load is not None else seq.kv_writes[0][1] if seq.kv_writes else None
+        if load is not None and self.connector is not None:
+            self.connector.abandon(load)
+        seq.kv_load, seq.kv_writes = None, []
+
     def _preempt(self, seq: Sequence) -> None:
         seq.set_spec(None)
-        seq.kv_writes = []  # read again when it is admitted again
+        self._let_go(seq)  # (read again when it is admitted again)
         self.bm.free_seq(seq)
         seq.num_computed_tokens = 0
         seq.tier_looked_up = False
@@ -313,7 +325,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
         seq.set_spec(None)
-        seq.kv_writes = []
+        self._let_go(seq)
         seq.status = Status.FINISHED
 
     def launched(self, batch: ScheduledBatch, sampled: list[Sequence], proposed: list[int]) -> None:

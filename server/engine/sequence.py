@@ -49,9 +49,11 @@ class Sequence:
     constraint_key: Any = None            # its constraint's in the grammar cache (refused there if its masks cost too much)
     mask_seconds: float = 0.0             # CPU time its masks took in the steps that timed them, over
     mask_steps: int = 0                   # this many rows (a step with k proposed tokens has k + 1)
-    kv_load: Any = None                   # KV tiers: its read of blocks past the in-memory prefix hits (kv_tiers.BlockLoad), until admitted
+    kv_load: Any = None                   # the KV connector: its read of blocks past the in-memory prefix hits (kv_tiers.BlockLoad), until admitted
     tier_looked_up: bool = False          # whether that read was looked for since it last waited with no blocks
-    kv_writes: list = field(default_factory=list)  # admitted: (block id, each rank's K/V) read from a tier, not yet in the cache
+    kv_writes: list = field(default_factory=list)  # admitted: (block id, its BlockLoad, index there) not yet in the cache
+    # admitted with loaded blocks: what was counted as cached before, and the tokens loaded (undone if the load fails)
+    counted_before_load: tuple[int, dict, int] | None = None
     # Speculative decoding: this step's proposal (verified in the step, then cleared).
     num_spec_tokens: int = 0              # tokens proposed (reserved) for this step
     spec_token_ids: list[int] = field(default_factory=list)  # the proposed tokens known on the host (n-gram, a lookup; a drafter's stay on the worker)

@@ -109,7 +109,7 @@ class NixlPeer(msgspec.Struct, array_like=True, frozen=True):
 
     agent: str
     metadata: bytes
-    regions: list[list[int]]        # each cache region's base address and bytes per block
+    regions: list[list[int]]        # each cache region's base address, bytes per block and device index
 
 
 class LoadedBlock(msgspec.Struct, array_like=True, frozen=True):

@@ -407,9 +407,18 @@ class Worker:
             offset = 0
             for region in regions:
                 size = region[0].numel() * region.element_size()
-                # bytes copied as bytes: torch has no index_copy_ for float8 types
-                region.view(torch.uint8).view(region.shape[0], -1).index_copy_(0, ids, moved[:, offset:offset + size])
+                # as the region's dtype (a copy of bytes is 3× slower); float8 as bytes (torch has no index_copy_ for it)
+                dtype = torch.uint8 if region.dtype == FP8_KV else region.dtype
+                region.view(dtype).view(region.shape[0], -1).index_copy_(0, ids, moved[:, offset:offset + size].view(dtype))
                 offset += size
+
+    def settle_writes(self) -> None:
+        """Before blocks are filled from outside the step's stream (a NIXL read) or over it: on a GPU, the
+        steps queued and the copies off the cache done (a block freed by a sequence a step in flight
+        still runs, or a saved block being copied off, may be the one filled). On a CPU both are done."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._copies_queued = False
 
     def stage_block_writes(self) -> None:
         """Make write_blocks' staging buffer now, its pages touched (at the first write their faults
@@ -499,10 +508,8 @@ class Worker:
 
         def kv_work(work: KVWork) -> None:
             failed = kv.run(work)
-            if work.loads:  # every rank says how its loads went, and all go by the worst
-                if failed is not None:
-                    log.warning("KV connector: %s", failed)
-                channel.agree(failed is None)
+            if work.loads:  # every rank says which of its loads failed, and all drop every one of them
+                channel.agree(failed)
 
         handlers = {Step: self._run_rank_step, KVWork: kv_work, SetAdapter: self._read_adapter,
                     Describe: lambda m: self._gather_description(), DescribePeers: lambda m: self._gather(kv.peer())}
