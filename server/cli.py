@@ -85,7 +85,7 @@ def _serve(ns: argparse.Namespace) -> int:
 def _fetch_model(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvpilot.server.engine.parallel import write_termination_message
+    from kvpilot.server.engine.termination import write_termination_message
     from kvpilot.server.fetch import fetch
 
     fetched = fetch(ns.source, Path(ns.dest), timeout=ns.timeout, max_bytes=parse_size(ns.max_size))
@@ -232,14 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return resolve_vllm_aliases(ns).func(ns)
     except (ValueError, FileNotFoundError) as e:
-        from kvpilot.server.engine.parallel import write_termination_message
+        from kvpilot.server.engine.termination import write_termination_message
 
         message = flag_error(e)  # a pydantic ValidationError in the flags' terms: "--max-num-seqs: must be >= 1"
         print(f"kvpilot: error: {message}", file=sys.stderr)
         write_termination_message(f"kvpilot: error: {message}")  # what the pod's status shows (Kubernetes' termination message)
         return 2
     except FetchError as e:
-        from kvpilot.server.engine.parallel import write_termination_message
+        from kvpilot.server.engine.termination import write_termination_message
 
         print(f"kvpilot: fetch failed: {e}", file=sys.stderr)
         write_termination_message(f"kvpilot: fetch failed: {e}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from kvpilot.operator.builders.engines import (
     DEFAULT_IMAGES,
-    KV_TIER_DIR,
     KV_DATA_PORTS,
+    KV_TIER_DIR,
     KV_TRANSFER_PORT,
     LORA_DIR,
     PORT,

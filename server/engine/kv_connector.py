@@ -303,7 +303,7 @@ class KVConnector:
             outcome[id(load)] = (load, outcome.get(id(load), (load, True))[1] and ok)
             if not ok:
                 self._forget(block, block.key in failed_keys)
-        for seq, _, load, _ in loads:
+        for _, _, load, _ in loads:
             if id(load) in late:
                 outcome[id(load)] = (load, False)
         for load, ok in outcome.values():

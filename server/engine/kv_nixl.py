@@ -94,7 +94,7 @@ class NixlCache:
                 self.agent.release_xfer_handle(handle)  # (cancels one in progress)
         except Exception as e:  # noqa: BLE001 - not cancelled: it may still write into these blocks
             if self._wait(handle, state, timeout) == "PROC":
-                from kvpilot.server.engine.parallel import fatal
+                from kvpilot.server.engine.termination import fatal
 
                 fatal(f"a NIXL read from {peer['agent']} could be neither finished nor cancelled ({type(e).__name__}: {e}): "
                       "the KV cache can no longer be trusted")

@@ -31,32 +31,12 @@ from typing import Any
 
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.step_message import Describe, DescribePeers, Message, NixlPeer, Stop, decode, encode
+from kvpilot.server.engine.termination import fatal
 from kvpilot.server.models.sharding import TensorParallel
 
-log = logging.getLogger(__name__)
-
-# Kubernetes mounts the container's terminationMessagePath here; its content becomes the
-# container's last-state message (what `kubectl describe` and the operator show).
-TERMINATION_LOG = Path(os.environ.get("KVPILOT_TERMINATION_LOG", "/dev/termination-log"))
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("KVPILOT_TP_TIMEOUT_SECONDS", "300")))
 
-
-def write_termination_message(message: str) -> None:
-    """The fatal error for Kubernetes' termination message, where the kubelet provides the file."""
-    if TERMINATION_LOG.is_file():
-        try:
-            TERMINATION_LOG.write_text(message[-4000:])
-        except OSError:
-            pass
-
-
-def fatal(message: str) -> None:
-    """Log, leave the message for the pod status, and exit now (threads and collectives included)."""
-    log.critical(message)
-    print(f"kvpilot: fatal: {message}", file=sys.stderr, flush=True)
-    write_termination_message(message)
-    os._exit(70)
-
+log = logging.getLogger(__name__)
 
 def backend(device_type: str, world_size: int) -> str:
     import torch
