@@ -19,8 +19,9 @@ p99 of the steps from its arrival until it is done, vs the clients decoding alon
 steps while its blocks are read and written into the cache (before the step that computes its tail).
 
 Then (spec) a draft model's acceptance on prompts computed vs the same prompts read back from the disk
-tier (the drafter's K/V moves with the target's blocks: the KV connector), and the draft's share of a
-block's bytes: the draft is the bundled model cut to 4 layers.
+tier (the drafter's K/V moves with the target's blocks: the KV connector) vs read back with the
+drafter's K/V of those blocks zeroed (what not moving it would give), and the drafter's share of a
+block's bytes: the bundled model drafts for itself.
 """
 
 from __future__ import annotations
@@ -198,24 +199,40 @@ def itl(args, new_ids) -> None:
 
 
 def drafted_on_loaded_blocks(args) -> None:
-    """Acceptance of a 4-layer draft of the bundled model, prompts computed vs read back from disk."""
+    """A draft model's acceptance on prompts computed, read back from disk with its K/V (as the KV
+    connector moves it), and read back with its K/V of the loaded blocks zeroed (what not moving it
+    would leave the drafter: the counterfactual); the bundled model drafts for itself (a draft that
+    agrees with the target, so that the drafter's context is what decides)."""
+    import torch
+
     from kvpilot.server import LLM, SamplingParams
-    from kvpilot.server.gguf_loader import write_truncated
-    from kvpilot.server.model_files import resolve_model_path
 
     sentences = ["The harbour master logs every ship that enters the port before dawn.",
                  "A lighthouse keeper trims the wick and polishes the lens each evening.",
                  "Glaciers carve valleys slowly, leaving moraines where they melt away.",
                  "Beekeepers smoke the hive gently so the bees stay calm during inspection."]
-    prompts = [" ".join(sentences[(i + j) % 4] for j in range(24)) for i in range(4)]  # ~350 tokens each
+    prompts = [" ".join(sentences[(i + j) % 4] for j in range(24)) + " Then" for i in range(4)]  # ~350 tokens each
     with tempfile.TemporaryDirectory() as tmp:
-        draft = write_truncated(resolve_model_path("smollm2-135m"), os.path.join(tmp, "draft4.gguf"), 4)
         llm = LLM(num_threads=args.threads, show_progress=False, kv_cache_memory="256MiB", kv_offload_dir=os.path.join(tmp, "tier"),
-                  speculative_method="draft", speculative_model=str(draft), num_speculative_tokens=4, speculative_disable_batch_size=0,
+                  speculative_method="draft", speculative_model="smollm2-135m", num_speculative_tokens=4, speculative_disable_batch_size=0,
                   speculative_min_acceptance=0.0)
         engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        worker = engine.worker
+        drafter_regions = worker.cache_regions()[2 * len(worker.kv_caches):]
+        write_blocks = worker.write_blocks
+
+        def without_the_drafters(loads):
+            loads = list(loads)
+            write_blocks(loads)
+            ids = torch.tensor([block_id for block_id, _ in loads], dtype=torch.long)
+            for region in drafter_regions:
+                region.index_fill_(0, ids, 0)
+
         rows, first = [], None
-        for case in ("computed", "read back from the disk tier"):
+        for case in ("computed", "read back from the disk tier (the drafter's K/V moved with it)",
+                     "read back, the drafter's K/V of those blocks zeroed (not moved)"):
+            if case.startswith("read back, the drafter"):
+                worker.write_blocks = without_the_drafters
             stats = engine.proposer.stats
             drafted, accepted, hits = stats.num_draft_tokens, stats.num_accepted_tokens, engine.kv_connector.disk.stats.hit_blocks
             outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -226,13 +243,12 @@ def drafted_on_loaded_blocks(args) -> None:
             first = first or outs
             engine.kv_connector.drain()
             engine.reset_prefix_cache()  # the cache forgets them: the disk tier has them
-        regions = engine.worker.cache_regions()
-        draft_bytes = sum(r[0].numel() * r.element_size() for r in regions[2 * len(engine.worker.kv_caches):])
+        draft_bytes = sum(r[0].numel() * r.element_size() for r in drafter_regions)
+        block_bytes = worker.block_layout()[1]
         engine.close()
     print(f"machine: {machine()}; threads {args.threads}; 4 prompts of ~350 tokens, 64 greedy tokens each, k = 4")
     print(table(rows, list(rows[0])))
-    print(f"the draft's K/V: {draft_bytes / engine.worker.block_layout()[1]:.1%} of a block's bytes ({draft_bytes} of "
-          f"{engine.worker.block_layout()[1]})")
+    print(f"the drafter's K/V: {draft_bytes / block_bytes:.1%} of a block's bytes ({draft_bytes} of {block_bytes})")
 
 if __name__ == "__main__":
     main()

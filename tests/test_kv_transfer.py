@@ -486,13 +486,16 @@ def _kill_with_its_ranks(server) -> None:
 
 
 @pytest.mark.timeout(420)
-def test_three_decode_ranks_read_from_three_prefill_ranks_and_failures_cost_time_only(tmp_path, reference, caplog):
+def test_three_decode_ranks_read_from_three_prefill_ranks_and_failures_cost_time_only(tmp_path, reference, caplog, monkeypatch):
     """Issue #64, two processes: a prefill server of three ranks hands prompts off to a decode engine of
     three ranks (each rank reads its own shard from the prefill rank of its index, with NIXL over TCP):
     greedy tokens equal the aggregated engine's. A decode engine of one rank refuses the three-rank
-    prefill engine by name and computes the prompt; a prefill server killed after the handshake, before
+    prefill engine by name and computes the prompt, one of another pool refuses its params; a prefill
+    server killed after the handshake, before
     the decode ranks read, makes every decode rank drop the blocks, and the prompt is computed: the same
     tokens either way."""
+    from kvpilot.server.engine.kv_trust import SECRET_ENV
+    from kvpilot.server.engine.limits import RequestRejected
     from kvpilot.server.engine.sampling_params import KVTransferParams
     from server_harness import ServerProcess
 
@@ -511,6 +514,12 @@ def test_three_decode_ranks_read_from_three_prefill_ranks_and_failures_cost_time
         assert out.outputs[0].token_ids == reference[0] and stats.pulled_blocks == 0 and stats.failed_pulls == 1
         assert "the prefill engine runs tensor_parallel_size=3 and this decode engine 1" in caplog.text
         one.engine.close()
+        with monkeypatch.context() as patched:  # a decode engine of another pool (another secret): the params are a 400's cause
+            patched.setenv(SECRET_ENV, "another pool's secret, 32 characters or more")
+            stranger = engine(kv_role="decode", kv_transfer_timeout=10)
+        with pytest.raises(RequestRejected, match="not signed by a prefill engine of this engine's pool"):
+            stranger.generate(PROMPTS[:1], params(kv_transfer=KVTransferParams.from_dict(sent[0])))
+        stranger.engine.close()
         decode = engine(kv_role="decode", kv_transfer_timeout=10, tensor_parallel_size=3)
         try:
             [out] = decode.generate(PROMPTS[1:2], params(kv_transfer=KVTransferParams.from_dict(sent[1])))
