@@ -296,6 +296,14 @@ def test_a_lookup_takes_the_host_tiers_part_of_a_chain_then_the_disks(tmp_path):
     connector.wait([])
     assert load.num_host == 1 and load.payloads == payloads[:6] and load.keys == keys
     assert HostTier(3 * size, size).chain(TEST_SALT, chunks)[0] == []
+
+    # prefill/decode after the host tier: the host tier's part of the chain, the rest pulled from the prefill engine
+    pulled = []
+    connector.receiver = SimpleNamespace(pull=lambda params, load: pulled.append((params, load)) or load)
+    transfer = SimpleNamespace(do_remote_prefill=True)
+    load = connector.find(TEST_SALT, chunks, 0, transfer)
+    assert load.num_host == 1 and load.payloads == payloads[:1] and pulled == [(transfer, load)]
+    assert load.keys[:6] == keys and len(load.keys) == len(load.chunks) == 8  # all past the host tier's: asked of the prefill engine
     with pytest.raises(ValueError, match="does not hold one block"):
         HostTier(size - 1, size)
 
