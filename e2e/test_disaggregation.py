@@ -81,7 +81,8 @@ def test_prefill_and_decode_pools_serve_through_the_gateway_and_scale_apart(clus
         key = json.loads(cluster.kubectl("get", "secret", "pd-kv-transfer", "-n", namespace, "-o", "json").stdout)
         assert key["immutable"] is True and len(key["data"]["key"]) >= 32
         policy = json.loads(cluster.kubectl("get", "networkpolicy", "pd-kv-transfer", "-n", namespace, "-o", "json").stdout)["spec"]
-        assert policy["ingress"][0] == {"from": [{"podSelector": policy["podSelector"]}], "ports": [{"protocol": "TCP", "port": 5600}]}
+        assert policy["ingress"][0] == {"from": [{"podSelector": policy["podSelector"]}],  # the transfer port and NIXL's data ports
+                                        "ports": [{"protocol": "TCP", "port": 5600}, {"protocol": "TCP", "port": 5601, "endPort": 5699}]}
 
         # The gateway has the prefill pod once its watch has seen it Ready.
         def disaggregated_answer():
@@ -92,7 +93,9 @@ def test_prefill_and_decode_pools_serve_through_the_gateway_and_scale_apart(clus
         prompt_tokens = answer.json()["usage"]["prompt_tokens"]
         pulled = sample(decode, "kvpilot:kv_transfer_pulled_blocks_total")
         assert pulled >= (prompt_tokens - 1) // 16 >= 8 and sample(prefill, "kvpilot:kv_transfer_sent_blocks_total") >= pulled
-        assert sample(decode, "kvpilot:kv_transfer_failed_pulls_total") == 0 and sample(prefill, "kvpilot:kv_transfer_held_blocks") == 0
+        assert sample(decode, "kvpilot:kv_transfer_failed_pulls_total") == 0
+        # (the decode pod tells the prefill pod its ranks have read the blocks, in the background: the hold ends then)
+        wait_until(lambda: sample(prefill, "kvpilot:kv_transfer_held_blocks") == 0, timeout=10, what="the prefill pod's hold released")
         # The same text as one engine serving the request alone, from K/V it computed itself: the prefill pod
         # (the decode pod's cache now holds the pulled blocks)
         alone = complete(prefill)
