@@ -54,7 +54,9 @@ def expand(value: str, env: dict[str, str]) -> str:
 
 
 def container_env(container: dict, pod: dict) -> dict[str, str]:
-    env = {}
+    # Every pod here is bound to a loopback IP: NIXL's UCX (prefill/decode pods) is kept on the loopback device too
+    # (by default its TCP transport would offer, and peers connect to, every interface of the machine).
+    env = {"UCX_NET_DEVICES": "lo"}
     for e in container.get("env", []) or []:
         if "value" in e:
             env[e["name"]] = expand(e["value"], env)
