@@ -308,8 +308,9 @@ class KVReceiver:
             self.release(load.remote.params if load.remote is not None else None)
 
     def release(self, params: KVTransferParams | None) -> None:
-        """Tell the prefill engine to release a transfer's hold (a request that needed no pull of it too)."""
-        if params is not None:
+        """Tell the prefill engine to release a transfer's hold (a request that needed no pull of it too):
+        only one the pool signed (never connect where a client's own params say)."""
+        if params is not None and params_verify(self.secret, params):
             self._jobs.put(_Done(params))
 
     def close(self) -> None:
