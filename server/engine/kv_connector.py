@@ -81,7 +81,7 @@ class KVConnectorWorker:
         failed: list[bytes] = []
         if work.loads:
             try:
-                failed = self.load(work.loads, work.peers, None)
+                failed = self.load(work.loads, work.peers, None, work.read_seconds)
             except Exception as e:  # noqa: BLE001 - every rank agrees on the outcome: this rank's is a failure
                 log.warning("KV connector: rank %d: loading failed (%s: %s)", self.rank, type(e).__name__, e)
                 failed = [block.key for block in work.loads]
@@ -94,10 +94,13 @@ class KVConnectorWorker:
             self.host_shards.pop(key, None)
         return failed
 
-    def load(self, blocks: list[LoadedBlock], peers: list[list[NixlPeer]], own: list[Payload | None] | None) -> list[bytes]:
+    def load(self, blocks: list[LoadedBlock], peers: list[list[NixlPeer]], own: list[Payload | None] | None,
+             read_seconds: list[float]) -> list[bytes]:
         """Fill fresh cache blocks with this rank's shard of each: own[i] when rank 0 has it already, else
-        from this rank's host tier or disk file, or read from the prefill rank of this index. The keys of
-        the blocks that could not be (logged)."""
+        from this rank's host tier or disk file, or read from the prefill rank of this index, done within
+        read_seconds[peer] of the start (else failed: past its hold the prefill engine may reuse the blocks).
+        The keys of the blocks that could not be (logged)."""
+        started = time.monotonic()
         self.worker.settle_writes()  # (on a GPU: nothing queued may still write these blocks, or copy them off)
         written: list[tuple[int, Payload]] = []
         remote: dict[int, list[LoadedBlock]] = {}
@@ -119,10 +122,15 @@ class KVConnectorWorker:
                 written.append((block.block_id, payload))
         self.worker.write_blocks(written)
         for peer, reads in remote.items():
-            agent = peers[peer][self.rank]
-            why = (self.nixl.read(_peer_dict(agent), [(b.block_id, b.remote_block) for b in reads], min(self.config.kv_transfer_timeout,
-                                                                                                          NIXL_READ_TIMEOUT_S))
-                   if self.nixl is not None else "no NIXL agent on this engine")
+            agent, deadline = peers[peer][self.rank], started + read_seconds[peer]
+            if self.nixl is None:
+                why = "no NIXL agent on this engine"
+            elif deadline <= time.monotonic():
+                why = "the prefill engine's hold ends before it could be read"
+            else:
+                why = self.nixl.read(_peer_dict(agent), [(b.block_id, b.remote_block) for b in reads], deadline - time.monotonic())
+                if why is None and time.monotonic() > deadline:  # done, but maybe after the blocks were released: not trusted
+                    why = "done only as the prefill engine's hold ended"
             if why is not None:
                 log.warning("KV connector: rank %d: reading %d blocks from %s failed (%s): computed instead", self.rank, len(reads),
                             agent.agent, why)
@@ -270,7 +278,7 @@ class KVConnector:
         if late:
             log.warning("KV transfer: %d pulled loads waited past their prefill engine's hold: computed instead", len(late))
         doing = [entry for entry in loads if id(entry[2]) not in late]
-        blocks, own, peers, peer_index = [], [], [], {}
+        blocks, own, peers, read_seconds, peer_index = [], [], [], [], {}
         for _, block_id, load, i in doing:
             source = "host" if i < load.num_host else load.source
             remote_block, peer = -1, -1
@@ -278,6 +286,7 @@ class KVConnector:
                 peer = peer_index.setdefault(id(load), len(peers))
                 if peer == len(peers):
                     peers.append(load.remote.peers)
+                    read_seconds.append(max(0.0, min(NIXL_READ_TIMEOUT_S, self.config.kv_transfer_timeout, load.remote.hold_ends - now)))
                 remote_block = load.remote.block_ids[i]
             blocks.append(LoadedBlock(block_id, load.keys[i], load.keys[i - 1] if i else load.parent, list(load.chunks[i]), source,
                                       remote_block, peer))
@@ -285,9 +294,9 @@ class KVConnector:
         failed_keys: set[bytes] = set()
         if blocks:
             if self.workers is not None:
-                self.workers.send(KVWork([], blocks, [], peers))
+                self.workers.send(KVWork([], blocks, [], peers, read_seconds))
             try:
-                failed_keys = set(self.own.load(blocks, peers, own))
+                failed_keys = set(self.own.load(blocks, peers, own, read_seconds))
             except Exception as e:  # noqa: BLE001 - agreed on below: a failed load is computed, never fatal
                 log.warning("KV connector: rank 0: loading failed (%s: %s)", type(e).__name__, e)
                 failed_keys = {block.key for block in blocks}

@@ -85,19 +85,26 @@ class NixlCache:
                 self._known.add(peer["agent"])
             handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem),
                                                 self.agent.get_xfer_descs(remote, self.mem), peer["agent"])
-        with self._lock:
-            state = self.agent.transfer(handle)
-        state = self._wait(handle, state, timeout)
-        why = None if state == "DONE" else "the transfer failed (the peer gone?)" if state == "ERR" else f"no answer in {timeout:.0f} s"
+        try:
+            with self._lock:
+                state = self.agent.transfer(handle)
+        except Exception as e:  # noqa: BLE001 - not posted: released below
+            state, posting = "ERR", e
+        else:
+            posting = None
+            state = self._wait(handle, state, timeout)
+        why = (None if state == "DONE" else f"the transfer failed ({posting or 'the peer gone?'})" if state == "ERR"
+               else f"no answer in {timeout:.1f} s")
         try:
             with self._lock:
                 self.agent.release_xfer_handle(handle)  # (cancels one in progress)
         except Exception as e:  # noqa: BLE001 - not cancelled: it may still write into these blocks
-            if self._wait(handle, state, timeout) == "PROC":
+            if self._wait(handle, state, max(timeout, 1.0)) == "PROC":
                 from kvpilot.server.engine.termination import fatal
 
                 fatal(f"a NIXL read from {peer['agent']} could be neither finished nor cancelled ({type(e).__name__}: {e}): "
                       "the KV cache can no longer be trusted")
+            return why  # (its handle is the agent's now: the peer's metadata stays while it may refer to it)
         if why is not None:
             self.forget(peer["agent"])
         return why

@@ -107,7 +107,8 @@ class RemoteBlocks:
     params: KVTransferParams
     peers: list[NixlPeer]
     block_ids: list[int]
-    read_by: float                     # (monotonic) the prefill engine holds the blocks until about then: not read after it
+    read_by: float                     # (monotonic) admitted after this, the blocks are not read (computed instead)
+    hold_ends: float                   # (monotonic) a read not done by then may have read reused blocks: it counts as failed
 
 
 @dataclass(slots=True)
@@ -341,9 +342,10 @@ class KVReceiver:
         with self._lock:
             self.stats.pull_seconds += time.perf_counter() - pull.started
             load.done.set()
-            abandoned = load.finished  # (while the answer was on its way)
-        if abandoned or not load.payloads[load.num_host:]:  # nothing of it will be read
-            load.finished = True
+            # abandoned while the answer was on its way, or nothing of it will be read: released here, once
+            release = load.finished or not load.payloads[load.num_host:]
+            load.finished = load.finished or release
+        if release:
             self.release(pull.params)
 
     def _fetch(self, pull: _Pull) -> None:
@@ -385,8 +387,9 @@ class KVReceiver:
         hold = float(answer.get("hold_seconds", self.timeout))
         load.payloads.extend([None] * verified)
         # read only well within the prefill engine's hold (it restarted when it answered): past it, its blocks may be reused
+        now = time.monotonic()
         load.remote = RemoteBlocks(params, peers, [-1] * load.num_host + [int(b) for b in answer["block_ids"][:verified]],
-                                   time.monotonic() + 0.8 * hold - 1)
+                                   now + 0.8 * hold - 1, now + hold - 1)
 
     def _request(self, params: KVTransferParams, ask: dict, max_answer: int) -> dict:
         """One request to the prefill engine's transfer port, its JSON answer."""

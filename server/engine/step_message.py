@@ -133,6 +133,7 @@ class KVWork(msgspec.Struct, tag="kv_work", array_like=True, frozen=True):
     loads: list[LoadedBlock]
     evicted: list[bytes]
     peers: list[list[NixlPeer]]     # per prefill engine read from: its ranks' agents
+    read_seconds: list[float] = []  # per prefill engine: how long its reads may take from the start of the loads (within its hold)
 
 
 class Describe(msgspec.Struct, tag="describe", array_like=True, frozen=True):
