@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvpilot.kernels import cpu_extension
-from kvpilot.kernels.paged_attention import AttentionMetadata, decode_attention_grouped, paged_attention, prefill_attention_ref
+from kvpilot.kernels.paged_attention import (HUGE_PAGE, AttentionMetadata, decode_attention_grouped, kv_cache_zeros, paged_attention,
+                                            prefill_attention_ref)
 
 
 def cpp_decode(*args):
@@ -208,3 +209,16 @@ def test_cpp_prefill_refuses_a_context_past_its_block_table():
     kc = vc = torch.randn(4, 16, 1, 64, generator=gen)
     with pytest.raises(RuntimeError, match="context longer than its block table"):
         cpp_prefill(torch.randn(2, 1, 64, generator=gen), kc, vc, torch.tensor([0, 1]), 40, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_kv_cache_is_zeroed_and_starts_on_a_huge_page(dtype):
+    shape = (601, 16, 3, 64)  # 3.5 MiB in bfloat16: past one huge page, not a whole number of them
+    cache = kv_cache_zeros(shape, dtype, torch.device("cpu"))
+    assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+    assert not cache.any()
+    assert cache.data_ptr() % HUGE_PAGE == 0  # the advice covers whole huge pages from its first byte
+    cache[-1, -1, -1, -1] = 1  # its last element is its own memory
+    assert int(cache.count_nonzero()) == 1
+    small = kv_cache_zeros((2, 16, 3, 64), dtype, torch.device("cpu"))  # under a huge page: a plain tensor
+    assert small.shape == (2, 16, 3, 64) and not small.any()

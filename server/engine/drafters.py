@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from kvpilot.kernels.paged_attention import FP8_KV, AttentionMetadata
+from kvpilot.kernels.paged_attention import FP8_KV, AttentionMetadata, kv_cache_zeros
 from kvpilot.server.engine.decode_graphs import DecodeGraphs
 from kvpilot.server.engine.model_io import ModelInput, Proposal, SamplingTensors, StepPlan
 from kvpilot.server.engine.sampler import PendingSample
@@ -173,7 +173,7 @@ class DraftModel(Drafter):
     def allocate(self, num_blocks: int) -> None:
         c = self.model.config
         shape = (num_blocks + 1, self.block_size, self.model.num_kv_heads, c.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+        self.kv_caches = [(kv_cache_zeros(shape, self.kv_dtype, self.device), kv_cache_zeros(shape, self.kv_dtype, self.device))
                           for _ in range(c.num_layers)]
 
     def cache_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -293,7 +293,7 @@ class Eagle3(Drafter):
         self.scratch_block = num_blocks
         c = self.head.config
         shape = (num_blocks + 1, self.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_cache = (torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+        self.kv_cache = (kv_cache_zeros(shape, self.kv_dtype, self.device), kv_cache_zeros(shape, self.kv_dtype, self.device))
 
     @torch.inference_mode()
     def after_target(self, inp: ModelInput, aux: torch.Tensor | None, sample: PendingSample | None) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpilot.kernels.ops import triton_kernels
-from kvpilot.kernels.paged_attention import FP8_KV, AttentionMetadata
+from kvpilot.kernels.paged_attention import FP8_KV, AttentionMetadata, kv_cache_zeros
 from kvpilot.server.config import FP8_KV_NAMES, EngineConfig
 from kvpilot.server.engine import kv_scales
 from kvpilot.server.engine.decode_graphs import DecodeGraphs
@@ -240,8 +240,7 @@ class Worker:
         """A model's per-layer (K, V) cache of num_blocks blocks plus the scratch block."""
         c = model.config
         shape = (self.num_blocks + 1, self.block_size, model.num_kv_heads, c.head_dim)
-        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device), torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                for _ in range(c.num_layers)]
+        return [(kv_cache_zeros(shape, self.kv_dtype, self.device), kv_cache_zeros(shape, self.kv_dtype, self.device)) for _ in range(c.num_layers)]
 
     def _kv_cache_bytes(self) -> int:
         """CPU: kv_cache_memory. CUDA: gpu_memory_utilization of the GPU, less what is in use (the
