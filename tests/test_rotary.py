@@ -81,3 +81,20 @@ def test_cpp_rms_norm_matches_the_formula(rows, width):
     want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     torch.testing.assert_close(RMSNorm(w, 1e-5, CPU)(x), want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(RMSNorm(w, 1e-5, REFERENCE)(x), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 576), (16, 576), (5, 37)])
+def test_cpp_rms_norm_of_bfloat16_rows_rounds_as_transformers_does(rows, width):
+    """bfloat16 rows: the normalized row rounded to bfloat16, then times the weight (transformers'
+    `weight * hidden.to(dtype)`): equal to the reference but where the two sums of squares differ in
+    their last bit and a value sits on a rounding boundary."""
+    from kvpilot.kernels.ops import rms_norm_ref
+    from kvpilot.server.layers.rmsnorm import RMSNorm
+
+    cpu_extension.require()
+    gen = torch.Generator().manual_seed(rows)
+    x, w = (torch.randn(rows, width, generator=gen) * 3).bfloat16(), torch.randn(width, generator=gen).bfloat16()
+    got, want = RMSNorm(w, 1e-5, CPU)(x), rms_norm_ref(x, w, 1e-5)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
+    assert (got == want).float().mean() > 0.99

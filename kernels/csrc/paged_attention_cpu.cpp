@@ -484,7 +484,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_store_kv", &rotary_store_kv, "RoPE in place on a fused QKV output, then its K and V rows into the paged cache (CPU)",
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, no_gil);
-  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)", no_gil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 or bfloat16 rows (CPU)", no_gil);
   m.def("gguf_linear_panel", &gguf_linear_panel, "x @ W.T with W in GGUF blocks laid out in panels of 16 output rows (CPU)",
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("n"), py::arg("bias"), py::arg("epilogue"),
         py::arg("other"), py::arg("isa") = "auto", py::arg("perm") = py::none(), no_gil);
