@@ -1,9 +1,15 @@
-"""Where a batch's time goes with --quantization gguf: bench/serve.py's 16-client requests (32 prompts of
-24-200 words, 64-128 tokens out) run offline with max_num_seqs 16, and every GGUF projection call
-timed by its row count (prefill-sized calls vs decode steps, the LM head apart). The remainder is
-attention, RoPE, norms, sampling and the engine's Python.
+"""Where a batch's time goes on CPU: requests run offline with max_num_seqs 16, and every part of the
+step timed — the projections by their row count (calls of a step with a prefill vs decode-only calls,
+the LM head apart), attention (decode-only calls vs calls with a prefill), RMSNorm, RoPE with the K/V
+store; the remainder is sampling, embedding, the residual adds and the engine's Python.
 
-    .venv/bin/python bench/batch_split.py [--kv-cache-dtype auto] [--threads 2] [--force]
+    .venv/bin/python bench/batch_split.py [--workload serve|peers] [--dtype gguf|bfloat16] [--kv-cache-dtype auto]
+                                          [--threads 2] [--force]
+
+Workloads: `serve`, bench/serve.py's 16-client requests (32 prompts of 24-200 words, 64-128 tokens out);
+`peers`, bench/peers.py's (vllm bench serve's random dataset: 64 prompts of 128-384 random token ids,
+64-192 tokens out, ignore_eos). `--dtype gguf`: the bundled GGUF's blocks as stored (--quantization gguf);
+`bfloat16`: the same weights as a Hugging Face checkpoint (bench/vllm_peer.py makes it), --dtype bfloat16.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import random
 import sys
 import time
 
@@ -23,45 +30,79 @@ os.environ.update({k: os.environ.get(k, v) for k, v in OPENMP_ENV.items()})
 from common import machine, refuse_if_busy, table  # noqa: E402
 from serve import workload  # noqa: E402
 
+from kvpilot.kernels import linear as linear_module  # noqa: E402
 from kvpilot.kernels.quantized import GGUFLinear  # noqa: E402
 from kvpilot.server import LLM, SamplingParams  # noqa: E402
 
-BUCKETS = ((2, "1-2 rows"), (16, "3-16 rows"), (64, "17-64 rows"), (float("inf"), "65+ rows"))
+
+def peers_workload(n: int = 64, seed: int = 0):
+    rng = random.Random(seed)
+    return [([rng.randrange(100, 49000) for _ in range(rng.randint(128, 384))], rng.randint(64, 192)) for _ in range(n)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", choices=["serve", "peers"], default="serve")
+    ap.add_argument("--dtype", choices=["gguf", "bfloat16"], default="gguf")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
-    seconds: dict[tuple[str, str], float] = collections.defaultdict(float)
-    run = GGUFLinear._run
+    seconds: dict[str, float] = collections.defaultdict(float)
 
-    def timed(self, x, epilogue, other=None):
-        start = time.perf_counter()
-        y = run(self, x, epilogue, other)
-        m = x.reshape(-1, x.shape[-1]).shape[0]
-        part = "LM head" if self is head else "projections"
-        seconds[part, next(name for top, name in BUCKETS if m <= top)] += time.perf_counter() - start
-        return y
+    def timer(part: str, fn, rows_of=None):
+        def timed(*a, **k):
+            start = time.perf_counter()
+            y = fn(*a, **k)
+            label = part if rows_of is None else f"{part}, {'with a prefill' if rows_of(*a) > 16 else 'decode only'}"
+            seconds[label] += time.perf_counter() - start
+            return y
+        return timed
 
-    llm = LLM(quantization="gguf", kv_cache_dtype=args.kv_cache_dtype, show_progress=False, num_threads=args.threads, max_num_seqs=16)
-    head = llm.engine.worker.model.lm_head
-    GGUFLinear._run = timed
-    reqs = workload(32, 16000)
+    common = dict(kv_cache_dtype=args.kv_cache_dtype, show_progress=False, num_threads=args.threads, max_num_seqs=16)
+    if args.dtype == "gguf":
+        llm = LLM(quantization="gguf", **common)
+    else:
+        from vllm_peer import hf_checkpoint
+
+        llm = LLM(model=str(hf_checkpoint()), dtype="bfloat16", **common)
+    model = llm.engine.worker.model
+    head = model.lm_head
+
+    def rows(x, *_):
+        return x.reshape(-1, x.shape[-1]).shape[0]
+
+    def part_of(module):
+        return "LM head" if module is head else "projections"
+
+    def projection_timer(fn):
+        def timed(self, x, *a):
+            return timer(part_of(self), fn, lambda s, x, *_: rows(x))(self, x, *a)
+        return timed
+
+    GGUFLinear._run = projection_timer(GGUFLinear._run)
+    for name in ("forward", "silu", "mul", "add"):  # the dense (oneDNN) projections
+        setattr(linear_module.Linear, name, projection_timer(getattr(linear_module.Linear, name)))
+    linear_module.Linear.__call__ = linear_module.Linear.forward  # (direct_call bound the old forward)
+    ops = {id(m.ops): m.ops for m in model.modules() if getattr(m, "ops", None) is not None}
+    for o in ops.values():
+        object.__setattr__(o, "paged_attention", timer("attention", o.paged_attention, lambda q, *_a, **_k: q.shape[0]))
+        object.__setattr__(o, "rms_norm", timer("RMSNorm", o.rms_norm))
+        object.__setattr__(o, "rotary_qkv_", timer("RoPE + K/V store", o.rotary_qkv_))
+    reqs = peers_workload() if args.workload == "peers" else workload(32, 16000)
     llm.generate([p for p, _ in reqs[:2]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     seconds.clear()
     start = time.perf_counter()
     llm.generate([p for p, _ in reqs], [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in reqs])
     wall = time.perf_counter() - start
-    rows = [{"part": f"{part}, {bucket}", "s": f"{s:.2f}", "share": f"{s / wall:.0%}"} for (part, bucket), s in sorted(seconds.items())]
+    out_rows = [{"part": part, "s": f"{s:.2f}", "share": f"{s / wall:.0%}"} for part, s in sorted(seconds.items())]
     rest = wall - sum(seconds.values())
-    rows += [{"part": "the rest (attention, RoPE, norms, sampling, Python)", "s": f"{rest:.2f}", "share": f"{rest / wall:.0%}"},
-             {"part": f"all: {sum(m for _, m in reqs)} tokens out, {sum(m for _, m in reqs) / wall:.1f} tok/s", "s": f"{wall:.2f}", "share": "100%"}]
-    print(f"machine: {machine()}, {args.threads} threads, kv_cache_dtype {args.kv_cache_dtype}")
-    print(table(rows, ["part", "s", "share"]))
+    tokens = sum(m for _, m in reqs)
+    out_rows += [{"part": "the rest (sampling, embedding, residual adds, Python)", "s": f"{rest:.2f}", "share": f"{rest / wall:.0%}"},
+                 {"part": f"all: {tokens} tokens out, {tokens / wall:.1f} tok/s", "s": f"{wall:.2f}", "share": "100%"}]
+    print(f"machine: {machine()}, {args.threads} threads, {args.workload} workload, {args.dtype}, kv_cache_dtype {args.kv_cache_dtype}")
+    print(table(out_rows, ["part", "s", "share"]))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,8 @@ def servers(checkpoint: Path, vllm: Path) -> dict[str, tuple[list[str], int, str
     return {
         "kvpilot gguf": ([*kvpilot, "--model", MODEL, "--quantization", "gguf"], 18280, "/ready", plain),
         "kvpilot bf16": ([*kvpilot, "--model", str(checkpoint), "--dtype", "bfloat16"], 18281, "/ready", plain),
+        "kvpilot gguf, core process": ([*kvpilot, "--model", MODEL, "--quantization", "gguf", "--engine-core-process"], 18284, "/ready", plain),
+        "kvpilot gguf, bf16 KV": ([*kvpilot, "--model", MODEL, "--quantization", "gguf", "--kv-cache-dtype", "bfloat16"], 18285, "/ready", plain),
         f"vLLM {VLLM_VERSION} CPU bf16": ([str(vllm), "-m", "vllm.entrypoints.cli.main", "serve", str(checkpoint), "--served-model-name", MODEL,
                                           "--dtype", "bfloat16", "--max-num-seqs", str(MAX_SEQS), "--max-model-len", "2048",
                                           "--host", "127.0.0.1"], 18282, "/health", vllm_env(2)),
@@ -94,18 +96,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--levels", default="1,16")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repetitions of each level per server")
-    ap.add_argument("--servers", help="comma-separated subset of: kvpilot-gguf, kvpilot-bf16, vllm, llama (default: all)")
+    ap.add_argument("--servers", help="comma-separated, of: kvpilot-gguf, kvpilot-bf16, vllm, llama (the default: these four), "
+                                      "kvpilot-gguf-core (--engine-core-process), kvpilot-gguf-bf16kv (--kv-cache-dtype bfloat16)")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
     vllm, checkpoint = vllm_python(), hf_checkpoint()
     chosen = servers(checkpoint, vllm)
-    if args.servers:
-        keys = {"kvpilot-gguf": "kvpilot gguf", "kvpilot-bf16": "kvpilot bf16", "vllm": next(n for n in chosen if n.startswith("vLLM")),
-                "llama": "llama-server Q4_1"}
-        wanted = [keys[s] for s in args.servers.split(",")]
-        chosen = {n: chosen[n] for n in wanted}
+    keys = {"kvpilot-gguf": "kvpilot gguf", "kvpilot-bf16": "kvpilot bf16", "vllm": next(n for n in chosen if n.startswith("vLLM")),
+            "llama": "llama-server Q4_1", "kvpilot-gguf-core": "kvpilot gguf, core process", "kvpilot-gguf-bf16kv": "kvpilot gguf, bf16 KV"}
+    wanted = args.servers.split(",") if args.servers else ["kvpilot-gguf", "kvpilot-bf16", "vllm", "llama"]
+    chosen = {keys[s]: chosen[keys[s]] for s in wanted}
     levels = [int(x) for x in args.levels.split(",")]
     procs: dict[str, subprocess.Popen] = {}
     runs: dict[tuple[str, int], list[dict]] = {}

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from kvpilot.kernels import cpu_extension
-from kvpilot.kernels.paged_attention import (HUGE_PAGE, AttentionMetadata, decode_attention_grouped, kv_cache_zeros, paged_attention,
-                                            prefill_attention_ref)
+from kvpilot.kernels.paged_attention import HUGE_PAGE, AttentionMetadata, decode_attention_grouped, kv_cache_zeros, paged_attention, prefill_attention_ref
 
 
 def cpp_decode(*args):
