@@ -1,7 +1,8 @@
 """Where a batch's time goes on CPU: requests run offline with max_num_seqs 16, and every part of the
-step timed — the projections by their row count (calls of a step with a prefill vs decode-only calls,
-the LM head apart), attention (decode-only calls vs calls with a prefill), RMSNorm, RoPE with the K/V
-store; the remainder is sampling, embedding, the residual adds and the engine's Python.
+step timed — the projections and attention by the rows of the call (over 16: a step with a prefill in
+it, since at most 16 sequences decode; 16 or fewer: nearly always a decode-only step), the LM head (the
+sampled rows only), RMSNorm, RoPE with the K/V store; the remainder is sampling, embedding, the
+residual adds and the engine's Python.
 
     .venv/bin/python bench/batch_split.py [--workload serve|peers] [--dtype gguf|bfloat16] [--kv-cache-dtype auto]
                                           [--threads 2] [--force]
@@ -55,7 +56,7 @@ def main() -> None:
         def timed(*a, **k):
             start = time.perf_counter()
             y = fn(*a, **k)
-            label = part if rows_of is None else f"{part}, {'with a prefill' if rows_of(*a) > 16 else 'decode only'}"
+            label = part if rows_of is None else f"{part}, {'over 16 rows' if rows_of(*a) > 16 else '16 rows or fewer'}"
             seconds[label] += time.perf_counter() - start
             return y
         return timed
@@ -77,8 +78,8 @@ def main() -> None:
         return "LM head" if module is head else "projections"
 
     def projection_timer(fn):
-        def timed(self, x, *a):
-            return timer(part_of(self), fn, lambda s, x, *_: rows(x))(self, x, *a)
+        def timed(self, x, *a):  # (the LM head sees the sampled rows only: not split)
+            return timer(part_of(self), fn, None if self is head else lambda s, x, *_: rows(x))(self, x, *a)
         return timed
 
     GGUFLinear._run = projection_timer(GGUFLinear._run)

@@ -45,8 +45,8 @@ LOAD = ["--backend", "openai", "--endpoint", "/v1/completions", "--dataset-name"
         "--random-output-len", "128", "--random-range-ratio", "0.5", "--ignore-eos", "--temperature", "0"]
 
 
-def servers(checkpoint: Path, vllm: Path) -> dict[str, tuple[list[str], int, str, dict]]:
-    """name -> (command line, port, readiness path, environment)."""
+def servers(checkpoint: Path, vllm: Path, llama: bool) -> dict[str, tuple[list[str], int, str, dict]]:
+    """name -> (command line, port, readiness path, environment); llama-server's (built on first use) when `llama`."""
     from kvpilot.server.model_files import resolve_model_path
 
     gguf = resolve_model_path(MODEL)
@@ -63,8 +63,8 @@ def servers(checkpoint: Path, vllm: Path) -> dict[str, tuple[list[str], int, str
         f"vLLM {VLLM_VERSION} CPU bf16": ([str(vllm), "-m", "vllm.entrypoints.cli.main", "serve", str(checkpoint), "--served-model-name", MODEL,
                                           "--dtype", "bfloat16", "--max-num-seqs", str(MAX_SEQS), "--max-model-len", "2048",
                                           "--host", "127.0.0.1"], 18282, "/health", vllm_env(2)),
-        "llama-server Q4_1": ([str(llama_server_binary()), "-m", str(gguf), "--alias", MODEL, "-t", "2", "--parallel", str(MAX_SEQS),
-                               "-c", str(2048 * MAX_SEQS), "--cont-batching", "--host", "127.0.0.1"], 18283, "/health", plain),
+        **({"llama-server Q4_1": ([str(llama_server_binary()), "-m", str(gguf), "--alias", MODEL, "-t", "2", "--parallel", str(MAX_SEQS),
+                                  "-c", str(2048 * MAX_SEQS), "--cont-batching", "--host", "127.0.0.1"], 18283, "/health", plain)} if llama else {}),
     }
 
 
@@ -102,12 +102,14 @@ def main() -> None:
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
-    vllm, checkpoint = vllm_python(), hf_checkpoint()
-    chosen = servers(checkpoint, vllm)
-    keys = {"kvpilot-gguf": "kvpilot gguf", "kvpilot-bf16": "kvpilot bf16", "vllm": next(n for n in chosen if n.startswith("vLLM")),
+    keys = {"kvpilot-gguf": "kvpilot gguf", "kvpilot-bf16": "kvpilot bf16", "vllm": f"vLLM {VLLM_VERSION} CPU bf16",
             "llama": "llama-server Q4_1", "kvpilot-gguf-core": "kvpilot gguf, core process", "kvpilot-gguf-bf16kv": "kvpilot gguf, bf16 KV"}
     wanted = args.servers.split(",") if args.servers else ["kvpilot-gguf", "kvpilot-bf16", "vllm", "llama"]
-    chosen = {keys[s]: chosen[keys[s]] for s in wanted}
+    if unknown := [w for w in wanted if w not in keys]:
+        raise SystemExit(f"unknown server(s) {', '.join(unknown)}: choose from {', '.join(keys)}")
+    vllm, checkpoint = vllm_python(), hf_checkpoint()  # vllm bench serve drives every server: always set up
+    every = servers(checkpoint, vllm, llama="llama" in wanted)
+    chosen = {keys[w]: every[keys[w]] for w in wanted}
     levels = [int(x) for x in args.levels.split(",")]
     procs: dict[str, subprocess.Popen] = {}
     runs: dict[tuple[str, int], list[dict]] = {}

@@ -12,6 +12,7 @@ token per decoding sequence.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import sys
@@ -27,6 +28,11 @@ _MADV_HUGEPAGE = 14
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
+@functools.cache
+def _log_small_pages(errno: int) -> None:
+    log.info("madvise(MADV_HUGEPAGE) refused (errno %d): the KV cache stays on small pages (slower decode attention)", errno)
+
+
 def kv_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One layer's K or V cache, zeroed. On a CPU, on transparent huge pages where the kernel gives them
     (madvise, before the pages are first touched): a decode step walks every sequence's blocks, scattered
@@ -37,10 +43,10 @@ def kv_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or _libc is None or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype, device=device)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8, device="cpu")
     start = -raw.data_ptr() % HUGE_PAGE
     if _libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(nbytes // HUGE_PAGE * HUGE_PAGE), _MADV_HUGEPAGE) != 0:
-        log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): the KV cache on small pages", ctypes.get_errno())
+        _log_small_pages(ctypes.get_errno())
     return raw[start:start + nbytes].view(dtype).view(shape).zero_()
 
 

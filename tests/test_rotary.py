@@ -91,10 +91,12 @@ def test_cpp_rms_norm_of_bfloat16_rows_rounds_as_transformers_does(rows, width):
     from kvpilot.kernels.ops import rms_norm_ref
     from kvpilot.server.layers.rmsnorm import RMSNorm
 
-    cpu_extension.require()
+    ext = cpu_extension.require()
+    assert CPU.name == "cpu-c++"
     gen = torch.Generator().manual_seed(rows)
     x, w = (torch.randn(rows, width, generator=gen) * 3).bfloat16(), torch.randn(width, generator=gen).bfloat16()
-    got, want = RMSNorm(w, 1e-5, CPU)(x), rms_norm_ref(x, w, 1e-5)
-    assert got.dtype == torch.bfloat16 and got.shape == x.shape
-    torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
-    assert (got == want).float().mean() > 0.99
+    want = rms_norm_ref(x, w, 1e-5)
+    for got in (ext.rms_norm(x, w, 1e-5), RMSNorm(w, 1e-5, CPU)(x)):  # the kernel, and the layer through the dispatch table
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
+        assert (got == want).float().mean() > 0.99
