@@ -58,9 +58,11 @@ def _cpu_ops(ext) -> Ops:
         return rms_norm_ref(x, weight, eps)
 
     def rotary_qkv_(qkv, rope, num_heads, num_kv_heads, head_dim, store=None, kv_scales=NO_SCALES):
-        if qkv.dtype != torch.float32:
+        if qkv.dtype not in (torch.float32, torch.bfloat16) or rope.cos_table.dtype != torch.float32:
             return rotary_qkv_ref_(qkv, rope, num_heads, num_kv_heads, head_dim, store)
-        if store is not None and store[0].dtype in (torch.float32, torch.bfloat16, FP8_KV):  # rotate and write K/V to the cache in one pass
+        # rotate and write K/V to the cache in one pass (bfloat16 rows: into a bfloat16 cache only)
+        stores = (torch.float32, torch.bfloat16, FP8_KV) if qkv.dtype == torch.float32 else (torch.bfloat16,)
+        if store is not None and store[0].dtype in stores:
             ext.rotary_store_kv(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads, num_kv_heads, head_dim, *store, *kv_scales)
             return True
         ext.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads + num_kv_heads, head_dim)

@@ -100,3 +100,31 @@ def test_cpp_rms_norm_of_bfloat16_rows_rounds_as_transformers_does(rows, width):
         assert got.dtype == torch.bfloat16 and got.shape == x.shape
         torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
         assert (got == want).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_cpp_rotary_of_bfloat16_rows_equals_the_bfloat16_formula(tokens):
+    """bfloat16 rows (a bfloat16 model): every product and sum rounded to bfloat16 as the torch formula's
+    ops round them — bit-equal to the reference, alone and with the store into a bfloat16 cache."""
+    from kvpilot.kernels.paged_attention import write_kv
+
+    cpu_extension.require()
+    heads, kv_heads, d, block_size, blocks = 9, 3, 64, 16, 8
+    rope = RotaryEmbedding(d, 2048, 10000.0)
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen) * 4).bfloat16()
+    positions = torch.randint(0, 2048, (tokens,), generator=gen)
+    want = qkv.clone()
+    assert not rotate_(rope, want, positions, heads, kv_heads, ops=REFERENCE)
+    got = qkv.clone()
+    assert not rotate_(rope, got, positions, heads, kv_heads)
+    assert torch.equal(got, want) and not torch.equal(got, qkv)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    want_k, want_v = (torch.zeros(blocks, block_size, kv_heads, d, dtype=torch.bfloat16) for _ in range(2))
+    _, k, v = want.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    write_kv(want_k, want_v, k.reshape(tokens, kv_heads, d), v.reshape(tokens, kv_heads, d), slots)
+    got, got_k, got_v = qkv.clone(), torch.zeros_like(want_k), torch.zeros_like(want_v)
+    assert rotate_(rope, got, positions, heads, kv_heads, (got_k, got_v, slots))
+    assert torch.equal(got, want) and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    # a float32 cache under bfloat16 rows: rotated here, written by the caller
+    assert not rotate_(rope, qkv.clone(), positions, heads, kv_heads, (got_k.float(), got_v.float(), slots))

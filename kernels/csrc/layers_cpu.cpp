@@ -1,4 +1,4 @@
-// Per-layer elementwise work on CPU, float32: RoPE on the fused QKV projection output (optionally
+// Per-layer elementwise work on CPU, float32 or bfloat16: RoPE on the fused QKV projection output (optionally
 // storing the step's K and V into the paged cache in the same pass) and RMSNorm. Each replaces a chain
 // of small torch ops (8 for RoPE, 2 index_copy_ for the cache write, ~7 for RMSNorm) that a decode
 // step runs 30 times per layer kind.
@@ -14,9 +14,10 @@ namespace {
 
 void check_rope_args(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
                      const torch::Tensor& sin, int64_t heads, int64_t head_dim) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.scalar_type() == torch::kFloat, "qkv: float32 rows");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && (qkv.scalar_type() == torch::kFloat || qkv.scalar_type() == torch::kBFloat16),
+              "qkv: float32 or bfloat16 rows");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat, "cos/sin");
-  TORCH_CHECK(cos.size(1) * 2 == head_dim && qkv.size(1) >= heads * head_dim, "shapes");
+  TORCH_CHECK(cos.size(1) * 2 == head_dim && head_dim <= 512 && qkv.size(1) >= heads * head_dim, "shapes");
   TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.size(0) == qkv.size(0), "positions");
 }
 
@@ -34,11 +35,35 @@ inline void rotate_row(float* x, int64_t heads, int64_t head_dim, const float* c
   }
 }
 
-template <typename Fn>
+// x rounded to bfloat16 (to nearest even), as a float: what torch's bfloat16 ops do to each result.
+inline float bf16_round(float x) { return static_cast<float>(c10::BFloat16(x)); }
+
+// bfloat16 rows as the torch formula computes them in bfloat16 (kernels/rope.py apply_rope, with cos and sin
+// cast to bfloat16): each product and each sum rounded to bfloat16 — exactly its result, in one pass
+// where the reference runs ~8 ops over the whole QKV output (5 % of a bfloat16 step at 16 sequences, #65).
+inline void rotate_row(c10::BFloat16* x, int64_t heads, int64_t head_dim, const float* ct, const float* st) {
+  const int64_t half = head_dim / 2;
+  float c[256], s[256];  // head_dim <= 512 (checked)
+  for (int64_t i = 0; i < half; ++i) {
+    c[i] = bf16_round(ct[i]);
+    s[i] = bf16_round(st[i]);
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    c10::BFloat16* x1 = x + h * head_dim;
+    c10::BFloat16* x2 = x1 + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x1[i], b = x2[i];
+      x1[i] = c10::BFloat16(bf16_round(a * c[i]) - bf16_round(b * s[i]));
+      x2[i] = c10::BFloat16(bf16_round(b * c[i]) + bf16_round(a * s[i]));
+    }
+  }
+}
+
+template <typename T, typename Fn>
 void rope_rows(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
                int64_t head_dim, Fn after_row) {
   positions = positions.contiguous();
-  float* base = qkv.data_ptr<float>();
+  T* base = qkv.data_ptr<T>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* c = cos.data_ptr<float>();
   const float* sn = sin.data_ptr<float>();
@@ -59,13 +84,16 @@ void rope_rows(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, to
 void rotary_inplace(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads,
                     int64_t head_dim) {
   check_rope_args(qkv, positions, cos, sin, rot_heads, head_dim);
-  rope_rows(qkv, positions, cos, sin, rot_heads, head_dim, [](int64_t, float*) {});
+  if (qkv.scalar_type() == torch::kBFloat16)
+    rope_rows<c10::BFloat16>(qkv, positions, cos, sin, rot_heads, head_dim, [](int64_t, c10::BFloat16*) {});
+  else
+    rope_rows<float>(qkv, positions, cos, sin, rot_heads, head_dim, [](int64_t, float*) {});
 }
 
 // The same for qkv = [q heads | k heads | v heads] rows, then each row's (rotated) K and its V stored
 // at its cache slot: k/v cache [num_blocks, block_size, kv_heads, D] float32, bfloat16 or
 // float8_e4m3fn (K / k_scale and V / v_scale saturated at ±448; both narrow types rounded to nearest
-// even, as torch's conversion), slots [T] int64.
+// even, as torch's conversion), slots [T] int64. bfloat16 rows: a bfloat16 cache only (copied as they are).
 void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                      double k_scale, double v_scale) {
@@ -81,10 +109,20 @@ void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor c
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), kv = num_kv_heads * head_dim, q = num_heads * head_dim;
   for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot out of range");
+  if (qkv.scalar_type() == torch::kBFloat16) {
+    TORCH_CHECK(ct == torch::kBFloat16, "bfloat16 rows: a bfloat16 cache");
+    c10::BFloat16* kc = k_cache.data_ptr<c10::BFloat16>();
+    c10::BFloat16* vc = v_cache.data_ptr<c10::BFloat16>();
+    rope_rows<c10::BFloat16>(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim, [&](int64_t t, c10::BFloat16* row) {
+      std::memcpy(kc + slot[t] * kv, row + q, kv * sizeof(c10::BFloat16));
+      std::memcpy(vc + slot[t] * kv, row + q + kv, kv * sizeof(c10::BFloat16));
+    });
+    return;
+  }
   if (ct == torch::kFloat) {
     float* kc = k_cache.data_ptr<float>();
     float* vc = v_cache.data_ptr<float>();
-    rope_rows(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim, [&](int64_t t, float* row) {
+    rope_rows<float>(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim, [&](int64_t t, float* row) {
       std::memcpy(kc + slot[t] * kv, row + q, kv * sizeof(float));
       std::memcpy(vc + slot[t] * kv, row + q + kv, kv * sizeof(float));
     });
@@ -94,7 +132,7 @@ void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor c
     c10::Float8_e4m3fn* kc = k_cache.data_ptr<c10::Float8_e4m3fn>();
     c10::Float8_e4m3fn* vc = v_cache.data_ptr<c10::Float8_e4m3fn>();
     const float ks = static_cast<float>(k_scale), vs = static_cast<float>(v_scale), most = 448.f;
-    rope_rows(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim, [&](int64_t t, float* row) {
+    rope_rows<float>(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim, [&](int64_t t, float* row) {
       for (int64_t i = 0; i < kv; ++i) {
         kc[slot[t] * kv + i] = c10::Float8_e4m3fn(std::clamp(row[q + i] / ks, -most, most));
         vc[slot[t] * kv + i] = c10::Float8_e4m3fn(std::clamp(row[q + kv + i] / vs, -most, most));
@@ -104,7 +142,7 @@ void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor c
   }
   c10::BFloat16* kc = k_cache.data_ptr<c10::BFloat16>();
   c10::BFloat16* vc = v_cache.data_ptr<c10::BFloat16>();
-  rope_rows(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim, [&](int64_t t, float* row) {
+  rope_rows<float>(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim, [&](int64_t t, float* row) {
     for (int64_t i = 0; i < kv; ++i) {
       kc[slot[t] * kv + i] = c10::BFloat16(row[q + i]);
       vc[slot[t] * kv + i] = c10::BFloat16(row[q + kv + i]);
