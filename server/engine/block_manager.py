@@ -17,7 +17,7 @@ import hashlib
 import json
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -42,6 +42,14 @@ def block_hash(parent: bytes, token_ids: Seq[int]) -> bytes:
     """A block's key: SHA-256 over its parent's key (32 bytes) and its token ids (little-endian uint32;
     a token id outside that range, such as an async placeholder, is an error, never a key)."""
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
+
+
+def chained(parent: bytes, chunks: Iterable[tuple[int, ...]]) -> Iterator[tuple[bytes, tuple[int, ...], bytes]]:
+    """Each chunk of a chain of blocks from `parent`, with its parent's key and its own."""
+    for chunk in chunks:
+        key = block_hash(parent, chunk)
+        yield parent, chunk, key
+        parent = key
 
 
 def adapter_root(salt: bytes, fingerprint: bytes) -> bytes:

@@ -31,7 +31,7 @@ import weakref
 from dataclasses import dataclass
 
 from kvpilot.server.config import EngineConfig
-from kvpilot.server.engine.block_manager import BlockManager, block_hash
+from kvpilot.server.engine.block_manager import BlockManager, chained
 from kvpilot.server.engine.kv_tiers import BlockLoad, DiskTier, HostTier, Payload
 from kvpilot.server.engine.sequence import Sequence
 from kvpilot.server.engine.step_message import KVWork, LoadedBlock, NixlPeer, SavedBlock
@@ -70,8 +70,7 @@ class KVConnectorWorker:
         worker.stage_block_writes()
 
     def peer(self) -> NixlPeer:
-        described = self.nixl.describe()
-        return NixlPeer(described["agent"], described["metadata"], described["regions"])
+        return self.nixl.describe()
 
     def run(self, work: KVWork) -> list[bytes]:
         """Ranks 1…N−1: a KVWork as rank 0 decided it — the saved blocks copied first (a load may reuse
@@ -128,7 +127,7 @@ class KVConnectorWorker:
             elif deadline <= time.monotonic():
                 why = "the prefill engine's hold ends before it could be read"
             else:
-                why = self.nixl.read(_peer_dict(agent), [(b.block_id, b.remote_block) for b in reads], deadline - time.monotonic())
+                why = self.nixl.read(agent, [(b.block_id, b.remote_block) for b in reads], deadline - time.monotonic())
                 if why is None and time.monotonic() > deadline:  # done, but maybe after the blocks were released: not trusted
                     why = "done only as the prefill engine's hold ended"
             if why is not None:
@@ -143,10 +142,6 @@ class KVConnectorWorker:
             self.disk.drain()
         if self.nixl is not None:
             self.nixl.close()
-
-
-def _peer_dict(peer: NixlPeer) -> dict:
-    return {"agent": peer.agent, "metadata": peer.metadata, "regions": peer.regions}
 
 
 @dataclass(slots=True)
@@ -220,7 +215,7 @@ class KVConnector:
         rest = chunks[len(keys):]
         remote = transfer is not None and transfer.do_remote_prefill and self.receiver is not None
         if rest and remote:
-            load.keys += _chain(keys[-1] if keys else parent, rest)
+            load.keys += [key for _, _, key in chained(keys[-1] if keys else parent, rest)]
             load.chunks += rest
             return self.receiver.pull(transfer, load)
         if remote:  # nothing to pull (all here already): the prefill engine need not hold the blocks any longer
@@ -403,11 +398,3 @@ class KVConnector:
         for side in (self.sender, self.receiver):
             if side is not None:
                 side.close()
-
-
-def _chain(parent: bytes, chunks: list[tuple[int, ...]]) -> list[bytes]:
-    keys = []
-    for chunk in chunks:
-        parent = block_hash(parent, chunk)
-        keys.append(parent)
-    return keys

@@ -19,9 +19,10 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any
 
 import torch
+
+from kvpilot.server.engine.step_message import NixlPeer
 
 log = logging.getLogger("kvpilot.server.kv_transfer")
 PROGRESS_ACTIVE_S = 0.001
@@ -62,29 +63,29 @@ class NixlCache:
         # still inside the agent then aborted the process).
         self._stopped = weakref.finalize(self, _halt, stop, thread)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> NixlPeer:
         """What a peer needs to READ from this rank: the agent's name and metadata, each region's base
         address, bytes per block and device."""
         with self._lock:
             metadata = self.agent.get_agent_metadata()
-        return {"agent": self.name, "metadata": metadata, "regions": [[r.data_ptr(), s, self.dev_id] for r, s in zip(self.regions, self.strides)]}
+        return NixlPeer(self.name, metadata, [[r.data_ptr(), s, self.dev_id] for r, s in zip(self.regions, self.strides)])
 
-    def read(self, peer: dict[str, Any], pairs: list[tuple[int, int]], timeout: float) -> str | None:
+    def read(self, peer: NixlPeer, pairs: list[tuple[int, int]], timeout: float) -> str | None:
         """READ blocks from a peer rank into this one's cache: pairs of (local block, the peer's block),
         every region of each. None when done; else why not (a layout that differs, an error, a timeout).
         A read that can be neither finished nor cancelled stops the process: its bytes could still land
         in blocks that are someone else's by then."""
-        regions = peer["regions"]
+        regions = peer.regions
         if [r[1] for r in regions] != self.strides:
             return f"the peer's K/V regions ({len(regions)}, {[r[1] for r in regions][:2]}… bytes a block) are not this rank's"
         local = [(r.data_ptr() + lb * s, s, self.dev_id) for lb, _ in pairs for r, s in zip(self.regions, self.strides)]
         remote = [(base + rb * s, s, dev) for _, rb in pairs for base, s, dev in regions]
         with self._lock:
-            if peer["agent"] not in self._known and peer["agent"] != self.name:  # (its own: a loopback read, kv_role both)
-                self.agent.add_remote_agent(peer["metadata"])
-                self._known.add(peer["agent"])
+            if peer.agent not in self._known and peer.agent != self.name:  # (its own: a loopback read, kv_role both)
+                self.agent.add_remote_agent(peer.metadata)
+                self._known.add(peer.agent)
             handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, self.mem),
-                                                self.agent.get_xfer_descs(remote, self.mem), peer["agent"])
+                                                self.agent.get_xfer_descs(remote, self.mem), peer.agent)
         try:
             with self._lock:
                 state = self.agent.transfer(handle)
@@ -102,11 +103,11 @@ class NixlCache:
             if self._wait(handle, state, max(timeout, 1.0)) == "PROC":
                 from kvpilot.server.engine.termination import fatal
 
-                fatal(f"a NIXL read from {peer['agent']} could be neither finished nor cancelled ({type(e).__name__}: {e}): "
+                fatal(f"a NIXL read from {peer.agent} could be neither finished nor cancelled ({type(e).__name__}: {e}): "
                       "the KV cache can no longer be trusted")
             return why  # (its handle is the agent's now: the peer's metadata stays while it may refer to it)
         if why is not None:
-            self.forget(peer["agent"])
+            self.forget(peer.agent)
         return why
 
     def _wait(self, handle, state: str, timeout: float) -> str:

@@ -51,7 +51,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvpilot.server.engine.block_manager import block_hash
+from kvpilot.server.engine.block_manager import block_hash, chained
 from kvpilot.server.engine.kv_events import MEDIUM_DISK, MEDIUM_HOST, KVEventRecorder
 
 log = logging.getLogger("kvpilot.server.kv_tiers")
@@ -257,13 +257,10 @@ class DiskTier:
         """Rank 0: the keys of the blocks chained from `parent` over `chunks` whose every rank's file is
         there (and not known bad), as far as they go."""
         keys = []
-        for chunk in chunks:
-            key = block_hash(parent, chunk)
-            paths = [self.path(key, r) for r in range(self.world_size)]
-            if not all(p.is_file() and p not in self._bad for p in paths):
+        for _, _, key in chained(parent, chunks):
+            if not all(p.is_file() and p not in self._bad for p in (self.path(key, r) for r in range(self.world_size))):
                 break
             keys.append(key)
-            parent = key
         if len(keys) < len(chunks):
             with self._lock:
                 self.stats.miss_blocks += 1
@@ -568,15 +565,13 @@ class HostTier:
         """The payloads and keys of the blocks held here chained from `parent` over `chunks`, as far as
         they go (each touched: recently used)."""
         found, keys = [], []
-        for chunk in chunks:
-            key = block_hash(parent, chunk)
+        for chunk_parent, chunk, key in chained(parent, chunks):
             entry = self._blocks.get(key)
-            if entry is None or entry[:2] != (parent, tuple(chunk)):
+            if entry is None or entry[:2] != (chunk_parent, tuple(chunk)):
                 break
             self._blocks.move_to_end(key)
             found.append(entry[2])
             keys.append(key)
-            parent = key
         self.stats.hit_blocks += len(found)
         self.stats.loaded_bytes += len(found) * self.payload_bytes
         self.stats.miss_blocks += len(found) < len(chunks)

@@ -179,7 +179,7 @@ class Scheduler:
                 if not self.chunked:
                     break
                 n = budget
-            counted = (seq.num_cached_tokens, dict(seq.cached_sources), loaded * self.bm.block_size)
+            counted = (seq.num_cached_tokens, dict(seq.cached_sources), loaded * self.bm.block_size) if loaded else None  # (before allocate counts the hits)
             if not self.bm.allocate(seq, n + loaded * self.bm.block_size, cached):
                 break
             if loaded:  # fresh blocks after the in-memory hits, to hold what the tier read
