@@ -120,3 +120,49 @@ def test_coming_from_vllm_is_fresh_and_names_every_vllm_flag():
     assert len(flags) > 400 and all(f"| `{flag}` |" in text for flag in flags)
     assert "| `--trust-remote-code` | not supported" in text and "| `--dtype` | `--dtype`: half = float16" in text
     assert "| `--kv-cache-memory-bytes` | `--kv-cache-memory-bytes` = `--kv-cache-memory`" in text
+
+
+
+# A figure the README quotes: a number (not part of a name such as SmolLM2-135M), with its unit when one follows.
+FIGURE = re.compile(r"(?<![\w.\-/])(\d+(?:\.\d+)?)(?:\s?(×|%|ms|s|MiB|GiB|MB|GB|GB/s|tok/s))?(?![\w.])")
+
+
+def results_sections(results: str) -> dict[str, str]:
+    """bench/RESULTS.md's sections by their GitHub anchor."""
+    sections, anchor = {}, None
+    for line in results.splitlines():
+        if line.startswith("## "):
+            anchor = slug(line.lstrip("#"))
+            sections[anchor] = ""
+        elif anchor is not None:
+            sections[anchor] += line + "\n"
+    return sections
+
+
+def stale_figures(readme: str, results: str) -> list[str]:
+    """The figures in the bullets of the README's Figures section that no run it links to recorded: each
+    figure (the same number, with its unit when it has one) must be in one of the bench/RESULTS.md
+    sections its bullet links; a bullet with figures and no such link is stale as a whole."""
+    section = readme.split("\n## Figures\n", 1)[1].split("\n## ", 1)[0]
+    sections = results_sections(results)
+    stale = []
+    for bullet in re.findall(r"^- .*(?:\n  .*)*", section, flags=re.M):  # a bullet: its line and the indented ones after it
+        runs = [sections.get(t.partition("#")[2], "") for t in LINK.findall(bullet) if t.startswith("bench/RESULTS.md#")]
+        text = re.sub(r"\[[^\]]*\]\([^)]*\)|`[^`]*`", "", bullet)  # the figures, not the links' or code's characters
+        for m in FIGURE.finditer(text):
+            number, unit = m.group(1), m.group(2)
+            pattern = rf"(?<![\d.]){re.escape(number)}" + (rf"\s?{re.escape(unit)}" if unit else r"(?![\d])")
+            if not any(re.search(pattern, run) for run in runs):
+                stale.append(m.group(0))
+    return stale
+
+
+def test_every_figure_the_readme_quotes_is_in_a_run_it_links():
+    readme, results = (ROOT / "README.md").read_text(), (ROOT / "bench" / "RESULTS.md").read_text()
+    assert readme.count("](bench/RESULTS.md#") >= 5
+    assert not stale_figures(readme, results)
+    assert len(stale_figures(readme, "")) >= 12  # what it checks: every figure of those bullets, against no results all stale
+    # a planted figure no linked run recorded is caught beside the real ones, and so is a bullet that links no run
+    link = readme[readme.index("([run](bench/RESULTS.md#"):].split(")", 2)
+    planted = readme.replace("\n## Figures\n", f"\n## Figures\n\n- planted: 9.87× and 4321 ms ([run]({link[1][6:]}));\n- unlinked: 1.79×\n", 1)
+    assert stale_figures(planted, results) == ["9.87×", "4321 ms", "1.79×"]
