@@ -8,7 +8,7 @@ PHASE := .ci/phase
 export PIP_CACHE_DIR ?= $(CACHE)/pip
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test serve bench cluster-up cluster-down demo crds tools images kind-up lint pytest eagle-head
+.PHONY: setup test serve bench cluster-up cluster-down demo crds tools images kind-up lint pytest eagle-head plots
 
 # Idempotent: the stamp is remade only when the package metadata or pins change. The C++ CPU kernels
 # are compiled into the cache here (about a minute, once per source/torch/CPU), not on first request.
@@ -33,6 +33,10 @@ images:
 # For users with Docker: a kind cluster serving the CPU example from these images (e2e/kind_up.sh).
 kind-up:
 	bash e2e/kind_up.sh
+
+# docs/images/*.png from the committed results (bench/results/*.json), byte-stable (tests/test_plots.py redraws and compares).
+plots: setup
+	$(BIN)/python bench/plots.py
 
 # Python (ruff; import direction and cycles: lint-imports, contracts in pyproject.toml) and shell
 # (shellcheck, installed by `make images` when missing) lint.

@@ -160,8 +160,10 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(table(rows, ["server", "clients", "output tok/s", "TTFT p50 ms", "ITL p50 ms", "failed", "per repetition tok/s"]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(), "results": [{"server": n, "clients": c, **{k: v for k, v in r.items()}}
-                                                                                  for (n, c), r in results.items()]}, indent=1))
+        # (bench/results/ keeps a run's JSON: bench/plots.py draws from it; the machine line is the CPU's model name, add its ISA)
+        Path(args.json).write_text(json.dumps({"command": " ".join(["bench/peers.py", *sys.argv[1:]]), "when": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+                                               "machine": machine(), "results": [{"server": n, "clients": c, **r} for (n, c), r in results.items()]},
+                                              indent=1) + "\n")
 
 
 if __name__ == "__main__":
