@@ -1,4 +1,4 @@
-"""Figures behind issue #75's bounds (bench/RESULTS.md, "Hardening III"):
+"""Figures behind issue #75's bounds (bench/history/, "Hardening III"):
 
 - `depth`: the longest chain of each constraint shape that llguidance compiles on a thread of a given
   stack, bisected over child processes (a crash is a SIGSEGV of the child, never of this process):
@@ -6,7 +6,7 @@
 - `gateway`: kvpilot-gateway's RSS with 80 bodies of 4 MiB held one byte short (no API key: the
   gateway checks none), on its default limits.
 
-And issue #76's (bench/RESULTS.md, "Hardening III (second)"), each against a `kvpilot serve` of the
+And issue #76's (bench/history/, "Hardening III (second)"), each against a `kvpilot serve` of the
 code importable here (run it with PYTHONPATH at an older checkout for the "before"):
 - `compiles`: a plain 16-token completion's latency, alone and while two clients send the issue's
   10,000-optional-property schema (300 KB) at once.

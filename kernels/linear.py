@@ -3,7 +3,7 @@
 Why not just `x @ W.T` on CPU: torch's CPU matmul goes to MKL, which on non-Intel x86 (our AMD EPYC)
 takes its AVX2 path; oneDNN dispatches on the CPU's ISA and, fed a weight reordered into its blocked
 layout once at load, reaches 2–4× MKL's fp32 FLOP rate at this model's shapes, and more on the
-memory-bound single-token steps (bench/RESULTS.md has the micro-benchmark). Same fp32 arithmetic, only
+memory-bound single-token steps (bench/history/ has the micro-benchmark). Same fp32 arithmetic, only
 the summation order differs. The fused forms fold the SiLU, the gating product and the residual add
 into the matmul's output pass instead of another trip over the activations.
 """

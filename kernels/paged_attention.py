@@ -38,7 +38,7 @@ def kv_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     (madvise, before the pages are first touched): a decode step walks every sequence's blocks, scattered
     over the cache, and on 4 KiB pages each walk missed the TLB at every few blocks — on the 2-core
     AVX-512 VM the C++ decode attention read 12.4 GB/s of a 1.9 GB cache against 17.2 on huge pages, and
-    the engine's 16-client decode attention took 0.56x the time (bench/RESULTS.md, #65). A kernel without
+    the engine's 16-client decode attention took 0.56x the time (bench/history/, #65). A kernel without
     THP (or `never`) leaves the advice unused: the same cache on 4 KiB pages."""
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or _libc is None or nbytes < HUGE_PAGE:
@@ -220,12 +220,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 DECODE_GROUP = 4  # sequences per padded decode-attention call on the torch path
 # The C++ prefill kernel (one KV head's queries over a range of the cache at a time) vs the copy-and-SDPA path, 2-core
 # AVX-512 host, SmolLM2's shapes: 3.0x at 8 new tokens over 4,000 cached, 1.15x at 512 over 1,536-3,584, parity for a
-# plain 512-token prefill, 0.70x for a plain 2,000-token one (bench/prefix_attention.py, bench/RESULTS.md).
+# plain 512-token prefill, 0.70x for a plain 2,000-token one (bench/prefix_attention.py, bench/history/).
 PREFILL_KERNEL_TOKENS = 512
 # Where the prefill kernel is not used (AVX2 builds, other head dims), a prefill of n new tokens over a cached prefix
 # (context ctx) runs as n decode queries while n · ctx is at most this; beyond it the prefix copied out of its blocks once and one masked SDPA are cheaper. On a 2-core AVX-512
 # host, SmolLM2's shapes, the C++ decode kernel vs that path: 5.5x at 1 token over 4,000, 1.19x at 8 over 4,000,
-# 1.23x at 16 over 2,000, 2.0x at 32 over 1,000, and 0.93x at 12 over 4,000 (bench/RESULTS.md).
+# 1.23x at 16 over 2,000, 2.0x at 32 over 1,000, and 0.93x at 12 over 4,000 (bench/history/).
 SHORT_TAIL_WORK = 40_000
 
 

@@ -136,7 +136,7 @@ class EngineConfig(BaseModel):
     speculative_lookup_tokens: int | None = Field(None, ge=1, le=16, description=(
         "speculative_lookup: most tokens a lookup proposes (unset: num_speculative_tokens), while the model's drafts stay at "
         "num_speculative_tokens: a lookup costs nothing to make and is often right for several tokens, a small head's drafts past "
-        "the first seldom are (bench/RESULTS.md: eagle3 with 1 drafted and 4 looked up)."))
+        "the first seldom are (bench/history/: eagle3 with 1 drafted and 4 looked up)."))
     speculative_disable_batch_size: int = Field(
         4, ge=0, description="Steps with more running sequences than this do not speculate (0: never switched off by batch size).")
     speculative_min_acceptance: float = Field(

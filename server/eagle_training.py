@@ -8,7 +8,7 @@ writes itself, saved in the published layout (server/models/eagle.py loads it).
 3. What the head learns from: one forward of the model over each prompt + answer gives the residual
    stream entering the head's three layers, and the model's next-token distribution at every position
    (its SOFT_TOP likeliest tokens): the head is trained towards that distribution (EAGLE-3's soft
-   labels; chat acceptance 0.32 → 0.37 against the greedy choice alone as label, bench/RESULTS.md
+   labels; chat acceptance 0.32 → 0.37 against the greedy choice alone as label, bench/history/
    "EAGLE-3 VI"), and scored on picking the model's choice, which is what greedy verification accepts.
    Only the answers' positions count (drafts are made only there); the prompt's rows are attended to.
 4. Draft vocabulary: the `--draft-vocab` most frequent of the answers' choices; positions whose choice
@@ -18,7 +18,7 @@ writes itself, saved in the published layout (server/models/eagle.py loads it).
    head's own output at the position before, attending to step 1's keys before it and its own. The
    head's LM head and final norm start as the target's own (rows of the draft vocabulary), the LM head
    frozen; a tenth of the texts is held out and the epoch that predicts them best is kept. Measured
-   figures: bench/RESULTS.md ("EAGLE-3 III" to "VI").
+   figures: bench/history/ ("EAGLE-3 III" to "VI").
 """
 
 from __future__ import annotations

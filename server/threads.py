@@ -12,7 +12,7 @@ import sys
 # short bounded spin comes first (GNU OpenMP's unit; 20k pause instructions is well under a
 # millisecond): a busy engine's workers stay awake between ops, an idle engine's go to sleep at once.
 # The spin only holds while libgomp manages no more threads than CPUs, hence torch on one thread only
-# (AsyncEngine.launch). bench/RESULTS.md has the measurements; bench/offline.py runs HF under these
+# (AsyncEngine.launch). bench/history/ has the measurements; bench/offline.py runs HF under these
 # settings too, bench/serve.py gives llama-server its own runtime's defaults.
 OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
 

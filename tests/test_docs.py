@@ -14,6 +14,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BENCH_PAGES = [ROOT / "bench" / "RESULTS.md", *sorted((ROOT / "bench" / "history").glob("*.md"))]  # the current numbers, the journal
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -46,7 +47,7 @@ def links(page: Path) -> list[str]:
     return [m.group(1) for m in LINK.finditer(text)]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES + BENCH_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve_inside_the_repository(page):
     bad = []
     for target in links(page):
