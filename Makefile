@@ -64,7 +64,7 @@ pytest:
 serve: setup
 	$(BIN)/kvpilot serve $(ARGS)
 
-# Benchmarks print tables; figures go to bench/RESULTS.md. They refuse to run on a busy machine.
+# Benchmarks print tables; a run's figures go to bench/history/<date>.md, the newest of each area to bench/RESULTS.md. They refuse to run on a busy machine.
 bench: setup
 	$(BIN)/python bench/offline.py $(ARGS)
 	$(BIN)/python bench/serve.py $(ARGS)

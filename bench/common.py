@@ -83,6 +83,20 @@ def machine() -> str:
     return f"{os.cpu_count()} cores, {cpu}, Python {platform.python_version()}"
 
 
+def isa() -> str:
+    """The CPU's vector instruction sets that decide kvpilot's and its peers' kernels, from /proc/cpuinfo's
+    flags: e.g. "AVX-512 (VNNI, BF16, FP16), no AMX"."""
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "ISA unknown"
+    if "avx512f" not in flags:
+        return "AVX2 (no AVX-512)" if "avx2" in flags else "no AVX2"
+    extras = [name for flag, name in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16"), ("avx512_fp16", "FP16")) if flag in flags]
+    amx = [name for flag, name in (("amx_bf16", "BF16"), ("amx_int8", "INT8")) if flag in flags]
+    return f"AVX-512 ({', '.join(extras)})" + (f", AMX ({', '.join(amx)})" if amx else ", no AMX")
+
+
 def table(rows: list[dict], cols: list[str]) -> str:
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
     line = "| " + " | ".join(c.ljust(widths[c]) for c in cols) + " |"

@@ -1,6 +1,7 @@
 """The figures of the docs, drawn from the results the benchmarks wrote (bench/results/*.json) into
 docs/images/*.png: `make plots`. Byte-stable: the same JSON gives the same bytes (matplotlib's default
-style and its bundled font, no timestamp or version in the PNG), so a test can redraw them and compare.
+style and its bundled font, no timestamp or version in the PNG; matplotlib and Pillow at constraints.txt's
+pins), so a test can redraw them and compare.
 
     .venv/bin/python bench/plots.py [--out docs/images]
 
@@ -19,14 +20,16 @@ RESULTS = ROOT / "bench" / "results"
 IMAGES = ROOT / "docs" / "images"
 
 
-def peers(data: dict, ax_pair) -> None:
-    """bench/peers.py (every server under vLLM's load generator): output tokens per second at each level of clients, one bar per server, its ratio to vLLM's above it."""
+def peers(data: dict, plt):
+    """bench/peers.py (every server under vLLM's load generator): output tokens per second at each level of
+    clients, one bar per server, its ratio to vLLM's above it."""
     results = data["results"]
     servers = list(dict.fromkeys(r["server"] for r in results))
     levels = sorted({r["clients"] for r in results})
     by = {(r["server"], r["clients"]): r["tok/s"] for r in results}
     reference = next((s for s in servers if s.startswith("vLLM")), None)
-    for ax, clients in zip(ax_pair, levels):
+    fig, axes = plt.subplots(1, len(levels), figsize=(8, 3), dpi=100)
+    for ax, clients in zip(axes, levels):
         values = [by.get((s, clients), 0.0) for s in servers]
         bars = ax.bar(range(len(servers)), values, color=["#2b6cb0" if s.startswith("kvpilot") else "#a0aec0" for s in servers])
         ax.set_xticks(range(len(servers)), [s.replace(" CPU bf16", "\nCPU bf16") for s in servers], fontsize=8)
@@ -37,10 +40,36 @@ def peers(data: dict, ax_pair) -> None:
             for bar, value in zip(bars, values):
                 ax.annotate(f"{value / base:.2f}×", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=8)
         ax.set_ylim(0, max(values) * 1.18)
+    return fig
+
+
+def demo_timeline(data: dict, plt):
+    """`make demo` (e2e/demo.py): the autoscaler following the load — replicas asked and ready with the load's
+    clients; the KV-cache use and queue depth it read; TTFT p95 and answers per second over the last 10 s."""
+    points = data["points"]
+    t = [p["t"] for p in points]
+    fig, (top, mid, low) = plt.subplots(3, 1, figsize=(8, 6), dpi=100, sharex=True)
+    top.step(t, [p["replicas"] for p in points], where="post", label="replicas asked")
+    top.step(t, [p["ready"] for p in points], where="post", label="ready")
+    top.set_ylabel("pods", fontsize=9)
+    load = top.twinx()
+    load.fill_between(t, [p["clients"] for p in points], step="post", alpha=0.15, color="#718096", label="clients")
+    load.set_ylabel("clients", fontsize=9)
+    top.legend(loc="upper left", fontsize=8)
+    mid.plot(t, [p["queue_depth"] if p["queue_depth"] is not None else float("nan") for p in points], label="queue depth (mean per pod)")
+    mid.plot(t, [p["kv_cache_utilization"] if p["kv_cache_utilization"] is not None else float("nan") for p in points],
+             label="KV-cache use (mean)")
+    mid.legend(loc="upper left", fontsize=8)
+    low.plot(t, [p["ttft_p95_s"] if p["ttft_p95_s"] is not None else float("nan") for p in points], label="TTFT p95 (s)")
+    low.plot(t, [p["answers_per_s"] for p in points], label="answers per s")
+    low.legend(loc="upper left", fontsize=8)
+    low.set_xlabel("seconds", fontsize=9)
+    return fig
 
 
 PLOTS: dict[str, tuple[str, Callable]] = {
     "peers-xeon-no-amx.png": ("peers-xeon-no-amx.json", peers),
+    "demo-timeline.png": ("demo-timeline.json", demo_timeline),
 }
 
 
@@ -53,8 +82,7 @@ def draw(name: str, out: Path) -> Path:
     source, fn = PLOTS[name]
     data = json.loads((RESULTS / source).read_text())
     with matplotlib.rc_context(matplotlib.rcParamsDefault):  # no user matplotlibrc: the same bytes everywhere
-        fig, axes = plt.subplots(1, 2, figsize=(8, 3), dpi=100)
-        fn(data, axes)
+        fig = fn(data, plt)
         fig.suptitle(", ".join(part for part in data["machine"].split(", ") if not part.startswith("Python")), fontsize=9)
         fig.tight_layout()
         path = out / name

@@ -10,6 +10,7 @@ down on exit or Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import signal
 import sys
@@ -30,21 +31,40 @@ SPEC = {"model": {"source": "smollm2-135m"}, "minReplicas": 1, "maxReplicas": 3,
         "engineSettings": {"maxNumSeqs": 2, "kvCacheMemory": "64MiB", "maxModelLen": 1024},
         "autoscaling": {"targetQueueDepth": 1.0, "targetKvCacheUtilization": 0.9, "intervalSeconds": 3,
                         "scaleDownStabilizationSeconds": 30, "metricsStaleAfterSeconds": 15}}
+WINDOW_S = 10.0  # answers per second and TTFT p95 over this many seconds
+TIMELINE = ROOT / "bench" / "results" / "demo-timeline.json"  # bench/plots.py draws it (docs/images/demo-timeline.png)
 
 
-def line(cluster: Cluster, t0: float, phase: str, seen: set) -> None:
+def _bench_common():
+    """bench/common.py (the benchmarks' machine line), loaded by path: bench/ is not a package."""
+    spec = importlib.util.spec_from_file_location("kvpilot_bench_common", ROOT / "bench" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sample(cluster: Cluster, t0: float, phase: str, seen: set, load: LoadGenerator | None) -> dict:
+    """One point of the timeline (printed as a line): replicas asked and ready, the metrics the autoscaler
+    read, its ScalingActive reason; the load's clients, answers per second and TTFT p95 over the last 10 s."""
     obj = json.loads(cluster.kubectl("get", "kvis", "demo", "-o", "json").stdout)
     st, spec = obj.get("status", {}), obj["spec"]
     m = st.get("lastMetrics") or {}
     active = next((c for c in st.get("conditions", []) if c["type"] == "ScalingActive"), {})
-    print(f"{time.monotonic() - t0:6.1f}s  {phase:<9} replicas {spec.get('replicas', spec['minReplicas'])} "
-          f"(ready {st.get('readyReplicas', 0)})  kv {m.get('kvCacheUtilization', '-'):>5}  queue {m.get('queueDepth', '-'):>5}  "
-          f"scaling {active.get('reason', '-')}", flush=True)
+    now = time.monotonic()
+    recent = sorted(ttft for done, ttft in (load.answered if load is not None else []) if now - done <= WINDOW_S)
+    point = {"t": round(now - t0, 1), "phase": phase, "replicas": spec.get("replicas", spec["minReplicas"]),
+             "ready": st.get("readyReplicas", 0), "kv_cache_utilization": m.get("kvCacheUtilization"), "queue_depth": m.get("queueDepth"),
+             "clients": load.clients if load is not None and phase == "load" else 0, "answers_per_s": round(len(recent) / WINDOW_S, 2),
+             "ttft_p95_s": round(recent[min(len(recent) - 1, int(0.95 * len(recent)))], 3) if recent else None,
+             "scaling": active.get("reason")}
+    print(f"{point['t']:6.1f}s  {phase:<9} replicas {point['replicas']} (ready {point['ready']})  kv {m.get('kvCacheUtilization', '-'):>5}  "
+          f"queue {m.get('queueDepth', '-'):>5}  TTFT p95 {point['ttft_p95_s'] if recent else '-'}  scaling {active.get('reason', '-')}", flush=True)
     for h in st.get("scalingHistory", []):
         key = (h["time"], h["from"], h["to"])
         if key not in seen:
             seen.add(key)
             print(f"         >>> {h['from']} -> {h['to']}: {h['reason']}", flush=True)
+    return point
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,11 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-seconds", type=float, default=90)
     ap.add_argument("--cooldown-seconds", type=float, default=120)
     ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--timeline", type=Path, default=TIMELINE, help="where the timeline goes as JSON (then: make plots)")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kvpilot-demo-"))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     cluster = prom = runner = op = load = None
     t0 = time.monotonic()
+    points: list[dict] = []
     try:
         print("starting the control plane (etcd, apiserver, controller-manager, scheduler, kwok: 3 GPU nodes)...", flush=True)
         cluster = Cluster("demo").up(nodes=3, gpus_per_node=4)
@@ -72,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print("InferenceService 'demo' applied: min 1, max 3, target queue 1/pod, windows of seconds (test-sized)\n", flush=True)
         seen: set = set()
         while True:  # warm-up: the first engine loads the model
-            line(cluster, t0, "warmup", seen)
+            points.append(sample(cluster, t0, "warmup", seen, load))
             obj = json.loads(cluster.kubectl("get", "kvis", "demo", "-o", "json").stdout)
             if obj.get("status", {}).get("readyReplicas", 0) >= 1:
                 break
@@ -81,18 +103,24 @@ def main(argv: list[str] | None = None) -> int:
         load = LoadGenerator(api, cluster.server, "default", "demo", clients=args.clients, max_tokens=64, max_seconds=args.load_seconds).start()
         end = time.monotonic() + args.load_seconds
         while time.monotonic() < end:
-            line(cluster, t0, "load", seen)
+            points.append(sample(cluster, t0, "load", seen, load))
             time.sleep(2)
         load.stop()
         print(f"         load stopped: {dict(load.statuses)} responses, per pod {dict(load.sent)}", flush=True)
         end = time.monotonic() + args.cooldown_seconds
         while time.monotonic() < end:
-            line(cluster, t0, "cooldown", seen)
+            points.append(sample(cluster, t0, "cooldown", seen, load))
             obj = json.loads(cluster.kubectl("get", "kvis", "demo", "-o", "json").stdout)
             if obj["spec"].get("replicas", 1) == 1 and obj.get("status", {}).get("replicas") == 1 and len(seen) >= 2:
                 break
             time.sleep(2)
-        line(cluster, t0, "done", seen)
+        points.append(sample(cluster, t0, "done", seen, load))
+        args.timeline.parent.mkdir(parents=True, exist_ok=True)
+        args.timeline.write_text(json.dumps({
+            "command": "make demo" + (f" ARGS='{' '.join(argv or sys.argv[1:])}'" if (argv or sys.argv[1:]) else ""),
+            "when": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "machine": _bench_common().machine(), "spec": SPEC,
+            "scaling_history": [{"from": f, "to": to} for _, f, to in sorted(seen)], "points": points}, indent=1) + "\n")
+        print(f"timeline: {args.timeline} (make plots draws it)", flush=True)
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted", flush=True)

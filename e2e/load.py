@@ -50,6 +50,7 @@ class LoadGenerator:
     started: float = 0.0
     sent: Counter = field(default_factory=Counter)      # endpoint -> requests sent
     statuses: Counter = field(default_factory=Counter)  # status code (or error) -> count
+    answered: list = field(default_factory=list)        # (monotonic time done, TTFT s) of each streamed 200
 
     def __post_init__(self):
         self._stop = threading.Event()
@@ -80,14 +81,26 @@ class LoadGenerator:
                 if target is None:
                     time.sleep(0.2)
                     continue
+                sent, first = time.monotonic(), None
                 try:
-                    r = http.post(target + "/v1/completions", json={"prompt": "Write a short story about a lighthouse keeper.",
-                                                                    "max_tokens": self.max_tokens, "ignore_eos": True, "temperature": 0.8})
-                    code = r.status_code
+                    with http.stream("POST", target + "/v1/completions", json={
+                            "prompt": "Write a short story about a lighthouse keeper.", "max_tokens": self.max_tokens, "ignore_eos": True,
+                            "temperature": 0.8, "stream": True}) as r:
+                        code, done = r.status_code, False
+                        for chunk in r.iter_lines():  # (the time to the first streamed token: the timeline's TTFT)
+                            if chunk.startswith('data: {"error"'):
+                                code = "error event"
+                            done = chunk == "data: [DONE]"
+                            if first is None and chunk.startswith("data: ") and not done:
+                                first = time.monotonic() - sent
+                        if code == 200 and not done:
+                            code = "stream cut"  # an answer without its end counts as a failure, as a 5xx would
                 except httpx.HTTPError as e:
                     code = type(e).__name__
                 with self._lock:
                     self.statuses[code] += 1
+                    if code == 200 and first is not None:
+                        self.answered.append((time.monotonic(), first))
 
     def start(self) -> LoadGenerator:
         self.started = time.monotonic()

@@ -32,7 +32,7 @@ from e2e.waiting import wait_until
 from kvpilot.operator.gateway.routing import HashRing, prefix_key
 
 pytestmark = pytest.mark.cluster
-USERS = 6  # per system prompt: 48 requests per phase (10 users gave the same verdict in twice the time: bench/RESULTS.md)
+USERS = 6  # per system prompt: 48 requests per phase (10 users gave the same verdict in twice the time: bench/history/2026-11-22.md)
 WORDS = ("cache block token prefix engine replica gateway route hash ring load queue batch decode prefill "
          "kernel tensor rank shard metric scale pod node cluster service model weight layer head vocabulary").split()
 

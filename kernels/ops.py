@@ -58,7 +58,9 @@ def _cpu_ops(ext) -> Ops:
         return rms_norm_ref(x, weight, eps)
 
     def rotary_qkv_(qkv, rope, num_heads, num_kv_heads, head_dim, store=None, kv_scales=NO_SCALES):
-        if qkv.dtype not in (torch.float32, torch.bfloat16) or rope.cos_table.dtype != torch.float32:
+        # (bfloat16 rows: with cos/sin in bfloat16 too, as the reference then rounds them, and head_dim <= 512)
+        if (qkv.dtype not in (torch.float32, torch.bfloat16) or rope.cos_table.dtype != torch.float32 or rope.dtype != qkv.dtype
+                or (qkv.dtype == torch.bfloat16 and head_dim > 512)):
             return rotary_qkv_ref_(qkv, rope, num_heads, num_kv_heads, head_dim, store)
         # rotate and write K/V to the cache in one pass (bfloat16 rows: into a bfloat16 cache only)
         stores = (torch.float32, torch.bfloat16, FP8_KV) if qkv.dtype == torch.float32 else (torch.bfloat16,)

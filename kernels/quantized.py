@@ -5,7 +5,7 @@ registers. The bytes per weight stay the file's (Q4_1: 20 per 32 weights); the v
 those GGUF's reference dequantization gives (kernels/gguf_dequant.py). On CPUs with AVX-512 VNNI the
 activations are rounded too, to 16-bit integer codes per block of 32, so that the products run as
 integer dot products: mean KL vs the fp32 model 6.5e-8–7.3e-8 on the bundled model (the float path's
-summation order alone: 8.9e-9; bench/RESULTS.md). On CPUs with AMX tiles, from 64
+summation order alone: 8.9e-9; bench/history/). On CPUs with AMX tiles, from 64
 rows on (prefill), both operands are split into two bfloat16s — the weights dequantized per call —
 and multiplied on the tile unit (16 significant bits each).
 

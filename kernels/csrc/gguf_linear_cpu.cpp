@@ -455,13 +455,13 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void split_bf16(const flo
 }
 
 // The 32-column kinds at any row count (below AMX_MIN_ROWS where the CPU has AMX) with AVX512-VNNI — at
-// one or two rows too, where it measured 1.5-1.7x the factored float path (bench/RESULTS.md): the
+// one or two rows too, where it measured 1.5-1.7x the factored float path (bench/history/): the
 // activations quantized once per call to 16-bit integers per block of 32 (quantize_int16: x ≈ s·c,
 // s = max|x| / 32767), so that a block's Σ c·q is exact integer arithmetic — VPDPWSSD, 32 products
 // per instruction, twice the float FMA's — and the float work is one scale per block:
 // Σ x·(d·q + m) ≈ d·s·Σ c·q + m·Σ s·c. The codes need no conversion to float, only widening to 16
 // bits. The rounding of x (≤ max|x| / 65534 per element) is the one change from the float path: on the
-// bundled model mean KL vs fp32 6.5e-8–7.3e-8 (both paths) with every greedy continuation unchanged (bench/RESULTS.md).
+// bundled model mean KL vs fp32 6.5e-8–7.3e-8 (both paths) with every greedy continuation unchanged (bench/history/).
 // VPDPWSSD multiplies each lane's two adjacent words: rows j and j + 1 of 16 lanes are widened to
 // words and interleaved — for 4-bit codes by one zero-masking VPERMB (bytes to the even positions),
 // for Q8_0's signed bytes by VPMOVSXBW and VPERMW. Sums fit int32: 32 · 127 · 32767 < 2^31.

@@ -108,7 +108,7 @@ class AsyncEngine:
         spin count: zero under OMP_WAIT_POLICY=PASSIVE). A model loaded on the main thread and
         stepped on this one left four OpenMP threads on two cores, and each of the ~250 parallel
         regions of a step paid a sleep and a wake-up: 100k context switches for 32 requests, serving
-        at 170-190 output tok/s where the same engine steps at 270-290 (bench/RESULTS.md)."""
+        at 170-190 output tok/s where the same engine steps at 270-290 (bench/history/)."""
         self = cls(max_waiting_requests=max_waiting_requests)
         loaded = threading.Event()
         failure: list[BaseException] = []

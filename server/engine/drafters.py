@@ -272,7 +272,7 @@ class Eagle3(Drafter):
         embed = target.embed if worker.tp is None else read_embedding(target_weights, worker.dtype, worker.device, worker.quantization)
         # A quantized target's head is int8 too: a head step reads its weights once per row batch, so,
         # as the target's, it is bound by their bytes (float32: ~1.8 ms of a ~9 ms decode step on a
-        # CPU for the bundled model's head; bench/RESULTS.md).
+        # CPU for the bundled model's head; bench/history/).
         self.head: Eagle3Head = load_head(head_path, target.config, embed, worker.device, worker.dtype, int8=worker.quantization != "none")
         target.declare_aux_output(self.head.config.aux_layers)
         # An FP8 target cache: the head's one layer keeps its cache in the compute dtype.
