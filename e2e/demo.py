@@ -43,6 +43,11 @@ def _bench_common():
     return module
 
 
+def _number(value) -> float | None:
+    """A metric of status.lastMetrics (the operator writes them as decimal strings) as a number."""
+    return None if value in (None, "") else float(value)
+
+
 def sample(cluster: Cluster, t0: float, phase: str, seen: set, load: LoadGenerator | None) -> dict:
     """One point of the timeline (printed as a line): replicas asked and ready, the metrics the autoscaler
     read, its ScalingActive reason; the load's clients, answers per second and TTFT p95 over the last 10 s."""
@@ -53,7 +58,7 @@ def sample(cluster: Cluster, t0: float, phase: str, seen: set, load: LoadGenerat
     now = time.monotonic()
     recent = sorted(ttft for done, ttft in (load.answered if load is not None else []) if now - done <= WINDOW_S)
     point = {"t": round(now - t0, 1), "phase": phase, "replicas": spec.get("replicas", spec["minReplicas"]),
-             "ready": st.get("readyReplicas", 0), "kv_cache_utilization": m.get("kvCacheUtilization"), "queue_depth": m.get("queueDepth"),
+             "ready": st.get("readyReplicas", 0), "kv_cache_utilization": _number(m.get("kvCacheUtilization")), "queue_depth": _number(m.get("queueDepth")),
              "clients": load.clients if load is not None and phase == "load" else 0, "answers_per_s": round(len(recent) / WINDOW_S, 2),
              "ttft_p95_s": round(recent[min(len(recent) - 1, int(0.95 * len(recent)))], 3) if recent else None,
              "scaling": active.get("reason")}
@@ -116,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(2)
         points.append(sample(cluster, t0, "done", seen, load))
         args.timeline.parent.mkdir(parents=True, exist_ok=True)
+        common = _bench_common()
         args.timeline.write_text(json.dumps({
             "command": "make demo" + (f" ARGS='{' '.join(argv or sys.argv[1:])}'" if (argv or sys.argv[1:]) else ""),
-            "when": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "machine": _bench_common().machine(), "spec": SPEC,
+            "when": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "machine": f"{common.machine()}, {common.isa()}", "spec": SPEC,
             "scaling_history": [{"from": f, "to": to} for _, f, to in sorted(seen)], "points": points}, indent=1) + "\n")
         print(f"timeline: {args.timeline} (make plots draws it)", flush=True)
         return 0

@@ -90,7 +90,7 @@ class LoadGenerator:
                         for chunk in r.iter_lines():  # (the time to the first streamed token: the timeline's TTFT)
                             if chunk.startswith('data: {"error"'):
                                 code = "error event"
-                            done = chunk == "data: [DONE]"
+                            done = done or chunk == "data: [DONE]"  # (blank lines follow each event)
                             if first is None and chunk.startswith("data: ") and not done:
                                 first = time.monotonic() - sent
                         if code == 200 and not done:
