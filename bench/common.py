@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
 import sys
 import time
+from pathlib import Path
 
 
 def refuse_if_busy(max_load: float = 0.8, force: bool = False) -> None:
@@ -95,6 +97,14 @@ def isa() -> str:
     extras = [name for flag, name in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16"), ("avx512_fp16", "FP16")) if flag in flags]
     amx = [name for flag, name in (("amx_bf16", "BF16"), ("amx_int8", "INT8")) if flag in flags]
     return f"AVX-512 ({', '.join(extras)})" + (f", AMX ({', '.join(amx)})" if amx else ", no AMX")
+
+
+def save_results(path: str | Path, command: str | None = None, **fields) -> None:
+    """A run's figures as JSON (what bench/results/ keeps and bench/plots.py draws): the command (this
+    script's, by default), when (UTC), the machine with its ISA, and `fields`."""
+    command = command or " ".join([".venv/bin/python", os.path.relpath(sys.argv[0], Path(__file__).resolve().parents[1]), *sys.argv[1:]])
+    Path(path).write_text(json.dumps({"command": command, "when": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
+                                      "machine": f"{machine()}, {isa()}", **fields}, indent=1) + "\n")
 
 
 def table(rows: list[dict], cols: list[str]) -> str:

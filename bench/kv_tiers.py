@@ -37,7 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import machine, refuse_if_busy, table  # noqa: E402
+from common import machine, refuse_if_busy, save_results, table  # noqa: E402
 
 
 def ttft(llm, ids: list[int]) -> float:
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--load-tokens", type=int, default=4000, help="the prompt loaded or saved while the clients decode")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parts", default="ttft,itl,spec", help="which tables: ttft, itl, spec (comma-separated)")
+    ap.add_argument("--json", help="write the TTFT table's figures here too (bench/results/: make plots draws them)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
@@ -108,6 +109,9 @@ def ttfts(args, new_ids) -> None:
     print(f"machine: {machine()}; {args.prefix_tokens}-token prefix + 16; threads {args.threads}; kv_cache_memory {kv}; "
           f"rounds {args.rounds} (median)")
     print(table(rows, ["path", "TTFT s (median)", "vs recompute"]))
+    if args.json:
+        save_results(args.json, prefix_tokens=args.prefix_tokens, rounds=args.rounds,
+                     results=[{"path": name, "ttft_s": statistics.median(v), "runs": v} for name, v in times.items()])
     print(f"first engine: {stats.hit_blocks} blocks read ({stats.loaded_bytes / 2**20:.0f} MiB in {stats.load_seconds:.2f} s), "
           f"{stats.saved_blocks} saved ({stats.saved_bytes / 2**20:.0f} MiB in {stats.save_seconds:.2f} s); restarted engines read "
           f"{hits_before} blocks; the host tier: {hosted.engine.kv_connector.host.stats.hit_blocks} blocks copied back")

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import isa, machine, refuse_if_busy, table  # noqa: E402
+from common import machine, refuse_if_busy, save_results, table  # noqa: E402
 from serve import llama_server_binary, tree_cpu_seconds, wait_ready  # noqa: E402
 from vllm_peer import VLLM_VERSION, hf_checkpoint, vllm_env, vllm_python  # noqa: E402
 
@@ -160,10 +160,7 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(table(rows, ["server", "clients", "output tok/s", "TTFT p50 ms", "ITL p50 ms", "failed", "per repetition tok/s"]))
     if args.json:
-        # (bench/results/ keeps a run's JSON: bench/plots.py draws from it)
-        Path(args.json).write_text(json.dumps({"command": " ".join([".venv/bin/python bench/peers.py", *sys.argv[1:]]),
-                                               "when": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "machine": f"{machine()}, {isa()}",
-                                               "results": [{"server": n, "clients": c, **r} for (n, c), r in results.items()]}, indent=1) + "\n")
+        save_results(args.json, results=[{"server": n, "clients": c, **r} for (n, c), r in results.items()])
 
 
 if __name__ == "__main__":

@@ -67,9 +67,27 @@ def demo_timeline(data: dict, plt):
     return fig
 
 
+def kv_tiers_ttft(data: dict, plt):
+    """bench/kv_tiers.py --parts ttft: the time to the first token of a prompt whose long prefix is recomputed,
+    or read back from the disk tier (after an eviction, after a restart) or the host tier."""
+    results = data["results"]
+    fig, ax = plt.subplots(figsize=(8, 2.6), dpi=100)
+    names = [r["path"] for r in results][::-1]
+    values = [r["ttft_s"] for r in results][::-1]
+    base = next(r["ttft_s"] for r in results if r["path"] == "recompute")
+    bars = ax.barh(range(len(names)), values, color=["#a0aec0" if n == "recompute" else "#2b6cb0" for n in names])
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_xlabel(f"TTFT, s (a {data['prefix_tokens']}-token prefix + 16 new tokens; median of {data['rounds']})", fontsize=9)
+    for bar, value in zip(bars, values):
+        ax.annotate(f" {value:.3f} s ({value / base:.2f}×)", (value, bar.get_y() + bar.get_height() / 2), va="center", fontsize=8)
+    ax.set_xlim(0, max(values) * 1.3)
+    return fig
+
+
 PLOTS: dict[str, tuple[str, Callable]] = {
     "peers-xeon-no-amx.png": ("peers-xeon-no-amx.json", peers),
     "demo-timeline.png": ("demo-timeline.json", demo_timeline),
+    "kv-tiers-ttft.png": ("kv-tiers-ttft.json", kv_tiers_ttft),
 }
 
 

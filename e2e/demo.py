@@ -121,11 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(2)
         points.append(sample(cluster, t0, "done", seen, load))
         args.timeline.parent.mkdir(parents=True, exist_ok=True)
-        common = _bench_common()
-        args.timeline.write_text(json.dumps({
-            "command": "make demo" + (f" ARGS='{' '.join(argv or sys.argv[1:])}'" if (argv or sys.argv[1:]) else ""),
-            "when": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "machine": f"{common.machine()}, {common.isa()}", "spec": SPEC,
-            "scaling_history": [{"from": f, "to": to} for _, f, to in sorted(seen)], "points": points}, indent=1) + "\n")
+        _bench_common().save_results(args.timeline, "make demo" + (f" ARGS='{' '.join(argv or sys.argv[1:])}'" if (argv or sys.argv[1:]) else ""),
+                                     spec=SPEC, scaling_history=[{"from": f, "to": to} for _, f, to in sorted(seen)], points=points)
         print(f"timeline: {args.timeline} (make plots draws it)", flush=True)
         return 0
     except KeyboardInterrupt:
