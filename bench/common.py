@@ -96,13 +96,14 @@ def isa() -> str:
         return "AVX2 (no AVX-512)" if "avx2" in flags else "no AVX2"
     extras = [name for flag, name in (("avx512_vnni", "VNNI"), ("avx512_bf16", "BF16"), ("avx512_fp16", "FP16")) if flag in flags]
     amx = [name for flag, name in (("amx_bf16", "BF16"), ("amx_int8", "INT8")) if flag in flags]
-    return f"AVX-512 ({', '.join(extras)})" + (f", AMX ({', '.join(amx)})" if amx else ", no AMX")
+    return "AVX-512" + (f" ({', '.join(extras)})" if extras else "") + (f", AMX ({', '.join(amx)})" if amx else ", no AMX")
 
 
 def save_results(path: str | Path, command: str | None = None, **fields) -> None:
     """A run's figures as JSON (what bench/results/ keeps and bench/plots.py draws): the command (this
     script's, by default), when (UTC), the machine with its ISA, and `fields`."""
     command = command or " ".join([".venv/bin/python", os.path.relpath(sys.argv[0], Path(__file__).resolve().parents[1]), *sys.argv[1:]])
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({"command": command, "when": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
                                       "machine": f"{machine()}, {isa()}", **fields}, indent=1) + "\n")
 

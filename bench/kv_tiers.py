@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the TTFT table's figures here too (bench/results/: make plots draws them)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
+    if args.json and "ttft" not in args.parts.split(","):
+        ap.error("--json keeps the ttft part's figures: add ttft to --parts")
     refuse_if_busy(force=args.force)
     rng = random.Random(0)
     new_ids = lambda n: [rng.randrange(100, 49000) for _ in range(n)]  # noqa: E731

@@ -28,14 +28,14 @@ def peers(data: dict, plt):
     levels = sorted({r["clients"] for r in results})
     by = {(r["server"], r["clients"]): r["tok/s"] for r in results}
     reference = next((s for s in servers if s.startswith("vLLM")), None)
-    fig, axes = plt.subplots(1, len(levels), figsize=(8, 3), dpi=100)
-    for ax, clients in zip(axes, levels):
+    fig, axes = plt.subplots(1, len(levels), figsize=(8, 3), dpi=100, squeeze=False)
+    for ax, clients in zip(axes[0], levels):
         values = [by.get((s, clients), 0.0) for s in servers]
         bars = ax.bar(range(len(servers)), values, color=["#2b6cb0" if s.startswith("kvpilot") else "#a0aec0" for s in servers])
         ax.set_xticks(range(len(servers)), [s.replace(" CPU bf16", "\nCPU bf16") for s in servers], fontsize=8)
         ax.set_title(f"{clients} client{'s' if clients > 1 else ''}", fontsize=10)
         ax.set_ylabel("output tok/s", fontsize=9)
-        if reference is not None:
+        if by.get((reference, clients)):  # the ratios to vLLM where it ran at this level
             base = by[(reference, clients)]
             for bar, value in zip(bars, values):
                 ax.annotate(f"{value / base:.2f}×", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=8)
@@ -45,24 +45,29 @@ def peers(data: dict, plt):
 
 def demo_timeline(data: dict, plt):
     """`make demo` (e2e/demo.py): the autoscaler following the load — replicas asked and ready with the load's
-    clients; the KV-cache use and queue depth it read; TTFT p95 and answers per second over the last 10 s."""
+    clients; the queue depth and KV-cache use it read; TTFT p95 (by when the first token came) and answers per
+    second over the last 10 s."""
     points = data["points"]
     t = [p["t"] for p in points]
+    value = lambda key: [float("nan") if p[key] is None else p[key] for p in points]  # noqa: E731 - a gap where nothing was read
     fig, (top, mid, low) = plt.subplots(3, 1, figsize=(8, 6), dpi=100, sharex=True)
-    top.step(t, [p["replicas"] for p in points], where="post", label="replicas asked")
-    top.step(t, [p["ready"] for p in points], where="post", label="ready")
+    clients = top.twinx()
+    clients.fill_between(t, value("clients"), step="post", alpha=0.15, color="#718096")
+    clients.set_ylabel("clients (shaded)", fontsize=9)
+    top.step(t, value("replicas"), where="post", label="replicas asked")
+    top.step(t, value("ready"), where="post", label="ready")
     top.set_ylabel("pods", fontsize=9)
-    load = top.twinx()
-    load.fill_between(t, [p["clients"] for p in points], step="post", alpha=0.15, color="#718096", label="clients")
-    load.set_ylabel("clients", fontsize=9)
     top.legend(loc="upper left", fontsize=8)
-    mid.plot(t, [p["queue_depth"] if p["queue_depth"] is not None else float("nan") for p in points], label="queue depth (mean per pod)")
-    mid.plot(t, [p["kv_cache_utilization"] if p["kv_cache_utilization"] is not None else float("nan") for p in points],
-             label="KV-cache use (mean)")
-    mid.legend(loc="upper left", fontsize=8)
-    low.plot(t, [p["ttft_p95_s"] if p["ttft_p95_s"] is not None else float("nan") for p in points], label="TTFT p95 (s)")
-    low.plot(t, [p["answers_per_s"] for p in points], label="answers per s")
-    low.legend(loc="upper left", fontsize=8)
+    mid.plot(t, value("queue_depth"), color="#2b6cb0")
+    mid.set_ylabel("queue depth\n(mean per pod)", fontsize=9, color="#2b6cb0")
+    kv = mid.twinx()
+    kv.plot(t, value("kv_cache_utilization"), color="#dd6b20")
+    kv.set_ylabel("KV-cache use", fontsize=9, color="#dd6b20")
+    low.plot(t, value("ttft_p95_s"), color="#2b6cb0")
+    low.set_ylabel("TTFT p95, s", fontsize=9, color="#2b6cb0")
+    rate = low.twinx()
+    rate.plot(t, value("answers_per_s"), color="#dd6b20")
+    rate.set_ylabel("answers / s", fontsize=9, color="#dd6b20")
     low.set_xlabel("seconds", fontsize=9)
     return fig
 
@@ -72,9 +77,9 @@ def kv_tiers_ttft(data: dict, plt):
     or read back from the disk tier (after an eviction, after a restart) or the host tier."""
     results = data["results"]
     fig, ax = plt.subplots(figsize=(8, 2.6), dpi=100)
-    names = [r["path"] for r in results][::-1]
+    names = [r["path"].replace("tier after", "disk tier after").replace("host disk tier", "host tier") for r in results][::-1]
     values = [r["ttft_s"] for r in results][::-1]
-    base = next(r["ttft_s"] for r in results if r["path"] == "recompute")
+    base = {r["path"]: r["ttft_s"] for r in results}["recompute"]  # (the run always measures it: the ratios' base)
     bars = ax.barh(range(len(names)), values, color=["#a0aec0" if n == "recompute" else "#2b6cb0" for n in names])
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.set_xlabel(f"TTFT, s (a {data['prefix_tokens']}-token prefix + 16 new tokens; median of {data['rounds']})", fontsize=9)

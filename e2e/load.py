@@ -50,7 +50,7 @@ class LoadGenerator:
     started: float = 0.0
     sent: Counter = field(default_factory=Counter)      # endpoint -> requests sent
     statuses: Counter = field(default_factory=Counter)  # status code (or error) -> count
-    answered: list = field(default_factory=list)        # (monotonic time done, TTFT s) of each streamed 200
+    answered: list = field(default_factory=list)        # (monotonic time of the first token, time done, TTFT s) of each streamed 200
 
     def __post_init__(self):
         self._stop = threading.Event()
@@ -81,7 +81,7 @@ class LoadGenerator:
                 if target is None:
                     time.sleep(0.2)
                     continue
-                sent, first = time.monotonic(), None
+                asked, first = time.monotonic(), None
                 try:
                     with http.stream("POST", target + "/v1/completions", json={
                             "prompt": "Write a short story about a lighthouse keeper.", "max_tokens": self.max_tokens, "ignore_eos": True,
@@ -92,7 +92,7 @@ class LoadGenerator:
                                 code = "error event"
                             done = done or chunk == "data: [DONE]"  # (blank lines follow each event)
                             if first is None and chunk.startswith("data: ") and not done:
-                                first = time.monotonic() - sent
+                                first = time.monotonic() - asked
                         if code == 200 and not done:
                             code = "stream cut"  # an answer without its end counts as a failure, as a 5xx would
                 except httpx.HTTPError as e:
@@ -100,7 +100,12 @@ class LoadGenerator:
                 with self._lock:
                     self.statuses[code] += 1
                     if code == 200 and first is not None:
-                        self.answered.append((time.monotonic(), first))
+                        self.answered.append((asked + first, time.monotonic(), first))
+
+    def answers(self) -> list:
+        """A copy of `answered`, taken under the lock the clients append under."""
+        with self._lock:
+            return list(self.answered)
 
     def start(self) -> LoadGenerator:
         self.started = time.monotonic()
