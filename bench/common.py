@@ -88,9 +88,10 @@ def machine() -> str:
 def isa() -> str:
     """The CPU's vector instruction sets that decide kvpilot's and its peers' kernels, from /proc/cpuinfo's
     flags: e.g. "AVX-512 (VNNI, BF16, FP16), no AMX"."""
-    try:
-        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
+    from kvpilot.kernels.cpu_extension import _cpu_flags  # (the flags the kernels' build level is chosen by)
+
+    flags = _cpu_flags()
+    if not flags:
         return "ISA unknown"
     if "avx512f" not in flags:
         return "AVX2 (no AVX-512)" if "avx2" in flags else "no AVX2"
