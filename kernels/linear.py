@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -90,9 +91,10 @@ class Linear(nn.Module):
 @dataclass(frozen=True, slots=True)
 class RowParallel:
     """Tensor parallelism: this rank holds a slice of the weight's input columns (`make_linear` gets
-    that slice); the outputs of all ranks are summed."""
+    that slice); the outputs of all ranks are summed (over `group`: a pipeline stage's ranks; None: all)."""
 
     rank: int
+    group: Any = None
 
 
 @direct_call
@@ -101,21 +103,21 @@ class RowParallelLinear(nn.Module):
     partial product, summed over the ranks by one all-reduce. The bias and the fused residual add ride
     on rank 0's part only (`local` is built with the bias on rank 0 alone), so that the sum counts them once."""
 
-    def __init__(self, local: nn.Module, rank: int):
+    def __init__(self, local: nn.Module, rank: int, group=None):
         super().__init__()
-        self.local, self.rank = local, rank
+        self.local, self.rank, self.group = local, rank, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(self.local(x))
+        return _all_reduce(self.local(x), self.group)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(self.local.add(x, residual) if self.rank == 0 else self.local(x))
+        return _all_reduce(self.local.add(x, residual) if self.rank == 0 else self.local(x), self.group)
 
 
-def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
     import torch.distributed as dist
 
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     return t
 
 
@@ -127,7 +129,7 @@ def make_linear(weight: torch.Tensor | GGUFWeight, bias: torch.Tensor | None = N
     marks a row-parallel one. adapt: wraps this rank's projection (LoRA slots: kernels/lora.py) —
     inside a row-parallel one's all-reduce, which then sums the ranks' deltas too."""
     if shard is not None:
-        return RowParallelLinear(make_linear(weight, bias if shard.rank == 0 else None, use_onednn=use_onednn, adapt=adapt), shard.rank)
+        return RowParallelLinear(make_linear(weight, bias if shard.rank == 0 else None, use_onednn=use_onednn, adapt=adapt), shard.rank, shard.group)
     if adapt is not None:
         return adapt(make_linear(weight, bias, use_onednn=use_onednn))
     if isinstance(weight, GGUFWeight):

@@ -116,6 +116,9 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="Seed of the engine's default random generator.")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads (default: all cores).")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="Ranks (processes; GPUs on CUDA) the model is split over; kv_cache_memory is per rank.")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description=(
+        "Stages the model's layers are split over (consecutive layers each, the embedding on the first, the final norm and LM head on the "
+        "last), each stage tensor_parallel_size ranks: ranks (GPUs) = TP x PP. Not with draft or eagle3 speculation, nor a kv_role."))
     speculative_method: Literal["ngram", "draft", "eagle3"] | None = Field(
         None, description="Speculative decoding: ngram (prompt lookup), draft (a small model given by --speculative-model) or eagle3 (an "
                           "EAGLE-3 head, --speculative-model its directory, drafting from the model's own hidden states); off when unset.")
@@ -225,6 +228,9 @@ class EngineConfig(BaseModel):
             return self
         if not self.enable_prefix_caching:
             raise ValueError(f"kv_role={self.kv_role} needs enable_prefix_caching (blocks are pulled by their prefix-cache keys)")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(f"kv_role={self.kv_role} with pipeline_parallel_size={self.pipeline_parallel_size}: a prefill/decode handoff "
+                             "pairs the ranks of two engines of one stage each (the KV tiers work with stages)")
         return self
 
     @model_validator(mode="after")
@@ -256,6 +262,10 @@ class EngineConfig(BaseModel):
         if draft_tp is not None and self.speculative_method == "draft" and draft_tp not in (1, self.tensor_parallel_size):
             raise ValueError(f"speculative_draft_tensor_parallel_size={draft_tp}: a draft model is split over all "
                              f"tensor_parallel_size={self.tensor_parallel_size} ranks or kept whole on rank 0 (1)")
+        if self.pipeline_parallel_size > 1 and self.speculative_method in ("draft", "eagle3"):
+            raise ValueError(f"speculative_method={self.speculative_method} with pipeline_parallel_size={self.pipeline_parallel_size}: the "
+                             "proposer would run beside the last stage, where the hidden states and logits are, and is not implemented "
+                             "there (ngram speculation works: it proposes and verifies on rank 0)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
         return self
@@ -442,7 +452,7 @@ def format_size(n: int) -> str:
 # --help's argument groups: a field's group is the first that names it (an entry ending in "_" names a prefix).
 _GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("model", "served_model_name", "max_model_len", "dtype", "quantization", "quantization_group_size", "seed", "device",
-               "num_threads", "enforce_eager", "tensor_parallel_size", "generation_config", "chat_template", "tokenizer", "revision")),
+               "num_threads", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size", "generation_config", "chat_template", "tokenizer", "revision")),
     ("cache", ("block_size", "enable_prefix_caching", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization",
                "kv_offload_", "kv_host_offload_size")),
     ("KV transfer (prefill/decode)", ("kv_role", "kv_transfer_")),
@@ -498,7 +508,7 @@ SIZE_FLAG_FIELDS = ("kv_cache_memory", "kv_offload_size", "kv_host_offload_size"
                     "kv_cache_memory_bytes", "responses_store_max_bytes")
 # Fields whose flag also works bare, as vLLM's switch of the same name: `--async-scheduling` = on, `--no-async-scheduling` = off.
 BARE_SWITCHES = {"async_scheduling": ("on", "off")}
-SHORT_FLAGS = {"tensor_parallel_size": "-tp", "quantization": "-q"}  # vLLM's short spellings
+SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "quantization": "-q"}  # vLLM's short spellings
 
 
 def bare_switches(argv: list[str]) -> list[str]:

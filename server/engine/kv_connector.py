@@ -52,8 +52,7 @@ class KVConnectorWorker:
     def __init__(self, config: EngineConfig, worker, events=None):
         """worker: this rank's (its cache regions, block copies and writes); events: rank 0's KV events."""
         self.worker, self.config = worker, config
-        self.rank = worker.tp.rank if worker.tp is not None else 0
-        self.world_size = config.tensor_parallel_size
+        self.rank, self.world_size = worker.rank, worker.world_size  # (every rank of every stage: each holds its own layers' shard)
         layout, self.payload_bytes = worker.block_layout()
         self.host = (HostTier(config.kv_host_offload_size, self.payload_bytes, events)
                      if config.kv_host_offload_size and self.rank == 0 else None)

@@ -97,8 +97,9 @@ class LLMEngine:
                              f"implemented, so contexts are limited to the window (where full attention is exact); use --max-model-len {window}")
         draft = draft_model(config, self.tokenizer) if config.speculative_method == "draft" else None
         split = draft is not None and draft_split(config, draft)
-        self.workers, tp = self._start_other_ranks(draft.path if split else None)
-        self.worker = Worker(config, weights, show_progress=show_progress, tp=tp, kv_calibration_ids=kv_calibration_ids(config, self.tokenizer),
+        self.workers = self._start_other_ranks(draft.path if split else None)
+        self.worker = Worker(config, weights, show_progress=show_progress, tp=self.workers.tp if self.workers else None,
+                             stage=self.workers.stage if self.workers else None, kv_calibration_ids=kv_calibration_ids(config, self.tokenizer),
                              eos_token_ids=self.tokenizer.eos_token_ids, drafter=self._drafter(weights, draft, split))
         startup.mark("loaded")
         capacity = self.worker.num_blocks * config.block_size
@@ -144,17 +145,19 @@ class LLMEngine:
 
     # --- the parts each feature adds ------------------------------------------------------------
     def _start_other_ranks(self, split_draft):
-        """Tensor parallelism: ranks 1…N−1 started (their handle) and rank 0's place; else (None, None).
-        split_draft: the draft model's file when it is split over the ranks."""
-        if self.config.tensor_parallel_size == 1:
-            return None, None
+        """Tensor or pipeline parallelism: ranks 1…N−1 started (their handle, which has rank 0's place);
+        else None. split_draft: the draft model's file when it is split over the ranks."""
+        config = self.config
+        if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
+            return None
         from kvpilot.server.engine.parallel import Workers
         from kvpilot.server.engine.worker import resolve_device
-        from kvpilot.server.models.sharding import TensorParallel, check_tensor_parallel
+        from kvpilot.server.models.sharding import check_pipeline_parallel, check_tensor_parallel
 
-        check_tensor_parallel(self.model_config, self.config.tensor_parallel_size)
-        return (Workers(self.config, self.model_path, resolve_device(self.config).type, split_draft),
-                TensorParallel(0, self.config.tensor_parallel_size))
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(self.model_config, config.tensor_parallel_size)
+        check_pipeline_parallel(self.model_config, config.pipeline_parallel_size)
+        return Workers(config, self.model_path, resolve_device(config).type, self.model_config.num_layers, split_draft)
 
     def _drafter(self, target_weights, draft, split: bool):
         """What makes rank 0's drafter on its worker (draft model, EAGLE-3 head), or None. draft: the draft
@@ -250,7 +253,9 @@ class LLMEngine:
         return {"kvpilot": importlib.metadata.version("kvpilot"), "block_format": 2, "model": model_fingerprint(self.model_path),
                 "block_size": config.block_size, "dtype": str(self.worker.dtype), "kv_dtype": str(self.worker.kv_dtype),
                 "kv_scales": self.worker.kv_scales,
-                "quantization": self.worker.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative}
+                "quantization": self.worker.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative,
+                # (a tier's blocks are per-rank shards: another split's are other files; absent at 1, the keys as before stages)
+                **({"pipeline_parallel_size": config.pipeline_parallel_size} if config.pipeline_parallel_size > 1 else {})}
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,

@@ -1,5 +1,7 @@
-"""Tensor parallelism: the model split over ranks that are processes (torch.distributed: gloo on CPU,
-NCCL on CUDA when there is a GPU per rank).
+"""Tensor and pipeline parallelism: the model split over ranks that are processes (torch.distributed:
+gloo on CPU, NCCL on CUDA when there is a GPU per rank): pipeline_parallel_size stages of consecutive
+layers, each stage's layers split over tensor_parallel_size ranks (its all-reduces within the stage's
+process group); ranks = TP × PP, rank = stage × TP + its place in the stage.
 
 Rank 0 is the engine: scheduler, block manager, tokenizer, HTTP server, sampling. It starts ranks
 1…N−1 (`Workers`), each a Worker (engine/worker.py) that loads its shard of the weights, allocates
@@ -9,6 +11,8 @@ worker builds its own tensors from it and its WorkerBatch, as rank 0's worker do
 sampled tokens of the step in flight (a device tensor collective), which the placeholders take.
 Projections are split Megatron-style: q/k/v and gate/up by output rows (heads, FFN columns), o and
 down by input columns with one all-reduce each; the embedding and the LM head by vocabulary rows.
+Stages hand the residual stream of the step's tokens on to the rank of the same place in the next
+stage (a point-to-point send); the last stage's first rank sends rank 0 the logits, which it samples.
 
 Failure is loud, never a hang: a rank that dies makes rank 0 log it, write it to the container's
 termination message and exit non-zero (Kubernetes restarts the pod); a rank that fails while
@@ -32,7 +36,7 @@ from typing import Any
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.engine.step_message import Describe, DescribePeers, Message, NixlPeer, Stop, decode, encode
 from kvpilot.server.engine.termination import fatal
-from kvpilot.server.models.sharding import TensorParallel
+from kvpilot.server.models.sharding import PipelineStage, TensorParallel
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("KVPILOT_TP_TIMEOUT_SECONDS", "300")))
 
@@ -46,6 +50,28 @@ def backend(device_type: str, world_size: int) -> str:
     return "gloo"  # CPU, or several ranks sharing one GPU (NCCL needs a device per rank)
 
 
+_host_group = None  # the Channel's: every rank, gloo (host_group())
+
+
+def host_group():
+    """Every rank's gloo group, for host values (the default group may be NCCL)."""
+    return _host_group
+
+
+def join_stages(rank: int, config: EngineConfig, num_layers: int, device_type: str) -> tuple[TensorParallel | None, PipelineStage | None]:
+    """After joining the process group and making the Channel: this rank's place (tensor-parallel
+    position, pipeline stage; None where there is one). With stages, every stage's group is made here
+    (new_group is collective: every rank makes every group, in the same order)."""
+    import torch.distributed as dist
+
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if pp == 1:
+        return TensorParallel(rank, tp), None
+    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), backend=backend(device_type, tp * pp)) for s in range(pp)] if tp > 1 else []
+    stage = PipelineStage.of(rank, tp, pp, num_layers)
+    return (TensorParallel(rank % tp, tp, groups[stage.index]) if tp > 1 else None), stage
+
+
 class Channel:
     """Messages from rank 0 to every rank as bytes: a length, then the payload, over a gloo group of
     its own (CPU tensors whatever the device's backend). Every rank makes it right after joining the
@@ -54,7 +80,8 @@ class Channel:
     def __init__(self):
         import torch.distributed as dist
 
-        self.group = dist.new_group(backend="gloo")
+        global _host_group
+        self.group = _host_group = dist.new_group(backend="gloo")
 
     def send(self, message: Message) -> None:
         import torch
@@ -103,13 +130,15 @@ class Channel:
 class Workers:
     """Rank 0's handle on ranks 1…N−1: starts them, joins the process group with them, sends each step."""
 
-    def __init__(self, config: EngineConfig, model_path: Path, device_type: str, split_draft: Path | None = None):
-        """split_draft: the draft model's file when it is split over the ranks (each loads its shard)."""
+    def __init__(self, config: EngineConfig, model_path: Path, device_type: str, num_layers: int, split_draft: Path | None = None):
+        """split_draft: the draft model's file when it is split over the ranks (each loads its shard).
+        Rank 0's place: self.tp, self.stage."""
         import torch.distributed as dist
 
         if dist.is_initialized():  # torch.distributed has one default group per process
             raise RuntimeError("a tensor-parallel engine is already running in this process: close it first (LLM.engine.close())")
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.stages = config.pipeline_parallel_size
         self._closing = False
         self._store_dir = tempfile.mkdtemp(prefix="kvpilot-tp-")  # the rendezvous file; removed at close
         init_method = f"file://{Path(self._store_dir) / 'store'}"
@@ -129,6 +158,7 @@ class Workers:
             dist.init_process_group(backend(device_type, self.world_size), init_method=init_method, rank=0, world_size=self.world_size,
                                     timeout=COLLECTIVE_TIMEOUT)
             self.channel = Channel()
+            self.tp, self.stage = join_stages(0, config, num_layers, device_type)
         except BaseException:
             self._closing = True
             for p in self.procs:
@@ -145,7 +175,11 @@ class Workers:
         dead = next(p for p in self.procs if p.sentinel in ready)
         dead.join(5)  # its pipe closes just before it can be reaped
         cause = self._errors.get() if not self._errors.empty() else f"exit code {dead.exitcode}"
-        fatal(f"tensor-parallel rank {self.procs.index(dead) + 1} of {self.world_size} stopped: {cause}")
+        rank = self.procs.index(dead) + 1
+        if self.stages > 1:
+            tp = self.world_size // self.stages
+            fatal(f"pipeline stage {rank // tp} of {self.stages} (rank {rank} of {self.world_size}) stopped: {cause}")
+        fatal(f"tensor-parallel rank {rank} of {self.world_size} stopped: {cause}")
 
     def send(self, message: Message) -> None:
         self.channel.send(message)
@@ -225,13 +259,14 @@ def worker_main(rank: int, world_size: int, init_method: str, config: dict, mode
                                 timeout=COLLECTIVE_TIMEOUT)
         channel = Channel()
         weights, tokenizer = open_model(Path(model_path))
+        tp, stage = join_stages(rank, engine_config, weights.config.num_layers, device_type)
         drafter = None
         if split_draft:  # this rank's shard of the draft model (rank 0 checked and resolved it; a whole one is rank 0's alone)
             from kvpilot.server.engine.drafters import DraftModel
 
             draft, _ = open_model(Path(split_draft))
             drafter = lambda worker: DraftModel(worker, draft, split=True)  # noqa: E731
-        worker = Worker(engine_config, weights, show_progress=False, tp=TensorParallel(rank, world_size),
+        worker = Worker(engine_config, weights, show_progress=False, tp=tp, stage=stage,
                         kv_calibration_ids=kv_calibration_ids(engine_config, tokenizer), drafter=drafter)
         del weights
     except BaseException as e:

@@ -29,7 +29,7 @@ from kvpilot.server.engine.sampler import PendingSample, Sampler
 from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN
 from kvpilot.server.engine.step_message import Describe, DescribePeers, KVWork, SetAdapter, Step, StepBatch, Stop, WorkerBatch
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
-from kvpilot.server.models.sharding import TensorParallel
+from kvpilot.server.models.sharding import PipelineStage, TensorParallel
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -84,11 +84,12 @@ class HostCopy:
         return self.host.numpy().tobytes()
 
 
-def resolve_device(config: EngineConfig, tp: TensorParallel | None = None) -> torch.device:
+def resolve_device(config: EngineConfig, rank: int = 0) -> torch.device:
+    """rank: the process's global rank (its GPU)."""
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("device=cuda was asked for but no CUDA device is available")
-        return torch.device("cuda", tp.rank % torch.cuda.device_count() if tp else 0)  # ranks share GPUs only when there are too few
+        return torch.device("cuda", rank % torch.cuda.device_count())  # ranks share GPUs only when there are too few
     return torch.device("cpu")
 
 
@@ -123,9 +124,9 @@ def resolve_quantization(requested: str, weights: WeightSource) -> str:
 
 
 def kv_block_bytes(model: DecoderModel, block_size: int, kv_dtype: torch.dtype) -> int:
-    """One KV block of a model's cache (every layer's K and V)."""
+    """One KV block of a model's cache (every layer's K and V; a pipeline stage's: its layers')."""
     c = model.config
-    return 2 * c.num_layers * block_size * model.num_kv_heads * c.head_dim * torch.tensor([], dtype=kv_dtype).element_size()
+    return 2 * len(model.layers) * block_size * model.num_kv_heads * c.head_dim * torch.tensor([], dtype=kv_dtype).element_size()
 
 
 def projection_bytes(model: DecoderModel) -> int:
@@ -147,8 +148,11 @@ def _return_freed_heap() -> None:
 
 class Worker:
     """One rank's worker. With tensor parallelism every rank has one, holding its shard and the KV
-    cache of its heads (kv_cache_memory is per rank: every rank gets the same number of blocks); all
-    run the same collective part of a step (`_forward`), rank 0's alone samples (`samples`).
+    cache of its heads (kv_cache_memory is per rank: every rank gets the same number of blocks, the
+    fewest any rank has room for); all run the same collective part of a step (`_forward`), rank 0's
+    alone samples (`samples`). With pipeline parallelism (`stage`) a rank holds its stage's layers and
+    their cache: its part of a step takes the hidden states of the stage before and hands its own to
+    the next; the last stage's first rank sends rank 0 the logits it samples from.
 
     A drafter (draft model, EAGLE-3 head) keeps its KV cache beside the target's: the same block ids
     index both (the block manager needs no second account), carved from the same memory budget (a
@@ -156,16 +160,19 @@ class Worker:
 
     def __init__(self, config: EngineConfig, weights: WeightSource, show_progress: bool = True, tp: TensorParallel | None = None,
                  kv_calibration_ids: list[int] | None = None, eos_token_ids: tuple[int, ...] = (),
-                 drafter: Callable[[Worker], Drafter] | None = None):
+                 drafter: Callable[[Worker], Drafter] | None = None, stage: PipelineStage | None = None):
         """drafter(worker): makes the proposer that drafts on this worker (it loads its own model), once
         the target is loaded and before the caches are sized."""
         self.config = config
         self.tp = tp
-        self.samples = tp is None or tp.rank == 0
+        self.stage = stage
+        self.rank = stage.rank if stage else tp.rank if tp else 0  # global
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.samples = self.rank == 0
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: block_bytes' copies off the device
         self._load_staging: torch.Tensor | None = None      # write_blocks' gathering buffer (LOAD_CHUNK blocks)
         self._copies_queued = False
-        self.device = resolve_device(config, tp)
+        self.device = resolve_device(config, self.rank)
         self.dtype = resolve_dtype(config, self.device)
         self.kv_dtype = resolve_kv_dtype(config, self.dtype)
         self.quantization = resolve_quantization(config.quantization, weights)
@@ -190,7 +197,7 @@ class Worker:
         self.bytes_per_block = kv_block_bytes(self.model, self.block_size, self.kv_dtype) + (self.drafter.block_bytes() if self.drafter else 0)
         # One block of the budget is the scratch block, past those the block manager hands out: the
         # padding rows of a decode graph write there (decode_graphs.py).
-        self.num_blocks = self._kv_cache_bytes() // self.bytes_per_block - 1
+        self.num_blocks = self._agreed(self._kv_cache_bytes() // self.bytes_per_block - 1)
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than two KV blocks ({self.bytes_per_block} bytes each; "
                              "one is the scratch block)")
@@ -204,6 +211,18 @@ class Worker:
                  self.dtype, self.model.weight_bytes() / 2**20, self.quantization, self.num_blocks, self.block_size,
                  self.num_blocks * self.bytes_per_block / 2**20, self.kv_dtype)
 
+    def _agreed(self, num_blocks: int) -> int:
+        """The fewest blocks any rank has room for (the block manager hands out block ids every rank holds)."""
+        if self.world_size == 1:
+            return num_blocks
+        import torch.distributed as dist
+
+        from kvpilot.server.engine.parallel import host_group
+
+        fewest = torch.tensor([num_blocks])
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=host_group())
+        return int(fewest.item())
+
     def load(self, weights: WeightSource, quantization: str, group_size: int = 32, lora: tuple[int, int] | None = None,
              shard: bool = True) -> DecoderModel:
         """A model on this worker's device, in its dtype (a drafter's too); shard=False: whole on this rank
@@ -215,7 +234,7 @@ class Worker:
             bar = tqdm(total=len(weights.checkpoint_names()), desc=f"loading {weights.path.name}", unit="tensor", leave=False)
         with torch.inference_mode():
             model = DecoderModel.load(weights, weights.config, self.dtype, self.device, progress=bar.update if bar else None,
-                                      tp=self.tp if shard else None,
+                                      tp=self.tp if shard else None, stage=self.stage if shard else None,
                                       quantization=quantization, group_size=group_size, lora=lora)
         if bar:
             bar.close()
@@ -225,7 +244,12 @@ class Worker:
         """A checkpoint's own KV scales, else calibrated (kv_scales.py); set on the model's attention layers."""
         scales = weights.kv_scales() if hasattr(weights, "kv_scales") else None
         source = "the checkpoint's"
+        if scales is not None and model.first_layer:  # a pipeline stage's layers
+            scales = scales[model.first_layer:model.first_layer + len(model.layers)]
         if scales is None:
+            if self.stage is not None:
+                raise ValueError("kv_cache_dtype=fp8 under pipeline parallelism needs a checkpoint with KV scales: calibrating them runs "
+                                 "the whole model in one process")
             if not self.kv_calibration_ids:
                 raise ValueError("kv_cache_dtype=fp8: no KV scales in the checkpoint and no calibration text to compute them from")
             scales = kv_scales.calibrate(model, self.kv_calibration_ids, self.config.block_size)
@@ -240,7 +264,7 @@ class Worker:
         """A model's per-layer (K, V) cache of num_blocks blocks plus the scratch block."""
         c = model.config
         shape = (self.num_blocks + 1, self.block_size, model.num_kv_heads, c.head_dim)
-        return [(kv_cache_zeros(shape, self.kv_dtype, self.device), kv_cache_zeros(shape, self.kv_dtype, self.device)) for _ in range(c.num_layers)]
+        return [(kv_cache_zeros(shape, self.kv_dtype, self.device), kv_cache_zeros(shape, self.kv_dtype, self.device)) for _ in model.layers]
 
     def _kv_cache_bytes(self) -> int:
         """CPU: kv_cache_memory. CUDA: gpu_memory_utilization of the GPU, less what is in use (the
@@ -282,9 +306,10 @@ class Worker:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             for m in models:
-                out = m(torch.zeros_like(positions), positions, caches[id(m)], meta)
+                handed = None if m.embed is not None else torch.zeros(positions.shape[0], m.config.hidden_size, dtype=m.dtype, device=self.device)
+                out = m(torch.zeros_like(positions), positions, caches[id(m)], meta, hidden=handed)
                 hidden = out[0] if isinstance(out, tuple) else out  # (a declared aux output beside it)
-                if m is self.model:
+                if m is self.model and m.lm_head is not None:
                     self.model.compute_logits(hidden[:rows])
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated() - base)
@@ -318,6 +343,8 @@ class Worker:
             return "the device is not CUDA"
         if self.tp is not None:
             return "tensor parallelism runs its collectives eagerly"
+        if self.stage is not None:
+            return "pipeline stages hand their hidden states on eagerly"
         if not self.model.ops.graph_safe:
             return f"the {self.model.ops.name} kernels are not capturable (they read device values on the host)"
         return None
@@ -338,7 +365,7 @@ class Worker:
         overwrites those blocks, so never call it while the engine has requests)."""
         n = len(token_ids)
         blocks = -(-n // self.block_size)
-        if self.tp is not None or blocks > self.num_blocks:
+        if self.world_size > 1 or blocks > self.num_blocks:
             raise ValueError(f"score: {n} tokens need {blocks} KV blocks of {self.num_blocks}, and one process")
         meta = AttentionMetadata.one_prefill(n, self.block_size, self.device)
         ids = torch.tensor(token_ids, device=self.device)
@@ -486,14 +513,52 @@ class Worker:
         meta = AttentionMetadata.from_input(inp)
         if self.model.lora is not None:
             self.model.lora.context.batch = inp.lora
+        stage = self.stage
         try:
-            out = self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
+            out = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, hidden=self._handed_in(inp) if stage else None)
         finally:
             if self.model.lora is not None:
                 self.model.lora.context.batch = None
+        if stage is not None and not stage.last:
+            self._hand_on(out, stage.next_rank)
+            return self._logits_from_last_stage(inp, sampled) if self.samples else ([], None, None)
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         prompt_logits = [self.model.compute_logits(hidden[r.first_row:r.first_row + len(r.target_ids)]) for r in inp.prompt_logprobs]
-        return prompt_logits, (self.model.compute_logits(hidden[inp.logits_indices]) if sampled else None), aux
+        logits = self.model.compute_logits(hidden[inp.logits_indices]) if sampled else None
+        if stage is not None and stage.rank == stage.last_stage_rank and (parts := [*prompt_logits, *([logits] if sampled else [])]):
+            self._hand_on(torch.cat(parts), 0)
+        return prompt_logits, logits, aux
+
+    # --- pipeline stages: what crosses between them ------------------------------------------------
+    def _handed_in(self, inp: ModelInput) -> torch.Tensor | None:
+        """The residual stream of the step's tokens from the stage before (None: the first stage embeds)."""
+        if self.stage.first:
+            return None
+        import torch.distributed as dist
+
+        hidden = torch.empty(inp.input_ids.shape[0], self.model.config.hidden_size, dtype=self.model.dtype, device=self.device)
+        dist.recv(hidden, src=self.stage.previous_rank)
+        return hidden
+
+    @staticmethod
+    def _hand_on(t: torch.Tensor, rank: int) -> None:
+        import torch.distributed as dist
+
+        dist.send(t.contiguous(), dst=rank)
+
+    def _logits_from_last_stage(self, inp: ModelInput, sampled: bool) -> tuple[list[torch.Tensor], torch.Tensor | None, None]:
+        """Rank 0 under pipeline parallelism: the step's logits, computed by the last stage (the prompt-logprob
+        spans', then the sampled rows', as _forward gives them)."""
+        import torch.distributed as dist
+
+        spans = [len(r.target_ids) for r in inp.prompt_logprobs]
+        rows = sum(spans) + (inp.logits_indices.shape[0] if sampled else 0)
+        if not rows:
+            return [], None, None
+        logits = torch.empty(rows, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
+        dist.recv(logits, src=self.stage.last_stage_rank)
+        parts = list(logits.split([*spans, rows - sum(spans)]))
+        return parts[:len(spans)], parts[-1] if sampled else None, None
 
     # --- ranks 1…N−1 ------------------------------------------------------------------------------
     def serve(self, channel: Channel) -> None:
@@ -562,7 +627,8 @@ class Worker:
 
     def describe(self) -> dict:
         """What this rank holds: projection weight bytes, KV heads and KV cache bytes (tests, logs)."""
-        return {"rank": self.tp.rank if self.tp else 0, "projection_bytes": projection_bytes(self.model), "kv_heads": self.model.num_kv_heads,
+        return {"rank": self.rank, "layers": [self.model.first_layer, self.model.first_layer + len(self.model.layers)],
+                "projection_bytes": projection_bytes(self.model), "kv_heads": self.model.num_kv_heads,
                 "kv_cache_bytes": sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches),
                 **(self.drafter.describe() if self.drafter is not None else {})}
 

@@ -23,7 +23,7 @@ from kvpilot.server.layers.mlp import SwiGLU
 from kvpilot.server.layers.rmsnorm import RMSNorm
 from kvpilot.server.layers.rotary import RotaryEmbedding
 from kvpilot.server.model_config import ModelConfig, ModelFormatError
-from kvpilot.server.models.sharding import TensorParallel
+from kvpilot.server.models.sharding import PipelineStage, TensorParallel
 
 
 class WeightSource(Protocol):
@@ -52,28 +52,36 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """With tensor parallelism (`tp`) this is one rank's shard: its query/KV heads and FFN columns
     (the o and down projections all-reduce), and a slice of the vocabulary for the embedding (its
-    lookups all-reduced) and the LM head (its logits all-gathered)."""
+    lookups all-reduced) and the LM head (its logits all-gathered). With pipeline parallelism (`stage`)
+    it holds its stage's layers only (`layers[i]` is the model's layer `first_layer + i`): the
+    embedding on the first stage, the final norm and the LM head on the last (a tied head's matrix
+    there too); forward() takes the hidden states a stage before it handed on and gives its own."""
 
-    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: RMSNorm, lm_head: torch.Tensor | None,
-                 rotary: RotaryEmbedding, num_kv_heads: int, tp: TensorParallel | None = None, lora: LoRAModules | None = None):
+    def __init__(self, config: ModelConfig, embed: torch.Tensor | None, layers: list[DecoderLayer], norm: RMSNorm | None,
+                 lm_head: torch.Tensor | None, rotary: RotaryEmbedding, num_kv_heads: int, tp: TensorParallel | None = None,
+                 lora: LoRAModules | None = None, stage: PipelineStage | None = None):
+        """embed / norm and lm_head: None on the stages that do not hold them; lm_head `embed` itself: a tied head."""
         super().__init__()
         self.config = config
         self.lora = lora
         self.num_kv_heads = num_kv_heads  # this rank's (all of them without tensor parallelism)
         self.tp = tp
+        self.stage = stage
+        self.first_layer = stage.layers[0] if stage else 0
         self.aux_layers: tuple[int, ...] = ()  # a declared aux output (declare_aux_output)
-        self.vocab_rows = embed.shape[0]  # this rank's
         self.layers = nn.ModuleList(layers)
+        self.dtype = layers[0].attn_norm.weight.dtype
         self.norm = norm
         self.rotary = rotary
         # A tied head is the embedding matrix; on CPU it is packed for the matmul (a second copy,
         # 113 MB for SmolLM2, repaid by a 3x faster head on every decode step) — except GGUF blocks
         # in panels (GGUFLinear), which the lookup reads too: one copy.
-        self.lm_head = make_linear(embed if lm_head is None else lm_head)
-        if lm_head is None and isinstance(self.lm_head, GGUFLinear):
+        self.lm_head = make_linear(lm_head) if lm_head is not None else None
+        if lm_head is embed and isinstance(self.lm_head, GGUFLinear):
             embed = self.lm_head
+        self.vocab_rows = (embed if embed is not None else lm_head).shape[0]  # this rank's
         # Packed (quantization gguf): the GGUF's blocks, dequantized row by row on lookup.
-        self.embed = embed if isinstance(embed, (GGUFWeight, GGUFLinear)) else nn.Parameter(embed, requires_grad=False)
+        self.embed = embed if embed is None or isinstance(embed, (GGUFWeight, GGUFLinear)) else nn.Parameter(embed, requires_grad=False)
 
     @property
     def ops(self) -> Ops:
@@ -106,15 +114,19 @@ class DecoderModel(nn.Module):
         self.aux_layers = tuple(layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The final hidden states; with a declared aux output (declare_aux_output), (hidden, aux)."""
-        x = self._embed(input_ids).to(self.norm.weight.dtype)  # GGUF-block rows dequantize to float32
+                meta: AttentionMetadata, hidden: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states; with a declared aux output (declare_aux_output), (hidden, aux).
+        A pipeline stage: `hidden` the residual stream the stage before handed on (the first embeds
+        input_ids instead); a stage before the last gives its residual stream, not normed."""
+        x = self._embed(input_ids).to(self.dtype) if hidden is None else hidden  # GGUF-block rows dequantize to float32
         rope = self.rotary.rope(positions, x.dtype)  # once per forward, shared by every layer
         aux = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             if i in self.aux_layers:
                 aux.append(x)  # every layer returns a new tensor: x is not written to later
             x = layer(x, rope, kv, meta)
+        if self.norm is None:
+            return x
         return (self.norm(x), torch.cat(aux, dim=-1)) if self.aux_layers else self.norm(x)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -126,7 +138,7 @@ class DecoderModel(nn.Module):
         local = input_ids - start
         mine = (local >= 0) & (local < self.vocab_rows)
         x = embedding(torch.where(mine, local, 0), self.embed) * mine[:, None]
-        dist.all_reduce(x)  # each token's row comes from the one rank that holds it
+        dist.all_reduce(x, group=self.tp.group)  # each token's row comes from the one rank that holds it
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -136,17 +148,18 @@ class DecoderModel(nn.Module):
         import torch.distributed as dist
 
         parts = [torch.empty_like(logits) for _ in range(self.tp.world_size)]
-        dist.all_gather(parts, logits.contiguous())
+        dist.all_gather(parts, logits.contiguous(), group=self.tp.group)
         return torch.cat(parts, dim=-1)[:, :self.config.vocab_size]
 
     @classmethod
     def load(cls, source: WeightSource, config: ModelConfig, dtype: torch.dtype, device: torch.device,
              progress: Callable[[int], None] | None = None, tp: TensorParallel | None = None, quantization: str = "none",
-             group_size: int = 32, lora: tuple[int, int] | None = None) -> DecoderModel:
+             group_size: int = 32, lora: tuple[int, int] | None = None, stage: PipelineStage | None = None) -> DecoderModel:
         """quantization gguf: projections, the embedding and the LM head stay in the GGUF's blocks; gptq / awq:
         a pre-quantized checkpoint's projections in the block layout that holds them (server/quant_checkpoint.py); int8 /
         int4: they are quantized as they are read (the embedding and LM head int8 in both). lora:
-        (max_loras, max_rank): every projection gets that many adapter slots (kernels/lora.py)."""
+        (max_loras, max_rank): every projection gets that many adapter slots (kernels/lora.py). stage: a
+        pipeline stage's layers and ends only (the other stages' weights are not read)."""
         c = config
         w = _WeightReader(source, dtype, device, progress, tp, quantization, group_size)
         ops = ops_for(device)
@@ -168,9 +181,10 @@ class DecoderModel(nn.Module):
         kv_heads = tp.kv_heads(c.num_kv_heads) if tp else (0, c.num_kv_heads)
         ffn = tp.split(c.intermediate_size) if tp else (0, c.intermediate_size)
         q_rows, kv_rows = [h * c.head_dim for h in heads], [h * c.head_dim for h in kv_heads]
-        row_parallel = RowParallel(tp.rank) if tp else None
+        row_parallel = RowParallel(tp.rank, tp.group) if tp else None
         layers = []
-        for i in range(c.num_layers):
+        first, end = stage.layers if stage else (0, c.num_layers)
+        for i in range(first, end):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
             qkv = cat_rows([w.weight(a + "q_proj.weight", rows=q_rows), w.weight(a + "k_proj.weight", rows=kv_rows),
@@ -193,11 +207,21 @@ class DecoderModel(nn.Module):
                                      adapt=adapt(i, ("down_proj",), ffn, hidden)))
             layers.append(DecoderLayer(attn, mlp, norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")))
         vocab = tp.split(tp.padded_vocab(c.vocab_size)) if tp else None
-        embed = w.weight("model.embed_tokens.weight", rows=vocab, pad_rows=True, table=True)
-        head = None if c.tie_word_embeddings else w.weight("lm_head.weight", rows=vocab, pad_rows=True, table=True)
+        holds_embed, holds_head = stage is None or stage.first, stage is None or stage.last
+        embed = w.weight("model.embed_tokens.weight", rows=vocab, pad_rows=True, table=True) \
+            if holds_embed or (holds_head and c.tie_word_embeddings) else None
+        head = None
+        if holds_head:
+            head = embed if c.tie_word_embeddings else w.weight("lm_head.weight", rows=vocab, pad_rows=True, table=True)
         rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling).to(device)
-        model = cls(c, embed, layers, norm("model.norm.weight"), head, rotary, kv_heads[1] - kv_heads[0], tp, adapted)
-        w.check_all_read(ignored={"lm_head.weight"} if c.tie_word_embeddings else set())
+        model = cls(c, embed if holds_embed else None, layers, norm("model.norm.weight") if holds_head else None, head, rotary,
+                    kv_heads[1] - kv_heads[0], tp, adapted, stage)
+        ignored = {"lm_head.weight"} if c.tie_word_embeddings else set()
+        if stage is not None:  # the other stages' weights
+            ignored |= {n for n in w.available if n.startswith("model.layers.") and not first <= int(n.split(".")[2]) < end}
+            ignored |= set() if embed is not None else {"model.embed_tokens.weight"}
+            ignored |= set() if holds_head else {"model.norm.weight", "lm_head.weight"}
+        w.check_all_read(ignored=ignored)
         return model
 
 

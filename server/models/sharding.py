@@ -1,9 +1,11 @@
-"""How a model is laid out over tensor-parallel ranks: which rows, heads and vocabulary each holds.
-Pure arithmetic (the processes and collectives are engine/parallel.py's)."""
+"""How a model is laid out over its ranks: which layers each pipeline stage holds, and within a stage
+which rows, heads and vocabulary each tensor-parallel rank holds. Arithmetic (the processes and
+collectives are engine/parallel.py's; a stage's process group is carried, not made, here)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvpilot.server.model_config import ModelConfig
 
@@ -12,8 +14,9 @@ from kvpilot.server.model_config import ModelConfig
 class TensorParallel:
     """This process's place among the ranks, and the layout of the model's pieces over them."""
 
-    rank: int
-    world_size: int
+    rank: int        # within the stage's ranks
+    world_size: int  # the stage's ranks (tensor_parallel_size)
+    group: Any = None  # the stage's process group (pipeline parallelism); None: every rank (the default group)
 
     def split(self, n: int) -> tuple[int, int]:
         """This rank's [start, end) of n items split evenly (n is a multiple of the world size)."""
@@ -49,3 +52,58 @@ def check_tensor_parallel(c: ModelConfig, n: int) -> None:
     if problems := tensor_parallel_problems(c, n):
         raise ValueError(f"tensor_parallel_size={n} does not fit {c.name}: it must divide {', '.join(problems)} "
                          f"(the model has {c.num_heads} query heads, {c.num_kv_heads} KV heads, FFN width {c.intermediate_size})")
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Each stage's [start, end) of the layers: as even as the count allows, the earlier stages one more
+    where it does not divide (the last stage also holds the final norm and the LM head)."""
+    size, extra = divmod(num_layers, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + size + (s < extra))
+    return list(zip(bounds, bounds[1:]))
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineStage:
+    """This process's stage among pipeline_parallel_size stages of tensor_parallel_size ranks each.
+    Global ranks run stage by stage (rank = stage * tp_size + rank within the stage: rank 0, the engine,
+    is in the first); a stage hands its hidden states to the rank of the same place in the next."""
+
+    index: int
+    num_stages: int
+    layers: tuple[int, int]  # [start, end) of the model's layers
+    rank: int                # global
+    tp_size: int
+
+    @classmethod
+    def of(cls, rank: int, tp_size: int, num_stages: int, num_layers: int) -> PipelineStage:
+        index = rank // tp_size
+        return cls(index, num_stages, stage_layers(num_layers, num_stages)[index], rank, tp_size)
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    @property
+    def previous_rank(self) -> int:
+        return self.rank - self.tp_size
+
+    @property
+    def next_rank(self) -> int:
+        return self.rank + self.tp_size
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The last stage's first rank: it sends rank 0 the step's logits."""
+        return (self.num_stages - 1) * self.tp_size
+
+
+def check_pipeline_parallel(c: ModelConfig, n: int) -> None:
+    """Refuses more stages than the model has layers."""
+    if n > c.num_layers:
+        raise ValueError(f"pipeline_parallel_size={n} does not fit {c.name}: a stage holds at least one of its {c.num_layers} layers")
