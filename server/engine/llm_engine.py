@@ -9,6 +9,7 @@ import logging
 import os
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -119,14 +120,16 @@ class LLMEngine:
                                           cache_salt(self._kv_identity()), self.lora.fingerprint if self.lora else None, events=self.kv_events)
         self.kv_connector = self._kv_connector()
         # N-gram proposals are looked up in the host's tokens: that method keeps its steps synchronous.
+        # Pipeline stages: auto is on (several steps in flight, one per stage) on any device.
         self.async_scheduling = config.async_scheduling == "on" or (
-            config.async_scheduling == "auto" and self.worker.device.type == "cuda" and config.speculative_method != "ngram"
-            and not config.speculative_lookup)
+            config.async_scheduling == "auto" and (self.worker.device.type == "cuda" or config.pipeline_parallel_size > 1)
+            and config.speculative_method != "ngram" and not config.speculative_lookup)
+        self.steps_in_flight = config.pipeline_parallel_size if self.async_scheduling else 1
         budget = config.max_num_batched_tokens if config.enable_chunked_prefill else max(config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = (AsyncScheduler if self.async_scheduling else Scheduler)(
             self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill, config.max_loras if config.enable_lora else 0,
             connector=self.kv_connector, max_block_writes=max(1, BLOCK_WRITE_BYTES_PER_STEP // self.worker.block_layout()[1]),
-            policy=config.scheduling_policy)
+            policy=config.scheduling_policy, steps_in_flight=self.steps_in_flight)
         self.grammars = GrammarCompiler(self.tokenizer.backend_json(), self.model_config.vocab_size, self.tokenizer.eos_token_ids,
                                         num_threads=config.num_threads or os.cpu_count() or 1,
                                         mask_budget_s=config.structured_outputs_max_mask_ms / 1000)
@@ -140,6 +143,7 @@ class LLMEngine:
         self.requests = self.output.requests
         self.messenger = StepMessenger()
         self._in_flight: StepInFlight | None = None
+        self._pipeline: deque[StepInFlight] = deque()  # pipeline stages: the steps in flight, oldest first
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
@@ -287,8 +291,9 @@ class LLMEngine:
         self.lora.remove(name, self._adapters_in_use())
 
     def _adapters_in_use(self) -> set[int]:
-        return {seq.adapter for seq in (*self.scheduler.running, *self.scheduler.waiting)} | (
-            {seq.adapter for seq in self._in_flight.batch.seqs} if self._in_flight else set())
+        in_flight = [*([self._in_flight] if self._in_flight else []), *self._pipeline]
+        return {seq.adapter for seq in (*self.scheduler.running, *self.scheduler.waiting)} | {
+            seq.adapter for step in in_flight for seq in step.batch.seqs}
 
     def add_admitted(self, admission: Admission, request_id: str | None = None, arrival_time: float | None = None,
                      prompt_text: str | None = None) -> str:
@@ -365,7 +370,7 @@ class LLMEngine:
         return final
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._pipeline)
 
     def needs_step(self) -> bool:
         """Unfinished requests, or held transfer blocks to give back now (pulled or expired), which a
@@ -384,7 +389,38 @@ class LLMEngine:
         hands outputs back, then schedules and builds step n + 1. Step n's sequences hold a placeholder
         for the token step n - 1 samples, whose value its input takes on the device. A sequence that
         step n - 1 ends still runs in step n; that row is dropped."""
-        return self._assembled(self._step())
+        return self._assembled(self._step() if self.steps_in_flight == 1 else self._pipelined_step())
+
+    def _pipelined_step(self) -> list[RequestDelta]:
+        """Pipeline stages under async scheduling: a step launched on sequences no step in flight has (rank
+        0 runs the first stage's part and goes on), then the oldest step in flight completed once there
+        are as many as stages (or nothing new could be launched): while rank 0 runs the first stage of
+        one step, the later stages run the steps before it."""
+        self._between_steps()
+        started = time.perf_counter()
+        outputs: list[RequestDelta] = []
+        batch = self._schedule()
+        launched = failed = None
+        if batch:
+            try:
+                launched = self._launch(batch, None)
+            except Exception as e:  # noqa: BLE001 - isolated below
+                log.warning("engine step of %d sequences failed (%s: %s): re-running it request by request", len(batch.seqs), type(e).__name__, e)
+                self.worker.recover()
+                failed = batch
+        elif not self._pipeline and self.kv_connector is not None:
+            self.kv_connector.wait(self.scheduler.waiting)
+        if launched is not None:
+            self._count_launched(launched)
+            self._pipeline.append(launched)
+        if self._pipeline and (len(self._pipeline) >= self.steps_in_flight or launched is None):
+            outputs += self._complete(self._pipeline.popleft())
+        if failed is not None:
+            outputs += self._isolate(failed)
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.flush()
+        self._step_seconds = time.perf_counter() - started
+        return outputs
 
     def _step(self) -> list[RequestDelta]:
         self._between_steps()
@@ -549,10 +585,14 @@ class LLMEngine:
     def _begin_awaiting(self, step: StepInFlight) -> None:
         """Async scheduling, after the step before `step` is complete: the scheduler counts `step` as
         launched (placeholders for its coming tokens), so that the next step is scheduled with it."""
+        self._count_launched(step)
+        self._in_flight = step
+
+    def _count_launched(self, step: StepInFlight) -> None:
+        """Async scheduling: the scheduler counts a launched step's tokens (placeholders for those it samples)."""
         self.scheduler.launched(step.batch, step.sampled, step.proposed)
         self._save_cached()
         step.updated = True
-        self._in_flight = step
 
     def _save_cached(self) -> None:
         """After the scheduler counted computed tokens: the blocks that joined the prefix cache are saved

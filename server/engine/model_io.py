@@ -30,27 +30,27 @@ if TYPE_CHECKING:
 class InputBuffers:
     """The persistent buffers every step's inputs are written into: no allocation per step once warm.
 
-    Per dtype, two arenas used on alternate steps (`begin_step`); a step's uploads are carved one
-    after another from its arena, so several inputs of one step (a draft model's proposal steps, the
-    verification step, their sampling tensors) never share memory, and the next step writes the
-    other arena: under async scheduling the step in flight keeps its inputs. An arena is a host
+    Per dtype, `turns` arenas used by steps in turn (`begin_step`; two, or one per pipeline stage); a
+    step's uploads are carved one after another from its arena, so several inputs of one step (a
+    draft model's proposal steps, the verification step, their sampling tensors) never share memory,
+    and the next steps write the others: under async scheduling the steps in flight keep their inputs. An arena is a host
     buffer (pinned on CUDA) and its device twin (on CPU the host buffer itself); on CUDA an arena's
     host half is rewritten only once its last copies to the device are done (an event, long done by
     then: a step later). An arena that runs out is replaced by one twice the size; views of the old
     one stay valid."""
 
-    def __init__(self, device: torch.device, capacity: int = 4096):
+    def __init__(self, device: torch.device, capacity: int = 4096, turns: int = 2):
         self.device, self.capacity = device, capacity
         self.cuda = device.type == "cuda"
         self.turn = 0
-        self.arenas: list[dict[torch.dtype, _Arena]] = [{}, {}]
-        self.copied = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self.arenas: list[dict[torch.dtype, _Arena]] = [{} for _ in range(turns)]
+        self.copied = [torch.cuda.Event() if self.cuda else None for _ in range(turns)]
 
     def begin_step(self) -> None:
-        """The next step's uploads go to the other arena, from its start."""
+        """The next step's uploads go to the next arena, from its start."""
         if self.cuda:
             self.copied[self.turn].record()
-        self.turn ^= 1
+        self.turn = (self.turn + 1) % len(self.arenas)
         if self.cuda:
             self.copied[self.turn].synchronize()
         for arena in self.arenas[self.turn].values():
@@ -385,9 +385,10 @@ class ModelOutput:
 
 
 class InputBuilder:
-    def __init__(self, block_size: int, eos_token_ids: tuple[int, ...], device: torch.device):
+    def __init__(self, block_size: int, eos_token_ids: tuple[int, ...], device: torch.device, steps_in_flight: int = 1):
+        """steps_in_flight: how many launched steps may not have been waited for (pipeline stages): each keeps its inputs."""
         self.block_size, self.eos_token_ids = block_size, eos_token_ids
-        self.buffers = InputBuffers(device)
+        self.buffers = InputBuffers(device, turns=max(2, steps_in_flight + 1))
 
     def build(self, batch: StepBatch, proposal: Proposal | None = None, sample: bool = True,
               next_tokens: bool = False) -> tuple[ModelInput, StepPlan]:

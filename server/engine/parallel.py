@@ -73,32 +73,49 @@ def join_stages(rank: int, config: EngineConfig, num_layers: int, device_type: s
 
 
 class Channel:
-    """Messages from rank 0 to every rank as bytes: a length, then the payload, over a gloo group of
-    its own (CPU tensors whatever the device's backend). Every rank makes it right after joining the
-    process group (new_group is collective)."""
+    """Messages from rank 0 to every rank as bytes: a length, then the payload, sent to each rank
+    point-to-point over a gloo group of its own (CPU tensors whatever the device's backend). Every rank
+    makes it right after joining the process group (new_group is collective).
+
+    Rank 0 does not wait for a message to be taken (a gloo send completes only once its receiver
+    asks for it): with pipeline stages it goes on to its next step while later stages still run
+    earlier ones, which take their messages in order; the sends of the message before are waited for
+    before the next (long taken by then)."""
+
+    TAG = 1
 
     def __init__(self):
         import torch.distributed as dist
 
         global _host_group
         self.group = _host_group = dist.new_group(backend="gloo")
+        self._sending: list = []  # the last message's sends in flight, with their tensors
 
     def send(self, message: Message) -> None:
         import torch
         import torch.distributed as dist
 
+        self.flush()
         data = encode(message)
-        dist.broadcast(torch.tensor([len(data)], dtype=torch.long), src=0, group=self.group)
-        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.group)
+        size, payload = torch.tensor([len(data)], dtype=torch.long), torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        for rank in range(1, dist.get_world_size(self.group)):
+            self._sending += [(dist.isend(size, rank, group=self.group, tag=self.TAG), size),
+                              (dist.isend(payload, rank, group=self.group, tag=self.TAG), payload)]
+
+    def flush(self) -> None:
+        """Rank 0: wait until every rank took the last message."""
+        for work, _ in self._sending:
+            work.wait()
+        self._sending = []
 
     def receive(self) -> Message:
         import torch
         import torch.distributed as dist
 
         size = torch.empty(1, dtype=torch.long)
-        dist.broadcast(size, src=0, group=self.group)
+        dist.recv(size, 0, group=self.group, tag=self.TAG)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.broadcast(data, src=0, group=self.group)
+        dist.recv(data, 0, group=self.group, tag=self.TAG)
         return decode(data.numpy().tobytes())
 
     def say(self, go: bool) -> None:

@@ -11,6 +11,11 @@ that order, and the running sequence preempted when blocks run out is the one wi
 (the latest to arrive among equals), even one already given this step's tokens (they are taken back).
 As in vLLM, a waiting sequence never preempts a running one: it waits for room, ahead of worse ones.
 Arrival is the order the engine took the sequences in (their seq_id).
+
+With pipeline stages (steps_in_flight > 1, under async scheduling) several steps are in flight at
+once, one per stage, on disjoint sequences (vLLM's batch queue): a sequence waiting for a step's
+token is not scheduled again until it is back, and each step takes about an equal share of the
+sequences (running and waiting over the steps in flight), so that every stage has a step to run.
 """
 
 from __future__ import annotations
@@ -56,12 +61,12 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, enable_chunked_prefill: bool = True,
-                 max_loras: int = 0, connector: Any = None, max_block_writes: int = 0, policy: str = "fcfs"):
+                 max_loras: int = 0, connector: Any = None, max_block_writes: int = 0, policy: str = "fcfs", steps_in_flight: int = 1):
         """connector: the KV connector (kv_connector.py), whose lookup(seq, its in-memory prefix hits) is
         a read of the blocks after them from outside the cache (kv_tiers.BlockLoad: .done, .first_index,
         .payloads), or None. max_block_writes: how many such blocks a step writes into the cache while
         other sequences run (0: no bound).
-        policy: fcfs or priority (the module's docstring)."""
+        policy: fcfs or priority (the module's docstring). steps_in_flight: pipeline stages (the module's docstring)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.policy = policy
@@ -72,6 +77,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
+        self.steps_in_flight = steps_in_flight
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -119,10 +125,14 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        share = self.max_num_seqs if self.steps_in_flight == 1 else -(-(len(self.running) + len(self.waiting)) // self.steps_in_flight)
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(batch.seqs) < share:
             seq = self.running[i]
+            if self.steps_in_flight > 1 and seq.num_placeholders:  # in a step in flight: scheduled again once its token is back
+                i += 1
+                continue
             if seq.kv_writes:  # its blocks from a tier are still being written: it computes once they all are
                 self._write_some(seq, batch, self.max_block_writes)
                 if seq.kv_writes:
@@ -159,7 +169,7 @@ class Scheduler:
         # whose adapter would be one too many for the slots waits, and those behind it go first.
         adapters = {seq.adapter for seq in self.running} - {0}
         passed: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(batch.seqs) < share and not batch.preempted:
             seq = self.waiting[0]
             if self._must_wait(seq, adapters):
                 passed.append(self.waiting.popleft())
@@ -219,8 +229,9 @@ class Scheduler:
 
     def _must_wait(self, seq: Sequence, adapters: set[int]) -> bool:
         """Whether a waiting sequence cannot be admitted whatever the room: preempted with a verification in
-        flight (its length is known once that step's outputs are), or its adapter one too many for the slots."""
-        return bool(seq.num_unsettled) or bool(seq.adapter and seq.adapter not in adapters and len(adapters) >= self.max_loras)
+        flight (its length is known once that step's outputs are) or with its token in flight (pipeline stages), or its
+        adapter one too many for the slots."""
+        return bool(seq.num_unsettled or seq.num_placeholders) or bool(seq.adapter and seq.adapter not in adapters and len(adapters) >= self.max_loras)
 
     def num_deferred(self) -> int:
         """Waiting sequences held back by something other than room in the batch or the cache: a tier read

@@ -53,19 +53,30 @@ class LaunchedStep:
     # that drafts its next proposal (the row before its last new token).
     head_state: tuple[torch.Tensor, torch.Tensor] | None = None
     plan: StepPlan | None = None      # which sequence each sampled and prompt-logprob row is
+    # Rank 0 under pipeline parallelism: the logits are still coming from the last stage; this waits for
+    # them and gives (sample, prompt_logprobs).
+    incoming: Callable[[], tuple[PendingSample | None, list[list[dict[int, float]]]]] | None = None
+
+    def _arrived(self) -> None:
+        if self.incoming is not None:
+            self.sample, self.prompt_logprobs = self.incoming()
+            self.incoming = None
 
     @property
     def tokens(self) -> torch.Tensor | None:
         """[sampled sequences] long, on the device: each one's last new token."""
+        self._arrived()
         return self.sample.next_tokens if self.sample is not None else None
 
     @property
     def accepted_counts(self) -> torch.Tensor | None:
         """[sampled sequences] long, on the device: proposed tokens accepted (None: no proposals)."""
+        self._arrived()
         return self.sample.accepted_counts if self.sample is not None else None
 
     def output(self) -> ModelOutput:
         """Wait for the step; its outputs on the host."""
+        self._arrived()
         if self.sample is None:
             return ModelOutput([], [], prompt_logprobs=self.prompt_logprobs)
         result = self.sample.result()
@@ -172,6 +183,7 @@ class Worker:
         self._copy_stream: torch.cuda.Stream | None = None  # CUDA: block_bytes' copies off the device
         self._load_staging: torch.Tensor | None = None      # write_blocks' gathering buffer (LOAD_CHUNK blocks)
         self._copies_queued = False
+        self._sending: list = []  # pipeline stages: the hand-on of the step before, in flight, with its tensor
         self.device = resolve_device(config, self.rank)
         self.dtype = resolve_dtype(config, self.device)
         self.kv_dtype = resolve_kv_dtype(config, self.dtype)
@@ -189,7 +201,7 @@ class Worker:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.seed)
         self.sampler = Sampler(generator)
-        self.inputs = InputBuilder(config.block_size, eos_token_ids, self.device)
+        self.inputs = InputBuilder(config.block_size, eos_token_ids, self.device, steps_in_flight=config.pipeline_parallel_size)
         self.batch = WorkerBatch(self.device if self.samples else None)
         self.drafter = drafter(self) if drafter is not None else None
         _return_freed_heap()
@@ -495,6 +507,9 @@ class Worker:
             self._copies_queued = False
         inp.take_device_values(previous.tokens if previous else None, previous.accepted_counts if previous else None, proposal)
         sampled = inp.sampling is not None
+        if self.stage is not None:  # the first stage's part: the logits come from the last stage later
+            self._forward(inp, sampled)
+            return LaunchedStep(None, [], incoming=self._logits_coming(inp, sampled))
         prompt_logits, logits, aux = self._forward(inp, sampled)
         collective = self.drafter is not None and self.drafter.collective
         if collective:  # its collectives right after the target's, as the other ranks run them (nothing of rank 0's alone between)
@@ -521,7 +536,7 @@ class Worker:
                 self.model.lora.context.batch = None
         if stage is not None and not stage.last:
             self._hand_on(out, stage.next_rank)
-            return self._logits_from_last_stage(inp, sampled) if self.samples else ([], None, None)
+            return [], None, None
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         prompt_logits = [self.model.compute_logits(hidden[r.first_row:r.first_row + len(r.target_ids)]) for r in inp.prompt_logprobs]
         logits = self.model.compute_logits(hidden[inp.logits_indices]) if sampled else None
@@ -530,6 +545,9 @@ class Worker:
         return prompt_logits, logits, aux
 
     # --- pipeline stages: what crosses between them ------------------------------------------------
+    # Sends do not wait to be taken (a gloo or NCCL send completes once its receiver asks for it): a stage
+    # goes on to its next step while the next stage still runs the one before; a step's sends are
+    # waited for when the next step hands on (taken by then unless the next stage is the slower).
     def _handed_in(self, inp: ModelInput) -> torch.Tensor | None:
         """The residual stream of the step's tokens from the stage before (None: the first stage embeds)."""
         if self.stage.first:
@@ -540,25 +558,34 @@ class Worker:
         dist.recv(hidden, src=self.stage.previous_rank)
         return hidden
 
-    @staticmethod
-    def _hand_on(t: torch.Tensor, rank: int) -> None:
+    def _hand_on(self, t: torch.Tensor, rank: int) -> None:
         import torch.distributed as dist
 
-        dist.send(t.contiguous(), dst=rank)
+        for work, _ in self._sending:
+            work.wait()
+        t = t.contiguous()
+        self._sending = [(dist.isend(t, dst=rank), t)]
 
-    def _logits_from_last_stage(self, inp: ModelInput, sampled: bool) -> tuple[list[torch.Tensor], torch.Tensor | None, None]:
-        """Rank 0 under pipeline parallelism: the step's logits, computed by the last stage (the prompt-logprob
-        spans', then the sampled rows', as _forward gives them)."""
+    def _logits_coming(self, inp: ModelInput, sampled: bool):
+        """Rank 0 under pipeline parallelism: the receive of the step's logits from the last stage posted
+        (the prompt-logprob spans', then the sampled rows', as _forward computes them there), and what
+        waits for them and samples."""
         import torch.distributed as dist
 
         spans = [len(r.target_ids) for r in inp.prompt_logprobs]
         rows = sum(spans) + (inp.logits_indices.shape[0] if sampled else 0)
         if not rows:
-            return [], None, None
+            return lambda: (None, [])
         logits = torch.empty(rows, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
-        dist.recv(logits, src=self.stage.last_stage_rank)
-        parts = list(logits.split([*spans, rows - sum(spans)]))
-        return parts[:len(spans)], parts[-1] if sampled else None, None
+        work = dist.irecv(logits, src=self.stage.last_stage_rank)
+
+        def arrive():
+            work.wait()
+            parts = logits.split([*spans, rows - sum(spans)])
+            with torch.inference_mode():
+                prompt_logprobs = [self._prompt_logprobs(lg, r) for lg, r in zip(parts, inp.prompt_logprobs)]
+                return (self.sampler.draw(parts[-1], inp.sampling) if sampled else None), prompt_logprobs
+        return arrive
 
     # --- ranks 1…N−1 ------------------------------------------------------------------------------
     def serve(self, channel: Channel) -> None:
