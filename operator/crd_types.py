@@ -204,7 +204,17 @@ class EngineSettings(_Model):
         "--quantization-group-size), gptq, awq and compressed-tensors (such checkpoints' integer or FP8 weights kept packed) and fp8 (a "
         "quant_method fp8 checkpoint, its E4M3 weights kept as they are), on CPU and GPU; vLLM "
         "takes fp8, awq, gptq, compressed-tensors; SGLang fp8, awq, gptq, gguf, compressed-tensors. A value the engine does not take is reported as Degraded."))
-    tensor_parallel_size: int = Field(1, ge=1, le=16, description="Ranks the model is split over; also the GPUs per pod.")
+    tensor_parallel_size: int = Field(1, ge=1, le=16, description=(
+        "Ranks each pipeline stage's layers are split over (vLLM --tensor-parallel-size, SGLang --tp-size); the GPUs per pod are "
+        "tensorParallelSize x pipelineParallelSize."))
+    pipeline_parallel_size: int = Field(1, ge=1, le=16, description=(
+        "Stages of consecutive layers the model is split over, each tensorParallelSize ranks (vLLM --pipeline-parallel-size, SGLang "
+        "--pp-size); the GPUs per pod are tensorParallelSize x pipelineParallelSize."))
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs one pod of the service holds (every rank of every stage)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (off when absent).")
     kv_offload: KVOffloadSpec | None = Field(None, description="The KV tiers below the engine's KV cache: disk and host memory (engine kvpilot; off when absent).")
     parsers: OutputParsers | None = Field(None, description="Tool-call and reasoning formats of the model's outputs.")

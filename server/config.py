@@ -98,10 +98,12 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(False, description="CUDA: run every step eagerly, without the decode steps' CUDA graphs (CPU steps always run eagerly).")
     async_scheduling: Literal["auto", "on", "off"] = Field("auto", description=(
         "Overlap the host's work for the next step (scheduling, building its input) and for the last one's outputs (detokenizing, "
-        "stop checks) with the device running the current step; auto = on for CUDA unless speculative_method=ngram or speculative_lookup (any number of "
+        "stop checks) with the device running the current step; auto = on for CUDA, and with pipeline_parallel_size > 1 on any device, "
+        "unless speculative_method=ngram or speculative_lookup (any number of "
         "ranks; draft and eagle3 proposals are made on the device from the step in flight's tokens). A "
-        "sequence that the last step ended still runs in the current one (its row is dropped). on: also on a CPU, where it cannot "
-        "overlap anything (the steps run on the host): for tests."))
+        "sequence that the last step ended still runs in the current one (its row is dropped). With pipeline stages: a step per stage "
+        "in flight, on disjoint sequences. on: also on a CPU with one stage, where it cannot overlap anything (the steps run on the "
+        "host): for tests."))
     quantization: Literal["auto", "none", "gguf", "int8", "int4", "gptq", "awq", "compressed-tensors", "fp8"] = Field(
         "auto", description="Weight format: auto = a GPTQ, AWQ, compressed-tensors or fp8 checkpoint's own method (its config.json's "
                             "quantization_config), else none; gptq, awq, compressed-tensors = such a checkpoint's integer (or FP8) weights kept in "

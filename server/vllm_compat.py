@@ -16,7 +16,7 @@ NOTES: dict[str, str] = {
     "--config": "the same YAML mapping of flag names (dashes or underscores) to values; command-line flags override it",
     "--dtype": "half = float16, float = float32, as in vLLM; auto = float32 on CPU, bfloat16 on CUDA",
     "--async-scheduling": "bare = on, as in vLLM; kvpilot also takes `--async-scheduling` auto, on or off and its default is auto "
-                          "(on for CUDA unless n-gram lookups run)",
+                          "(on for CUDA or with pipeline stages, unless n-gram lookups run)",
     "--kv-cache-dtype": "auto, fp8 (= fp8_e4m3), and kvpilot's float32 and bfloat16; fp8_e5m2 is not supported",
     "--kv-cache-memory-bytes": "vLLM's 1k = 1000 and 1K = 1024 are kept; on a GPU, the KV cache's size (instead of "
                                "`--gpu-memory-utilization`'s share), as in vLLM",
@@ -49,7 +49,8 @@ NOTES: dict[str, str] = {
     "--log-level": "debug, info, warning, error",
     "--trust-remote-code": "no remote code is run: the architectures are kvpilot's own",
     "--download-dir": "`kvpilot fetch-model` downloads; the operator's model cache shares one download between pods",
-    "--pipeline-parallel-size": "tensor parallelism only (`--tensor-parallel-size`)",
+    "--pipeline-parallel-size": "the same (`-pp`): consecutive layers per stage, tensor parallelism inside each; async scheduling keeps a "
+                                "step per stage in flight; not with draft or EAGLE-3 speculation, nor a kv_role; one node (no Ray)",
     "--cpu-offload-gb": "`--kv-host-offload-size` is a host tier of the prefix cache, not weight offload",
     "--kv-offloading-size": "GiB of host memory for offloaded KV blocks: kvpilot's host tier of the prefix cache",
     "--kv-offloading-backend": "native only (lmcache is not supported); needs `--kv-offloading-size`",

@@ -922,3 +922,23 @@ def test_an_engine_given_a_certificate_is_probed_over_https(engine):
     assert inline["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     plain = container(deployment("svc", "ns", "uid-1", s.model_copy(update={"extra_args": []})))
     assert all("scheme" not in plain[p]["httpGet"] for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+
+
+def test_pipeline_stages_reach_every_engine_and_count_in_the_gpus():
+    """pipelineParallelSize: each engine's flag; a pod holds TP x PP GPUs; a combination kvpilot refuses
+    (a draft model beside stages) is a condition, not a crash loop."""
+    from kvpilot.operator.reconcile import parse_spec
+
+    settings = {"tensorParallelSize": 2, "pipelineParallelSize": 2}
+    c = container(deployment("svc", "ns", "u", spec(engineSettings=settings, resources={"gpuProduct": "NVIDIA-H100-80GB-HBM3"})))
+    cfg = EngineConfig.from_cli_args(engine_args(c))
+    assert (cfg.tensor_parallel_size, cfg.pipeline_parallel_size) == (2, 2) and c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    a = container(deployment("v", "ns", "u", spec(model={"source": "hf://org/m"}, engine="vllm", engineSettings=settings)))["args"]
+    assert a[a.index("--pipeline-parallel-size") + 1] == "2" and a[a.index("--tensor-parallel-size") + 1] == "2"
+    a = container(deployment("s", "ns", "u", spec(model={"source": "hf://org/m"}, engine="sglang", engineSettings=settings)))["args"]
+    assert a[a.index("--pp-size") + 1] == "2" and a[a.index("--tp-size") + 1] == "2"
+    assert "--pipeline-parallel-size" not in container(deployment("one", "ns", "u", spec(model={"source": "hf://org/m"}, engine="vllm")))["args"]
+    body = {"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"},
+                                                 "engineSettings": {"pipelineParallelSize": 2, "speculative": {"method": "draft", "draftModel": "smollm2-135m"}}}}
+    parsed, problems = parse_spec(body)
+    assert parsed is not None and problems[0][0] == "InvalidEngineSettings" and "pipeline_parallel_size=2" in problems[0][1]

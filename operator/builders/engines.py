@@ -138,7 +138,7 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = 
     """pool: of a disaggregated service, "prefill" or "decode" (None: one pool serves both phases)."""
     s = spec.engine_settings
     values = {"model": model_argument(spec), "served_model_name": served_name(spec, name),
-              "tensor_parallel_size": s.tensor_parallel_size}
+              "tensor_parallel_size": s.tensor_parallel_size, "pipeline_parallel_size": s.pipeline_parallel_size}
     for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
               "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory", "dtype", "kv_cache_dtype", "quantization", "enforce_eager"):
         v = getattr(s, f)
@@ -182,6 +182,8 @@ def vllm_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     s = spec.engine_settings
     args = ["--model", model_argument(spec), "--served-model-name", served_name(spec, name), "--host", "$(POD_IP)",
             "--port", str(PORT), "--tensor-parallel-size", str(s.tensor_parallel_size)]
+    if s.pipeline_parallel_size > 1:
+        args += ["--pipeline-parallel-size", str(s.pipeline_parallel_size)]
     flags = {"max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
              "block_size": "--block-size", "gpu_memory_utilization": "--gpu-memory-utilization", "dtype": "--dtype"}
     for f, flag in flags.items():
@@ -221,6 +223,8 @@ def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
     args = ["--model-path", model_argument(spec), "--served-model-name", served_name(spec, name), "--host", "$(POD_IP)",
             "--port", str(PORT), "--tp-size", str(s.tensor_parallel_size),
             "--enable-metrics"]  # SGLang exports no metrics without it, and the autoscaler needs them
+    if s.pipeline_parallel_size > 1:
+        args += ["--pp-size", str(s.pipeline_parallel_size)]
     flags = {"max_model_len": "--context-length", "max_num_seqs": "--max-running-requests",
              "max_num_batched_tokens": "--chunked-prefill-size", "gpu_memory_utilization": "--mem-fraction-static", "dtype": "--dtype"}
     for f, flag in flags.items():

@@ -150,7 +150,7 @@ def _resources(spec: InferenceServiceSpec, r: ResourceSpec) -> dict:
     limits: dict[str, str] = {}
     requests: dict[str, str] = {}
     if not r.cpu_only:
-        limits[r.gpu_resource] = str(spec.engine_settings.tensor_parallel_size)
+        limits[r.gpu_resource] = str(spec.engine_settings.gpus)
     if r.cpu:
         limits["cpu"] = requests["cpu"] = r.cpu
     if r.memory:

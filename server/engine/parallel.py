@@ -50,14 +50,6 @@ def backend(device_type: str, world_size: int) -> str:
     return "gloo"  # CPU, or several ranks sharing one GPU (NCCL needs a device per rank)
 
 
-_host_group = None  # the Channel's: every rank, gloo (host_group())
-
-
-def host_group():
-    """Every rank's gloo group, for host values (the default group may be NCCL)."""
-    return _host_group
-
-
 def join_stages(rank: int, config: EngineConfig, num_layers: int, device_type: str) -> tuple[TensorParallel | None, PipelineStage | None]:
     """After joining the process group and making the Channel: this rank's place (tensor-parallel
     position, pipeline stage; None where there is one). With stages, every stage's group is made here
@@ -87,8 +79,7 @@ class Channel:
     def __init__(self):
         import torch.distributed as dist
 
-        global _host_group
-        self.group = _host_group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo")
         self._sending: list = []  # the last message's sends in flight, with their tensors
 
     def send(self, message: Message) -> None:

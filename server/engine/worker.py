@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -81,6 +82,19 @@ class LaunchedStep:
             return ModelOutput([], [], prompt_logprobs=self.prompt_logprobs)
         result = self.sample.result()
         return ModelOutput(result.token_ids, result.logprobs, result.errors, self.prompt_logprobs)
+
+
+@dataclass(slots=True)
+class StageTime:
+    """Pipeline stages: the steps this rank ran its part of, and the seconds it computed (receiving and
+    handing on excluded): over a run's wall time, 1 - seconds / wall is the stage's idle share."""
+
+    steps: int = 0
+    seconds: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
 
 
 @dataclass(slots=True)
@@ -184,6 +198,7 @@ class Worker:
         self._load_staging: torch.Tensor | None = None      # write_blocks' gathering buffer (LOAD_CHUNK blocks)
         self._copies_queued = False
         self._sending: list = []  # pipeline stages: the hand-on of the step before, in flight, with its tensor
+        self.stage_time = StageTime()
         self.device = resolve_device(config, self.rank)
         self.dtype = resolve_dtype(config, self.device)
         self.kv_dtype = resolve_kv_dtype(config, self.dtype)
@@ -229,10 +244,8 @@ class Worker:
             return num_blocks
         import torch.distributed as dist
 
-        from kvpilot.server.engine.parallel import host_group
-
-        fewest = torch.tensor([num_blocks])
-        dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=host_group())
+        fewest = torch.tensor([num_blocks], device=self.device)  # (on the device: the default group may be NCCL)
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
         return int(fewest.item())
 
     def load(self, weights: WeightSource, quantization: str, group_size: int = 32, lora: tuple[int, int] | None = None,
@@ -529,17 +542,22 @@ class Worker:
         if self.model.lora is not None:
             self.model.lora.context.batch = inp.lora
         stage = self.stage
+        handed = self._handed_in(inp) if stage else None
+        started = time.perf_counter()
         try:
-            out = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, hidden=self._handed_in(inp) if stage else None)
+            out = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, hidden=handed)
         finally:
             if self.model.lora is not None:
                 self.model.lora.context.batch = None
         if stage is not None and not stage.last:
+            self.stage_time.add(time.perf_counter() - started)
             self._hand_on(out, stage.next_rank)
             return [], None, None
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         prompt_logits = [self.model.compute_logits(hidden[r.first_row:r.first_row + len(r.target_ids)]) for r in inp.prompt_logprobs]
         logits = self.model.compute_logits(hidden[inp.logits_indices]) if sampled else None
+        if stage is not None:
+            self.stage_time.add(time.perf_counter() - started)
         if stage is not None and stage.rank == stage.last_stage_rank and (parts := [*prompt_logits, *([logits] if sampled else [])]):
             self._hand_on(torch.cat(parts), 0)
         return prompt_logits, logits, aux
@@ -655,6 +673,7 @@ class Worker:
     def describe(self) -> dict:
         """What this rank holds: projection weight bytes, KV heads and KV cache bytes (tests, logs)."""
         return {"rank": self.rank, "layers": [self.model.first_layer, self.model.first_layer + len(self.model.layers)],
+                "stage_steps": self.stage_time.steps, "stage_seconds": self.stage_time.seconds,
                 "projection_bytes": projection_bytes(self.model), "kv_heads": self.model.num_kv_heads,
                 "kv_cache_bytes": sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches),
                 **(self.drafter.describe() if self.drafter is not None else {})}

@@ -76,10 +76,10 @@ class DecoderModel(nn.Module):
         # A tied head is the embedding matrix; on CPU it is packed for the matmul (a second copy,
         # 113 MB for SmolLM2, repaid by a 3x faster head on every decode step) — except GGUF blocks
         # in panels (GGUFLinear), which the lookup reads too: one copy.
+        self.vocab_rows = (embed if embed is not None else lm_head).shape[0]  # this rank's
         self.lm_head = make_linear(lm_head) if lm_head is not None else None
         if lm_head is embed and isinstance(self.lm_head, GGUFLinear):
             embed = self.lm_head
-        self.vocab_rows = (embed if embed is not None else lm_head).shape[0]  # this rank's
         # Packed (quantization gguf): the GGUF's blocks, dequantized row by row on lookup.
         self.embed = embed if embed is None or isinstance(embed, (GGUFWeight, GGUFLinear)) else nn.Parameter(embed, requires_grad=False)
 
