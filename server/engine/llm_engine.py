@@ -154,6 +154,8 @@ class LLMEngine:
         config = self.config
         if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
             return None
+        import torch
+
         from kvpilot.server.engine.parallel import Workers
         from kvpilot.server.engine.worker import resolve_device
         from kvpilot.server.models.sharding import check_pipeline_parallel, check_tensor_parallel
@@ -161,7 +163,12 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(self.model_config, config.tensor_parallel_size)
         check_pipeline_parallel(self.model_config, config.pipeline_parallel_size)
-        return Workers(config, self.model_path, resolve_device(config).type, self.model_config.num_layers, split_draft)
+        device = resolve_device(config).type
+        ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+        if device == "cuda" and config.pipeline_parallel_size > 1 and (gpus := torch.cuda.device_count()) < ranks:
+            raise ValueError(f"pipeline_parallel_size={config.pipeline_parallel_size} on CUDA needs a GPU per rank (stages hand tensors on "
+                             f"point-to-point over NCCL; gloo, the fallback when GPUs are shared, sends none from a GPU): {ranks} ranks, {gpus} GPUs")
+        return Workers(config, self.model_path, device, self.model_config.num_layers, split_draft)
 
     def _drafter(self, target_weights, draft, split: bool):
         """What makes rank 0's drafter on its worker (draft model, EAGLE-3 head), or None. draft: the draft
@@ -416,6 +423,8 @@ class LLMEngine:
         if self._pipeline and (len(self._pipeline) >= self.steps_in_flight or launched is None):
             outputs += self._complete(self._pipeline.popleft())
         if failed is not None:
+            while self._pipeline:  # (their inputs stay theirs: the re-runs build one input each)
+                outputs += self._complete(self._pipeline.popleft())
             outputs += self._isolate(failed)
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.flush()

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections import deque
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -70,34 +71,32 @@ class Channel:
     makes it right after joining the process group (new_group is collective).
 
     Rank 0 does not wait for a message to be taken (a gloo send completes only once its receiver
-    asks for it): with pipeline stages it goes on to its next step while later stages still run
-    earlier ones, which take their messages in order; the sends of the message before are waited for
-    before the next (long taken by then)."""
+    asks for it): with pipeline stages it goes on to its next steps while later stages still run
+    earlier ones, which take their messages in order. Up to `in_flight` messages may be untaken (a
+    step per stage: the last stage takes a step's message once it is done with the one S - 1 before);
+    beyond, the oldest is waited for."""
 
     TAG = 1
 
-    def __init__(self):
+    def __init__(self, in_flight: int = 1):
         import torch.distributed as dist
 
         self.group = dist.new_group(backend="gloo")
-        self._sending: list = []  # the last message's sends in flight, with their tensors
+        self.in_flight = in_flight
+        self._sending: deque[list] = deque()  # per message not known to be taken: its sends, with their tensors
 
     def send(self, message: Message) -> None:
         import torch
         import torch.distributed as dist
 
-        self.flush()
+        while len(self._sending) >= self.in_flight:
+            for work, _ in self._sending.popleft():
+                work.wait()
         data = encode(message)
         size, payload = torch.tensor([len(data)], dtype=torch.long), torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        for rank in range(1, dist.get_world_size(self.group)):
-            self._sending += [(dist.isend(size, rank, group=self.group, tag=self.TAG), size),
-                              (dist.isend(payload, rank, group=self.group, tag=self.TAG), payload)]
-
-    def flush(self) -> None:
-        """Rank 0: wait until every rank took the last message."""
-        for work, _ in self._sending:
-            work.wait()
-        self._sending = []
+        self._sending.append([(work, t) for rank in range(1, dist.get_world_size(self.group))
+                              for work, t in ((dist.isend(size, rank, group=self.group, tag=self.TAG), size),
+                                              (dist.isend(payload, rank, group=self.group, tag=self.TAG), payload))])
 
     def receive(self) -> Message:
         import torch
@@ -165,7 +164,7 @@ class Workers:
         try:
             dist.init_process_group(backend(device_type, self.world_size), init_method=init_method, rank=0, world_size=self.world_size,
                                     timeout=COLLECTIVE_TIMEOUT)
-            self.channel = Channel()
+            self.channel = Channel(in_flight=config.pipeline_parallel_size)
             self.tp, self.stage = join_stages(0, config, num_layers, device_type)
         except BaseException:
             self._closing = True

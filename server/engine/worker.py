@@ -269,7 +269,7 @@ class Worker:
         """A checkpoint's own KV scales, else calibrated (kv_scales.py); set on the model's attention layers."""
         scales = weights.kv_scales() if hasattr(weights, "kv_scales") else None
         source = "the checkpoint's"
-        if scales is not None and model.first_layer:  # a pipeline stage's layers
+        if scales is not None and model.stage is not None:  # a pipeline stage's layers
             scales = scales[model.first_layer:model.first_layer + len(model.layers)]
         if scales is None:
             if self.stage is not None:

@@ -76,7 +76,7 @@ class DecoderModel(nn.Module):
         # A tied head is the embedding matrix; on CPU it is packed for the matmul (a second copy,
         # 113 MB for SmolLM2, repaid by a 3x faster head on every decode step) — except GGUF blocks
         # in panels (GGUFLinear), which the lookup reads too: one copy.
-        self.vocab_rows = (embed if embed is not None else lm_head).shape[0]  # this rank's
+        self.vocab_rows = next((t.shape[0] for t in (embed, lm_head) if t is not None), 0)  # this rank's (a middle stage: none)
         self.lm_head = make_linear(lm_head) if lm_head is not None else None
         if lm_head is embed and isinstance(self.lm_head, GGUFLinear):
             embed = self.lm_head
