@@ -89,10 +89,40 @@ def kv_tiers_ttft(data: dict, plt):
     return fig
 
 
+def pipeline(data: dict, plt):
+    """bench/tp.py --only pp: output tokens per second of one rank and of two pipeline stages at each number of
+    streams (the ratio above), and each stage's idle share."""
+    rows = data["results"]
+    number = lambda text: float(text.rstrip("%"))  # noqa: E731 - the table's cells ("12.9", "57%")
+    streams = [str(r["streams"]) for r in rows]
+    fig, (rate, idle) = plt.subplots(1, 2, figsize=(8, 3), dpi=100)
+    x, width = range(len(rows)), 0.38
+    one = [number(r["1 rank tok/s"]) for r in rows]
+    two = [number(r["PP=2 tok/s"]) for r in rows]
+    rate.bar([i - width / 2 for i in x], one, width, color="#a0aec0", label="1 rank")
+    bars = rate.bar([i + width / 2 for i in x], two, width, color="#2b6cb0", label="PP=2")
+    for bar, b, r in zip(bars, two, rows):  # (the run's ratio, of the unrounded rates)
+        rate.annotate(f"{r['PP=2 / 1 rank']}×", (bar.get_x() + bar.get_width() / 2, b), ha="center", va="bottom", fontsize=8)
+    rate.set_xticks(list(x), streams)
+    rate.set_xlabel("streams", fontsize=9)
+    rate.set_ylabel("output tok/s", fontsize=9)
+    rate.set_ylim(0, max(one + two) * 1.18)
+    rate.legend(fontsize=8, loc="upper left")
+    for k, color in ((0, "#4a5568"), (1, "#63b3ed")):
+        idle.bar([i + (k - 0.5) * width for i in x], [number(r[f"stage {k} idle"]) for r in rows], width, color=color, label=f"stage {k}")
+    idle.set_xticks(list(x), streams)
+    idle.set_xlabel("streams", fontsize=9)
+    idle.set_ylabel("idle share, %", fontsize=9)
+    idle.set_ylim(0, 100)
+    idle.legend(fontsize=8)
+    return fig
+
+
 PLOTS: dict[str, tuple[str, Callable]] = {
     "peers-xeon-no-amx.png": ("peers-xeon-no-amx.json", peers),
     "demo-timeline.png": ("demo-timeline.json", demo_timeline),
     "kv-tiers-ttft.png": ("kv-tiers-ttft.json", kv_tiers_ttft),
+    "pipeline-xeon-no-amx.png": ("pipeline-xeon-no-amx.json", pipeline),
 }
 
 

@@ -173,7 +173,7 @@ def main() -> None:
         if args.json:
             from common import save_results
 
-            save_results(args.json, pipeline=measured, model=model, assumptions=assumptions)
+            save_results(args.json, results=measured, model=model, assumptions=assumptions)
         if args.only == "pp":
             return
     cores = os.cpu_count() or 1
