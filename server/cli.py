@@ -82,6 +82,21 @@ def _serve(ns: argparse.Namespace) -> int:
     return run_server(ns)
 
 
+def _serve_worker(ns: argparse.Namespace) -> int:
+    from kvpilot.server.threads import configure_threads
+
+    _hub_model(ns)
+    config = _engine_config(ns)
+    if config.group_rank == 0:
+        raise ValueError("serve-worker runs a group's pod other than its leader: --group-rank 1 or more (the leader runs serve)")
+    configure_threads(config.num_threads)
+    from kvpilot.server.config import ServerConfig
+    from kvpilot.server.engine.parallel import serve_group_pod
+
+    host = ns.host or ServerConfig(host=None).bind_host
+    return serve_group_pod(config, host, ns.port)
+
+
 def _fetch_model(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -149,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(serve, EngineConfig)
     add_model_args(serve, ServerConfig)
     serve.set_defaults(func=_serve)
+    worker = sub.add_parser("serve-worker", help="run one pod of a serving group other than its leader (--group-rank, --group-leader): "
+                                                 "its share of the ranks, and /health and /ready")
+    worker.add_argument("model_arg", nargs="?", metavar="MODEL", help=MODEL_HELP)
+    worker.add_argument("--config", metavar="FILE.yaml", help=CONFIG_HELP)
+    worker.add_argument("--host", default=None, help="address /health and /ready are served on (default: 0.0.0.0 in a pod, else 127.0.0.1)")
+    worker.add_argument("--port", type=int, default=8000, help="port of /health and /ready (default: 8000)")
+    add_model_args(worker, EngineConfig)
+    worker.set_defaults(func=_serve_worker)
     fetch = sub.add_parser("fetch-model", help="download a model file (https://…/file.gguf, hf://org/repo/file) or a whole "
                                                "checkpoint (hf://org/repo) to DEST; an interrupted download resumes when run again")
     fetch.add_argument("source")

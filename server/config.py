@@ -121,6 +121,16 @@ class EngineConfig(BaseModel):
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description=(
         "Stages the model's layers are split over (consecutive layers each, the embedding on the first, the final norm and LM head on the "
         "last), each stage tensor_parallel_size ranks: ranks (GPUs) = TP x PP. Not with draft or eagle3 speculation, nor a kv_role."))
+    group_size: int = Field(1, ge=1, le=64, description=(
+        "Pods serving one replica together (a LeaderWorkerSet group): the TP x PP ranks split evenly over them, in rank order, each "
+        "pod starting its share. The leader (group_rank 0) runs `kvpilot serve` and hosts the ranks' rendezvous on group_port; the "
+        "others run `kvpilot serve-worker` with group_leader set."))
+    group_rank: int = Field(0, ge=0, le=63, description="This pod's place in its group (LeaderWorkerSet's LWS_WORKER_INDEX; 0: the leader).")
+    group_leader: str | None = Field(None, max_length=253, description=(
+        "group_rank > 0: the leader pod's address (LeaderWorkerSet's LWS_LEADER_ADDRESS), whose group_port the ranks meet at."))
+    group_port: int = Field(29500, ge=1, le=65535, description="The port the group's leader hosts the ranks' rendezvous on.")
+    group_join_timeout: float = Field(300.0, gt=0, description=(
+        "Seconds the leader waits for every rank of the group to join; past them it stops, naming the ranks (and pods) missing."))
     speculative_method: Literal["ngram", "draft", "eagle3"] | None = Field(
         None, description="Speculative decoding: ngram (prompt lookup), draft (a small model given by --speculative-model) or eagle3 (an "
                           "EAGLE-3 head, --speculative-model its directory, drafting from the model's own hidden states); off when unset.")
@@ -270,6 +280,20 @@ class EngineConfig(BaseModel):
                              "there (ngram speculation works: it proposes and verifies on rank 0)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
+        return self
+
+    @model_validator(mode="after")
+    def _group_consistent(self) -> EngineConfig:
+        ranks = self.tensor_parallel_size * self.pipeline_parallel_size
+        if ranks % self.group_size:
+            raise ValueError(f"group_size={self.group_size} must divide the {ranks} ranks (tensor_parallel_size x pipeline_parallel_size): "
+                             "every pod of a group holds the same number")
+        if self.group_rank >= self.group_size:
+            raise ValueError(f"group_rank={self.group_rank} is past group_size={self.group_size}")
+        if self.group_rank > 0 and not self.group_leader:
+            raise ValueError(f"group_rank={self.group_rank} needs group_leader (the leader pod's address)")
+        if self.group_size == 1 and (self.group_leader or self.group_rank):
+            raise ValueError("group_leader and group_rank are for a group of pods (group_size > 1)")
         return self
 
     @model_validator(mode="after")
@@ -454,7 +478,7 @@ def format_size(n: int) -> str:
 # --help's argument groups: a field's group is the first that names it (an entry ending in "_" names a prefix).
 _GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("model", "served_model_name", "max_model_len", "dtype", "quantization", "quantization_group_size", "seed", "device",
-               "num_threads", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size", "generation_config", "chat_template", "tokenizer", "revision")),
+               "num_threads", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size", "group_", "generation_config", "chat_template", "tokenizer", "revision")),
     ("cache", ("block_size", "enable_prefix_caching", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization",
                "kv_offload_", "kv_host_offload_size")),
     ("KV transfer (prefill/decode)", ("kv_role", "kv_transfer_")),

@@ -51,6 +51,11 @@ NOTES: dict[str, str] = {
     "--download-dir": "`kvpilot fetch-model` downloads; the operator's model cache shares one download between pods",
     "--pipeline-parallel-size": "the same (`-pp`): consecutive layers per stage, tensor parallelism inside each; async scheduling keeps a "
                                 "step per stage in flight; not with draft or EAGLE-3 speculation, nor a kv_role; one node (no Ray)",
+    "--nnodes": "kvpilot's `--group-size`: the pods of a group, the ranks split evenly over them",
+    "--node-rank": "kvpilot's `--group-rank` (LeaderWorkerSet's LWS_WORKER_INDEX)",
+    "--master-addr": "kvpilot's `--group-leader` (LWS_LEADER_ADDRESS), on the pods other than the leader",
+    "--master-port": "kvpilot's `--group-port`",
+    "--headless": "kvpilot's `serve-worker` subcommand: a group's pod other than the leader (/health and /ready, no API)",
     "--cpu-offload-gb": "`--kv-host-offload-size` is a host tier of the prefix cache, not weight offload",
     "--kv-offloading-size": "GiB of host memory for offloaded KV blocks: kvpilot's host tier of the prefix cache",
     "--kv-offloading-backend": "native only (lmcache is not supported); needs `--kv-offloading-size`",

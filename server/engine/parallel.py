@@ -43,12 +43,54 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("KVPILOT_TP_TIMEOUT_
 
 log = logging.getLogger(__name__)
 
-def backend(device_type: str, world_size: int) -> str:
+def backend(device_type: str, ranks_here: int) -> str:
+    """ranks_here: the ranks on this machine (a group's pod holds its share)."""
     import torch
 
-    if device_type == "cuda" and torch.cuda.device_count() >= world_size:
+    if device_type == "cuda" and torch.cuda.device_count() >= ranks_here:
         return "nccl"
     return "gloo"  # CPU, or several ranks sharing one GPU (NCCL needs a device per rank)
+
+
+class GroupJoinTimeout(RuntimeError):
+    """Ranks of a group of pods did not join in time (the message names them and their pods)."""
+
+
+GROUP_KEYS = "kvpilot/"  # the group's keys in its rendezvous store: joined/<rank>, heartbeat/<pod>, ready
+HEARTBEAT_S = 1.0        # a group's pods tick their heartbeat this often
+HEARTBEAT_MISSED_S = 10.0  # the leader stops the group when a pod's heartbeat is this old
+
+
+def join(rank: int, world_size: int, rendezvous: str | tuple[str, int], device_type: str, ranks_here: int,
+         join_timeout: float = 300.0, pod_of=None):
+    """Join the ranks' process group. rendezvous: a file:// init method (one pod: every rank a process of
+    it), or (host, port): a group of pods, whose leader's rank 0 hosts a TCP store there; every rank says
+    it joined, and rank 0 waits for all of them (join_timeout), naming the ranks (pod_of(rank): their pod)
+    that did not. The group's store (None for one pod)."""
+    import torch.distributed as dist
+
+    if isinstance(rendezvous, str):
+        dist.init_process_group(backend(device_type, ranks_here), init_method=rendezvous, rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+        return None
+    import time
+
+    host, port = rendezvous
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=join_timeout), wait_for_workers=False)
+    store.set(f"{GROUP_KEYS}joined/{rank}", "1")
+    if rank == 0:
+        deadline = time.monotonic() + join_timeout
+        keys = [f"{GROUP_KEYS}joined/{r}" for r in range(world_size)]
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if not store.check([keys[r]])]
+                where = f" (pods {sorted({pod_of(r) for r in missing})})" if pod_of else ""
+                raise GroupJoinTimeout(f"ranks {missing} of {world_size}{where} did not join the group at port {port} within "
+                                   f"{join_timeout:g} s (group_join_timeout): is every pod of the group running `kvpilot serve-worker` "
+                                   "with this pod as its group_leader?")
+            time.sleep(0.2)
+    dist.init_process_group(backend(device_type, ranks_here), store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    return store
 
 
 def join_stages(rank: int, config: EngineConfig, num_layers: int, device_type: str) -> tuple[TensorParallel | None, PipelineStage | None]:
@@ -146,15 +188,17 @@ class Workers:
             raise RuntimeError("a tensor-parallel engine is already running in this process: close it first (LLM.engine.close())")
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self.stages = config.pipeline_parallel_size
+        self.pods, self.ranks_per_pod = config.group_size, self.world_size // config.group_size
         self._closing = False
         self._store_dir = tempfile.mkdtemp(prefix="kvpilot-tp-")  # the rendezvous file; removed at close
-        init_method = f"file://{Path(self._store_dir) / 'store'}"
+        # One pod: a file beside every rank. A group: the TCP store rank 0 hosts on group_port (this pod's ranks reach it locally).
+        rendezvous = f"file://{Path(self._store_dir) / 'store'}" if self.pods == 1 else ("127.0.0.1", config.group_port)
         ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of rank 0's threads or torch state
         self._errors = ctx.SimpleQueue()
         self.procs = [ctx.Process(target=worker_main, name=f"kvpilot-tp-rank{rank}", daemon=True,
-                                  args=(rank, self.world_size, init_method, config.model_dump(), str(model_path), device_type, self._errors,
+                                  args=(rank, self.world_size, rendezvous, config.model_dump(), str(model_path), device_type, self._errors,
                                         str(split_draft) if split_draft else None))
-                      for rank in range(1, self.world_size)]
+                      for rank in range(1, self.ranks_per_pod)]
         for p in self.procs:
             p.start()
         import atexit
@@ -162,16 +206,41 @@ class Workers:
         atexit.register(self.close)  # before the interpreter's exit stops the ranks (the watchdog must know it is expected)
         threading.Thread(target=self._watch, name="kvpilot-tp-watchdog", daemon=True).start()
         try:
-            dist.init_process_group(backend(device_type, self.world_size), init_method=init_method, rank=0, world_size=self.world_size,
-                                    timeout=COLLECTIVE_TIMEOUT)
+            self._store = join(0, self.world_size, rendezvous, device_type, self.ranks_per_pod, config.group_join_timeout,
+                               lambda rank: rank // self.ranks_per_pod)
             self.channel = Channel(in_flight=config.pipeline_parallel_size)
             self.tp, self.stage = join_stages(0, config, num_layers, device_type)
-        except BaseException:
+        except BaseException as e:
             self._closing = True
             for p in self.procs:
                 p.kill()
             shutil.rmtree(self._store_dir, ignore_errors=True)
+            if isinstance(e, GroupJoinTimeout):  # the server stops with the cause, as when a rank dies
+                fatal(str(e))
             raise
+        if self._store is not None:
+            self._store.set(f"{GROUP_KEYS}ready", "1")  # the group's other pods answer ready from now on
+            threading.Thread(target=self._watch_pods, name="kvpilot-group-watchdog", daemon=True).start()
+
+    def _watch_pods(self) -> None:
+        """A group's leader: every other pod's heartbeat must tick; a pod silent for HEARTBEAT_MISSED_S (its
+        process gone, its machine down or cut off) stops the server with its cause, as a dead local rank does."""
+        import time
+
+        seen = {pod: (-1, time.monotonic()) for pod in range(1, self.pods)}
+        while not self._closing:
+            time.sleep(HEARTBEAT_S)
+            for pod, (count, since) in seen.items():
+                try:
+                    now = self._store.add(f"{GROUP_KEYS}heartbeat/{pod}", 0)
+                except Exception:  # noqa: BLE001 - the store is this process's own: only closing ends it
+                    return
+                if now != count:
+                    seen[pod] = (now, time.monotonic())
+                elif time.monotonic() - since > HEARTBEAT_MISSED_S and not self._closing:
+                    first = pod * self.ranks_per_pod
+                    fatal(f"group pod {pod} of {self.pods} (ranks {first}-{first + self.ranks_per_pod - 1}) stopped answering: "
+                          f"no heartbeat for {time.monotonic() - since:.0f} s")
 
     def _watch(self) -> None:
         from multiprocessing.connection import wait
@@ -248,22 +317,20 @@ class Workers:
         shutil.rmtree(self._store_dir, ignore_errors=True)
 
 
-def worker_main(rank: int, world_size: int, init_method: str, config: dict, model_path: str, device_type: str, errors,
+def worker_main(rank: int, world_size: int, rendezvous: str | tuple[str, int], config: dict, model_path: str, device_type: str, errors,
                 split_draft: str | None = None) -> None:
-    """Ranks 1…N−1: load this rank's shard, then run steps until rank 0 says stop."""
+    """Ranks 1…N−1 (of this pod: a group's others run on theirs): load this rank's shard, then run steps
+    until rank 0 says stop."""
     engine_config = EngineConfig(**config)
     from kvpilot.server.threads import configure_threads
 
     configure_threads(engine_config.num_threads)
     try:
-        import torch.distributed as dist
-
         from kvpilot.server.engine.kv_scales import kv_calibration_ids
         from kvpilot.server.engine.worker import Worker
         from kvpilot.server.loading import open_model
 
-        dist.init_process_group(backend(device_type, world_size), init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=COLLECTIVE_TIMEOUT)
+        join(rank, world_size, rendezvous, device_type, world_size // engine_config.group_size, engine_config.group_join_timeout)
         channel = Channel()
         weights, tokenizer = open_model(Path(model_path))
         tp, stage = join_stages(rank, engine_config, weights.config.num_layers, device_type)
@@ -285,3 +352,98 @@ def worker_main(rank: int, world_size: int, init_method: str, config: dict, mode
     except BaseException as e:  # rank 0 went away (connection closed) or a step failed here
         errors.put(f"failed in a step: {type(e).__name__}: {e}")
         sys.exit(1)
+
+
+def serve_group_pod(config: EngineConfig, host: str, port: int) -> int:
+    """`kvpilot serve-worker`: a pod of a group other than its leader. It starts its share of the ranks
+    (group_rank's, in rank order), which meet the leader's at group_leader:group_port and then run every
+    step rank 0 sends; it ticks its heartbeat in the group's store (the leader stops the group when it
+    goes silent) and serves /health (200 while its ranks live and the leader answers) and /ready (200
+    once the whole group joined) on host:port. It ends with its first rank: 0 when the leader stopped
+    the group, else non-zero with the cause (the container's termination message), as the leader does."""
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from multiprocessing.connection import wait
+
+    import torch.distributed as dist
+
+    from kvpilot.server.engine.worker import resolve_device
+    from kvpilot.server.model_files import resolve_model_path
+
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    per_pod = world // config.group_size
+    first = config.group_rank * per_pod
+    model_path = resolve_model_path(config.model)
+    device_type = resolve_device(config).type
+    rendezvous = (config.group_leader, config.group_port)
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    procs = [ctx.Process(target=worker_main, name=f"kvpilot-rank{rank}", daemon=True,
+                         args=(rank, world, rendezvous, config.model_dump(), str(model_path), device_type, errors))
+             for rank in range(first, first + per_pod)]
+    for p in procs:
+        p.start()
+
+    def stop(message: str) -> None:
+        for p in procs:  # (a fatal exit does not end daemon processes: a container's end would, a test's would not)
+            p.kill()
+        fatal(message)
+
+    try:
+        store = dist.TCPStore(config.group_leader, config.group_port, world, is_master=False,
+                              timeout=timedelta(seconds=config.group_join_timeout))
+    except Exception as e:  # noqa: BLE001 - (its ranks, daemons, end with this process)
+        stop(f"group pod {config.group_rank}: could not reach the group's leader at {config.group_leader}:{config.group_port} within "
+              f"{config.group_join_timeout:g} s (group_join_timeout): {type(e).__name__}: {e}")
+    state = {"leader": True}
+
+    def heartbeat() -> None:
+        while True:
+            try:
+                store.add(f"{GROUP_KEYS}heartbeat/{config.group_rank}", 1)
+            except Exception as e:  # noqa: BLE001 - the leader's store is gone: so is the group
+                state["leader"] = False
+                deadline = time.monotonic() + 5  # a leader that stopped the group told the ranks first: they end cleanly
+                while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if all(p.exitcode == 0 for p in procs):
+                    return
+                stop(f"group pod {config.group_rank}: the group's leader at {config.group_leader}:{config.group_port} went away "
+                      f"({type(e).__name__}: {e})")
+            time.sleep(HEARTBEAT_S)
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            alive = all(p.is_alive() for p in procs) and state["leader"]
+            if self.path == "/health":
+                ok = alive
+            elif self.path == "/ready":
+                ok = alive and store.check([f"{GROUP_KEYS}ready"])
+            else:
+                self.send_error(404)
+                return
+            body = b"ok" if ok else b"not ready"
+            self.send_response(200 if ok else 503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # probes every few seconds: not logged
+            pass
+
+    server = ThreadingHTTPServer((host, port), Health)
+    threading.Thread(target=heartbeat, name="kvpilot-group-heartbeat", daemon=True).start()
+    threading.Thread(target=server.serve_forever, name="kvpilot-group-health", daemon=True).start()
+    log.info("group pod %d of %d: ranks %d-%d, leader %s:%d, health on %s:%d", config.group_rank, config.group_size, first,
+             first + per_pod - 1, config.group_leader, config.group_port, host, server.server_address[1])
+    ready = wait([p.sentinel for p in procs])
+    dead = next(p for p in procs if p.sentinel in ready)
+    dead.join(5)
+    if dead.exitcode == 0:  # rank 0 said stop: the others follow
+        for p in procs:
+            p.join(10)
+        server.shutdown()
+        return 0
+    cause = errors.get() if not errors.empty() else f"exit code {dead.exitcode}"
+    stop(f"group pod {config.group_rank}: rank {first + procs.index(dead)} of {world} stopped: {cause}")
+    return 70
