@@ -70,6 +70,20 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def rank_pids(server_pid: int) -> list[int]:
+    """A server's rank processes (multiprocessing spawn children), in start order."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == server_pid and b"spawn_main" in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return sorted(pids)
+
+
 def metrics(url: str) -> dict[str, float]:
     """/metrics parsed with prometheus_client's parser: {sample name + sorted labels: value}. Every engine
     family (kvpilot:) is checked against the declared ones (server/api/metrics.py FAMILIES, the docs'

@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (gloo, ranks as processes): SmolLM2-135M over 3 ranks gives HF's greedy
 ids (vLLM's rule) batched with chunked prefill, prompt logprobs within 2e-4 of HF's; each rank holds a
 third of the projections and one of the 3 KV heads; 2 ranks are refused with the head counts; a
-rank that dies takes the server down with a non-zero exit and its cause in the termination message."""
+rank that dies (or a pipeline stage: the same watchdog) takes the server down with a non-zero exit and its cause in the
+termination message."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from oracle import ORACLE_PROMPTS, ORACLE_STEPS, compare_greedy
-from server_harness import ServerProcess, machine_state
+from server_harness import ServerProcess, machine_state, rank_pids
 
 WORLD = 3
 
@@ -87,45 +88,34 @@ def test_two_ranks_are_refused_with_the_head_counts():
         LLM(num_threads=1, show_progress=False, tensor_parallel_size=2)
 
 
-def _rank_pids(server_pid: int) -> list[int]:
-    """The server's tensor-parallel rank processes (multiprocessing spawn children)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if ppid == server_pid and b"spawn_main" in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return pids
-
-
 @pytest.mark.timeout(180)
-def test_a_dead_rank_stops_the_server_with_its_cause(tmp_path):
+@pytest.mark.parametrize("flags, killed, cause", [(("--tensor-parallel-size", "3"), -1, "tensor-parallel rank 2 of 3 stopped"),
+                                                  (("--pipeline-parallel-size", "2"), 0, "pipeline stage 1 of 2 (rank 1 of 2) stopped")],
+                         ids=["tensor-parallel", "pipeline-stage"])
+def test_a_dead_rank_stops_the_server_with_its_cause(tmp_path, flags, killed, cause):
     import httpx
 
     termination = tmp_path / "termination-log"
     termination.write_text("")
-    s = ServerProcess("--tensor-parallel-size", str(WORLD), "--kv-cache-memory", "32MiB", log_path=tmp_path / "log",
-                      env={"KVPILOT_TERMINATION_LOG": str(termination)})
+    s = ServerProcess(*flags, "--kv-cache-memory", "16MiB", log_path=tmp_path / "log", env={"KVPILOT_TERMINATION_LOG": str(termination)})
     try:
         s.wait_ready()
         r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=60)
         assert r.status_code == 200, r.text
-        ranks = _rank_pids(s.proc.pid)
-        assert len(ranks) == WORLD - 1
-        os.kill(ranks[-1], signal.SIGKILL)
+        ranks = rank_pids(s.proc.pid)
+        assert len(ranks) == int(flags[1]) - 1
+        os.kill(ranks[killed], signal.SIGKILL)
         assert s.proc.wait(30) == 70
         with pytest.raises(httpx.HTTPError):
             httpx.get(s.url + "/ready", timeout=2)
-        assert "tensor-parallel rank 2 of 3 stopped" in s.log()
-        assert termination.read_text().startswith("tensor-parallel rank 2 of 3 stopped") and "exit code -9" in termination.read_text()
-        deadline = time.monotonic() + 20  # the other rank goes too (its connection to rank 0 closed)
-        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]
-                                                  for p in ranks[:-1]):
+        assert cause in s.log()
+        assert termination.read_text().startswith(cause) and "exit code -9" in termination.read_text()
+        others = [p for p in ranks if p != ranks[killed]]
+        alive = lambda: any(Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2] for p in others)  # noqa: E731
+        deadline = time.monotonic() + 20  # the other ranks go too (their connection to rank 0 closed)
+        while time.monotonic() < deadline and alive():
             time.sleep(0.5)
-        assert not any(Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2] for p in ranks[:-1])
+        assert not alive()
     finally:
         s.terminate()
 
