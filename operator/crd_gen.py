@@ -76,6 +76,8 @@ def crd() -> dict:
     spec.pop("default", None)
     spec["description"] = InferenceServiceSpec.__doc__.strip().splitlines()[0]
     columns = [
+        {"name": "Model", "type": "string", "jsonPath": ".spec.model.source", "description": "Where the weights come from"},
+        {"name": "Engine", "type": "string", "jsonPath": ".spec.engine", "description": "kvpilot, vllm or sglang"},
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready pods (of a disaggregated service: decode pods)"},
         {"name": "Status", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason",
          "description": "Why Ready is what it is: Serving, ScaledToZero, NoReadyPods, or what keeps pods from running"},
@@ -90,6 +92,8 @@ def crd() -> dict:
         {"name": "Adapters", "type": "integer", "jsonPath": ".status.adapterCount", "description": "LoRA adapters in spec.adapters (per-adapter pods: kubectl describe)"},
         {"name": "ColdStart", "type": "number", "jsonPath": ".status.lastColdStart.totalSeconds", "priority": 1,
          "description": "The newest engine pod's start, created to Ready, seconds (phases: kubectl describe)"},
+        {"name": "URL", "type": "string", "jsonPath": ".status.endpoint", "priority": 1,
+         "description": "The in-cluster OpenAI API base URL (kubectl get -o wide)"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     return {

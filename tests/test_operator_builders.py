@@ -251,8 +251,8 @@ def test_crds_are_fresh():
     crd = yaml.safe_load(text)
     v = crd["spec"]["versions"][0]
     assert v["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas", "labelSelectorPath": ".status.selector"}
-    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Ready", "Status", "Replicas", "Desired", "Prefill", "PrefillDesired", "KV", "Queue",
-                                                                   "Adapters", "ColdStart", "Age"]
+    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Model", "Engine", "Ready", "Status", "Replicas", "Desired", "Prefill",
+                                                                   "PrefillDesired", "KV", "Queue", "Adapters", "ColdStart", "URL", "Age"]
     assert "kvis" in crd["spec"]["names"]["shortNames"]
     props = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     assert all(p.get("description") for p in props.values())
