@@ -10,7 +10,7 @@ each stage's idle share (1 - its compute seconds / the run's wall time), and a m
 cluster computed from the measured per-stage compute and hand-off times (a model with its
 assumptions, printed: not a measurement).
 
-    python bench/tp.py [--tokens 64] [--only tp|pp] [--json PATH]
+    python bench/tp.py [--tokens 64] [--only tp|pp] [--pp-partition 19 11] [--json PATH]
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from common import machine, refuse_if_busy, table  # noqa: E402
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def engine_run(world: int, threads: int, streams: int, tokens: int, stages: int = 1) -> tuple[float, float, list[dict]]:
+def engine_run(world: int, threads: int, streams: int, tokens: int, stages: int = 1, partition: list[int] | None = None) -> tuple[float, float, list[dict]]:
     """(output tok/s, wall seconds, each rank's StageTime over the measured run: steps and compute seconds)."""
     from kvpilot.server import LLM, SamplingParams
 
-    llm = LLM(num_threads=threads, show_progress=False, tensor_parallel_size=world, pipeline_parallel_size=stages, kv_cache_memory="128MiB")
+    llm = LLM(num_threads=threads, show_progress=False, tensor_parallel_size=world, pipeline_parallel_size=stages, kv_cache_memory="128MiB",
+              pipeline_layer_partition=partition)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate([PROMPT] * streams, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     before = llm.engine.describe_ranks()
@@ -127,12 +128,12 @@ def hand_off_latency(rows: int, hidden: int, reps: int = 200) -> float:
 LINKS = {"25 Gb/s Ethernet, 30 µs": (25e9 / 8, 30e-6), "200 Gb/s InfiniBand, 5 µs": (200e9 / 8, 5e-6)}
 
 
-def pipeline_rows(tokens: int, hidden: int = 576) -> tuple[list[dict], list[dict], list[str]]:
+def pipeline_rows(tokens: int, partition: list[int] | None, hidden: int = 576) -> tuple[list[dict], list[dict], list[str]]:
     """PP = 2 vs one rank at 1, 8 and 32 streams; the stages' idle shares; the multi-node model."""
     measured, model = [], []
     for streams in (1, 8, 32):
         one, _, _ = engine_run(1, 1, streams, tokens)
-        rate, wall, ranks = engine_run(1, 1, streams, tokens, stages=2)
+        rate, wall, ranks = engine_run(1, 1, streams, tokens, stages=2, partition=partition)
         # Rows per step under PP: the streams over the stages in flight (each step about an equal share).
         rows = -(-streams // 2)
         compute = [r["seconds"] / max(r["steps"], 1) for r in ranks]
@@ -159,12 +160,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--only", choices=["tp", "pp"])
+    ap.add_argument("--pp-partition", type=int, nargs=2, metavar=("FIRST", "SECOND"), help="the stages' layers (default: 15 15)")
     ap.add_argument("--json", help="also write the rows here (bench/results/…)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
     if args.only != "tp":
-        measured, model, assumptions = pipeline_rows(args.tokens)
+        measured, model, assumptions = pipeline_rows(args.tokens, args.pp_partition)
         print(f"\nmachine: {machine()}; greedy decode of {args.tokens} tokens after a {len(PROMPT)}-character prompt\n")
         print(table(measured, list(measured[0])))
         print()

@@ -121,6 +121,10 @@ class EngineConfig(BaseModel):
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description=(
         "Stages the model's layers are split over (consecutive layers each, the embedding on the first, the final norm and LM head on the "
         "last), each stage tensor_parallel_size ranks: ranks (GPUs) = TP x PP. Not with draft or eagle3 speculation, nor a kv_role."))
+    pipeline_layer_partition: list[int] | None = Field(None, description=(
+        "Layers per pipeline stage, first to last (e.g. 19 11 for a 30-layer model over 2 stages; they must add up to its layers): "
+        "for a model whose LM head weighs as much as several layers (vLLM's VLLM_PP_LAYER_PARTITION); unset: as even as the count "
+        "allows."))
     group_size: int = Field(1, ge=1, le=64, description=(
         "Pods serving one replica together (a LeaderWorkerSet group): the TP x PP ranks split evenly over them, in rank order, each "
         "pod starting its share. The leader (group_rank 0) runs `kvpilot serve` and hosts the ranks' rendezvous on group_port; the "
@@ -280,6 +284,14 @@ class EngineConfig(BaseModel):
                              "there (ngram speculation works: it proposes and verifies on rank 0)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
+        return self
+
+    @model_validator(mode="after")
+    def _partition_consistent(self) -> EngineConfig:
+        p = self.pipeline_layer_partition
+        if p is not None and (len(p) != self.pipeline_parallel_size or min(p) < 1):
+            raise ValueError(f"pipeline_layer_partition={p}: one count of 1 or more layers per stage "
+                             f"(pipeline_parallel_size={self.pipeline_parallel_size})")
         return self
 
     @model_validator(mode="after")
@@ -478,7 +490,7 @@ def format_size(n: int) -> str:
 # --help's argument groups: a field's group is the first that names it (an entry ending in "_" names a prefix).
 _GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("model", "served_model_name", "max_model_len", "dtype", "quantization", "quantization_group_size", "seed", "device",
-               "num_threads", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size", "group_", "generation_config", "chat_template", "tokenizer", "revision")),
+               "num_threads", "enforce_eager", "tensor_parallel_size", "pipeline_", "group_", "generation_config", "chat_template", "tokenizer", "revision")),
     ("cache", ("block_size", "enable_prefix_caching", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization",
                "kv_offload_", "kv_host_offload_size")),
     ("KV transfer (prefill/decode)", ("kv_role", "kv_transfer_")),
@@ -563,7 +575,7 @@ def add_model_args(parser: argparse.ArgumentParser, model: type[BaseModel]) -> N
             if name.startswith("enable_"):  # vLLM's other spelling of --no-enable-X
                 group.add_argument("--disable-" + name[len("enable_"):].replace("_", "-"), dest=name, action="store_const", const=False,
                                    default=None, help="= --no-" + name.replace("_", "-"))
-        elif typing.get_origin(field.annotation) is types.UnionType and list[str] in typing.get_args(field.annotation):
+        elif typing.get_origin(field.annotation) is types.UnionType and {list[str], list[int]} & set(typing.get_args(field.annotation)):
             group.add_argument(_flag(name), dest=name, nargs="+", default=None, help=help_text)
         elif name in BARE_SWITCHES:
             on, off = BARE_SWITCHES[name]

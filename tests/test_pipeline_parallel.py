@@ -54,6 +54,7 @@ def test_stage_layers_and_ranks():
 
     assert stage_layers(30, 2) == [(0, 15), (15, 30)]
     assert stage_layers(30, 4) == [(0, 8), (8, 16), (16, 23), (23, 30)]  # the earlier stages one more
+    assert stage_layers(30, 2, [19, 11]) == [(0, 19), (19, 30)]
     stage = PipelineStage.of(4, 3, 2, 30)  # rank 4 of 2 stages x 3 ranks: the second stage's middle rank
     assert (stage.index, stage.layers, stage.previous_rank, stage.last, stage.last_stage_rank) == (1, (15, 30), 1, True, 3)
 
@@ -165,11 +166,12 @@ def test_two_stages_of_three_ranks_match_hf(hf_oracle_session):
     from kvpilot.server import LLM
 
     oracle = shortened(hf_oracle_session.run()[:4], 16)
+    # Uneven stages (pipeline_layer_partition): the LM head weighs about eight of SmolLM2's layers.
     llm = LLM(num_threads=1, show_progress=False, pipeline_parallel_size=STAGES, tensor_parallel_size=3, kv_cache_memory="16MiB",
-              max_num_batched_tokens=24)
+              max_num_batched_tokens=24, pipeline_layer_partition=[19, 11])
     try:
         ranks = llm.engine.describe_ranks()
-        assert [(r["rank"], r["layers"], r["kv_heads"]) for r in ranks] == [(i, [0, 15] if i < 3 else [15, 30], 1) for i in range(6)]
+        assert [(r["rank"], r["layers"], r["kv_heads"]) for r in ranks] == [(i, [0, 19] if i < 3 else [19, 30], 1) for i in range(6)]
         tokens, topk = ids_and_top5(greedy(llm, ORACLE_PROMPTS[:4], 16, logprobs=5))
     finally:
         llm.engine.close()
@@ -188,3 +190,8 @@ def test_what_does_not_compose_is_refused_with_the_reason():
         EngineConfig(pipeline_parallel_size=2, kv_role="prefill")
     with pytest.raises(ValueError, match="pipeline_parallel_size=31 .* one of its 30 layers"):
         LLM(num_threads=1, show_progress=False, pipeline_parallel_size=31)
+    with pytest.raises(ValueError, match=r"pipeline_layer_partition=\[19, 12\] adds up to 31 layers; .* has 30"):
+        LLM(num_threads=1, show_progress=False, pipeline_parallel_size=2, pipeline_layer_partition=[19, 12])
+    with pytest.raises(ValueError, match="one count of 1 or more layers per stage"):
+        EngineConfig(pipeline_parallel_size=2, pipeline_layer_partition=[30])
+    assert EngineConfig.from_cli_args(["--pipeline-parallel-size", "2", "--pipeline-layer-partition", "19", "11"]).pipeline_layer_partition == [19, 11]

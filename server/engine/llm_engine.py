@@ -162,7 +162,7 @@ class LLMEngine:
 
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(self.model_config, config.tensor_parallel_size)
-        check_pipeline_parallel(self.model_config, config.pipeline_parallel_size)
+        check_pipeline_parallel(self.model_config, config.pipeline_parallel_size, config.pipeline_layer_partition)
         device = resolve_device(config).type
         ranks = config.tensor_parallel_size * config.pipeline_parallel_size
         if device == "cuda" and config.pipeline_parallel_size > 1 and (gpus := torch.cuda.device_count()) < ranks:

@@ -103,7 +103,7 @@ def join_stages(rank: int, config: EngineConfig, num_layers: int, device_type: s
     if pp == 1:
         return TensorParallel(rank, tp), None
     groups = [dist.new_group(list(range(s * tp, (s + 1) * tp)), backend=backend(device_type, tp * pp)) for s in range(pp)] if tp > 1 else []
-    stage = PipelineStage.of(rank, tp, pp, num_layers)
+    stage = PipelineStage.of(rank, tp, pp, num_layers, config.pipeline_layer_partition)
     return (TensorParallel(rank % tp, tp, groups[stage.index]) if tp > 1 else None), stage
 
 

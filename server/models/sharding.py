@@ -54,13 +54,13 @@ def check_tensor_parallel(c: ModelConfig, n: int) -> None:
                          f"(the model has {c.num_heads} query heads, {c.num_kv_heads} KV heads, FFN width {c.intermediate_size})")
 
 
-def stage_layers(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Each stage's [start, end) of the layers: as even as the count allows, the earlier stages one more
-    where it does not divide (the last stage also holds the final norm and the LM head)."""
+def stage_layers(num_layers: int, num_stages: int, partition: list[int] | None = None) -> list[tuple[int, int]]:
+    """Each stage's [start, end) of the layers: `partition`'s counts, else as even as the count allows, the
+    earlier stages one more where it does not divide (the last stage also holds the final norm and the LM head)."""
     size, extra = divmod(num_layers, num_stages)
     bounds = [0]
     for s in range(num_stages):
-        bounds.append(bounds[-1] + size + (s < extra))
+        bounds.append(bounds[-1] + (partition[s] if partition else size + (s < extra)))
     return list(zip(bounds, bounds[1:]))
 
 
@@ -77,9 +77,9 @@ class PipelineStage:
     tp_size: int
 
     @classmethod
-    def of(cls, rank: int, tp_size: int, num_stages: int, num_layers: int) -> PipelineStage:
+    def of(cls, rank: int, tp_size: int, num_stages: int, num_layers: int, partition: list[int] | None = None) -> PipelineStage:
         index = rank // tp_size
-        return cls(index, num_stages, stage_layers(num_layers, num_stages)[index], rank, tp_size)
+        return cls(index, num_stages, stage_layers(num_layers, num_stages, partition)[index], rank, tp_size)
 
     @property
     def first(self) -> bool:
@@ -103,7 +103,9 @@ class PipelineStage:
         return (self.num_stages - 1) * self.tp_size
 
 
-def check_pipeline_parallel(c: ModelConfig, n: int) -> None:
-    """Refuses more stages than the model has layers."""
+def check_pipeline_parallel(c: ModelConfig, n: int, partition: list[int] | None = None) -> None:
+    """Refuses more stages than the model has layers, and a partition that does not add up to them."""
     if n > c.num_layers:
         raise ValueError(f"pipeline_parallel_size={n} does not fit {c.name}: a stage holds at least one of its {c.num_layers} layers")
+    if partition is not None and sum(partition) != c.num_layers:
+        raise ValueError(f"pipeline_layer_partition={partition} adds up to {sum(partition)} layers; {c.name} has {c.num_layers}")
