@@ -73,7 +73,8 @@ def test_the_kv_budget_profiles_a_prefill_and_a_graph_wide_decode_step(monkeypat
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60_000, 100_000))
     plain_forward = runner.model.forward
-    monkeypatch.setattr(runner.model, "forward", lambda ids, pos, kv, meta: calls.append((len(ids), meta.decode_block_tables.shape)) or plain_forward(ids, pos, kv, meta))
+    monkeypatch.setattr(runner.model, "forward", lambda ids, pos, kv, meta, hidden=None: calls.append((len(ids), meta.decode_block_tables.shape))
+                        or plain_forward(ids, pos, kv, meta, hidden=hidden))
     assert runner._profile_peaks() == (1000, 300)
     width = -(-runner.model.config.max_position // 16)
     assert calls == [(64, (0, 0)), (8, (8, width))]
