@@ -154,7 +154,9 @@ def test_reconcile_status_rollout_drift_and_delete(cluster, namespace, operator)
     assert not any(k.startswith("kopf") for k in obj["status"])  # kopf keeps its progress in annotations
     assert any(k.startswith("kopf.serving.kvpilot.dev") for k in obj["metadata"].get("annotations", {}))
     printed = cluster.kubectl("get", "kvis", "chat", "-n", namespace).stdout.split("\n")[0].split()
-    assert printed[:8] == ["NAME", "READY", "STATUS", "REPLICAS", "DESIRED", "PREFILL", "KV", "QUEUE"]
+    assert printed[:10] == ["NAME", "MODEL", "ENGINE", "READY", "STATUS", "REPLICAS", "DESIRED", "PREFILL", "KV", "QUEUE"]
+    header, row = cluster.kubectl("get", "kvis", "chat", "-n", namespace, "-o", "wide").stdout.split("\n")[:2]
+    assert "URL" in header.split() and obj["status"]["endpoint"] in row.split()  # (-o wide: the in-cluster URL; empty cells shift the split)
 
     # a spec change rolls the Deployment
     old_template = dep["spec"]["template"]

@@ -97,7 +97,7 @@ def test_readme_local_quick_start(tmp_path, runtime):
         kv = wait_until(lambda: kubectl("get", "kvis", "smollm2", "-o", "jsonpath={.status.lastMetrics.kvCacheUtilization}"),
                         timeout=90, what="KV column filled")
         assert 0 <= float(kv) <= 1
-        assert kubectl("get", "kvis", "smollm2", "--no-headers").split()[:7] == ["smollm2", "1", "Serving", "1", "1", kv,
+        assert kubectl("get", "kvis", "smollm2", "--no-headers").split()[:9] == ["smollm2", "smollm2-135m", "kvpilot", "1", "Serving", "1", "1", kv,
                                                                                     kubectl("get", "kvis", "smollm2", "-o", "jsonpath={.status.lastMetrics.queueDepth}")]
         if runtime == "podman":  # the engine's container goes with its pod (the operators stay)
             kubectl("delete", "kvis", "smollm2", "--wait=false")
