@@ -4,7 +4,7 @@ pod's init container downloads it; Shared: the entry, filled once before the rou
 scaled 0 -> 1 -> 0 per round, modes alternating. Per start: seconds from replicas 1 to a first token
 (client side) and the operator's status.lastColdStart phases; medians over the rounds.
 
-    .venv/bin/python bench/cold_start.py --rounds 5
+    .venv/bin/python bench/cold_start.py --rounds 5 [--json bench/results/cold-start.json]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import machine, refuse_if_busy, table  # noqa: E402
+from bench.common import machine, refuse_if_busy, save_results, table  # noqa: E402
 from e2e.cluster import TOKEN, Cluster, _insecure  # noqa: E402
 from e2e.hub import LoopbackHub, smol_hub  # noqa: E402
 from e2e.isvc import apply_isvc, get_isvc  # noqa: E402
@@ -64,6 +64,7 @@ def start_once(cluster: Cluster, api: httpx.Client, hub: LoopbackHub, name: str,
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", help="write the medians and every start here too (bench/results/: make plots draws them)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
@@ -94,6 +95,9 @@ def main() -> int:
             rows = [{"mode": mode, "starts": len(rs), **{c: f"{statistics.median(x[c] for x in rs):.2f}" for c in cols}} for mode, rs in runs.items()]
             print(f"\n{machine()}; downloads from the hub: {len(hub.downloads)} ({args.rounds} uncached starts + 1 fill)")
             print(table(rows, ["mode", "starts", *cols]))
+            if args.json:
+                save_results(args.json, rounds=args.rounds, phases=list(PHASES), starts=runs,
+                             results=[{"mode": mode, **{c: statistics.median(x[c] for x in rs) for c in cols}} for mode, rs in runs.items()])
         finally:
             if op is not None:
                 op.stop()

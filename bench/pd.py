@@ -3,6 +3,7 @@ the aggregated engine vs prefill on one engine + pull and first token on another
 adds), and the pull's cost per block and throughput; same run, interleaved rounds, median.
 
     .venv/bin/python bench/pd.py [--force] [--rounds 3] [--threads 2] [--tensor-parallel-size 1] [--prompts 1000,4000]
+                               [--json bench/results/pd.json]
 
 One rank: the three engines (aggregated, prefill, decode) live in this process and run one after the
 other, as pods on one machine would. N ranks (tensor parallelism: one such engine per process): the
@@ -25,7 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import machine, refuse_if_busy, table  # noqa: E402
+from common import machine, refuse_if_busy, save_results, table  # noqa: E402
 
 
 def timed(llm, ids, params) -> tuple[float, object]:
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--prompts", default="1000,4000")
+    ap.add_argument("--json", help="write the table's figures here too (bench/results/: make plots draws them)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
@@ -100,7 +102,7 @@ def main() -> None:
             llm.generate([warm], first)
     if server is not None:
         server.complete(warm)
-    rows = []
+    rows, figures = [], []
     try:
         for n in map(int, args.prompts.split(",")):
             times: dict[str, list[float]] = {"aggregated": [], "prefill": [], "decode (pull + first token)": []}
@@ -130,11 +132,16 @@ def main() -> None:
                          "decode: pull + first token s": f"{med['decode (pull + first token)']:.3f}",
                          "handoff adds s": f"{added:.3f} ({added / med['aggregated']:.0%})",
                          "pull ms/block": f"{statistics.median(per_block):.2f}", "pull GB/s": f"{statistics.median(rates):.2f}"})
+            figures.append({"prompt_tokens": n, "aggregated_ttft_s": med["aggregated"], "prefill_s": med["prefill"],
+                            "decode_pull_first_token_s": med["decode (pull + first token)"], "handoff_adds_s": added,
+                            "pull_ms_per_block": statistics.median(per_block), "pull_gb_per_s": statistics.median(rates)})
     finally:
         if server is not None:
             server.close()
     print(f"machine: {machine()}; threads {args.threads} per rank; {ranks} rank(s); rounds {args.rounds} (median); loopback, NIXL (UCX over TCP)")
     print(table(rows, list(rows[0])))
+    if args.json:
+        save_results(args.json, ranks=ranks, threads=args.threads, rounds=args.rounds, transport="NIXL, UCX over TCP on 127.0.0.1", results=figures)
     stats = decode.engine.kv_connector.receiver.stats
     print(f"decode engine: {stats.pulled_blocks} blocks pulled ({stats.pulled_bytes / 2**20:.0f} MiB over its ranks), {stats.failed_pulls} pulls short")
     decode.engine.close()

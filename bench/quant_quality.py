@@ -3,7 +3,7 @@ next-token distributions over a fixed text, how often the two argmax tokens agre
 generation agreement (64 tokens from each of the HF-oracle prompts: identical continuations, and the
 mean position of the first difference).
 
-    .venv/bin/python bench/quant_quality.py [--modes gguf,int8,int4] [--groups 32,64,128]
+    .venv/bin/python bench/quant_quality.py [--modes gguf,int8,int4] [--groups 32,64,128] [--json bench/results/quant-quality.json]
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--modes", default="gguf,int8,int4")
     ap.add_argument("--groups", default="32,64,128", help="int4 group sizes")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", help="write the table's figures here too (bench/results/: make plots draws them)")
     args = ap.parse_args()
     common = dict(num_threads=args.threads, show_progress=False, kv_cache_memory="64MiB")
     ref_logits, ref_tokens, _ = measure(LLM(**common), None, None)
@@ -62,6 +63,12 @@ def main() -> None:
     for name, s in runs:
         print(f"| {name} | {s['weights MiB']:.0f} | {s['mean KL']:.2e} | {s['max KL']:.2e} | {s['argmax agreement']:.3f} | "
               f"{s['identical continuations']} | {s['mean first difference']:.1f} |")
+    if args.json:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from common import save_results
+
+        save_results(args.json, prompts=len(ORACLE_PROMPTS), positions=runs[0][1]["positions"], generated_tokens=64,
+                     results=[{"mode": name, **s} for name, s in runs])
 
 
 if __name__ == "__main__":

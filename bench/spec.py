@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/spec.py [--force] [--rounds 3] [--draft-layers 8] [--threads N] [--quantization gguf]
                                    [--eagle-head DIR] [--eagle-tokens 1,2,3] [--engines plain,ngram,eagle3,eagle3-lookup]
-                                   [--tensor-parallel-size 3]
+                                   [--tensor-parallel-size 3] [--json bench/results/spec.json]
 
 Engines: plain decoding, n-gram prompt lookup, a draft model (the bundled model cut to its first
 --draft-layers blocks by `kvpilot make-draft`; a truncated model is a weak draft, so this measures the
@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import machine, refuse_if_busy, table  # noqa: E402
+from common import machine, refuse_if_busy, save_results, table  # noqa: E402
 
 PASSAGE = ("The committee met on Tuesday to review the annual budget. After a long discussion, the members agreed "
            "to increase funding for the public library by ten percent, to repair the bridge on Mill Street before "
@@ -136,6 +136,7 @@ def main() -> None:
     ap.add_argument("--eagle-tokens", default="3", help="tokens the head proposes per step; several (1,2,3): one engine each, eagle3-kN")
     ap.add_argument("--engines", help="comma-separated subset of plain,ngram,draft,draft-whole (tensor parallelism),eagle3,eagle3-lookup (plain always)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of every engine (one thread each; engines run one after another)")
+    ap.add_argument("--json", help="write the table's rows here too (bench/results/: make plots draws them)")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
@@ -197,6 +198,9 @@ def main() -> None:
     threads = f"{tp} ranks of 1 thread" if tp > 1 else f"threads {args.threads}"
     print(f"machine: {machine()}; {threads}; quantization {args.quantization}; rounds {args.rounds} (median); max_tokens {args.max_tokens}")
     print(table(rows, ["workload", "engine", "output tok/s", "vs plain", "steps speculating", "acceptance", "accepted by position"]))
+    if args.json:
+        save_results(args.json, results=rows, quantization=args.quantization, rounds=args.rounds, max_tokens=args.max_tokens,
+                     ranks=tp, threads=1 if tp > 1 else args.threads)
 
 
 if __name__ == "__main__":

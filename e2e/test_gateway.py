@@ -5,11 +5,15 @@ affinity), once round-robin straight to the same pods (8 other system prompts, s
 inherits the other's cache); each set has 2 prompts per pod on the gateway's ring (balanced_prompts). The engines' own prefix-cache counters give each phase's hit rate; the
 gateway's must be at least twice round-robin's, with TTFT p50 no worse. Then the Responses API through
 the gateway: a three-turn conversation by previous_response_id (each turn back on the pod that stored
-the one before), and after a replica is removed, its stored responses are a 404 naming them."""
+the one before), and after a replica is removed, its stored responses are a 404 naming them.
+
+KVPILOT_GATEWAY_RESULTS=bench/results/gateway.json: the two phases' figures are written there too (make
+plots draws them)."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import re
 import statistics
@@ -166,6 +170,14 @@ def test_prefix_affinity_beats_round_robin(cluster, namespace, tmp_path):
         p50_gw, p50_rr = statistics.median(ttft_gw), statistics.median(ttft_rr)
         print(f"prefix-cache hit rate: gateway {rate_gw:.3f}, round-robin {rate_rr:.3f} ({rate_gw / max(rate_rr, 1e-9):.1f}x); "
               f"TTFT p50 gateway {p50_gw * 1000:.0f} ms, round-robin {p50_rr * 1000:.0f} ms; requests per pod via the gateway: {sorted(served_gw.values())}")
+        if os.environ.get("KVPILOT_GATEWAY_RESULTS"):
+            from bench.common import save_results
+
+            save_results(os.environ["KVPILOT_GATEWAY_RESULTS"], command="KVPILOT_GATEWAY_RESULTS=bench/results/gateway.json .venv/bin/python "
+                         "-m pytest e2e/test_gateway.py -k prefix_affinity -s", replicas=4, system_prompts=8, users=USERS,
+                         results=[{"routing": "gateway (prefix affinity)", "hit_rate": rate_gw, "ttft_p50_s": p50_gw,
+                                   "ttft_s": sorted(ttft_gw), "requests_per_pod": sorted(served_gw.values())},
+                                  {"routing": "round-robin", "hit_rate": rate_rr, "ttft_p50_s": p50_rr, "ttft_s": sorted(ttft_rr)}])
         assert len(served_gw) == 4  # 2 prefixes per replica
         assert rate_gw >= 2 * rate_rr
         assert p50_gw <= p50_rr
