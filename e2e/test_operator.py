@@ -61,8 +61,9 @@ def test_chart_installs_crd_and_least_privilege_identity(cluster, chart):
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
     assert "*" not in verbs and "update" not in verbs
     # it deletes what it made and no longer wants: a model cache claim whose last user let go of it, a prefill pool
-    # turned off, with its KV transfer NetworkPolicy (the GC does the rest)
-    assert [rule["resources"] for rule in role["rules"] if "delete" in rule["verbs"]] == [["deployments"], ["poddisruptionbudgets"],
+    # turned off, with its KV transfer NetworkPolicy, the workload of replicas that became groups of pods or stopped being
+    # them (the GC does the rest)
+    assert [rule["resources"] for rule in role["rules"] if "delete" in rule["verbs"]] == [["deployments"], ["leaderworkersets"], ["poddisruptionbudgets"],
                                                                                          ["networkpolicies"], ["persistentvolumeclaims"]]
     dep = kget(cluster, "deployment", "kvpilot", "-n", CHART_NS)
     sc = dep["spec"]["template"]["spec"]["containers"][0]["securityContext"]

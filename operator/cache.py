@@ -18,6 +18,7 @@ import copy
 import threading
 
 ISVC, POD, DEPLOYMENT = "inferenceservice", "pod", "deployment"
+LWS = "leaderworkerset"  # a service whose replicas are groups of pods
 CLAIM, LOADER = "claim", "loader"  # the model cache's claims, and its loader Jobs' pods
 
 
@@ -29,7 +30,7 @@ def _version(obj: dict) -> int | None:
 class ObjectCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._objects: dict[str, dict[tuple[str, str], dict]] = {ISVC: {}, POD: {}, DEPLOYMENT: {}, CLAIM: {}, LOADER: {}}
+        self._objects: dict[str, dict[tuple[str, str], dict]] = {ISVC: {}, POD: {}, DEPLOYMENT: {}, LWS: {}, CLAIM: {}, LOADER: {}}
 
     def put(self, kind: str, obj: dict) -> bool:
         """Store `obj` unless the cache holds a newer version; True when what is stored changed."""

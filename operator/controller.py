@@ -13,8 +13,9 @@ from kvpilot.operator import metrics
 from kvpilot.operator.adapter_sync import AdapterSync
 from kvpilot.operator.autoscaler.loop import AutoscalerState, evaluate
 from kvpilot.operator.autoscaler.promql import PrometheusSource
+from kvpilot.operator.builders.manifests import LWS_API
 from kvpilot.operator.builders.model_cache import ENTRY_LABEL
-from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, POD
+from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, LWS, POD
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, PLURAL, VERSION
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.reconcile import (
@@ -81,18 +82,28 @@ def on_inference_service_event(type, body, meta, namespace, **_) -> None:  # noq
 def on_deployment(type, body, meta, namespace, **_) -> None:  # noqa: A002
     """Drift (a hand edit, a deletion) is undone; status changes refresh ours (an apply for each of
     them would be two requests per pod that turns Ready, per service)."""
-    before = CACHE.get(DEPLOYMENT, namespace, meta["name"])
-    if not _cached(DEPLOYMENT, type, body) or not (owner := meta.get("labels", {}).get(ISVC_LABEL)):
+    _on_workload(DEPLOYMENT, type, body, meta, namespace)
+
+
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels={MANAGED_BY[0]: MANAGED_BY[1]})
+def on_leader_worker_set(type, body, meta, namespace, **_) -> None:  # noqa: A002
+    """The same for a service whose replicas are groups of pods (watched once LeaderWorkerSet's CRD is served)."""
+    _on_workload(LWS, type, body, meta, namespace)
+
+
+def _on_workload(kind: str, type, body, meta, namespace) -> None:  # noqa: A002
+    before = CACHE.get(kind, namespace, meta["name"])
+    if not _cached(kind, type, body) or not (owner := meta.get("labels", {}).get(ISVC_LABEL)):
         return
     if type != "DELETED" and before is not None and _same_but_status(before["metadata"], dict(body)["metadata"]):
         refresh_status(kube(), namespace, owner)
     else:
-        log.info("Deployment %s/%s %s: reconciling %s", namespace, meta["name"], (type or "listed").lower(), owner)
+        log.info("%s %s/%s %s: reconciling %s", body.get("kind"), namespace, meta["name"], (type or "listed").lower(), owner)
         _reconcile_owner(namespace, owner)
 
 
 def _same_but_status(old: dict, new: dict) -> bool:
-    """Whether only a Deployment's status changed: its spec's generation, labels and annotations are as they were."""
+    """Whether only a workload's status changed: its spec's generation, labels and annotations are as they were."""
     return all(old.get(k) == new.get(k) for k in ("generation", "labels", "annotations"))
 
 
@@ -165,6 +176,8 @@ def prime_cache(**_) -> None:
     CACHE.replace_all(ISVC, [o for ns in namespaces for o in k.list(f"{GROUP}/{VERSION}", KIND, ns)])
     CACHE.replace_all(POD, [o for ns in namespaces for o in k.list("v1", "Pod", ns, ISVC_LABEL)])
     CACHE.replace_all(DEPLOYMENT, [o for ns in namespaces for o in k.list("apps/v1", "Deployment", ns, "=".join(MANAGED_BY))])
+    if k.has_kind(LWS_API, "LeaderWorkerSet"):  # (an optional kind: a cluster without LeaderWorkerSet serves one-pod replicas)
+        CACHE.replace_all(LWS, [o for ns in namespaces for o in k.list(LWS_API, "LeaderWorkerSet", ns, "=".join(MANAGED_BY))])
     CACHE.replace_all(CLAIM, [o for ns in namespaces for o in k.list("v1", "PersistentVolumeClaim", ns, "=".join(MANAGED_BY))])
     CACHE.replace_all(LOADER, [o for ns in namespaces for o in k.list("v1", "Pod", ns, ENTRY_LABEL)])
 

@@ -205,15 +205,15 @@ class EngineSettings(_Model):
         "quant_method fp8 checkpoint, its E4M3 weights kept as they are), on CPU and GPU; vLLM "
         "takes fp8, awq, gptq, compressed-tensors; SGLang fp8, awq, gptq, gguf, compressed-tensors. A value the engine does not take is reported as Degraded."))
     tensor_parallel_size: int = Field(1, ge=1, le=16, description=(
-        "Ranks each pipeline stage's layers are split over (vLLM --tensor-parallel-size, SGLang --tp-size); the GPUs per pod are "
-        "tensorParallelSize x pipelineParallelSize."))
+        "Ranks each pipeline stage's layers are split over (vLLM --tensor-parallel-size, SGLang --tp-size); the engine's GPUs are "
+        "tensorParallelSize x pipelineParallelSize (one pod's unless resources.gpusPerPod is fewer)."))
     pipeline_parallel_size: int = Field(1, ge=1, le=16, description=(
         "Stages of consecutive layers the model is split over, each tensorParallelSize ranks (vLLM --pipeline-parallel-size, SGLang "
-        "--pp-size); the GPUs per pod are tensorParallelSize x pipelineParallelSize."))
+        "--pp-size); the engine's GPUs are tensorParallelSize x pipelineParallelSize (one pod's unless resources.gpusPerPod is fewer)."))
 
     @property
     def gpus(self) -> int:
-        """The GPUs one pod of the service holds (every rank of every stage)."""
+        """The GPUs of one replica of the service (every rank of every stage): one pod's unless resources.gpusPerPod is fewer."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
     speculative: SpeculativeSpec | None = Field(None, description="Speculative decoding (off when absent).")
     kv_offload: KVOffloadSpec | None = Field(None, description="The KV tiers below the engine's KV cache: disk and host memory (engine kvpilot; off when absent).")
@@ -237,12 +237,21 @@ class Toleration(_Model):
     toleration_seconds: int | None = Field(None, description="For NoExecute: how long the pod stays bound.")
 
 
+GPUS_PER_POD_MESSAGE = "resources.gpusPerPod must divide the engine's GPUs (engineSettings.tensorParallelSize x pipelineParallelSize)"
+
+
 class ResourceSpec(_Model):
-    """Where and with what the engine pods run. GPUs per pod = engine.tensorParallelSize."""
+    """Where and with what the engine pods run. GPUs per pod: gpusPerPod, by default every rank's
+    (engineSettings.tensorParallelSize x pipelineParallelSize)."""
 
     gpu_product: str | None = Field(None, max_length=128, description="Required GPU model, matched on the node label nvidia.com/gpu.product.")
     gpu_resource: str = Field("nvidia.com/gpu", max_length=128, description="Extended resource name of a GPU.")
     cpu_only: bool = Field(False, description="Run without GPUs (the kvpilot engine's CPU path; for tests and demos).")
+    gpus_per_pod: int | None = Field(None, ge=1, le=16, description=(
+        "GPUs (engine ranks) of one pod. Unset: all of the engine's, tensorParallelSize x pipelineParallelSize, one pod per replica. "
+        "Fewer: each replica is a group of tensorParallelSize x pipelineParallelSize / gpusPerPod pods, a LeaderWorkerSet "
+        "<name>-group (it must divide; the LWS controller must be installed): the leader serves the API, the other pods run their "
+        "ranks, and the group is recreated as a unit when one of its pods fails. Not with disaggregation."))
     cpu: str | None = Field(None, max_length=32, description="CPU request and limit, e.g. '4'.")
     memory: str | None = Field(None, max_length=32, description="Memory request and limit, e.g. 16Gi.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Extra node labels pods must match.")
@@ -312,6 +321,15 @@ class InferenceServiceSpec(_Model):
             cel("!has(self.disaggregation) || self.engine == 'kvpilot'", "disaggregation needs engine kvpilot", ".disaggregation"),
             cel("!has(self.disaggregation) || self.minReplicas >= 1", "a disaggregated service does not scale to zero (minReplicas >= 1)",
                 ".minReplicas"),
+            cel("!has(self.resources) || !has(self.resources.gpusPerPod) || "
+                "(self.engineSettings.tensorParallelSize * self.engineSettings.pipelineParallelSize) % self.resources.gpusPerPod == 0",
+                GPUS_PER_POD_MESSAGE, ".resources.gpusPerPod"),
+            cel("!has(self.disaggregation) || !has(self.resources) || !has(self.resources.gpusPerPod) || "
+                "self.resources.gpusPerPod == self.engineSettings.tensorParallelSize * self.engineSettings.pipelineParallelSize",
+                "groups of pods (resources.gpusPerPod below the engine's GPUs) are not disaggregated yet", ".resources.gpusPerPod"),
+            cel("!has(self.disaggregation) || !has(self.disaggregation.prefill.resources) || "
+                "!has(self.disaggregation.prefill.resources.gpusPerPod)", "the prefill pool's pods hold every rank (no gpusPerPod)",
+                ".disaggregation.prefill.resources.gpusPerPod"),
         ]})
     model: ModelSpec = Field(description="The model to serve.")
     engine: Literal["kvpilot", "vllm", "sglang"] = Field("kvpilot", description="Inference engine: kvpilot (bundled), vllm or sglang.")
@@ -348,6 +366,27 @@ class InferenceServiceSpec(_Model):
             raise ValueError("disaggregation needs engine kvpilot")
         if self.disaggregation is not None and self.min_replicas < 1:
             raise ValueError("a disaggregated service does not scale to zero (minReplicas >= 1)")
+        return self
+
+    @property
+    def group_size(self) -> int:
+        """Pods per replica: 1, or with resources.gpusPerPod below the engine's GPUs, a LeaderWorkerSet group's."""
+        per_pod = self.resources.gpus_per_pod
+        return self.engine_settings.gpus // per_pod if per_pod else 1
+
+    @property
+    def gpus_per_pod(self) -> int:
+        return self.resources.gpus_per_pod or self.engine_settings.gpus
+
+    @model_validator(mode="after")
+    def _groups(self) -> InferenceServiceSpec:
+        per_pod, gpus = self.resources.gpus_per_pod, self.engine_settings.gpus  # the CEL rules above, again
+        if per_pod and gpus % per_pod:
+            raise ValueError(f"{GPUS_PER_POD_MESSAGE} (resources.gpusPerPod={per_pod}, the engine's GPUs {gpus})")
+        if self.disaggregation is not None and self.group_size > 1:
+            raise ValueError("groups of pods (resources.gpusPerPod below the engine's GPUs) are not disaggregated yet")
+        if self.disaggregation is not None and (self.disaggregation.prefill.resources or ResourceSpec()).gpus_per_pod:
+            raise ValueError("the prefill pool's pods hold every rank (no gpusPerPod)")
         return self
 
     @model_validator(mode="after")
@@ -481,6 +520,16 @@ class AdapterStatus(_Model):
     message: str | None = Field(None, description="Why the last load failed (the engine's own words).")
 
 
+class GroupStatus(_Model):
+    """One replica of a service whose replicas are groups of pods (a LeaderWorkerSet group)."""
+
+    name: str = Field(description="The group: its leader pod's name (<name>-group-<index>).")
+    pods: int = Field(description="The group's pods that exist.")
+    ready_pods: int = Field(description="Of them, Ready (a worker is Ready once its ranks run; the leader once the whole group joined).")
+    ready: bool = Field(description="Every pod of the group exists and is Ready: the leader serves.")
+    not_ready: list[str] = Field(default_factory=list, description="The group's pods that are not Ready, by name.")
+
+
 class PoolStatus(_Model):
     """The prefill pool of a disaggregated service (the decode pool is the status's own replicas)."""
 
@@ -507,6 +556,9 @@ class InferenceServiceStatus(_Model):
     model_cache: list[ModelCacheEntryStatus] = Field(default_factory=list, description="The model cache entries the pods mount (mode Shared).")
     last_cold_start: ColdStart | None = Field(None, description="The newest engine pod's start, phase by phase.")
     adapters: list[AdapterStatus] = Field(default_factory=list, description="spec.adapters, each with how many Ready pods hold it.")
+    groups: list[GroupStatus] = Field(default_factory=list, description=(
+        "With resources.gpusPerPod below the engine's GPUs: each replica's group of pods and its readiness (replicas and readyReplicas "
+        "count groups)."))
     adapter_count: int | None = Field(None, description="How many adapters spec.adapters names (kubectl get's ADAPTERS column).")
     prefill: PoolStatus | None = Field(None, description=(
         "With spec.disaggregation: the prefill pool (replicas, readyReplicas and the scale subresource above are then the decode pool's)."))

@@ -20,9 +20,11 @@ from kvpilot.operator.builders import model_cache
 from kvpilot.operator.builders.engines import engine_container, served_name, shared_cache, unsupported_settings
 from kvpilot.operator.builders.manifests import (
     ENGINE_LABEL,
+    LWS_API,
     desired_prefill_replicas,
     desired_replicas,
     endpoint_url,
+    group_name,
     hf_token_env,
     is_prefill_pod,
     kv_transfer_name,
@@ -31,12 +33,11 @@ from kvpilot.operator.builders.manifests import (
     prefill_name,
     render,
     selector_labels,
-    serving_pods,
 )
-from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, POD
+from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, LWS, POD
 from kvpilot.operator.crd_types import AdapterStatus, ColdStart, InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus, PoolStatus
 from kvpilot.operator.kube import Kube
-from kvpilot.operator.status import AutoscalerReport, compute_status, now_rfc3339, set_condition, unchanged
+from kvpilot.operator.status import AutoscalerReport, compute_status, group_statuses, now_rfc3339, set_condition, unchanged
 from kvpilot.server.model_files import BUNDLED
 
 log = logging.getLogger("kvpilot.operator")
@@ -145,6 +146,8 @@ def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str,
         try:  # the engine's own config validation (kvpilot: EngineConfig), here rather than in a crash-looping pod
             for pool in ("decode", "prefill") if spec.disaggregation else (None,):
                 engine_container(spec, (body.get("metadata") or {}).get("name", ""), pool)
+            if spec.group_size > 1:  # a group's worker pods too
+                engine_container(spec, (body.get("metadata") or {}).get("name", ""), worker=True)
         except ValidationError as e:
             msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'engineSettings'}: {err['msg']}" for err in e.errors()[:5])
             problems.append(("InvalidEngineSettings", msgs))
@@ -254,7 +257,11 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     spec, problems = parse_spec(body)
     applying: list[tuple[str, str]] = []
-    if spec is not None and not problems:
+    if spec is not None and not problems and spec.group_size > 1 and not kube.has_kind(LWS_API, "LeaderWorkerSet"):
+        applying.append(("LeaderWorkerSetMissing", f"resources.gpusPerPod={spec.gpus_per_pod} makes each replica a group of "
+                         f"{spec.group_size} pods, a LeaderWorkerSet, and this cluster does not serve {LWS_API} LeaderWorkerSet: install "
+                         "LeaderWorkerSet (kubernetes-sigs/lws, v0.7.0 or later), or leave gpusPerPod unset (one pod per replica)"))
+    if spec is not None and not problems and not applying:
         try:
             cache_ready = _apply_model_cache(kube, body, spec)
             if spec.disaggregation is not None:  # before the pools' pods, which read it; one already there is kept (no rotation)
@@ -262,13 +269,22 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
             with_monitor = kube.has_kind("monitoring.coreos.com/v1", "PodMonitor")
             with_policy = kv_transfer_policy_enabled()
             for obj in render(name, namespace, uid, spec, with_pod_monitor=with_monitor, with_kv_transfer_policy=with_policy):
-                if obj["kind"] == "Deployment" and not cache_ready:
+                if obj["kind"] in ("Deployment", "LeaderWorkerSet") and not cache_ready:
                     continue  # pods start once their model cache entries are filled (the running ones keep serving)
                 applied = kube.apply(obj)
                 _applied_versions.setdefault((namespace, name), {})[(obj["kind"], obj["metadata"]["name"])] = applied["metadata"].get("resourceVersion")
                 if obj["kind"] == "Deployment":
                     CACHE.put(DEPLOYMENT, applied)
                     fault_point("after-deployment", namespace, name)
+                elif obj["kind"] == "LeaderWorkerSet":
+                    CACHE.put(LWS, applied)
+            # One workload at a time: the one-pod replicas' Deployment goes when the replicas become groups, and back.
+            if spec.group_size > 1 and cache_ready and CACHE.get(DEPLOYMENT, namespace, name) is not None:
+                kube.delete("apps/v1", "Deployment", name, namespace)
+                CACHE.delete(DEPLOYMENT, namespace, name)
+            elif spec.group_size == 1 and CACHE.get(LWS, namespace, group_name(name)) is not None:
+                kube.delete(LWS_API, "LeaderWorkerSet", group_name(name), namespace)
+                CACHE.delete(LWS, namespace, group_name(name))
             if spec.disaggregation is None and CACHE.get(DEPLOYMENT, namespace, prefill_name(name)) is not None:
                 # disaggregation turned off: the prefill pool goes (its pods drain; the gateway stops prefilling first)
                 # The KV transfer Secret stays (nothing reads it; the garbage collector deletes it with the service): deleting it
@@ -385,19 +401,21 @@ def write_status(kube: Kube, body: dict, spec: InferenceServiceSpec | None, prob
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
     prev_raw = body.get("status") or {}
     prev = InferenceServiceStatus.model_validate(prev_raw) if prev_raw else None
-    deployment = CACHE.get(DEPLOYMENT, namespace, name)
+    grouped = spec is not None and spec.group_size > 1
+    workload = CACHE.get(LWS, namespace, group_name(name)) if grouped else CACHE.get(DEPLOYMENT, namespace, name)
     all_pods = CACHE.with_labels(POD, namespace, selector_labels(name))
-    pods = serving_pods(all_pods)
+    pods = [p for p in all_pods if not is_prefill_pod(p)]  # (a group's workers too: a failed one is named in Degraded)
     selector = ",".join(f"{k}={v}" for k, v in pod_selector(name, spec).items())
     desired = desired_replicas(spec) if spec is not None else 0
     entries = model_cache_status(namespace, spec)
     problems = problems + [("ModelCacheFillFailed", f"model cache entry {e.claim} ({e.source}): {e.message}") for e in entries if e.state == "Failed"]
     filling = [e for e in entries if e.state == "Filling"]
-    status = compute_status(prev, generation, desired, selector, endpoint_url(name, namespace), deployment, pods, problems,
+    status = compute_status(prev, generation, desired, selector, endpoint_url(name, namespace), workload, pods, problems,
                             wakes_from_zero=spec is not None and spec.min_replicas == 0 and spec.autoscaling.enabled,
                             filling="; ".join(f"model cache entry {e.claim} ({e.source}) is being filled" for e in filling) or None,
                             serving_problems=name_collisions(body, spec))
     status.model_cache = entries
+    status.groups = group_statuses(pods, spec.group_size) if grouped else []
     _prefill_status(status, spec, CACHE.get(DEPLOYMENT, namespace, prefill_name(name)), [p for p in all_pods if is_prefill_pod(p)],
                     PREFILL_REPORTS.get((namespace, name)), generation)
     _adapter_status(status, spec, ADAPTER_REPORTS.get((namespace, name)), generation)

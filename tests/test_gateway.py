@@ -222,8 +222,9 @@ def test_endpoint_table_from_inference_services_and_pods():
         return {"metadata": {"namespace": ns, "name": name},
                 "spec": {"model": {"source": "smollm2-135m", **({"servedName": served} if served else {})}, **spec}}
 
-    def pod(ns, owner, ip, ready=True, deleting=False):
-        meta = {"namespace": ns, "name": f"{owner}-{ip}", "labels": {"serving.kvpilot.dev/inferenceservice": owner}}
+    def pod(ns, owner, ip, ready=True, deleting=False, group_pod=None):
+        meta = {"namespace": ns, "name": f"{owner}-{ip}", "labels": {"serving.kvpilot.dev/inferenceservice": owner,
+                                                                     **({"serving.kvpilot.dev/group-pod": group_pod} if group_pod else {})}}
         if deleting:
             meta["deletionTimestamp"] = "2026-11-22T00:00:00Z"
         return {"metadata": meta, "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
@@ -231,7 +232,8 @@ def test_endpoint_table_from_inference_services_and_pods():
     table = endpoint_table(
         [isvc("a", "chat", served="smollm2"), isvc("a", "idle", minReplicas=0), isvc("b", "chat"), isvc("b", "woken", minReplicas=0, replicas=1)],
         [pod("a", "chat", "127.0.0.2"), pod("a", "chat", "127.0.0.3", ready=False), pod("a", "chat", "127.0.0.4", deleting=True),
-         pod("b", "chat", "127.0.0.5"), pod("a", "gone", "127.0.0.6")])
+         pod("b", "chat", "127.0.0.5", group_pod="leader"), pod("b", "chat", "127.0.0.7", group_pod="worker"), pod("a", "gone", "127.0.0.6")])
+    # (a group's worker pod serves no API: only its leader is routed to)
     assert table == {"smollm2": ModelRoute("a", "chat", ["127.0.0.2:8000"]), "idle": ModelRoute("a", "idle", [], at_zero=True),
                      "chat": ModelRoute("b", "chat", ["127.0.0.5:8000"]), "woken": ModelRoute("b", "woken", [], at_zero=False)}
 

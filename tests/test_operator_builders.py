@@ -425,7 +425,8 @@ def _every_setting(engine: str) -> list[InferenceServiceSpec]:
     if engine == "vllm":
         specs.append(spec(model=hub, engine=engine, engineSettings={"blockSize": 32}))
     specs += [spec(model=hub, engine=engine, engineSettings={"parsers": {"toolCalls": "hermes", "reasoning": "qwen3"}}),
-              spec(model=hub, engine=engine, engineSettings={"parsers": {"toolCalls": "llama3_json", "reasoning": "deepseek_r1"}})]
+              spec(model=hub, engine=engine, engineSettings={"parsers": {"toolCalls": "llama3_json", "reasoning": "deepseek_r1"}}),
+              spec(model=hub, engine=engine, engineSettings={"tensorParallelSize": 8, "pipelineParallelSize": 2}, resources={"gpusPerPod": 8})]
     return specs
 
 
@@ -439,9 +440,10 @@ def test_every_flag_the_builders_emit_parses_in_the_pinned_release(engine):
     emitted = set()
     for s in _every_setting(engine):
         assert unsupported_settings(s) == [], s
-        args = engine_container(s, "m").args
-        assert flag_problems(engine, version, args) == [], args
-        emitted |= {a for a in args if a.startswith("--")}
+        for worker in (False, True) if s.group_size > 1 else (False,):  # a group's worker pods: the same release's flags
+            args = engine_container(s, "m", worker=worker).args
+            assert flag_problems(engine, version, args) == [], args
+            emitted |= {a for a in args if a.startswith("--")}
     assert len(emitted) >= 15, emitted
 
 
@@ -942,3 +944,85 @@ def test_pipeline_stages_reach_every_engine_and_count_in_the_gpus():
                                                  "engineSettings": {"pipelineParallelSize": 2, "speculative": {"method": "draft", "draftModel": "smollm2-135m"}}}}
     parsed, problems = parse_spec(body)
     assert parsed is not None and problems[0][0] == "InvalidEngineSettings" and "pipeline_parallel_size=2" in problems[0][1]
+
+
+def test_replicas_of_several_pods_become_a_leader_worker_set():
+    """resources.gpusPerPod below TP x PP: each replica a LeaderWorkerSet group (leader + workers, the same pod template
+    otherwise), recreated as a unit; the Service, status selector and metrics select leaders; the engine's ranks split
+    over the pods (kvpilot serve on the leader, serve-worker on the others, the rendezvous at the leader's address)."""
+    from kvpilot.operator.builders.manifests import GROUP_POD_LABEL, group_name, pod_monitor, pod_selector, serving_pods
+
+    s = spec(engineSettings={"tensorParallelSize": 2, "pipelineParallelSize": 2, "kvCacheMemory": "64MiB"},
+             resources={"gpusPerPod": 2, "gpuProduct": "NVIDIA-H100-80GB-HBM3"}, minReplicas=2, extraArgs=["--seed", "7", "--ssl-certfile", "/c.pem"])
+    assert s.group_size == 2
+    objs = render("chat", "ns", "u", s, with_pod_monitor=True)
+    assert [o["kind"] for o in objs] == ["LeaderWorkerSet", "Service", "PodDisruptionBudget", "PodMonitor"]
+    lws = objs[0]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1" and lws["metadata"]["name"] == group_name("chat") == "chat-group"
+    assert lws["metadata"]["ownerReferences"][0]["uid"] == "u" and lws["spec"]["replicas"] == 2
+    t = lws["spec"]["leaderWorkerTemplate"]
+    assert (t["size"], t["restartPolicy"], lws["spec"]["startupPolicy"]) == (2, "RecreateGroupOnPodRestart", "LeaderCreated")
+    leader, worker = t["leaderTemplate"], t["workerTemplate"]
+    assert leader["metadata"]["labels"][GROUP_POD_LABEL] == "leader" and worker["metadata"]["labels"][GROUP_POD_LABEL] == "worker"
+    assert leader["metadata"]["labels"][ISVC_LABEL] == worker["metadata"]["labels"][ISVC_LABEL] == "chat"
+    assert "prometheus.io/scrape" in leader["metadata"]["annotations"] and "prometheus.io/scrape" not in worker["metadata"]["annotations"]
+    lc, wc = leader["spec"]["containers"][0], worker["spec"]["containers"][0]
+    assert lc["resources"]["limits"]["nvidia.com/gpu"] == wc["resources"]["limits"]["nvidia.com/gpu"] == "2"  # per pod, not TP x PP
+    assert lc["args"][0] == "serve" and wc["args"][0] == "serve-worker"
+    lcfg = EngineConfig.from_cli_args(engine_args(lc)[:-2])  # (less the TLS flag: the server's)
+    assert (lcfg.group_size, lcfg.group_rank, lcfg.tensor_parallel_size, lcfg.pipeline_parallel_size, lcfg.seed) == (2, 0, 2, 2, 7)
+    w = wc["args"]
+    assert w[w.index("--group-rank") + 1] == "$(LWS_WORKER_INDEX)" and w[w.index("--group-leader") + 1] == "$(LWS_LEADER_ADDRESS)"
+    assert "--ssl-certfile" in lc["args"] and "--ssl-certfile" not in w and "--shutdown-grace-seconds" not in w  # the server's: the leader's
+    wcfg = EngineConfig.from_cli_args([a for a in w[w.index("--port") + 2:] if "$(" not in a and a not in ("--group-rank", "--group-leader")])
+    assert wcfg.model_dump(exclude={"group_rank", "group_leader"}) == lcfg.model_dump(exclude={"group_rank", "group_leader"})  # every rank agrees
+    assert wc["readinessProbe"]["httpGet"]["path"] == "/ready" and wc["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert lc["readinessProbe"]["httpGet"]["scheme"] == "HTTPS" and "scheme" not in wc["readinessProbe"]["httpGet"]
+    for pod in (leader, worker):  # the same pod otherwise: model volume, security context, placement
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True and pod["spec"]["nodeSelector"]["nvidia.com/gpu.product"]
+        assert any(v["name"] == "shm" for v in pod["spec"]["volumes"])
+    assert objs[1]["spec"]["selector"] == pod_selector("chat", s) == {ISVC_LABEL: "chat", GROUP_POD_LABEL: "leader"}
+    assert {"key": GROUP_POD_LABEL, "operator": "NotIn", "values": ["worker"]} in pod_monitor("chat", "ns", "u", s)["spec"]["selector"]["matchExpressions"]
+    pods = [{"metadata": {"name": n, "labels": {GROUP_POD_LABEL: role}}} for n, role in (("chat-group-0", "leader"), ("chat-group-0-1", "worker"))]
+    assert [p["metadata"]["name"] for p in serving_pods(pods)] == ["chat-group-0"]
+    # vLLM and SGLang: their own multi-node launch from the same object; workers are headless (no probes)
+    for engine, rank_flag in (("vllm", "--node-rank"), ("sglang", "--node-rank")):
+        g = spec(model={"source": "hf://org/m"}, engine=engine, engineSettings={"tensorParallelSize": 8, "pipelineParallelSize": 2},
+                 resources={"gpusPerPod": 8})
+        t = render("m", "ns", "u", g)[0]["spec"]["leaderWorkerTemplate"]
+        la, wa = t["leaderTemplate"]["spec"]["containers"][0]["args"], t["workerTemplate"]["spec"]["containers"][0]
+        assert la[la.index("--nnodes") + 1] == "2" and la[la.index(rank_flag) + 1] == "0"
+        assert wa["args"][wa["args"].index(rank_flag) + 1] == "$(LWS_WORKER_INDEX)" and "readinessProbe" not in wa
+        assert ("--headless" in wa["args"]) == (engine == "vllm") and "$(LWS_LEADER_ADDRESS)" in " ".join(la)
+    # one pod per replica (unset, or every GPU in one pod): a Deployment as before
+    assert render("one", "ns", "u", spec(engineSettings={"tensorParallelSize": 2}, resources={"gpusPerPod": 2}))[0]["kind"] == "Deployment"
+
+
+def test_groups_of_pods_are_refused_where_they_cannot_work():
+    from pydantic import ValidationError
+
+    from kvpilot.operator.reconcile import parse_spec
+
+    with pytest.raises(ValidationError, match="gpusPerPod must divide"):
+        spec(engineSettings={"tensorParallelSize": 3}, resources={"gpusPerPod": 2})
+    with pytest.raises(ValidationError, match="not disaggregated yet"):
+        spec(engineSettings={"tensorParallelSize": 2}, resources={"gpusPerPod": 1}, disaggregation={})
+    body = {"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "engineSettings": {"tensorParallelSize": 2},
+                                                 "resources": {"gpusPerPod": 1}, "adapters": [{"name": "a", "source": "hf://o/a"}]}}
+    parsed, problems = parse_spec(body)
+    assert parsed is not None and problems[0][0] == "UnsupportedSetting" and "adapters" in problems[0][1]
+
+
+def test_group_status_names_each_group_and_its_pods_not_ready():
+    from kvpilot.operator.status import group_statuses
+
+    def pod(name, group, index, ready):
+        return {"metadata": {"name": name, "labels": {"leaderworkerset.sigs.k8s.io/group-index": str(group),
+                                                      "leaderworkerset.sigs.k8s.io/worker-index": str(index)}},
+                "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+    groups = group_statuses([pod("c-group-1-1", 1, 1, False), pod("c-group-0", 0, 0, True), pod("c-group-0-1", 0, 1, True),
+                             pod("c-group-1", 1, 0, True)], size=2)
+    assert [(g.name, g.pods, g.ready_pods, g.ready, g.not_ready) for g in groups] == [
+        ("c-group-0", 2, 2, True, []), ("c-group-1", 2, 1, False, ["c-group-1-1"])]
+    assert [g.name for g in group_statuses([pod("c-group-2-1", 2, 1, True)], size=2)] == ["c-group-2"]  # its leader gone

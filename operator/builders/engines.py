@@ -10,7 +10,7 @@ from pydantic.alias_generators import to_camel
 
 from kvpilot.operator.builders.engine_flags import flag_problems, image_version
 from kvpilot.operator.crd_types import InferenceServiceSpec, KVOffloadSpec
-from kvpilot.server.config import EngineConfig
+from kvpilot.server.config import EngineConfig, add_model_args
 from kvpilot.server.model_source import ModelSource, parse_model_source
 
 PORT = 8000
@@ -29,6 +29,12 @@ KV_DATA_PORTS = (5601, 5699)
 # With spec.adapters: a writable directory (an emptyDir) where the kvpilot engine downloads hf:// adapters,
 # and under it pvc/CLAIM, each adapter claim mounted read-only. The kvpilot engine's --lora-dir.
 LORA_DIR = "/var/lib/kvpilot/adapters"
+# A group of pods (resources.gpusPerPod below the engine's GPUs): the port its leader hosts the ranks' rendezvous on (kvpilot
+# --group-port, vLLM --master-port, SGLang --dist-init-addr's), and the variables LeaderWorkerSet gives every pod of a group
+# (its webhook writes them into the containers: the kubelet expands $(NAME) in args).
+GROUP_PORT = 29500
+LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
+WORKER_INDEX = "$(LWS_WORKER_INDEX)"
 
 
 @dataclass(slots=True)
@@ -40,6 +46,7 @@ class EngineContainer:
     health_path: str
     env: list[dict] = field(default_factory=list)
     scheme: str = "HTTP"  # of the probes: HTTPS when the engine serves TLS (serves_tls)
+    serves_http: bool = True  # False: a group's worker pod of vLLM or SGLang (headless: no probe to ask)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,11 +141,14 @@ def _lora_values(spec: InferenceServiceSpec) -> dict:
     return {f: getattr(s, f) for f in ("max_loras", "max_lora_rank") if getattr(s, f) is not None}
 
 
-def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = None) -> EngineContainer:
-    """pool: of a disaggregated service, "prefill" or "decode" (None: one pool serves both phases)."""
+def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = None, worker: bool = False) -> EngineContainer:
+    """pool: of a disaggregated service, "prefill" or "decode" (None: one pool serves both phases). worker: a group's pod
+    other than its leader (`kvpilot serve-worker`: its ranks, and /health and /ready)."""
     s = spec.engine_settings
     values = {"model": model_argument(spec), "served_model_name": served_name(spec, name),
               "tensor_parallel_size": s.tensor_parallel_size, "pipeline_parallel_size": s.pipeline_parallel_size}
+    if spec.group_size > 1:
+        values |= {"group_size": spec.group_size, "group_port": GROUP_PORT}
     for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
               "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory", "dtype", "kv_cache_dtype", "quantization", "enforce_eager"):
         v = getattr(s, f)
@@ -166,6 +176,11 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = 
         values["kv_host_offload_size"] = parse_quantity(s.kv_offload.host_size)
     # EngineConfig validates here, in the operator, so a bad combination is a status condition, not a crash loop.
     engine_args = EngineConfig(**values).to_cli_args()
+    if worker:  # (validated as a worker too: a rank and a leader address stand for LeaderWorkerSet's)
+        EngineConfig(**values, group_rank=spec.group_size - 1, group_leader="leader")
+        args = ["serve-worker", "--host", "$(POD_IP)", "--port", str(PORT), *engine_args, "--group-rank", WORKER_INDEX,
+                "--group-leader", LEADER_ADDRESS]
+        return EngineContainer(spec.image or DEFAULT_IMAGES["kvpilot"], ["kvpilot"], args, "/ready", "/health")
     args = ["serve", "--host", "$(POD_IP)", "--port", str(PORT), "--shutdown-grace-seconds", str(SHUTDOWN_GRACE_SECONDS), *engine_args]
     if s.parsers and s.parsers.tool_calls:
         args += ["--tool-call-parser", s.parsers.tool_calls]
@@ -178,7 +193,8 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = 
     return EngineContainer(spec.image or DEFAULT_IMAGES["kvpilot"], ["kvpilot"], args, "/ready", "/health")
 
 
-def vllm_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
+def vllm_container(spec: InferenceServiceSpec, name: str, worker: bool = False) -> EngineContainer:
+    """worker: a group's pod other than its leader (`--headless`: its ranks only)."""
     s = spec.engine_settings
     args = ["--model", model_argument(spec), "--served-model-name", served_name(spec, name), "--host", "$(POD_IP)",
             "--port", str(PORT), "--tensor-parallel-size", str(s.tensor_parallel_size)]
@@ -215,10 +231,14 @@ def vllm_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         for f, v in _lora_values(spec).items():
             args += [f"--{f.replace('_', '-')}", str(v)]
         env.append({"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"})
-    return EngineContainer(spec.image or DEFAULT_IMAGES["vllm"], ["vllm", "serve"], args, "/health", "/health", env)
+    if spec.group_size > 1:  # vLLM's own multi-node launch (multiprocessing, no Ray): every pod the same flags, its node rank
+        args += ["--distributed-executor-backend", "mp", "--nnodes", str(spec.group_size), "--node-rank", WORKER_INDEX if worker else "0",
+                 "--master-addr", LEADER_ADDRESS, "--master-port", str(GROUP_PORT), *(["--headless"] if worker else [])]
+    return EngineContainer(spec.image or DEFAULT_IMAGES["vllm"], ["vllm", "serve"], args, "/health", "/health", env, serves_http=not worker)
 
 
-def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
+def sglang_container(spec: InferenceServiceSpec, name: str, worker: bool = False) -> EngineContainer:
+    """worker: a group's pod other than its leader (node rank > 0: SGLang serves no HTTP there)."""
     s = spec.engine_settings
     args = ["--model-path", model_argument(spec), "--served-model-name", served_name(spec, name), "--host", "$(POD_IP)",
             "--port", str(PORT), "--tp-size", str(s.tensor_parallel_size),
@@ -247,7 +267,11 @@ def sglang_container(spec: InferenceServiceSpec, name: str) -> EngineContainer:
         args += ["--tool-call-parser", SGLANG_PARSERS[s.parsers.tool_calls]]
     if s.parsers and s.parsers.reasoning:
         args += ["--reasoning-parser", SGLANG_PARSERS[s.parsers.reasoning]]
-    return EngineContainer(spec.image or DEFAULT_IMAGES["sglang"], ["python3", "-m", "sglang.launch_server"], args, "/health", "/health")
+    if spec.group_size > 1:
+        args += ["--nnodes", str(spec.group_size), "--node-rank", WORKER_INDEX if worker else "0", "--dist-init-addr",
+                 f"{LEADER_ADDRESS}:{GROUP_PORT}"]
+    return EngineContainer(spec.image or DEFAULT_IMAGES["sglang"], ["python3", "-m", "sglang.launch_server"], args, "/health", "/health",
+                           serves_http=not worker)
 
 
 # engineSettings.parsers values as SGLang names its parsers (kvpilot's and vLLM's names are the CRD's).
@@ -308,6 +332,9 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
                         "tier is part of the engine's memory, with its weights and buffers)")
     if s.speculative and s.speculative.method == "ngram" and s.speculative.draft_model:
         problems.append("engineSettings.speculative.draftModel is only used with methods draft and eagle3")
+    if spec.adapters and spec.group_size > 1:
+        problems.append("adapters are loaded into one-pod replicas only: a group's worker pods (resources.gpusPerPod below the engine's "
+                        "GPUs) would not hold them")
     if not spec.adapters and _lora_values(spec):
         problems.append(f"engineSettings.{', '.join(to_camel(f) for f in _lora_values(spec))} only apply with spec.adapters")
     return problems
@@ -326,13 +353,34 @@ TLS_FLAG = "--ssl-certfile"
 def serves_tls(spec: InferenceServiceSpec) -> bool:
     """The engine serves HTTPS: extraArgs give it a certificate (--ssl-certfile: the flag of kvpilot, vLLM and SGLang alike,
     with --ssl-keyfile). The files must be in the image: the spec mounts no Secret for them (docs/operator.md)."""
-    return any(a == TLS_FLAG or a.startswith(TLS_FLAG + "=") for a in spec.extra_args)
+    return _has_tls_flag(spec.extra_args)
 
 
-def engine_container(spec: InferenceServiceSpec, name: str, pool: str | None = None) -> EngineContainer:
-    """pool: of a disaggregated service (engine kvpilot), "prefill" or "decode"."""
-    c = kvpilot_container(spec, name, pool) if pool is not None else BUILDERS[spec.engine](spec, name)
-    c.args += list(spec.extra_args)
-    if serves_tls(spec):
+def _has_tls_flag(args: list[str]) -> bool:
+    return any(a == TLS_FLAG or a.startswith(TLS_FLAG + "=") for a in args)
+
+
+def _engine_flags_only(args: list[str]) -> list[str]:
+    """Of extraArgs, the kvpilot flags a group's worker pod takes (EngineConfig's: every rank must agree on them) with their
+    values; the server's (TLS, parsers…) are the leader's alone."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_model_args(parser, EngineConfig)
+    known, out, keep = set(parser._option_string_actions), [], False
+    for a in args:
+        if a.startswith("-") and not a.lstrip("-").replace(".", "", 1).isdigit():  # (a negative number is a value)
+            keep = a.split("=", 1)[0] in known
+        if keep:
+            out.append(a)
+    return out
+
+
+def engine_container(spec: InferenceServiceSpec, name: str, pool: str | None = None, worker: bool = False) -> EngineContainer:
+    """pool: of a disaggregated service (engine kvpilot), "prefill" or "decode". worker: a group's pod other than its
+    leader (resources.gpusPerPod below the engine's GPUs)."""
+    c = kvpilot_container(spec, name, pool) if pool is not None else BUILDERS[spec.engine](spec, name, worker=worker)
+    c.args += _engine_flags_only(list(spec.extra_args)) if worker and spec.engine == "kvpilot" else list(spec.extra_args)
+    if _has_tls_flag(c.args):  # (a kvpilot worker's /health and /ready are plain HTTP: TLS is the leader's)
         c.scheme = "HTTPS"
     return c

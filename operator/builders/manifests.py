@@ -23,6 +23,9 @@ from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, ROLE
 from kvpilot.server.model_source import parse_model_source
 
 ENGINE_LABEL = f"{GROUP}/engine"
+# A group's pods (resources.gpusPerPod below the engine's GPUs): "leader" (serves the API, counted, routed to) or "worker".
+GROUP_POD_LABEL = f"{GROUP}/group-pod"
+LWS_API = "leaderworkerset.x-k8s.io/v1"
 # A disaggregated service's prefill and decode engines read their shared key from this variable (the engine's own name
 # for it: never a flag, so it is in neither `ps` nor logs); the Secret <name>-kv-transfer holds it under this key.
 KV_TRANSFER_SECRET_ENV = "KVPILOT_KV_TRANSFER_SECRET"
@@ -41,9 +44,20 @@ def is_prefill_pod(pod: dict) -> bool:
     return ((pod.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL) == "prefill"
 
 
+def is_group_worker(pod: dict) -> bool:
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(GROUP_POD_LABEL) == "worker"
+
+
 def serving_pods(pods: list[dict]) -> list[dict]:
-    """The pods the service's own status, scale subresource and autoscaler count: all but a prefill pool's."""
-    return [p for p in pods if not is_prefill_pod(p)]
+    """The pods the service's own status, scale subresource and autoscaler count: all but a prefill pool's and a group's
+    workers (a group is its leader: the pod that serves, and exports the metrics)."""
+    return [p for p in pods if not is_prefill_pod(p) and not is_group_worker(p)]
+
+
+def group_name(name: str) -> str:
+    """The LeaderWorkerSet of a service whose replicas are groups of pods. Not the service's own name: LeaderWorkerSet makes a
+    headless Service of its name for the pods' addresses (LWS_LEADER_ADDRESS), beside the service's own Service."""
+    return f"{name}-group"
 
 
 def prefill_name(name: str) -> str:
@@ -57,6 +71,8 @@ def prefill_selector(name: str) -> dict[str, str]:
 
 def pod_selector(name: str, spec: InferenceServiceSpec | None) -> dict[str, str]:
     """The service's own pods as a label selector (status.selector, the Service): a disaggregated service's decode pods."""
+    if spec is not None and spec.group_size > 1:
+        return {ISVC_LABEL: name, GROUP_POD_LABEL: "leader"}
     return {ISVC_LABEL: name, ROLE_LABEL: "decode"} if spec is not None and spec.disaggregation else selector_labels(name)
 
 
@@ -150,7 +166,7 @@ def _resources(spec: InferenceServiceSpec, r: ResourceSpec) -> dict:
     limits: dict[str, str] = {}
     requests: dict[str, str] = {}
     if not r.cpu_only:
-        limits[r.gpu_resource] = str(spec.engine_settings.gpus)
+        limits[r.gpu_resource] = str(r.gpus_per_pod or spec.engine_settings.gpus)
     if r.cpu:
         limits["cpu"] = requests["cpu"] = r.cpu
     if r.memory:
@@ -190,11 +206,12 @@ def _probe_get(c: EngineContainer, path: str) -> dict:
     return {"path": path, "port": "http", **({"scheme": c.scheme} if c.scheme != "HTTP" else {})}
 
 
-def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, prefill: bool = False) -> dict:
-    """The service's own pods (of a disaggregated service: its decode pool), or (prefill) its prefill pool."""
+def pod_template(name: str, spec: InferenceServiceSpec, prefill: bool = False, group_pod: str | None = None) -> dict:
+    """An engine pod: of the service's own pods (of a disaggregated service: its decode pool), or (prefill) of its prefill
+    pool; group_pod: "leader" or "worker" of a group's (resources.gpusPerPod below the engine's GPUs)."""
     pool = "prefill" if prefill else "decode" if spec.disaggregation else None
     resources = (spec.disaggregation.prefill.resources if prefill else None) or spec.resources
-    c = engine_container(spec, name, pool)
+    c = engine_container(spec, name, pool, worker=group_pod == "worker")
     volumes, mounts, inits = _model_volumes(spec)
     adapter_volumes, adapter_mounts = _adapter_volumes(spec) if not prefill else ([], [])
     volumes, mounts = volumes + adapter_volumes, mounts + adapter_mounts
@@ -220,9 +237,10 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"},
                   *([{"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"}] if prefill else [])],
         "resources": _resources(spec, resources),
-        "startupProbe": {"httpGet": _probe_get(c, c.health_path), "periodSeconds": 5, "failureThreshold": STARTUP_BUDGET_SECONDS // 5},
-        "readinessProbe": {"httpGet": _probe_get(c, c.ready_path), "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": _probe_get(c, c.health_path), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+        **({"startupProbe": {"httpGet": _probe_get(c, c.health_path), "periodSeconds": 5, "failureThreshold": STARTUP_BUDGET_SECONDS // 5},
+            "readinessProbe": {"httpGet": _probe_get(c, c.ready_path), "periodSeconds": 5, "failureThreshold": 3},
+            "livenessProbe": {"httpGet": _probe_get(c, c.health_path), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6}}
+           if c.serves_http else {}),
         "volumeMounts": [*mounts, {"name": "shm", "mountPath": "/dev/shm"}, {"name": "cache", "mountPath": CACHE_DIR},
                          {"name": "tmp", "mountPath": "/tmp"}, *compile_mounts],
         "securityContext": CONTAINER_SECURITY_CONTEXT,
@@ -233,8 +251,11 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
     tolerations = [t.model_dump(by_alias=True, exclude_none=True) for t in resources.tolerations]
     if not resources.cpu_only:
         tolerations.append({"key": resources.gpu_resource, "operator": "Exists", "effect": "NoSchedule"})
-    pod_labels = {**spec.pod_labels, **common_labels(name, spec), **({ROLE_LABEL: pool} if pool else {})}
-    pod_annotations = {**spec.pod_annotations, "prometheus.io/scrape": "true", "prometheus.io/port": str(PORT), "prometheus.io/path": "/metrics"}
+    pod_labels = {**spec.pod_labels, **common_labels(name, spec), **({ROLE_LABEL: pool} if pool else {}),
+                  **({GROUP_POD_LABEL: group_pod} if group_pod else {})}
+    pod_annotations = dict(spec.pod_annotations)
+    if group_pod != "worker":  # (a worker serves no metrics: its leader's engine counts the group's work)
+        pod_annotations |= {"prometheus.io/scrape": "true", "prometheus.io/port": str(PORT), "prometheus.io/path": "/metrics"}
     pod_spec = {
         "containers": [container],
         "volumes": [*volumes, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}},
@@ -250,6 +271,11 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
         pod_spec["nodeSelector"] = node_selector
     if tolerations:
         pod_spec["tolerations"] = tolerations
+    return {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec}
+
+
+def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, prefill: bool = False) -> dict:
+    """The service's own pods (of a disaggregated service: its decode pool), or (prefill) its prefill pool."""
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {**_meta(name, namespace, uid, spec), **({"name": prefill_name(name)} if prefill else {})},
@@ -259,7 +285,29 @@ def deployment(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, 
             # without an owner), and it cannot change (immutable) when disaggregation is turned on or off.
             "selector": {"matchLabels": prefill_selector(name) if prefill else selector_labels(name)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec},
+            "template": pod_template(name, spec, prefill),
+        },
+    }
+
+
+def leader_worker_set(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
+    """A service whose replicas are groups of pods (resources.gpusPerPod below the engine's GPUs): each replica a leader
+    (serves the API; its ranks host the group's rendezvous) and group_size - 1 workers (their share of the ranks), made and
+    numbered by LeaderWorkerSet. A failed pod recreates its whole group (the ranks cannot rejoin a running one); the workers
+    start once the leader is created (its readiness waits for them: LeaderReady would never start them)."""
+    return {
+        "apiVersion": LWS_API, "kind": "LeaderWorkerSet",
+        "metadata": {**_meta(name, namespace, uid, spec), "name": group_name(name)},
+        "spec": {
+            "replicas": desired_replicas(spec),
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {"maxSurge": 1, "maxUnavailable": 0}},
+            "leaderWorkerTemplate": {
+                "size": spec.group_size,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": pod_template(name, spec, group_pod="leader"),
+                "workerTemplate": pod_template(name, spec, group_pod="worker"),
+            },
         },
     }
 
@@ -333,7 +381,8 @@ METRICS_RELABELINGS = [
 
 def pod_monitor(name: str, namespace: str, uid: str, spec: InferenceServiceSpec) -> dict:
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": _meta(name, namespace, uid, spec),
-            "spec": {"selector": {"matchLabels": selector_labels(name)},
+            "spec": {"selector": {"matchLabels": selector_labels(name),
+                                  "matchExpressions": [{"key": GROUP_POD_LABEL, "operator": "NotIn", "values": ["worker"]}]},
                      "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s", "relabelings": METRICS_RELABELINGS}]}}
 
 
@@ -349,7 +398,8 @@ def render(name: str, namespace: str, uid: str, spec: InferenceServiceSpec, with
     claim = kv_tier_claim(name, namespace, uid, spec)
     # Before the Deployments: no prefill pod serves its KV transfer port before the policy guards it.
     policy = kv_transfer_network_policy(name, namespace, uid, spec) if spec.disaggregation and with_kv_transfer_policy else None
-    objs = [*([claim] if claim else []), *([policy] if policy else []), deployment(name, namespace, uid, spec), service(name, namespace, uid, spec),
+    pods = leader_worker_set(name, namespace, uid, spec) if spec.group_size > 1 else deployment(name, namespace, uid, spec)
+    objs = [*([claim] if claim else []), *([policy] if policy else []), pods, service(name, namespace, uid, spec),
             pod_disruption_budget(name, namespace, uid, spec)]
     if spec.disaggregation:
         objs += [deployment(name, namespace, uid, spec, prefill=True), pod_disruption_budget(name, namespace, uid, spec, prefill=True)]
