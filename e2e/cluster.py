@@ -246,13 +246,15 @@ class Cluster:
         return "\n".join(parts)
 
     def start_addons(self, scrape_interval: str = "5s", runtime: str = "process") -> str:
-        """What `make cluster-up` adds for a user (the tests start their own): the CRDs, Prometheus
+        """What `make cluster-up` adds for a user (the tests start their own): the CRDs, LeaderWorkerSet's controller, Prometheus
         discovering engine pods through the apiserver, and the pod runner, which runs each engine pod
         as a local `kvpilot serve` on its loopback pod IP (runtime "podman": from its image). All stop
         with `down`. Returns Prometheus's URL."""
+        from e2e.lws import start_lws
         from e2e.prometheus import Prometheus
 
         self.kubectl("apply", "-f", str(HERE.parent / "crds"))
+        start_lws(self)  # replicas of several pods (resources.gpusPerPod) are LeaderWorkerSets
         self.add_host_volumes(8, self.state_dir / "volumes")  # for the model cache (modelCache.mode Shared, storageClassName kvpilot-local)
         prom = Prometheus(self.state_dir / "prometheus", scrape_interval)
         prom.add_kubernetes_pods(self.server, TOKEN, str(self.state_dir / "certs" / "apiserver.crt")).start()

@@ -37,14 +37,15 @@ from pathlib import Path
 import httpx
 
 from e2e.cluster import ENGINE_LABEL, ENGINE_READY_ANNOTATION, TOKEN, _insecure
-from e2e.net import require_loopback
+from e2e.net import free_port, require_loopback
 from kvpilot.operator.status import now_rfc3339
 
 ENGINE_KIND_LABEL = "serving.kvpilot.dev/engine"
 LOADER_LABEL = "serving.kvpilot.dev/model-cache-entry"  # a model cache entry's loader (a Job's pod): run once, to completion
 RUNTIMES = ("process", "podman")
 CONTAINER_KUBECONFIG = "/var/run/kvpilot/kubeconfig"
-RUNNER_LABEL = "dev.kvpilot.pod-runner=1"  # every container the runner starts: `down` removes any left behind
+RUNNER_LABEL = "dev.kvpilot.pod-runner=1"
+GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"  # the same on every pod of one LeaderWorkerSet group  # every container the runner starts: `down` removes any left behind
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -204,6 +205,7 @@ class PodRunner:
         self.loaders_run: set[str] = set()  # loader pod uids run to completion
         self.init_backoff: dict[str, float] = {}  # pod uid -> when its failed init containers may run again
         self.restart_backoff: dict[str, tuple[float, float]] = {}  # pod uid -> (when its engine may start again, the delay)
+        self.group_ports: dict[str, int] = {}  # LeaderWorkerSet group key -> its rendezvous port (all pods share this host)
         self._stop = threading.Event()
         self._http = httpx.Client(verify=_insecure(), headers={"Authorization": f"Bearer {token}"}, timeout=10)
         self.events: list[tuple[float, str, str]] = []  # (time, pod, what) for reports
@@ -358,8 +360,32 @@ class PodRunner:
                     e["value"] = base64.b64decode(r.json()["data"][ref["key"]]).decode()
         return pod
 
+    def _in_group(self, pod: dict) -> dict | None:
+        """A LeaderWorkerSet group's pod as this host runs it: the leader's address its webhook wrote
+        (LWS_LEADER_ADDRESS, <leader pod>.<subdomain>.<namespace>: the cluster has no DNS) becomes the leader pod's IP,
+        and each group meets on a port of its own (--group-port: every pod shares this host's ports, where each
+        would have its own). None while the leader has no IP yet."""
+        key = ((pod["metadata"].get("labels") or {}).get(GROUP_KEY_LABEL))
+        if key is None:
+            return pod
+        pod = json.loads(json.dumps(pod))
+        engine = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+        for e in engine.get("env") or []:
+            if e["name"] == "LWS_LEADER_ADDRESS" and "value" in e:
+                r = self._http.get(f"{self.server}/api/v1/namespaces/{pod['metadata']['namespace']}/pods/{e['value'].split('.')[0]}")
+                ip = r.json().get("status", {}).get("podIP") if r.status_code == 200 else None
+                if not ip:
+                    return None
+                e["value"] = require_loopback(ip)
+        if key not in self.group_ports:
+            self.group_ports[key] = free_port()
+        engine["args"] = [*(engine.get("args") or []), "--group-port", str(self.group_ports[key])]
+        return pod
+
     def _start_engine(self, uid: str, pod: dict) -> None:
-        pod = self._with_secret_env(pod)
+        pod = self._in_group(self._with_secret_env(pod))
+        if pod is None:
+            return
         ip = require_loopback(pod["status"]["podIP"])
         name = pod["metadata"]["name"]
         log_path = self.log_dir / f"{pod['metadata']['namespace']}_{name}.log"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the control-plane tools from the committed wrapper modules into the cache, keyed by version.
-# A second run finds the binaries and does nothing. Usage: build.sh [k8s|etcd|kwok|helm ...]
+# A second run finds the binaries and does nothing. Usage: build.sh [k8s|etcd|kwok|helm|prometheus|promtool|lws ...]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=e2e/tools/versions.env
@@ -37,6 +37,20 @@ build_one() {  # module-dir version package binary [extra ldflags]
   rm -rf "$d" && mv "$d.tmp" "$d"
 }
 
+# LeaderWorkerSet's controller and its CRDs (copied beside it: e2e/lws.py installs them), from the k8s wrapper module: its
+# k8s.io packages are the control plane's, compiled once when both are built in one run (the Go build cache is trimmed after).
+build_lws() {
+  local d="$bindir/lws-$LWS_VERSION"
+  built "lws-$LWS_VERSION/lws-controller" && return
+  mkdir -p "$d.tmp"
+  (cd "$here/k8s" && go build -trimpath -ldflags "-s -w" -o "$d.tmp/lws-controller" sigs.k8s.io/lws/cmd &&
+    src=$(go list -m -f '{{.Dir}}' sigs.k8s.io/lws) &&
+    cp "$src/config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml" "$d.tmp/leaderworkersets.yaml" &&
+    cp "$src/config/crd/bases/disaggregatedset.x-k8s.io_disaggregatedsets.yaml" "$d.tmp/disaggregatedsets.yaml")
+  chmod u+w "$d.tmp"/*.yaml
+  rm -rf "$d" && mv "$d.tmp" "$d"
+}
+
 build_etcd() { build_one etcd "$ETCD_VERSION" go.etcd.io/etcd/server/v3 etcd; }
 build_kwok() { build_one kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok kwok; }
 build_helm() { build_one helm "$HELM_VERSION" helm.sh/helm/v3/cmd/helm helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"; }
@@ -55,7 +69,7 @@ build_promtool() {
   rm -rf "$d" && mv "$d.tmp" "$d"
 }
 
-targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(etcd kwok helm prometheus promtool k8s)
+targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(etcd kwok helm prometheus promtool k8s lws)
 for t in "${targets[@]}"; do
   start=$(date +%s)
   "build_$t"

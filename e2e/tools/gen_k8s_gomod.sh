@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Generates e2e/tools/k8s/go.mod: a wrapper module requiring k8s.io/kubernetes with one `replace`
+# Generates e2e/tools/k8s/go.mod: a wrapper module requiring k8s.io/kubernetes (and LeaderWorkerSet) with one `replace`
 # per staging module, taken from the kubernetes module's own go.mod (its `./staging/src/k8s.io/X`
 # replaces cannot be followed from outside the repo, so each becomes `k8s.io/X => k8s.io/X v0.N.P`).
 set -euo pipefail
@@ -15,6 +15,8 @@ staging_version="v0.${K8S_VERSION#v1.}"
   echo "go $(awk '$1=="go"{print $2; exit}' "$gomod")"
   echo
   echo "require k8s.io/kubernetes ${K8S_VERSION}"
+  echo
+  echo "require sigs.k8s.io/lws ${LWS_VERSION} // the LeaderWorkerSet controller (build.sh build_lws), on the same k8s.io modules"
   echo
   echo "replace ("
   grep -oE '^\s*k8s\.io/[a-z0-9-]+ => \./staging/src/k8s\.io/[a-z0-9-]+' "$gomod" \
