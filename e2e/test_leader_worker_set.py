@@ -79,7 +79,7 @@ def test_a_replica_of_two_pods_serves_recovers_and_scales(cluster, namespace, tm
 
         # The worker's process dies: LeaderWorkerSet recreates the whole group; the operator's Degraded Event names the worker.
         leader_uid = pods["grp-group-0"]["metadata"]["uid"]
-        proc = next(e.proc for e in runner.engines.values() if e.name == "grp-group-0-1")
+        proc = next(e.proc for e in runner.engines.values() if e.pod == "grp-group-0-1")
         os.killpg(proc.pid, signal.SIGKILL)
         events = lambda: json.loads(cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.name=grp",  # noqa: E731
                                                     "-o", "json").stdout)["items"]
