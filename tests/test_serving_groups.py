@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -31,6 +32,13 @@ def serve_worker(group_port: int, health_port: int, log: Path, termination: Path
                             env={**os.environ, "KVPILOT_TERMINATION_LOG": str(termination)})
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 @pytest.mark.timeout(240)
 def test_a_group_of_two_pods_serves_hf_greedy_and_stops_when_a_pod_dies(tmp_path, hf_oracle_session):
     from kvpilot.server.loading import open_model
@@ -45,6 +53,9 @@ def test_a_group_of_two_pods_serves_hf_greedy_and_stops_when_a_pod_dies(tmp_path
     try:
         leader.wait_ready()
         health = f"http://127.0.0.1:{health_port}"
+        deadline = time.monotonic() + 30  # (the worker's own server may bind a moment after the leader is ready)
+        while time.monotonic() < deadline and not _answers(health + "/ready"):
+            time.sleep(0.2)
         assert httpx.get(health + "/ready", timeout=5).status_code == 200 and httpx.get(health + "/health", timeout=5).status_code == 200
         _, tokenizer = open_model(resolve_model_path("smollm2-135m"))  # the engine's: the oracle's ids decoded as the server decodes
         for i in (0, 3, 4):  # English and numbers: the oracle's ids decode to the text the server streams
