@@ -818,6 +818,44 @@ def test_reconcile_creates_the_key_once_and_removes_the_policy_when_it_is_not_wa
         reconcile.forget("ns", "kvsvc")
 
 
+def test_reconcile_swaps_the_deployment_and_the_group_workload_and_says_when_lws_is_missing():
+    """Replicas becoming groups of pods: the LeaderWorkerSet is applied and the one-pod Deployment deleted, and back; on a
+    cluster that does not serve LeaderWorkerSet, a Degraded condition says what to install and nothing is applied."""
+    from kvpilot.operator import reconcile
+    from kvpilot.operator.cache import CACHE, DEPLOYMENT, ISVC, LWS
+
+    class WithLWS(RecordingKube):
+        def has_kind(self, api_version: str, kind: str) -> bool:
+            return kind == "LeaderWorkerSet"
+
+    def body(version: int, **resources) -> dict:
+        return {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": "g", "namespace": "ns", "uid": "uid-g", "generation": version, "resourceVersion": str(version)},
+                "spec": {"model": {"source": "smollm2-135m"}, "engineSettings": {"pipelineParallelSize": 2},
+                         "resources": {"cpuOnly": True, **resources}}}
+
+    try:
+        kube = WithLWS()
+        reconcile.reconcile(kube, body(1))  # one pod per replica
+        assert ("apply", "Deployment", "g") in kube.calls and not [c for c in kube.calls if c[1] == "LeaderWorkerSet"]
+        kube = WithLWS()
+        reconcile.reconcile(kube, body(2, gpusPerPod=1))  # two pods per replica
+        assert ("apply", "LeaderWorkerSet", "g-group") in kube.calls and ("delete", "Deployment", "g") in kube.calls
+        assert CACHE.get(LWS, "ns", "g-group") is not None and CACHE.get(DEPLOYMENT, "ns", "g") is None
+        kube = WithLWS()
+        reconcile.reconcile(kube, body(3))  # back
+        assert ("apply", "Deployment", "g") in kube.calls and ("delete", "LeaderWorkerSet", "g-group") in kube.calls
+        kube = RecordingKube()  # a cluster without LeaderWorkerSet
+        status = reconcile.reconcile(kube, body(4, gpusPerPod=1))
+        degraded = next(c for c in status.conditions if c.type == "Degraded")
+        assert degraded.status == "True" and degraded.reason == "LeaderWorkerSetMissing" and "install LeaderWorkerSet" in degraded.message
+        assert not [c for c in kube.calls if c[0] == "apply"]
+    finally:
+        for kind, name in ((ISVC, "g"), (DEPLOYMENT, "g"), (LWS, "g-group")):
+            CACHE.delete(kind, "ns", name)
+        reconcile.forget("ns", "g")
+
+
 def test_the_chart_grants_what_the_operator_does_and_passes_the_kv_transfer_policy_setting():
     from kvpilot.operator.builders.manifests import pod_monitor
 
