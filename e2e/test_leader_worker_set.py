@@ -113,7 +113,8 @@ def test_a_replica_of_two_pods_serves_recovers_and_scales(cluster, namespace, tm
         loader.start()
         cluster.kubectl("scale", "kvis", "grp", "-n", namespace, "--replicas=2")
         wait_until(lambda: groups_ready(cluster, namespace, "grp", 2), timeout=240, what="two groups Ready")
-        assert json.loads(cluster.kubectl("get", "leaderworkersets", "grp-group", "-n", namespace, "-o", "json").stdout)["spec"]["replicas"] == 2
+        scale = cluster.api(f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{namespace}/leaderworkersets/grp-group/scale")
+        assert scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2  # LeaderWorkerSet's own scale subresource: 2 groups
         assert len(ready_endpoints(api, cluster.server, namespace, "grp")) == 2  # two leaders, no worker
         cluster.kubectl("scale", "kvis", "grp", "-n", namespace, "--replicas=1")
         wait_until(lambda: groups_ready(cluster, namespace, "grp", 1) and len(pods_of(cluster, namespace, "grp")) == 2, timeout=120,
