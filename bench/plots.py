@@ -165,6 +165,7 @@ def speculation(data: dict, plt):
                 ax.annotate(row["acceptance"].split(" of ")[0], (x, 0.05), ha="center", va="bottom", fontsize=7, color="white")
     ax.axhline(1.0, color="#4a5568", linewidth=0.8)
     ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_xlabel("workload (in white: the share of proposed tokens accepted)", fontsize=9)
     ax.set_ylabel("output tok/s vs plain", fontsize=9)
     ax.set_ylim(0, max(float(r["vs plain"].rstrip("x×")) for r in rows) * 1.2)
     ax.legend(fontsize=8, loc="upper right")
