@@ -44,8 +44,8 @@ ENGINE_KIND_LABEL = "serving.kvpilot.dev/engine"
 LOADER_LABEL = "serving.kvpilot.dev/model-cache-entry"  # a model cache entry's loader (a Job's pod): run once, to completion
 RUNTIMES = ("process", "podman")
 CONTAINER_KUBECONFIG = "/var/run/kvpilot/kubeconfig"
-RUNNER_LABEL = "dev.kvpilot.pod-runner=1"
-GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"  # the same on every pod of one LeaderWorkerSet group  # every container the runner starts: `down` removes any left behind
+RUNNER_LABEL = "dev.kvpilot.pod-runner=1"  # every container the runner starts: `down` removes any left behind
+GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"  # the same on every pod of one LeaderWorkerSet group
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 

@@ -29,6 +29,7 @@ from kvpilot.operator.reconcile import (
     record_cold_start,
     record_fill,
     refresh_status,
+    retry_if_waiting,
 )
 
 log = logging.getLogger("kvpilot.operator")
@@ -209,6 +210,7 @@ class AutoscalerLoop:
                     continue
                 try:
                     evaluate(kube(), source, body, self.states.setdefault(uid, AutoscalerState()), time.time())
+                    retry_if_waiting(kube(), body)
                 except Exception:  # noqa: BLE001 - one bad object must not stop the others
                     log.exception("autoscaler: %s/%s", body["metadata"]["namespace"], body["metadata"]["name"])
             for uid in set(self.states) - live:

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from kvpilot.operator import cold_start, metrics
 from kvpilot.operator.adapter_sync import AdapterReport
 from kvpilot.operator.builders import model_cache
-from kvpilot.operator.builders.engines import engine_container, served_name, shared_cache, unsupported_settings
+from kvpilot.operator.builders.engines import engine_container, group_flag_problems, served_name, shared_cache, unsupported_settings
 from kvpilot.operator.builders.manifests import (
     ENGINE_LABEL,
     LWS_API,
@@ -26,6 +26,7 @@ from kvpilot.operator.builders.manifests import (
     endpoint_url,
     group_name,
     hf_token_env,
+    is_group_worker,
     is_prefill_pod,
     kv_transfer_name,
     kv_transfer_secret,
@@ -41,7 +42,9 @@ from kvpilot.operator.status import AutoscalerReport, compute_status, group_stat
 from kvpilot.server.model_files import BUNDLED
 
 log = logging.getLogger("kvpilot.operator")
-FAULT_ENV = "KVPILOT_TEST_FAULT_POINT"  # test-only: "point" or "point@namespace/name": crash there
+FAULT_ENV = "KVPILOT_TEST_FAULT_POINT"
+# <name>-group-<index>-<hash> (a worker StatefulSet's revision label) stays within a label's 63 characters
+MAX_GROUPED_NAME = 40  # test-only: "point" or "point@namespace/name": crash there
 
 
 _locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
@@ -86,7 +89,7 @@ def record_cold_start(namespace: str, name: str, pod: dict) -> None:
     """A pod that turned Ready in the last two minutes: its start by phase, from its timestamps and (a
     kvpilot engine) its /metrics; into the operator's histograms and, as the newest, the status."""
     uid = pod["metadata"]["uid"]
-    if uid in _measured or pod["metadata"].get("deletionTimestamp"):
+    if uid in _measured or pod["metadata"].get("deletionTimestamp") or is_group_worker(pod):  # (a group's start is its leader's)
         return
     first = cold_start.cold_start(pod, None, {})
     if first is None or time.time() - datetime.fromisoformat(first.ready_time.replace("Z", "+00:00")).timestamp() > COLD_START_FRESH_SECONDS:
@@ -146,8 +149,12 @@ def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str,
         try:  # the engine's own config validation (kvpilot: EngineConfig), here rather than in a crash-looping pod
             for pool in ("decode", "prefill") if spec.disaggregation else (None,):
                 engine_container(spec, (body.get("metadata") or {}).get("name", ""), pool)
-            if spec.group_size > 1:  # a group's worker pods too
-                engine_container(spec, (body.get("metadata") or {}).get("name", ""), worker=True)
+            if spec.group_size > 1:  # a group's worker pods too, with the engine flags the leader has
+                name = (body.get("metadata") or {}).get("name", "")
+                problems += [("InvalidEngineSettings", p) for p in group_flag_problems(spec, name)]
+                if len(name) > MAX_GROUPED_NAME:
+                    problems.append(("InvalidName", f"a service whose replicas are groups of pods has a name of at most {MAX_GROUPED_NAME} "
+                                     f"characters (LeaderWorkerSet names its StatefulSets and pods after it), not {len(name)}"))
         except ValidationError as e:
             msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'engineSettings'}: {err['msg']}" for err in e.errors()[:5])
             problems.append(("InvalidEngineSettings", msgs))
@@ -252,6 +259,36 @@ def refresh_status(kube: Kube, namespace: str, name: str) -> InferenceServiceSta
         return write_status(kube, body, spec, problems + _apply_problems.get((namespace, name), []))
 
 
+def _raw_group_size(spec: dict) -> int:
+    """InferenceServiceSpec.group_size from the stored spec, without validating it (each autoscaler pass asks, per service)."""
+    settings, per_pod = spec.get("engineSettings") or {}, (spec.get("resources") or {}).get("gpusPerPod")
+    gpus = settings.get("tensorParallelSize", 1) * settings.get("pipelineParallelSize", 1)
+    return gpus // per_pod if per_pod else 1
+
+
+def _handover_due(namespace: str, name: str, group_size: int, desired: int) -> bool:
+    """Replicas that became groups of pods (or stopped being them): the previous workload is still there and the new one
+    serves (its first replica Ready, or none asked for): the previous one can go."""
+    grouped = group_size > 1
+    old = CACHE.get(DEPLOYMENT, namespace, name) if grouped else CACHE.get(LWS, namespace, group_name(name))
+    new = CACHE.get(LWS, namespace, group_name(name)) if grouped else CACHE.get(DEPLOYMENT, namespace, name)
+    return old is not None and new is not None and ((new.get("status") or {}).get("readyReplicas") or 0) >= min(desired, 1)
+
+
+def retry_if_waiting(kube: Kube, body: dict) -> None:
+    """Each autoscaler pass, per service: a reconcile for one whose last reconcile waits on the cluster — LeaderWorkerSet was
+    not installed (has_kind asks again every minute), or a handover's new workload turned ready (its status events refresh
+    status only). Cheap when neither: cache lookups."""
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    spec = body.get("spec") or {}
+    if any(reason == "LeaderWorkerSetMissing" for reason, _ in _apply_problems.get((namespace, name), [])):
+        if kube.has_kind(LWS_API, "LeaderWorkerSet"):
+            reconcile(kube, body)
+    elif _handover_due(namespace, name, _raw_group_size(spec), spec.get("replicas", spec.get("minReplicas", 1))):
+        reconcile(kube, body)
+
+
 def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
@@ -278,13 +315,12 @@ def _reconcile(kube: Kube, body: dict) -> InferenceServiceStatus:
                     fault_point("after-deployment", namespace, name)
                 elif obj["kind"] == "LeaderWorkerSet":
                     CACHE.put(LWS, applied)
-            # One workload at a time: the one-pod replicas' Deployment goes when the replicas become groups, and back.
-            if spec.group_size > 1 and cache_ready and CACHE.get(DEPLOYMENT, namespace, name) is not None:
-                kube.delete("apps/v1", "Deployment", name, namespace)
-                CACHE.delete(DEPLOYMENT, namespace, name)
-            elif spec.group_size == 1 and CACHE.get(LWS, namespace, group_name(name)) is not None:
-                kube.delete(LWS_API, "LeaderWorkerSet", group_name(name), namespace)
-                CACHE.delete(LWS, namespace, group_name(name))
+            # Replicas that became groups of pods, or stopped being them: the previous workload serves until the new one
+            # does (retry_if_waiting comes back for it), then goes.
+            if cache_ready and _handover_due(namespace, name, spec.group_size, desired_replicas(spec)):
+                kind, gone = (("apps/v1", "Deployment"), name) if spec.group_size > 1 else ((LWS_API, "LeaderWorkerSet"), group_name(name))
+                kube.delete(*kind, gone, namespace)
+                CACHE.delete(DEPLOYMENT if spec.group_size > 1 else LWS, namespace, gone)
             if spec.disaggregation is None and CACHE.get(DEPLOYMENT, namespace, prefill_name(name)) is not None:
                 # disaggregation turned off: the prefill pool goes (its pods drain; the gateway stops prefilling first)
                 # The KV transfer Secret stays (nothing reads it; the garbage collector deletes it with the service): deleting it

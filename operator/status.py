@@ -33,12 +33,19 @@ def pod_problems(pods: list[dict]) -> list[tuple[str, str]]:
         for c in pod.get("status", {}).get("conditions", []) or []:
             if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
                 problems.append(("Unschedulable", f"pod {name}: {c.get('message', 'cannot be scheduled')}"))
+        grouped = GROUP_INDEX_LABEL in (pod["metadata"].get("labels") or {})
         for cs in pod.get("status", {}).get("containerStatuses", []) or []:
             waiting = (cs.get("state") or {}).get("waiting") or {}
+            terminated = (cs.get("lastState") or {}).get("terminated") or {}
+            if grouped and cs.get("restartCount") and waiting.get("reason") != "CrashLoopBackOff" and terminated.get("exitCode"):
+                # A group's pod restarted (the kubelet restarts a container at once the first time): LeaderWorkerSet recreates
+                # the whole group now, so this is the one moment it shows; its Event stays
+                why = (terminated.get("message") or terminated.get("reason") or "").strip()
+                problems.append(("GroupPodFailed", f"pod {name} container {cs.get('name')} exited {terminated['exitCode']}: {why} "
+                                                   "(LeaderWorkerSet recreates its group)"))
             if waiting.get("reason") in ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError", "InvalidImageName"):
                 # A crashed container's own last words (its termination message: the engine writes its
                 # fatal error there) say more than the kubelet's back-off notice.
-                terminated = (cs.get("lastState") or {}).get("terminated") or {}
                 why = terminated.get("message") or waiting.get("message", waiting["reason"])
                 problems.append((waiting["reason"], f"pod {name} container {cs.get('name')}: {why.strip()}"))
     return problems

@@ -818,42 +818,82 @@ def test_reconcile_creates_the_key_once_and_removes_the_policy_when_it_is_not_wa
         reconcile.forget("ns", "kvsvc")
 
 
-def test_reconcile_swaps_the_deployment_and_the_group_workload_and_says_when_lws_is_missing():
-    """Replicas becoming groups of pods: the LeaderWorkerSet is applied and the one-pod Deployment deleted, and back; on a
-    cluster that does not serve LeaderWorkerSet, a Degraded condition says what to install and nothing is applied."""
+def test_reconcile_hands_over_between_the_deployment_and_the_group_workload_and_says_when_lws_is_missing():
+    """Replicas becoming groups of pods: the LeaderWorkerSet is applied, and the one-pod Deployment serves until a group is
+    Ready, then goes (the autoscaler's pass comes back for it); and back. On a cluster that does not serve LeaderWorkerSet,
+    a Degraded condition says what to install and nothing is applied, until it is installed."""
     from kvpilot.operator import reconcile
     from kvpilot.operator.cache import CACHE, DEPLOYMENT, ISVC, LWS
 
-    class WithLWS(RecordingKube):
+    class Cluster(RecordingKube):
+        lws = True
+
         def has_kind(self, api_version: str, kind: str) -> bool:
-            return kind == "LeaderWorkerSet"
+            return kind == "LeaderWorkerSet" and self.lws
+
+        def apply(self, obj: dict, field_manager: str = "") -> dict:
+            applied = super().apply(obj, field_manager)
+            return {**applied, "status": {"readyReplicas": ready.get(obj["kind"], 0)}}
 
     def body(version: int, **resources) -> dict:
-        return {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService",
-                "metadata": {"name": "g", "namespace": "ns", "uid": "uid-g", "generation": version, "resourceVersion": str(version)},
-                "spec": {"model": {"source": "smollm2-135m"}, "engineSettings": {"pipelineParallelSize": 2},
-                         "resources": {"cpuOnly": True, **resources}}}
+        out = {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService",
+               "metadata": {"name": "g", "namespace": "ns", "uid": "uid-g", "generation": version, "resourceVersion": str(version)},
+               "spec": {"model": {"source": "smollm2-135m"}, "engineSettings": {"pipelineParallelSize": 2},
+                        "resources": {"cpuOnly": True, **resources}}}
+        CACHE.put(ISVC, out)
+        return out
 
+    ready = {"Deployment": 1, "LeaderWorkerSet": 0}
     try:
-        kube = WithLWS()
-        reconcile.reconcile(kube, body(1))  # one pod per replica
+        kube = Cluster()
+        reconcile.reconcile(kube, body(1))  # one pod per replica, serving
         assert ("apply", "Deployment", "g") in kube.calls and not [c for c in kube.calls if c[1] == "LeaderWorkerSet"]
-        kube = WithLWS()
-        reconcile.reconcile(kube, body(2, gpusPerPod=1))  # two pods per replica
-        assert ("apply", "LeaderWorkerSet", "g-group") in kube.calls and ("delete", "Deployment", "g") in kube.calls
-        assert CACHE.get(LWS, "ns", "g-group") is not None and CACHE.get(DEPLOYMENT, "ns", "g") is None
-        kube = WithLWS()
-        reconcile.reconcile(kube, body(3))  # back
+        kube = Cluster()
+        reconcile.reconcile(kube, body(2, gpusPerPod=1))  # two pods per replica: the group starts, the Deployment still serves
+        assert ("apply", "LeaderWorkerSet", "g-group") in kube.calls and not [c for c in kube.calls if c[0] == "delete"]
+        kube = Cluster()
+        reconcile.retry_if_waiting(kube, body(2, gpusPerPod=1))
+        assert kube.calls == []  # nothing to do while no group is Ready
+        ready["LeaderWorkerSet"] = 1
+        lws = CACHE.get(LWS, "ns", "g-group")
+        CACHE.put(LWS, {**lws, "metadata": {**lws["metadata"], "resourceVersion": "2"}, "status": {"readyReplicas": 1}})  # (its watch event)
+        reconcile.retry_if_waiting(kube, body(2, gpusPerPod=1))
+        assert ("delete", "Deployment", "g") in kube.calls and CACHE.get(DEPLOYMENT, "ns", "g") is None
+        kube = Cluster()
+        reconcile.reconcile(kube, body(3))  # back: the Deployment is Ready at once here, so the group goes in the same pass
         assert ("apply", "Deployment", "g") in kube.calls and ("delete", "LeaderWorkerSet", "g-group") in kube.calls
-        kube = RecordingKube()  # a cluster without LeaderWorkerSet
+        kube = Cluster()  # a cluster without LeaderWorkerSet
+        kube.lws = False
         status = reconcile.reconcile(kube, body(4, gpusPerPod=1))
         degraded = next(c for c in status.conditions if c.type == "Degraded")
         assert degraded.status == "True" and degraded.reason == "LeaderWorkerSetMissing" and "install LeaderWorkerSet" in degraded.message
         assert not [c for c in kube.calls if c[0] == "apply"]
+        reconcile.retry_if_waiting(kube, body(4, gpusPerPod=1))
+        assert not [c for c in kube.calls if c[0] == "apply"]
+        kube.lws = True  # installed since: the next pass applies the group
+        reconcile.retry_if_waiting(kube, body(4, gpusPerPod=1))
+        assert ("apply", "LeaderWorkerSet", "g-group") in kube.calls
     finally:
         for kind, name in ((ISVC, "g"), (DEPLOYMENT, "g"), (LWS, "g-group")):
             CACHE.delete(kind, "ns", name)
         reconcile.forget("ns", "g")
+
+
+def test_a_failed_group_pod_is_named_and_group_flags_must_agree():
+    from kvpilot.operator.builders.engines import group_flag_problems
+    from kvpilot.operator.status import pod_problems
+
+    restarted = {"metadata": {"name": "c-group-0-1", "labels": {"leaderworkerset.sigs.k8s.io/group-index": "0"}},
+                 "status": {"containerStatuses": [{"name": "engine", "restartCount": 1, "state": {"running": {}},
+                                                   "lastState": {"terminated": {"exitCode": 70, "message": "rank 1: NCCL timeout"}}}]}}
+    [(reason, message)] = pod_problems([restarted])
+    assert reason == "GroupPodFailed" and "c-group-0-1" in message and "exited 70: rank 1: NCCL timeout" in message
+    alone = {**restarted, "metadata": {"name": "one-pod"}}
+    assert pod_problems([alone]) == []  # (a one-pod replica's restart is the kubelet's business until it crash-loops)
+    grouped = dict(engineSettings={"pipelineParallelSize": 2}, resources={"cpuOnly": True, "gpusPerPod": 1})
+    assert group_flag_problems(spec(**grouped, extraArgs=["--seed", "7", "--max-num-seqs", "-1"]), "g") == []
+    problems = group_flag_problems(spec(**grouped, extraArgs=["--max-num-se", "8"]), "g")  # abbreviated: the leader's alone
+    assert len(problems) == 1 and "max_num_seqs" in problems[0]
 
 
 def test_the_chart_grants_what_the_operator_does_and_passes_the_kv_transfer_policy_setting():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field
 
@@ -33,6 +34,9 @@ LORA_DIR = "/var/lib/kvpilot/adapters"
 # --group-port, vLLM --master-port, SGLang --dist-init-addr's), and the variables LeaderWorkerSet gives every pod of a group
 # (its webhook writes them into the containers: the kubelet expands $(NAME) in args).
 GROUP_PORT = 29500
+# How long a group's pods wait for each other at start (kvpilot --group-join-timeout, both sides): a pod whose download is
+# slower than its group's must not time the others out (each would recreate the whole group): the startup probe's budget.
+GROUP_JOIN_TIMEOUT_SECONDS = 1800
 LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
 WORKER_INDEX = "$(LWS_WORKER_INDEX)"
 
@@ -148,7 +152,7 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = 
     values = {"model": model_argument(spec), "served_model_name": served_name(spec, name),
               "tensor_parallel_size": s.tensor_parallel_size, "pipeline_parallel_size": s.pipeline_parallel_size}
     if spec.group_size > 1:
-        values |= {"group_size": spec.group_size, "group_port": GROUP_PORT}
+        values |= {"group_size": spec.group_size, "group_port": GROUP_PORT, "group_join_timeout": GROUP_JOIN_TIMEOUT_SECONDS}
     for f in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
               "enable_chunked_prefill", "gpu_memory_utilization", "kv_cache_memory", "dtype", "kv_cache_dtype", "quantization", "enforce_eager"):
         v = getattr(s, f)
@@ -360,20 +364,54 @@ def _has_tls_flag(args: list[str]) -> bool:
     return any(a == TLS_FLAG or a.startswith(TLS_FLAG + "=") for a in args)
 
 
-def _engine_flags_only(args: list[str]) -> list[str]:
-    """Of extraArgs, the kvpilot flags a group's worker pod takes (EngineConfig's: every rank must agree on them) with their
-    values; the server's (TLS, parsers…) are the leader's alone."""
-    import argparse
-
-    parser = argparse.ArgumentParser(add_help=False)
+def _engine_parser(allow_abbrev: bool = False) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=allow_abbrev)
     add_model_args(parser, EngineConfig)
-    known, out, keep = set(parser._option_string_actions), [], False
+    parser.add_argument("--config")  # (a file in the image: its engine settings reach every pod of a group alike)
+    return parser
+
+
+def _is_flag(arg: str) -> bool:
+    if not arg.startswith("-"):
+        return False
+    try:
+        float(arg)  # a negative number is a value
+    except ValueError:
+        return True
+    return False
+
+
+def _engine_flags_only(args: list[str]) -> list[str]:
+    """Of extraArgs, the kvpilot flags a group's worker pod takes (EngineConfig's, and --config: every rank must agree on
+    them) with their values; the server's (TLS, parsers…) are the leader's alone."""
+    known, out, keep = set(_engine_parser()._option_string_actions), [], False
     for a in args:
-        if a.startswith("-") and not a.lstrip("-").replace(".", "", 1).isdigit():  # (a negative number is a value)
+        if _is_flag(a):
             keep = a.split("=", 1)[0] in known
         if keep:
             out.append(a)
     return out
+
+
+def group_flag_problems(spec: InferenceServiceSpec, name: str) -> list[str]:
+    """A group's worker pods and leader must run the same engine settings (their ranks are one engine): the settings the
+    leader's command line gives that the workers' would not, e.g. an abbreviated flag in extraArgs."""
+    if spec.engine != "kvpilot" or spec.group_size == 1:
+        return []
+    def settings(args: list[str], allow_abbrev: bool = False) -> dict:  # (less what the pod's variables give: address, rank)
+        args = [a for i, a in enumerate(args) if "$(" not in a and "$(" not in (args[i + 1:i + 2] or [""])[0]]
+        try:
+            return vars(_engine_parser(allow_abbrev).parse_known_args(args)[0])
+        except (SystemExit, argparse.ArgumentError):  # a value the engine refuses: its own error, at start, says it
+            return {}
+
+    # (the leader's `kvpilot serve` takes abbreviated flags, as argparse does by default)
+    leader, worker = settings(engine_container(spec, name).args[1:], True), settings(engine_container(spec, name, worker=True).args[1:])
+    if not leader or not worker:
+        return []
+    differ = sorted(k for k, v in leader.items() if k not in ("group_rank", "group_leader") and worker.get(k) != v)
+    return [f"extraArgs: {', '.join(differ)} would reach the group's leader but not its worker pods (spell each flag out in "
+            "full, with its value)"] if differ else []
 
 
 def engine_container(spec: InferenceServiceSpec, name: str, pool: str | None = None, worker: bool = False) -> EngineContainer:
