@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease-duration-seconds", type=float, default=15.0, help="how long a Lease is valid without renewal")
     ap.add_argument("--lease-renew-deadline-seconds", type=float, default=None, help="step down when renewal has failed this long (default: 2/3 of the duration)")
     ap.add_argument("--lease-retry-seconds", type=float, default=None, help="renew/retry period (default: 1/7 of the duration)")
+    ap.add_argument("--engine-image", action="append", default=[], metavar="ENGINE=IMAGE",
+                    help="the image of ENGINE's pods (kvpilot, vllm, sglang) when a spec names none (repeatable; default: the pinned "
+                         "releases); kvpilot's also runs model downloads for every engine")
+    ap.add_argument("--engine-image-pull-secret", action="append", default=[], metavar="NAME",
+                    help="a Secret every engine pod and model cache loader pulls its images with (repeatable)")
     cache = ap.add_argument_group("model cache (defaults for what an InferenceService's spec.model.cache leaves unset)")
     cache.add_argument("--model-cache-mode", choices=["PerPod", "Shared"], default=os.environ.get("KVPILOT_MODEL_CACHE_MODE", "PerPod"),
                        help="PerPod: each pod downloads its model; Shared: one ReadWriteMany claim per source, filled once (default: PerPod)")
@@ -36,6 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.log_level.lower() != "debug":  # kopf logs every handler run at INFO (the autoscaler timer runs each second)
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per Prometheus query, every pass
+    from kvpilot.operator.builders.engines import ENGINE_IMAGES_ENV, PINNED_IMAGES, PULL_SECRETS_ENV
+
+    for item in args.engine_image:
+        engine, _, image = item.partition("=")
+        if engine not in PINNED_IMAGES or not image:
+            ap.error(f"--engine-image {item!r}: ENGINE=IMAGE with ENGINE one of {', '.join(PINNED_IMAGES)}")
+    os.environ[ENGINE_IMAGES_ENV] = ",".join(args.engine_image)
+    os.environ[PULL_SECRETS_ENV] = ",".join(args.engine_image_pull_secret)
     os.environ["KVPILOT_PROMETHEUS_URL"] = args.prometheus_url
     os.environ["KVPILOT_WATCH_NAMESPACES"] = ",".join(args.namespace)
     os.environ.update(KVPILOT_MODEL_CACHE_MODE=args.model_cache_mode, KVPILOT_MODEL_CACHE_STORAGE_CLASS=args.model_cache_storage_class,

@@ -434,9 +434,9 @@ def _every_setting(engine: str) -> list[InferenceServiceSpec]:
 def test_every_flag_the_builders_emit_parses_in_the_pinned_release(engine):
     """Against the committed snapshot of the pinned release's own argument parser (engine_flags/)."""
     from kvpilot.operator.builders.engine_flags import flag_problems, image_version
-    from kvpilot.operator.builders.engines import DEFAULT_IMAGES, engine_container
+    from kvpilot.operator.builders.engines import PINNED_IMAGES, engine_container
 
-    version = image_version(DEFAULT_IMAGES[engine])
+    version = image_version(PINNED_IMAGES[engine])
     emitted = set()
     for s in _every_setting(engine):
         assert unsupported_settings(s) == [], s
@@ -519,12 +519,12 @@ def test_adapters_turn_on_run_time_lora_in_kvpilot_pods():
 
 def test_adapters_in_vllm_pods_through_its_runtime_api():
     from kvpilot.operator.builders.engine_flags import flag_problems, image_version
-    from kvpilot.operator.builders.engines import DEFAULT_IMAGES, adapter_load_path, vllm_container
+    from kvpilot.operator.builders.engines import PINNED_IMAGES, adapter_load_path, vllm_container
 
     s = spec(engine="vllm", model={"source": "hf://org/model"}, adapters=ADAPTERS, engineSettings={"maxLoras": 4})
     c = vllm_container(s, "svc")
     assert c.args[-3:] == ["--enable-lora", "--max-loras", "4"] and {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in c.env
-    assert flag_problems("vllm", image_version(DEFAULT_IMAGES["vllm"]), c.args[-3:]) == []  # flags the pinned release knows
+    assert flag_problems("vllm", image_version(PINNED_IMAGES["vllm"]), c.args[-3:]) == []  # flags the pinned release knows
     assert adapter_load_path(s, "hf://org/sql-lora") == "org/sql-lora"  # vLLM resolves hub repos itself
     assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in container(deployment("svc", "ns", "u", s))["env"]
 
@@ -571,7 +571,7 @@ def test_an_eagle3_head_is_fetched_like_a_draft_model_for_every_engine():
     import json
 
     from kvpilot.operator.builders.engine_flags import flag_problems, image_version
-    from kvpilot.operator.builders.engines import DEFAULT_IMAGES
+    from kvpilot.operator.builders.engines import PINNED_IMAGES
 
     head = {"speculative": {"method": "eagle3", "draftModel": "hf://org/smollm2-eagle3", "numSpeculativeTokens": 3}}
     d = deployment("m", "ns", "u", spec(engineSettings=head, resources={"cpuOnly": True}))
@@ -587,7 +587,7 @@ def test_an_eagle3_head_is_fetched_like_a_draft_model_for_every_engine():
         else:
             assert args[args.index("--speculative-algorithm") + 1] == "EAGLE3" and args[args.index("--speculative-draft-model-path") + 1] == "org/llama-eagle3"
         start = args.index("--speculative-config" if engine == "vllm" else "--speculative-algorithm")
-        assert flag_problems(engine, image_version(DEFAULT_IMAGES[engine]), args[start:start + 2]) == []
+        assert flag_problems(engine, image_version(PINNED_IMAGES[engine]), args[start:start + 2]) == []
 
 
 def test_the_kv_disk_tier_is_a_shared_claim_or_a_per_pod_directory():
@@ -1104,3 +1104,38 @@ def test_group_status_names_each_group_and_its_pods_not_ready():
     assert [(g.name, g.pods, g.ready_pods, g.ready, g.not_ready) for g in groups] == [
         ("c-group-0", 2, 2, True, []), ("c-group-1", 2, 1, False, ["c-group-1-1"])]
     assert [g.name for g in group_statuses([pod("c-group-2-1", 2, 1, True)], size=2)] == ["c-group-2"]  # its leader gone
+
+
+def test_the_operators_engine_images_and_pull_secrets_reach_every_engine_pod(monkeypatch):
+    """--engine-image ENGINE=IMAGE and --engine-image-pull-secret (the chart's engine.images, engine.imagePullSecrets): the
+    image of a spec that names none, kvpilot's for every download; the Secrets on engine pods, group pods and loaders. A
+    vLLM image that is not the pinned release has no flag snapshot to check extraArgs against."""
+    from kvpilot.operator.__main__ import main as operator_main
+    from kvpilot.operator.builders.engines import ENGINE_IMAGES_ENV, PINNED_IMAGES, PULL_SECRETS_ENV
+    from kvpilot.operator.builders.manifests import leader_worker_set
+    from kvpilot.operator.builders.model_cache import fill_job, model_files
+
+    monkeypatch.setenv(ENGINE_IMAGES_ENV, "kvpilot=reg.example/kvpilot/engine:1,vllm=reg.example/vllm:9")
+    monkeypatch.setenv(PULL_SECRETS_ENV, "regcred,other")
+    pod = deployment("s", "ns", "u", spec(model={"source": "hf://org/m/m.gguf"}))["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == pod["initContainers"][0]["image"] == "reg.example/kvpilot/engine:1"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "other"}]
+    vllm = spec(model={"source": "hf://org/m"}, engine="vllm", extraArgs=["--no-such-flag"])
+    pod = deployment("v", "ns", "u", vllm)["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == "reg.example/vllm:9"
+    assert unsupported_settings(vllm) == []  # (a custom image: its flags are unknown)
+    assert deployment("x", "ns", "u", spec(image="mine:2"))["spec"]["template"]["spec"]["containers"][0]["image"] == "mine:2"
+    grouped = spec(engineSettings={"pipelineParallelSize": 2}, resources={"cpuOnly": True, "gpusPerPod": 1})
+    template = leader_worker_set("g", "ns", "u", grouped)["spec"]["leaderWorkerTemplate"]
+    assert template["workerTemplate"]["spec"]["imagePullSecrets"] == template["leaderTemplate"]["spec"]["imagePullSecrets"] == pod["imagePullSecrets"]
+    claim = {"metadata": {"name": "c", "uid": "cu"}}
+    job = fill_job(model_files(spec(model={"source": "hf://org/m/m.gguf"}))[0], "ns", spec(model={"source": "hf://org/m/m.gguf"}), claim, [])
+    assert job["spec"]["template"]["spec"]["imagePullSecrets"] == pod["imagePullSecrets"]
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "reg.example/kvpilot/engine:1"
+    monkeypatch.delenv(ENGINE_IMAGES_ENV)
+    monkeypatch.delenv(PULL_SECRETS_ENV)
+    pod = deployment("s", "ns", "u", spec())["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == PINNED_IMAGES["kvpilot"] and "imagePullSecrets" not in pod
+    assert "--no-such-flag" in unsupported_settings(vllm)[0]  # the pinned release again: checked
+    with pytest.raises(SystemExit):
+        operator_main(["--engine-image", "tgi=ghcr.io/x:1"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass, field
 
 from kubernetes.utils.quantity import parse_quantity
@@ -16,12 +17,33 @@ from kvpilot.server.model_source import ModelSource, parse_model_source
 
 PORT = 8000
 MODEL_DIR = "/models"
-DEFAULT_IMAGES = {
+PINNED_IMAGES = {
     "kvpilot": "kvpilot/engine:0.1.0",
     # The releases PyPI serves today; their flags are snapshotted in engine_flags/ (checked in CI).
     "vllm": "vllm/vllm-openai:v0.33.0",
     "sglang": "lmsysorg/sglang:v0.5.23",
 }
+# The operator's own defaults over PINNED_IMAGES and for every engine pod (its --engine-image ENGINE=IMAGE and
+# --engine-image-pull-secret flags, the chart's engine.images and engine.imagePullSecrets, passed on through the environment).
+ENGINE_IMAGES_ENV, PULL_SECRETS_ENV = "KVPILOT_ENGINE_IMAGES", "KVPILOT_ENGINE_IMAGE_PULL_SECRETS"
+
+
+def default_image(engine: str) -> str:
+    """The image of an engine's pods when the spec names none: the operator's setting, else the pinned release."""
+    overrides = dict(item.split("=", 1) for item in os.environ.get(ENGINE_IMAGES_ENV, "").split(",") if "=" in item)
+    return overrides.get(engine) or PINNED_IMAGES[engine]
+
+
+def kvpilot_image(spec: InferenceServiceSpec) -> str:
+    """The image that runs `kvpilot fetch-model` (downloads, model cache loaders) for a pod of any engine."""
+    return spec.image if spec.engine == "kvpilot" and spec.image else default_image("kvpilot")
+
+
+def image_pull_secrets() -> list[dict]:
+    """The Secrets every engine pod (and model cache loader) pulls its images with: the operator's setting."""
+    return [{"name": n} for n in os.environ.get(PULL_SECRETS_ENV, "").split(",") if n]
+
+
 SHUTDOWN_GRACE_SECONDS = 30
 # A disaggregated service's prefill pods serve the KV blocks they hold on this port (the engine's --kv-transfer-port).
 KV_TRANSFER_PORT = 5600
@@ -184,7 +206,7 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = 
         EngineConfig(**values, group_rank=spec.group_size - 1, group_leader="leader")
         args = ["serve-worker", "--host", "$(POD_IP)", "--port", str(PORT), *engine_args, "--group-rank", WORKER_INDEX,
                 "--group-leader", LEADER_ADDRESS]
-        return EngineContainer(spec.image or DEFAULT_IMAGES["kvpilot"], ["kvpilot"], args, "/ready", "/health")
+        return EngineContainer(spec.image or default_image("kvpilot"), ["kvpilot"], args, "/ready", "/health")
     args = ["serve", "--host", "$(POD_IP)", "--port", str(PORT), "--shutdown-grace-seconds", str(SHUTDOWN_GRACE_SECONDS), *engine_args]
     if s.parsers and s.parsers.tool_calls:
         args += ["--tool-call-parser", s.parsers.tool_calls]
@@ -194,7 +216,7 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = 
         args += ["--allow-runtime-lora", "--lora-dir", LORA_DIR]
     if s.engine_core_process:
         args.append("--engine-core-process")
-    return EngineContainer(spec.image or DEFAULT_IMAGES["kvpilot"], ["kvpilot"], args, "/ready", "/health")
+    return EngineContainer(spec.image or default_image("kvpilot"), ["kvpilot"], args, "/ready", "/health")
 
 
 def vllm_container(spec: InferenceServiceSpec, name: str, worker: bool = False) -> EngineContainer:
@@ -238,7 +260,7 @@ def vllm_container(spec: InferenceServiceSpec, name: str, worker: bool = False) 
     if spec.group_size > 1:  # vLLM's own multi-node launch (multiprocessing, no Ray): every pod the same flags, its node rank
         args += ["--distributed-executor-backend", "mp", "--nnodes", str(spec.group_size), "--node-rank", WORKER_INDEX if worker else "0",
                  "--master-addr", LEADER_ADDRESS, "--master-port", str(GROUP_PORT), *(["--headless"] if worker else [])]
-    return EngineContainer(spec.image or DEFAULT_IMAGES["vllm"], ["vllm", "serve"], args, "/health", "/health", env, serves_http=not worker)
+    return EngineContainer(spec.image or default_image("vllm"), ["vllm", "serve"], args, "/health", "/health", env, serves_http=not worker)
 
 
 def sglang_container(spec: InferenceServiceSpec, name: str, worker: bool = False) -> EngineContainer:
@@ -274,7 +296,7 @@ def sglang_container(spec: InferenceServiceSpec, name: str, worker: bool = False
     if spec.group_size > 1:
         args += ["--nnodes", str(spec.group_size), "--node-rank", WORKER_INDEX if worker else "0", "--dist-init-addr",
                  f"{LEADER_ADDRESS}:{GROUP_PORT}"]
-    return EngineContainer(spec.image or DEFAULT_IMAGES["sglang"], ["python3", "-m", "sglang.launch_server"], args, "/health", "/health",
+    return EngineContainer(spec.image or default_image("sglang"), ["python3", "-m", "sglang.launch_server"], args, "/health", "/health",
                            serves_http=not worker)
 
 
@@ -327,8 +349,8 @@ def unsupported_settings(spec: InferenceServiceSpec) -> list[str]:
         if s.kv_offload is not None:
             problems.append(f"engineSettings.kvOffload is the kvpilot engine's KV tiers; {spec.engine} offloads KV through its own connectors "
                             "(extraArgs)")
-        if spec.image is None:  # the pinned release: its flags are known (a custom image's are not)
-            version = image_version(DEFAULT_IMAGES[spec.engine])
+        if spec.image is None and default_image(spec.engine) == PINNED_IMAGES[spec.engine]:  # its flags are known (a custom image's are not)
+            version = image_version(PINNED_IMAGES[spec.engine])
             problems += [f"extraArgs: {p}" for p in flag_problems(spec.engine, version, list(spec.extra_args))]
     host = s.kv_offload.host_size if s.kv_offload else None
     if host and spec.resources.memory and parse_quantity(host) >= parse_quantity(spec.resources.memory):

@@ -4,7 +4,6 @@ Secret and NetworkPolicy. Pure functions of the spec."""
 from __future__ import annotations
 
 from kvpilot.operator.builders.engines import (
-    DEFAULT_IMAGES,
     KV_DATA_PORTS,
     KV_TIER_DIR,
     KV_TRANSFER_PORT,
@@ -14,6 +13,8 @@ from kvpilot.operator.builders.engines import (
     EngineContainer,
     adapter_claims,
     engine_container,
+    image_pull_secrets,
+    kvpilot_image,
     model_files,
     shared_cache,
 )
@@ -116,7 +117,7 @@ def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], 
         elif files.downloaded(spec.engine) is not None:
             mount = {"name": files.volume, "mountPath": f"{files.directory}/download"}
             # The kvpilot engine image downloads it: arguments as a list (no shell), as the same non-root user.
-            inits.append({"name": f"download-{files.volume}", "image": spec.image if spec.engine == "kvpilot" and spec.image else DEFAULT_IMAGES["kvpilot"],
+            inits.append({"name": f"download-{files.volume}", "image": kvpilot_image(spec),
                           "command": ["kvpilot", "fetch-model"],
                           "args": [src.raw, files.argument(spec.engine), "--timeout", str(DOWNLOAD_TIMEOUT_SECONDS)],
                           "env": [*CACHE_ENV, *hf_token_env(spec)],
@@ -267,6 +268,8 @@ def pod_template(name: str, spec: InferenceServiceSpec, prefill: bool = False, g
     }
     if inits:
         pod_spec["initContainers"] = inits
+    if pull_secrets := image_pull_secrets():
+        pod_spec["imagePullSecrets"] = pull_secrets
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
     if tolerations:

@@ -18,7 +18,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from kvpilot.operator.builders.engines import DEFAULT_IMAGES, ModelFiles, model_files
+from kvpilot.operator.builders.engines import ModelFiles, image_pull_secrets, kvpilot_image, model_files
 from kvpilot.operator.builders.pod_defaults import CACHE_DIR, CACHE_ENV, CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
 from kvpilot.operator.crd_types import GROUP, MANAGED_BY, InferenceServiceSpec
 
@@ -116,7 +116,7 @@ def fill_job(files: ModelFiles, namespace: str, spec: InferenceServiceSpec, clai
     non-root user, retried by the Job controller; owned by the claim, and gone 15 s after it ends.
     Its termination message is the fetch summary (revision, bytes) or the error."""
     key = entry_key(files.source)
-    image = spec.image if spec.engine == "kvpilot" and spec.image else DEFAULT_IMAGES["kvpilot"]
+    image = kvpilot_image(spec)
     owner = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "name": claim["metadata"]["name"], "uid": claim["metadata"]["uid"],
              "controller": True, "blockOwnerDeletion": True}
     container = {"name": "fill", "image": image, "command": ["kvpilot", "fetch-model"],
@@ -130,6 +130,7 @@ def fill_job(files: ModelFiles, namespace: str, spec: InferenceServiceSpec, clai
                      "template": {"metadata": {"labels": labels},
                                   "spec": {"restartPolicy": "Never", "containers": [container], "securityContext": POD_SECURITY_CONTEXT,
                                            "automountServiceAccountToken": False, "enableServiceLinks": False,
+                                           **({"imagePullSecrets": image_pull_secrets()} if image_pull_secrets() else {}),
                                            "volumes": [{"name": "entry", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}},
                                                        {"name": "cache", "emptyDir": {}}]}}}}
 
