@@ -38,12 +38,16 @@ kind-up:
 plots: setup
 	$(BIN)/python bench/plots.py
 
-# Python (ruff; import direction and cycles: lint-imports, contracts in pyproject.toml) and shell
-# (shellcheck, installed by `make images` when missing) lint.
+# Python (ruff; import direction and cycles: lint-imports, contracts in pyproject.toml), shell (shellcheck, installed by
+# `make images` when missing) and GitHub workflow (actionlint, built by `make tools`) lint.
+include e2e/tools/versions.env
+ACTIONLINT := $(CACHE)/bin/actionlint-$(ACTIONLINT_VERSION)/actionlint
 lint:
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	shellcheck -x .ci/run .ci/phase e2e/*.sh e2e/tools/build.sh
+	@test -x $(ACTIONLINT) || { echo "actionlint not built: run make tools" >&2; exit 1; }
+	$(ACTIONLINT) .github/workflows/*.yml
 
 test:
 	$(PHASE) setup $(MAKE) --no-print-directory setup

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the control-plane tools from the committed wrapper modules into the cache, keyed by version.
-# A second run finds the binaries and does nothing. Usage: build.sh [k8s|etcd|kwok|helm|prometheus|promtool|lws ...]
+# A second run finds the binaries and does nothing. Usage: build.sh [k8s|etcd|kwok|helm|prometheus|promtool|lws|actionlint ...]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=e2e/tools/versions.env
@@ -53,6 +53,7 @@ build_lws() {
 
 build_etcd() { build_one etcd "$ETCD_VERSION" go.etcd.io/etcd/server/v3 etcd; }
 build_kwok() { build_one kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok kwok; }
+build_actionlint() { build_one actionlint "$ACTIONLINT_VERSION" github.com/rhysd/actionlint/cmd/actionlint actionlint "-X github.com/rhysd/actionlint.version=$ACTIONLINT_VERSION"; }
 build_helm() { build_one helm "$HELM_VERSION" helm.sh/helm/v3/cmd/helm helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"; }
 build_prometheus() {
   local pkg=github.com/prometheus/common/version
@@ -69,7 +70,7 @@ build_promtool() {
   rm -rf "$d" && mv "$d.tmp" "$d"
 }
 
-targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(etcd kwok helm prometheus promtool k8s lws)
+targets=("$@"); [ ${#targets[@]} -gt 0 ] || targets=(etcd kwok helm prometheus promtool k8s lws actionlint)
 for t in "${targets[@]}"; do
   start=$(date +%s)
   "build_$t"
