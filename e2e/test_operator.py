@@ -206,6 +206,12 @@ def test_bad_spec_gives_degraded_and_event(cluster, namespace, operator):
                      timeout=30, what="Degraded/InvalidEngineSettings")
     assert "kv_cache_memory" in condition(obj, "Degraded")["message"] and kget(cluster, "deployment", "tinykv", "-n", namespace) is None
     wait_until(lambda: [e for e in kget(cluster, "events", "-n", namespace)["items"] if e["reason"] == "InvalidEngineSettings"], timeout=20, what="Event")
+    # a pod template that would weaken the engine pods (the API server keeps the unknown fields; the operator refuses them)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc("rooted", podTemplate={"spec": {
+        "priorityClassName": "high", "containers": [{"name": "engine", "securityContext": {"privileged": True}}]}}))
+    obj = wait_until(lambda: (lambda o: o if condition(o, "Degraded").get("reason") == "InvalidPodTemplate" else None)(kget(cluster, "kvis", "rooted", "-n", namespace)),
+                     timeout=30, what="Degraded/InvalidPodTemplate")
+    assert "privileged" in condition(obj, "Degraded")["message"] and kget(cluster, "deployment", "rooted", "-n", namespace) is None
     # an adapter named as an older service's model: the gateway routes the name there, so the younger is Degraded
     # (created in the same second, the one whose name sorts later counts as younger: "twin" > "tinykv")
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=isvc("twin", adapters=[{"name": "tinykv", "source": "hf://org/a"}]))

@@ -48,8 +48,8 @@ def _structural(schema: dict, defs: dict) -> dict:
             out[key] = _structural(value, defs)
         elif key == "default" and value is None:
             continue
-        elif key == "additionalProperties" and value is False:
-            continue  # a structural schema prunes unknown fields itself
+        elif key == "additionalProperties" and (value is False or (value is True and schema.get("x-kubernetes-preserve-unknown-fields"))):
+            continue  # a structural schema prunes unknown fields itself (or, marked so, keeps them)
         elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
             # JSON Schema 2020 (pydantic) -> OpenAPI v3.0: a bound plus a boolean flag
             out["minimum" if key == "exclusiveMinimum" else "maximum"] = value

@@ -8,7 +8,7 @@ lists that CEL reads carry maxLength/maxItems so rule costs stay within the API 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -308,6 +308,14 @@ class DisaggregationSpec(_Model):
         "unset); a pull after it recomputes the prompt on the decode pod."))
 
 
+class PodTemplatePatch(_Model):
+    """spec.podTemplate: what is merged into the engine pods' template."""
+
+    spec: dict[str, Any] = Field(default_factory=dict, description=(
+        "Merged into the pods' spec as a strategic-merge patch: maps by key, containers, volumes, env and mounts by name, other "
+        "lists replaced."), json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+
+
 class InferenceServiceSpec(_Model):
     """An LLM served by engine pods, autoscaled on KV-cache utilization and queue depth."""
 
@@ -356,6 +364,10 @@ class InferenceServiceSpec(_Model):
         "checked against that release's own parser (a snapshot): an unknown, deprecated or mis-valued flag is reported as Degraded."))
     pod_annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations of the engine pods.")
     pod_labels: dict[str, str] = Field(default_factory=dict, description="Extra labels of the engine pods.")
+    pod_template: PodTemplatePatch | None = Field(None, description=(
+        "A strategic-merge patch over the engine pods (affinity, priorityClassName, runtimeClassName, extra volumes and mounts, envFrom, "
+        "sidecars …): docs/operator.md says what is allowed; a patch that weakens the security context, replaces the engine "
+        "container's command, args or image, uses a host namespace or mounts a host path is refused (Degraded, InvalidPodTemplate)."))
     disaggregation: DisaggregationSpec | None = Field(None, description=(
         "Prefill/decode disaggregation: a prefill pool (Deployment <name>-prefill) hands each prompt's KV to the service's own pods, "
         "which decode (off when absent)."))

@@ -35,6 +35,7 @@ from kvpilot.operator.builders.manifests import (
     render,
     selector_labels,
 )
+from kvpilot.operator.builders.pod_template import pod_template_problems
 from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, LWS, POD
 from kvpilot.operator.crd_types import AdapterStatus, ColdStart, InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus, PoolStatus
 from kvpilot.operator.kube import Kube
@@ -140,6 +141,8 @@ def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str,
         msgs = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:5])
         return None, [("InvalidSpec", msgs)]
     problems = [("UnsupportedSetting", p) for p in unsupported_settings(spec)]
+    if spec.pod_template is not None:
+        problems += [("InvalidPodTemplate", p) for p in pod_template_problems(spec.pod_template.spec)]
     src = spec.model.source
     if spec.engine == "kvpilot" and "://" not in src and src not in BUNDLED:
         problems.append(("UnknownModel", f"model.source {src!r} is not a bundled model (bundled: {', '.join(sorted(BUNDLED))}); use https://, hf:// or pvc://"))

@@ -67,9 +67,9 @@ POSITIONAL = "MODEL"  # vLLM's `vllm serve MODEL` (its model_tag): no option str
 def pinned_snapshot() -> tuple[str, dict]:
     """(version, flags) of the vLLM release the operator pins."""
     from kvpilot.operator.builders.engine_flags import image_version, snapshot
-    from kvpilot.operator.builders.engines import DEFAULT_IMAGES
+    from kvpilot.operator.builders.engines import PINNED_IMAGES
 
-    version = image_version(DEFAULT_IMAGES["vllm"])
+    version = image_version(PINNED_IMAGES["vllm"])
     return version, snapshot("vllm", version)["flags"]
 
 

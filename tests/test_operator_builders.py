@@ -1139,3 +1139,48 @@ def test_the_operators_engine_images_and_pull_secrets_reach_every_engine_pod(mon
     assert "--no-such-flag" in unsupported_settings(vllm)[0]  # the pinned release again: checked
     with pytest.raises(SystemExit):
         operator_main(["--engine-image", "tgi=ghcr.io/x:1"])
+
+
+def test_pod_template_merges_into_every_engine_pod_and_may_not_weaken_it():
+    """spec.podTemplate: a strategic-merge patch (containers, volumes, env by name; other lists replaced) on the engine pods
+    of a Deployment and of a group's leader and workers; what would weaken the pods is an InvalidPodTemplate condition."""
+    from kvpilot.operator.builders.manifests import leader_worker_set
+    from kvpilot.operator.reconcile import parse_spec
+
+    patch = {"priorityClassName": "llm-high", "runtimeClassName": "nvidia",
+             "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                 {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+             "volumes": [{"name": "certs", "secret": {"secretName": "tls"}}],
+             "containers": [{"name": "engine", "envFrom": [{"secretRef": {"name": "hub"}}], "env": [{"name": "OMP_WAIT_POLICY", "value": "ACTIVE"}],
+                             "volumeMounts": [{"name": "certs", "mountPath": "/certs", "readOnly": True}]},
+                            {"name": "log-shipper", "image": "fluent-bit:3", "securityContext": {"readOnlyRootFilesystem": True}}],
+             "tolerations": [{"key": "dedicated", "operator": "Exists"}]}
+    s = spec(podTemplate={"spec": patch})
+    pod = deployment("s", "ns", "u", s)["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    assert [c["name"] for c in pod["containers"]] == ["engine", "log-shipper"] and engine["args"][0] == "serve"
+    assert (pod["priorityClassName"], pod["runtimeClassName"]) == ("llm-high", "nvidia") and "nodeAffinity" in pod["affinity"]
+    assert {"name": "OMP_WAIT_POLICY", "value": "ACTIVE"} in engine["env"] and sum(e["name"] == "OMP_WAIT_POLICY" for e in engine["env"]) == 1
+    assert engine["envFrom"] == [{"secretRef": {"name": "hub"}}] and {"name": "certs", "mountPath": "/certs", "readOnly": True} in engine["volumeMounts"]
+    assert any(m["name"] == "shm" for m in engine["volumeMounts"]) and any(v["name"] == "certs" for v in pod["volumes"])
+    assert pod["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]  # (a list without names: replaced)
+    assert pod["securityContext"]["runAsNonRoot"] is True and engine["securityContext"]["readOnlyRootFilesystem"] is True
+    grouped = spec(podTemplate={"spec": {"priorityClassName": "llm-high"}}, engineSettings={"pipelineParallelSize": 2},
+                   resources={"cpuOnly": True, "gpusPerPod": 1})
+    t = leader_worker_set("g", "ns", "u", grouped)["spec"]["leaderWorkerTemplate"]
+    assert t["leaderTemplate"]["spec"]["priorityClassName"] == t["workerTemplate"]["spec"]["priorityClassName"] == "llm-high"
+    refused = {
+        "privileged sidecar": {"containers": [{"name": "x", "image": "i", "securityContext": {"privileged": True}}]},
+        "root engine": {"containers": [{"name": "engine", "securityContext": {"runAsUser": 0}}]},
+        "writable root": {"containers": [{"name": "engine", "securityContext": {"readOnlyRootFilesystem": False}}]},
+        "engine command": {"containers": [{"name": "engine", "command": ["sh", "-c", "sleep inf"]}]},
+        "pod user": {"securityContext": {"runAsNonRoot": False}},
+        "host path": {"volumes": [{"name": "h", "hostPath": {"path": "/"}}]},
+        "host network": {"hostNetwork": True},
+        "capabilities": {"initContainers": [{"name": "i", "image": "i", "securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}]},
+    }
+    for what, bad in refused.items():
+        parsed, problems = parse_spec({"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "podTemplate": {"spec": bad}}})
+        assert parsed is not None and [r for r, _ in problems] == ["InvalidPodTemplate"], (what, problems)
+    parsed, problems = parse_spec({"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "podTemplate": {"spec": patch}}})
+    assert problems == []

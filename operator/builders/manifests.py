@@ -20,6 +20,7 @@ from kvpilot.operator.builders.engines import (
 )
 from kvpilot.operator.builders.model_cache import COMPILE_CACHE_CLAIM, COMPILE_CACHE_DIR, claim_name
 from kvpilot.operator.builders.pod_defaults import CACHE_DIR, CACHE_ENV, CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
+from kvpilot.operator.builders.pod_template import strategic_merge
 from kvpilot.operator.crd_types import GROUP, ISVC_LABEL, KIND, MANAGED_BY, ROLE_LABEL, VERSION, EnvVar, InferenceServiceSpec, ResourceSpec, SecretKeyRef
 from kvpilot.server.model_source import parse_model_source
 
@@ -274,6 +275,8 @@ def pod_template(name: str, spec: InferenceServiceSpec, prefill: bool = False, g
         pod_spec["nodeSelector"] = node_selector
     if tolerations:
         pod_spec["tolerations"] = tolerations
+    if spec.pod_template is not None and spec.pod_template.spec:  # (checked by pod_template_problems before anything is applied)
+        pod_spec = strategic_merge(pod_spec, spec.pod_template.spec)
     return {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec}
 
 
