@@ -98,3 +98,4 @@ demo: setup tools
 # The CRD is generated from operator/crd_types.py into crds/ and the chart (tests fail when stale).
 crds: setup
 	$(BIN)/python -m kvpilot.operator.crd_gen
+	$(BIN)/python -m kvpilot.operator.dashboard

@@ -1184,3 +1184,28 @@ def test_pod_template_merges_into_every_engine_pod_and_may_not_weaken_it():
         assert parsed is not None and [r for r, _ in problems] == ["InvalidPodTemplate"], (what, problems)
     parsed, problems = parse_spec({"metadata": {"name": "x"}, "spec": {"model": {"source": "smollm2-135m"}, "podTemplate": {"spec": patch}}})
     assert problems == []
+
+
+def test_the_dashboards_engine_panels_read_every_engines_metrics():
+    """The chart's dashboard is fresh (`make crds`), and each engine panel reads each engine's series for its signal (vLLM's
+    and SGLang's names from ENGINE_METRICS, as the autoscaler reads them), as valid PromQL structure: rates inside the unions."""
+    import json
+
+    from kvpilot.operator import dashboard
+    from kvpilot.operator.builders.engines import ENGINE_METRICS
+
+    assert dashboard.main(["--check"]) == 0
+    targets = [t for p in json.loads(dashboard.DASHBOARD.read_text())["panels"] for t in p.get("targets", []) if "engineQuery" in t]
+    assert len(targets) >= 11
+    used = set()
+    for t in targets:
+        for m in dashboard.PLACEHOLDER.finditer(t["engineQuery"]):
+            used.add(m.group(2))
+            for engine in ENGINE_METRICS.values():
+                assert all(name in t["expr"] for name in engine[m.group(2)]), (t["engineQuery"], engine[m.group(2)])
+        assert "@" not in t["expr"]
+        assert "rate(" not in t["engineQuery"] or "[$__rate_interval])" in t["expr"]
+    assert {"kv", "queue", "running", "ttft", "itl", "generation_tokens", "prefix_hit_tokens"} <= used
+    assert dashboard.expand("@rate:ttft:_bucket@").count("rate(") == 3  # one per engine, each on a range selector
+    with pytest.raises(ValueError):
+        dashboard.expand("@no_such_signal@")

@@ -13,14 +13,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvpilot.operator.autoscaler.decision import CLOCK_SKEW_SECONDS, PodSample
-
-# signal -> PromQL selector template per engine; alternatives joined with `or` (vLLM renamed its KV metric)
-ENGINE_METRICS: dict[str, dict[str, list[str]]] = {
-    "kvpilot": {"kv": ["kvpilot:kv_cache_usage_perc"], "queue": ["kvpilot:num_requests_waiting"], "running": ["kvpilot:num_requests_running"]},
-    "vllm": {"kv": ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"], "queue": ["vllm:num_requests_waiting"],
-             "running": ["vllm:num_requests_running"]},
-    "sglang": {"kv": ["sglang:token_usage"], "queue": ["sglang:num_queue_reqs"], "running": ["sglang:num_running_reqs"]},
-}
+from kvpilot.operator.builders.engines import ENGINE_METRICS  # (each engine's names; alternatives joined with `or`)
 
 
 class MetricsUnavailable(RuntimeError):

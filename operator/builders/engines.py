@@ -63,6 +63,26 @@ LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
 WORKER_INDEX = "$(LWS_WORKER_INDEX)"
 
 
+# Each engine's metric names by signal (alternatives: an engine renamed one; joined with `or`): what the autoscaler
+# reads (kv, queue, running; operator/autoscaler/promql.py) and the chart's dashboard draws (operator/dashboard.py).
+ENGINE_METRICS: dict[str, dict[str, list[str]]] = {
+    "kvpilot": {"kv": ["kvpilot:kv_cache_usage_perc"], "queue": ["kvpilot:num_requests_waiting"], "running": ["kvpilot:num_requests_running"],
+                "ttft": ["kvpilot:time_to_first_token_seconds"], "itl": ["kvpilot:inter_token_latency_seconds"],
+                "generation_tokens": ["kvpilot:generation_tokens_total"], "prompt_tokens": ["kvpilot:prompt_tokens_total"],
+                "prefix_hit_tokens": ["kvpilot:prefix_cache_hits_total"], "prefix_query_tokens": ["kvpilot:prefix_cache_queries_total"]},
+    "vllm": {"kv": ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"], "queue": ["vllm:num_requests_waiting"],
+             "running": ["vllm:num_requests_running"], "ttft": ["vllm:time_to_first_token_seconds"],
+             "itl": ["vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"],
+             "generation_tokens": ["vllm:generation_tokens_total"], "prompt_tokens": ["vllm:prompt_tokens_total"],
+             "prefix_hit_tokens": ["vllm:prefix_cache_hits_total"], "prefix_query_tokens": ["vllm:prefix_cache_queries_total"]},
+    "sglang": {"kv": ["sglang:token_usage"], "queue": ["sglang:num_queue_reqs"], "running": ["sglang:num_running_reqs"],
+               "ttft": ["sglang:time_to_first_token_seconds"],
+               "itl": ["sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"],
+               "generation_tokens": ["sglang:generation_tokens_total"], "prompt_tokens": ["sglang:prompt_tokens_total"],
+               "prefix_hit_tokens": ["sglang:cached_tokens_total"], "prefix_query_tokens": ["sglang:prompt_tokens_total"]},
+}
+
+
 @dataclass(slots=True)
 class EngineContainer:
     image: str
