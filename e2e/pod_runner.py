@@ -72,6 +72,8 @@ def container_env(container: dict, pod: dict) -> dict[str, str]:
 
 # The chart's own pods (operator, gateway), by label selector: run as local processes with their ServiceAccount.
 CHART_SELECTOR = "app.kubernetes.io/name in (kvpilot-operator,kvpilot-gateway)"
+# ...and its hook Jobs' pods (the CRD upgrade), run to completion like loaders, as their ServiceAccount.
+HOOK_SELECTOR = "app.kubernetes.io/name=kvpilot-crd-upgrade"
 
 
 def operator_argv(pod: dict) -> tuple[list[str], dict[str, str]]:
@@ -104,6 +106,8 @@ def container_argv(container: dict, pod: dict, volumes: dict[str, Path] | None =
             argv[i] = str(mount[1]) + arg[len(mount[0]):]
     if argv and argv[0] == "kvpilot":  # the venv's console script stands in for the image's
         argv[0] = str(Path(sys.executable).parent / "kvpilot")
+    elif argv and argv[0] in ("python", "python3"):  # ...and its interpreter for the image's
+        argv[0] = sys.executable
     return argv, env
 
 
@@ -234,7 +238,8 @@ class PodRunner:
                     and pod["status"].get("podIP"):
                 self._start_operator(uid, pod)
 
-    def _start_operator(self, uid: str, pod: dict) -> None:
+    def _service_account_kubeconfig(self, pod: dict) -> Path:
+        """A kubeconfig with a token of the pod's ServiceAccount (as the kubelet mounts one): the pod acts as itself."""
         m = pod["metadata"]
         sa = pod["spec"].get("serviceAccountName", "default")
         r = self._http.post(f"{self.server}/api/v1/namespaces/{m['namespace']}/serviceaccounts/{sa}/token",
@@ -243,6 +248,11 @@ class PodRunner:
         kubeconfig = self.log_dir / f"{m['namespace']}_{m['name']}.kubeconfig"
         user = {"name": "admin", "user": {"token": r.json()["status"]["token"]}}
         kubeconfig.write_text(json.dumps({**self.kubeconfig, "users": [user]} if self.runtime == "process" else self._portable_kubeconfig(user)))
+        return kubeconfig
+
+    def _start_operator(self, uid: str, pod: dict) -> None:
+        m = pod["metadata"]
+        kubeconfig = self._service_account_kubeconfig(pod)
         log = open(self.log_dir / f"{m['namespace']}_{m['name']}.log", "ab")
         name = None
         if self.runtime == "process":
@@ -307,9 +317,12 @@ class PodRunner:
         """Each Running loader pod's container to completion, then the pod's phase as a kubelet
         reports it (Succeeded or Failed, the container's exit code and termination message): what the
         Job controller counts. Blocking, like init containers: loopback-sized downloads."""
-        r = self._http.get(f"{self.server}/api/v1/pods", params={"labelSelector": LOADER_LABEL})
-        r.raise_for_status()
-        for pod in r.json()["items"]:
+        pods = []
+        for selector in (LOADER_LABEL, *([HOOK_SELECTOR] if self.kubeconfig is not None else [])):
+            r = self._http.get(f"{self.server}/api/v1/pods", params={"labelSelector": selector})
+            r.raise_for_status()
+            pods += r.json()["items"]
+        for pod in pods:
             uid, m = pod["metadata"]["uid"], pod["metadata"]
             if uid in self.loaders_run or m.get("deletionTimestamp") or pod["status"].get("phase") != "Running":
                 continue
@@ -321,6 +334,8 @@ class PodRunner:
             if self.runtime == "process":
                 argv, env = container_argv(container, pod, volumes)
                 env = {**os.environ, **env, "KVPILOT_TERMINATION_LOG": str(termination_log)}
+                if pod["spec"].get("serviceAccountName"):  # a chart hook: it acts as its ServiceAccount
+                    env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod))
             else:
                 termination_log.chmod(0o666)
                 argv, env = podman_run(uid, pod, container, volumes, files={termination_log: "/dev/termination-log"})[1], None
@@ -456,6 +471,13 @@ class PodRunner:
         for v in pod["spec"].get("volumes") or []:
             if "persistentVolumeClaim" in v:
                 volumes[v["name"]] = self._claim_directory(pod["metadata"]["namespace"], v["persistentVolumeClaim"]["claimName"])
+            elif "configMap" in v:  # its keys as files, as the kubelet projects them
+                r = self._http.get(f"{self.server}/api/v1/namespaces/{pod['metadata']['namespace']}/configmaps/{v['configMap']['name']}")
+                r.raise_for_status()
+                volumes[v["name"]] = self.log_dir / "volumes" / uid / v["name"]
+                volumes[v["name"]].mkdir(parents=True, exist_ok=True)
+                for key, text in (r.json().get("data") or {}).items():
+                    (volumes[v["name"]] / key).write_text(text)
             elif "emptyDir" in v:
                 volumes[v["name"]] = self.log_dir / "volumes" / uid / v["name"]
                 volumes[v["name"]].mkdir(parents=True, exist_ok=True)

@@ -102,6 +102,49 @@ def test_chart_rbac_is_namespaced_when_watch_namespaces_is_set(cluster):
     assert monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] == METRICS_RELABELINGS
 
 
+@pytest.mark.timeout(300)
+def test_helm_upgrade_applies_the_charts_crd_and_renders_every_new_value(cluster, chart, tmp_path):
+    """`helm upgrade` changes the CRD (Helm itself installs crds/ on first install only): the chart's pre-upgrade hook Job,
+    run by the pod runner as its own ServiceAccount, applies the chart's copy server-side; the hook's objects are gone after.
+    And the chart renders each of its newer values into the objects they are for."""
+    import shutil
+
+    from e2e.pod_runner import PodRunner
+
+    copy = tmp_path / "kvpilot"
+    shutil.copytree(ROOT / "charts" / "kvpilot", copy)
+    crd_file = copy / "crds" / "serving.kvpilot.dev_inferenceservices.yaml"
+    crd = yaml.safe_load(crd_file.read_text())
+    crd["metadata"]["annotations"]["kvpilot.dev/upgrade-test"] = "applied by the pre-upgrade hook"
+    crd_file.write_text(yaml.safe_dump(crd, sort_keys=False))
+    name = "inferenceservices.serving.kvpilot.dev"
+    runner = PodRunner(cluster.server, tmp_path / "pods", kubeconfig=json.loads(cluster.kubeconfig.read_text())).start()
+    try:
+        cluster.helm("upgrade", "kvpilot", str(copy), "-n", CHART_NS, "--wait", "--timeout", "150s", timeout=200)
+        assert kget(cluster, "crd", name)["metadata"]["annotations"]["kvpilot.dev/upgrade-test"] == "applied by the pre-upgrade hook"
+        assert kget(cluster, "clusterrole", "kvpilot-crd-upgrade") is None and kget(cluster, "job", "kvpilot-crd-upgrade", "-n", CHART_NS) is None
+    finally:
+        runner.stop()
+        cluster.kubectl("annotate", "crd", name, "kvpilot.dev/upgrade-test-", check=False)
+    values = ["nameOverride=kv", "fullnameOverride=llm", "podLabels.team=search", "podAnnotations.owner=me", "priorityClassName=crit",
+              "gateway.priorityClassName=front", "gateway.nodeSelector.pool=edge", "gateway.podDisruptionBudget.maxUnavailable=2",
+              "engine.images.kvpilot=reg.example/kvpilot/engine:9", "engine.imagePullSecrets={regcred}", "imagePullSecrets[0].name=pull"]
+    out = list(yaml.safe_load_all(cluster.helm("template", "r", str(ROOT / "charts" / "kvpilot"), "--set", ",".join(values)).stdout))
+    by = {(o["kind"], o["metadata"]["name"]): o for o in out if o}
+    operator, gateway = by[("Deployment", "llm")]["spec"]["template"], by[("Deployment", "llm-gateway")]["spec"]["template"]
+    assert operator["metadata"]["labels"]["team"] == gateway["metadata"]["labels"]["team"] == "search"
+    assert operator["metadata"]["annotations"]["owner"] == "me" and operator["spec"]["priorityClassName"] == "crit"
+    assert gateway["spec"]["priorityClassName"] == "front" and gateway["spec"]["nodeSelector"] == {"pool": "edge"}
+    assert by[("PodDisruptionBudget", "llm-gateway")]["spec"]["maxUnavailable"] == 2 and ("PodDisruptionBudget", "llm") in by
+    assert operator["spec"]["imagePullSecrets"] == [{"name": "pull"}] and "readinessProbe" in operator["spec"]["containers"][0]
+    args = operator["spec"]["containers"][0]["args"]
+    assert "--engine-image=kvpilot=reg.example/kvpilot/engine:9" in args and "--engine-image-pull-secret=regcred" in args
+    assert by[("Service", "llm-gateway")]["metadata"]["labels"]["app.kubernetes.io/name"] == "kvpilot-gateway"
+    assert by[("Deployment", "llm")]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kv"
+    rejected = cluster.helm("template", "r", str(ROOT / "charts" / "kvpilot"), "--set", "gateway.bogus=1", check=False)
+    assert rejected.returncode != 0 and "bogus" in rejected.stderr
+
+
 def test_invalid_objects_rejected_by_cel(cluster, namespace, chart):
     cases = [({"autoscaling": {"scaleToZeroIdleSeconds": 1}}, "scaleToZeroIdleSeconds"), ({"minReplicas": 3, "maxReplicas": 2}, "minReplicas must be <= maxReplicas"),
              ({"replicas": 9}, "replicas must be within"), ({"engineSettings": {"tensorParallelSize": 0}}, "tensorParallelSize"),

@@ -1,6 +1,7 @@
 """Generates the InferenceService CRD, and its reference page, from the pydantic models (crd_types.py).
 
     python -m kvpilot.operator.crd_gen [--check]     # writes (or checks) crds/, charts/kvpilot/crds/ and docs/crd-reference.md
+    python -m kvpilot.operator.crd_gen --apply CRD.yaml   # the chart's pre-upgrade hook: server-side apply of its CRD
 
 The OpenAPI v3 schema is made structural: $refs inlined, Optional[X] becomes X (absent = unset),
 titles dropped, objects with only defaulted fields default to {} so nested defaults apply.
@@ -196,10 +197,27 @@ def outputs() -> dict[Path, str]:
     return {**{p: text for p in OUTPUTS}, REFERENCE: render_reference()}
 
 
+def apply_crd(path: Path) -> None:
+    """Server-side apply of a CRD file (the chart's pre-upgrade hook: Helm installs CRDs on first install only), owning its
+    fields as "kvpilot-crd-upgrade" (force: a kubectl apply of an older copy owned them before)."""
+    from kvpilot.operator.kube import Kube, load_config
+
+    load_config()
+    obj = yaml.safe_load(path.read_text())
+    if obj.get("kind") != "CustomResourceDefinition" or obj["metadata"]["name"] != f"{PLURAL}.{GROUP}":
+        raise SystemExit(f"{path}: not the {PLURAL}.{GROUP} CustomResourceDefinition")
+    applied = Kube().apply(obj, field_manager="kvpilot-crd-upgrade")
+    print(f"applied {obj['metadata']['name']} (resourceVersion {applied['metadata']['resourceVersion']})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="exit 1 if the files differ from what the models generate")
+    ap.add_argument("--apply", type=Path, metavar="CRD.yaml", help="server-side apply this CRD file to the cluster instead")
     args = ap.parse_args(argv)
+    if args.apply:
+        apply_crd(args.apply)
+        return 0
     files = outputs()
     stale = [p for p, text in files.items() if not p.exists() or p.read_text() != text]
     if args.check:
