@@ -145,6 +145,43 @@ def test_helm_upgrade_applies_the_charts_crd_and_renders_every_new_value(cluster
     assert rejected.returncode != 0 and "bogus" in rejected.stderr
 
 
+@pytest.mark.timeout(300)
+def test_cpu_examples_become_ready(cluster, namespace, operator, tmp_path):
+    """The CPU examples, as written (smollm2-cpu.yaml: the quick start's own test), at once: each becomes Ready (the
+    disaggregated one's prefill pool too); the API-key one answers only with its key. (smollm2-cpu-lora.yaml names adapter
+    directories on a claim `adapters` that only its user has: not run.)"""
+    import httpx
+
+    from e2e.cluster import TOKEN, _insecure
+    from e2e.load import ready_endpoints
+    from e2e.pod_runner import PodRunner
+
+    cluster.kubectl("create", "secret", "generic", "smollm2-key", "-n", namespace, "--from-literal=key=s3cret-e2e")
+    examples = {"smollm2-gguf": "smollm2-cpu-gguf.yaml", "smollm2-speculative": "smollm2-cpu-speculative.yaml",
+                "smollm2-keyed": "smollm2-cpu-api-key.yaml", "smollm2-idle": "smollm2-cpu-scale-to-zero.yaml",
+                "smollm2-tiers": "smollm2-cpu-kv-offload.yaml", "smollm2-pd": "smollm2-cpu-disaggregated.yaml"}
+    runner = PodRunner(cluster.server, tmp_path / "pods").start()
+    try:
+        for file in examples.values():
+            cluster.kubectl("apply", "-n", namespace, "-f", str(ROOT / "crds" / "examples" / file))
+        for name in examples:
+            wait_until(lambda name=name: condition(kget(cluster, "kvis", name, "-n", namespace), "Ready").get("status") == "True", timeout=240,
+                       what=f"{name} Ready")
+        assert condition(kget(cluster, "kvis", "smollm2-idle", "-n", namespace), "Ready")["reason"] == "ScaledToZero"
+        wait_until(lambda: ((kget(cluster, "kvis", "smollm2-pd", "-n", namespace).get("status") or {}).get("prefill") or {}).get("readyReplicas") == 1,
+                   timeout=120, what="the disaggregated example's prefill pool Ready")
+        api = httpx.Client(verify=_insecure(), headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+        [keyed] = ready_endpoints(api, cluster.server, namespace, "smollm2-keyed")
+        body = {"model": "smollm2-keyed", "prompt": "Hello", "max_tokens": 2}
+        assert httpx.post(f"{keyed}/v1/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(f"{keyed}/v1/completions", json=body, headers={"Authorization": "Bearer s3cret-e2e"}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    finally:
+        for file in examples.values():
+            cluster.kubectl("delete", "-n", namespace, "-f", str(ROOT / "crds" / "examples" / file), "--wait=false", check=False)
+        runner.stop()
+
+
 def test_invalid_objects_rejected_by_cel(cluster, namespace, chart):
     cases = [({"autoscaling": {"scaleToZeroIdleSeconds": 1}}, "scaleToZeroIdleSeconds"), ({"minReplicas": 3, "maxReplicas": 2}, "minReplicas must be <= maxReplicas"),
              ({"replicas": 9}, "replicas must be within"), ({"engineSettings": {"tensorParallelSize": 0}}, "tensorParallelSize"),
