@@ -105,7 +105,8 @@ def test_chart_rbac_is_namespaced_when_watch_namespaces_is_set(cluster):
 @pytest.mark.timeout(300)
 def test_helm_upgrade_applies_the_charts_crd_and_renders_every_new_value(cluster, chart, tmp_path):
     """`helm upgrade` changes the CRD (Helm itself installs crds/ on first install only): the chart's pre-upgrade hook Job,
-    run by the pod runner as its own ServiceAccount, applies the chart's copy server-side; the hook's objects are gone after.
+    run by the pod runner as its own ServiceAccount, replaces the cluster's CRD with the chart's copy; the hook's objects are
+    gone after.
     And the chart renders each of its newer values into the objects they are for."""
     import shutil
 

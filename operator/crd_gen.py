@@ -1,7 +1,7 @@
 """Generates the InferenceService CRD, and its reference page, from the pydantic models (crd_types.py).
 
     python -m kvpilot.operator.crd_gen [--check]     # writes (or checks) crds/, charts/kvpilot/crds/ and docs/crd-reference.md
-    python -m kvpilot.operator.crd_gen --apply CRD.yaml   # the chart's pre-upgrade hook: server-side apply of its CRD
+    python -m kvpilot.operator.crd_gen --apply CRD.yaml   # the chart's pre-upgrade hook: the cluster's CRD replaced by its
 
 The OpenAPI v3 schema is made structural: $refs inlined, Optional[X] becomes X (absent = unset),
 titles dropped, objects with only defaulted fields default to {} so nested defaults apply.
@@ -198,22 +198,28 @@ def outputs() -> dict[Path, str]:
 
 
 def apply_crd(path: Path) -> None:
-    """Server-side apply of a CRD file (the chart's pre-upgrade hook: Helm installs CRDs on first install only), owning its
-    fields as "kvpilot-crd-upgrade" (force: a kubectl apply of an older copy owned them before)."""
-    from kvpilot.operator.kube import Kube, load_config
+    """Replace the cluster's CRD with a file's (the chart's pre-upgrade hook: Helm installs CRDs on first install only). A
+    replace, not a server-side apply: what the new copy leaves out (a property, a default, a reworded CEL rule) must go, and
+    the first install's fields are owned by another manager, which an apply would leave in place."""
+    from kubernetes import client, dynamic
+
+    from kvpilot.operator.kube import load_config
 
     load_config()
     obj = yaml.safe_load(path.read_text())
     if obj.get("kind") != "CustomResourceDefinition" or obj["metadata"]["name"] != f"{PLURAL}.{GROUP}":
         raise SystemExit(f"{path}: not the {PLURAL}.{GROUP} CustomResourceDefinition")
-    applied = Kube().apply(obj, field_manager="kvpilot-crd-upgrade")
-    print(f"applied {obj['metadata']['name']} (resourceVersion {applied['metadata']['resourceVersion']})")
+    crds = dynamic.DynamicClient(client.ApiClient()).resources.get(api_version="apiextensions.k8s.io/v1", kind="CustomResourceDefinition")
+    current = crds.get(name=obj["metadata"]["name"])  # (absent: Helm's install makes it; with --skip-crds, kubectl apply crds/ first)
+    obj["metadata"]["resourceVersion"] = current.metadata.resourceVersion
+    replaced = crds.replace(body=obj)
+    print(f"replaced {obj['metadata']['name']} (resourceVersion {replaced.metadata.resourceVersion})")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true", help="exit 1 if the files differ from what the models generate")
-    ap.add_argument("--apply", type=Path, metavar="CRD.yaml", help="server-side apply this CRD file to the cluster instead")
+    ap.add_argument("--apply", type=Path, metavar="CRD.yaml", help="replace the cluster's CRD with this file's instead")
     args = ap.parse_args(argv)
     if args.apply:
         apply_crd(args.apply)

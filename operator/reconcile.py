@@ -31,11 +31,12 @@ from kvpilot.operator.builders.manifests import (
     kv_transfer_name,
     kv_transfer_secret,
     pod_selector,
+    pod_template,
     prefill_name,
     render,
     selector_labels,
 )
-from kvpilot.operator.builders.pod_template import pod_template_problems
+from kvpilot.operator.builders.pod_template import patch_problems, pod_problems
 from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, LWS, POD
 from kvpilot.operator.crd_types import AdapterStatus, ColdStart, InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus, PoolStatus
 from kvpilot.operator.kube import Kube
@@ -43,9 +44,9 @@ from kvpilot.operator.status import AutoscalerReport, compute_status, group_stat
 from kvpilot.server.model_files import BUNDLED
 
 log = logging.getLogger("kvpilot.operator")
-FAULT_ENV = "KVPILOT_TEST_FAULT_POINT"
+FAULT_ENV = "KVPILOT_TEST_FAULT_POINT"  # test-only: "point" or "point@namespace/name": crash there
 # <name>-group-<index>-<hash> (a worker StatefulSet's revision label) stays within a label's 63 characters
-MAX_GROUPED_NAME = 40  # test-only: "point" or "point@namespace/name": crash there
+MAX_GROUPED_NAME = 40
 
 
 _locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
@@ -142,7 +143,7 @@ def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str,
         return None, [("InvalidSpec", msgs)]
     problems = [("UnsupportedSetting", p) for p in unsupported_settings(spec)]
     if spec.pod_template is not None:
-        problems += [("InvalidPodTemplate", p) for p in pod_template_problems(spec.pod_template.spec)]
+        problems += [("InvalidPodTemplate", p) for p in patch_problems(spec.pod_template.spec)]
     src = spec.model.source
     if spec.engine == "kvpilot" and "://" not in src and src not in BUNDLED:
         problems.append(("UnknownModel", f"model.source {src!r} is not a bundled model (bundled: {', '.join(sorted(BUNDLED))}); use https://, hf:// or pvc://"))
@@ -152,6 +153,8 @@ def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str,
         try:  # the engine's own config validation (kvpilot: EngineConfig), here rather than in a crash-looping pod
             for pool in ("decode", "prefill") if spec.disaggregation else (None,):
                 engine_container(spec, (body.get("metadata") or {}).get("name", ""), pool)
+            if spec.pod_template is not None:  # the pod the patch makes, held to what the operator's own pods are
+                problems += [("InvalidPodTemplate", p) for p in pod_problems(pod_template((body.get("metadata") or {}).get("name", ""), spec)["spec"])]
             if spec.group_size > 1:  # a group's worker pods too, with the engine flags the leader has
                 name = (body.get("metadata") or {}).get("name", "")
                 problems += [("InvalidEngineSettings", p) for p in group_flag_problems(spec, name)]

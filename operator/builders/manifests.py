@@ -275,7 +275,7 @@ def pod_template(name: str, spec: InferenceServiceSpec, prefill: bool = False, g
         pod_spec["nodeSelector"] = node_selector
     if tolerations:
         pod_spec["tolerations"] = tolerations
-    if spec.pod_template is not None and spec.pod_template.spec:  # (checked by pod_template_problems before anything is applied)
+    if spec.pod_template is not None and spec.pod_template.spec:  # (checked by patch_problems and pod_problems before anything is applied)
         pod_spec = strategic_merge(pod_spec, spec.pod_template.spec)
     return {"metadata": {"labels": pod_labels, "annotations": pod_annotations}, "spec": pod_spec}
 
