@@ -73,7 +73,8 @@ def container_env(container: dict, pod: dict) -> dict[str, str]:
 # The chart's own pods (operator, gateway), by label selector: run as local processes with their ServiceAccount.
 CHART_SELECTOR = "app.kubernetes.io/name in (kvpilot-operator,kvpilot-gateway)"
 # ...and its hook Jobs' pods (the CRD upgrade), run to completion like loaders, as their ServiceAccount.
-HOOK_SELECTOR = "app.kubernetes.io/name=kvpilot-crd-upgrade"
+HOOK_LABEL = ("app.kubernetes.io/name", "kvpilot-crd-upgrade")
+HOOK_SELECTOR = "=".join(HOOK_LABEL)
 
 
 def operator_argv(pod: dict) -> tuple[list[str], dict[str, str]]:
@@ -334,7 +335,7 @@ class PodRunner:
             if self.runtime == "process":
                 argv, env = container_argv(container, pod, volumes)
                 env = {**os.environ, **env, "KVPILOT_TERMINATION_LOG": str(termination_log)}
-                if pod["spec"].get("serviceAccountName"):  # a chart hook: it acts as its ServiceAccount
+                if (m.get("labels") or {}).get(HOOK_LABEL[0]) == HOOK_LABEL[1]:  # a chart hook: it acts as its ServiceAccount
                     env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod))
             else:
                 termination_log.chmod(0o666)
