@@ -6,7 +6,10 @@ formulas, same fp32 operation order.
   Q4_0: 32 weights per 18-byte block: fp16 d, 16 bytes of 4-bit codes; w = (q - 8)·d
   Q4_1: 32 weights per 20-byte block: fp16 d, fp16 m, 16 bytes of codes; w = q·d + m
   Q8_0: 32 weights per 34-byte block: fp16 d, 32 int8 codes; w = q·d
-In a 4-bit block the low nibbles hold weights 0–15 and the high nibbles weights 16–31.
+  Q5_0: 32 weights per 22-byte block: fp16 d, 4 bytes of fifth bits, 16 bytes of 4-bit codes; w = (q - 16)·d
+  Q5_1: 32 weights per 24-byte block: fp16 d, fp16 m, 4 bytes of fifth bits, 16 bytes of codes; w = q·d + m
+In a 4-bit block the low nibbles hold weights 0–15 and the high nibbles weights 16–31; a 5-bit block's
+fifth bits are one little-endian 32-bit word, bit j for weight j.
 K-quants (what `Q4_K_M`-style files mostly hold) use super-blocks of 256 weights:
   Q4_K: 144 bytes: fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min) pairs, 128 bytes of 4-bit
         codes; sub-block j of 32: w = q·(d·scale_j) − dmin·min_j
@@ -53,6 +56,33 @@ def dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:
     d = _f16(blocks[..., 0:2])
     q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)
     return (d * q).reshape(raw.shape[0], -1)
+
+
+def q5_codes(raw: torch.Tensor, with_min: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Q5_0 / Q5_1 (with_min) blocks -> (codes uint8 [rows, K] in 0..31, d float32 [rows, K/32], m float32
+    [rows, K/32] or None): w = (code − 16)·d (Q5_0), code·d + m (Q5_1)."""
+    rows = raw.shape[0]
+    head = 4 if with_min else 2
+    blocks = _blocks(raw, head + 20)
+    high = blocks[..., head:head + 4].to(torch.int64)  # the 32 fifth bits, little-endian
+    word = high[..., 0] | (high[..., 1] << 8) | (high[..., 2] << 16) | (high[..., 3] << 24)
+    fifth = ((word[..., None] >> torch.arange(32)) & 1).to(torch.uint8)
+    low = blocks[..., head + 4:]
+    codes = torch.cat([low & 0x0F, low >> 4], dim=-1) | (fifth << 4)
+    m = _f16(blocks[..., 2:4])[..., 0] if with_min else None
+    return codes.reshape(rows, -1), _f16(blocks[..., 0:2])[..., 0], m
+
+
+def dequantize_q5_0(raw: torch.Tensor) -> torch.Tensor:
+    codes, d, _ = q5_codes(raw, with_min=False)
+    q = codes.reshape(raw.shape[0], -1, 32).to(torch.float32) - 16.0
+    return (d[..., None] * q).reshape(raw.shape[0], -1)
+
+
+def dequantize_q5_1(raw: torch.Tensor) -> torch.Tensor:
+    codes, d, m = q5_codes(raw, with_min=True)
+    q = codes.reshape(raw.shape[0], -1, 32).to(torch.float32)
+    return (d[..., None] * q + m[..., None]).reshape(raw.shape[0], -1)
 
 
 def _bits(codes: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:

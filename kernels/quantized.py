@@ -17,6 +17,11 @@ The K-quants (what `Q4_K_M`-style files hold) are re-laid out at load, exactly G
 - Q5_K, Q6_K -> "K8": one int8 code per weight with a float32 scale (and Q5_K's min) per 16 columns,
   the super-block's d and dmin multiplied in (`gguf_dequant.k_quant_parts`): 12 (Q6_K: 10) bits per
   weight (the file: 5.5 / 6.6) — still under bfloat16's 16.
+- Q5_0 -> Q8_0: each code minus 16 as an int8, the block's float16 d as it is (8.5 bits per weight; the
+  file: 5.5). A Q5_0 weight is then a Q8_0 one, exactly: it fuses with Q8_0 parts (Gemma 3's q and k are
+  Q5_0, its v Q8_0).
+- Q5_1 -> K8: the codes as int8, the block's d and m as float32 for each of its two 16-column halves
+  (12 bits per weight; the file: 6). code·d is exact in float32, so + m rounds once, as GGUF's does.
 
 Two layouts hold pre-quantized checkpoints' zero points exactly (server/quant_checkpoint.py): "Z4"
 (Q4_1's code layout) and "Z8" (Q8_0's, each code stored minus 128), each 32 columns with a float16
@@ -37,12 +42,13 @@ from torch import nn
 
 from kvpilot.kernels import cpu_extension
 from kvpilot.kernels.direct_call import direct_call
-from kvpilot.kernels.gguf_dequant import k_quant_parts, q4_k_parts
+from kvpilot.kernels.gguf_dequant import k_quant_parts, q4_k_parts, q5_codes
 
 QK = 32  # weights per block
 KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF types kept in their own blocks' layout (panels, Triton)
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # re-laid out at load (K4 / K8 below; panels and Triton)
+FIVE_BITS = ("Q5_0", "Q5_1")  # re-laid out at load too (as Q8_0 / K8 below)
 K8, K4 = 3, 4  # the kernels' ids of the two K-quant layouts
 Z4, Z8, F8 = 5, 6, 7  # ... of the zero-point layouts and of FP8 weights
 K8_BLOCK = 16  # columns per K8 scale
@@ -71,6 +77,7 @@ LAYOUTS = {
     "Q4_K": Layout(K4, 4, QK, "stored", "super", QK_K),
     "Q5_K": Layout(K8, 8, K8_BLOCK, "stored", "float32", K8_BLOCK),
     "Q6_K": Layout(K8, 8, K8_BLOCK, "none", "float32", K8_BLOCK),
+    "Q5_1": Layout(K8, 8, K8_BLOCK, "stored", "float32", K8_BLOCK),
     "Z4": Layout(Z4, 4, QK, "zero", "float16", QK),
     "Z8": Layout(Z8, 8, QK, "zero", "float16", QK),
     "F8": Layout(F8, 8, QK, "none", "float32", QK, fp8=True),
@@ -145,8 +152,14 @@ class GGUFWeight:
         if kind in K_QUANTS:
             codes, d, m = k_quant_parts(kind, raw.reshape(rows, -1))  # scales and mins per 16 columns
             return cls(kind, codes.view(torch.uint8), d, m)
+        if kind in FIVE_BITS:
+            codes, d, m = q5_codes(raw.reshape(rows, -1), with_min=kind == "Q5_1")
+            if kind == "Q5_0":  # d came from float16: back to it exactly
+                return cls("Q8_0", (codes.to(torch.int8) - 16).view(torch.uint8), d.half())
+            halves = lambda t: t.repeat_interleave(QK // K8_BLOCK, dim=-1)  # noqa: E731 — one block's d (m) for its two 16-column halves
+            return cls(kind, codes.view(torch.uint8), halves(d), halves(m))
         if kind not in KINDS:
-            raise ValueError(f"GGUF type {kind} is not one the gguf kernels take ({', '.join([*KINDS, *K_QUANTS])})")
+            raise ValueError(f"GGUF type {kind} is not one the gguf kernels take ({', '.join([*KINDS, *K_QUANTS, *FIVE_BITS])})")
         blocks = raw.reshape(rows, -1, _BLOCK_BYTES[kind])
         d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(rows, -1)
         if kind == "Q4_1":

@@ -22,13 +22,15 @@ from kvpilot.kernels.gguf_dequant import (
     dequantize_q4_0,
     dequantize_q4_1,
     dequantize_q4_k,
+    dequantize_q5_0,
+    dequantize_q5_1,
     dequantize_q5_k,
     dequantize_q6_k,
     dequantize_q8_0,
 )
 from kvpilot.server.model_config import ModelConfig, ModelFormatError, RopeScaling, attention_heads, gguf_family_for
 
-DEQUANTIZE = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1,
+DEQUANTIZE = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1, "Q5_0": dequantize_q5_0, "Q5_1": dequantize_q5_1,
               "Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k}  # GGML type name -> raw blocks to float32
 
 # GGUF tensor names -> the checkpoint (transformers) names the model code loads by.
@@ -279,15 +281,16 @@ class GGUFFile:
     def load_packed(self, name: str):
         """A weight by its transformers name kept in its GGUF blocks (kernels.quantized.GGUFWeight), with
         q/k rows back in half-split RoPE order; None when the file stores it as floats."""
-        from kvpilot.kernels.quantized import K_QUANTS, KINDS, GGUFWeight
+        from kvpilot.kernels.quantized import FIVE_BITS, K_QUANTS, KINDS, GGUFWeight
 
         gguf_name = self._gguf_names[name] if name in self._gguf_names else name
         t = self.tensors[gguf_name]
         kind = t.tensor_type.name
         if kind in ("F32", "F16", "BF16"):
             return None
-        if kind not in KINDS and kind not in K_QUANTS:
-            raise GGUFError(f"{self.path.name}: tensor {gguf_name!r} is {kind}; quantization=gguf keeps {', '.join([*KINDS, *K_QUANTS])} blocks "
+        kept = (*KINDS, *K_QUANTS, *FIVE_BITS)
+        if kind not in kept:
+            raise GGUFError(f"{self.path.name}: tensor {gguf_name!r} is {kind}; quantization=gguf keeps {', '.join(kept)} blocks "
                             f"(use quantization=none: every GGML type this loader reads is dequantized then)")
         rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
         w = GGUFWeight.from_blocks(kind, torch.from_numpy(np.array(t.data, copy=True).view(np.uint8)), rows)

@@ -17,8 +17,17 @@ import torch.nn.functional as F
 
 from gguf_factory import checkpoint_layout_weight, k_quant_blocks
 from kvpilot.kernels import cpu_extension
-from kvpilot.kernels.gguf_dequant import dequantize_q4_0, dequantize_q4_1, dequantize_q4_k, dequantize_q5_k, dequantize_q6_k, dequantize_q8_0
-from kvpilot.kernels.quantized import K4, K8, K_QUANTS, KINDS, LAYOUTS, GGUFLinear, GGUFWeight, cat_rows, embedding, to_panels
+from kvpilot.kernels.gguf_dequant import (
+    dequantize_q4_0,
+    dequantize_q4_1,
+    dequantize_q4_k,
+    dequantize_q5_0,
+    dequantize_q5_1,
+    dequantize_q5_k,
+    dequantize_q6_k,
+    dequantize_q8_0,
+)
+from kvpilot.kernels.quantized import FIVE_BITS, K4, K8, K_QUANTS, KINDS, LAYOUTS, GGUFLinear, GGUFWeight, cat_rows, embedding, to_panels
 
 REFERENCE = {"Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1, "Q8_0": dequantize_q8_0}
 K_REFERENCE = {"Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k}
@@ -107,6 +116,54 @@ def test_k_quants_relaid_out_dequantize_exactly_like_gguf(kind):
     assert torch.equal(cat_rows([w.rows(slice(0, 7)), w.rows(slice(7, 24))]).dequantize(), dense)
     with pytest.raises(ValueError, match=f"multiples of {w.block}"):
         w.columns(8, 64)
+
+
+def five_bit_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw Q5_0 / Q5_1 blocks: random bytes (every code and fifth-bit pattern) with finite float16 d (and m)."""
+    head = 4 if kind == "Q5_1" else 2
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // 32, head + 20), dtype=np.uint8)
+    raw[..., :head] = (rng.standard_normal((rows, cols // 32, head // 2)) * 0.05).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", FIVE_BITS)
+def test_five_bit_blocks_dequantize_bit_equal_to_gguf_and_relaid_out_exactly(kind):
+    """Q5_0 / Q5_1: kernels/gguf_dequant's functions give the gguf package's dequantization bit for bit, on its
+    own quantizer's blocks and on random bytes; re-laid out for the kernels (Q5_0 as Q8_0: codes − 16 in int8
+    beside the same d; Q5_1 as K8: codes with d and m per 16 columns) they hold exactly those values, and a
+    Q5_0 weight fuses with a Q8_0 one (Gemma 3's q/k and v)."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = getattr(GGMLQuantizationType, kind)
+    reference = {"Q5_0": dequantize_q5_0, "Q5_1": dequantize_q5_1}[kind]
+    for raw in (blocks(kind, 24, 96, seed=5).numpy(), five_bit_blocks(kind, 24, 96, seed=6)):
+        want = quants.dequantize(raw, qtype)
+        assert np.array_equal(reference(torch.from_numpy(raw.copy())).numpy(), want) and np.abs(want).max() > 0
+        w = GGUFWeight.from_blocks(kind, torch.from_numpy(raw.copy()), 24)
+        assert w.kind == ("Q8_0" if kind == "Q5_0" else "Q5_1") and w.shape == (24, 96)
+        assert w.nbytes == 24 * 96 * {"Q5_0": 8 + 16 / 32, "Q5_1": 8 + 64 / 16}[kind] / 8
+        assert np.array_equal(w.dequantize().numpy(), want)
+        assert torch.equal(w.columns(32, 96).dequantize(), w.dequantize()[:, 32:])
+    if kind == "Q5_0":
+        v = GGUFWeight.from_blocks("Q8_0", blocks("Q8_0", 8, 96), 8)
+        assert torch.equal(cat_rows([w, v]).dequantize(), torch.cat([w.dequantize(), v.dequantize()]))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", FIVE_BITS)
+def test_five_bit_panels_match_the_reference_on_every_isa(kind):
+    """The panel kernel on Q5_0 (as Q8_0) and Q5_1 (as K8) weights, every instruction set, vs x @ dequantized.T."""
+    ext = cpu_extension.require()
+    n = 37
+    w = GGUFWeight.from_blocks(kind, torch.from_numpy(five_bit_blocks(kind, n, 256, seed=7)), n)
+    dense, bias = w.dequantize(), torch.randn(n)
+    qs, d, mins = to_panels(w)
+    for isa in isas():
+        for m in (1, 3, 37):
+            x = torch.randn(m, 256)
+            got = ext.gguf_linear_panel(x, qs, d, mins, LAYOUTS[w.kind].kernel_kind, n, bias, 0, None, isa)
+            assert_kernel_close(got, kernel_activations(x, w.kind, isa) @ dense.T + bias, isa, w.kind, x, dense, f"{kind} {isa} M={m}")
 
 
 @pytest.mark.timeout(120)

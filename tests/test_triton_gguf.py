@@ -52,6 +52,20 @@ def test_k_quants_match_the_dequantized_weights(kind, m):
     torch.testing.assert_close(half.float(), F.silu(x.half().float() @ dense.half().float().T + bias), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1"])
+def test_five_bit_blocks_as_the_loader_relays_them_out(kind):
+    """Q5_0 (re-laid out as Q8_0) and Q5_1 (as K8), from the gguf package's blocks: x @ dequantized.T."""
+    import gguf
+    from gguf.quants import quantize
+
+    gen = torch.Generator().manual_seed(len(kind))
+    dense_file = torch.randn(200, 192, generator=gen) * 0.05
+    raw = torch.from_numpy(quantize(dense_file.numpy(), getattr(gguf.GGMLQuantizationType, kind)))
+    w = GGUFWeight.from_blocks(kind, raw, 200)
+    x, bias = torch.randn(5, 192, generator=gen), torch.randn(200, generator=gen)
+    torch.testing.assert_close(gguf_linear(x, w, bias), x @ w.dequantize().T + bias, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["Z4", "Z8", "F8"])
 @pytest.mark.parametrize("m", [1, 37])
 def test_checkpoint_layouts_match_the_checkpoints_values(kind, m):
