@@ -70,13 +70,13 @@ def _cpu_ops(ext) -> Ops:
         ext.rotary_inplace(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads + num_kv_heads, head_dim)
         return False
 
-    def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales=NO_SCALES):
+    def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales=NO_SCALES, window=0):
         if k_cache.dtype == FP8_KV and q.dtype != torch.float32:  # the C++ kernel reads an FP8 cache for float32 queries
-            return decode_attention_grouped(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales)
-        return ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *kv_scales)
+            return decode_attention_grouped(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales, window)
+        return ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *kv_scales, window)
 
-    def prefill_attention(q, k_cache, v_cache, block_table, context_len, scale, kv_scales=NO_SCALES):
-        return ext.paged_prefill_attention(q, k_cache, v_cache, block_table, context_len, scale, *kv_scales)
+    def prefill_attention(q, k_cache, v_cache, block_table, context_len, scale, kv_scales=NO_SCALES, window=0):
+        return ext.paged_prefill_attention(q, k_cache, v_cache, block_table, context_len, scale, *kv_scales, window)
 
     return Ops("cpu-c++", rms_norm, rotary_qkv_, partial(paged_attention, decode=decode_attention, prefill=prefill_attention,
                                                               prefill_head_dims=tuple(ext.prefill_attention_head_dims)), graph_safe=False,
@@ -88,7 +88,7 @@ class Ops:
     name: str
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     rotary_qkv_: Callable[..., bool]          # (qkv, rope, heads, kv_heads, head_dim, store=(k_cache, v_cache, slots), kv_scales) -> stored?
-    paged_attention: Callable[..., torch.Tensor]  # (q, k, v, k_cache, v_cache, meta, scale, kv_stored=False, kv_scales=NO_SCALES)
+    paged_attention: Callable[..., torch.Tensor]  # (q, k, v, k_cache, v_cache, meta, scale, kv_stored=False, kv_scales=NO_SCALES, window=0)
     graph_safe: bool  # a decode step on these ops never reads a device value on the host: a CUDA graph can capture it
     check_shapes: Callable[[int, int], None] = lambda head_dim, block_size: None  # raises for a head_dim / block size they cannot take
     lora_add_: Callable[..., None] = lora_add_ref_  # (y, x, lora_a, lora_b, LoRABatch): y += each row's adapter delta (kernels/lora.py)

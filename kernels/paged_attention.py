@@ -7,6 +7,10 @@ even and saturated at ±448 (e4m3fn has no infinity); every reader multiplies th
 are one pair per layer, fixed for the engine's life (`kv_scales`; (1.0, 1.0) for any other cache).
 A step's tokens are laid out prefills first (each sequence's new tokens one after another), then one
 token per decoding sequence.
+
+A sliding-window layer (`window` > 0, Gemma 3's local layers, Mistral v0.1) lets a query at position p
+see the keys at p − window < k ≤ p only, as transformers' sliding_window_overlay does; every kernel takes
+the window and reads no key before it (0: no window).
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
 
 def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_table: torch.Tensor, context_len: int, scale: float,
-                          kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
+                          kv_scales: tuple[float, float] = NO_SCALES, window: int = 0) -> torch.Tensor:
     """One sequence's new tokens q/k/v [n, heads, d] attend causally to its cached prefix and themselves
 (with an FP8 cache, their K/V rounded as stored).
 
@@ -130,10 +134,16 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     prefix = context_len - n
     if k_cache.dtype == FP8_KV:  # the new tokens' K/V as the cache holds them: a later prefix hit then reads what this step used
         k, v = (dequantize(quantize_fp8(x, s), s, x.dtype) for x, s in ((k, kv_scales[0]), (v, kv_scales[1])))
+    # A window's first query sees nothing before its window: the blocks before it are not read.
+    first = max(0, prefix + 1 - window) // k_cache.shape[1] if window else 0
     if prefix:
-        k, v = _with_prefix(k, k_cache, block_table, prefix, kv_scales[0]), _with_prefix(v, v_cache, block_table, prefix, kv_scales[1])
+        k, v = (_with_prefix(x, cache, block_table, prefix, s, first) for x, cache, s in ((k, k_cache, kv_scales[0]), (v, v_cache, kv_scales[1])))
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if not prefix:
+    if window and context_len > window:  # some query sees less than its whole past: an explicit mask
+        q_pos = torch.arange(prefix, context_len, device=q.device)[:, None]
+        k_pos = torch.arange(first * k_cache.shape[1] if prefix else 0, context_len, device=q.device)[None, :]
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=(k_pos <= q_pos) & (k_pos > q_pos - window), scale=scale, enable_gqa=True)
+    elif not prefix:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     elif n == 1:  # the last position sees everything: no mask
         out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True)
@@ -144,76 +154,87 @@ def prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_c
     return out.transpose(0, 1)
 
 
-def _with_prefix(new: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
-    """[prefix + n, kv_heads, d]: the prefix's rows from the cache, then `new`. Whole blocks are copied
-    (contiguous rows: memcpy speed, several times a token-by-token gather's) straight into the buffer."""
+def _with_prefix(new: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, prefix: int, scale: float, first: int = 0) -> torch.Tensor:
+    """[prefix − first·block_size + n, kv_heads, d]: the prefix's rows from block `first` on, from the cache,
+    then `new`. Whole blocks are copied (contiguous rows: memcpy speed, several times a token-by-token
+    gather's) straight into the buffer."""
     block_size = cache.shape[1]
-    out = torch.empty((prefix + new.shape[0], *new.shape[1:]), dtype=new.dtype, device=new.device)
+    start = first * block_size
+    out = torch.empty((prefix - start + new.shape[0], *new.shape[1:]), dtype=new.dtype, device=new.device)
     whole = prefix // block_size
-    if whole:
-        blocks = out[:whole * block_size].view(whole, *cache.shape[1:])
+    if whole > first:
+        blocks = out[:(whole - first) * block_size].view(whole - first, *cache.shape[1:])
+        tables = block_table[first:whole]
         if cache.dtype == new.dtype:
-            torch.index_select(cache, 0, block_table[:whole], out=blocks)
+            torch.index_select(cache, 0, tables, out=blocks)
         elif cache.dtype == FP8_KV:
-            blocks.copy_(dequantize(cache.view(torch.uint8).index_select(0, block_table[:whole]).view(FP8_KV), scale, new.dtype))
+            blocks.copy_(dequantize(cache.view(torch.uint8).index_select(0, tables).view(FP8_KV), scale, new.dtype))
         else:
-            blocks.copy_(cache.index_select(0, block_table[:whole]))
+            blocks.copy_(cache.index_select(0, tables))
     if whole * block_size < prefix:
-        out[whole * block_size:prefix] = dequantize(cache[block_table[whole], :prefix - whole * block_size], scale, new.dtype)
-    out[prefix:] = new
+        out[whole * block_size - start:prefix - start] = dequantize(cache[block_table[whole], :prefix - whole * block_size], scale, new.dtype)
+    out[prefix - start:] = new
     return out
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                         scale: float, kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
+                         scale: float, kv_scales: tuple[float, float] = NO_SCALES, window: int = 0) -> torch.Tensor:
     """One query token per sequence q [B, heads, d] over its cached context; returns [B, heads, d].
 
     Whole blocks are gathered (rows of block_size x kv_heads x head_dim contiguous values): on CPU
     that copy runs at memcpy speed, several times faster than gathering token by token."""
     batch = q.shape[0]
     block_size, kv_heads, head_dim = k_cache.shape[1:]
-    max_blocks = -(-int(context_lens.max()) // block_size)
-    tables = block_tables[:, :max_blocks]
-    k = dequantize(k_cache[tables], kv_scales[0], q.dtype).view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, L, d]
-    v = dequantize(v_cache[tables], kv_scales[1], q.dtype).view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
-    positions = torch.arange(max_blocks * block_size, device=q.device)
-    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+    if window:  # each sequence's blocks from the one holding its window's first key (none before it is read)
+        first = (context_lens - window).clamp(min=0) // block_size
+        cols = first[:, None] + torch.arange(int((-(-context_lens // block_size) - first).max()), device=q.device)
+        tables = block_tables.gather(1, cols.clamp(max=block_tables.shape[1] - 1))
+        positions = (cols[:, :, None] * block_size + torch.arange(block_size, device=q.device)).flatten(1)  # [B, L]
+        mask = (positions < context_lens[:, None]) & (positions >= context_lens[:, None] - window)
+    else:
+        max_blocks = -(-int(context_lens.max()) // block_size)
+        tables = block_tables[:, :max_blocks]
+        mask = torch.arange(max_blocks * block_size, device=q.device)[None, :] < context_lens[:, None]
+    span = tables.shape[1] * block_size
+    k = dequantize(k_cache[tables], kv_scales[0], q.dtype).view(batch, span, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, L, d]
+    v = dequantize(v_cache[tables], kv_scales[1], q.dtype).view(batch, span, kv_heads, head_dim).transpose(1, 2)
+    mask = mask[:, None, None, :]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[:, :, 0, :]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, kv_stored: bool = False, kv_scales: tuple[float, float] = NO_SCALES,
-                    decode=None, prefill=None, prefill_head_dims: tuple[int, ...] = ()) -> torch.Tensor:
+                    window: int = 0, decode=None, prefill=None, prefill_head_dims: tuple[int, ...] = ()) -> torch.Tensor:
     """Write this step's K/V [T, kv_heads, d] into the cache (unless the caller already did), then
     attend; q [T, heads, d] -> [T, heads, d]. decode(q, k_cache, v_cache, block_tables, context_lens,
     scale, kv_scales) is the decode kernel (default: the torch reference); prefill(q, k_cache, v_cache,
     block_table, context_len, scale, kv_scales) attends one sequence's new tokens over the cache (which
     holds their K/V by then), for prefills of up to PREFILL_KERNEL_TOKENS tokens at the head dims it is
-    fast for."""
+    fast for; both take `window` as a keyword."""
     decode = decode or decode_attention_grouped
     if not kv_stored:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_scales)
     if not meta.prefill_query_lens:  # a decode-only step: no output buffer to assemble
-        return decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, kv_scales)
+        return decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, kv_scales, window=window)
     out = torch.empty_like(q)
     start = 0
     for n, ctx, table in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
         rows = slice(start, start + n)
         if n <= PREFILL_KERNEL_TOKENS and q.shape[-1] in prefill_head_dims and k_cache.dtype == q.dtype:  # (not FP8: below)
-            out[rows] = prefill(q[rows], k_cache, v_cache, table, ctx, scale, kv_scales)
+            out[rows] = prefill(q[rows], k_cache, v_cache, table, ctx, scale, kv_scales, window=window)
         elif ctx > n and n * ctx <= SHORT_TAIL_WORK and k_cache.dtype == q.dtype:
             # A short tail over a cached prefix (a prompt whose prefix was cached, a small chunk): each new token as
             # one decode query over the cache, which holds its K/V by now — the values the reference path uses,
             # without copying the prefix out of its blocks. (Not for an FP8 cache: there a prefix hit must repeat its
             # miss's arithmetic too, since e4m3's rounding of the next layers' K/V magnifies a last-bit difference.)
             lens = torch.arange(ctx - n + 1, ctx + 1, device=q.device)
-            out[rows] = decode(q[rows], k_cache, v_cache, table[None].expand(n, -1).contiguous(), lens, scale, kv_scales)
+            out[rows] = decode(q[rows], k_cache, v_cache, table[None].expand(n, -1).contiguous(), lens, scale, kv_scales, window=window)
         else:
-            out[rows] = prefill_attention_ref(q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx, scale, kv_scales)
+            out[rows] = prefill_attention_ref(q[rows], k[rows], v[rows], k_cache, v_cache, table, ctx, scale, kv_scales, window)
         start += n
     if start < q.shape[0]:
-        out[start:] = decode(q[start:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, kv_scales)
+        out[start:] = decode(q[start:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, kv_scales, window=window)
     return out
 
 
@@ -229,15 +250,15 @@ PREFILL_KERNEL_TOKENS = 512
 SHORT_TAIL_WORK = 40_000
 
 
-def decode_attention_grouped(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales=NO_SCALES):
+def decode_attention_grouped(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales=NO_SCALES, window=0):
     """The torch decode path: sequences sorted by context length and taken in small groups, so each
     group is padded only to its own longest context."""
     n = q.shape[0]
     if n <= DECODE_GROUP:
-        return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales)
+        return decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, kv_scales, window)
     order = torch.argsort(context_lens)
     out = torch.empty_like(q)
     for i in range(0, n, DECODE_GROUP):
         idx = order[i:i + DECODE_GROUP]
-        out[idx] = decode_attention_ref(q[idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale, kv_scales)
+        out[idx] = decode_attention_ref(q[idx], k_cache, v_cache, block_tables[idx], context_lens[idx], scale, kv_scales, window)
     return out

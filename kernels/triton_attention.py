@@ -24,6 +24,10 @@ combines them — so a few long sequences still fill the GPU. The number of spli
 tables' width (a shape), never from the context lengths' values: no host sync, so a CUDA graph can
 hold the decode path.
 
+A sliding-window layer (window > 0): each row sees keys p − window < k ≤ p; the walks start at the block
+of the first key their rows see, and a row whose first blocks are all before its window keeps a finite
+running max (no exp(−inf − −inf)).
+
 An FP8 cache (kvpilot.kernels.paged_attention) reaches the kernels as bytes, widened in registers
 (kernels/triton_fp8.py); its k_scale is folded into the softmax scale and its v_scale into the output.
 A cache narrower than the queries (bfloat16 under float32, FP8) is widened to their dtype before tl.dot.
@@ -60,10 +64,10 @@ def _cache_rows(ptrs, mask, FP8: tl.constexpr):
 
 
 @triton.jit
-def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale, v_scale, num_splits,
+def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, scale, v_scale, num_splits, window,
                   stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh, heads_total,
                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  SPLIT: tl.constexpr, CHUNK: tl.constexpr, KV_FP8: tl.constexpr):
+                  SPLIT: tl.constexpr, CHUNK: tl.constexpr, KV_FP8: tl.constexpr, WINDOW: tl.constexpr):
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     j = tl.arange(0, GROUP_PAD)
     head_ok = j < GROUP
@@ -73,13 +77,17 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr
     ctx = tl.load(lens_ptr + b)
     lo = split * CHUNK if SPLIT else 0  # this program's [lo, hi) of the context
     hi = tl.minimum(ctx, lo + CHUNK) if SPLIT else ctx
+    first = 0  # the first key the query sees
+    if WINDOW:
+        first = tl.maximum(ctx - window, 0)
+        lo = tl.maximum(lo, first // BLOCK_SIZE * BLOCK_SIZE)  # a split wholly before the window walks nothing
     m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, D), tl.float32)
     t = tl.arange(0, BLOCK_SIZE)
     for start in range(lo, hi, BLOCK_SIZE):
         block = tl.load(tables_ptr + b * stride_tb + start // BLOCK_SIZE)
-        tok_ok = start + t < hi
+        tok_ok = (start + t < hi) & (start + t >= first)  # (the range's first block holds a visible key)
         rows = block * stride_kb + t[:, None] * stride_kt + g * stride_kh + d[None, :]
         k = _cache_rows(k_ptr + rows, tok_ok[:, None], KV_FP8).to(tl.float32)  # [BLOCK_SIZE, D]
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, BLOCK_SIZE]
@@ -102,10 +110,10 @@ def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, part_m_ptr
 
 
 @triton.jit
-def _paged_prefill(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_ptr, ctx_ptr, scale, v_scale,
+def _paged_prefill(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_ptr, ctx_ptr, scale, v_scale, window,
                    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ot, stride_oh,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr, WINDOW: tl.constexpr):
     seq, tile, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(qlens_ptr + seq)
     if tile * BLOCK_M < n:  # the grid covers the longest prefill; shorter ones leave programs idle
@@ -124,14 +132,22 @@ def _paged_prefill(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, qlens_p
         acc = tl.zeros((BLOCK_M * GROUP_PAD, D), tl.float32)
         t = tl.arange(0, BLOCK_SIZE)
         hi = tl.minimum(ctx, ctx - n + (tile + 1) * BLOCK_M)  # keys after the tile's last query are never seen
-        for start in range(0, hi, BLOCK_SIZE):
+        lo = 0
+        if WINDOW:  # keys before the tile's first query's window are never seen
+            lo = tl.maximum(ctx - n + tile * BLOCK_M - window + 1, 0) // BLOCK_SIZE * BLOCK_SIZE
+        for start in range(lo, hi, BLOCK_SIZE):
             block = tl.load(tables_ptr + seq * stride_tb + start // BLOCK_SIZE)
             k_pos = start + t
             kv_rows = block * stride_kb + t[:, None] * stride_kt + g * stride_kh + d[None, :]
             k = _cache_rows(k_ptr + kv_rows, (k_pos < ctx)[:, None], KV_FP8).to(q.dtype)  # a narrower cache widened to q's dtype
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, BLOCK_SIZE]
-            s = tl.where((k_pos[None, :] <= q_pos[:, None]) & (k_pos < ctx)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # key 0 is visible to every row: finite from the first block
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < ctx)[None, :]
+            if WINDOW:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # without a window key 0 is visible to every row: finite from the first block
+            if WINDOW:  # a row that has seen no key yet: a finite max, so its exps are 0 (not NaN)
+                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             v = _cache_rows(v_ptr + kv_rows, (k_pos < ctx)[:, None], KV_FP8).to(q.dtype)
@@ -152,7 +168,7 @@ def _combine_splits(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, v_scale, num_
     ok = s < num_splits
     part = (b * heads_total + h) * num_splits + s
     m = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
-    weight = tl.exp(m - tl.max(m, axis=0))  # split 0 always holds tokens (contexts are >= 1): the max is finite
+    weight = tl.exp(m - tl.max(m, axis=0))  # the last split holding the context's last token is never empty: the max is finite
     weight = tl.where(ok & (m > float("-inf")), weight, 0.0)
     sums = tl.load(part_l_ptr + part, mask=ok, other=0.0)
     d = tl.arange(0, D)
@@ -200,7 +216,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, kv_scales: tuple[float, float] = NO_SCALES,
-                           split_tokens: int = SPLIT_TOKENS) -> torch.Tensor:
+                           split_tokens: int = SPLIT_TOKENS, window: int = 0) -> torch.Tensor:
     """q [B, H, D]; k/v cache [num_blocks, block_size, KVH, D]; block_tables [B, W]; context_lens [B]
     (tokens in the cache, this step's included, each ≥ 1) -> [B, H, D] in q's dtype. The decode
     signature of kernels.paged_attention.paged_attention. Tables wider than split_tokens (a multiple of
@@ -218,11 +234,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     parts = [torch.empty(batch, heads, splits, *shape, dtype=torch.float32, device=q.device) for shape in ((), (), (head_dim,))] \
         if splits > 1 else [out, out, out]  # unused without splits
     k_cache, v_cache, fp8 = _kernel_cache(k_cache, v_cache)
-    _paged_decode[(batch, kv_heads, splits)](q, k_cache, v_cache, tables, lens, out, *parts, scale * kv_scales[0], kv_scales[1], splits,
+    _paged_decode[(batch, kv_heads, splits)](q, k_cache, v_cache, tables, lens, out, *parts, scale * kv_scales[0], kv_scales[1], splits, window,
                                              q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                                              tables.stride(0), out.stride(0), out.stride(1), heads,
                                              GROUP=group, GROUP_PAD=triton.next_power_of_2(group), D=head_dim, BLOCK_SIZE=block_size,
-                                             SPLIT=splits > 1, CHUNK=split_tokens, KV_FP8=fp8)
+                                             SPLIT=splits > 1, CHUNK=split_tokens, KV_FP8=fp8, WINDOW=window > 0)
     if splits > 1:
         _combine_splits[(batch, heads)](*parts, out, kv_scales[1], splits, out.stride(0), out.stride(1), heads,
                                         SPLITS_PAD=triton.next_power_of_2(splits), D=head_dim)
@@ -231,7 +247,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start: torch.Tensor, query_lens: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                            max_query_len: int, kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
+                            max_query_len: int, kv_scales: tuple[float, float] = NO_SCALES, window: int = 0) -> torch.Tensor:
     """Prefilling sequences whose K/V are already in the cache: sequence i's query_lens[i] rows start
     at row query_start[i] of q [T, H, D] and are its last positions of context_lens[i]; block_tables
     [P, W]; max_query_len (a host int) sizes the grid. -> [T, H, D] in q's dtype (rows no sequence
@@ -246,22 +262,23 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (tables.shape[0], triton.cdiv(max_query_len, block_m), heads // group)
     k_cache, v_cache, fp8 = _kernel_cache(k_cache, v_cache)
     _paged_prefill[grid](q, k_cache, v_cache, out, tables, query_start.contiguous(), query_lens.contiguous(), context_lens.contiguous(),
-                         scale * kv_scales[0], kv_scales[1],
+                         scale * kv_scales[0], kv_scales[1], window,
                          q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
                          out.stride(0), out.stride(1), GROUP=group, GROUP_PAD=group_pad, D=head_dim, BLOCK_SIZE=block_size,
-                         BLOCK_M=block_m, PRECISION=_precision(q.dtype), KV_FP8=fp8)
+                         BLOCK_M=block_m, PRECISION=_precision(q.dtype), KV_FP8=fp8, WINDOW=window > 0)
     return out
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, kv_stored: bool = False, kv_scales: tuple[float, float] = NO_SCALES) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, kv_stored: bool = False, kv_scales: tuple[float, float] = NO_SCALES,
+                    window: int = 0) -> torch.Tensor:
     """kernels.paged_attention.paged_attention's contract (store this step's K/V unless already stored,
     then attend; q [T, heads, d] -> [T, heads, d]): the prefill kernel over the prefilling sequences'
     rows, the decode kernel over the rest."""
     if not kv_stored:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, kv_scales)
     if not meta.prefill_query_lens:
-        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, kv_scales)
+        return paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, kv_scales, window=window)
     lens = meta.prefill_query_lens
     if meta.prefill_device is not None:
         starts, query_lens, context_lens, tables = meta.prefill_device
@@ -269,8 +286,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         starts, query_lens, context_lens = torch.tensor([list(accumulate(lens[:-1], initial=0)), lens, meta.prefill_context_lens]).to(q.device)
         tables = torch.stack(meta.prefill_block_tables)
     prefill_rows = sum(lens)
-    out = paged_prefill_attention(q[:prefill_rows], k_cache, v_cache, tables, starts, query_lens, context_lens, scale, max(lens), kv_scales)
+    out = paged_prefill_attention(q[:prefill_rows], k_cache, v_cache, tables, starts, query_lens, context_lens, scale, max(lens), kv_scales,
+                                  window)
     if prefill_rows == q.shape[0]:
         return out
-    decoded = paged_decode_attention(q[prefill_rows:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, kv_scales)
+    decoded = paged_decode_attention(q[prefill_rows:], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, kv_scales,
+                                     window=window)
     return torch.cat([out, decoded])

@@ -13,6 +13,8 @@
 //   q            [B, H, D] (decode) or [n, H, D] (one sequence's new tokens)   out: the same (q's dtype)
 //   k/v cache    [num_blocks, block_size, KVH, D]
 //   block_tables [B, W] int64, context_lens [B] int64 (tokens in cache, including this step's)
+// A sliding-window layer (window > 0) lets the query at position p see keys p - window < k <= p only; the
+// walks start at the block holding the first key any of their rows sees (no block before it is read).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -150,11 +152,20 @@ inline __m512 reduce16(const __m512* v) {
 }
 #endif
 
-// The partial softmax of a row's scores over a range: the first `visible` entries (the keys the row may
-// see) become e^(s - m) with m their max, the rest 0; returns their sum (0 and m = -inf when none).
-inline float softmax_partial(float* s, int64_t len, int64_t visible, float& m) {
+// The partial softmax of a row's scores over a range: entries [lo, visible) (the keys the row may see)
+// become e^(s - m) with m their max, the rest 0; returns their sum (0 and m = -inf when none).
+inline float softmax_partial(float* s, int64_t len, int64_t lo, int64_t visible, float& m) {
   m = -INFINITY;
   float sum = 0.f;
+  lo = std::max<int64_t>(lo, 0);
+  if (lo >= visible) {
+    std::fill(s, s + len, 0.f);
+    return 0.f;
+  }
+  std::fill(s, s + lo, 0.f);
+  s += lo;
+  len -= lo;
+  visible -= lo;
   int64_t t = 0;
 #if defined(__AVX512F__)
   __m512 vm = _mm512_set1_ps(-INFINITY);
@@ -164,7 +175,7 @@ inline float softmax_partial(float* s, int64_t len, int64_t visible, float& m) {
   for (; t < visible; ++t) m = std::max(m, s[t]);
   t = 0;
 #if defined(__AVX512F__)
-  if (visible > 0) {
+  {
     __m512 vs = _mm512_setzero_ps();
     const __m512 vmax = _mm512_set1_ps(m);
     for (; t + 16 <= visible; t += 16) {
@@ -212,9 +223,9 @@ constexpr int64_t kChunkKeys = 512;
 
 #if defined(__AVX512F__)
 // G query rows (scaled, in registers) over keys [from, to) of one KV head: scores into `scores` [G][to - from],
-// then each row's partial: m[g], l[g] and acc[g] = sum of e^(s - m) V. Row g sees keys < limit[g].
+// then each row's partial: m[g], l[g] and acc[g] = sum of e^(s - m) V. Row g sees keys first[g] <= k < limit[g].
 template <int C, int G, typename T>
-void attend_range_avx512(const float* qf, const int64_t* limit, const T* k_cache, const T* v_cache, const int64_t* table, int64_t from,
+void attend_range_avx512(const float* qf, const int64_t* first, const int64_t* limit, const T* k_cache, const T* v_cache, const int64_t* table, int64_t from,
                          int64_t to, int64_t block_size, int64_t row, int64_t head_off, float* scores, float* m, float* l, float* acc) {
   constexpr int64_t D = C * 16;
   const int64_t len = to - from;
@@ -242,7 +253,7 @@ void attend_range_avx512(const float* qf, const int64_t* limit, const T* k_cache
       _mm512_mask_storeu_ps(scores + g * len + seen - tail, static_cast<__mmask16>((1u << tail) - 1), reduce16(part[g]));
     }
   }
-  for (int g = 0; g < G; ++g) l[g] = softmax_partial(scores + g * len, seen, std::min(limit[g], to) - from, m[g]);
+  for (int g = 0; g < G; ++g) l[g] = softmax_partial(scores + g * len, seen, first[g] - from, std::min(limit[g], to) - from, m[g]);
   __m512 av[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) av[g][c] = _mm512_setzero_ps();
@@ -262,7 +273,7 @@ void attend_range_avx512(const float* qf, const int64_t* limit, const T* k_cache
 // Rows [0, rows) of an item in tiles that fit the registers (4 at head_dim 64, 2 at 128); at any other
 // head_dim (or without AVX-512) in tiles of 16 rows, one K/V row at a time for all of them.
 template <typename T>
-void attend_rows(const float* qf, const int64_t* limit, int64_t rows, const T* k_cache, const T* v_cache, const int64_t* table, int64_t from,
+void attend_rows(const float* qf, const int64_t* first, const int64_t* limit, int64_t rows, const T* k_cache, const T* v_cache, const int64_t* table, int64_t from,
                  int64_t to, int64_t block_size, int64_t row, int64_t head_off, int64_t D, float* scores, float* m, float* l, float* acc) {
   const int64_t len = to - from;
 #if defined(__AVX512F__)
@@ -272,7 +283,7 @@ void attend_rows(const float* qf, const int64_t* limit, int64_t rows, const T* k
       const int64_t g = std::min(most, rows - r);
       const float* q = qf + r * D;
       float* s = scores + r * len;
-#define KVP_RANGE(CC, GG) attend_range_avx512<CC, GG>(q, limit + r, k_cache, v_cache, table, from, to, block_size, row, head_off, s, m + r, l + r, acc + r * D)
+#define KVP_RANGE(CC, GG) attend_range_avx512<CC, GG>(q, first + r, limit + r, k_cache, v_cache, table, from, to, block_size, row, head_off, s, m + r, l + r, acc + r * D)
       if (D == 64) {
         switch (g) {
           case 1: KVP_RANGE(4, 1); break;
@@ -300,7 +311,7 @@ void attend_rows(const float* qf, const int64_t* limit, int64_t rows, const T* k
     for_each_row(k_cache, table, from + seen, block_size, row, head_off, D, [&](int64_t t, const T* k) {
       for (int64_t r = r0; r < r1; ++r) scores[r * len + t - from] = dot(qf + r * D, k, D);
     }, from);
-    for (int64_t r = r0; r < r1; ++r) l[r] = softmax_partial(scores + r * len, seen, std::min(limit[r], to) - from, m[r]);
+    for (int64_t r = r0; r < r1; ++r) l[r] = softmax_partial(scores + r * len, seen, first[r] - from, std::min(limit[r], to) - from, m[r]);
     std::fill(acc + r0 * D, acc + r1 * D, 0.f);
     for_each_row(v_cache, table, from + seen, block_size, row, head_off, D, [&](int64_t t, const T* v) {
       for (int64_t r = r0; r < r1; ++r) axpy(scores[r * len + t - from], v, acc + r * D, D);
@@ -310,7 +321,8 @@ void attend_rows(const float* qf, const int64_t* limit, int64_t rows, const T* k
 
 template <typename T, typename QT>
 void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* ctx_lens,
-                 QT* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t W, float scale, float v_scale) {
+                 QT* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t W, float scale, float v_scale,
+                 int64_t window) {
   const int64_t group = H / KVH;
   const int64_t row = KVH * D;  // elements of one token (all KV heads) in a block
   // A work item is one (sequence, KV head) with the query heads that share it: each K/V row fetched
@@ -325,17 +337,20 @@ void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t*
   kvpilot::WorkQueue work(items, 1);
   kvpilot::on_threads(items, [&] {
     std::vector<float> qf(group * D), acc(group * D), scores, m(group), l(group);
-    std::vector<int64_t> limit(group);
+    std::vector<int64_t> first(group), limit(group);
     for (int64_t n, end; work.claim(n, end);) {
       const int64_t item = order[n];
       const int64_t b = item / KVH, g = item % KVH, ctx = ctx_lens[b], h0 = g * group;
       const int64_t* table = tables + b * W;
       for (int64_t j = 0; j < group; ++j)
         for (int64_t i = 0; i < D; ++i) qf[j * D + i] = static_cast<float>(q[(b * H + h0 + j) * D + i]) * scale;
-      scores.resize(group * ctx);  // every entry is written below
-      std::fill(limit.begin(), limit.end(), ctx);  // the whole context, one range
-      attend_rows(qf.data(), limit.data(), group, k_cache, v_cache, table, 0, ctx, block_size, row, g * D, D, scores.data(), m.data(), l.data(),
-                  acc.data());
+      // the whole context (a window's: from the block of its first key), one range
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0, from = lo / block_size * block_size;
+      scores.resize(group * (ctx - from));  // every entry is written below
+      std::fill(first.begin(), first.end(), lo);
+      std::fill(limit.begin(), limit.end(), ctx);
+      attend_rows(qf.data(), first.data(), limit.data(), group, k_cache, v_cache, table, from, ctx, block_size, row, g * D, D, scores.data(), m.data(),
+                  l.data(), acc.data());
       for (int64_t j = 0; j < group; ++j)
         for (int64_t i = 0; i < D; ++i) out[(b * H + h0 + j) * D + i] = static_cast<QT>(acc[j * D + i] * (v_scale / l[j]));
     }
@@ -344,24 +359,29 @@ void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t*
 
 template <typename T, typename QT>
 void prefill_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx, QT* out, int64_t n, int64_t H,
-                  int64_t KVH, int64_t D, int64_t block_size, float scale, float v_scale) {
+                  int64_t KVH, int64_t D, int64_t block_size, float scale, float v_scale, int64_t window) {
   const int64_t group = H / KVH, rows = n * group, row = KVH * D;
   const int64_t chunk = std::max<int64_t>(1, kChunkKeys / block_size) * block_size;
   const int64_t chunks = (ctx + chunk - 1) / chunk;
   // partials per (KV head, chunk, row): row r of head g is token r / group's query head g * group + r % group
   std::vector<float> pm(KVH * chunks * rows), pl(KVH * chunks * rows), pacc(KVH * chunks * rows * D);
-  std::vector<int64_t> limit(rows);
-  for (int64_t r = 0; r < rows; ++r) limit[r] = ctx - n + r / group + 1;
+  std::vector<int64_t> first(rows), limit(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    limit[r] = ctx - n + r / group + 1;
+    first[r] = window > 0 ? std::max<int64_t>(0, limit[r] - window) : 0;
+  }
+  const int64_t seen_from = first[0] / block_size * block_size;  // the block of the first key any row sees
   const int64_t items = KVH * chunks;
   kvpilot::WorkQueue work(items, 1);
   kvpilot::on_threads(items, [&] {
     std::vector<float> qf(rows * D), scores(rows * chunk);
     for (int64_t item, end; work.claim(item, end);) {
-      const int64_t g = item / chunks, c = item % chunks, from = c * chunk, to = std::min(ctx, from + chunk);
+      const int64_t g = item / chunks, c = item % chunks, to = std::min(ctx, c * chunk + chunk), from = std::max(c * chunk, seen_from);
+      if (from >= to) continue;  // a range before every row's window: its partials stay empty (l = 0)
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t i = 0; i < D; ++i) qf[r * D + i] = static_cast<float>(q[((r / group) * H + g * group + r % group) * D + i]) * scale;
       const int64_t at = (g * chunks + c) * rows;
-      attend_rows(qf.data(), limit.data(), rows, k_cache, v_cache, table, from, to, block_size, row, g * D, D, scores.data(), pm.data() + at,
+      attend_rows(qf.data(), first.data(), limit.data(), rows, k_cache, v_cache, table, from, to, block_size, row, g * D, D, scores.data(), pm.data() + at,
                   pl.data() + at, pacc.data() + at * D);
     }
   });
@@ -410,7 +430,7 @@ void with_dtypes(const torch::Tensor& q, const torch::Tensor& cache, Fn fn) {
 // One sequence's n new tokens q [n, H, D] (their K/V already in the cache, at positions context_len - n ..
 // context_len - 1), each attending causally to its context in the paged cache; block_table [W] int64.
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
-                                      int64_t context_len, double scale, double k_scale, double v_scale) {
+                                      int64_t context_len, double scale, double k_scale, double v_scale, int64_t window) {
   check_attention_inputs(q, k_cache, v_cache);
   TORCH_CHECK(block_table.scalar_type() == torch::kLong && block_table.dim() == 1, "int64 block table");
   TORCH_CHECK(context_len >= q.size(0) && block_table.size(0) * k_cache.size(1) >= context_len, "context longer than its block table");
@@ -424,14 +444,15 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
     using QT = decltype(qt);
     prefill_impl<T, QT>(q.data_ptr<QT>(), static_cast<const T*>(k_cache.data_ptr()), static_cast<const T*>(v_cache.data_ptr()),
                         block_table.data_ptr<int64_t>(), context_len, out.data_ptr<QT>(), q.size(0), q.size(1), k_cache.size(2), q.size(2),
-                        k_cache.size(1), s, vs);
+                        k_cache.size(1), s, vs, window);
   });
   return out;
 }
 
 // k_scale / v_scale: an FP8 cache's per-layer scales (1 for other caches).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale, double k_scale, double v_scale) {
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale, double k_scale, double v_scale,
+                                     int64_t window) {
   check_attention_inputs(q, k_cache, v_cache);
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong, "int64 tables");
   TORCH_CHECK(context_lens.size(0) == q.size(0) && block_tables.size(0) == q.size(0), "batch mismatch");
@@ -445,7 +466,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     using QT = decltype(qt);
     decode_impl<T, QT>(q.data_ptr<QT>(), static_cast<const T*>(k_cache.data_ptr()), static_cast<const T*>(v_cache.data_ptr()),
                        block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), out.data_ptr<QT>(), q.size(0), q.size(1),
-                       k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1), s, vs);
+                       k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1), s, vs, window);
   });
   return out;
 }
@@ -471,10 +492,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)", py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0,
-        no_gil);
+        py::arg("window") = 0, no_gil);
   m.def("paged_prefill_attention", &paged_prefill_attention, "a sequence's new tokens attending causally over its paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("context_len"), py::arg("scale"),
-        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, no_gil);
+        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0, py::arg("window") = 0, no_gil);
 #if defined(__AVX512F__)
   m.attr("prefill_attention_head_dims") = std::vector<int64_t>{64, 128};  // register-tiled: faster than copy + SDPA
 #else
