@@ -28,7 +28,16 @@ from kvpilot.kernels.gguf_dequant import (
     dequantize_q6_k,
     dequantize_q8_0,
 )
-from kvpilot.server.model_config import ModelConfig, ModelFormatError, RopeScaling, attention_heads, gguf_family_for
+from kvpilot.server.model_config import (
+    GEMMA3_LOCAL_ROPE_THETA,
+    ModelConfig,
+    ModelFormatError,
+    RopeScaling,
+    attention_heads,
+    gemma3_sliding_layers,
+    GGUF_FAMILIES,
+    gguf_family_for,
+)
 
 DEQUANTIZE = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1, "Q5_0": dequantize_q5_0, "Q5_1": dequantize_q5_1,
               "Q4_K": dequantize_q4_k, "Q5_K": dequantize_q5_k, "Q6_K": dequantize_q6_k}  # GGML type name -> raw blocks to float32
@@ -46,13 +55,19 @@ class GGUFError(ModelFormatError):
     pass
 
 
-def checkpoint_name(gguf_name: str) -> str:
-    """The transformers name of a GGUF tensor (unchanged when it has none)."""
+# Gemma's four norms a layer (llama.cpp's names for them; its ffn_norm is the norm before the MLP there too).
+_GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+def checkpoint_name(gguf_name: str, gemma: bool = False) -> str:
+    """The transformers name of a GGUF tensor (unchanged when it has none); `gemma`: a Gemma layer's norms."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    names = _GEMMA_BLOCK_NAMES if gemma else _BLOCK_NAMES
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return gguf_name
 
 
@@ -234,7 +249,17 @@ class GGUFFile:
             attention_bias="blk.0.attn_output.bias" in self.tensors,
             mlp_bias="blk.0.ffn_down.bias" in self.tensors,
             sliding_window=self.get(f"{arch}.attention.sliding_window"),
+            **(self._gemma3_facts(arch, hidden, heads, head_dim) if family.gemma else {}),
         )
+
+    def _gemma3_facts(self, arch: str, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+        """What a gemma3 GGUF does not state, as llama.cpp (and transformers reading the file) fix it: five sliding
+        layers to one global, the local RoPE base, GeGLU; the query scale head_dim ** -0.5 but for the 62-layer
+        model (27B: query_pre_attn_scalar = hidden / heads)."""
+        layers = self.get(f"{arch}.block_count")
+        scalar = hidden // heads if layers == 62 else head_dim
+        return {"sliding_layers": gemma3_sliding_layers(layers), "rope_local_theta": GEMMA3_LOCAL_ROPE_THETA, "query_scale": scalar ** -0.5,
+                "hidden_act": "gelu_tanh"}
 
     def _attention_heads(self, arch: str, hidden: int, heads: Any) -> tuple[int, int, int]:
         """(heads, K/V heads, head size) through model_config.attention_heads (the check config.json's
@@ -266,13 +291,16 @@ class GGUFFile:
 
     def checkpoint_names(self) -> set[str]:
         """The weights this file holds, by their transformers names (what the model code loads)."""
-        return {checkpoint_name(n) for n in self.tensors if n != ROPE_FREQS}
+        return {checkpoint_name(n, self._gemma) for n in self.tensors if n != ROPE_FREQS}
 
     def load(self, name: str) -> torch.Tensor:
         """A weight by its transformers name, in the layout transformers uses: float32 (or the file's
-        float type), Llama-family q/k rows back in half-split RoPE order."""
+        float type), Llama-family q/k rows back in half-split RoPE order, Gemma's norm weights w where the
+        file holds llama.cpp's 1 + w (minus 1 in float32, as transformers reads them)."""
         gguf_name = self._gguf_names[name] if name in self._gguf_names else name
         t = self.tensor(gguf_name)
+        if self._gemma and name.endswith("norm.weight"):
+            t = t - 1
         c = self.config
         if c.family.gguf_rope_interleaved and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             t = unpermute_rope_rows(t, c.num_kv_heads if ".k_proj." in name else c.num_heads)
@@ -301,7 +329,12 @@ class GGUFFile:
 
     @cached_property
     def _gguf_names(self) -> dict[str, str]:
-        return {checkpoint_name(n): n for n in self.tensors}
+        return {checkpoint_name(n, self._gemma): n for n in self.tensors}
+
+    @cached_property
+    def _gemma(self) -> bool:
+        family = GGUF_FAMILIES.get(self.architecture)
+        return family is not None and family.gemma
 
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One tensor by its GGUF name, shaped [rows, cols] in PyTorch order ([out, in]): quantized types

@@ -3,7 +3,10 @@ checkpoint's config.json. torch-free.
 
 The families differ in a few facts, kept here as data rather than as branches in the model code:
 Qwen2 projects q/k/v with biases, Qwen3 RMS-normalises each query and key head before RoPE, Llama 3
-rescales RoPE frequencies, Mistral may declare a sliding window. Everything else is one decoder.
+rescales RoPE frequencies, Mistral may declare a sliding window. Gemma 3 does most of that and more:
+(1 + w) RMSNorms, a norm after attention and one before and after the MLP, GeGLU, embeddings scaled
+by √hidden, five sliding-window layers to one global one with their own RoPE base, a query scale of
+its own. Everything else is one decoder.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class Family:
     qkv_bias: bool             # q/k/v projections always carry biases (Qwen2)
     qk_norm: bool              # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     gguf_rope_interleaved: bool  # llama.cpp's converter permutes q/k rows for its interleaved RoPE (llama arch only)
+    gemma: bool = False  # Gemma's layer: (1 + w) norms (llama.cpp's GGUFs store 1 + w), sandwich norms, embeddings × √hidden
 
 
 FAMILIES = {f.architecture: f for f in (
@@ -30,9 +34,16 @@ FAMILIES = {f.architecture: f for f in (
     Family("MistralForCausalLM", "llama", qkv_bias=False, qk_norm=False, gguf_rope_interleaved=True),
     Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, qk_norm=False, gguf_rope_interleaved=False),
     Family("Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True, gguf_rope_interleaved=False),
+    Family("Gemma3ForCausalLM", "gemma3", qkv_bias=False, qk_norm=True, gguf_rope_interleaved=False, gemma=True),
 )}
 # Mistral's GGUFs say "llama": the GGUF architecture names the Llama family for both.
-GGUF_FAMILIES = {"llama": FAMILIES["LlamaForCausalLM"], "qwen2": FAMILIES["Qwen2ForCausalLM"], "qwen3": FAMILIES["Qwen3ForCausalLM"]}
+GGUF_FAMILIES = {"llama": FAMILIES["LlamaForCausalLM"], "qwen2": FAMILIES["Qwen2ForCausalLM"], "qwen3": FAMILIES["Qwen3ForCausalLM"],
+                 "gemma3": FAMILIES["Gemma3ForCausalLM"]}
+# Gemma 3's layers: every sixth one attends globally, the others through the window, their RoPE base this (what
+# transformers' config defaults to and llama.cpp fixes for the gemma3 architecture, whose GGUFs state neither).
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+HIDDEN_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config.json's hidden_act / hidden_activation -> the MLP's
 
 
 def family_for(architecture: str, source: str) -> Family:
@@ -81,7 +92,28 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     attention_bias: bool = False      # Llama's attention_bias: q/k/v and o projections carry biases
     mlp_bias: bool = False            # Llama's mlp_bias: gate/up/down carry biases
-    sliding_window: int | None = None  # attention window in tokens (Mistral), None = full attention
+    sliding_window: int | None = None  # attention window in tokens (Mistral, Gemma 3's local layers), None = full attention
+    # Which layers attend through the window (True) and which globally: () = all of them alike (every layer through
+    # sliding_window when there is one).
+    sliding_layers: tuple[bool, ...] = ()
+    rope_local_theta: float | None = None  # the RoPE base of the sliding layers when it is not rope_theta (Gemma 3's 10,000)
+    query_scale: float | None = None  # the attention's score scale when it is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5)
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s attention window in tokens, 0 for global attention."""
+        if not self.sliding_window:
+            return 0
+        return self.sliding_window if not self.sliding_layers or self.sliding_layers[layer] else 0
+
+    @property
+    def mixed_windows(self) -> bool:
+        """Some layers attend globally and some through the window (a sequence's window-layer blocks can be freed early)."""
+        return bool(self.sliding_window) and len(set(self.sliding_layers)) > 1
+
+
+def gemma3_sliding_layers(num_layers: int) -> tuple[bool, ...]:
+    return tuple((i + 1) % GEMMA3_GLOBAL_EVERY != 0 for i in range(num_layers))
 
 
 def rope_scaling_from_hf(params: dict[str, Any] | None, source: str) -> RopeScaling | None:
@@ -134,15 +166,18 @@ def config_from_hf(hf: dict[str, Any], name: str, source: str) -> ModelConfig:
             raise ModelFormatError(f"{source}: config.json has no {key!r}")
         return hf[key]
 
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelFormatError(f"{source}: hidden_act {act!r} is not supported (silu is)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"  # (Gemma's key first: its configs may carry both)
+    if act not in HIDDEN_ACTS:
+        raise ModelFormatError(f"{source}: hidden activation {act!r} is not supported ({', '.join(HIDDEN_ACTS)} are)")
     rope = hf.get("rope_parameters") or {}
+    gemma = {}
+    if family.gemma:
+        gemma, rope = _gemma3_facts(hf, rope, source)
     scaling = rope_scaling_from_hf(rope or hf.get("rope_scaling"), source)
     hidden = need("hidden_size")
     heads, kv_heads, head_dim = attention_heads(source, hidden, need("num_attention_heads"), hf.get("num_key_value_heads"), hf.get("head_dim"))
     window = hf.get("sliding_window")
-    if family.architecture != "MistralForCausalLM" and not hf.get("use_sliding_window", False):
+    if family.architecture not in ("MistralForCausalLM", "Gemma3ForCausalLM") and not hf.get("use_sliding_window", False):
         window = None  # Qwen configs carry a window that is off unless use_sliding_window is set
     return ModelConfig(
         name=name,
@@ -157,9 +192,37 @@ def config_from_hf(hf: dict[str, Any], name: str, source: str) -> ModelConfig:
         rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
         rms_norm_eps=float(need("rms_norm_eps")),
         max_position=need("max_position_embeddings"),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.gemma)),  # (Gemma's configs default to tied)
         rope_scaling=scaling,
         attention_bias=bool(hf.get("attention_bias", False)),
         mlp_bias=bool(hf.get("mlp_bias", False)),
         sliding_window=int(window) if window else None,
+        hidden_act=HIDDEN_ACTS[act],
+        **gemma,
     )
+
+
+def _gemma3_facts(hf: dict[str, Any], rope: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Gemma 3 config.json's layer kinds, local RoPE base and query scale (ModelConfig fields), and the global
+    layers' RoPE parameters (transformers 5 keys them by layer kind; 4 has rope_theta, rope_local_base_freq and
+    rope_scaling for the global layers). Soft-capped logits (Gemma 2's) are refused: Gemma 3 has none."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ModelFormatError(f"{source}: {key}={hf[key]!r} is not supported (Gemma 3 has none)")
+    num_layers = hf.get("num_hidden_layers") or 0
+    kinds = hf.get("layer_types")
+    if kinds is not None:
+        if len(kinds) != num_layers or set(kinds) - {"sliding_attention", "full_attention"}:
+            raise ModelFormatError(f"{source}: layer_types must name sliding_attention or full_attention for each of the {num_layers} layers")
+        sliding = tuple(k == "sliding_attention" for k in kinds)
+    else:
+        every = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or GEMMA3_GLOBAL_EVERY
+        sliding = tuple((i + 1) % every != 0 for i in range(num_layers))
+    if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5
+        local_theta = float((rope.get("sliding_attention") or {}).get("rope_theta") or GEMMA3_LOCAL_ROPE_THETA)
+        rope = dict(rope.get("full_attention") or {})
+    else:
+        local_theta = float(hf.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA)
+    scalar = hf.get("query_pre_attn_scalar")
+    facts = {"sliding_layers": sliding, "rope_local_theta": local_theta, "query_scale": float(scalar) ** -0.5 if scalar else None}
+    return facts, rope

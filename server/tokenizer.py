@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Tokenizer_
 
 from kvpilot.server.checkpoint import read_json
@@ -75,10 +75,14 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
-        """Byte-level BPE (GGUF `tokenizer.ggml.model == "gpt2"`). Never adds BOS unless the file asks for it."""
+        """Byte-level BPE (GGUF `tokenizer.ggml.model == "gpt2"`), or a Gemma file's SentencePiece model ("llama"
+        in a gemma3 GGUF). Never adds BOS unless the file asks for it."""
         kind = gguf.get("tokenizer.ggml.model")
+        if kind == "llama" and gguf.architecture == "gemma3":
+            return cls._gemma_from_gguf(gguf)
         if kind != "gpt2":
-            raise GGUFError(f"{gguf.path.name}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is)")
+            raise GGUFError(f"{gguf.path.name}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is, and Gemma 3's "
+                            "SentencePiece model)")
         pre = gguf.get("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZER_REGEX and pre not in GPT2_PRE_TOKENIZERS:
             raise GGUFError(f"{gguf.path.name}: pre-tokenizer {pre!r} is not supported "
@@ -108,6 +112,35 @@ class Tokenizer:
         eos = [i for i in (gguf.get("tokenizer.ggml.eos_token_id"), gguf.get("tokenizer.ggml.eot_token_id")) if i is not None]
         return cls(tk, tokens, token_bytes, special_ids, gguf.get("tokenizer.ggml.bos_token_id"), eos,
                    bool(gguf.get("tokenizer.ggml.add_bos_token", False)), gguf.get("tokenizer.chat_template"))
+
+    @classmethod
+    def _gemma_from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
+        """Gemma's SentencePiece BPE as a GGUF holds it (tokens, types; no merges), built as transformers builds it
+        from the same file: runs of spaces spelled with ▁ (the normalizer's space), merges of every token's two-piece
+        splits in token-id order (longer left piece first), byte fallback, no space prefix; control tokens special,
+        user-defined ones (runs of newlines and tabs, HTML tags) matched whole as text. Ends at EOS and
+        <end_of_turn>; its chat template is GEMMA_CHAT_TEMPLATE unless the file has one."""
+        tokens: list[str] = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in gguf.get("tokenizer.ggml.tokens")]
+        original: list[str] = gguf.get("tokenizer.ggml.tokens")
+        types: list[int] = gguf.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise GGUFError(f"{gguf.path.name}: the tokenizer's vocabulary repeats a token")
+        merges = [(t[:j], t[j:]) for t in tokens for j in range(len(t) - 1, 0, -1) if t[:j] in vocab and t[j:] in vocab]
+        unk = gguf.get("tokenizer.ggml.unknown_token_id")
+        tk = Tokenizer_(models.BPE(vocab=vocab, merges=merges, unk_token=tokens[unk] if unk is not None else None, fuse_unk=True,
+                                   byte_fallback=True))
+        tk.normalizer = normalizers.Replace(" ", "\u2581")
+        tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        tk.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types) if ty == CONTROL])
+        # (a run of spaces is user-defined too, but spelled with ▁ now: the normalizer's output, merged as BPE)
+        tk.add_tokens([AddedToken(t, normalized=False, special=False) for t, o, ty in zip(tokens, original, types) if ty == USER_DEFINED and t == o])
+        special_ids = {i for i, ty in enumerate(types) if ty == CONTROL}
+        token_bytes = [_token_bytes(t, i in special_ids or (types[i] == USER_DEFINED and t == original[i]), False, True) for i, t in enumerate(tokens)]
+        eos = [i for i in (gguf.get("tokenizer.ggml.eos_token_id"), gguf.get("tokenizer.ggml.eot_token_id"), vocab.get("<end_of_turn>"))
+               if i is not None]
+        return cls(tk, tokens, token_bytes, special_ids, gguf.get("tokenizer.ggml.bos_token_id"), eos,
+                   bool(gguf.get("tokenizer.ggml.add_bos_token", False)), gguf.get("tokenizer.chat_template") or GEMMA_CHAT_TEMPLATE)
 
     @classmethod
     def from_checkpoint(cls, directory: Path, model_eos: int | list[int] | None = None) -> Tokenizer:
@@ -226,6 +259,28 @@ class Tokenizer:
             **kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
         })
 
+
+# Gemma's turns (<start_of_turn>ROLE\n … <end_of_turn>\n, the assistant's role "model"), a system message
+# leading the first user turn: for GGUF files that carry no template of their own.
+GEMMA_CHAT_TEMPLATE = """{{- bos_token -}}
+{%- macro text(content) -%}
+{%- if content is string -%}{{ content }}{%- else -%}{%- for part in content if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}{%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(system='') -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+{%- set ns.system = text(messages[0]['content']) + '\n\n' -%}
+{%- set messages = messages[1:] -%}
+{%- endif -%}
+{%- for message in messages -%}
+{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
+{%- endif -%}
+{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' -}}
+{{- ((ns.system if loop.first else '') + text(message['content'])) | trim -}}
+{{- '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
+"""
 
 _PRIVATE_USE = 0xF0000  # Supplementary Private Use Area-A: stand-ins for control-token text in messages
 

@@ -12,17 +12,19 @@ from kvpilot.server.layers.rmsnorm import RMSNorm
 @direct_call
 class PagedSelfAttention(nn.Module):
     """GQA self-attention whose K/V live in the paged cache (fused QKV projection; the output
-    projection adds the residual). qk_norms: per-head RMSNorms of queries and keys, applied before
-    RoPE (Qwen3)."""
+    projection adds the residual when one is given). qk_norms: per-head RMSNorms of queries and keys,
+    applied before RoPE (Qwen3, Gemma 3). window: a sliding-window layer's window in tokens (0: global);
+    scale: the scores' scale (default head_dim ** -0.5)."""
 
     def __init__(self, qkv: Linear, o: Linear, num_heads: int, num_kv_heads: int, head_dim: int, ops: Ops,
-                 qk_norms: tuple[RMSNorm, RMSNorm] | None = None):
+                 qk_norms: tuple[RMSNorm, RMSNorm] | None = None, window: int = 0, scale: float | None = None):
         super().__init__()
         self.qkv, self.o = qkv, o
         self.q_norm, self.k_norm = qk_norms or (None, None)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.ops = ops
-        self.scale = head_dim ** -0.5
+        self.window = window
+        self.scale = head_dim ** -0.5 if scale is None else scale
         # An FP8 KV cache's (k_scale, v_scale) for this layer, set by the worker (Worker.set_kv_scales).
         self.kv_scales = NO_SCALES
 
@@ -45,7 +47,7 @@ class PagedSelfAttention(nn.Module):
             write_kv(*kv_cache, k.reshape(t, self.num_kv_heads, self.head_dim), v.reshape(t, self.num_kv_heads, self.head_dim), slot_mapping,
                      self.kv_scales)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, rope: Rope,
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -55,5 +57,6 @@ class PagedSelfAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = self.ops.paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_stored=stored, kv_scales=self.kv_scales)
-        return self.o.add(out.reshape(t, q_size), residual)
+        out = self.ops.paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_stored=stored, kv_scales=self.kv_scales,
+                                       window=self.window)
+        return self.o(out.reshape(t, q_size)) if residual is None else self.o.add(out.reshape(t, q_size), residual)

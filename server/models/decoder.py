@@ -1,6 +1,7 @@
-"""One decoder for every supported family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) over a paged KV
-cache. The families' differences are data in ModelConfig (biases, q/k norms, RoPE scaling); the
-weights come by their transformers names from a GGUF file or a checkpoint directory alike."""
+"""One decoder for every supported family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM, Gemma 3) over a
+paged KV cache. The families' differences are data in ModelConfig (biases, q/k norms, RoPE scaling,
+sliding-window layers, Gemma's norms); the weights come by their transformers names from a GGUF file
+or a checkpoint directory alike."""
 
 from __future__ import annotations
 
@@ -40,13 +41,23 @@ class WeightSource(Protocol):
 
 @direct_call
 class DecoderLayer(nn.Module):
-    def __init__(self, attn: PagedSelfAttention, mlp: SwiGLU, attn_norm: RMSNorm, mlp_norm: RMSNorm):
+    """Pre-norm attention and MLP, each adding the residual; with `post_norms` (Gemma's sandwich) each
+    output is normed before it is added. local_rope: the layer rotates by the model's local RoPE (Gemma 3's
+    sliding layers)."""
+
+    def __init__(self, attn: PagedSelfAttention, mlp: SwiGLU, attn_norm: RMSNorm, mlp_norm: RMSNorm,
+                 post_norms: tuple[RMSNorm, RMSNorm] | None = None, local_rope: bool = False):
         super().__init__()
         self.attn, self.mlp, self.attn_norm, self.mlp_norm = attn, mlp, attn_norm, mlp_norm
+        self.post_attn_norm, self.post_mlp_norm = post_norms or (None, None)
+        self.local_rope = local_rope
 
     def forward(self, x, rope, kv_cache, meta):
-        x = self.attn(self.attn_norm(x), x, rope, kv_cache, meta)
-        return self.mlp(self.mlp_norm(x), x)
+        if self.post_attn_norm is None:
+            x = self.attn(self.attn_norm(x), x, rope, kv_cache, meta)
+            return self.mlp(self.mlp_norm(x), x)
+        x = x + self.post_attn_norm(self.attn(self.attn_norm(x), None, rope, kv_cache, meta))
+        return x + self.post_mlp_norm(self.mlp(self.mlp_norm(x), None))
 
 
 class DecoderModel(nn.Module):
@@ -59,8 +70,9 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor | None, layers: list[DecoderLayer], norm: RMSNorm | None,
                  lm_head: torch.Tensor | None, rotary: RotaryEmbedding, num_kv_heads: int, tp: TensorParallel | None = None,
-                 lora: LoRAModules | None = None, stage: PipelineStage | None = None):
-        """embed / norm and lm_head: None on the stages that do not hold them; lm_head `embed` itself: a tied head."""
+                 lora: LoRAModules | None = None, stage: PipelineStage | None = None, rotary_local: RotaryEmbedding | None = None):
+        """embed / norm and lm_head: None on the stages that do not hold them; lm_head `embed` itself: a tied head.
+        rotary_local: the sliding layers' RoPE where it differs (Gemma 3)."""
         super().__init__()
         self.config = config
         self.lora = lora
@@ -72,7 +84,9 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.dtype = layers[0].attn_norm.weight.dtype
         self.norm = norm
-        self.rotary = rotary
+        self.rotary, self.rotary_local = rotary, rotary_local
+        # Gemma: embeddings times √hidden, in the compute dtype (as transformers scales them)
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5).to(self.dtype) if config.family.gemma else None
         # A tied head is the embedding matrix; on CPU it is packed for the matmul (a second copy,
         # 113 MB for SmolLM2, repaid by a 3x faster head on every decode step) — except GGUF blocks
         # in panels (GGUFLinear), which the lookup reads too: one copy.
@@ -119,12 +133,16 @@ class DecoderModel(nn.Module):
         A pipeline stage: `hidden` the residual stream the stage before handed on (the first embeds
         input_ids instead); a stage before the last gives its residual stream, not normed."""
         x = self._embed(input_ids).to(self.dtype) if hidden is None else hidden  # GGUF-block rows dequantize to float32
-        rope = self.rotary.rope(positions, x.dtype)  # once per forward, shared by every layer
+        if self.embed_scale is not None and hidden is None:
+            x = x * self.embed_scale
+        ropes = [self.rotary.rope(positions, x.dtype)]  # once per forward, shared by every layer
+        if self.rotary_local is not None:
+            ropes.append(self.rotary_local.rope(positions, x.dtype))
         aux = []
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             if i in self.aux_layers:
                 aux.append(x)  # every layer returns a new tensor: x is not written to later
-            x = layer(x, rope, kv, meta)
+            x = layer(x, ropes[layer.local_rope], kv, meta)
         if self.norm is None:
             return x
         return (self.norm(x), torch.cat(aux, dim=-1)) if self.aux_layers else self.norm(x)
@@ -176,7 +194,9 @@ class DecoderModel(nn.Module):
                 return module
             return wrap
 
-        norm = lambda name: RMSNorm(w(name), c.rms_norm_eps, ops)
+        # Gemma's norms scale by 1 + w (added in float32, as transformers does; exact for float32 compute, rounded once
+        # to a half compute dtype, where transformers multiplies by the float32 sum)
+        norm = lambda name: RMSNorm((1.0 + w(name, dtype=torch.float32)).to(dtype) if c.family.gemma else w(name), c.rms_norm_eps, ops)
         heads = tp.split(c.num_heads) if tp else (0, c.num_heads)
         kv_heads = tp.kv_heads(c.num_kv_heads) if tp else (0, c.num_kv_heads)
         ffn = tp.split(c.intermediate_size) if tp else (0, c.intermediate_size)
@@ -198,14 +218,21 @@ class DecoderModel(nn.Module):
                 make_linear(w.weight(a + "o_proj.weight", cols=q_rows), bias=w(a + "o_proj.bias") if c.attention_bias else None, shard=row_parallel,
                             adapt=adapt(i, ("o_proj",), q_rows, hidden)),
                 heads[1] - heads[0], kv_heads[1] - kv_heads[0], c.head_dim, ops,
-                qk_norms=(norm(a + "q_norm.weight"), norm(a + "k_norm.weight")) if c.family.qk_norm else None)
+                qk_norms=(norm(a + "q_norm.weight"), norm(a + "k_norm.weight")) if c.family.qk_norm else None, window=c.window(i),
+                scale=c.query_scale)
             bias = lambda name, rows=None: w(name, rows=rows) if c.mlp_bias else None
             mlp = SwiGLU(make_linear(w.weight(m + "gate_proj.weight", rows=ffn), bias=bias(m + "gate_proj.bias", ffn),
                                      adapt=adapt(i, ("gate_proj",), hidden, ffn)),
                          make_linear(w.weight(m + "up_proj.weight", rows=ffn), bias=bias(m + "up_proj.bias", ffn), adapt=adapt(i, ("up_proj",), hidden, ffn)),
                          make_linear(w.weight(m + "down_proj.weight", cols=ffn), bias=bias(m + "down_proj.bias"), shard=row_parallel,
-                                     adapt=adapt(i, ("down_proj",), ffn, hidden)))
-            layers.append(DecoderLayer(attn, mlp, norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight")))
+                                     adapt=adapt(i, ("down_proj",), ffn, hidden)), act=c.hidden_act)
+            local_rope = c.rope_local_theta is not None and c.window(i) > 0
+            if c.family.gemma:  # input, post-attention, pre- and post-feedforward norms
+                layers.append(DecoderLayer(attn, mlp, norm(p + "input_layernorm.weight"), norm(p + "pre_feedforward_layernorm.weight"),
+                                           (norm(p + "post_attention_layernorm.weight"), norm(p + "post_feedforward_layernorm.weight")), local_rope))
+            else:
+                layers.append(DecoderLayer(attn, mlp, norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight"),
+                                           local_rope=local_rope))
         vocab = tp.split(tp.padded_vocab(c.vocab_size)) if tp else None
         holds_embed, holds_head = stage is None or stage.first, stage is None or stage.last
         embed = w.weight("model.embed_tokens.weight", rows=vocab, pad_rows=True, table=True) \
@@ -214,8 +241,9 @@ class DecoderModel(nn.Module):
         if holds_head:
             head = embed if c.tie_word_embeddings else w.weight("lm_head.weight", rows=vocab, pad_rows=True, table=True)
         rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling).to(device)
+        rotary_local = RotaryEmbedding(c.head_dim, c.max_position, c.rope_local_theta).to(device) if c.rope_local_theta is not None else None
         model = cls(c, embed if holds_embed else None, layers, norm("model.norm.weight") if holds_head else None, head, rotary,
-                    kv_heads[1] - kv_heads[0], tp, adapted, stage)
+                    kv_heads[1] - kv_heads[0], tp, adapted, stage, rotary_local)
         ignored = {"lm_head.weight"} if c.tie_word_embeddings else set()
         if stage is not None:  # the other stages' weights
             ignored |= {n for n in w.available if n.startswith("model.layers.") and not first <= int(n.split(".")[2]) < end}
