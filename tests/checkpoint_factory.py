@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 VOCAB = 49152  # SmolLM2's tokenizer
+SMALL_WINDOW = 12  # tokens: the sliding-window families' window, shorter than most test prompts
 
 
 @dataclass(frozen=True)
@@ -40,15 +41,22 @@ CASES = {c.name: c for c in (
          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 64}, rope_theta=500000.0),
          legacy_rope_fields=True, max_shard_size="1MB", generation_eos=[2, 0]),
-    # Mistral: a sliding window (contexts are limited to it), tied head, GQA 4:1, head_dim 32, bf16 weights.
+    # Mistral: a sliding window shorter than the prompts and outputs, tied head, GQA 4:1, head_dim 32, bf16 weights.
     Case("mistral", "MistralForCausalLM", dict(COMMON, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
-         sliding_window=96, rope_theta=10000.0), dtype="bfloat16"),
+         sliding_window=SMALL_WINDOW, rope_theta=10000.0), dtype="bfloat16"),
     # Qwen2: q/k/v biases, linear RoPE scaling, tied head.
     Case("qwen2", "Qwen2ForCausalLM", dict(COMMON, num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
          rope_scaling={"type": "linear", "factor": 2.0}, rope_theta=1000000.0), legacy_rope_fields=True),
     # Qwen3: per-head q/k RMSNorm, explicit head_dim 128 (!= hidden / heads), untied head.
     Case("qwen3", "Qwen3ForCausalLM", dict(COMMON, num_attention_heads=2, num_key_value_heads=1, head_dim=128, tie_word_embeddings=False,
          rope_theta=1000000.0)),
+    # Gemma 3: six layers (five through a window shorter than the prompts, one global: the pattern its GGUFs imply), their
+    # two RoPE bases, (1 + w) and sandwich norms, QK-norm, GeGLU, scaled embeddings, one KV head, head_dim 64; an untied head
+    # (the bundled Gemma 3 270M's tied one is tested against transformers in tests/test_gemma3.py).
+    Case("gemma3", "Gemma3ForCausalLM", dict(COMMON, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+         tie_word_embeddings=False, sliding_window=SMALL_WINDOW, query_pre_attn_scalar=64, hidden_activation="gelu_pytorch_tanh",
+         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 )}
 
 
@@ -67,10 +75,12 @@ def build_checkpoint(case: Case, dest: Path, tokenizer_dir: Path, seed: int = 0)
     import torch
     import transformers
 
-    config_class = getattr(transformers, case.architecture.replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, CONFIG_CLASSES.get(case.architecture, case.architecture.replace("ForCausalLM", "Config")))
     model_class = getattr(transformers, case.architecture)
     config = dict(case.config)
-    if "rope_scaling" in config:  # transformers 5 spells it rope_parameters (theta included)
+    if "rope_parameters" in config:  # given as transformers 5 spells it (Gemma 3's per layer kind)
+        pass
+    elif "rope_scaling" in config:  # transformers 5 spells it rope_parameters (theta included)
         config["rope_parameters"] = {**config.pop("rope_scaling"), "rope_theta": config.pop("rope_theta")}
         config["rope_parameters"].setdefault("rope_type", config["rope_parameters"].pop("type", "default"))
     else:
@@ -81,8 +91,10 @@ def build_checkpoint(case: Case, dest: Path, tokenizer_dir: Path, seed: int = 0)
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0, 0.5)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
+            elif "norm" in name:  # (Gemma's scale by 1 + w)
+                p.uniform_(-0.5, 0.5) if case.architecture == "Gemma3ForCausalLM" else p.uniform_(0.5, 1.5)
+            elif name == "model.embed_tokens.weight" and case.architecture == "Gemma3ForCausalLM":
+                p.div_(config["hidden_size"] ** 0.5)  # Gemma multiplies them by √hidden: else the token itself outweighs every layer
     kwargs = {"max_shard_size": case.max_shard_size} if case.max_shard_size else {}
     model.to(getattr(torch, case.dtype)).save_pretrained(str(dest), **kwargs)
     for f in tokenizer_dir.iterdir():
@@ -105,10 +117,14 @@ def build_checkpoint(case: Case, dest: Path, tokenizer_dir: Path, seed: int = 0)
 
 
 QWEN_ARCHS = ("qwen2", "qwen3")
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+             "Gemma3ForCausalLM": "gemma3"}
+CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}  # (Gemma3Config is the multimodal model's)
 _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GEMMA_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path, types: dict[str, str] | None = None) -> Path:
@@ -139,11 +155,12 @@ def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path, types: d
     w.add_uint32(f"{arch}.attention.key_length", head_dim)
     w.add_uint32(f"{arch}.attention.value_length", head_dim)
     w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
-    w.add_float32(f"{arch}.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # (Gemma 3: the global layers'; the local base is implied)
+    w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
-    if getattr(cfg, "sliding_window", None) and cfg.architectures[0] == "MistralForCausalLM":
+    if getattr(cfg, "sliding_window", None) and cfg.architectures[0] in ("MistralForCausalLM", "Gemma3ForCausalLM"):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
-    rope_type = cfg.rope_parameters.get("rope_type", "default")
+    rope_type = rope.get("rope_type", "default")
     if rope_type == "linear":
         w.add_string(f"{arch}.rope.scaling.type", "linear")
         w.add_float32(f"{arch}.rope.scaling.factor", cfg.rope_parameters["factor"])
@@ -157,11 +174,13 @@ def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path, types: d
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             data = data.reshape(heads, 2, head_dim // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+        if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp's converter stores Gemma's norms as 1 + w
+            data = data + 1
         if name in (types or {}):
             kind = types[name]
-            w.add_tensor(_gguf_name(name), encode_k_quant(kind, data), raw_dtype=gguf.GGMLQuantizationType[kind])
+            w.add_tensor(_gguf_name(name, arch), encode_k_quant(kind, data), raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
-            w.add_tensor(_gguf_name(name), np.ascontiguousarray(data))
+            w.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(data))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -169,13 +188,13 @@ def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path, types: d
     return dest
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, arch: str) -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
     if name in top:
         return top[name]
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_BLOCK[module]}.{kind}"
+    return f"blk.{layer}.{(_GEMMA_BLOCK if arch == 'gemma3' else _BLOCK)[module]}.{kind}"
 
 
 def _copy_tokenizer_metadata(src: Path, writer, pre: str | None) -> None:

@@ -1,4 +1,4 @@
-"""HF checkpoints of the Llama, Mistral, Qwen2 and Qwen3 families (tiny random models written by
+"""HF checkpoints of the Llama, Mistral, Qwen2, Qwen3 and Gemma 3 families (tiny random models written by
 transformers itself): kvpilot's greedy ids and prompt logprobs equal HF transformers' on the same
 checkpoint (vLLM's N-1 exact + top-5 rule; logprobs within 2e-4), one prompt at a time and batched;
 a GGUF of the same weights loads to the same outputs; the tokenizer files give HF's chat template."""
@@ -138,13 +138,22 @@ def test_generation_stops_at_any_eos_id(family_checkpoints, tmp_path):
     assert free[2] not in free[:2] and out.token_ids == free[:3] and out.finish_reason == "stop"
 
 
-def test_sliding_window_limits_the_context(family_checkpoints):
-    directory, gguf_path = family_checkpoints["mistral"]
-    for model in (directory, gguf_path):
-        engine = llm(model)
-        assert engine.engine.model_config.sliding_window == 96 and engine.engine.max_model_len == 96
-    with pytest.raises(ValueError, match="sliding_window=96"):
-        llm(directory, max_model_len=200)
+def test_sliding_window_models_serve_past_their_window(family_checkpoints):
+    """Mistral's and Gemma 3's windows are attention masks now, not context limits: the context is the model's,
+    and the prompts the family tests compare with transformers run past the window (their equality with it is
+    what test_checkpoint_matches_transformers checks)."""
+    from checkpoint_factory import SMALL_WINDOW
+
+    for family in ("mistral", "gemma3"):
+        directory, gguf_path = family_checkpoints[family]
+        for model in (directory, gguf_path):
+            engine = llm(model, max_model_len=200)
+            config = engine.engine.model_config
+            assert config.sliding_window == SMALL_WINDOW and engine.engine.max_model_len == 200
+            assert [config.window(i) for i in range(config.num_layers)] == \
+                ([SMALL_WINDOW] * 2 if family == "mistral" else [SMALL_WINDOW] * 5 + [0])
+    lengths = [len(engine.engine.tokenizer.encode(p)) for p in PROMPTS]
+    assert sum(n > SMALL_WINDOW for n in lengths) >= 2 and all(n + STEPS > SMALL_WINDOW for n in lengths), lengths
 
 
 def test_unsupported_or_incomplete_checkpoints_are_clear_errors(family_checkpoints, tmp_path):

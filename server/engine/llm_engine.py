@@ -92,10 +92,6 @@ class LLMEngine:
         self.model_config = weights.config
         self.assembler = OutputAssembler(self.tokenizer, _weakly(self.stop_sequence), _weakly(self._drop_request)) if assemble else None
         self._stopped_transfers: list[RequestDelta] = []  # see stop_sequence
-        window = self.model_config.sliding_window
-        if window and config.max_model_len and config.max_model_len > window:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window={window}: sliding-window attention is not "
-                             f"implemented, so contexts are limited to the window (where full attention is exact); use --max-model-len {window}")
         draft = draft_model(config, self.tokenizer) if config.speculative_method == "draft" else None
         split = draft is not None and draft_split(config, draft)
         self.workers = self._start_other_ranks(draft.path if split else None)
@@ -104,13 +100,10 @@ class LLMEngine:
                              eos_token_ids=self.tokenizer.eos_token_ids, drafter=self._drafter(weights, draft, split))
         startup.mark("loaded")
         capacity = self.worker.num_blocks * config.block_size
-        limits = [self.model_config.max_position, capacity] + ([window] if window else [])
+        limits = [self.model_config.max_position, capacity]
         self.max_model_len = min(config.max_model_len or min(limits), *limits)
         if config.max_model_len and config.max_model_len > self.max_model_len:
             log.warning("max_model_len %d lowered to %d (model context / KV cache capacity)", config.max_model_len, self.max_model_len)
-        elif window and self.max_model_len == window:
-            log.warning("contexts limited to the model's sliding_window=%d (sliding-window attention is not implemented; within the window "
-                        "full attention is exact)", window)
         self.worker.start_decode_graphs(self.max_model_len)
         self.kv_events, self.kv_event_publisher = self._kv_events()
         self._step_seconds = 0.0  # the last step's time (a tier read's slice is a share of it)
