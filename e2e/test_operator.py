@@ -152,7 +152,7 @@ def test_helm_upgrade_applies_the_charts_crd_and_renders_every_new_value(cluster
 def test_cpu_examples_become_ready(cluster, namespace, operator, tmp_path):
     """The CPU examples, as written (smollm2-cpu.yaml: the quick start's own test), at once: each becomes Ready (the
     disaggregated one's prefill pool too); the API-key one answers only with its key. (smollm2-cpu-lora.yaml names adapter
-    directories on a claim `adapters` that only its user has: not run.)"""
+    directories on a claim `adapters` that only its user has, gemma3-270m-cpu.yaml a file from the Hugging Face Hub: not run.)"""
     import httpx
 
     from e2e.cluster import TOKEN, _insecure

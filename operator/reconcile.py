@@ -145,8 +145,11 @@ def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str,
     if spec.pod_template is not None:
         problems += [("InvalidPodTemplate", p) for p in patch_problems(spec.pod_template.spec)]
     src = spec.model.source
-    if spec.engine == "kvpilot" and "://" not in src and src not in BUNDLED:
-        problems.append(("UnknownModel", f"model.source {src!r} is not a bundled model (bundled: {', '.join(sorted(BUNDLED))}); use https://, hf:// or pvc://"))
+    in_image = sorted(name for name, bundled in BUNDLED.items() if bundled.fetch_from is None)
+    if spec.engine == "kvpilot" and "://" not in src and src not in in_image:
+        elsewhere = f"; the engine image does not carry {src!r}: source {BUNDLED[src].fetch_from}" if src in BUNDLED else ""
+        problems.append(("UnknownModel", f"model.source {src!r} is not a bundled model (in the engine image: {', '.join(in_image)}){elsewhere}; "
+                                         "use https://, hf:// or pvc://"))
     if spec.engine != "kvpilot" and "://" not in src:
         problems.append(("UnknownModel", f"engine {spec.engine} needs a model it can fetch (hf://, https:// or pvc://), not the bundled name {src!r}"))
     if not problems:

