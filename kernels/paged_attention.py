@@ -66,6 +66,9 @@ class AttentionMetadata:
     # on the device, when the step has them there (from_input): what a device kernel reads, instead of
     # uploading the host lists in every layer (a blocking copy, which would stall async scheduling).
     prefill_device: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The same step for the sliding-window layers when their caches are a pool of their own (block_manager.WindowPool):
+    # their slots and block tables; None: every layer reads these.
+    window: AttentionMetadata | None = None
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -84,9 +87,15 @@ class AttentionMetadata:
         block tables are views of its one padded tensor (no per-sequence upload)."""
         p = inp.num_prefills
         starts = inp.query_start_loc[:p]
-        device = (starts, inp.query_start_loc[1:p + 1] - starts, inp.seq_lens[:p], inp.block_tables[:p]) if p else None
-        return cls(inp.slot_mapping, inp.query_lens, inp.context_lens, [inp.block_tables[i] for i in range(p)],
-                   inp.block_tables[p:], inp.seq_lens[p:], device)
+
+        def of(slots: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
+            device = (starts, inp.query_start_loc[1:p + 1] - starts, inp.seq_lens[:p], tables[:p]) if p else None
+            return cls(slots, inp.query_lens, inp.context_lens, [tables[i] for i in range(p)], tables[p:], inp.seq_lens[p:], device)
+
+        meta = of(inp.slot_mapping, inp.block_tables)
+        if inp.window_block_tables is not None:
+            meta.window = of(inp.window_slot_mapping, inp.window_block_tables)
+        return meta
 
 
 FP8_KV = torch.float8_e4m3fn

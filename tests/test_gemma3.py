@@ -2,7 +2,8 @@
 SentencePiece tokenizer, five sliding-window layers of 512 tokens to one global): the tokenizer's ids are
 transformers', and greedy outputs equal transformers' on the same file (vLLM's rule) one prompt at a time and
 batched — in prefill chunks, preempted, with prefix hits, in the file's own blocks (quantization=gguf) —, for a
-prompt longer than the window too."""
+prompt longer than the window too; the sliding-window layers' blocks are a pool of their own, of which a decoding
+sequence holds at most window / block size + 1."""
 
 from __future__ import annotations
 
@@ -60,12 +61,26 @@ def test_the_model_is_gemma3_with_its_windows(gemma):
 def test_greedy_matches_hf_one_at_a_time_batched_chunked_preempted_and_with_prefix_hits(gemma, oracle):
     assert len(oracle[-1].prompt_ids) > 600  # past the window
     engine = gemma.engine
+    bm = engine.block_manager
+    assert engine.worker.num_window_blocks > 0 and bm.window is not None  # the sliding-window layers' own pool
+    held_in_decode, allocate = [], bm.allocate
+
+    def spy(seq, num_new_tokens, cached=None):
+        done = allocate(seq, num_new_tokens, cached)
+        if done and num_new_tokens == 1 and seq.num_computed_tokens > 600:  # decoding past the window
+            held_in_decode.append(bm.window.held(seq))
+        return done
+
+    bm.allocate = spy
     picked = [0, 6, len(PROMPTS) - 1]
     ones = [greedy(gemma, [PROMPTS[i]]) for i in picked]
     assert [o[0][0].prompt_token_ids for o in ones] == [oracle[i].prompt_ids for i in picked]  # the tokenizer's ids are transformers'
     result = compare_greedy([o[1][0] for o in ones], [o[2][0] for o in ones], [oracle[i] for i in picked])
     print(f"Gemma 3 270M vs HF, one at a time: {result}")
     assert result["exact"] >= result["total"] - 1 and not result["violations"], result
+    hits = bm.prefix_hits
+    _, again, _ = greedy(gemma, [LONG_PROMPT])  # its blocks from the prefix cache: both pools', the window's last ones
+    assert bm.prefix_hits - hits >= 512 and again == [ones[-1][1][0]]
     preempted = engine.scheduler.num_preemptions
     order = [len(PROMPTS) - 1, *range(len(PROMPTS) - 1)]  # the long prompt first: the short ones' growth then preempts
     outs, tokens, topk = greedy(gemma, [PROMPTS[i] for i in order])
@@ -75,9 +90,8 @@ def test_greedy_matches_hf_one_at_a_time_batched_chunked_preempted_and_with_pref
     print(f"Gemma 3 270M vs HF, batched ({engine.scheduler.num_preemptions - preempted} preemptions): {result}")
     assert result["exact"] >= result["total"] - 1 and not result["violations"], result
     assert engine.scheduler.num_preemptions > preempted
-    hits = engine.block_manager.prefix_hits
-    _, again, _ = greedy(gemma, [LONG_PROMPT, PROMPTS[7]])  # the long prompt's blocks from the prefix cache
-    assert engine.block_manager.prefix_hits - hits >= 512 and again == [tokens[-1], tokens[7]]
+    bm.allocate = allocate
+    assert max(held_in_decode) <= 512 // 16 + 1 and len(held_in_decode) > STEPS  # the window layers' blocks of a decoding sequence
 
 
 @pytest.mark.timeout(300)

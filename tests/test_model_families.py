@@ -154,6 +154,13 @@ def test_sliding_window_models_serve_past_their_window(family_checkpoints):
                 ([SMALL_WINDOW] * 2 if family == "mistral" else [SMALL_WINDOW] * 5 + [0])
     lengths = [len(engine.engine.tokenizer.encode(p)) for p in PROMPTS]
     assert sum(n > SMALL_WINDOW for n in lengths) >= 2 and all(n + STEPS > SMALL_WINDOW for n in lengths), lengths
+    # Gemma 3's local layers beside its global one: a pool of their own (block_manager.WindowPool), the same outputs with the
+    # step after scheduled while one runs (async scheduling: the window tables change under a step in flight)
+    plain = llm(directory)
+    assert plain.engine.worker.num_window_blocks > 0 and plain.engine.block_manager.window is not None
+    _, tokens, _ = greedy(plain, batched=True)
+    ahead = llm(directory, async_scheduling="on")
+    assert ahead.engine.async_scheduling and greedy(ahead, batched=True)[1] == tokens
 
 
 def test_unsupported_or_incomplete_checkpoints_are_clear_errors(family_checkpoints, tmp_path):

@@ -4,7 +4,9 @@ Checked after every step: no block leaked or double-freed, ref counts equal the 
 hold them, free and held blocks partition the cache, step budgets hold, running sequences use at most
 max_loras LoRA adapters, cached blocks chain from their sequence's adapter, under the priority policy
 the waiting queue stays in (priority, arrival) order, and in the end every request finishes exactly
-once (none dropped, duplicated or starved), under either policy."""
+once (none dropped, duplicated or starved), under either policy. With a sliding-window pool
+(WindowPool) the same of its blocks, every block a sequence's next query sees held, and no more held
+than the window and the step's tokens span."""
 
 import random
 from collections import Counter
@@ -12,7 +14,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpilot.server.engine.block_manager import BlockManager, block_hash
+from kvpilot.server.engine.block_manager import BlockManager, WindowPool, block_hash
 from kvpilot.server.engine.sampling_params import SamplingParams
 from kvpilot.server.engine.scheduler import Scheduler
 from kvpilot.server.engine.sequence import Sequence, Status
@@ -36,6 +38,16 @@ def check_invariants(bm: BlockManager, sched: Scheduler) -> None:
         if s.block_hashes:  # a sequence's cached blocks chain from its own adapter's root: no KV shared across adapters
             assert s.block_hashes[0] == block_hash(bm.root(s), tuple(s.tokens_slice(0, bm.block_size)))
     assert 0.0 <= bm.usage() <= 1.0
+    if bm.window is not None:
+        pool = bm.window
+        held = Counter(b for s in live for b in s.window_table if b != pool.null)
+        for block in pool.blocks:
+            assert block.ref_count == held.get(block.block_id, 0), f"window block {block.block_id}: ref {block.ref_count}"
+            assert (block.ref_count == 0) == (block.block_id in pool.free)
+        for s in sched.running:
+            assert len(s.window_table) == len(s.block_table)
+            seen = s.window_table[max(0, s.num_computed_tokens - pool.window + 1) // bm.block_size:]  # the blocks of keys > c - window
+            assert pool.null not in seen, f"sequence {s.seq_id} lost a block its next query sees"
 
 
 @st.composite
@@ -52,8 +64,13 @@ def workloads(draw):
         arrive = draw(st.integers(0, 30))
         abort_at = draw(st.one_of(st.none(), st.integers(0, 60)))
         reqs.append((plen, out, arrive, abort_at, draw(st.integers(0, 3))))  # its LoRA adapter (0: none)
+    budget = draw(st.integers(max(16, block_size), 96))
+    window = draw(st.one_of(st.none(), st.integers(2, 24)))
+    # a window pool holding at least one sequence's window, a block, and a step's tokens
+    least = -(-window // block_size) + 2 + -(-max(budget, 64) // block_size) if window else 0
+    window_blocks = draw(st.integers(least, least + 20)) if window else 0
     return dict(block_size=block_size, num_blocks=num_blocks, vocab=vocab, reqs=reqs, max_loras=draw(st.integers(1, 2)),
-                max_num_seqs=draw(st.integers(1, 8)), budget=draw(st.integers(max(16, block_size), 96)),
+                max_num_seqs=draw(st.integers(1, 8)), budget=budget, window=window, window_blocks=window_blocks,
                 chunked=draw(st.booleans()), prefix=draw(st.booleans()), seed=draw(st.integers(0, 10**6)),
                 policy=draw(st.sampled_from(["fcfs", "priority"])), priorities=draw(st.lists(st.integers(-2, 2), min_size=n, max_size=n)))
 
@@ -62,7 +79,8 @@ def workloads(draw):
 @given(workloads())
 def test_scheduler_properties(w):
     rng = random.Random(w["seed"])
-    bm = BlockManager(w["num_blocks"], w["block_size"], w["prefix"], adapter_fingerprint=lambda adapter: bytes([adapter]))
+    pool = WindowPool(w["window_blocks"], w["block_size"], w["window"]) if w["window"] else None
+    bm = BlockManager(w["num_blocks"], w["block_size"], w["prefix"], adapter_fingerprint=lambda adapter: bytes([adapter]), window=pool)
     budget = w["budget"] if w["chunked"] else max(w["budget"], 64)
     sched = Scheduler(bm, w["max_num_seqs"], budget, w["chunked"], w["max_loras"], policy=w["policy"])
     seqs, finished, lengths = [], Counter(), {}
@@ -83,6 +101,10 @@ def test_scheduler_properties(w):
         assert len(batch.seqs) <= w["max_num_seqs"] and len(set(id(s) for s in batch.seqs)) == len(batch.seqs)
         assert all(n >= 1 for n in batch.num_new_tokens)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if pool is not None:  # the window's blocks, and the step's: every one its queries see held, no more
+                seen = seq.window_table[max(0, seq.num_computed_tokens - w["window"] + 1) // w["block_size"]:]
+                assert pool.null not in seen, f"sequence {seq.seq_id} lost a block its queries see"
+                assert pool.held(seq) <= -(-(w["window"] - 1) // w["block_size"]) + 1 + -(-n // w["block_size"]), (pool.held(seq), n)
             assert seq.status is Status.RUNNING and n <= seq.num_tokens - seq.num_computed_tokens
             seq.num_computed_tokens += n
             bm.cache_full_blocks(seq, seq.num_computed_tokens)
@@ -101,6 +123,7 @@ def test_scheduler_properties(w):
         if s.seq_id in lengths:
             assert lengths[s.seq_id] == s.params.max_tokens
     assert bm.usage() == 0.0 and len(bm.free) == bm.num_blocks
+    assert pool is None or len(pool.free) == len(pool.blocks)
 
 
 def test_evictable_cached_blocks_count_as_free():

@@ -7,12 +7,13 @@ import pytest
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "gemma3"])
 def test_two_ranks_and_two_stages_of_two_on_each_family_equal_one(family_checkpoints, family):
     """Checkpoints of the other families over 2 ranks: Qwen2's q/k/v biases split with their heads,
     Llama 3's and Qwen3's single KV head replicated on both ranks (Qwen3 with its q/k norms); then
     over 2 pipeline stages of those 2 ranks each (pipeline_parallel_size=2: each stage its half of the
-    layers). Greedy ids equal one rank's, prompt logprobs within 1e-4."""
+    layers). Greedy ids equal one rank's, prompt logprobs within 1e-4. (Gemma 3's sliding-window layers: their pool's tables
+    reach the other rank in the step's message.)"""
     from kvpilot.server import LLM, SamplingParams
 
     directory, _ = family_checkpoints[family]
@@ -24,6 +25,7 @@ def test_two_ranks_and_two_stages_of_two_on_each_family_equal_one(family_checkpo
                   pipeline_parallel_size=pp)
         results.append(llm.generate(prompts, greedy))
         c = llm.engine.model_config
+        assert (llm.engine.worker.num_window_blocks > 0) == (family == "gemma3" and pp == 1)
         if tp > 1:
             ranks = llm.engine.describe_ranks()
             assert [r["kv_heads"] for r in ranks] == [c.num_kv_heads // 2 or 1] * tp * pp

@@ -9,6 +9,13 @@ property that lets blocks leave the process (a KV tier shared by replicas). Iden
 blocks by reference count. A block whose count drops to zero stays cached (its key remains findable)
 and sits in the free queue, in least-recently-freed order; it is evicted only when a fresh block is
 needed. Usage counts blocks held by live sequences: evictable cached blocks count as free.
+
+A model whose sliding-window layers are a pool of their own (WindowPool: Gemma 3's five layers in six)
+holds a second table per sequence, parallel to its block table, for those layers: a block that fell out
+of the window of the sequence's next query goes back (to the free queue, findable by its key while it is
+not evicted), its entry then the pool's null block, which no kernel reads (they read nothing before a
+window). A sequence holds at most window / block_size + 1 such blocks from one step to the next, plus its
+step's new ones. A prefix hit counts only as far as the window's blocks before its end are cached too.
 """
 
 from __future__ import annotations
@@ -62,15 +69,99 @@ def adapter_root(salt: bytes, fingerprint: bytes) -> bytes:
 TEST_SALT = cache_salt({"model": "none"})
 
 
+class WindowPool:
+    """The sliding-window layers' blocks (the module's docstring): num_blocks of them, their own free queue
+    and prefix cache (the same keys as the block table's blocks), and `null`, the id a table holds for a block
+    out of the window (the pool's scratch block)."""
+
+    def __init__(self, num_blocks: int, block_size: int, window: int):
+        if num_blocks < 1:
+            raise ValueError("the sliding-window layers' KV cache must hold at least one block")
+        self.window, self.block_size = window, block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.null = num_blocks
+
+    def first_needed(self, num_computed: int) -> int:
+        """The first block a query at position num_computed (the next one to compute) still sees."""
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def held(self, seq: Sequence) -> int:
+        return sum(1 for b in seq.window_table if b != self.null)
+
+    def find(self, key: bytes | None, tokens: tuple[int, ...]) -> int | None:
+        block_id = self.cached.get(key) if key is not None else None
+        return block_id if block_id is not None and self.blocks[block_id].token_ids == tokens else None
+
+    def release_before(self, seq: Sequence, first: int) -> None:
+        """Give back seq's blocks before block `first` (out of every window its next queries have)."""
+        for j in range(min(first, len(seq.window_table))):
+            if seq.window_table[j] != self.null:
+                self._unref(seq.window_table[j])
+                seq.window_table[j] = self.null
+
+    def take(self, block_id: int) -> int:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+        return block_id
+
+    def take_fresh(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count < 0:
+            raise AssertionError(f"sliding-window block {block_id} freed twice")
+        if block.ref_count == 0:
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                self.free[block_id] = None  # evictable, findable until then
+            else:
+                block.hash, block.token_ids = None, ()
+                self.free[block_id] = None
+                self.free.move_to_end(block_id, last=False)
+
+    def free_all(self, seq: Sequence, keep: int = 0) -> None:
+        """Give back seq's blocks from block `keep` on (tail first, as the block table's)."""
+        for block_id in reversed(seq.window_table[keep:]):
+            if block_id != self.null:
+                self._unref(block_id)
+        del seq.window_table[keep:]
+
+    def cache(self, seq: Sequence, index: int, key: bytes, tokens: tuple[int, ...]) -> None:
+        block_id = seq.window_table[index] if index < len(seq.window_table) else self.null
+        if block_id == self.null:
+            return
+        block = self.blocks[block_id]
+        if block.hash is None:
+            block.hash, block.token_ids = key, tokens
+            self.cached.setdefault(key, block_id)
+
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / len(self.blocks)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: bytes = TEST_SALT,
                  adapter_fingerprint: Callable[[int], bytes] | None = None,
                  on_cached: Callable[[int, bytes, bytes, tuple[int, ...]], None] | None = None,
-                 events: KVEventRecorder | None = None):
+                 events: KVEventRecorder | None = None, window: WindowPool | None = None):
         """salt: cache_salt of the engine's identity; adapter_fingerprint: a LoRA adapter id -> the
         digest of its files (the registry's); on_cached(block id, key, parent key, token ids): a block
         just joined the prefix cache (a KV tier saves it); events: told what joins and leaves the
-        prefix cache (KV events for routers)."""
+        prefix cache (KV events for routers); window: the sliding-window layers' pool (the module's
+        docstring), None: every layer reads the block table."""
+        self.window = window
         self.on_cached = on_cached
         self.events = events
         if num_blocks < 1:
@@ -95,8 +186,9 @@ class BlockManager:
         return len(self.free)
 
     def usage(self) -> float:
-        """Fraction of blocks held by live sequences (0–1)."""
-        return 1.0 - len(self.free) / len(self.blocks)
+        """Fraction of blocks held by live sequences (0–1); with a window pool, the fuller of the two."""
+        used = 1.0 - len(self.free) / len(self.blocks)
+        return used if self.window is None else max(used, self.window.usage())
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -128,6 +220,10 @@ class BlockManager:
                 break
             hits.append(block_id)
             parent = h
+        if self.window is not None:  # as far as the sliding-window layers' blocks its next query sees are cached too
+            while hits and any(self.window.find(self.blocks[b].hash, self.blocks[b].token_ids) is None
+                               for b in hits[self.window.first_needed(len(hits) * self.block_size):]):
+                hits.pop()
         return hits
 
     # --- allocation -------------------------------------------------------------------------
@@ -135,23 +231,35 @@ class BlockManager:
         have = len(seq.block_table) + len(cached)
         need = self.blocks_needed(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens) - have
         reusable = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # they leave the free queue
-        return need + reusable <= len(self.free)
+        if need + reusable > len(self.free):
+            return False
+        if self.window is None:
+            return True
+        first = self.window.first_needed(seq.num_computed_tokens + len(cached) * self.block_size)
+        found = [self.window.find(self.blocks[b].hash, self.blocks[b].token_ids) for j, b in enumerate(cached, len(seq.block_table)) if j >= first]
+        return max(need, 0) + sum(1 for w in found if self.window.blocks[w].ref_count == 0) <= len(self.window.free)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
         """Take the cached prefix blocks that match_prefix found (first admission only) and enough
         fresh blocks for num_new_tokens more tokens. All or nothing: returns False and changes nothing
         (counters included) if short."""
         looked_up, cached = cached is not None, cached or []
+        if self.window is not None:  # what no coming query sees goes back first (it counts as room)
+            self.window.release_before(seq, self.window.first_needed(seq.num_computed_tokens))
         if not self.can_allocate(seq, num_new_tokens, cached):
             return False
         if looked_up:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += len(cached) * self.block_size
+        first = self.window.first_needed(seq.num_computed_tokens + len(cached) * self.block_size) if self.window is not None else 0
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
+            if self.window is not None:
+                found = self.window.find(block.hash, block.token_ids) if len(seq.block_table) >= first else None
+                seq.window_table.append(self.window.null if found is None else self.window.take(found))
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)
         if cached:
@@ -160,6 +268,8 @@ class BlockManager:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         for _ in range(need):
             seq.block_table.append(self._take_fresh())
+            if self.window is not None:
+                seq.window_table.append(self.window.take_fresh())
         return True
 
     def _take_fresh(self) -> int:
@@ -196,6 +306,8 @@ class BlockManager:
                     run.append(h)
                 else:
                     self._announce(seq, run, i)
+            if self.window is not None:
+                self.window.cache(seq, i, h, chunk)
             seq.block_hashes.append(h)
             parent = h
         if self.events is not None:
@@ -221,6 +333,13 @@ class BlockManager:
             if block.ref_count == 0:  # evictable: now reused first, as any uncached free block
                 self.free.move_to_end(block_id, last=False)
         self.cached.clear()
+        if self.window is not None:
+            for block_id in self.window.cached.values():
+                block = self.window.blocks[block_id]
+                block.hash, block.token_ids = None, ()
+                if block.ref_count == 0:
+                    self.window.free.move_to_end(block_id, last=False)
+            self.window.cached.clear()
         if self.events is not None:
             self.events.cleared()
         return forgotten
@@ -236,6 +355,8 @@ class BlockManager:
             block.ref_count = 0
             self._free_uncached(block_id)
         del seq.block_table[keep:]
+        if self.window is not None:
+            self.window.free_all(seq, keep)
 
     def free_seq(self, seq: Sequence) -> None:
         """Release seq's blocks. Tail blocks are freed first so they are evicted before the shared prefix."""
@@ -252,6 +373,8 @@ class BlockManager:
                     self.free[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
+        if self.window is not None:
+            self.window.free_all(seq)
 
     def hold(self, block_ids: list[int]) -> None:
         """One more reference on each block (a prefill engine's blocks held for a decode engine's pull)."""

@@ -78,7 +78,7 @@ class LLMEngine:
         API process does, api/core_client.py); True: the engine runs that assembler itself."""
         configure_threads(config.num_threads)
         # torch-side modules are imported only now, after the thread settings are in place.
-        from kvpilot.server.engine.block_manager import BlockManager, cache_salt
+        from kvpilot.server.engine.block_manager import BlockManager, WindowPool, cache_salt
         from kvpilot.server.engine.kv_scales import kv_calibration_ids
         from kvpilot.server.engine.scheduler import AsyncScheduler, Scheduler
         from kvpilot.server.engine.structured import GrammarCompiler
@@ -109,8 +109,11 @@ class LLMEngine:
         self._step_seconds = 0.0  # the last step's time (a tier read's slice is a share of it)
         self._step_tokens, self._step_tokens_sum = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1), 0
         self.lora = self._lora_registry()
+        window = WindowPool(self.worker.num_window_blocks, config.block_size, self.model_config.sliding_window) \
+            if self.worker.num_window_blocks else None
         self.block_manager = BlockManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          cache_salt(self._kv_identity()), self.lora.fingerprint if self.lora else None, events=self.kv_events)
+                                          cache_salt(self._kv_identity()), self.lora.fingerprint if self.lora else None, events=self.kv_events,
+                                          window=window)
         self.kv_connector = self._kv_connector()
         # N-gram proposals are looked up in the host's tokens: that method keeps its steps synchronous.
         # Pipeline stages: auto is on (several steps in flight, one per stage) on any device.

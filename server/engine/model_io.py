@@ -310,6 +310,9 @@ class ModelInput:
     chunk_next: torch.Tensor | None = None
     sample_entries: torch.Tensor | None = None
     head_states: bool = True
+    # A window pool (block_manager.WindowPool): the sliding-window layers' slots [T] and tables [B, max blocks], as the above.
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
 
     def take_device_values(self, tokens: torch.Tensor | None, accepted: torch.Tensor | None = None,
                            proposal: torch.Tensor | None = None) -> None:
@@ -335,6 +338,8 @@ class ModelInput:
             self.positions[rows] = moved
             self.seq_lens[entries] = self.seq_lens[entries] + accepted[source]
             self.slot_mapping[rows] = self.block_tables[entries, moved // self.block_size] * self.block_size + moved % self.block_size
+            if self.window_block_tables is not None:
+                self.window_slot_mapping[rows] = self.window_block_tables[entries, moved // self.block_size] * self.block_size + moved % self.block_size
         if self.from_proposal is not None:
             if proposal is None:
                 raise AssertionError("this step verifies a proposal made on the device, and none was given")
@@ -388,6 +393,7 @@ class InputBuilder:
     def __init__(self, block_size: int, eos_token_ids: tuple[int, ...], device: torch.device, steps_in_flight: int = 1):
         """steps_in_flight: how many launched steps may not have been waited for (pipeline stages): each keeps its inputs."""
         self.block_size, self.eos_token_ids = block_size, eos_token_ids
+        self.window_pool = False  # the worker's model has a window pool: inputs carry its slots and tables (BatchSeq.window_table)
         self.buffers = InputBuffers(device, turns=max(2, steps_in_flight + 1))
 
     def build(self, batch: StepBatch, proposal: Proposal | None = None, sample: bool = True,
@@ -412,6 +418,8 @@ class InputBuilder:
         starts = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        window_slots: list[int] = []
+        window_tables: list[list[int]] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
         sample_rows: list[int] = []
@@ -439,6 +447,8 @@ class InputBuilder:
             positions += pos
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in pos]
+            if self.window_pool:
+                window_slots += [seq.window_table[p // bs] * bs + p % bs for p in pos]
             if seq.num_unsettled:  # every row moves on by the accepted count of the verification in flight
                 shifted[0] += range(row0, row0 + n)
                 shifted[1] += range(len(seq_lens), len(seq_lens) + (n if seq.num_spec_tokens else 1))
@@ -454,6 +464,7 @@ class InputBuilder:
                 starts += range(row0 + 1, len(ids) + 1)
                 seq_lens += [p + 1 for p in pos]
                 tables += [table] * n
+                window_tables += [seq.window_table] * (n if self.window_pool else 0)
                 sample_entries += range(len(seq_lens) - n, len(seq_lens))
                 sample_rows += range(row0, len(ids))
                 sampled.append(seq)
@@ -463,6 +474,8 @@ class InputBuilder:
             starts.append(len(ids))
             seq_lens.append(start + n)
             tables.append(table)
+            if self.window_pool:
+                window_tables.append(seq.window_table)
             if n > 1:
                 query_lens.append(n)
                 context_lens.append(start + n)
@@ -483,9 +496,10 @@ class InputBuilder:
         staged = Staging(torch.long, self.buffers)
         for values in (ids, positions, slots, starts, seq_lens, sample_rows, placeholder_rows + previous_rows, _padded_tables(tables),
                        [r for part in proposed_rows for r in part], [r for part in shifted for r in part], [r for part in chunk_next for r in part],
-                       sample_entries if next_tokens else []):
+                       sample_entries if next_tokens else [], window_slots, _padded_tables(window_tables)):
             staged.add(values)
-        ids_t, positions_t, slots_t, starts_t, seq_lens_t, rows_t, previous_t, tables_t, proposed_t, shifted_t, chunk_t, entries_t = staged.upload()
+        (ids_t, positions_t, slots_t, starts_t, seq_lens_t, rows_t, previous_t, tables_t, proposed_t, shifted_t, chunk_t, entries_t,
+         window_slots_t, window_tables_t) = staged.upload()
         inp = ModelInput(
             input_ids=ids_t, positions=positions_t, slot_mapping=slots_t, query_start_loc=starts_t, seq_lens=seq_lens_t,
             block_tables=tables_t.view(len(tables), -1) if tables else tables_t.view(0, 0), logits_indices=rows_t,
@@ -496,7 +510,9 @@ class InputBuilder:
             from_previous=previous_t.view(2, -1) if placeholder_rows else None,
             lora=self._lora_batch(row_slots) if slot_of and max(slot_of) >= 0 else None,
             from_proposal=proposed_t.view(3, -1) if proposed_rows[0] else None, shift=shifted_t.view(3, -1) if shifted[0] else None,
-            block_size=bs, chunk_next=chunk_t.view(2, -1) if chunk_next[0] else None, sample_entries=entries_t if next_tokens else None)
+            block_size=bs, chunk_next=chunk_t.view(2, -1) if chunk_next[0] else None, sample_entries=entries_t if next_tokens else None,
+            window_slot_mapping=window_slots_t if self.window_pool else None,
+            window_block_tables=window_tables_t.view(len(window_tables), -1) if self.window_pool and window_tables else None)
         return inp, plan
 
     def _lora_batch(self, row_slots: list[int]) -> LoRABatch:

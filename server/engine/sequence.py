@@ -41,6 +41,7 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained keys of its full, cached blocks (block_manager.py)
+    window_table: list[int] = field(default_factory=list)  # with a window pool: its sliding-window layers' blocks (block_manager.py)
     num_computed_tokens: int = 0          # tokens whose K/V are in the cache
     num_cached_tokens: int = 0            # of the prompt, found in the prefix cache at admission
     cached_sources: dict[str, int] = field(default_factory=dict)  # those tokens by where they were: device, host, disk, p2p

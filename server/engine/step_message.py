@@ -36,6 +36,7 @@ class NewSeq(msgspec.Struct, array_like=True, frozen=True):
     # in what the other ranks get) and its generator's seed (None: unseeded).
     params: Any = None
     seed: int | None = None
+    window_table: list[int] = []    # a window pool's (block_manager.WindowPool): the sliding-window layers' blocks
 
 
 class SeqUpdate(msgspec.Struct, array_like=True, frozen=True):
@@ -43,6 +44,7 @@ class SeqUpdate(msgspec.Struct, array_like=True, frozen=True):
     new_token_ids: list[int]        # known tokens since the last message
     num_blocks_kept: int            # the block table cut to this many (speculation gave blocks back, a preemption all)...
     new_block_ids: list[int]        # ...then these appended
+    window_table: list[int] | None = None  # a window pool's table, whole, where it changed (entries out of the window become its null block)
 
 
 class Row(msgspec.Struct, array_like=True, frozen=True):
@@ -84,7 +86,7 @@ class Step(msgspec.Struct, tag="step", array_like=True):
         """What ranks 1…N−1 get: no sampling parts (rank 0 alone samples)."""
         if not self.new:
             return self
-        new = [NewSeq(s.seq_id, s.token_ids, s.num_prompt_tokens, s.block_table) for s in self.new]
+        new = [NewSeq(s.seq_id, s.token_ids, s.num_prompt_tokens, s.block_table, window_table=s.window_table) for s in self.new]
         return Step(new, self.updates, self.finished, self.rows, self.num_previous_tokens, self.previous_accepted)
 
 
@@ -166,6 +168,7 @@ class _Sent:
     seq: Sequence
     num_tokens: int                 # known tokens the workers have
     block_table: list[int]          # the table the workers have
+    window_table: list[int]         # and the window pool's
 
 
 class StepMessenger:
@@ -189,12 +192,17 @@ class StepMessenger:
             sent = self.sent.get(seq.seq_id)
             if sent is None:
                 seed = None if seq.params.seed is None else seq.params.seed + seq.index
-                new.append(NewSeq(seq.seq_id, seq.token_ids(), seq.num_prompt_tokens, list(seq.block_table), seq.params, seed))
-                self.sent[seq.seq_id] = _Sent(seq, num_known, list(seq.block_table))
-            elif num_known != sent.num_tokens or seq.block_table != sent.block_table:
+                new.append(NewSeq(seq.seq_id, seq.token_ids(), seq.num_prompt_tokens, list(seq.block_table), seq.params, seed,
+                                  list(seq.window_table)))
+                self.sent[seq.seq_id] = _Sent(seq, num_known, list(seq.block_table), list(seq.window_table))
+            elif num_known != sent.num_tokens or seq.block_table != sent.block_table or seq.window_table != sent.window_table:
                 kept = _common_prefix(sent.block_table, seq.block_table)
-                updates.append(SeqUpdate(seq.seq_id, seq.output_token_ids[sent.num_tokens - seq.num_prompt_tokens:], kept, seq.block_table[kept:]))
+                window = list(seq.window_table) if seq.window_table != sent.window_table else None
+                updates.append(SeqUpdate(seq.seq_id, seq.output_token_ids[sent.num_tokens - seq.num_prompt_tokens:], kept, seq.block_table[kept:],
+                                         window))
                 sent.num_tokens, sent.block_table = num_known, list(seq.block_table)
+                if window is not None:
+                    sent.window_table = window
             prompt_lp = seq.params.prompt_logprobs
             awaits = seq.num_placeholders or seq.num_unsettled
             rows.append(Row(seq.seq_id, seq.num_computed_tokens, n, seq.num_placeholders,
@@ -233,6 +241,7 @@ class BatchSeq:
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_tokens: int = 0
     num_unsettled: int = 0
+    window_table: list[int] = field(default_factory=list)  # a window pool's table (the sliding-window layers' blocks)
 
     @property
     def num_tokens(self) -> int:
@@ -282,12 +291,15 @@ class WorkerBatch:
             self.seqs.pop(sid, None)
         for s in step.new:
             generator = _generator(s.seed, self.sampling_device) if self.sampling_device is not None and s.seed is not None else None
-            self.seqs[s.seq_id] = BatchSeq(s.seq_id, list(s.token_ids), s.num_prompt_tokens, list(s.block_table), s.params, generator)
+            self.seqs[s.seq_id] = BatchSeq(s.seq_id, list(s.token_ids), s.num_prompt_tokens, list(s.block_table), s.params, generator,
+                                           window_table=list(s.window_table))
         for u in step.updates:
             seq = self.seqs[u.seq_id]
             seq.known_token_ids += u.new_token_ids
             if u.num_blocks_kept != len(seq.block_table) or u.new_block_ids:
                 seq.block_table = seq.block_table[:u.num_blocks_kept] + list(u.new_block_ids)
+            if u.window_table is not None:
+                seq.window_table = list(u.window_table)
         batch = StepBatch([], [], [], {})
         for row in step.rows:
             seq = self.seqs[row.seq_id]

@@ -222,21 +222,55 @@ class Worker:
         _return_freed_heap()
         self.model.ops.check_shapes(self.model.config.head_dim, self.block_size)  # before a step fails on them
         self.bytes_per_block = kv_block_bytes(self.model, self.block_size, self.kv_dtype) + (self.drafter.block_bytes() if self.drafter else 0)
+        budget = self._kv_cache_bytes()
         # One block of the budget is the scratch block, past those the block manager hands out: the
         # padding rows of a decode graph write there (decode_graphs.py).
-        self.num_blocks = self._agreed(self._kv_cache_bytes() // self.bytes_per_block - 1)
+        self.num_blocks = self._agreed(budget // self.bytes_per_block - 1)
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than two KV blocks ({self.bytes_per_block} bytes each; "
                              "one is the scratch block)")
+        self.num_window_blocks = 0  # the sliding-window layers' own pool (0: none, every layer's cache has num_blocks)
+        if why_not := self._why_no_window_pool():
+            if self.model.config.mixed_windows:
+                log.info("sliding-window layers keep every block of a sequence (no pool of their own): %s", why_not)
+        else:
+            self.num_blocks, self.num_window_blocks = self._window_pool_split(budget)
+            self.model.window_pool = self.inputs.window_pool = True
         self.scratch_block = self.num_blocks
         self.kv_caches = self._kv_caches(self.model)
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks)
         self.decode_graphs: DecodeGraphs | None = None
         c = self.model.config
-        log.info("model %s on %s/%s, weights %.0f MiB (quantization %s), KV cache: %d blocks of %d tokens (%.0f MiB, %s)", c.name, self.device,
-                 self.dtype, self.model.weight_bytes() / 2**20, self.quantization, self.num_blocks, self.block_size,
-                 self.num_blocks * self.bytes_per_block / 2**20, self.kv_dtype)
+        pool = f" (+ {self.num_window_blocks} for the sliding-window layers)" if self.num_window_blocks else ""
+        log.info("model %s on %s/%s, weights %.0f MiB (quantization %s), KV cache: %d blocks%s of %d tokens (%.0f MiB, %s)", c.name, self.device,
+                 self.dtype, self.model.weight_bytes() / 2**20, self.quantization, self.num_blocks, pool, self.block_size,
+                 sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches) / 2**20, self.kv_dtype)
+
+    def _why_no_window_pool(self) -> str | None:
+        """Why the model's sliding-window layers share the block table (none: a pool of their own, block_manager.WindowPool)."""
+        c, cfg = self.model.config, self.config
+        if not c.mixed_windows:
+            return "the model has no sliding-window layers beside global ones"
+        for on, what in ((cfg.kv_host_offload_size or cfg.kv_offload_dir, "the KV tiers save and load whole blocks"),
+                         (cfg.kv_role != "none", "prefill/decode handoffs move whole blocks"),
+                         (self.stage is not None, "pipeline stages split the layers"),
+                         (self.drafter is not None and self.drafter.block_bytes(), "a drafter's cache shares the block table")):
+            if on:
+                return what
+        return None
+
+    def _window_pool_split(self, budget: int) -> tuple[int, int]:
+        """(global blocks, window blocks) of the budget: the window layers' pool holds a window and a block for each of
+        max_num_seqs sequences, and a step's tokens (a chunk's blocks are all held while it runs); the global layers
+        take the rest. Never fewer global blocks than with one shared table."""
+        c, bs = self.model.config, self.block_size
+        per_layer = self.bytes_per_block // len(self.model.layers)
+        windowed = sum(1 for i in range(c.num_layers) if c.window(i))
+        wanted = self.config.max_num_seqs * (-(-c.sliding_window // bs) + 2) + -(-self.config.max_num_batched_tokens // bs)
+        window_blocks = self._agreed(min(wanted, self.num_blocks))
+        global_blocks = self._agreed((budget - (window_blocks + 1) * windowed * per_layer) // ((c.num_layers - windowed) * per_layer) - 1)
+        return max(global_blocks, self.num_blocks), window_blocks
 
     def _agreed(self, num_blocks: int) -> int:
         """The fewest blocks any rank has room for (the block manager hands out block ids every rank holds)."""
@@ -286,10 +320,15 @@ class Worker:
         return scales
 
     def _kv_caches(self, model: DecoderModel) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A model's per-layer (K, V) cache of num_blocks blocks plus the scratch block."""
+        """A model's per-layer (K, V) cache of num_blocks blocks plus the scratch block (its sliding-window layers' in a
+        pool of their own: num_window_blocks plus the pool's null block)."""
         c = model.config
-        shape = (self.num_blocks + 1, self.block_size, model.num_kv_heads, c.head_dim)
-        return [(kv_cache_zeros(shape, self.kv_dtype, self.device), kv_cache_zeros(shape, self.kv_dtype, self.device)) for _ in model.layers]
+
+        def blocks(layer) -> int:
+            return (self.num_window_blocks if model.window_pool and layer.attn.window else self.num_blocks) + 1
+
+        return [tuple(kv_cache_zeros((blocks(layer), self.block_size, model.num_kv_heads, c.head_dim), self.kv_dtype, self.device)
+                      for _ in "kv") for layer in model.layers]
 
     def _kv_cache_bytes(self) -> int:
         """CPU: kv_cache_memory. CUDA: gpu_memory_utilization of the GPU, less what is in use (the
@@ -372,6 +411,8 @@ class Worker:
             return "pipeline stages hand their hidden states on eagerly"
         if not self.model.ops.graph_safe:
             return f"the {self.model.ops.name} kernels are not capturable (they read device values on the host)"
+        if self.model.window_pool:
+            return "the sliding-window layers' pool has tables of its own, which the graphs do not hold yet"
         return None
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -390,9 +431,11 @@ class Worker:
         overwrites those blocks, so never call it while the engine has requests)."""
         n = len(token_ids)
         blocks = -(-n // self.block_size)
-        if self.world_size > 1 or blocks > self.num_blocks:
-            raise ValueError(f"score: {n} tokens need {blocks} KV blocks of {self.num_blocks}, and one process")
+        most = min(self.num_blocks, self.num_window_blocks or self.num_blocks)
+        if self.world_size > 1 or blocks > most:
+            raise ValueError(f"score: {n} tokens need {blocks} KV blocks of {most}, and one process")
         meta = AttentionMetadata.one_prefill(n, self.block_size, self.device)
+        meta.window = meta  # (blocks 0.. in the window layers' pool too)
         ids = torch.tensor(token_ids, device=self.device)
         out = self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)
         return self.model.compute_logits(out[0] if isinstance(out, tuple) else out).float()  # (a declared aux output beside it)

@@ -81,6 +81,9 @@ class DecoderModel(nn.Module):
         self.stage = stage
         self.first_layer = stage.layers[0] if stage else 0
         self.aux_layers: tuple[int, ...] = ()  # a declared aux output (declare_aux_output)
+        # The sliding-window layers' caches are a pool of their own (set by the worker that allocates them so): those
+        # layers read the step's window tables (meta.window).
+        self.window_pool = False
         self.layers = nn.ModuleList(layers)
         self.dtype = layers[0].attn_norm.weight.dtype
         self.norm = norm
@@ -142,7 +145,7 @@ class DecoderModel(nn.Module):
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             if i in self.aux_layers:
                 aux.append(x)  # every layer returns a new tensor: x is not written to later
-            x = layer(x, ropes[layer.local_rope], kv, meta)
+            x = layer(x, ropes[layer.local_rope], kv, meta.window if self.window_pool and layer.attn.window else meta)
         if self.norm is None:
             return x
         return (self.norm(x), torch.cat(aux, dim=-1)) if self.aux_layers else self.norm(x)
