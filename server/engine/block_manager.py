@@ -14,8 +14,8 @@ A model whose sliding-window layers are a pool of their own (WindowPool: Gemma 3
 holds a second table per sequence, parallel to its block table, for those layers: a block that fell out
 of the window of the sequence's next query goes back (to the free queue, findable by its key while it is
 not evicted), its entry then the pool's null block, which no kernel reads (they read nothing before a
-window). A sequence holds at most window / block_size + 1 such blocks from one step to the next, plus its
-step's new ones. A prefix hit counts only as far as the window's blocks before its end are cached too.
+window). A sequence holds at most ceil(window / block_size) + 1 such blocks from one step to the next,
+plus its step's new ones. A prefix hit counts only as far as the window's blocks before its end are cached too.
 """
 
 from __future__ import annotations
@@ -242,7 +242,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
         """Take the cached prefix blocks that match_prefix found (first admission only) and enough
         fresh blocks for num_new_tokens more tokens. All or nothing: returns False and changes nothing
-        (counters included) if short."""
+        (counters included) if short — but with a window pool, the blocks no coming query of seq sees
+        have gone back first."""
         looked_up, cached = cached is not None, cached or []
         if self.window is not None:  # what no coming query sees goes back first (it counts as room)
             self.window.release_before(seq, self.window.first_needed(seq.num_computed_tokens))
@@ -259,6 +260,8 @@ class BlockManager:
             block.ref_count += 1
             if self.window is not None:
                 found = self.window.find(block.hash, block.token_ids) if len(seq.block_table) >= first else None
+                if found is None and len(seq.block_table) >= first:
+                    raise AssertionError(f"sequence {seq.seq_id}: a prefix hit without the sliding-window block its query sees")
                 seq.window_table.append(self.window.null if found is None else self.window.take(found))
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)

@@ -512,7 +512,8 @@ class InputBuilder:
             from_proposal=proposed_t.view(3, -1) if proposed_rows[0] else None, shift=shifted_t.view(3, -1) if shifted[0] else None,
             block_size=bs, chunk_next=chunk_t.view(2, -1) if chunk_next[0] else None, sample_entries=entries_t if next_tokens else None,
             window_slot_mapping=window_slots_t if self.window_pool else None,
-            window_block_tables=window_tables_t.view(len(window_tables), -1) if self.window_pool and window_tables else None)
+            window_block_tables=window_tables_t.view(len(window_tables), -1) if self.window_pool and window_tables else
+            window_tables_t.view(0, 0) if self.window_pool else None)
         return inp, plan
 
     def _lora_batch(self, row_slots: list[int]) -> LoRABatch:

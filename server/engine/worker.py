@@ -222,6 +222,7 @@ class Worker:
         _return_freed_heap()
         self.model.ops.check_shapes(self.model.config.head_dim, self.block_size)  # before a step fails on them
         self.bytes_per_block = kv_block_bytes(self.model, self.block_size, self.kv_dtype) + (self.drafter.block_bytes() if self.drafter else 0)
+        self.why_no_window_pool = self._why_no_window_pool()  # (before the budget: decode graphs do not run with the pool)
         budget = self._kv_cache_bytes()
         # One block of the budget is the scratch block, past those the block manager hands out: the
         # padding rows of a decode graph write there (decode_graphs.py).
@@ -230,9 +231,9 @@ class Worker:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory} bytes is less than two KV blocks ({self.bytes_per_block} bytes each; "
                              "one is the scratch block)")
         self.num_window_blocks = 0  # the sliding-window layers' own pool (0: none, every layer's cache has num_blocks)
-        if why_not := self._why_no_window_pool():
+        if self.why_no_window_pool:
             if self.model.config.mixed_windows:
-                log.info("sliding-window layers keep every block of a sequence (no pool of their own): %s", why_not)
+                log.info("sliding-window layers keep every block of a sequence (no pool of their own): %s", self.why_no_window_pool)
         else:
             self.num_blocks, self.num_window_blocks = self._window_pool_split(budget)
             self.model.window_pool = self.inputs.window_pool = True
@@ -248,22 +249,24 @@ class Worker:
                  sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches) / 2**20, self.kv_dtype)
 
     def _why_no_window_pool(self) -> str | None:
-        """Why the model's sliding-window layers share the block table (none: a pool of their own, block_manager.WindowPool)."""
+        """Why the model's sliding-window layers share the block table (none: a pool of their own, block_manager.WindowPool).
+        From the config alone, which every rank has (a drafter may live on rank 0 only)."""
         c, cfg = self.model.config, self.config
         if not c.mixed_windows:
             return "the model has no sliding-window layers beside global ones"
         for on, what in ((cfg.kv_host_offload_size or cfg.kv_offload_dir, "the KV tiers save and load whole blocks"),
                          (cfg.kv_role != "none", "prefill/decode handoffs move whole blocks"),
                          (self.stage is not None, "pipeline stages split the layers"),
-                         (self.drafter is not None and self.drafter.block_bytes(), "a drafter's cache shares the block table")):
+                         (cfg.speculative_method in ("draft", "eagle3"), "a drafter's cache shares the block table"),
+                         (not cfg.enable_chunked_prefill, "without chunked prefill a whole prompt's blocks are held at once")):
             if on:
                 return what
         return None
 
     def _window_pool_split(self, budget: int) -> tuple[int, int]:
-        """(global blocks, window blocks) of the budget: the window layers' pool holds a window and a block for each of
-        max_num_seqs sequences, and a step's tokens (a chunk's blocks are all held while it runs); the global layers
-        take the rest. Never fewer global blocks than with one shared table."""
+        """(global blocks, window blocks) of the budget: the window layers' pool holds a window and two blocks for each of
+        max_num_seqs sequences, and a step's tokens (a chunk's blocks are all held while it runs), but never more than
+        one shared table would have; the global layers take the rest (never fewer than with one shared table)."""
         c, bs = self.model.config, self.block_size
         per_layer = self.bytes_per_block // len(self.model.layers)
         windowed = sum(1 for i in range(c.num_layers) if c.window(i))
@@ -411,7 +414,7 @@ class Worker:
             return "pipeline stages hand their hidden states on eagerly"
         if not self.model.ops.graph_safe:
             return f"the {self.model.ops.name} kernels are not capturable (they read device values on the host)"
-        if self.model.window_pool:
+        if self.why_no_window_pool is None:
             return "the sliding-window layers' pool has tables of its own, which the graphs do not hold yet"
         return None
 
@@ -430,15 +433,22 @@ class Worker:
         prefill through blocks 0.. of the KV cache (for quality measurements, outside serving: it
         overwrites those blocks, so never call it while the engine has requests)."""
         n = len(token_ids)
-        blocks = -(-n // self.block_size)
-        most = min(self.num_blocks, self.num_window_blocks or self.num_blocks)
-        if self.world_size > 1 or blocks > most:
-            raise ValueError(f"score: {n} tokens need {blocks} KV blocks of {most}, and one process")
-        meta = AttentionMetadata.one_prefill(n, self.block_size, self.device)
-        meta.window = meta  # (blocks 0.. in the window layers' pool too)
+        if self.world_size > 1:
+            raise ValueError("score: one process only")
+        meta = self.one_prefill(n)
         ids = torch.tensor(token_ids, device=self.device)
         out = self.model(ids, torch.arange(n, device=self.device), self.kv_caches, meta)
         return self.model.compute_logits(out[0] if isinstance(out, tuple) else out).float()  # (a declared aux output beside it)
+
+    def one_prefill(self, n: int) -> AttentionMetadata:
+        """The metadata of one sequence's whole prefill of n tokens into blocks 0.. of this worker's caches (the window
+        pool's too: there blocks 0.. as well), for passes outside serving (scoring, an EAGLE-3 head's training states)."""
+        blocks, most = -(-n // self.block_size), min(self.num_blocks, self.num_window_blocks or self.num_blocks)
+        if blocks > most:
+            raise ValueError(f"{n} tokens need {blocks} KV blocks, and this cache has {most}")
+        meta = AttentionMetadata.one_prefill(n, self.block_size, self.device)
+        meta.window = meta if self.num_window_blocks else None
+        return meta
 
     # --- the KV connector: one block's K/V as bytes, every region's in turn ---------------------
     def cache_regions(self) -> list[torch.Tensor]:
