@@ -40,6 +40,19 @@ class Block:
     token_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
+def drop_reference(block: Block, free: OrderedDict[int, None], cached: dict[bytes, int], what: str = "block") -> None:
+    """One holder fewer of `block`; held by none, it joins the free queue: at the back while its key still finds it
+    (evicted last, a prefix hit until then), at the front otherwise (reused first)."""
+    block.ref_count -= 1
+    if block.ref_count < 0:
+        raise AssertionError(f"{what} {block.block_id} freed twice")
+    if block.ref_count == 0:
+        free[block.block_id] = None
+        if block.hash is None or cached.get(block.hash) != block.block_id:
+            block.hash, block.token_ids = None, ()
+            free.move_to_end(block.block_id, last=False)
+
+
 def cache_salt(identity: dict) -> bytes:
     """The root key of a cache: SHA-256 of the canonical JSON of what its K/V depend on."""
     return hashlib.sha256(json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()).digest()
@@ -98,7 +111,7 @@ class WindowPool:
         """Give back seq's blocks before block `first` (out of every window its next queries have)."""
         for j in range(min(first, len(seq.window_table))):
             if seq.window_table[j] != self.null:
-                self._unref(seq.window_table[j])
+                drop_reference(self.blocks[seq.window_table[j]], self.free, self.cached, "sliding-window block")
                 seq.window_table[j] = self.null
 
     def take(self, block_id: int) -> int:
@@ -118,24 +131,11 @@ class WindowPool:
         block.ref_count = 1
         return block_id
 
-    def _unref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count < 0:
-            raise AssertionError(f"sliding-window block {block_id} freed twice")
-        if block.ref_count == 0:
-            if block.hash is not None and self.cached.get(block.hash) == block_id:
-                self.free[block_id] = None  # evictable, findable until then
-            else:
-                block.hash, block.token_ids = None, ()
-                self.free[block_id] = None
-                self.free.move_to_end(block_id, last=False)
-
     def free_all(self, seq: Sequence, keep: int = 0) -> None:
         """Give back seq's blocks from block `keep` on (tail first, as the block table's)."""
         for block_id in reversed(seq.window_table[keep:]):
             if block_id != self.null:
-                self._unref(block_id)
+                drop_reference(self.blocks[block_id], self.free, self.cached, "sliding-window block")
         del seq.window_table[keep:]
 
     def cache(self, seq: Sequence, index: int, key: bytes, tokens: tuple[int, ...]) -> None:
@@ -364,16 +364,7 @@ class BlockManager:
     def free_seq(self, seq: Sequence) -> None:
         """Release seq's blocks. Tail blocks are freed first so they are evicted before the shared prefix."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count < 0:
-                raise AssertionError(f"block {block_id} freed twice")
-            if block.ref_count == 0:
-                if block.hash is None or self.cached.get(block.hash) != block_id:
-                    block.hash, block.token_ids = None, ()
-                    self._free_uncached(block_id)
-                else:
-                    self.free[block_id] = None
+            drop_reference(self.blocks[block_id], self.free, self.cached)
         seq.block_table = []
         seq.block_hashes = []
         if self.window is not None:
@@ -391,16 +382,7 @@ class BlockManager:
         """Drop the references hold() took; a block no one uses goes back to the free queue (evictable
         from the prefix cache, as a finished sequence's blocks)."""
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count < 0:
-                raise AssertionError(f"block {block_id} released twice")
-            if block.ref_count == 0:
-                if block.hash is not None and self.cached.get(block.hash) == block_id:
-                    self.free[block_id] = None
-                else:
-                    block.hash, block.token_ids = None, ()
-                    self._free_uncached(block_id)
+            drop_reference(self.blocks[block_id], self.free, self.cached)
 
     def _free_uncached(self, block_id: int) -> None:
         self.free[block_id] = None
