@@ -230,7 +230,7 @@ def drafted_on_loaded_blocks(args) -> None:
         def without_the_drafters(loads):
             loads = list(loads)
             write_blocks(loads)
-            ids = torch.tensor([block_id for block_id, _ in loads], dtype=torch.long)
+            ids = torch.tensor([block_id for block_id, _, _ in loads], dtype=torch.long)
             for region in drafter_regions:
                 region.index_fill_(0, ids, 0)
 

@@ -49,7 +49,7 @@ def test_two_replicas_share_the_disk_tier(cluster, namespace, tmp_path):
         apply_isvc(cluster, namespace, "birds", {
             "model": {"source": "smollm2-135m", "servedName": "birds"}, "replicas": 2, "minReplicas": 1, "maxReplicas": 2,
             "autoscaling": {"enabled": False}, "resources": {"cpuOnly": True},
-            "engineSettings": {"kvCacheMemory": "16MiB", "maxModelLen": 512,
+            "engineSettings": {"kvCacheMemory": "24MiB", "maxModelLen": 512,
                                "kvOffload": {"mode": "Shared", "size": "1Gi", "storageClassName": "kvpilot-local"}}})
         wait_until(lambda: len(ready_endpoints(api, cluster.server, namespace, "birds")) == 2, timeout=180, what="2 replicas Ready")
         claim = json.loads(cluster.kubectl("get", "pvc", "birds-kv-tier", "-n", namespace, "-o", "json").stdout)

@@ -187,7 +187,9 @@ class EngineSettings(_Model):
     enable_prefix_caching: bool | None = Field(None, description="Reuse KV blocks of identical prompt prefixes.")
     enable_chunked_prefill: bool | None = Field(None, description="Split long prompts over several steps.")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="Fraction of GPU memory for weights and KV cache.")
-    kv_cache_memory: str | None = Field(None, max_length=32, pattern=r"^\d+(\.\d+)?([KMG]i?)?B?$", description="KV-cache size for CPU engines, e.g. 1GiB.")
+    kv_cache_memory: str | None = Field(None, max_length=32, pattern=r"^\d+(\.\d+)?([KMG]i?)?B?$", description=(
+        "KV-cache size for CPU engines (per rank), e.g. 1GiB. For a model whose KV layout the operator knows (a bundled one), a "
+        "cache that cannot hold one sequence of maxModelLen is refused (InvalidEngineSettings, with its bytes per token per kind of layer)."))
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(None, description="Compute dtype.")
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "fp8"] | None = Field(None, description=(
         "KV-cache element type; auto = the compute dtype. bfloat16 under a float32 model halves the cache: twice the tokens in the same "

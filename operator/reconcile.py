@@ -17,7 +17,14 @@ from pydantic import ValidationError
 from kvpilot.operator import cold_start, metrics
 from kvpilot.operator.adapter_sync import AdapterReport
 from kvpilot.operator.builders import model_cache
-from kvpilot.operator.builders.engines import engine_container, group_flag_problems, served_name, shared_cache, unsupported_settings
+from kvpilot.operator.builders.engines import (
+    engine_container,
+    group_flag_problems,
+    kv_capacity_problem,
+    served_name,
+    shared_cache,
+    unsupported_settings,
+)
 from kvpilot.operator.builders.manifests import (
     ENGINE_LABEL,
     LWS_API,
@@ -156,6 +163,10 @@ def parse_spec(body: dict) -> tuple[InferenceServiceSpec | None, list[tuple[str,
         try:  # the engine's own config validation (kvpilot: EngineConfig), here rather than in a crash-looping pod
             for pool in ("decode", "prefill") if spec.disaggregation else (None,):
                 engine_container(spec, (body.get("metadata") or {}).get("name", ""), pool)
+                too_small = kv_capacity_problem(spec, (body.get("metadata") or {}).get("name", ""), pool) if spec.engine == "kvpilot" else None
+                if too_small:
+                    problems.append(("InvalidEngineSettings", too_small))
+                    break
             if spec.pod_template is not None:  # the pod the patch makes, held to what the operator's own pods are
                 problems += [("InvalidPodTemplate", p) for p in pod_problems(pod_template((body.get("metadata") or {}).get("name", ""), spec)["spec"])]
             if spec.group_size > 1:  # a group's worker pods too, with the engine flags the leader has

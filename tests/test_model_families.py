@@ -144,14 +144,17 @@ def test_sliding_window_models_serve_past_their_window(family_checkpoints):
     what test_checkpoint_matches_transformers checks)."""
     from checkpoint_factory import SMALL_WINDOW
 
+    from kvpilot.server.checkpoint import Checkpoint
+    from kvpilot.server.gguf_loader import GGUFFile
+
     for family in ("mistral", "gemma3"):
         directory, gguf_path = family_checkpoints[family]
-        for model in (directory, gguf_path):
-            engine = llm(model, max_model_len=200)
-            config = engine.engine.model_config
-            assert config.sliding_window == SMALL_WINDOW and engine.engine.max_model_len == 200
+        for config in (Checkpoint(directory).config, GGUFFile(gguf_path).config):  # each file's windows, read as the engine reads them
+            assert config.sliding_window == SMALL_WINDOW
             assert [config.window(i) for i in range(config.num_layers)] == \
                 ([SMALL_WINDOW] * 2 if family == "mistral" else [SMALL_WINDOW] * 5 + [0])
+    engine = llm(family_checkpoints["mistral"][1], max_model_len=200)
+    assert engine.engine.max_model_len == 200  # every layer windowed: the context is still the model's
     lengths = [len(engine.engine.tokenizer.encode(p)) for p in PROMPTS]
     assert sum(n > SMALL_WINDOW for n in lengths) >= 2 and all(n + STEPS > SMALL_WINDOW for n in lengths), lengths
     # Gemma 3's local layers beside its global one: a pool of their own (block_manager.WindowPool), the same outputs with the

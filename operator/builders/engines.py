@@ -13,6 +13,8 @@ from pydantic.alias_generators import to_camel
 from kvpilot.operator.builders.engine_flags import flag_problems, image_version
 from kvpilot.operator.crd_types import InferenceServiceSpec, KVOffloadSpec
 from kvpilot.server.config import EngineConfig, add_model_args
+from kvpilot.server.kv_layout import capacity_tokens, kv_element_bytes
+from kvpilot.server.model_files import bundled_model
 from kvpilot.server.model_source import ModelSource, parse_model_source
 
 PORT = 8000
@@ -187,9 +189,8 @@ def _lora_values(spec: InferenceServiceSpec) -> dict:
     return {f: getattr(s, f) for f in ("max_loras", "max_lora_rank") if getattr(s, f) is not None}
 
 
-def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = None, worker: bool = False) -> EngineContainer:
-    """pool: of a disaggregated service, "prefill" or "decode" (None: one pool serves both phases). worker: a group's pod
-    other than its leader (`kvpilot serve-worker`: its ranks, and /health and /ready)."""
+def kvpilot_engine_values(spec: InferenceServiceSpec, name: str, pool: str | None = None) -> dict:
+    """The EngineConfig fields a kvpilot pod of the service runs with (pool: as kvpilot_container's)."""
     s = spec.engine_settings
     values = {"model": model_argument(spec), "served_model_name": served_name(spec, name),
               "tensor_parallel_size": s.tensor_parallel_size, "pipeline_parallel_size": s.pipeline_parallel_size}
@@ -220,6 +221,35 @@ def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = 
         values |= {"kv_offload_dir": KV_TIER_DIR, "kv_offload_size": kv_offload_bytes(s.kv_offload)}
     if s.kv_offload and s.kv_offload.host_size:
         values["kv_host_offload_size"] = parse_quantity(s.kv_offload.host_size)
+    return values
+
+
+def kv_capacity_problem(spec: InferenceServiceSpec, name: str, pool: str | None = None) -> str | None:
+    """Why a service's KV cache cannot hold one sequence of its maxModelLen (None: it can, or the operator cannot tell),
+    for a model whose KV layout the operator knows (a bundled one: by name or by its fetch address) and a budget set in
+    bytes (CPU pods; kvCacheMemory): refused here as vLLM refuses at start-up, rather than served with a shorter context."""
+    bundled = bundled_model(spec.model.source)
+    config = EngineConfig(**kvpilot_engine_values(spec, name, pool))
+    budget_known = spec.resources.cpu_only or "kv_cache_memory" in config.model_fields_set
+    if bundled is None or bundled.kv_layout is None or config.max_model_len is None or not budget_known:
+        return None
+    layout, cuda = bundled.kv_layout, not spec.resources.cpu_only
+    tokens = capacity_tokens(layout, config, cuda)
+    if tokens is None or tokens >= config.max_model_len:
+        return None
+    per_token = layout.token_bytes(kv_element_bytes(config, cuda), config.tensor_parallel_size)
+    kinds = f"{per_token['full']:,} bytes per token on its {layout.full_layers} full-attention layers"
+    if layout.window_layers:
+        kinds += (f", {per_token['sliding_window']:,} on its {layout.window_layers} sliding-window layers (which keep "
+                  f"{layout.window} tokens of a sequence)")
+    return (f"kvCacheMemory={config.kv_cache_memory:,} bytes per rank holds {tokens:,} tokens of {spec.model.source} ({kinds}), fewer than "
+            f"maxModelLen={config.max_model_len:,}: raise kvCacheMemory or lower maxModelLen")
+
+
+def kvpilot_container(spec: InferenceServiceSpec, name: str, pool: str | None = None, worker: bool = False) -> EngineContainer:
+    """pool: of a disaggregated service, "prefill" or "decode" (None: one pool serves both phases). worker: a group's pod
+    other than its leader (`kvpilot serve-worker`: its ranks, and /health and /ready)."""
+    s, values = spec.engine_settings, kvpilot_engine_values(spec, name, pool)
     # EngineConfig validates here, in the operator, so a bad combination is a status condition, not a crash loop.
     engine_args = EngineConfig(**values).to_cli_args()
     if worker:  # (validated as a worker too: a rank and a leader address stand for LeaderWorkerSet's)

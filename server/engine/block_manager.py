@@ -16,6 +16,8 @@ of the window of the sequence's next query goes back (to the free queue, findabl
 not evicted), its entry then the pool's null block, which no kernel reads (they read nothing before a
 window). A sequence holds at most ceil(window / block_size) + 1 such blocks from one step to the next,
 plus its step's new ones. A prefix hit counts only as far as the window's blocks before its end are cached too.
+Blocks written from outside the cache (a KV tier's, `num_loaded`) take a window block only where the first
+computed query sees them; a block joins a tier (on_cached) only while its window block is held.
 """
 
 from __future__ import annotations
@@ -154,11 +156,12 @@ class WindowPool:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: bytes = TEST_SALT,
                  adapter_fingerprint: Callable[[int], bytes] | None = None,
-                 on_cached: Callable[[int, bytes, bytes, tuple[int, ...]], None] | None = None,
+                 on_cached: Callable[[int, int, bytes, bytes, tuple[int, ...]], None] | None = None,
                  events: KVEventRecorder | None = None, window: WindowPool | None = None):
         """salt: cache_salt of the engine's identity; adapter_fingerprint: a LoRA adapter id -> the
-        digest of its files (the registry's); on_cached(block id, key, parent key, token ids): a block
-        just joined the prefix cache (a KV tier saves it); events: told what joins and leaves the
+        digest of its files (the registry's); on_cached(block id, window block id, key, parent key, token ids): a
+        block just joined the prefix cache (a KV tier saves it; the window id is the block id without a window pool);
+        events: told what joins and leaves the
         prefix cache (KV events for routers); window: the sliding-window layers' pool (the module's
         docstring), None: every layer reads the block table."""
         self.window = window
@@ -227,7 +230,7 @@ class BlockManager:
         return hits
 
     # --- allocation -------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = (), num_loaded: int = 0) -> bool:
         have = len(seq.block_table) + len(cached)
         need = self.blocks_needed(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens) - have
         reusable = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # they leave the free queue
@@ -235,24 +238,26 @@ class BlockManager:
             return False
         if self.window is None:
             return True
-        first = self.window.first_needed(seq.num_computed_tokens + len(cached) * self.block_size)
+        first = self.window.first_needed(seq.num_computed_tokens + len(cached) * self.block_size + num_loaded)
         found = [self.window.find(self.blocks[b].hash, self.blocks[b].token_ids) for j, b in enumerate(cached, len(seq.block_table)) if j >= first]
-        return max(need, 0) + sum(1 for w in found if self.window.blocks[w].ref_count == 0) <= len(self.window.free)
+        fresh = sum(1 for j in range(have, have + need) if j >= first)
+        return fresh + sum(1 for w in found if self.window.blocks[w].ref_count == 0) <= len(self.window.free)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None) -> bool:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] | None = None, num_loaded: int = 0) -> bool:
         """Take the cached prefix blocks that match_prefix found (first admission only) and enough
-        fresh blocks for num_new_tokens more tokens. All or nothing: returns False and changes nothing
-        (counters included) if short — but with a window pool, the blocks no coming query of seq sees
-        have gone back first."""
+        fresh blocks for num_new_tokens more tokens, the first num_loaded of them written from outside the
+        cache (a KV tier's full blocks: with a window pool, only those the first computed query sees take
+        a window block). All or nothing: returns False and changes nothing (counters included) if short —
+        but with a window pool, the blocks no coming query of seq sees have gone back first."""
         looked_up, cached = cached is not None, cached or []
         if self.window is not None:  # what no coming query sees goes back first (it counts as room)
             self.window.release_before(seq, self.window.first_needed(seq.num_computed_tokens))
-        if not self.can_allocate(seq, num_new_tokens, cached):
+        if not self.can_allocate(seq, num_new_tokens, cached, num_loaded):
             return False
         if looked_up:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += len(cached) * self.block_size
-        first = self.window.first_needed(seq.num_computed_tokens + len(cached) * self.block_size) if self.window is not None else 0
+        first = self.window.first_needed(seq.num_computed_tokens + len(cached) * self.block_size + num_loaded) if self.window is not None else 0
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -270,9 +275,9 @@ class BlockManager:
             seq.record_cached_prompt(seq.num_computed_tokens, "device")
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         for _ in range(need):
-            seq.block_table.append(self._take_fresh())
             if self.window is not None:
-                seq.window_table.append(self.window.take_fresh())
+                seq.window_table.append(self.window.take_fresh() if len(seq.block_table) >= first else self.window.null)
+            seq.block_table.append(self._take_fresh())
         return True
 
     def _take_fresh(self) -> int:
@@ -302,8 +307,10 @@ class BlockManager:
             if block.hash is None:
                 block.hash, block.token_ids = h, chunk
                 joined = self.cached.setdefault(h, block.block_id) == block.block_id  # (an identical block computed alongside keeps the first)
-                if joined and self.on_cached is not None:
-                    self.on_cached(block.block_id, h, parent, chunk)
+                window = block.block_id if self.window is None else seq.window_table[i] if i < len(seq.window_table) else self.window.null
+                if joined and self.on_cached is not None and (self.window is None or window != self.window.null):
+                    # (not when its window layers' block went back already, a block loaded past the window: a tier holds whole blocks)
+                    self.on_cached(block.block_id, window, h, parent, chunk)
             if self.events is not None:
                 if joined:
                     run.append(h)

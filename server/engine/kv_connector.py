@@ -75,7 +75,7 @@ class KVConnectorWorker:
         """Ranks 1…N−1: a KVWork as rank 0 decided it — the saved blocks copied first (a load may reuse
         a block), then the loads (the keys of those that failed here), then the copies into the tiers
         and the host tier's evictions."""
-        copies = [self.worker.block_bytes(s.block_id) if s.to_host or s.to_disk else None for s in work.saves]
+        copies = [self.worker.block_bytes(s.block_id, s.window_block) if s.to_host or s.to_disk else None for s in work.saves]
         failed: list[bytes] = []
         if work.loads:
             try:
@@ -100,7 +100,7 @@ class KVConnectorWorker:
         The keys of the blocks that could not be (logged)."""
         started = time.monotonic()
         self.worker.settle_writes()  # (on a GPU: nothing queued may still write these blocks, or copy them off)
-        written: list[tuple[int, Payload]] = []
+        written: list[tuple[int, int, Payload]] = []
         remote: dict[int, list[LoadedBlock]] = {}
         failed: list[bytes] = []
         for i, block in enumerate(blocks):
@@ -117,7 +117,7 @@ class KVConnectorWorker:
                             self.rank, block.key.hex()[:16], block.source)
                 failed.append(block.key)
             else:
-                written.append((block.block_id, payload))
+                written.append((block.block_id, block.window_block, payload))
         self.worker.write_blocks(written)
         for peer, reads in remote.items():
             agent, deadline = peers[peer][self.rank], started + read_seconds[peer]
@@ -146,6 +146,7 @@ class KVConnectorWorker:
 @dataclass(slots=True)
 class _Save:
     block_id: int
+    window_block: int
     key: bytes
     parent: bytes
     token_ids: tuple[int, ...]
@@ -231,10 +232,10 @@ class KVConnector:
         load.done.set()
         return load
 
-    def block_cached(self, block_id: int, key: bytes, parent: bytes, token_ids: tuple[int, ...]) -> None:
+    def block_cached(self, block_id: int, window_block: int, key: bytes, parent: bytes, token_ids: tuple[int, ...]) -> None:
         """The block manager's word that a full block joined the prefix cache: saved at the next flush
         (save_cached, right after the scheduler counted the step: before any step can reuse it)."""
-        self._saves.append(_Save(block_id, key, parent, tuple(token_ids)))
+        self._saves.append(_Save(block_id, window_block, key, parent, tuple(token_ids)))
 
     # --- the engine's step -----------------------------------------------------------------------
     def save_cached(self) -> None:
@@ -247,9 +248,9 @@ class KVConnector:
         for save in saves:
             copied: list[Payload] = []
 
-            def copy(block_id=save.block_id, copied=copied) -> Payload:
+            def copy(save=save, copied=copied) -> Payload:
                 if not copied:
-                    copied.append(self.own.worker.block_bytes(block_id))
+                    copied.append(self.own.worker.block_bytes(save.block_id, save.window_block))
                 return copied[0]
 
             to_host = self.host is not None and not self.host.has(save.key)
@@ -257,23 +258,23 @@ class KVConnector:
                 evicted += self.host.put(save.key, save.parent, save.token_ids, copy())
             to_disk = self.disk is not None and self.disk.save(save.key, save.parent, save.token_ids, copy)
             if to_host or to_disk:
-                sent.append(SavedBlock(save.block_id, save.key, save.parent, list(save.token_ids), to_host, to_disk))
+                sent.append(SavedBlock(save.block_id, save.window_block, save.key, save.parent, list(save.token_ids), to_host, to_disk))
         if self.workers is not None and (sent or evicted):  # (a key evicted, then saved again in this batch, stays)
             self.workers.send(KVWork(sent, [], [key for key in evicted if not self.host.has(key)], []))
 
     def load(self, loads: list[tuple[Sequence, int, BlockLoad, int]]) -> list[Sequence]:
-        """Write the step's loaded blocks ((sequence, cache block, its load, index in the load)) on every
+        """Write the step's loaded blocks ((sequence, cache block, window block, its load, index in the load)) on every
         rank; the sequences whose loads failed somewhere (every rank dropped them: computed instead). A
         pulled block is not read past the time its prefill engine holds it."""
         if not loads:
             return []
         started, now = time.perf_counter(), time.monotonic()
-        late = {id(load) for _, _, load, _ in loads if load.remote is not None and now > load.remote.read_by}
+        late = {id(load) for _, _, _, load, _ in loads if load.remote is not None and now > load.remote.read_by}
         if late:
             log.warning("KV transfer: %d pulled loads waited past their prefill engine's hold: computed instead", len(late))
-        doing = [entry for entry in loads if id(entry[2]) not in late]
+        doing = [entry for entry in loads if id(entry[3]) not in late]
         blocks, own, peers, read_seconds, peer_index = [], [], [], [], {}
-        for _, block_id, load, i in doing:
+        for _, block_id, window_block, load, i in doing:
             source = "host" if i < load.num_host else load.source
             remote_block, peer = -1, -1
             if source == "p2p":
@@ -282,8 +283,8 @@ class KVConnector:
                     peers.append(load.remote.peers)
                     read_seconds.append(max(0.0, min(NIXL_READ_TIMEOUT_S, self.config.kv_transfer_timeout, load.remote.hold_ends - now)))
                 remote_block = load.remote.block_ids[i]
-            blocks.append(LoadedBlock(block_id, load.keys[i], load.keys[i - 1] if i else load.parent, list(load.chunks[i]), source,
-                                      remote_block, peer))
+            blocks.append(LoadedBlock(block_id, window_block, load.keys[i], load.keys[i - 1] if i else load.parent, list(load.chunks[i]),
+                                      source, remote_block, peer))
             own.append(load.payloads[i])
         failed_keys: set[bytes] = set()
         if blocks:
@@ -296,17 +297,17 @@ class KVConnector:
                 failed_keys = {block.key for block in blocks}
             if self.workers is not None:
                 failed_keys = self.workers.agree(failed_keys)  # every rank's failures, on every rank
-        failed = {seq.seq_id: seq for (seq, _, load, _), block in zip(doing, blocks) if block.key in failed_keys or id(load) in late}
-        failed |= {seq.seq_id: seq for seq, _, load, _ in loads if id(load) in late}
+        failed = {seq.seq_id: seq for (seq, _, _, load, _), block in zip(doing, blocks) if block.key in failed_keys or id(load) in late}
+        failed |= {seq.seq_id: seq for seq, _, _, load, _ in loads if id(load) in late}
         outcome: dict[int, tuple[BlockLoad, bool]] = {}
-        for (seq, _, load, i), block in zip(doing, blocks):
+        for (seq, _, _, load, i), block in zip(doing, blocks):
             ok = seq.seq_id not in failed
             load.payloads[i] = None  # written (or not): its read buffer is free again (kv_tiers.py)
             load.num_written += ok
             outcome[id(load)] = (load, outcome.get(id(load), (load, True))[1] and ok)
             if not ok:
                 self._forget(block, block.key in failed_keys)
-        for _, _, load, _ in loads:
+        for _, _, _, load, _ in loads:
             if id(load) in late:
                 outcome[id(load)] = (load, False)
         for load, ok in outcome.values():

@@ -34,7 +34,8 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    kv_loads: list[tuple[Sequence, int, Any, int]] = field(default_factory=list)  # (sequence, block id, its BlockLoad, index there): written before the step
+    # (sequence, block id, window block id, its BlockLoad, index there): written before the step
+    kv_loads: list[tuple[Sequence, int, int, Any, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -190,13 +191,14 @@ class Scheduler:
                     break
                 n = budget
             counted = (seq.num_cached_tokens, dict(seq.cached_sources), loaded * self.bm.block_size) if loaded else None  # (before allocate counts the hits)
-            if not self.bm.allocate(seq, n + loaded * self.bm.block_size, cached):
+            if not self.bm.allocate(seq, n + loaded * self.bm.block_size, cached, loaded * self.bm.block_size):
                 break
             if loaded:  # fresh blocks after the in-memory hits, to hold what the tier read
                 seq.counted_before_load = counted
                 first, load = len(cached), seq.kv_load
                 start = first - load.first_index
-                seq.kv_writes = [(block_id, load, start + j) for j, block_id in enumerate(seq.block_table[first:first + loaded])]
+                seq.kv_writes = [(block_id, window_id, load, start + j) for j, (block_id, window_id)
+                                 in enumerate(zip(seq.block_table[first:first + loaded], self._window_ids(seq)[first:first + loaded]))]
                 load.num_taken = loaded
                 seq.num_computed_tokens += loaded * self.bm.block_size
                 self._record_loaded(seq, len(cached or ()), loaded)
@@ -219,6 +221,11 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(passed))  # back at the front, in their order
         return batch
+
+    def _window_ids(self, seq: Sequence) -> list[int]:
+        """seq's blocks' ids in the sliding-window layers' caches: its window table with a pool (the pool's null, whose
+        writes no kernel reads, for a block out of the window), else its block table (every layer's cache)."""
+        return seq.window_table if self.bm.window is not None else seq.block_table
 
     @staticmethod
     def _write_some(seq: Sequence, batch: ScheduledBatch, most: int) -> None:
@@ -310,7 +317,7 @@ class Scheduler:
     def _let_go(self, seq: Sequence) -> None:
         """seq's load from outside the cache, not all written, is given up (its sequence ended or was
         preempted): whoever holds its blocks for it may let them go (a prefill engine)."""
-        load = seq.kv_load if seq.kv_load is not None else seq.kv_writes[0][1] if seq.kv_writes else None
+        load = seq.kv_load if seq.kv_load is not None else seq.kv_writes[0][2] if seq.kv_writes else None
         if load is not None and self.connector is not None:
             self.connector.abandon(load)
         seq.kv_load, seq.kv_writes = None, []

@@ -52,7 +52,7 @@ class Sequence:
     mask_steps: int = 0                   # this many rows (a step with k proposed tokens has k + 1)
     kv_load: Any = None                   # the KV connector: its read of blocks past the in-memory prefix hits (kv_tiers.BlockLoad), until admitted
     tier_looked_up: bool = False          # whether that read was looked for since it last waited with no blocks
-    kv_writes: list = field(default_factory=list)  # admitted: (block id, its BlockLoad, index there) not yet in the cache
+    kv_writes: list = field(default_factory=list)  # admitted: (block id, window block id, its BlockLoad, index there) not yet in the cache
     # admitted with loaded blocks: what was counted as cached before, and the tokens loaded (undone if the load fails)
     counted_before_load: tuple[int, dict, int] | None = None
     # Speculative decoding: this step's proposal (verified in the step, then cleared).

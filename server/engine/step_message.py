@@ -99,6 +99,7 @@ class SavedBlock(msgspec.Struct, array_like=True, frozen=True):
     """A block that joined rank 0's prefix cache: each rank copies its shard to the tiers rank 0 did."""
 
     block_id: int
+    window_block: int               # its row in the sliding-window layers' pool (block_id without one)
     key: bytes
     parent: bytes
     token_ids: list[int]
@@ -118,6 +119,7 @@ class LoadedBlock(msgspec.Struct, array_like=True, frozen=True):
     """A fresh block of the next step, to fill with this rank's shard of a block from outside the cache."""
 
     block_id: int
+    window_block: int               # its row in the sliding-window layers' pool (block_id without one)
     key: bytes
     parent: bytes
     token_ids: list[int]

@@ -29,6 +29,7 @@ from kvpilot.server.engine.model_io import InputBuilder, ModelInput, ModelOutput
 from kvpilot.server.engine.sampler import PendingSample, Sampler
 from kvpilot.server.engine.sequence import PLACEHOLDER_TOKEN
 from kvpilot.server.engine.step_message import Describe, DescribePeers, KVWork, SetAdapter, Step, StepBatch, Stop, WorkerBatch
+from kvpilot.server.kv_layout import KVLayout, why_no_window_pool, window_pool_split
 from kvpilot.server.models.decoder import DecoderModel, WeightSource
 from kvpilot.server.models.sharding import PipelineStage, TensorParallel
 
@@ -249,31 +250,14 @@ class Worker:
                  sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches) / 2**20, self.kv_dtype)
 
     def _why_no_window_pool(self) -> str | None:
-        """Why the model's sliding-window layers share the block table (none: a pool of their own, block_manager.WindowPool).
-        From the config alone, which every rank has (a drafter may live on rank 0 only)."""
-        c, cfg = self.model.config, self.config
-        if not c.mixed_windows:
-            return "the model has no sliding-window layers beside global ones"
-        for on, what in ((cfg.kv_host_offload_size or cfg.kv_offload_dir, "the KV tiers save and load whole blocks"),
-                         (cfg.kv_role != "none", "prefill/decode handoffs move whole blocks"),
-                         (self.stage is not None, "pipeline stages split the layers"),
-                         (cfg.speculative_method in ("draft", "eagle3"), "a drafter's cache shares the block table"),
-                         (not cfg.enable_chunked_prefill, "without chunked prefill a whole prompt's blocks are held at once")):
-            if on:
-                return what
-        return None
+        """Why the model's sliding-window layers share the block table (none: a pool of their own, block_manager.WindowPool)."""
+        return why_no_window_pool(KVLayout.of(self.model.config), self.config)
 
     def _window_pool_split(self, budget: int) -> tuple[int, int]:
-        """(global blocks, window blocks) of the budget: the window layers' pool holds a window and two blocks for each of
-        max_num_seqs sequences, and a step's tokens (a chunk's blocks are all held while it runs), but never more than
-        one shared table would have; the global layers take the rest (never fewer than with one shared table)."""
-        c, bs = self.model.config, self.block_size
+        """(global blocks, window blocks) of the budget (kv_layout.window_pool_split), the fewest any rank has room for."""
         per_layer = self.bytes_per_block // len(self.model.layers)
-        windowed = sum(1 for i in range(c.num_layers) if c.window(i))
-        wanted = self.config.max_num_seqs * (-(-c.sliding_window // bs) + 2) + -(-self.config.max_num_batched_tokens // bs)
-        window_blocks = self._agreed(min(wanted, self.num_blocks))
-        global_blocks = self._agreed((budget - (window_blocks + 1) * windowed * per_layer) // ((c.num_layers - windowed) * per_layer) - 1)
-        return max(global_blocks, self.num_blocks), window_blocks
+        full, window = window_pool_split(KVLayout.of(self.model.config), budget, per_layer, self.num_blocks, self.config)
+        return self._agreed(full), self._agreed(window)
 
     def _agreed(self, num_blocks: int) -> int:
         """The fewest blocks any rank has room for (the block manager hands out block ids every rank holds)."""
@@ -457,25 +441,32 @@ class Worker:
         layers = list(self.kv_caches) + (self.drafter.cache_layers() if self.drafter is not None else [])
         return [t for k, v in layers for t in (k, v)]
 
+    def window_regions(self) -> list[bool]:
+        """For each of cache_regions(): whether its rows are the sliding-window layers' pool's (a block's row there is its
+        window table's id, not its block table's)."""
+        windowed = [bool(self.model.window_pool and layer.attn.window) for layer in self.model.layers]
+        return [w for w in windowed for _ in "kv"] + [False] * (len(self.cache_regions()) - 2 * len(windowed))
+
     def block_layout(self) -> tuple[list[list], int]:
         """The layout of block_bytes(): each region's dtype and block shape, in order; and the size."""
         regions = self.cache_regions()
         layout = [[str(r.dtype), list(r.shape[1:])] for r in regions]
         return layout, sum(r[0].numel() * r.element_size() for r in regions)
 
-    def block_bytes(self, block_id: int) -> bytes | HostCopy:
+    def block_bytes(self, block_id: int, window_block: int) -> bytes | HostCopy:
         """A copy of one cache block's K/V (block_layout()), off the device, taken before the block can
-        be reused. On CUDA it is queued on a side stream after the work queued so far (the step that
-        computed the block may still run) into pinned memory: the host goes on, and the next step waits
-        for the copy before it can overwrite anything (launch)."""
-        regions = self.cache_regions()
+        be reused (window_block: its row in the sliding-window layers' pool; block_id without one). On CUDA
+        it is queued on a side stream after the work queued so far (the step that computed the block may
+        still run) into pinned memory: the host goes on, and the next step waits for the copy before it can
+        overwrite anything (launch)."""
+        rows = [(r, window_block if w else block_id) for r, w in zip(self.cache_regions(), self.window_regions())]
         if self.device.type != "cuda":
-            return b"".join(r[block_id].view(torch.uint8).numpy().tobytes() for r in regions)
+            return b"".join(r[row].view(torch.uint8).numpy().tobytes() for r, row in rows)
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
-            stacked = torch.cat([r[block_id].view(torch.uint8).flatten() for r in regions])
+            stacked = torch.cat([r[row].view(torch.uint8).flatten() for r, row in rows])
             host = torch.empty(stacked.shape, dtype=torch.uint8, pin_memory=True)
             host.copy_(stacked, non_blocking=True)
             done = torch.cuda.Event()
@@ -484,18 +475,19 @@ class Worker:
         return HostCopy(host, done)
 
     def write_blocks(self, loads) -> None:
-        """Fill cache blocks with this rank's K/V read from a tier ((block id, payload) pairs, payloads in
-        block_bytes' layout). The blocks gathered LOAD_CHUNK at a time into one staging buffer (kept: a fresh 176 MB tensor
+        """Fill cache blocks with this rank's K/V read from a tier ((block id, window block id, payload), payloads in
+        block_bytes' layout; a window block id the pool's null: its rows land in the pool's scratch block, read by no
+        kernel). The blocks gathered LOAD_CHUNK at a time into one staging buffer (kept: a fresh 176 MB tensor
         for a 4,000-token prompt cost more in page faults than the copy), then one copy per region (a
         block at a time was 15,000 small copies)."""
         loads = list(loads)
         if loads and self._load_staging is None:
             self.stage_block_writes()
-        regions = self.cache_regions()
+        regions = list(zip(self.cache_regions(), self.window_regions()))
         for start in range(0, len(loads), LOAD_CHUNK):
             chunk = loads[start:start + LOAD_CHUNK]
             host = []
-            for _, payload in chunk:
+            for _, _, payload in chunk:
                 if isinstance(payload, HostCopy):  # the host tier's pinned copy (once its copy off the device is done)
                     payload.done.synchronize()
                     host.append(payload.host)
@@ -507,13 +499,15 @@ class Worker:
             torch.stack(host, out=staged)
             # (synchronous on CUDA: the staging buffer is refilled for the next chunk)
             moved = staged.to(self.device)
-            ids = torch.tensor([block_id for block_id, _ in chunk], device=self.device)
+            ids = torch.tensor([block_id for block_id, _, _ in chunk], device=self.device)
+            window_ids = torch.tensor([window_id for _, window_id, _ in chunk], device=self.device)
             offset = 0
-            for region in regions:
+            for region, windowed in regions:
                 size = region[0].numel() * region.element_size()
                 # as the region's dtype (a copy of bytes is 3× slower); float8 as bytes (torch has no index_copy_ for it)
                 dtype = torch.uint8 if region.dtype == FP8_KV else region.dtype
-                region.view(dtype).view(region.shape[0], -1).index_copy_(0, ids, moved[:, offset:offset + size].view(dtype))
+                region.view(dtype).view(region.shape[0], -1).index_copy_(0, window_ids if windowed else ids,
+                                                                         moved[:, offset:offset + size].view(dtype))
                 offset += size
 
     def settle_writes(self) -> None:
