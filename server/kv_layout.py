@@ -1,9 +1,11 @@
 """What a model's KV cache costs, by kind of layer, and how an engine's budget splits into blocks: torch-free, so that the
 operator sizes a service with the numbers the engine's worker uses (one source of truth).
 
-A full-attention layer keeps every token of a sequence; a sliding-window layer (Gemma 3's five in six, block_manager.WindowPool)
-keeps, in a pool of its own, only the blocks its next query sees. The worker splits its budget into the two pools
-(window_pool_split); without a pool (the reasons: why_no_window_pool) every layer keeps every block.
+A full-attention layer keeps every token of a sequence; a sliding-window layer (Gemma 3's five in six, Mistral v0.1's
+every one: block_manager.WindowPool) keeps, in a pool of its own, only the blocks its next query sees. The worker splits
+its budget into the two pools (window_pool_split); where every layer is windowed, the pool has all of it and a
+sequence's block table is bookkeeping (prefix keys, the order of its blocks) over no memory. Without a pool (the
+reasons: why_no_window_pool) every layer keeps every block.
 """
 
 from __future__ import annotations
@@ -33,11 +35,6 @@ class KVLayout:
         windowed = sum(1 for i in range(config.num_layers) if config.window(i))
         return cls(config.num_kv_heads, config.head_dim, config.num_layers - windowed, windowed, config.sliding_window if windowed else 0)
 
-    @property
-    def mixed(self) -> bool:
-        """Sliding-window layers beside full-attention ones (a window pool pairs with the full layers' block table)."""
-        return bool(self.full_layers and self.window_layers)
-
     def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
         """A rank's KV heads (sharding.py: split when there are enough, else one replicated)."""
         return self.num_kv_heads // tensor_parallel_size if self.num_kv_heads >= tensor_parallel_size else 1
@@ -64,8 +61,8 @@ def kv_element_bytes(config: EngineConfig, cuda: bool) -> int:
 def why_no_window_pool(layout: KVLayout, config: EngineConfig) -> str | None:
     """Why a model's sliding-window layers share the block table (None: a pool of their own). From the config alone,
     which every rank has (a drafter may live on rank 0 only)."""
-    if not layout.mixed:
-        return "the model has no sliding-window layers beside global ones"
+    if not layout.window_layers:
+        return "the model has no sliding-window layers"
     for on, what in ((config.kv_role != "none", "prefill/decode handoffs move whole blocks"),
                      (config.pipeline_parallel_size > 1, "pipeline stages split the layers"),
                      (config.speculative_method in ("draft", "eagle3"), "a drafter's cache shares the block table"),
@@ -75,12 +72,16 @@ def why_no_window_pool(layout: KVLayout, config: EngineConfig) -> str | None:
     return None
 
 
-def window_pool_split(layout: KVLayout, budget: int, layer_block_bytes: int, shared_blocks: int, config: EngineConfig) -> tuple[int, int]:
+def window_pool_split(layout: KVLayout, budget: int, layer_block_bytes: int, shared_blocks: int, config: EngineConfig,
+                      max_position: int) -> tuple[int, int]:
     """(full-attention blocks, window blocks) of a budget: the window layers' pool holds a window and two blocks for
     each of max_num_seqs sequences, and a step's tokens (a chunk's blocks are all held while it runs), but never more
     than one shared table would have (shared_blocks); the full layers take the rest (never fewer than shared_blocks).
-    layer_block_bytes: one layer's K and V of one block."""
+    Every layer windowed: the pool takes the whole budget (shared_blocks), and the block table (bookkeeping only) has
+    room for max_num_seqs sequences of max_position tokens. layer_block_bytes: one layer's K and V of one block."""
     bs = config.block_size
+    if not layout.full_layers:
+        return config.max_num_seqs * -(-max_position // bs), shared_blocks
     wanted = config.max_num_seqs * (-(-layout.window // bs) + 2) + -(-config.max_num_batched_tokens // bs)
     window_blocks = min(wanted, shared_blocks)
     full_blocks = (budget - (window_blocks + 1) * layout.window_layers * layer_block_bytes) // (layout.full_layers * layer_block_bytes) - 1
@@ -91,11 +92,13 @@ def capacity_tokens(layout: KVLayout, config: EngineConfig, cuda: bool = False) 
     """Tokens of one sequence the engine's cache holds with a budget of config.kv_cache_memory per rank (the engine lowers
     max_model_len to it): its full-attention layers' blocks, the window pool split off as the worker splits it (one block
     of each pool is the scratch block). None where the model's layout alone does not say (a drafter's cache in the same
-    blocks, pipeline stages' layers)."""
+    blocks, pipeline stages' layers) or where the cache bounds no sequence's length (every layer windowed, with a pool)."""
     if config.speculative_method in ("draft", "eagle3") or config.pipeline_parallel_size > 1:
         return None
     layer_block_bytes = layout.layer_block_bytes(config.block_size, kv_element_bytes(config, cuda), config.tensor_parallel_size)
     shared = config.kv_cache_memory // (layer_block_bytes * (layout.full_layers + layout.window_layers)) - 1
     if shared < 1 or why_no_window_pool(layout, config):
         return max(shared, 0) * config.block_size
-    return window_pool_split(layout, config.kv_cache_memory, layer_block_bytes, shared, config)[0] * config.block_size
+    if not layout.full_layers:
+        return None
+    return window_pool_split(layout, config.kv_cache_memory, layer_block_bytes, shared, config, 0)[0] * config.block_size

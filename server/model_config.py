@@ -106,11 +106,6 @@ class ModelConfig:
             return 0
         return self.sliding_window if not self.sliding_layers or self.sliding_layers[layer] else 0
 
-    @property
-    def mixed_windows(self) -> bool:
-        """Some layers attend globally and some through the window (a sequence's window-layer blocks can be freed early)."""
-        return bool(self.sliding_window) and len(set(self.sliding_layers)) > 1
-
 
 def gemma3_sliding_layers(num_layers: int) -> tuple[bool, ...]:
     return tuple((i + 1) % GEMMA3_GLOBAL_EVERY != 0 for i in range(num_layers))

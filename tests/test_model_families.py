@@ -65,6 +65,8 @@ def test_checkpoint_matches_transformers(family_checkpoints, family):
     assert len({tuple(r.tokens) for r in oracle}) == len(oracle) and all(len(set(r.tokens)) > 3 for r in oracle)  # not a degenerate model
     engine = llm(directory)
     assert engine.engine.model_config.family.architecture == CASES[family].architecture
+    # the windowed families' layers through their pool (block_manager.WindowPool): Gemma 3's beside global ones, Mistral's all
+    assert (engine.engine.block_manager.window is not None) == (family in ("mistral", "gemma3"))
     if CASES[family].dtype != "float32":  # stored in bf16, computed in fp32 (as HF's oracle does)
         from safetensors import safe_open
 
@@ -153,8 +155,23 @@ def test_sliding_window_models_serve_past_their_window(family_checkpoints):
             assert config.sliding_window == SMALL_WINDOW
             assert [config.window(i) for i in range(config.num_layers)] == \
                 ([SMALL_WINDOW] * 2 if family == "mistral" else [SMALL_WINDOW] * 5 + [0])
+    # Mistral's every layer windowed: the window pool holds the whole cache, the block table is bookkeeping over no memory;
+    # a decoding sequence holds at most window / block size + 1 blocks, and the context is still the model's
     engine = llm(family_checkpoints["mistral"][1], max_model_len=200)
-    assert engine.engine.max_model_len == 200  # every layer windowed: the context is still the model's
+    worker, bm = engine.engine.worker, engine.engine.block_manager
+    assert engine.engine.max_model_len == 200 and worker.bookkeeping_table and bm.window is not None
+    assert {k.shape[0] for k, _ in worker.kv_caches} == {worker.num_window_blocks + 1}
+    held, allocate = [], bm.allocate
+
+    def spy(seq, num_new_tokens, *rest):
+        done = allocate(seq, num_new_tokens, *rest)
+        if done and num_new_tokens == 1:
+            held.append(bm.window.held(seq))
+        return done
+
+    bm.allocate = spy
+    _, tokens, _ = greedy(engine, batched=True)
+    assert held and max(held) <= -(-SMALL_WINDOW // 16) + 1, held
     lengths = [len(engine.engine.tokenizer.encode(p)) for p in PROMPTS]
     assert sum(n > SMALL_WINDOW for n in lengths) >= 2 and all(n + STEPS > SMALL_WINDOW for n in lengths), lengths
     # Gemma 3's local layers beside its global one: a pool of their own (block_manager.WindowPool), the same outputs with the

@@ -696,7 +696,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm, scheduler = self.block_manager, self.scheduler
-        return EngineStats(len(scheduler.running), len(scheduler.waiting), bm.usage(), bm.num_blocks, bm.num_free_blocks,
+        memory = bm.window if self.worker.bookkeeping_table else bm  # (the blocks that hold K/V)
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), bm.usage(), len(memory.blocks), len(memory.free),
                            bm.prefix_queries, bm.prefix_hits, scheduler.num_preemptions,
                            self.kv_connector.external_queries if self.kv_connector else 0, scheduler.external_hit_tokens,
                            scheduler.num_deferred(), list(self._step_tokens), self._step_tokens_sum)

@@ -233,11 +233,13 @@ class Worker:
                              "one is the scratch block)")
         self.num_window_blocks = 0  # the sliding-window layers' own pool (0: none, every layer's cache has num_blocks)
         if self.why_no_window_pool:
-            if self.model.config.mixed_windows:
+            if self.model.config.sliding_window:
                 log.info("sliding-window layers keep every block of a sequence (no pool of their own): %s", self.why_no_window_pool)
         else:
             self.num_blocks, self.num_window_blocks = self._window_pool_split(budget)
             self.model.window_pool = self.inputs.window_pool = True
+        # Every layer windowed, with a pool: the block table holds no K/V (prefix keys and a sequence's order only).
+        self.bookkeeping_table = bool(self.num_window_blocks) and all(layer.attn.window for layer in self.model.layers)
         self.scratch_block = self.num_blocks
         self.kv_caches = self._kv_caches(self.model)
         if self.drafter is not None:
@@ -245,6 +247,8 @@ class Worker:
         self.decode_graphs: DecodeGraphs | None = None
         c = self.model.config
         pool = f" (+ {self.num_window_blocks} for the sliding-window layers)" if self.num_window_blocks else ""
+        if self.bookkeeping_table:
+            pool = f" of bookkeeping ({self.num_window_blocks} for its layers, every one sliding-window)"
         log.info("model %s on %s/%s, weights %.0f MiB (quantization %s), KV cache: %d blocks%s of %d tokens (%.0f MiB, %s)", c.name, self.device,
                  self.dtype, self.model.weight_bytes() / 2**20, self.quantization, self.num_blocks, pool, self.block_size,
                  sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches) / 2**20, self.kv_dtype)
@@ -256,7 +260,8 @@ class Worker:
     def _window_pool_split(self, budget: int) -> tuple[int, int]:
         """(global blocks, window blocks) of the budget (kv_layout.window_pool_split), the fewest any rank has room for."""
         per_layer = self.bytes_per_block // len(self.model.layers)
-        full, window = window_pool_split(KVLayout.of(self.model.config), budget, per_layer, self.num_blocks, self.config)
+        full, window = window_pool_split(KVLayout.of(self.model.config), budget, per_layer, self.num_blocks, self.config,
+                                         self.model.config.max_position)
         return self._agreed(full), self._agreed(window)
 
     def _agreed(self, num_blocks: int) -> int:
