@@ -29,6 +29,7 @@ from kvpilot.kernels.gguf_dequant import (
     dequantize_q8_0,
 )
 from kvpilot.server.model_config import (
+    FAMILIES,
     GEMMA3_LOCAL_ROPE_THETA,
     GGUF_FAMILIES,
     ModelConfig,
@@ -47,7 +48,10 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
                 "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
-                "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+                "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+                # a mixture of experts' router and its experts' weights, stacked [experts, out, in] (llama.cpp's layout)
+                "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+                "ffn_down_exps": "mlp.experts.down_proj"}
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3 RoPE scaling, read into ModelConfig.rope_scaling
 
 
@@ -221,6 +225,8 @@ class GGUFFile:
     def config(self) -> ModelConfig:
         arch = self.architecture
         family = gguf_family_for(arch, self.path.name)
+        if arch == "llama" and self.get("llama.expert_count"):  # Mixtral's GGUFs: the llama architecture with experts
+            family = FAMILIES["MixtralForCausalLM"]
 
         def need(key: str) -> Any:
             value = self.get(f"{arch}.{key}")
@@ -250,7 +256,24 @@ class GGUFFile:
             mlp_bias="blk.0.ffn_down.bias" in self.tensors,
             sliding_window=self.get(f"{arch}.attention.sliding_window"),
             **(self._gemma3_facts(arch, hidden, heads, head_dim) if family.gemma else {}),
+            **(self._moe_facts(arch) if family.moe else {}),
         )
+
+    def _moe_facts(self, arch: str) -> dict[str, Any]:
+        """A mixture of experts' metadata as llama.cpp reads it: the top-k weights renormalised (softmax gating); an expert's
+        inner size expert_feed_forward_length (qwen3moe) or feed_forward_length (Mixtral). MoE layers: those with a
+        router (all of them in llama.cpp's files)."""
+        experts, top_k = self.get(f"{arch}.expert_count"), self.get(f"{arch}.expert_used_count")
+        inner = self.get(f"{arch}.expert_feed_forward_length") or self.get(f"{arch}.feed_forward_length")
+        if not experts or not top_k or not inner or top_k > experts:
+            raise GGUFError(f"{self.path.name}: a mixture of experts needs {arch}.expert_count, {arch}.expert_used_count (at most the "
+                            f"count) and {arch}.expert_feed_forward_length")
+        gating = self.get(f"{arch}.expert_gating_func")
+        if gating not in (None, 1):  # 1: softmax
+            raise GGUFError(f"{self.path.name}: {arch}.expert_gating_func={gating} is not supported (softmax is)")
+        layers = tuple(f"blk.{i}.ffn_gate_inp.weight" in self.tensors for i in range(self.get(f"{arch}.block_count") or 0))
+        return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": inner, "norm_topk_prob": True,
+                "moe_layers": () if all(layers) else layers}
 
     def _gemma3_facts(self, arch: str, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
         """What a gemma3 GGUF does not state, as llama.cpp (and transformers reading the file) fix it: five sliding

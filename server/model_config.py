@@ -27,6 +27,8 @@ class Family:
     qk_norm: bool              # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     gguf_rope_interleaved: bool  # llama.cpp's converter permutes q/k rows for its interleaved RoPE (llama arch only)
     gemma: bool = False  # Gemma's layer: (1 + w) norms (llama.cpp's GGUFs store 1 + w), sandwich norms, embeddings × √hidden
+    moe: str | None = None  # a mixture of experts' checkpoint names: "qwen" (mlp.gate, mlp.experts.{e}.gate_proj…), "mixtral"
+                            # (block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1/w3/w2)
 
 
 FAMILIES = {f.architecture: f for f in (
@@ -35,10 +37,13 @@ FAMILIES = {f.architecture: f for f in (
     Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, qk_norm=False, gguf_rope_interleaved=False),
     Family("Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True, gguf_rope_interleaved=False),
     Family("Gemma3ForCausalLM", "gemma3", qkv_bias=False, qk_norm=True, gguf_rope_interleaved=False, gemma=True),
+    Family("Qwen3MoeForCausalLM", "qwen3moe", qkv_bias=False, qk_norm=True, gguf_rope_interleaved=False, moe="qwen"),
+    Family("MixtralForCausalLM", "llama", qkv_bias=False, qk_norm=False, gguf_rope_interleaved=True, moe="mixtral"),
 )}
 # Mistral's GGUFs say "llama": the GGUF architecture names the Llama family for both.
+# (Mixtral's say "llama" too, with an expert count.)
 GGUF_FAMILIES = {"llama": FAMILIES["LlamaForCausalLM"], "qwen2": FAMILIES["Qwen2ForCausalLM"], "qwen3": FAMILIES["Qwen3ForCausalLM"],
-                 "gemma3": FAMILIES["Gemma3ForCausalLM"]}
+                 "gemma3": FAMILIES["Gemma3ForCausalLM"], "qwen3moe": FAMILIES["Qwen3MoeForCausalLM"]}
 # Gemma 3's layers: every sixth one attends globally, the others through the window, their RoPE base this (what
 # transformers' config defaults to and llama.cpp fixes for the gemma3 architecture, whose GGUFs state neither).
 GEMMA3_GLOBAL_EVERY = 6
@@ -98,6 +103,13 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()
     rope_local_theta: float | None = None  # the RoPE base of the sliding layers when it is not rope_theta (Gemma 3's 10,000)
     query_scale: float | None = None  # the attention's score scale when it is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5)
+    # A mixture of experts (family.moe): each MoE layer's experts, how many a token is routed to, each expert's inner size,
+    # whether the top-k weights are renormalised, and which layers are MoE (() = every one; the others dense MLPs).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()
     hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU)
 
     def window(self, layer: int) -> int:
@@ -105,6 +117,10 @@ class ModelConfig:
         if not self.sliding_window:
             return 0
         return self.sliding_window if not self.sliding_layers or self.sliding_layers[layer] else 0
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether the layer's MLP is a mixture of experts."""
+        return bool(self.num_experts) and (not self.moe_layers or self.moe_layers[layer])
 
 
 def gemma3_sliding_layers(num_layers: int) -> tuple[bool, ...]:
@@ -194,7 +210,26 @@ def config_from_hf(hf: dict[str, Any], name: str, source: str) -> ModelConfig:
         sliding_window=int(window) if window else None,
         hidden_act=HIDDEN_ACTS[act],
         **gemma,
+        **(_moe_facts(hf, family, source) if family.moe else {}),
     )
+
+
+def _moe_facts(hf: dict[str, Any], family: Family, source: str) -> dict[str, Any]:
+    """A mixture of experts' config.json facts (ModelConfig fields). Qwen3-MoE: num_experts (transformers 5 saves
+    num_local_experts), moe_intermediate_size, norm_topk_prob, and its dense layers by decoder_sparse_step and
+    mlp_only_layers; Mixtral: num_local_experts of intermediate_size each, every layer MoE, always renormalised."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    top_k = hf.get("num_experts_per_tok")
+    if not experts or not top_k or not 0 < top_k <= experts:
+        raise ModelFormatError(f"{source}: a mixture of experts needs num_experts (or num_local_experts) and num_experts_per_tok <= it")
+    if family.moe == "mixtral":
+        return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": hf["intermediate_size"], "norm_topk_prob": True}
+    step, dense = hf.get("decoder_sparse_step") or 1, set(hf.get("mlp_only_layers") or ())
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(hf.get("num_hidden_layers") or 0))
+    if not hf.get("moe_intermediate_size"):
+        raise ModelFormatError(f"{source}: config.json has no 'moe_intermediate_size' (each expert's inner size)")
+    return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": hf["moe_intermediate_size"],
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "moe_layers": () if all(layers) else layers}
 
 
 def _gemma3_facts(hf: dict[str, Any], rope: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any]]:

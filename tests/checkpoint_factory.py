@@ -57,6 +57,13 @@ CASES = {c.name: c for c in (
          tie_word_embeddings=False, sliding_window=SMALL_WINDOW, query_pre_attn_scalar=64, hidden_activation="gelu_pytorch_tanh",
          rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                           "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # Qwen3-MoE: 8 experts of 64, two a token, renormalised (as Qwen3-30B-A3B), q/k norms; its second layer a dense MLP
+    # (mlp_only_layers; the GGUF holds no router there either).
+    Case("qwen3moe", "Qwen3MoeForCausalLM", dict(COMMON, num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=False,
+         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1], rope_theta=1000000.0)),
+    # Mixtral: 8 experts of 64 (intermediate_size), two a token, GQA 2:1, untied head.
+    Case("mixtral", "MixtralForCausalLM", dict(COMMON, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+         tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0)),
 )}
 
 
@@ -116,13 +123,14 @@ def build_checkpoint(case: Case, dest: Path, tokenizer_dir: Path, seed: int = 0)
     return dest
 
 
-QWEN_ARCHS = ("qwen2", "qwen3")
+QWEN_ARCHS = ("qwen2", "qwen3", "qwen3moe")
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-             "Gemma3ForCausalLM": "gemma3"}
+             "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama"}
 CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}  # (Gemma3Config is the multimodal model's)
 _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+          "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps"}
 _GEMMA_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
@@ -158,6 +166,13 @@ def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path, types: d
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # (Gemma 3: the global layers'; the local base is implied)
     w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        w.add_uint32(f"{arch}.expert_count", experts)
+        w.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            w.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+        state = _stacked_experts(state, experts)
     if getattr(cfg, "sliding_window", None) and cfg.architectures[0] in ("MistralForCausalLM", "Gemma3ForCausalLM"):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
     rope_type = rope.get("rope_type", "default")
@@ -186,6 +201,26 @@ def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path, types: d
     w.write_tensors_to_file()
     w.close()
     return dest
+
+
+def _stacked_experts(state: dict, experts: int) -> dict:
+    """Per-expert matrices (Qwen3-MoE's mlp.experts.{e}.gate_proj…, Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2) stacked
+    [experts, out, in] under one name each, as llama.cpp's converter writes them."""
+    import re
+
+    import torch
+
+    spelled = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    out, stacks = {}, {}
+    for name, t in state.items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight", name)
+        if m:
+            stacks.setdefault(f"model.layers.{m[1]}.mlp.experts.{spelled.get(m[3], m[3])}.weight", {})[int(m[2])] = t
+        else:
+            out[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = t
+    for name, parts in stacks.items():
+        out[name] = torch.stack([parts[e] for e in range(experts)])
+    return out
 
 
 def _gguf_name(name: str, arch: str) -> str:

@@ -7,7 +7,7 @@ import pytest
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "gemma3", "qwen3moe", "mixtral"])
 def test_two_ranks_and_two_stages_of_two_on_each_family_equal_one(family_checkpoints, family):
     """Checkpoints of the other families over 2 ranks: Qwen2's q/k/v biases split with their heads,
     Llama 3's and Qwen3's single KV head replicated on both ranks (Qwen3 with its q/k norms); then

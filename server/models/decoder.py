@@ -21,6 +21,7 @@ from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight, cat_rows, embedding, quantize_int4, quantize_int8
 from kvpilot.server.layers.attention import PagedSelfAttention
 from kvpilot.server.layers.mlp import SwiGLU
+from kvpilot.server.layers.moe import SparseMoE
 from kvpilot.server.layers.rmsnorm import RMSNorm
 from kvpilot.server.layers.rotary import RotaryEmbedding
 from kvpilot.server.model_config import ModelConfig, ModelFormatError
@@ -45,7 +46,7 @@ class DecoderLayer(nn.Module):
     output is normed before it is added. local_rope: the layer rotates by the model's local RoPE (Gemma 3's
     sliding layers)."""
 
-    def __init__(self, attn: PagedSelfAttention, mlp: SwiGLU, attn_norm: RMSNorm, mlp_norm: RMSNorm,
+    def __init__(self, attn: PagedSelfAttention, mlp: SwiGLU | SparseMoE, attn_norm: RMSNorm, mlp_norm: RMSNorm,
                  post_norms: tuple[RMSNorm, RMSNorm] | None = None, local_rope: bool = False):
         super().__init__()
         self.attn, self.mlp, self.attn_norm, self.mlp_norm = attn, mlp, attn_norm, mlp_norm
@@ -224,7 +225,7 @@ class DecoderModel(nn.Module):
                 qk_norms=(norm(a + "q_norm.weight"), norm(a + "k_norm.weight")) if c.family.qk_norm else None, window=c.window(i),
                 scale=c.query_scale)
             bias = lambda name, rows=None: w(name, rows=rows) if c.mlp_bias else None
-            mlp = SwiGLU(make_linear(w.weight(m + "gate_proj.weight", rows=ffn), bias=bias(m + "gate_proj.bias", ffn),
+            mlp = _sparse_moe(w, c, i, ops, tp) if c.is_moe(i) else SwiGLU(make_linear(w.weight(m + "gate_proj.weight", rows=ffn), bias=bias(m + "gate_proj.bias", ffn),
                                      adapt=adapt(i, ("gate_proj",), hidden, ffn)),
                          make_linear(w.weight(m + "up_proj.weight", rows=ffn), bias=bias(m + "up_proj.bias", ffn), adapt=adapt(i, ("up_proj",), hidden, ffn)),
                          make_linear(w.weight(m + "down_proj.weight", cols=ffn), bias=bias(m + "down_proj.bias"), shard=row_parallel,
@@ -254,6 +255,27 @@ class DecoderModel(nn.Module):
             ignored |= set() if holds_head else {"model.norm.weight", "lm_head.weight"}
         w.check_all_read(ignored=ignored)
         return model
+
+
+def _sparse_moe(w: _WeightReader, c: ModelConfig, layer: int, ops: Ops, tp: TensorParallel | None) -> SparseMoE:
+    """A layer's mixture of experts: its router, and its experts' gate and up rows stacked [experts, 2 * inner, hidden]
+    (down [experts, hidden, inner]), this rank's slice of every expert's inner dimension. Read from per-expert
+    matrices (Qwen3-MoE's mlp.experts.{e}.gate_proj…, Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2) or a GGUF's
+    stacked ones; kept in the compute dtype."""
+    p = f"model.layers.{layer}."
+    lo, hi = tp.split(c.moe_intermediate_size) if tp else (0, c.moe_intermediate_size)
+    if p + "mlp.experts.gate_proj.weight" in w.available:  # a GGUF's [experts, inner, hidden] (down: [experts, hidden, inner])
+        gate, up = (w(p + f"mlp.experts.{k}_proj.weight")[:, lo:hi] for k in ("gate", "up"))
+        down = w(p + "mlp.experts.down_proj.weight")[:, :, lo:hi]
+    else:
+        m, names = (p + "block_sparse_moe.", ("w1", "w3", "w2")) if c.family.moe == "mixtral" else (p + "mlp.", ("gate_proj", "up_proj", "down_proj"))
+        experts = range(c.num_experts)
+        gate, up = (torch.stack([w(f"{m}experts.{e}.{n}.weight", rows=(lo, hi)) for e in experts]) for n in names[:2])
+        down = torch.stack([w(f"{m}experts.{e}.{names[2]}.weight", cols=(lo, hi)) for e in experts])
+    router = p + "mlp.gate.weight" if p + "mlp.gate.weight" in w.available else p + "block_sparse_moe.gate.weight"
+    return SparseMoE(make_linear(w(router)), torch.cat([gate, up], dim=1).contiguous(), down.contiguous(), c.experts_per_token,
+                     c.norm_topk_prob, ops, c.hidden_act, torch.float32 if c.family.moe == "mixtral" else None,
+                     tp.group if tp else None, tp.rank if tp else 0, sharded=tp is not None)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,35 @@
+import torch
+from torch import nn
+
+from kvpilot.kernels.direct_call import direct_call
+from kvpilot.kernels.fused_moe import route
+from kvpilot.kernels.ops import Ops
+
+
+@direct_call
+class SparseMoE(nn.Module):
+    """residual + the token's top-k experts' gated MLPs, weighted by the router (kernels/fused_moe.py). The router is
+    replicated on every rank; under tensor parallelism each rank's experts hold a slice of their inner dimension and
+    the outputs are summed (`group`). weights_dtype: the dtype the expert outputs are weighted in (Qwen3-MoE: the
+    compute dtype, as transformers casts the weights; Mixtral: float32, as transformers keeps them)."""
+
+    def __init__(self, router: nn.Module, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool, ops: Ops,
+                 act: str = "silu", weights_dtype: torch.dtype | None = None, tp_group=None, tp_rank: int = 0, sharded: bool = False):
+        super().__init__()
+        self.router = router
+        self.register_buffer("w13", w13, persistent=False)
+        self.register_buffer("w2", w2, persistent=False)
+        self.top_k, self.renormalize, self.ops, self.act, self.weights_dtype = top_k, renormalize, ops, act, weights_dtype
+        self.sharded, self.tp_group, self.tp_rank = sharded, tp_group, tp_rank
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        weights, ids = route(self.router(x), self.top_k, self.renormalize)
+        out = self.ops.fused_experts(x, self.w13, self.w2, weights.to(self.weights_dtype or x.dtype), ids, self.act)
+        if self.sharded:
+            import torch.distributed as dist
+
+            if residual is not None and self.tp_rank == 0:  # counted once in the sum
+                out = out + residual
+            dist.all_reduce(out, group=self.tp_group)
+            return out
+        return out if residual is None else out + residual
