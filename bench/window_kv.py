@@ -36,8 +36,8 @@ def main() -> None:
     seen: list[tuple[int, int, int]] = []  # (computed tokens, block-table blocks, window-pool blocks) after each allocation
     allocate = bm.allocate
 
-    def spy(seq, num_new_tokens, cached=None):
-        done = allocate(seq, num_new_tokens, cached)
+    def spy(seq, num_new_tokens, *rest):
+        done = allocate(seq, num_new_tokens, *rest)
         if done:
             seen.append((seq.num_computed_tokens + num_new_tokens, len(seq.block_table), bm.window.held(seq)))
         return done

@@ -3,15 +3,20 @@ the tokens routed to it. The fused-experts op takes the step's tokens grouped by
 weights are read once per step whatever the number of its tokens (a loop over tokens would read them once per
 token; a loop over experts with a mask, once per expert but over every token).
 
-Weights, per layer: w13 [experts, 2 * inner, hidden] (each expert's gate rows, then its up rows: one matmul for
-both) and w2 [experts, hidden, inner]. Under tensor parallelism each rank holds every expert with a slice of its
+Weights, per layer (Experts): w13 [experts, 2 * inner, hidden] (each expert's gate rows, then its up rows: one matmul
+for both) and w2 [experts, hidden, inner]; or, quantized, each projection's per-expert panels of GGUF-style blocks
+(ExpertPanels: the C++ kernel runs them with gguf_linear_panel's instruction sets). Under tensor parallelism each rank holds every expert with a slice of its
 inner dimension (as vLLM shards by default), and the outputs are summed over the ranks.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from kvpilot.kernels.quantized import LAYOUTS, PANEL, GGUFWeight, gguf_isa, to_panels
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,3 +49,73 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
         out[order[start:start + n]] = gated @ w2[expert].t()
         start += n
     return (out.view(tokens, k, -1).to(weights.dtype) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class ExpertPanels:
+    """One projection's experts in gguf_linear_panel's panels (quantized.to_panels of each), stacked on a leading
+    dimension: qs, d, m [experts, ...]; out_features rows each."""
+
+    kind: str  # the experts' GGUFWeight kind (one for all)
+    out_features: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    @classmethod
+    def of(cls, experts: list[GGUFWeight]) -> ExpertPanels:
+        kinds = {w.kind for w in experts}
+        if len(kinds) != 1:
+            raise ValueError(f"one projection's experts in one block format, not {sorted(kinds)}")
+        panels = [to_panels(w) for w in experts]
+        stack = lambda i: None if panels[0][i] is None else torch.stack([p[i] for p in panels])  # noqa: E731
+        return cls(experts[0].kind, experts[0].shape[0], stack(0), stack(1), stack(2))
+
+    @property
+    def kernel_kind(self) -> int:
+        return LAYOUTS[self.kind].kernel_kind
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [experts, out_features, in_features]: each lane of each panel read back as its row (the reference's)."""
+        rows = torch.arange(self.out_features, device=self.qs.device)
+        p, lane = rows // PANEL, rows % PANEL
+        pick = lambda t, e: None if t is None else t[e][p, ..., lane].reshape(self.out_features, -1)  # noqa: E731
+        return torch.stack([GGUFWeight(self.kind, pick(self.qs, e), pick(self.d, e), pick(self.m, e)).dequantize()
+                            for e in range(self.qs.shape[0])])
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A layer's experts (this rank's share of each one's inner dimension): dense w13 [experts, 2 * inner, hidden] and
+    w2 [experts, hidden, inner] in the compute dtype, or each projection's panels (quantized: the C++ op's)."""
+
+    inner: int
+    w13: torch.Tensor | None = None
+    w2: torch.Tensor | None = None
+    panels: tuple[ExpertPanels, ExpertPanels, ExpertPanels] | None = None  # gate, up, down
+
+    def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as the reference takes them (quantized ones dequantized: slow, for comparisons)."""
+        if self.panels is None:
+            return self.w13, self.w2
+        gate, up, down = (p.dequantize().to(dtype) for p in self.panels)
+        return torch.cat([gate, up], dim=1), down
+
+
+def fused_experts_reference(x: torch.Tensor, experts: Experts, weights: torch.Tensor, ids: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """The dispatch layer's reference: fused_experts_ref on the experts' dense (or dequantized) matrices."""
+    return fused_experts_ref(x, *experts.dense(x.dtype), weights, ids, act)
+
+
+def fused_experts_cpu(ext, x: torch.Tensor, experts: Experts, weights: torch.Tensor, ids: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """The C++ kernels (kernels/csrc/moe_cpu.cpp): panels for quantized experts, ATen matmuls for float32 / bfloat16 ones
+    (others: the reference). The weights multiply in float32."""
+    gelu, ids, weights = act == "gelu_tanh", ids.contiguous(), weights.float().contiguous()
+    if experts.panels is not None:
+        gate, up, down = experts.panels
+        out = ext.fused_experts_panel(x.float().contiguous(), weights, ids, gate.qs, gate.d, gate.m, gate.kernel_kind, up.qs, up.d, up.m,
+                                      up.kernel_kind, down.qs, down.d, down.m, down.kernel_kind, experts.inner, gelu, gguf_isa())
+        return out.to(x.dtype)
+    if x.dtype in (torch.float32, torch.bfloat16) and experts.w13.dtype == x.dtype:
+        return ext.fused_experts_dense(x.contiguous(), experts.w13, experts.w2, weights, ids, gelu)
+    return fused_experts_reference(x, experts, weights, ids, act)

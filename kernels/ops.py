@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.kernels import cpu_extension
-from kvpilot.kernels.fused_moe import fused_experts_ref
+from kvpilot.kernels.fused_moe import fused_experts_cpu, fused_experts_reference
 from kvpilot.kernels.lora import lora_add_ref_, lora_add_runs_
 from kvpilot.kernels.paged_attention import FP8_KV, NO_SCALES, decode_attention_grouped, paged_attention
 from kvpilot.kernels.rope import Rope, apply_rope
@@ -81,7 +81,7 @@ def _cpu_ops(ext) -> Ops:
 
     return Ops("cpu-c++", rms_norm, rotary_qkv_, partial(paged_attention, decode=decode_attention, prefill=prefill_attention,
                                                               prefill_head_dims=tuple(ext.prefill_attention_head_dims)), graph_safe=False,
-               lora_add_=lora_add_runs_)
+               lora_add_=lora_add_runs_, fused_experts=partial(fused_experts_cpu, ext))
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +93,8 @@ class Ops:
     graph_safe: bool  # a decode step on these ops never reads a device value on the host: a CUDA graph can capture it
     check_shapes: Callable[[int, int], None] = lambda head_dim, block_size: None  # raises for a head_dim / block size they cannot take
     lora_add_: Callable[..., None] = lora_add_ref_  # (y, x, lora_a, lora_b, LoRABatch): y += each row's adapter delta (kernels/lora.py)
-    # (x, w13, w2, weights, ids, act) -> the routed experts' weighted sum (kernels/fused_moe.py); the tokens grouped on the host
-    fused_experts: Callable[..., torch.Tensor] = fused_experts_ref
+    # (x, Experts, weights, ids, act) -> the routed experts' weighted sum (kernels/fused_moe.py); the tokens grouped on the host
+    fused_experts: Callable[..., torch.Tensor] = fused_experts_reference
 
 
 # The torch decode attention sizes its gather by int(context_lens.max()): a host sync, not capturable.

@@ -329,9 +329,10 @@ class GGUFFile:
             t = unpermute_rope_rows(t, c.num_kv_heads if ".k_proj." in name else c.num_heads)
         return t
 
-    def load_packed(self, name: str):
+    def load_packed(self, name: str, expert: int | None = None):
         """A weight by its transformers name kept in its GGUF blocks (kernels.quantized.GGUFWeight), with
-        q/k rows back in half-split RoPE order; None when the file stores it as floats."""
+        q/k rows back in half-split RoPE order; None when the file stores it as floats. expert: of a stacked
+        experts' weight [experts, out, in], that expert's matrix."""
         from kvpilot.kernels.quantized import FIVE_BITS, K_QUANTS, KINDS, GGUFWeight
 
         gguf_name = self._gguf_names[name] if name in self._gguf_names else name
@@ -343,8 +344,12 @@ class GGUFFile:
         if kind not in kept:
             raise GGUFError(f"{self.path.name}: tensor {gguf_name!r} is {kind}; quantization=gguf keeps {', '.join(kept)} blocks "
                             f"(use quantization=none: every GGML type this loader reads is dequantized then)")
-        rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
-        w = GGUFWeight.from_blocks(kind, torch.from_numpy(np.array(t.data, copy=True).view(np.uint8)), rows)
+        raw = np.asarray(t.data).view(np.uint8)
+        if expert is not None:  # ne [in, out, experts]: the expert's rows of blocks
+            rows, raw = int(t.shape[1]), raw.reshape(int(t.shape[-1]), -1)[expert]
+        else:
+            rows = int(t.shape[-1]) if len(t.shape) > 1 else 1
+        w = GGUFWeight.from_blocks(kind, torch.from_numpy(np.array(raw, copy=True)), rows)
         c = self.config
         if c.family.gguf_rope_interleaved and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             w = w.rows(unpermute_rope_rows(torch.arange(rows), c.num_kv_heads if ".k_proj." in name else c.num_heads))

@@ -138,7 +138,8 @@ _GEMMA_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm", "pr
 def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path, types: dict[str, str] | None = None) -> Path:
     """The checkpoint's weights (F32) as a GGUF the way llama.cpp's converter lays it out (q/k rows
     permuted for the llama architecture, Llama 3 scaling as a rope_freqs tensor), with the bundled
-    GGUF's tokenizer metadata. types: checkpoint name -> a K-quant to store that weight in instead."""
+    GGUF's tokenizer metadata. types: checkpoint name -> a GGML type to store that weight in instead (a mixture of experts'
+    stacked weights by their stacked names, model.layers.N.mlp.experts.gate_proj.weight…)."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -193,7 +194,8 @@ def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path, types: d
             data = data + 1
         if name in (types or {}):
             kind = types[name]
-            w.add_tensor(_gguf_name(name, arch), encode_k_quant(kind, data), raw_dtype=gguf.GGMLQuantizationType[kind])
+            blocks = encode_k_quant(kind, data) if kind.endswith("_K") else gguf.quants.quantize(data, gguf.GGMLQuantizationType[kind])
+            w.add_tensor(_gguf_name(name, arch), blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             w.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(data))
     w.write_header_to_file()

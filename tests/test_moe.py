@@ -72,3 +72,105 @@ def test_moe_checkpoints_in_prefill_chunks_and_with_prefix_hits_equal_transforme
         assert result["exact"] >= result["total"] - 1 and not result["violations"], (run, result)
     full_blocks = sum((len(r.prompt_ids) - 1) // 16 * 16 for r in oracle)  # every prompt's full blocks but its last token's
     assert full_blocks >= 32 and engine.engine.block_manager.prefix_hits - hits == full_blocks
+
+
+def isas() -> list[str]:
+    from kvpilot.kernels import cpu_extension
+
+    here = cpu_extension.require().gguf_linear_isa()
+    every = ["amx", "avx512-vnni", "avx512", "avx2", "scalar"]
+    return every[every.index(here):]
+
+
+ROUTINGS = ["random", "all_to_one", "one_unused"]
+
+
+def routed(routing: str, tokens: int, experts: int, k: int, gen):
+    weights, ids = route(torch.randn(tokens, experts, generator=gen), k, renormalize=True)
+    if routing == "all_to_one":
+        ids = torch.full_like(ids, experts - 1)
+    elif routing == "one_unused":
+        ids = torch.where(ids == 0, torch.ones_like(ids), ids)
+    return weights, ids
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_fused_experts_on_dense_weights_equal_the_reference(routing, dtype):
+    """The C++ op (kernels/csrc/moe_cpu.cpp) on float32 and bfloat16 experts: the reference's output (bfloat16: within its
+    rounding), SiLU and GeGLU."""
+    from kvpilot.kernels import cpu_extension
+    from kvpilot.kernels.fused_moe import Experts, fused_experts_cpu
+
+    ext, gen = cpu_extension.require(), torch.Generator().manual_seed(1)
+    tokens, hidden, inner, experts, k = 19, 64, 32, 8, 2
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inner, hidden, generator=gen) / 8).to(dtype)
+    w2 = (torch.randn(experts, hidden, inner, generator=gen) / 6).to(dtype)
+    weights, ids = routed(routing, tokens, experts, k, gen)
+    for act in ("silu", "gelu_tanh"):
+        got = fused_experts_cpu(ext, x, Experts(inner, w13, w2), weights, ids, act)
+        want = per_token(x.float(), w13.float(), w2.float(), weights, ids, act)
+        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+        assert got.dtype == dtype and torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance), (act, (got.double() - want).abs().max())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q4_K"])
+def test_cpp_fused_experts_on_block_panels_equal_the_reference_on_every_isa(routing, kind, monkeypatch):
+    """Experts in GGUF-style blocks (int8 as Q8_0, int4 as Q4_1, a Q4_K file's): the C++ op on each instruction set the CPU
+    has equals the reference on the same blocks dequantized (within the VNNI path's 16-bit activations)."""
+    import numpy as np
+
+    from gguf_factory import encode_k_quant
+    from kvpilot.kernels import cpu_extension
+    from kvpilot.kernels.fused_moe import ExpertPanels, Experts, fused_experts_cpu, fused_experts_reference
+    from kvpilot.kernels.quantized import GGUFWeight, quantize_int4, quantize_int8
+
+    ext, gen = cpu_extension.require(), torch.Generator().manual_seed(2)
+    tokens, hidden, inner, experts, k = 17, 256, 64, 6, 2
+    rng = np.random.default_rng(3)
+
+    def blocks(out: int, cols: int) -> GGUFWeight:
+        w = rng.standard_normal((out, cols)).astype(np.float32) / 8
+        if kind == "Q8_0":
+            return quantize_int8(torch.from_numpy(w))
+        if kind == "Q4_1":
+            return quantize_int4(torch.from_numpy(w), 32)
+        raw = torch.from_numpy(np.ascontiguousarray(encode_k_quant("Q4_K", w)))
+        return GGUFWeight.from_blocks("Q4_K", raw.view(torch.uint8), out)
+
+    gate, up = ([blocks(inner, hidden) for _ in range(experts)] for _ in range(2))
+    down = [blocks(hidden, inner if kind != "Q4_K" else 256) for _ in range(experts)]
+    if kind == "Q4_K":  # a K-quant super-block is 256 columns: an inner size of 256
+        inner = 256
+        gate, up = ([blocks(inner, hidden) for _ in range(experts)] for _ in range(2))
+    panels = Experts(inner, panels=(ExpertPanels.of(gate), ExpertPanels.of(up), ExpertPanels.of(down)))
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = routed(routing, tokens, experts, k, gen)
+    want = fused_experts_reference(x, panels, weights, ids).double()
+    for isa in isas():
+        monkeypatch.setenv("KVPILOT_GGUF_ISA", isa)
+        got = fused_experts_cpu(ext, x, panels, weights, ids).double()
+        assert torch.allclose(got, want, atol=2e-3 * want.abs().max().item(), rtol=2e-3), (isa, (got - want).abs().max())
+
+
+@pytest.mark.timeout(300)
+def test_experts_in_a_ggufs_blocks_stay_in_them_and_give_the_dequantized_models_tokens(family_checkpoints, model_path, tmp_path):
+    """A Qwen3-MoE GGUF whose experts are Q8_0 blocks: quantization=gguf keeps them in panels (the C++ op's) and greedy
+    tokens equal those of the same file dequantized at load (quantization=none: the same weights, dense matmuls)."""
+    from checkpoint_factory import write_family_gguf
+    from test_model_families import PROMPTS, greedy, llm
+
+    directory, _ = family_checkpoints["qwen3moe"]
+    stacked = {f"model.layers.0.mlp.experts.{k}_proj.weight": "Q8_0" for k in ("gate", "up", "down")}
+    path = write_family_gguf(directory, model_path, tmp_path / "experts-q8.gguf", types=stacked)
+    kept, dense = llm(path, quantization="gguf"), llm(path)
+    moe = kept.engine.worker.model.layers[0].mlp
+    assert moe.experts.panels is not None and {p.kind for p in moe.experts.panels} == {"Q8_0"}
+    assert dense.engine.worker.model.layers[0].mlp.experts.panels is None
+    _, tokens_kept, _ = greedy(kept, batched=True)
+    _, tokens_dense, _ = greedy(dense, batched=True)
+    assert sum(a == b for a, b in zip(tokens_kept, tokens_dense)) >= len(PROMPTS) - 1, (tokens_kept, tokens_dense)

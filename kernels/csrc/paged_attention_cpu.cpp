@@ -484,6 +484,12 @@ int64_t gguf_amx_min_rows();
 torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
                                 c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa,
                                 c10::optional<torch::Tensor> perm);
+// kernels/csrc/moe_cpu.cpp
+torch::Tensor fused_experts_dense(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor weights, torch::Tensor ids, bool gelu);
+torch::Tensor fused_experts_panel(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor gate_qs, torch::Tensor gate_d,
+                                  c10::optional<torch::Tensor> gate_m, int64_t gate_kind, torch::Tensor up_qs, torch::Tensor up_d,
+                                  c10::optional<torch::Tensor> up_m, int64_t up_kind, torch::Tensor down_qs, torch::Tensor down_d,
+                                  c10::optional<torch::Tensor> down_m, int64_t down_kind, int64_t inner, bool gelu, std::string isa);
 
 // The kernels touch no Python object: they run without the GIL, so the server's asyncio thread (HTTP,
 // streaming) can run while the engine thread is inside one instead of waiting for the interpreter's
@@ -510,5 +516,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("n"), py::arg("bias"), py::arg("epilogue"),
         py::arg("other"), py::arg("isa") = "auto", py::arg("perm") = py::none(), no_gil);
   m.attr("gguf_amx_min_rows") = gguf_amx_min_rows();  // from this many activation rows on, the amx isa uses its tiles
+  m.def("fused_experts_dense", &fused_experts_dense, "a mixture of experts' routed experts over a step's tokens, grouped by expert (CPU)",
+        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("ids"), py::arg("gelu"), no_gil);
+  m.def("fused_experts_panel", &fused_experts_panel, "fused_experts_dense with each expert's projections in GGUF-block panels (CPU)", no_gil);
   m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear_panel uses here (amx, avx512-vnni, avx512, avx2 or scalar)");
 }

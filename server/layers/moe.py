@@ -2,7 +2,7 @@ import torch
 from torch import nn
 
 from kvpilot.kernels.direct_call import direct_call
-from kvpilot.kernels.fused_moe import route
+from kvpilot.kernels.fused_moe import ExpertPanels, Experts, route
 from kvpilot.kernels.ops import Ops
 
 
@@ -10,21 +10,43 @@ from kvpilot.kernels.ops import Ops
 class SparseMoE(nn.Module):
     """residual + the token's top-k experts' gated MLPs, weighted by the router (kernels/fused_moe.py). The router is
     replicated on every rank; under tensor parallelism each rank's experts hold a slice of their inner dimension and
-    the outputs are summed (`group`). weights_dtype: the dtype the expert outputs are weighted in (Qwen3-MoE: the
+    the outputs are summed (`tp_group`). weights_dtype: the dtype the expert outputs are weighted in (Qwen3-MoE: the
     compute dtype, as transformers casts the weights; Mixtral: float32, as transformers keeps them)."""
 
-    def __init__(self, router: nn.Module, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool, ops: Ops,
-                 act: str = "silu", weights_dtype: torch.dtype | None = None, tp_group=None, tp_rank: int = 0, sharded: bool = False):
+    def __init__(self, router: nn.Module, experts: Experts, top_k: int, renormalize: bool, ops: Ops, act: str = "silu",
+                 weights_dtype: torch.dtype | None = None, tp_group=None, tp_rank: int = 0, sharded: bool = False):
         super().__init__()
         self.router = router
-        self.register_buffer("w13", w13, persistent=False)
-        self.register_buffer("w2", w2, persistent=False)
+        self.inner = experts.inner
+        if experts.panels is None:
+            self.register_buffer("w13", experts.w13, persistent=False)
+            self.register_buffer("w2", experts.w2, persistent=False)
+        else:
+            self.kinds = tuple((p.kind, p.out_features) for p in experts.panels)
+            for name, p in zip(("gate", "up", "down"), experts.panels):
+                for part in ("qs", "d", "m"):
+                    self.register_buffer(f"{name}_{part}", getattr(p, part), persistent=False)
         self.top_k, self.renormalize, self.ops, self.act, self.weights_dtype = top_k, renormalize, ops, act, weights_dtype
         self.sharded, self.tp_group, self.tp_rank = sharded, tp_group, tp_rank
+        self._bind()
+
+    def _bind(self) -> None:
+        # The experts as one plain attribute (rebuilt when .to() and friends replace the buffers).
+        if hasattr(self, "kinds"):
+            panels = tuple(ExpertPanels(kind, out, *(getattr(self, f"{name}_{part}") for part in ("qs", "d", "m")))
+                           for name, (kind, out) in zip(("gate", "up", "down"), self.kinds))
+            self.experts = Experts(self.inner, panels=panels)
+        else:
+            self.experts = Experts(self.inner, self.w13, self.w2)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._bind()
+        return self
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         weights, ids = route(self.router(x), self.top_k, self.renormalize)
-        out = self.ops.fused_experts(x, self.w13, self.w2, weights.to(self.weights_dtype or x.dtype), ids, self.act)
+        out = self.ops.fused_experts(x, self.experts, weights.to(self.weights_dtype or x.dtype), ids, self.act)
         if self.sharded:
             import torch.distributed as dist
 

@@ -5,7 +5,6 @@ or a checkpoint directory alike."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 from kvpilot.kernels.direct_call import direct_call
+from kvpilot.kernels.fused_moe import ExpertPanels, Experts
 from kvpilot.kernels.linear import RowParallel, make_linear
 from kvpilot.kernels.lora import LoRAContext, LoRALinear, LoRAShape
 from kvpilot.kernels.ops import Ops, ops_for
@@ -27,8 +27,6 @@ from kvpilot.server.layers.rmsnorm import RMSNorm
 from kvpilot.server.layers.rotary import RotaryEmbedding
 from kvpilot.server.model_config import ModelConfig, ModelFormatError
 from kvpilot.server.models.sharding import PipelineStage, TensorParallel
-
-log = logging.getLogger("kvpilot.server.models")
 
 
 class WeightSource(Protocol):
@@ -187,9 +185,6 @@ class DecoderModel(nn.Module):
         pipeline stage's layers and ends only (the other stages' weights are not read)."""
         c = config
         w = _WeightReader(source, dtype, device, progress, tp, quantization, group_size)
-        if c.num_experts and quantization != "none":
-            log.warning("quantization=%s applies to the attention and dense projections; the experts stay in %s (fused experts on "
-                        "quantized blocks: not yet)", quantization, str(dtype).removeprefix("torch."))
         ops = ops_for(device)
         adapted = LoRAModules(LoRAContext(), []) if lora else None
 
@@ -264,24 +259,30 @@ class DecoderModel(nn.Module):
 
 
 def _sparse_moe(w: _WeightReader, c: ModelConfig, layer: int, ops: Ops, tp: TensorParallel | None) -> SparseMoE:
-    """A layer's mixture of experts: its router, and its experts' gate and up rows stacked [experts, 2 * inner, hidden]
-    (down [experts, hidden, inner]), this rank's slice of every expert's inner dimension. Read from per-expert
-    matrices (Qwen3-MoE's mlp.experts.{e}.gate_proj…, Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2) or a GGUF's
-    stacked ones; kept in the compute dtype."""
+    """A layer's mixture of experts: its router, and its experts (this rank's slice of every expert's inner dimension)
+    read from per-expert matrices (Qwen3-MoE's mlp.experts.{e}.gate_proj…, Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2)
+    or a GGUF's stacked ones. Quantized (a GGUF's blocks with quantization=gguf, int8 / int4 as read) they are kept in
+    panels for the C++ op on a CPU, else dense in the compute dtype."""
     p = f"model.layers.{layer}."
     lo, hi = tp.split(c.moe_intermediate_size) if tp else (0, c.moe_intermediate_size)
     if p + "mlp.experts.gate_proj.weight" in w.available:  # a GGUF's [experts, inner, hidden] (down: [experts, hidden, inner])
-        gate, up = (w(p + f"mlp.experts.{k}_proj.weight")[:, lo:hi] for k in ("gate", "up"))
-        down = w(p + "mlp.experts.down_proj.weight")[:, :, lo:hi]
+        names = [p + f"mlp.experts.{k}_proj.weight" for k in ("gate", "up", "down")]
+        read = lambda name, e, **part: w.expert(name, e, **part)  # noqa: E731
     else:
-        m, names = (p + "block_sparse_moe.", ("w1", "w3", "w2")) if c.family.moe == "mixtral" else (p + "mlp.", ("gate_proj", "up_proj", "down_proj"))
-        experts = range(c.num_experts)
-        gate, up = (torch.stack([w(f"{m}experts.{e}.{n}.weight", rows=(lo, hi)) for e in experts]) for n in names[:2])
-        down = torch.stack([w(f"{m}experts.{e}.{names[2]}.weight", cols=(lo, hi)) for e in experts])
+        m, spelled = (p + "block_sparse_moe.", ("w1", "w3", "w2")) if c.family.moe == "mixtral" else (p + "mlp.", ("gate_proj", "up_proj", "down_proj"))
+        names = [m + "experts.{e}." + n + ".weight" for n in spelled]
+        read = lambda name, e, **part: w.weight(name.format(e=e), **part)  # noqa: E731
+    experts = range(c.num_experts)
+    gate, up = ([read(names[k], e, rows=(lo, hi)) for e in experts] for k in (0, 1))
+    down = [read(names[2], e, cols=(lo, hi)) for e in experts]
+    if all(isinstance(t, GGUFWeight) for t in (*gate, *up, *down)) and w.device.type == "cpu":
+        weights = Experts(hi - lo, panels=(ExpertPanels.of(gate), ExpertPanels.of(up), ExpertPanels.of(down)))
+    else:
+        dense = lambda ts: torch.stack([t.dequantize().to(w.dtype) if isinstance(t, GGUFWeight) else t for t in ts])  # noqa: E731
+        weights = Experts(hi - lo, torch.cat([dense(gate), dense(up)], dim=1).contiguous(), dense(down).contiguous())
     router = p + "mlp.gate.weight" if p + "mlp.gate.weight" in w.available else p + "block_sparse_moe.gate.weight"
-    return SparseMoE(make_linear(w(router)), torch.cat([gate, up], dim=1).contiguous(), down.contiguous(), c.experts_per_token,
-                     c.norm_topk_prob, ops, c.hidden_act, torch.float32 if c.family.moe == "mixtral" else None,
-                     tp.group if tp else None, tp.rank if tp else 0, sharded=tp is not None)
+    return SparseMoE(make_linear(w(router)), weights, c.experts_per_token, c.norm_topk_prob, ops, c.hidden_act,
+                     torch.float32 if c.family.moe == "mixtral" else None, tp.group if tp else None, tp.rank if tp else 0, sharded=tp is not None)
 
 
 @dataclass(slots=True)
@@ -316,6 +317,7 @@ class _WeightReader:
             what = "a GGUF model (its blocks are what it keeps)" if quantization == "gguf" else f"a {quantization.upper()} checkpoint"
             raise ModelFormatError(f"{source.path}: quantization={quantization} needs {what}")
         self.quantization, self.group_size = quantization, group_size
+        self._stacked: tuple[str, torch.Tensor] | None = None  # the stacked experts' weight being read (expert())
 
     def weight(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
                pad_rows: bool = False, table: bool = False) -> torch.Tensor | GGUFWeight:
@@ -331,6 +333,32 @@ class _WeightReader:
         packed = self.source.load_packed(name) if self.quantization in PACKED_FORMATS and name in self.available else None
         if packed is None:
             return self(name, rows, cols, pad_rows)
+        return self._packed_part(name, packed, rows, cols, pad_rows)
+
+    def expert(self, name: str, expert: int, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor | GGUFWeight:
+        """Expert `expert`'s [out, in] of a stacked [experts, out, in] weight (a GGUF's), as weight() reads a matrix: its
+        blocks (quantization gguf), quantized as read (int8, int4), else in the compute dtype."""
+        packed = self.source.load_packed(name, expert) if self.quantization == "gguf" and name in self.available else None
+        if packed is not None:
+            return self._packed_part(name, packed, rows, cols, False)
+        if name not in self.available:
+            raise ModelFormatError(f"{self.source.path}: weight {name!r} is missing")
+        if self._stacked is None or self._stacked[0] != name:  # (read once for all its experts)
+            self._stacked = (name, self.source.load(name))
+            self.read.add(name)
+            if self.progress:
+                self.progress(1)
+        dense = self._stacked[1][expert]
+        dense = dense[rows[0]:rows[1]] if rows is not None else dense
+        dense = dense[:, cols[0]:cols[1]] if cols is not None else dense
+        if self.quantization in ("int8", "int4"):
+            dense = dense.float()
+            return (quantize_int8(dense) if self.quantization == "int8" else quantize_int4(dense, self.group_size)).to(self.device)
+        return dense.to(device=self.device, dtype=self.dtype).contiguous().clone()
+
+    def _packed_part(self, name: str, packed: GGUFWeight, rows: tuple[int, int] | None, cols: tuple[int, int] | None,
+                     pad_rows: bool) -> GGUFWeight:
+        """This rank's rows / columns of a weight kept in blocks."""
         n, k = packed.shape
         if rows is not None and tuple(rows) != (0, n):
             if rows[1] > n:
@@ -344,9 +372,9 @@ class _WeightReader:
             except ValueError as e:  # this rank's row-parallel share falls inside one of the layout's units
                 raise ModelFormatError(f"{name}: {e} (this rank's share of its {k} input columns): choose a tensor_parallel_size that "
                                        f"splits {k} into whole blocks, or quantization=none") from e
-        self.read.add(name)
-        if self.progress:
+        if self.progress and name not in self.read:  # (a stacked experts' weight: once for all its experts)
             self.progress(1)
+        self.read.add(name)
         return packed.to(self.device)
 
     def __call__(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None, pad_rows: bool = False,
