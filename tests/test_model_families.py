@@ -145,7 +145,6 @@ def test_sliding_window_models_serve_past_their_window(family_checkpoints):
     and the prompts the family tests compare with transformers run past the window (their equality with it is
     what test_checkpoint_matches_transformers checks)."""
     from checkpoint_factory import SMALL_WINDOW
-
     from kvpilot.server.checkpoint import Checkpoint
     from kvpilot.server.gguf_loader import GGUFFile
 

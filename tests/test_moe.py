@@ -161,8 +161,9 @@ def test_cpp_fused_experts_on_block_panels_equal_the_reference_on_every_isa(rout
 def test_experts_in_a_ggufs_blocks_stay_in_them_and_give_the_dequantized_models_tokens(family_checkpoints, model_path, tmp_path):
     """A Qwen3-MoE GGUF whose experts are Q8_0 blocks: quantization=gguf keeps them in panels (the C++ op's) and greedy
     tokens equal those of the same file dequantized at load (quantization=none: the same weights, dense matmuls)."""
-    from checkpoint_factory import write_family_gguf
     from test_model_families import PROMPTS, greedy, llm
+
+    from checkpoint_factory import write_family_gguf
 
     directory, _ = family_checkpoints["qwen3moe"]
     stacked = {f"model.layers.0.mlp.experts.{k}_proj.weight": "Q8_0" for k in ("gate", "up", "down")}
