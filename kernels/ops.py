@@ -5,7 +5,7 @@ implementations, chosen here and nowhere else.
 given and call its fields by name (they never look at the device or load an extension themselves).
 CPU: the C++ kernels of kernels/csrc (each falls back to the reference for dtypes it does not
 cover). CUDA: the Triton kernels (RMSNorm, RoPE with the K/V store, attention for a whole mixed step;
-GGUF-block projections in make_linear). KVPILOT_KERNELS overrides the choice: `triton` runs the Triton
+GGUF-block projections in make_linear; a mixture of experts' fused experts). KVPILOT_KERNELS overrides the choice: `triton` runs the Triton
 kernels anywhere — on CPU tensors too, under TRITON_INTERPRET=1, which is how CI runs them end to end
 — and `reference` the torch references of this table anywhere (comparisons, debugging; projections keep
 their device's kernels).
@@ -122,9 +122,10 @@ def _triton_ops() -> Ops:
     from kvpilot.kernels import triton_attention
     from kvpilot.kernels.triton_layers import rms_norm, rotary_qkv_
     from kvpilot.kernels.triton_lora import lora_add_
+    from kvpilot.kernels.triton_moe import fused_experts
 
     return Ops("triton", rms_norm, rotary_qkv_, triton_attention.paged_attention, graph_safe=True, check_shapes=triton_attention.check_shapes,
-               lora_add_=lora_add_)
+               lora_add_=lora_add_, fused_experts=fused_experts)
 
 
 def ops_for(device: torch.device) -> Ops:

@@ -175,3 +175,43 @@ def test_experts_in_a_ggufs_blocks_stay_in_them_and_give_the_dequantized_models_
     _, tokens_kept, _ = greedy(kept, batched=True)
     _, tokens_dense, _ = greedy(dense, batched=True)
     assert sum(a == b for a, b in zip(tokens_kept, tokens_dense)) >= len(PROMPTS) - 1, (tokens_kept, tokens_dense)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_fused_experts_equal_the_reference_in_the_interpreter(routing, dtype):
+    """The Triton kernel (kernels/triton_moe.py) under TRITON_INTERPRET=1: blocks of one expert's rows, padded; an expert
+    with no token, every token on one expert (more rows than a block); SiLU and GeGLU."""
+    from kvpilot.kernels.fused_moe import Experts
+    from kvpilot.kernels.triton_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, hidden, inner, experts, k = 11, 64, 32, 5, 2
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inner, hidden, generator=gen) / 8).to(dtype)
+    w2 = (torch.randn(experts, hidden, inner, generator=gen) / 6).to(dtype)
+    weights, ids = routed(routing, tokens, experts, k, gen)
+    for act in ("silu", "gelu_tanh"):
+        got = fused_experts(x, Experts(inner, w13, w2), weights, ids, act)
+        want = per_token(x.float(), w13.float(), w2.float(), weights, ids, act)
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        assert got.dtype == dtype and torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance), (act, (got.double() - want).abs().max())
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_on_the_triton_kernels_gives_the_cpp_kernels_tokens(family_checkpoints, monkeypatch):
+    """KVPILOT_KERNELS=triton (the CUDA path, in the interpreter): the tiny Qwen3-MoE's greedy tokens, batched, are the
+    C++ kernels' (its Triton fused experts beside the Triton attention, RMSNorm and RoPE)."""
+    from test_model_families import PROMPTS, llm
+
+    from kvpilot.server import SamplingParams
+
+    directory, _ = family_checkpoints["qwen3moe"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    run = lambda engine: [o.outputs[0].token_ids for o in engine.generate(PROMPTS[:3], params)]  # noqa: E731
+    want = run(llm(directory))
+    monkeypatch.setenv("KVPILOT_KERNELS", "triton")
+    engine = llm(directory)
+    assert engine.engine.worker.model.ops.name == "triton"
+    assert run(engine) == want

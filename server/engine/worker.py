@@ -406,7 +406,7 @@ class Worker:
         if self.why_no_window_pool is None:
             return "the sliding-window layers' pool has tables of its own, which the graphs do not hold yet"
         if self.model.config.num_experts:
-            return "the fused-experts op groups a step's tokens by expert on the host"
+            return "a mixture of experts' decode step has not been captured on a GPU yet (its Triton op reads nothing on the host)"
         return None
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
