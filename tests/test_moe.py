@@ -96,23 +96,28 @@ def routed(routing: str, tokens: int, experts: int, k: int, gen):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpp_fused_experts_on_dense_weights_equal_the_reference(routing, dtype):
-    """The C++ op (kernels/csrc/moe_cpu.cpp) on float32 and bfloat16 experts: the reference's output (bfloat16: within its
-    rounding), SiLU and GeGLU."""
+@pytest.mark.parametrize("kernel,dtype", [("c++", torch.float32), ("c++", torch.bfloat16), ("triton", torch.float32), ("triton", torch.float16)])
+def test_fused_experts_kernels_on_dense_weights_equal_each_token_through_its_experts(kernel, dtype, routing):
+    """The C++ op (kernels/csrc/moe_cpu.cpp) on float32 and bfloat16 experts, and the Triton kernel (kernels/triton_moe.py:
+    blocks of one expert's rows, padded) under TRITON_INTERPRET=1 on float32 and float16 ones: an expert with no token,
+    every token on one expert (more rows than a block); SiLU and GeGLU; within the half types' rounding."""
+    from functools import partial
+
     from kvpilot.kernels import cpu_extension
     from kvpilot.kernels.fused_moe import Experts, fused_experts_cpu
+    from kvpilot.kernels.triton_moe import fused_experts
 
-    ext, gen = cpu_extension.require(), torch.Generator().manual_seed(1)
+    op = partial(fused_experts_cpu, cpu_extension.require()) if kernel == "c++" else fused_experts
+    gen = torch.Generator().manual_seed(1)
     tokens, hidden, inner, experts, k = 19, 64, 32, 8, 2
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
     w13 = (torch.randn(experts, 2 * inner, hidden, generator=gen) / 8).to(dtype)
     w2 = (torch.randn(experts, hidden, inner, generator=gen) / 6).to(dtype)
     weights, ids = routed(routing, tokens, experts, k, gen)
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 2e-2}[dtype]
     for act in ("silu", "gelu_tanh"):
-        got = fused_experts_cpu(ext, x, Experts(inner, w13, w2), weights, ids, act)
+        got = op(x, Experts(inner, w13, w2), weights, ids, act)
         want = per_token(x.float(), w13.float(), w2.float(), weights, ids, act)
-        tolerance = 1e-4 if dtype == torch.float32 else 5e-2
         assert got.dtype == dtype and torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance), (act, (got.double() - want).abs().max())
 
 
@@ -175,28 +180,6 @@ def test_experts_in_a_ggufs_blocks_stay_in_them_and_give_the_dequantized_models_
     _, tokens_kept, _ = greedy(kept, batched=True)
     _, tokens_dense, _ = greedy(dense, batched=True)
     assert sum(a == b for a, b in zip(tokens_kept, tokens_dense)) >= len(PROMPTS) - 1, (tokens_kept, tokens_dense)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_fused_experts_equal_the_reference_in_the_interpreter(routing, dtype):
-    """The Triton kernel (kernels/triton_moe.py) under TRITON_INTERPRET=1: blocks of one expert's rows, padded; an expert
-    with no token, every token on one expert (more rows than a block); SiLU and GeGLU."""
-    from kvpilot.kernels.fused_moe import Experts
-    from kvpilot.kernels.triton_moe import fused_experts
-
-    gen = torch.Generator().manual_seed(4)
-    tokens, hidden, inner, experts, k = 11, 64, 32, 5, 2
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    w13 = (torch.randn(experts, 2 * inner, hidden, generator=gen) / 8).to(dtype)
-    w2 = (torch.randn(experts, hidden, inner, generator=gen) / 6).to(dtype)
-    weights, ids = routed(routing, tokens, experts, k, gen)
-    for act in ("silu", "gelu_tanh"):
-        got = fused_experts(x, Experts(inner, w13, w2), weights, ids, act)
-        want = per_token(x.float(), w13.float(), w2.float(), weights, ids, act)
-        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-        assert got.dtype == dtype and torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance), (act, (got.double() - want).abs().max())
 
 
 @pytest.mark.timeout(300)
