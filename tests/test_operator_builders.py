@@ -442,6 +442,16 @@ def test_a_kv_cache_that_cannot_hold_max_model_len_is_refused_with_its_bytes_per
     assert not problems(gemma, kvCacheMemory="1Gi", maxModelLen=32768, maxNumSeqs=4)
     assert problems(gemma, kvCacheMemory="1Gi", maxModelLen=32768, maxNumSeqs=4, enableChunkedPrefill=False, maxNumBatchedTokens=32768)
     assert not problems("hf://someone/unknown-model", kvCacheMemory="1Mi", maxModelLen=65536)  # a layout it does not know: the engine's to say
+    assert not problems("smollm2-135m", kvCacheMemory="1Gi", maxModelLen=65536)  # past the model's 8,192: the engine serves its context
+
+    # every layer windowed (a Mistral-7B v0.1, float32 on a CPU: 4 MiB a block): the block table is bookkeeping when the pool
+    # holds one sequence's window and a step's tokens (4096 / 16 + 2 + 2048 / 16 = 386 blocks), else a table as large as the pool
+    from kvpilot.server.config import EngineConfig
+    from kvpilot.server.kv_layout import KVLayout, capacity_tokens
+
+    mistral = KVLayout(num_kv_heads=8, head_dim=128, full_layers=0, window_layers=32, window=4096, max_position=32768)
+    assert capacity_tokens(mistral, EngineConfig(kv_cache_memory="1GiB")) == 255 * 16  # 256 blocks, one the scratch block
+    assert capacity_tokens(mistral, EngineConfig(kv_cache_memory="2GiB")) == 64 * 32768  # max_num_seqs sequences of the context
 
 
 def test_min_replicas_above_max_is_refused_by_the_spec_model_too():

@@ -227,7 +227,8 @@ def kvpilot_engine_values(spec: InferenceServiceSpec, name: str, pool: str | Non
 def kv_capacity_problem(spec: InferenceServiceSpec, name: str, pool: str | None = None) -> str | None:
     """Why a service's KV cache cannot hold one sequence of its maxModelLen (None: it can, or the operator cannot tell),
     for a model whose KV layout the operator knows (a bundled one: by name or by its fetch address) and a budget set in
-    bytes (CPU pods; kvCacheMemory): refused here as vLLM refuses at start-up, rather than served with a shorter context."""
+    bytes (CPU pods, or kvCacheMemory set on GPU ones): refused here as vLLM refuses at start-up, rather than served with a
+    shorter context."""
     bundled = bundled_model(spec.model.source)
     config = EngineConfig(**kvpilot_engine_values(spec, name, pool))
     budget_known = spec.resources.cpu_only or "kv_cache_memory" in config.model_fields_set
@@ -235,7 +236,7 @@ def kv_capacity_problem(spec: InferenceServiceSpec, name: str, pool: str | None 
         return None
     layout, cuda = bundled.kv_layout, not spec.resources.cpu_only
     tokens = capacity_tokens(layout, config, cuda)
-    if tokens is None or tokens >= config.max_model_len:
+    if tokens is None or tokens >= min(config.max_model_len, layout.max_position):  # (past its context the engine serves the context)
         return None
     per_token = layout.token_bytes(kv_element_bytes(config, cuda), config.tensor_parallel_size)
     kinds = f"{per_token['full']:,} bytes per token on its {layout.full_layers} full-attention layers"

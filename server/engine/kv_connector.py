@@ -262,7 +262,7 @@ class KVConnector:
         if self.workers is not None and (sent or evicted):  # (a key evicted, then saved again in this batch, stays)
             self.workers.send(KVWork(sent, [], [key for key in evicted if not self.host.has(key)], []))
 
-    def load(self, loads: list[tuple[Sequence, int, BlockLoad, int]]) -> list[Sequence]:
+    def load(self, loads: list[tuple[Sequence, int, int, BlockLoad, int]]) -> list[Sequence]:
         """Write the step's loaded blocks ((sequence, cache block, window block, its load, index in the load)) on every
         rank; the sequences whose loads failed somewhere (every rank dropped them: computed instead). A
         pulled block is not read past the time its prefill engine holds it."""

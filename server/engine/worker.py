@@ -157,9 +157,13 @@ def kv_block_bytes(model: DecoderModel, block_size: int, kv_dtype: torch.dtype) 
 
 def projection_bytes(model: DecoderModel) -> int:
     """The bytes of a model's projection weights on this rank."""
-    # Projections keep their weights as buffers (dense or oneDNN "weight"; GGUF blocks "qs", "d", "m");
-    # norms and the embedding are parameters.
-    return sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name.rsplit(".", 1)[-1] in ("weight", "qs", "d", "m"))
+    # Projections keep their weights as buffers (dense or oneDNN "weight"; GGUF blocks "qs", "d", "m"; a mixture of
+    # experts' "w13", "w2" or each projection's panels "gate_qs", "up_d"...); norms and the embedding are parameters.
+    def projection(name: str) -> bool:
+        last = name.rsplit(".", 1)[-1]
+        return last in ("weight", "qs", "d", "m", "w13", "w2") or last.rsplit("_", 1)[-1] in ("qs", "d", "m") and "_" in last
+
+    return sum(b.numel() * b.element_size() for name, b in model.named_buffers() if projection(name))
 
 
 def _return_freed_heap() -> None:

@@ -5,6 +5,7 @@ or a checkpoint directory alike."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from kvpilot.server.layers.rmsnorm import RMSNorm
 from kvpilot.server.layers.rotary import RotaryEmbedding
 from kvpilot.server.model_config import ModelConfig, ModelFormatError
 from kvpilot.server.models.sharding import PipelineStage, TensorParallel
+
+log = logging.getLogger("kvpilot.server.models")
 
 
 class WeightSource(Protocol):
@@ -185,6 +188,9 @@ class DecoderModel(nn.Module):
         pipeline stage's layers and ends only (the other stages' weights are not read)."""
         c = config
         w = _WeightReader(source, dtype, device, progress, tp, quantization, group_size)
+        if c.num_experts and quantization in ("gguf", "int8", "int4") and device.type != "cpu":
+            log.warning("quantization=%s: the experts are kept in %s on %s (quantized experts run on the CPU's kernels only, so far)",
+                        quantization, str(dtype).removeprefix("torch."), device)
         ops = ops_for(device)
         adapted = LoRAModules(LoRAContext(), []) if lora else None
 
