@@ -51,7 +51,10 @@ _BLOCK_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
                 "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
                 # a mixture of experts' router and its experts' weights, stacked [experts, out, in] (llama.cpp's layout)
                 "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
-                "ffn_down_exps": "mlp.experts.down_proj"}
+                "ffn_down_exps": "mlp.experts.down_proj",
+                # Qwen2-MoE's shared expert and its gate ([hidden] in the file, transformers' [1, hidden])
+                "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3 RoPE scaling, read into ModelConfig.rope_scaling
 
 
@@ -260,9 +263,10 @@ class GGUFFile:
         )
 
     def _moe_facts(self, arch: str) -> dict[str, Any]:
-        """A mixture of experts' metadata as llama.cpp reads it: the top-k weights renormalised (softmax gating); an expert's
-        inner size expert_feed_forward_length (qwen3moe) or feed_forward_length (Mixtral). MoE layers: those with a
-        router (all of them in llama.cpp's files)."""
+        """A mixture of experts' metadata as llama.cpp reads it: softmax gating, the top-k weights renormalised but for
+        qwen2moe (expert_weights_norm, where a file states it, decides); an expert's inner size expert_feed_forward_length
+        (qwen2moe, qwen3moe) or feed_forward_length (Mixtral); qwen2moe's shared expert expert_shared_feed_forward_length
+        wide. MoE layers: those with a router (all of them in llama.cpp's files)."""
         experts, top_k = self.get(f"{arch}.expert_count"), self.get(f"{arch}.expert_used_count")
         inner = self.get(f"{arch}.expert_feed_forward_length") or self.get(f"{arch}.feed_forward_length")
         if not experts or not top_k or not inner or top_k > experts:
@@ -271,9 +275,13 @@ class GGUFFile:
         gating = self.get(f"{arch}.expert_gating_func")
         if gating not in (None, 1):  # 1: softmax
             raise GGUFError(f"{self.path.name}: {arch}.expert_gating_func={gating} is not supported (softmax is)")
+        shared = self.get(f"{arch}.expert_shared_feed_forward_length") or 0
+        if arch == "qwen2moe" and not shared:
+            raise GGUFError(f"{self.path.name}: a qwen2moe file needs {arch}.expert_shared_feed_forward_length (its shared expert's width)")
         layers = tuple(f"blk.{i}.ffn_gate_inp.weight" in self.tensors for i in range(self.get(f"{arch}.block_count") or 0))
-        return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": inner, "norm_topk_prob": True,
-                "moe_layers": () if all(layers) else layers}
+        return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": inner,
+                "norm_topk_prob": bool(self.get(f"{arch}.expert_weights_norm", arch != "qwen2moe")),
+                "moe_layers": () if all(layers) else layers, "shared_expert_intermediate_size": shared}
 
     def _gemma3_facts(self, arch: str, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
         """What a gemma3 GGUF does not state, as llama.cpp (and transformers reading the file) fix it: five sliding

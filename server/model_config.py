@@ -37,13 +37,15 @@ FAMILIES = {f.architecture: f for f in (
     Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, qk_norm=False, gguf_rope_interleaved=False),
     Family("Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True, gguf_rope_interleaved=False),
     Family("Gemma3ForCausalLM", "gemma3", qkv_bias=False, qk_norm=True, gguf_rope_interleaved=False, gemma=True),
+    Family("Qwen2MoeForCausalLM", "qwen2moe", qkv_bias=True, qk_norm=False, gguf_rope_interleaved=False, moe="qwen"),
     Family("Qwen3MoeForCausalLM", "qwen3moe", qkv_bias=False, qk_norm=True, gguf_rope_interleaved=False, moe="qwen"),
     Family("MixtralForCausalLM", "llama", qkv_bias=False, qk_norm=False, gguf_rope_interleaved=True, moe="mixtral"),
 )}
 # Mistral's GGUFs say "llama": the GGUF architecture names the Llama family for both.
 # (Mixtral's say "llama" too, with an expert count.)
 GGUF_FAMILIES = {"llama": FAMILIES["LlamaForCausalLM"], "qwen2": FAMILIES["Qwen2ForCausalLM"], "qwen3": FAMILIES["Qwen3ForCausalLM"],
-                 "gemma3": FAMILIES["Gemma3ForCausalLM"], "qwen3moe": FAMILIES["Qwen3MoeForCausalLM"]}
+                 "gemma3": FAMILIES["Gemma3ForCausalLM"], "qwen3moe": FAMILIES["Qwen3MoeForCausalLM"],
+                 "qwen2moe": FAMILIES["Qwen2MoeForCausalLM"]}
 # Gemma 3's layers: every sixth one attends globally, the others through the window, their RoPE base this (what
 # transformers' config defaults to and llama.cpp fixes for the gemma3 architecture, whose GGUFs state neither).
 GEMMA3_GLOBAL_EVERY = 6
@@ -110,6 +112,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] = ()
+    # Qwen2-MoE's shared expert: a gated MLP of this inner size every token goes through beside its routed experts, its
+    # output scaled by sigmoid(shared_expert_gate(x)) (0: none)
+    shared_expert_intermediate_size: int = 0
     hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_tanh (GeGLU)
 
     def window(self, layer: int) -> int:
@@ -215,9 +220,10 @@ def config_from_hf(hf: dict[str, Any], name: str, source: str) -> ModelConfig:
 
 
 def _moe_facts(hf: dict[str, Any], family: Family, source: str) -> dict[str, Any]:
-    """A mixture of experts' config.json facts (ModelConfig fields). Qwen3-MoE: num_experts (transformers 5 saves
+    """A mixture of experts' config.json facts (ModelConfig fields). Qwen2/Qwen3-MoE: num_experts (transformers 5 saves
     num_local_experts), moe_intermediate_size, norm_topk_prob, and its dense layers by decoder_sparse_step and
-    mlp_only_layers; Mixtral: num_local_experts of intermediate_size each, every layer MoE, always renormalised."""
+    mlp_only_layers (Qwen2-MoE also its shared expert's shared_expert_intermediate_size); Mixtral: num_local_experts of
+    intermediate_size each, every layer MoE, always renormalised."""
     experts = hf.get("num_experts") or hf.get("num_local_experts")
     top_k = hf.get("num_experts_per_tok")
     if not experts or not top_k or not 0 < top_k <= experts:
@@ -228,8 +234,15 @@ def _moe_facts(hf: dict[str, Any], family: Family, source: str) -> dict[str, Any
     layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(hf.get("num_hidden_layers") or 0))
     if not hf.get("moe_intermediate_size"):
         raise ModelFormatError(f"{source}: config.json has no 'moe_intermediate_size' (each expert's inner size)")
+    shared = 0
+    if family.architecture == "Qwen2MoeForCausalLM":
+        shared = hf.get("shared_expert_intermediate_size") or 0
+        if not shared or hf.get("qkv_bias") is False:
+            raise ModelFormatError(f"{source}: a Qwen2-MoE needs shared_expert_intermediate_size and q/k/v biases (qkv_bias) as its "
+                                   f"checkpoints have them")
     return {"num_experts": experts, "experts_per_token": top_k, "moe_intermediate_size": hf["moe_intermediate_size"],
-            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "moe_layers": () if all(layers) else layers}
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", False)), "moe_layers": () if all(layers) else layers,
+            "shared_expert_intermediate_size": shared}
 
 
 def _gemma3_facts(hf: dict[str, Any], rope: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, Any]]:

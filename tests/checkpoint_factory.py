@@ -61,6 +61,10 @@ CASES = {c.name: c for c in (
     # (mlp_only_layers; the GGUF holds no router there either).
     Case("qwen3moe", "Qwen3MoeForCausalLM", dict(COMMON, num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=False,
          num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1], rope_theta=1000000.0)),
+    # Qwen2-MoE: 8 experts of 64, two a token, not renormalised (as Qwen1.5-MoE), a shared expert of 96 beside them, q/k/v biases.
+    Case("qwen2moe", "Qwen2MoeForCausalLM", dict(COMMON, num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False,
+         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96, norm_topk_prob=False,
+         rope_theta=1000000.0)),
     # Mixtral: 8 experts of 64 (intermediate_size), two a token, GQA 2:1, untied head.
     Case("mixtral", "MixtralForCausalLM", dict(COMMON, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
          tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0)),
@@ -123,14 +127,17 @@ def build_checkpoint(case: Case, dest: Path, tokenizer_dir: Path, seed: int = 0)
     return dest
 
 
-QWEN_ARCHS = ("qwen2", "qwen3", "qwen3moe")
+QWEN_ARCHS = ("qwen2", "qwen3", "qwen2moe", "qwen3moe")
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-             "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama"}
+             "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe",
+             "MixtralForCausalLM": "llama"}
 CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}  # (Gemma3Config is the multimodal model's)
 _BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
-          "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps"}
+          "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _GEMMA_BLOCK = {**_BLOCK, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
@@ -171,8 +178,10 @@ def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path, types: d
     if experts:
         w.add_uint32(f"{arch}.expert_count", experts)
         w.add_uint32(f"{arch}.expert_used_count", cfg.num_experts_per_tok)
-        if arch == "qwen3moe":
+        if arch in ("qwen2moe", "qwen3moe"):
             w.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
         state = _stacked_experts(state, experts)
     if getattr(cfg, "sliding_window", None) and cfg.architectures[0] in ("MistralForCausalLM", "Gemma3ForCausalLM"):
         w.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
@@ -190,6 +199,8 @@ def write_family_gguf(checkpoint: Path, bundled_gguf: Path, dest: Path, types: d
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             data = data.reshape(heads, 2, head_dim // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+        if name.endswith("shared_expert_gate.weight"):  # llama.cpp's converter writes it [hidden]
+            data = data.reshape(-1)
         if arch == "gemma3" and name.endswith("norm.weight"):  # llama.cpp's converter stores Gemma's norms as 1 + w
             data = data + 1
         if name in (types or {}):

@@ -11,12 +11,16 @@ class SparseMoE(nn.Module):
     """residual + the token's top-k experts' gated MLPs, weighted by the router (kernels/fused_moe.py). The router is
     replicated on every rank; under tensor parallelism each rank's experts hold a slice of their inner dimension and
     the outputs are summed (`tp_group`). weights_dtype: the dtype the expert outputs are weighted in (Qwen3-MoE: the
-    compute dtype, as transformers casts the weights; Mixtral: float32, as transformers keeps them)."""
+    compute dtype, as transformers casts the weights; Mixtral: float32, as transformers keeps them). shared: Qwen2-MoE's
+    shared expert (a gated MLP without its residual: this rank's slice of it under tensor parallelism) and the gate whose
+    sigmoid scales its output, added to the routed experts' before the sum over ranks."""
 
     def __init__(self, router: nn.Module, experts: Experts, top_k: int, renormalize: bool, ops: Ops, act: str = "silu",
-                 weights_dtype: torch.dtype | None = None, tp_group=None, tp_rank: int = 0, sharded: bool = False):
+                 weights_dtype: torch.dtype | None = None, tp_group=None, tp_rank: int = 0, sharded: bool = False,
+                 shared: tuple[nn.Module, nn.Module] | None = None):
         super().__init__()
         self.router = router
+        self.shared_expert, self.shared_expert_gate = shared or (None, None)
         self.inner = experts.inner
         if experts.panels is None:
             self.register_buffer("w13", experts.w13, persistent=False)
@@ -47,6 +51,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         weights, ids = route(self.router(x), self.top_k, self.renormalize)
         out = self.ops.fused_experts(x, self.experts, weights.to(self.weights_dtype or x.dtype), ids, self.act)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, None)
         if self.sharded:
             import torch.distributed as dist
 

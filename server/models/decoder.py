@@ -267,7 +267,7 @@ class DecoderModel(nn.Module):
 def _sparse_moe(w: _WeightReader, c: ModelConfig, layer: int, ops: Ops, tp: TensorParallel | None) -> SparseMoE:
     """A layer's mixture of experts: its router, and its experts (this rank's slice of every expert's inner dimension)
     read from per-expert matrices (Qwen3-MoE's mlp.experts.{e}.gate_proj…, Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2)
-    or a GGUF's stacked ones. Quantized (a GGUF's blocks with quantization=gguf, int8 / int4 as read) they are kept in
+    or a GGUF's stacked ones; Qwen2-MoE's shared expert and its gate. Quantized (a GGUF's blocks with quantization=gguf, int8 / int4 as read) they are kept in
     panels for the C++ op on a CPU, else dense in the compute dtype."""
     p = f"model.layers.{layer}."
     lo, hi = tp.split(c.moe_intermediate_size) if tp else (0, c.moe_intermediate_size)
@@ -287,8 +287,15 @@ def _sparse_moe(w: _WeightReader, c: ModelConfig, layer: int, ops: Ops, tp: Tens
         dense = lambda ts: torch.stack([t.dequantize().to(w.dtype) if isinstance(t, GGUFWeight) else t for t in ts])  # noqa: E731
         weights = Experts(hi - lo, torch.cat([dense(gate), dense(up)], dim=1).contiguous(), dense(down).contiguous())
     router = p + "mlp.gate.weight" if p + "mlp.gate.weight" in w.available else p + "block_sparse_moe.gate.weight"
+    shared = None
+    if c.shared_expert_intermediate_size:  # this rank's slice of its inner dimension too, summed with the experts' outputs
+        s, rows = p + "mlp.shared_expert.", tp.split(c.shared_expert_intermediate_size) if tp else (0, c.shared_expert_intermediate_size)
+        shared = (SwiGLU(make_linear(w.weight(s + "gate_proj.weight", rows=rows)), make_linear(w.weight(s + "up_proj.weight", rows=rows)),
+                         make_linear(w.weight(s + "down_proj.weight", cols=rows)), act=c.hidden_act),
+                  make_linear(w(p + "mlp.shared_expert_gate.weight").reshape(1, c.hidden_size)))
     return SparseMoE(make_linear(w(router)), weights, c.experts_per_token, c.norm_topk_prob, ops, c.hidden_act,
-                     torch.float32 if c.family.moe == "mixtral" else None, tp.group if tp else None, tp.rank if tp else 0, sharded=tp is not None)
+                     torch.float32 if c.family.moe == "mixtral" else None, tp.group if tp else None, tp.rank if tp else 0, sharded=tp is not None,
+                     shared=shared)
 
 
 @dataclass(slots=True)

@@ -46,6 +46,8 @@ def tensor_parallel_problems(c: ModelConfig, n: int) -> list[str]:
         problems.append(f"the FFN width {c.intermediate_size}")
     if c.num_experts and c.moe_intermediate_size % n:
         problems.append(f"each expert's inner width {c.moe_intermediate_size}")
+    if c.shared_expert_intermediate_size % n:
+        problems.append(f"the shared expert's inner width {c.shared_expert_intermediate_size}")
     return problems
 
 
