@@ -85,21 +85,53 @@ class ExpertPanels:
 
 
 @dataclass(frozen=True)
+class ExpertBlocks:
+    """One projection's experts in GGUFWeight's row layout (the Triton kernels'), stacked on a leading dimension: qs, d,
+    m [experts, ...] as one GGUFWeight holds them for out_features rows."""
+
+    kind: str
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    @classmethod
+    def of(cls, experts: list[GGUFWeight]) -> ExpertBlocks | None:
+        """The experts stacked, or None where they cannot be: kinds or shapes that differ, permuted columns (act order),
+        activation quantization."""
+        first = experts[0]
+        if any(w.kind != first.kind or w.shape != first.shape or w.perm is not None or w.act is not None for w in experts):
+            return None
+        stack = lambda part: None if getattr(first, part) is None else torch.stack([getattr(w, part) for w in experts])  # noqa: E731
+        return cls(first.kind, stack("qs"), stack("d"), stack("m"))
+
+    def expert(self, e: int) -> GGUFWeight:
+        return GGUFWeight(self.kind, self.qs[e], self.d[e], None if self.m is None else self.m[e])
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [experts, out_features, in_features]."""
+        return torch.stack([self.expert(e).dequantize() for e in range(self.qs.shape[0])])
+
+
+@dataclass(frozen=True)
 class Experts:
     """A layer's experts (this rank's share of each one's inner dimension): dense w13 [experts, 2 * inner, hidden] and
-    w2 [experts, hidden, inner] in the compute dtype, or each projection's panels (quantized: the C++ op's)."""
+    w2 [experts, hidden, inner] in the compute dtype, or quantized: each projection's panels (the C++ op's), or w13's and
+    w2's blocks (the Triton kernel's; w13's rows as the dense one's, gate then up)."""
 
     inner: int
     w13: torch.Tensor | None = None
     w2: torch.Tensor | None = None
     panels: tuple[ExpertPanels, ExpertPanels, ExpertPanels] | None = None  # gate, up, down
+    blocks: tuple[ExpertBlocks, ExpertBlocks] | None = None  # w13, w2
 
     def dense(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) as the reference takes them (quantized ones dequantized: slow, for comparisons)."""
-        if self.panels is None:
-            return self.w13, self.w2
-        gate, up, down = (p.dequantize().to(dtype) for p in self.panels)
-        return torch.cat([gate, up], dim=1), down
+        if self.panels is not None:
+            gate, up, down = (p.dequantize().to(dtype) for p in self.panels)
+            return torch.cat([gate, up], dim=1), down
+        if self.blocks is not None:
+            return tuple(b.dequantize().to(dtype) for b in self.blocks)
+        return self.w13, self.w2
 
 
 def fused_experts_reference(x: torch.Tensor, experts: Experts, weights: torch.Tensor, ids: torch.Tensor, act: str = "silu") -> torch.Tensor:

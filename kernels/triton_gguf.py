@@ -33,6 +33,41 @@ MINS = {"none": 0, "stored": 1, "minus8d": 2, "zero": 3}
 
 
 @triton.jit
+def dequantized_tile(qs_ptr, d_ptr, m_ptr, cols, col_ok, ks, K, CODE_BITS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+                     MIN: tl.constexpr, SUPER: tl.constexpr):
+    """float32 [BLOCK_K, BLOCK_N]: the weight's rows `cols` (those not col_ok read as 0) at input columns `ks`, dequantized
+    from a GGUFWeight's row layout whose row 0 is at the pointers (K input columns a row)."""
+    groups_per_row = K // GROUP
+    group = ks // GROUP
+    if SUPER:  # K4: d = (super-block d)·(scale code), m = −(super-block dmin)·(min code), exact in float32
+        sup = d_ptr + cols[None, :] * (K // 128) + ((ks // 256) * 2)[:, None]  # (d, dmin) per 256 columns
+        code = m_ptr + cols[None, :] * (groups_per_row * 2) + (group * 2)[:, None]  # (scale, min) per 32
+        scale = tl.load(sup, mask=col_ok[None, :], other=0.0).to(tl.float32) * tl.load(code, mask=col_ok[None, :], other=0).to(tl.float32)
+        low = -(tl.load(sup + 1, mask=col_ok[None, :], other=0.0).to(tl.float32) * tl.load(code + 1, mask=col_ok[None, :], other=0).to(tl.float32))
+    else:
+        scale = tl.load(d_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
+    if CODE_BITS == 8:  # Q8_0, K8, Z8: int8 codes; F8: float8_e4m3fn bytes, widened exactly in registers
+        q = tl.load(qs_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0)
+        q = fp8_e4m3_value(q) if FP8 else q.to(tl.float32)
+    else:  # Q4_0, Q4_1, K4, Z4: byte j of a 32-block holds weight j (low nibble) and j + 16 (high nibble)
+        j = ks % 32
+        byte = tl.load(qs_ptr + cols[None, :] * (K // 2) + ((ks // 32) * 16 + j % 16)[:, None], mask=col_ok[None, :], other=0)
+        q = tl.where((j < 16)[:, None], byte & 0x0F, byte >> 4).to(tl.float32)
+    if SUPER:
+        w = scale * q + low
+    elif MIN == 1:  # w = d·q + m
+        w = scale * q + tl.load(m_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
+    elif MIN == 2:  # Q4_0: w = d·(q - 8)
+        w = scale * q - 8.0 * scale
+    elif MIN == 3:  # Z4, Z8: w = d·(q − z), the integer difference first (exact); Z8's codes are stored minus 128
+        zero = tl.load(m_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0).to(tl.float32)
+        w = (q - (zero - (128.0 if CODE_BITS == 8 else 0.0))) * scale
+    else:
+        w = scale * q
+    return w
+
+
+@triton.jit
 def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr, sx_ptr, perm_ptr,
                  M, N, K, stride_xm, stride_ym, stride_om, x_groups,
                  CODE_BITS: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, MIN: tl.constexpr, SUPER: tl.constexpr,
@@ -68,32 +103,7 @@ def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr, sx_ptr
                 else:
                     s = tl.load(sx_ptr + rows, mask=row_ok, other=1.0)[:, None]
                 x = (fp8_e4m3_value(fp8_e4m3_bits(x.to(tl.float32) / s)) * s).to(x.dtype)
-            group = ks // GROUP
-            if SUPER:  # K4: d = (super-block d)·(scale code), m = −(super-block dmin)·(min code), exact in float32
-                sup = d_ptr + cols[None, :] * (K // 128) + ((ks // 256) * 2)[:, None]  # (d, dmin) per 256 columns
-                code = m_ptr + cols[None, :] * (groups_per_row * 2) + (group * 2)[:, None]  # (scale, min) per 32
-                scale = tl.load(sup, mask=col_ok[None, :], other=0.0).to(tl.float32) * tl.load(code, mask=col_ok[None, :], other=0).to(tl.float32)
-                low = -(tl.load(sup + 1, mask=col_ok[None, :], other=0.0).to(tl.float32) * tl.load(code + 1, mask=col_ok[None, :], other=0).to(tl.float32))
-            else:
-                scale = tl.load(d_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
-            if CODE_BITS == 8:  # Q8_0, K8, Z8: int8 codes; F8: float8_e4m3fn bytes, widened exactly in registers
-                q = tl.load(qs_ptr + cols[None, :] * K + ks[:, None], mask=col_ok[None, :], other=0)
-                q = fp8_e4m3_value(q) if FP8 else q.to(tl.float32)
-            else:  # Q4_0, Q4_1, K4, Z4: byte j of a 32-block holds weight j (low nibble) and j + 16 (high nibble)
-                j = ks % 32
-                byte = tl.load(qs_ptr + cols[None, :] * (K // 2) + ((ks // 32) * 16 + j % 16)[:, None], mask=col_ok[None, :], other=0)
-                q = tl.where((j < 16)[:, None], byte & 0x0F, byte >> 4).to(tl.float32)
-            if SUPER:
-                w = scale * q + low
-            elif MIN == 1:  # w = d·q + m
-                w = scale * q + tl.load(m_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0.0).to(tl.float32)
-            elif MIN == 2:  # Q4_0: w = d·(q - 8)
-                w = scale * q - 8.0 * scale
-            elif MIN == 3:  # Z4, Z8: w = d·(q − z), the integer difference first (exact); Z8's codes are stored minus 128
-                zero = tl.load(m_ptr + cols[None, :] * groups_per_row + group[:, None], mask=col_ok[None, :], other=0).to(tl.float32)
-                w = (q - (zero - (128.0 if CODE_BITS == 8 else 0.0))) * scale
-            else:
-                w = scale * q
+            w = dequantized_tile(qs_ptr, d_ptr, m_ptr, cols, col_ok, ks, K, CODE_BITS, FP8, GROUP, MIN, SUPER)
             if IEEE:  # float32 activations: no TF32
                 acc += tl.dot(x, w, input_precision="ieee")
             else:  # float16 / bfloat16: the tensor cores' input type, float32 accumulation
@@ -108,6 +118,12 @@ def _gguf_matmul(x_ptr, qs_ptr, d_ptr, m_ptr, bias_ptr, other_ptr, y_ptr, sx_ptr
     elif EPILOGUE == 3:
         acc = acc + tl.load(other_ptr + rows[:, None] * stride_om + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def layout_constants(kind: str) -> dict:
+    """dequantized_tile's compile-time description of a GGUFWeight kind's layout."""
+    layout = LAYOUTS[kind]
+    return {"CODE_BITS": layout.code_bits, "FP8": layout.fp8, "GROUP": layout.group, "MIN": MINS[layout.mins], "SUPER": layout.scales == "super"}
 
 
 def activation_scales(rows: torch.Tensor, act: FP8Activations) -> torch.Tensor:
@@ -169,7 +185,7 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
     _gguf_matmul[grid](rows, qs, w.d, w.m if w.m is not None else w.d, bias if bias is not None else w.d,
                        other if other is not None else y, y, sx, w.perm if w.perm is not None else y, m, n, k, rows.stride(0), y.stride(0),
                        other.stride(0) if other is not None else 0, sx.shape[-1] if w.act else 1,
-                       CODE_BITS=layout.code_bits, FP8=layout.fp8, GROUP=layout.group, MIN=MINS[layout.mins], SUPER=layout.scales == "super",
+                       **layout_constants(w.kind),
                        EPILOGUE=EPILOGUES[epilogue], HAS_BIAS=bias is not None, ACT_FP8=w.act is not None, X_GROUP=(w.act.group or 0) if w.act else 0, HAS_PERM=w.perm is not None, FP8_DOT=fp8_dot,
                        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y.reshape(*x.shape[:-1], n)

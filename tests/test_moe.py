@@ -121,22 +121,16 @@ def test_fused_experts_kernels_on_dense_weights_equal_each_token_through_its_exp
         assert got.dtype == dtype and torch.allclose(got.double(), want, atol=tolerance, rtol=tolerance), (act, (got.double() - want).abs().max())
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q4_K"])
-def test_cpp_fused_experts_on_block_panels_equal_the_reference_on_every_isa(routing, kind, monkeypatch):
-    """Experts in GGUF-style blocks (int8 as Q8_0, int4 as Q4_1, a Q4_K file's): the C++ op on each instruction set the CPU
-    has equals the reference on the same blocks dequantized (within the VNNI path's 16-bit activations)."""
+def quantized_experts(kind: str, experts: int, hidden: int, inner: int, seed: int):
+    """(gate, up, down: each expert's GGUFWeight, inner) of random weights in GGUF-style blocks: int8 as Q8_0, int4 as Q4_1,
+    a Q4_K file's (whose 256-column super-blocks make the inner size 256)."""
     import numpy as np
 
     from gguf_factory import encode_k_quant
-    from kvpilot.kernels import cpu_extension
-    from kvpilot.kernels.fused_moe import ExpertPanels, Experts, fused_experts_cpu, fused_experts_reference
     from kvpilot.kernels.quantized import GGUFWeight, quantize_int4, quantize_int8
 
-    ext, gen = cpu_extension.require(), torch.Generator().manual_seed(2)
-    tokens, hidden, inner, experts, k = 17, 256, 64, 6, 2
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
+    inner = 256 if kind == "Q4_K" else inner
 
     def blocks(out: int, cols: int) -> GGUFWeight:
         w = rng.standard_normal((out, cols)).astype(np.float32) / 8
@@ -148,10 +142,21 @@ def test_cpp_fused_experts_on_block_panels_equal_the_reference_on_every_isa(rout
         return GGUFWeight.from_blocks("Q4_K", raw.view(torch.uint8), out)
 
     gate, up = ([blocks(inner, hidden) for _ in range(experts)] for _ in range(2))
-    down = [blocks(hidden, inner if kind != "Q4_K" else 256) for _ in range(experts)]
-    if kind == "Q4_K":  # a K-quant super-block is 256 columns: an inner size of 256
-        inner = 256
-        gate, up = ([blocks(inner, hidden) for _ in range(experts)] for _ in range(2))
+    return gate, up, [blocks(hidden, inner) for _ in range(experts)], inner
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q4_K"])
+def test_cpp_fused_experts_on_block_panels_equal_the_reference_on_every_isa(routing, kind, monkeypatch):
+    """Experts in GGUF-style blocks (int8 as Q8_0, int4 as Q4_1, a Q4_K file's): the C++ op on each instruction set the CPU
+    has equals the reference on the same blocks dequantized (within the VNNI path's 16-bit activations)."""
+    from kvpilot.kernels import cpu_extension
+    from kvpilot.kernels.fused_moe import ExpertPanels, Experts, fused_experts_cpu, fused_experts_reference
+
+    ext, gen = cpu_extension.require(), torch.Generator().manual_seed(2)
+    tokens, hidden, experts, k = 17, 256, 6, 2
+    gate, up, down, inner = quantized_experts(kind, experts, hidden, 64, seed=3)
     panels = Experts(inner, panels=(ExpertPanels.of(gate), ExpertPanels.of(up), ExpertPanels.of(down)))
     x = torch.randn(tokens, hidden, generator=gen)
     weights, ids = routed(routing, tokens, experts, k, gen)
@@ -163,12 +168,38 @@ def test_cpp_fused_experts_on_block_panels_equal_the_reference_on_every_isa(rout
 
 
 @pytest.mark.timeout(300)
-def test_experts_in_a_ggufs_blocks_stay_in_them_and_give_the_dequantized_models_tokens(family_checkpoints, model_path, tmp_path):
+@pytest.mark.parametrize("kind,routing", [("Q8_0", "all_to_one"), ("Q4_1", "random"), ("Q4_K", "random")])
+def test_triton_fused_experts_on_gguf_blocks_equal_the_reference(kind, routing):
+    """The Triton kernel (TRITON_INTERPRET=1) on experts kept in their blocks (ExpertBlocks: gate and up rows fused per
+    expert, each tile dequantized in registers) equals the reference on the same blocks dequantized: float32 activations
+    to float32 rounding, float16 ones (the interpreter has no bfloat16) within theirs."""
+    from kvpilot.kernels.fused_moe import ExpertBlocks, Experts, fused_experts_reference
+    from kvpilot.kernels.quantized import cat_rows
+    from kvpilot.kernels.triton_moe import fused_experts
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, hidden, experts, k = 17, 256, 6, 2
+    gate, up, down, inner = quantized_experts(kind, experts, hidden, 64, seed=5)
+    blocks = Experts(inner, blocks=(ExpertBlocks.of([cat_rows([g, u]) for g, u in zip(gate, up)]), ExpertBlocks.of(down)))
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = routed(routing, tokens, experts, k, gen)
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
+        want = fused_experts_reference(x.to(dtype).float(), blocks, weights, ids).double()
+        got = fused_experts(x.to(dtype), blocks, weights, ids)
+        assert got.dtype == dtype
+        assert torch.allclose(got.double(), want, atol=tolerance * want.abs().max().item(), rtol=tolerance), (dtype, (got.double() - want).abs().max())
+
+
+@pytest.mark.timeout(300)
+def test_experts_in_a_ggufs_blocks_stay_in_them_and_give_the_dequantized_models_tokens(family_checkpoints, model_path, tmp_path, monkeypatch):
     """A Qwen3-MoE GGUF whose experts are Q8_0 blocks: quantization=gguf keeps them in panels (the C++ op's) and greedy
-    tokens equal those of the same file dequantized at load (quantization=none: the same weights, dense matmuls)."""
+    tokens equal those of the same file dequantized at load (quantization=none: the same weights, dense matmuls); on the
+    Triton kernels (KVPILOT_KERNELS=triton, the CUDA path in the interpreter) it keeps them in stacked blocks, with the
+    same tokens."""
     from test_model_families import PROMPTS, greedy, llm
 
     from checkpoint_factory import write_family_gguf
+    from kvpilot.server import SamplingParams
 
     directory, _ = family_checkpoints["qwen3moe"]
     stacked = {f"model.layers.0.mlp.experts.{k}_proj.weight": "Q8_0" for k in ("gate", "up", "down")}
@@ -180,6 +211,13 @@ def test_experts_in_a_ggufs_blocks_stay_in_them_and_give_the_dequantized_models_
     _, tokens_kept, _ = greedy(kept, batched=True)
     _, tokens_dense, _ = greedy(dense, batched=True)
     assert sum(a == b for a, b in zip(tokens_kept, tokens_dense)) >= len(PROMPTS) - 1, (tokens_kept, tokens_dense)
+    monkeypatch.setenv("KVPILOT_KERNELS", "triton")
+    on_triton = llm(path, quantization="gguf")
+    moe = on_triton.engine.worker.model.layers[0].mlp
+    assert moe.experts.panels is None and {b.kind for b in moe.experts.blocks} == {"Q8_0"}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    run = lambda engine: [o.outputs[0].token_ids for o in engine.generate(PROMPTS[:3], params)]  # noqa: E731
+    assert run(on_triton) == run(dense)
 
 
 @pytest.mark.timeout(300)

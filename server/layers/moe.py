@@ -2,7 +2,7 @@ import torch
 from torch import nn
 
 from kvpilot.kernels.direct_call import direct_call
-from kvpilot.kernels.fused_moe import ExpertPanels, Experts, route
+from kvpilot.kernels.fused_moe import ExpertBlocks, ExpertPanels, Experts, route
 from kvpilot.kernels.ops import Ops
 
 
@@ -22,14 +22,19 @@ class SparseMoE(nn.Module):
         self.router = router
         self.shared_expert, self.shared_expert_gate = shared or (None, None)
         self.inner = experts.inner
-        if experts.panels is None:
-            self.register_buffer("w13", experts.w13, persistent=False)
-            self.register_buffer("w2", experts.w2, persistent=False)
-        else:
+        if experts.panels is not None:
             self.kinds = tuple((p.kind, p.out_features) for p in experts.panels)
             for name, p in zip(("gate", "up", "down"), experts.panels):
                 for part in ("qs", "d", "m"):
                     self.register_buffer(f"{name}_{part}", getattr(p, part), persistent=False)
+        elif experts.blocks is not None:
+            self.block_kinds = tuple(b.kind for b in experts.blocks)
+            for name, b in zip(("w13", "w2"), experts.blocks):
+                for part in ("qs", "d", "m"):
+                    self.register_buffer(f"{name}_{part}", getattr(b, part), persistent=False)
+        else:
+            self.register_buffer("w13", experts.w13, persistent=False)
+            self.register_buffer("w2", experts.w2, persistent=False)
         self.top_k, self.renormalize, self.ops, self.act, self.weights_dtype = top_k, renormalize, ops, act, weights_dtype
         self.sharded, self.tp_group, self.tp_rank = sharded, tp_group, tp_rank
         self._bind()
@@ -40,6 +45,10 @@ class SparseMoE(nn.Module):
             panels = tuple(ExpertPanels(kind, out, *(getattr(self, f"{name}_{part}") for part in ("qs", "d", "m")))
                            for name, (kind, out) in zip(("gate", "up", "down"), self.kinds))
             self.experts = Experts(self.inner, panels=panels)
+        elif hasattr(self, "block_kinds"):
+            blocks = tuple(ExpertBlocks(kind, *(getattr(self, f"{name}_{part}") for part in ("qs", "d", "m")))
+                           for name, kind in zip(("w13", "w2"), self.block_kinds))
+            self.experts = Experts(self.inner, blocks=blocks)
         else:
             self.experts = Experts(self.inner, self.w13, self.w2)
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kvpilot.kernels.direct_call import direct_call
-from kvpilot.kernels.fused_moe import ExpertPanels, Experts
+from kvpilot.kernels.fused_moe import ExpertBlocks, ExpertPanels, Experts
 from kvpilot.kernels.linear import RowParallel, make_linear
 from kvpilot.kernels.lora import LoRAContext, LoRALinear, LoRAShape
 from kvpilot.kernels.ops import Ops, ops_for
@@ -188,9 +188,6 @@ class DecoderModel(nn.Module):
         pipeline stage's layers and ends only (the other stages' weights are not read)."""
         c = config
         w = _WeightReader(source, dtype, device, progress, tp, quantization, group_size)
-        if c.num_experts and quantization in ("gguf", "int8", "int4") and device.type != "cpu":
-            log.warning("quantization=%s: the experts are kept in %s on %s (quantized experts run on the CPU's kernels only, so far)",
-                        quantization, str(dtype).removeprefix("torch."), device)
         ops = ops_for(device)
         adapted = LoRAModules(LoRAContext(), []) if lora else None
 
@@ -267,8 +264,9 @@ class DecoderModel(nn.Module):
 def _sparse_moe(w: _WeightReader, c: ModelConfig, layer: int, ops: Ops, tp: TensorParallel | None) -> SparseMoE:
     """A layer's mixture of experts: its router, and its experts (this rank's slice of every expert's inner dimension)
     read from per-expert matrices (Qwen3-MoE's mlp.experts.{e}.gate_proj…, Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2)
-    or a GGUF's stacked ones; Qwen2-MoE's shared expert and its gate. Quantized (a GGUF's blocks with quantization=gguf, int8 / int4 as read) they are kept in
-    panels for the C++ op on a CPU, else dense in the compute dtype."""
+    or a GGUF's stacked ones; Qwen2-MoE's shared expert and its gate. Quantized (a GGUF's blocks with quantization=gguf,
+    int8 / int4 as read) they are kept in panels for the C++ op, in stacked blocks for the Triton one (gate and up rows
+    fused per expert), else (the reference ops) dense in the compute dtype."""
     p = f"model.layers.{layer}."
     lo, hi = tp.split(c.moe_intermediate_size) if tp else (0, c.moe_intermediate_size)
     if p + "mlp.experts.gate_proj.weight" in w.available:  # a GGUF's [experts, inner, hidden] (down: [experts, hidden, inner])
@@ -281,8 +279,19 @@ def _sparse_moe(w: _WeightReader, c: ModelConfig, layer: int, ops: Ops, tp: Tens
     experts = range(c.num_experts)
     gate, up = ([read(names[k], e, rows=(lo, hi)) for e in experts] for k in (0, 1))
     down = [read(names[2], e, cols=(lo, hi)) for e in experts]
-    if all(isinstance(t, GGUFWeight) for t in (*gate, *up, *down)) and w.device.type == "cpu":
+    quantized = all(isinstance(t, GGUFWeight) for t in (*gate, *up, *down))
+    blocks = None
+    if quantized and ops.name == "triton":
+        w13 = [cat_rows([g, u]) for g, u in zip(gate, up)]
+        both = (ExpertBlocks.of(w13) if all(isinstance(t, GGUFWeight) for t in w13) else None, ExpertBlocks.of(down))
+        blocks = both if None not in both else None
+        if blocks is None:
+            log.warning("layer %d: its experts' blocks (%s) cannot be stacked for the Triton kernel; they are kept dense in %s", layer,
+                        ", ".join(sorted({t.kind for t in (*gate, *up, *down)})), str(w.dtype).removeprefix("torch."))
+    if quantized and ops.name == "cpu-c++":
         weights = Experts(hi - lo, panels=(ExpertPanels.of(gate), ExpertPanels.of(up), ExpertPanels.of(down)))
+    elif blocks is not None:
+        weights = Experts(hi - lo, blocks=blocks)
     else:
         dense = lambda ts: torch.stack([t.dequantize().to(w.dtype) if isinstance(t, GGUFWeight) else t for t in ts])  # noqa: E731
         weights = Experts(hi - lo, torch.cat([dense(gate), dense(up)], dim=1).contiguous(), dense(down).contiguous())
