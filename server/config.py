@@ -113,6 +113,10 @@ class EngineConfig(BaseModel):
                             "Q4_K/Q5_K/Q6_K tensors kept in their blocks and multiplied by kernels that dequantize in registers; int8 = float weights "
                             "quantized at load (symmetric, per 32 input columns); int4 = per group of --quantization-group-size input columns, with "
                             "scales and mins (embedding and LM head int8). CPU: C++ kernels, float32 compute; CUDA: Triton kernels, any dtype.")
+    load_format: Literal["auto", "dummy"] = Field("auto", description=(
+        "auto = the model's weight files; dummy = its config.json alone (a checkpoint directory, weight files absent or not read), "
+        "with seeded random weights made on the device (seed: --seed): a model's shapes for capacity and speed tests, as vLLM's "
+        "dummy format. Float weights: quantization none, int8 or int4."))
     quantization_group_size: int = Field(32, description=(
         "int4: input columns sharing one scale and min (32, 64 or 128; coarser groups save no memory in this layout and cost quality)."))
     seed: int = Field(0, description="Seed of the engine's default random generator.")
@@ -327,6 +331,8 @@ class EngineConfig(BaseModel):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, not {self.quantization_group_size}")
         if self.quantization_group_size != 32 and q != "int4":
             raise ValueError("quantization_group_size is only used with quantization=int4")
+        if self.load_format == "dummy" and q not in ("auto", "none", "int8", "int4"):
+            raise ValueError(f"load_format=dummy makes float weights: quantization none, int8 or int4, not {q} (which keeps a file's packed weights)")
         return self
 
     @field_validator("lora_modules")
@@ -489,7 +495,7 @@ def format_size(n: int) -> str:
 
 # --help's argument groups: a field's group is the first that names it (an entry ending in "_" names a prefix).
 _GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("model", ("model", "served_model_name", "max_model_len", "dtype", "quantization", "quantization_group_size", "seed", "device",
+    ("model", ("model", "served_model_name", "max_model_len", "dtype", "quantization", "quantization_group_size", "load_format", "seed", "device",
                "num_threads", "enforce_eager", "tensor_parallel_size", "pipeline_", "group_", "generation_config", "chat_template", "tokenizer", "revision")),
     ("cache", ("block_size", "enable_prefix_caching", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization",
                "kv_offload_", "kv_host_offload_size")),

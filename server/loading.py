@@ -9,12 +9,17 @@ from kvpilot.server.config import EngineConfig
 from kvpilot.server.model_files import resolve_model_path
 
 
-def open_model(path: Path):
-    """A GGUF file or a checkpoint directory -> (its weights, with .config, the model's shape; its tokenizer)."""
-    from kvpilot.server.checkpoint import Checkpoint, is_checkpoint_dir
+def open_model(path: Path, load_format: str = "auto", seed: int = 0):
+    """A GGUF file or a checkpoint directory -> (its weights, with .config, the model's shape; its tokenizer).
+    load_format dummy: a checkpoint directory's config.json with seeded random weights (server/dummy_weights.py)."""
+    from kvpilot.server.checkpoint import CONFIG, Checkpoint, is_checkpoint_dir, read_json
     from kvpilot.server.gguf_loader import GGUFFile
     from kvpilot.server.tokenizer import Tokenizer
 
+    if load_format == "dummy":
+        from kvpilot.server.dummy_weights import DummyWeights
+
+        return DummyWeights.of(path, seed), Tokenizer.from_checkpoint(path, read_json(path / CONFIG).get("eos_token_id"))
     if is_checkpoint_dir(path):
         checkpoint = Checkpoint(path)
         return checkpoint, Tokenizer.from_checkpoint(path, checkpoint.hf_config.get("eos_token_id"))

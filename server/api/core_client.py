@@ -92,7 +92,7 @@ class EngineCoreClient(AsyncEngine):
         self._process.start()
         ready = self._await_ready()
         startup.adopt(ready.startup_marks)
-        _weights, self.tokenizer = open_model(resolve_model_path(config.model))
+        _weights, self.tokenizer = open_model(resolve_model_path(config.model), config.load_format, config.seed)
         grammars = GrammarCompiler(self.tokenizer.backend_json(), ready.vocab_size, self.tokenizer.eos_token_ids)
         self.limits = RequestLimits(ready.max_model_len, ready.vocab_size, grammars, config.kv_role, kv_secret, config.scheduling_policy)
         self.served_model_name = ready.served_model_name

@@ -88,7 +88,7 @@ class LLMEngine:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.served_model_name = config.served_model_name or default_served_name(config.model)
-        weights, self.tokenizer = open_model(self.model_path)
+        weights, self.tokenizer = open_model(self.model_path, config.load_format, config.seed)
         self.model_config = weights.config
         self.assembler = OutputAssembler(self.tokenizer, _weakly(self.stop_sequence), _weakly(self._drop_request)) if assemble else None
         self._stopped_transfers: list[RequestDelta] = []  # see stop_sequence
@@ -262,7 +262,9 @@ class LLMEngine:
                 "kv_scales": self.worker.kv_scales,
                 "quantization": self.worker.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative,
                 # (a tier's blocks are per-rank shards: another split's are other files; absent at 1, the keys as before stages)
-                **({"pipeline_parallel_size": config.pipeline_parallel_size} if config.pipeline_parallel_size > 1 else {})}
+                **({"pipeline_parallel_size": config.pipeline_parallel_size} if config.pipeline_parallel_size > 1 else {}),
+                # (made weights: the seed is the model; a directory's real weights beside its config are another)
+                **({"load_format": "dummy", "seed": config.seed} if config.load_format == "dummy" else {})}
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,

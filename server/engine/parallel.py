@@ -332,7 +332,7 @@ def worker_main(rank: int, world_size: int, rendezvous: str | tuple[str, int], c
 
         join(rank, world_size, rendezvous, device_type, world_size // engine_config.group_size, engine_config.group_join_timeout)
         channel = Channel()
-        weights, tokenizer = open_model(Path(model_path))
+        weights, tokenizer = open_model(Path(model_path), engine_config.load_format, engine_config.seed)
         tp, stage = join_stages(rank, engine_config, weights.config.num_layers, device_type)
         drafter = None
         if split_draft:  # this rank's shard of the draft model (rank 0 checked and resolved it; a whole one is rank 0's alone)

@@ -21,6 +21,7 @@ from kvpilot.kernels.lora import LoRAContext, LoRALinear, LoRAShape
 from kvpilot.kernels.ops import Ops, ops_for
 from kvpilot.kernels.paged_attention import AttentionMetadata
 from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight, cat_rows, embedding, quantize_int4, quantize_int8
+from kvpilot.server.dummy_weights import DummyWeights
 from kvpilot.server.layers.attention import PagedSelfAttention
 from kvpilot.server.layers.mlp import SwiGLU
 from kvpilot.server.layers.moe import SparseMoE
@@ -332,6 +333,8 @@ class _WeightReader:
 
     def __init__(self, source: WeightSource, dtype: torch.dtype, device: torch.device, progress: Callable[[int], None] | None,
                  tp: TensorParallel | None, quantization: str = "none", group_size: int = 32):
+        if isinstance(source, DummyWeights):  # (made where they are used, in the dtype they are used in)
+            source = source.on(device, dtype)
         self.source, self.dtype, self.device, self.progress, self.tp = source, dtype, device, progress, tp
         self.available = source.checkpoint_names()
         self.read: set[str] = set()
