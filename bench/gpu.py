@@ -23,10 +23,19 @@ the GGUF reader); `run` writes a GGUF of those shapes with seeded random weights
 4. the quantization issue's kernel micro-benchmark: the Triton int4 / int8 GGUF-block matmul vs the
    bf16 matmul at Llama-3-8B's layer shapes, M = 1 and 16, weights generated on the GPU.
 
-`run --quick --device cpu` shrinks every workload (a smoke test of the script itself, no figures).
-A device command has ten minutes: `--only checks --only graph --only quant`, `--only kvpilot`, `--only hf` split
-the run if one command does not fit (a kvpilot workload is stopped after `--deadline` seconds and rated
-on what it made).
+`--model-shape llama3-8b` runs the same on a Llama-3-8B-shaped model (32 layers, hidden 4096, GQA 32:8, FFN 14336,
+vocabulary 128,256, RoPE base 500,000) with no file: a config.json and the engine's `--load-format dummy` (seeded
+random weights made on the device; HF's model of the config gets the same tensors for the checks), bf16 and int4 (an
+FP8 rate needs an FP8 checkpoint's packed weights, which dummy weights are not); its workloads are the issue's: single
+stream (32 + 256) and 256 requests (prompts 512, outputs 256); int4 replaces gguf in its runs. Every single-stream rate
+is printed beside the HBM roofline: the weight bytes a decode step reads (the engine's weights but the embedding
+table) over the device's measured copy bandwidth.
+
+`run --quick --device cpu` shrinks every workload, and the 8B shape to its structure at 1/16 width and two layers (a
+smoke test of the script itself, no figures; tests/test_gpu_bench.py runs it for both shapes).
+A device command has ten minutes; split a run with `--only` (e.g. the 8B shape: `--only checks`, then `--only kvpilot`,
+then `--only hf --only graph --only quant`; a kvpilot workload is stopped after `--deadline` seconds and rated on what
+it made). Every figure goes to $OUT/gpu_bench-<shape>.json (or --json), the tables to the screen.
 Figures go to bench/RESULTS.md with this command; without a GPU: "GPU not measured".
 """
 
@@ -35,16 +44,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / ".gpu"
 SKELETON = BUNDLE / "skeleton.gguf"
+TOKENIZER = BUNDLE / "tokenizer"
 WHEELS = BUNDLE / "wheels"
 TENSORS_KEY = "kvpilot.bench.tensors"  # JSON {name: numpy shape} of the bundled model's tensors
 # What the GPU machine's image lacks for the offline engine (the device README's package list).
@@ -69,20 +81,38 @@ def _copy_metadata(reader, writer) -> None:
             writer.add_key_value(name, _field_value(field), field.types[0])
 
 
-def bundle() -> None:
+def write_skeleton(dest: Path) -> Path:
+    """The bundled model's metadata and tensor list in a tensor-free GGUF."""
     import gguf
 
     from kvpilot.server.gguf_loader import _field_value
     from kvpilot.server.model_files import resolve_model_path
 
     reader = gguf.GGUFReader(resolve_model_path("smollm2-135m"))
-    BUNDLE.mkdir(exist_ok=True)
-    writer = gguf.GGUFWriter(str(SKELETON), str(_field_value(reader.fields["general.architecture"])))
+    writer = gguf.GGUFWriter(str(dest), str(_field_value(reader.fields["general.architecture"])))
     _copy_metadata(reader, writer)
     writer.add_string(TENSORS_KEY, json.dumps({t.name: [int(n) for n in reversed(t.shape.tolist())] for t in reader.tensors}))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
+    return dest
+
+
+def write_tokenizer(dest: Path) -> Path:
+    """The bundled model's tokenizer as transformers saves it (the 8B shape's checkpoint directory reads it)."""
+    from transformers import AutoTokenizer
+
+    from kvpilot.server.model_files import resolve_model_path
+
+    gguf_path = resolve_model_path("smollm2-135m")
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(dest))
+    return dest
+
+
+def bundle() -> None:
+    BUNDLE.mkdir(exist_ok=True)
+    write_skeleton(SKELETON)
+    write_tokenizer(TOKENIZER)
     pins = {}
     for line in (ROOT / "constraints.txt").read_text().splitlines():
         if "==" in line:
@@ -94,7 +124,7 @@ def bundle() -> None:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
                         "--implementation", "cp", *platforms, "-d", str(WHEELS), f"{name}=={pins[name]}"], check=True)
     size = sum(f.stat().st_size for f in BUNDLE.rglob("*") if f.is_file())
-    print(f"{BUNDLE}: {size / 2**20:.1f} MiB (skeleton {SKELETON.stat().st_size / 2**20:.1f} MiB, {len(list(WHEELS.glob('*.whl')))} wheels)")
+    print(f"{BUNDLE}: {size / 2**20:.1f} MiB (skeleton {SKELETON.stat().st_size / 2**20:.1f} MiB, tokenizer, {len(list(WHEELS.glob('*.whl')))} wheels)")
 
 
 def _import_kvpilot() -> None:
@@ -109,7 +139,7 @@ def _import_kvpilot() -> None:
         sys.path.insert(0, str(shim.parent))
 
 
-def make_gguf(dest: Path, seed: int = 0) -> Path:
+def make_gguf(dest: Path, skeleton: Path, seed: int = 0) -> Path:
     """The bundled model's architecture and tokenizer with seeded random weights N(0, 0.02) in the
     bundled file's formats: the token embedding Q8_0, the other matrices Q4_1, norms 1 (F32). The
     weights HF dequantizes are then exactly the ones --quantization gguf keeps."""
@@ -118,7 +148,7 @@ def make_gguf(dest: Path, seed: int = 0) -> Path:
 
     from kvpilot.server.gguf_loader import _field_value
 
-    reader = gguf.GGUFReader(SKELETON)
+    reader = gguf.GGUFReader(skeleton)
     shapes = json.loads(str(_field_value(reader.fields[TENSORS_KEY])))
     writer = gguf.GGUFWriter(str(dest), str(_field_value(reader.fields["general.architecture"])))
     _copy_metadata(reader, writer)
@@ -140,19 +170,120 @@ def make_gguf(dest: Path, seed: int = 0) -> Path:
 # name -> (kernels, engine settings)
 KVPILOT_RUNS = {"default": ("default", {}), "enforce_eager": ("default", {"enforce_eager": True}),
                 "async_scheduling off": ("default", {"async_scheduling": "off"}), "gguf": ("default", {"quantization": "gguf"})}
+# Llama-3-8B's config.json (its tokenizer aside: the bundled model's, whose ids are all inside this vocabulary)
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+             "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+             "bos_token_id": 1, "eos_token_id": 2}
+# --quick: its structure (GQA 4:1, the untied head, the vocabulary) at 1/16 width and two layers
+LLAMA3_8B_QUICK = {**LLAMA3_8B, "hidden_size": 256, "intermediate_size": 896, "num_hidden_layers": 2, "num_attention_heads": 8,
+                   "num_key_value_heads": 2, "head_dim": 32}
+# (requests, prompt lengths, output lengths, max_num_seqs) per workload, and HF's static batch for it
+WORKLOADS = {
+    "smollm2-135m": {"single stream (32 + 256)": ((1, (32, 32), (256, 256), 1), 1),
+                     "64 requests (32-512 / 32-256)": ((64, (32, 512), (32, 256), 64), 64),
+                     "256 requests (100-1024 / 100-1024)": ((256, (100, 1024), (100, 1024), 256), 128)},
+    "llama3-8b": {"single stream (32 + 256)": ((1, (32, 32), (256, 256), 1), 1),
+                  "256 requests (512 / 256)": ((256, (512, 512), (256, 256), 256), 64)},
+}
+SINGLE_STREAM = "single stream (32 + 256)"
 
 
-def _kvpilot(path: Path, device: str, dtype: str, kernels: str, **engine):
+@dataclass
+class Subject:
+    """The model a run measures: what the engine is given (a random-weight GGUF, or a config.json with dummy weights), the
+    settings every engine gets for it, its shape, and the kvpilot runs that apply to it."""
+
+    shape: str
+    path: Path
+    engine: dict
+    config: object  # kvpilot.server.model_config.ModelConfig
+    runs: dict[str, tuple[str, dict]]  # rated
+    checked: tuple[str, ...]  # of those, the runs whose fp32 greedy tokens must be HF's (not a quantization HF does not hold)
+    seed: int = 0
+
+    @property
+    def dummy(self) -> bool:
+        return self.engine.get("load_format") == "dummy"
+
+    def hf_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        if self.dummy:
+            return AutoTokenizer.from_pretrained(str(self.path))
+        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+
+    def hf_model(self, dtype, device: str):
+        """HF transformers' model of the same weights: the GGUF dequantized, or the config's model holding the dummy
+        weights the engine makes (made on the device one at a time: no host copy of 8B)."""
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if not self.dummy:
+            return AutoModelForCausalLM.from_pretrained(str(self.path.parent), gguf_file=self.path.name, dtype=dtype).to(device).eval()
+        from kvpilot.server.dummy_weights import DummyWeights
+
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(self.path)), dtype=dtype).eval()
+        weights = DummyWeights.of(self.path, self.seed).on(torch.device(device), dtype)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(weights.load(name))
+        return model
+
+
+def subject(shape: str, work: Path, quick: bool) -> Subject:
+    from kvpilot.server.gguf_loader import GGUFFile
+
+    if shape == "smollm2-135m":
+        skeleton = SKELETON if SKELETON.is_file() else write_skeleton(work / "skeleton.gguf")  # (here: from the bundled file)
+        path = make_gguf(work / "smollm2-135m-random.gguf", skeleton)
+        return Subject(shape, path, {}, GGUFFile(path).config, KVPILOT_RUNS, tuple(KVPILOT_RUNS))  # (gguf: HF holds the same blocks)
+    from kvpilot.server.checkpoint import read_json
+    from kvpilot.server.model_config import config_from_hf
+
+    path = work / "llama3-8b-shaped"
+    shutil.copytree(TOKENIZER if TOKENIZER.is_dir() else write_tokenizer(work / "tokenizer"), path)
+    (path / "config.json").write_text(json.dumps(LLAMA3_8B_QUICK if quick else LLAMA3_8B, indent=1))
+    runs = {name: run for name, run in KVPILOT_RUNS.items() if name != "gguf"}
+    return Subject(shape, path, {"load_format": "dummy"}, config_from_hf(read_json(path / "config.json"), shape, str(path)),
+                   runs | {"int4": ("default", {"quantization": "int4"})}, tuple(runs))
+
+
+def _kvpilot(subject: Subject, device: str, dtype: str, kernels: str, **engine):
     from kvpilot.server import LLM
 
     os.environ["KVPILOT_KERNELS"] = kernels  # read when the model is built
     threads = {"num_threads": 2} if device == "cpu" else {}
-    return LLM(model=str(path), device=device, dtype=dtype, show_progress=False, **threads, **engine)
+    return LLM(model=str(subject.path), device=device, dtype=dtype, show_progress=False, seed=subject.seed, **threads, **subject.engine, **engine)
 
 
-def correctness(path: Path, device: str, steps: int, runs: dict[str, tuple[str, dict]]) -> list[dict]:
+def decode_weight_bytes(llm) -> int:
+    """The weight bytes a single-stream decode step reads: every weight of the model but the embedding table (one row of
+    it is read), unless the table is the head too."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = llm.engine.worker.model
+    total = model.weight_bytes()
+    if not model.config.tie_word_embeddings and model.embed is not None:
+        embed = model.embed
+        total -= embed.nbytes if not isinstance(embed, torch.Tensor) else embed.untyped_storage().nbytes()
+    return total
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second a device-to-device copy moves (read + write), the best of 5 timings of 10 copies of 1 GiB (64 MiB on a
+    CPU): the memory's practical limit."""
+    import torch
+
+    n = (1 << 30) if device == "cuda" else (1 << 26)
+    a, b = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    b.copy_(a)
+    return max(2 * n * 10 / _timed(partial(_repeat, partial(b.copy_, a), 10)) for _ in range(5))
+
+
+def correctness(subject: Subject, device: str, steps: int, runs: dict[str, tuple[str, dict]]) -> list[dict]:
+    import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
     from kvpilot.server import SamplingParams
@@ -160,8 +291,7 @@ def correctness(path: Path, device: str, steps: int, runs: dict[str, tuple[str, 
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).to(device).eval()
+    tokenizer, model = subject.hf_tokenizer(), subject.hf_model(torch.float32, device)
     refs = []
     with torch.inference_mode():
         for prompt in ORACLE_PROMPTS:
@@ -178,7 +308,7 @@ def correctness(path: Path, device: str, steps: int, runs: dict[str, tuple[str, 
     del model
     rows = []
     for name, (kernels, settings) in runs.items():
-        llm = _kvpilot(path, device, "float32", kernels, **settings)
+        llm = _kvpilot(subject, device, "float32", kernels, **settings)
         outs = llm.generate(ORACLE_PROMPTS, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=TOPK))
         tokens = [o.outputs[0].token_ids for o in outs]
         topks = [[sorted(e, key=e.get, reverse=True)[:TOPK] for e in o.outputs[0].logprobs] for o in outs]
@@ -247,17 +377,16 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def kvpilot_rates(path: Path, device: str, kernels: str, engine_settings: dict, workloads: dict, deadline: float) -> dict[str, str]:
-    """Output tok/s per workload. A workload still running after `deadline` seconds is stopped there
-    and its rate is of the tokens made so far (marked "stopped"): today's engine on a GPU takes many
-    minutes for the 256-request one, and a device command has ten."""
+def kvpilot_rates(subject: Subject, device: str, kernels: str, engine_settings: dict, workloads: dict, deadline: float) -> dict[str, tuple[str, int]]:
+    """Output tok/s per workload, with the weight bytes a decode step reads. A workload still running after `deadline`
+    seconds is stopped there and its rate is of the tokens made so far (marked "stopped"): a device command has ten minutes."""
     import torch
 
     from kvpilot.server import SamplingParams
 
     rates = {}
     for name, (prompts, outputs, max_seqs) in workloads.items():
-        llm = _kvpilot(path, device, "auto", kernels, max_num_seqs=max_seqs, max_num_batched_tokens=max(2048, max(map(len, prompts))),
+        llm = _kvpilot(subject, device, "auto", kernels, max_num_seqs=max_seqs, max_num_batched_tokens=max(2048, max(map(len, prompts))),
                        **engine_settings)
         llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4))  # warm-up (Triton compiles here)
         engine, made = llm.engine, {}
@@ -272,17 +401,15 @@ def kvpilot_rates(path: Path, device: str, kernels: str, engine_settings: dict, 
         if device == "cuda":
             torch.cuda.synchronize()
         dt, stopped = time.perf_counter() - t, engine.has_unfinished_requests()
-        rates[name] = f"{sum(made.values()) / dt:.0f}" + (f" (stopped at {deadline:.0f} s)" if stopped else "")
+        rates[name] = (f"{sum(made.values()) / dt:.0f}" + (f" (stopped at {deadline:.0f} s)" if stopped else ""), decode_weight_bytes(llm))
         engine.close()
     return rates
 
 
-def hf_rates(path: Path, device: str, workloads: dict, batch: dict[str, int]) -> dict[str, float]:
+def hf_rates(subject: Subject, device: str, workloads: dict, batch: dict[str, int]) -> dict[str, float]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to(device).eval()
+    model = subject.hf_model(torch.bfloat16 if device == "cuda" else torch.float32, device)
     rates = {}
     with torch.inference_mode():
         for name, (prompts, outputs, _) in workloads.items():
@@ -353,16 +480,13 @@ def quantized_matmul_rows(device: str, shapes: dict[str, tuple[int, int]], rows:
     return out
 
 
-def graph_step_rates(path: Path, device: str, batches: list[int], context: int, steps: int) -> dict[int, float]:
-    """A plain-PyTorch decode step of the model's shapes — fused QKV and gate/up matmuls, RMSNorm, RoPE
+def graph_step_rates(c, device: str, batches: list[int], context: int, steps: int) -> tuple[dict[int, float], int]:
+    """A plain-PyTorch decode step of the model's shapes (ModelConfig `c`) — fused QKV and gate/up matmuls, RMSNorm, RoPE
     on q and k, SDPA with GQA over a static [B, kv_heads, context, d] cache, the head and a
-    sample (Gumbel-max at temperature 0.8) — captured as one CUDA graph (eager on CPU): tokens per
-    second at each batch size."""
+    sample (Gumbel-max at temperature 0.8) — captured as one CUDA graph (eager on CPU): (tokens per
+    second at each batch size, the weight bytes a step reads)."""
     import torch
 
-    from kvpilot.server.gguf_loader import GGUFFile
-
-    c = GGUFFile(path).config
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(1)
     mat = lambda *shape: (torch.randn(*shape, generator=g) * 0.02).to(device, dtype)  # noqa: E731
@@ -373,7 +497,8 @@ def graph_step_rates(path: Path, device: str, batches: list[int], context: int, 
     norm = torch.ones(c.hidden_size, device=device, dtype=dtype)
     inv = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, device=device).float() / d))
     model = (c, layers, head, norm, inv, dtype)
-    return {batch: _graph_step_rate(model, batch, context, steps, device) for batch in batches}
+    read = sum(w.numel() * w.element_size() for layer in layers for w in layer) + head.numel() * head.element_size()
+    return {batch: _graph_step_rate(model, batch, context, steps, device) for batch in batches}, read
 
 
 def _graph_step_rate(model: tuple, batch: int, context: int, steps: int, device: str) -> float:
@@ -442,49 +567,60 @@ def run(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from common import offline_workload, table
 
-    device = args.device
+    device, quick = args.device, args.quick
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: `bench/gpu.py run --quick --device cpu` is the smoke test")
-    work = Path(tempfile.mkdtemp())
-    path = make_gguf(work / "smollm2-135m-random.gguf")
-    quick = args.quick
-    # (requests, prompt lengths, output lengths); --quick: a few short ones
-    shapes = {"single stream (32 + 256)": (1, (32, 32), (256, 256), 1), "64 requests (32-512 / 32-256)": (64, (32, 512), (32, 256), 64),
-              "256 requests (100-1024 / 100-1024)": (256, (100, 1024), (100, 1024), 256)}
+    model = subject(args.model_shape, Path(tempfile.mkdtemp()), quick)
+    spec = WORKLOADS[args.model_shape]
     workloads = {name: (*offline_workload(min(n, 3) if quick else n, seed=i, prompt=(8, 16) if quick else prompt,
                                           output=(2, 4) if quick else output), max_seqs)
-                 for i, (name, (n, prompt, output, max_seqs)) in enumerate(shapes.items())}
+                 for i, (name, ((n, prompt, output, max_seqs), _)) in enumerate(spec.items())}
+    bandwidth = copy_bandwidth(device)
+
+    def against_roofline(row: dict, rate: float, read: int) -> dict:
+        roofline = bandwidth / read
+        return {**row, "roofline tok/s": f"{roofline:.0f}", "of roofline": f"{rate / roofline:.0%}"}
+
     parts = set(args.only or PARTS)
     checks, rows = [], []
     if "checks" in parts:
-        checks = correctness(path, device, 64 if not quick else 4, KVPILOT_RUNS | {"reference kernels": ("reference", {})})
+        checked = {name: model.runs[name] for name in model.checked} | {"reference kernels": ("reference", {})}
+        checks = correctness(model, device, 64 if not quick else 4, checked)
         if device == "cuda":  # bfloat16 in Triton's interpreter is broken: these need the GPU
             checks += bf16_kernels(device)
         print(table(checks, ["check", "result", "pass"]), flush=True)
     if "kvpilot" in parts:
-        for run_name, (kernels, settings) in KVPILOT_RUNS.items():
-            for name, rate in kvpilot_rates(path, device, kernels, settings, workloads, args.deadline).items():
-                rows.append({"engine": f"kvpilot ({run_name})", "workload": name, "output tok/s": rate})
+        for run_name, (kernels, settings) in model.runs.items():
+            for name, (rate, read) in kvpilot_rates(model, device, kernels, settings, workloads, args.deadline).items():
+                row = {"engine": f"kvpilot ({run_name})", "workload": name, "output tok/s": rate}
+                rows.append(against_roofline(row, float(rate.split()[0]), read) if name == SINGLE_STREAM else row)
     if "hf" in parts:
-        for name, rate in hf_rates(path, device, workloads, {"single stream (32 + 256)": 1, "64 requests (32-512 / 32-256)": 64,
-                                                              "256 requests (100-1024 / 100-1024)": 128}).items():
-            rows.append({"engine": "HF transformers (static batches: 1, 64, 128)", "workload": name, "output tok/s": f"{rate:.0f}"})
-    if "graph" in parts:
-        context = 64 if quick else 1024
-        for batch, rate in graph_step_rates(path, device, [1, 2] if quick else [1, 256], context, 3 if quick else 200).items():
-            rows.append({"engine": "plain PyTorch decode step, CUDA graph (RoPE, sampling)", "workload": f"batch {batch}, context {context}",
+        batches = {name: batch for name, (_, batch) in spec.items()}
+        for name, rate in hf_rates(model, device, workloads, batches).items():
+            rows.append({"engine": f"HF transformers (static batches: {', '.join(map(str, batches.values()))})", "workload": name,
                          "output tok/s": f"{rate:.0f}"})
+    if "graph" in parts:
+        context = 64 if quick else 1024 if args.model_shape == "smollm2-135m" else 768
+        rates, read = graph_step_rates(model.config, device, [1, 2] if quick else [1, 256], context, 3 if quick else 200)
+        for batch, rate in rates.items():
+            row = {"engine": "plain PyTorch decode step, CUDA graph (RoPE, sampling)", "workload": f"batch {batch}, context {context}",
+                   "output tok/s": f"{rate:.0f}"}
+            rows.append(against_roofline(row, rate, read) if batch == 1 else row)
     quant = []
     if "quant" in parts:
         shapes = {"small 256x128": (256, 128)} if quick else LLAMA3_8B_LAYER
         quant = quantized_matmul_rows(device, shapes, [1, 2] if quick else [1, 16], 3 if quick else 50)
-    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"device: {name}, torch {torch.__version__}, model shape {args.model_shape}, copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     if rows:
-        print(table(rows, ["engine", "workload", "output tok/s"]))
+        print(table(rows, ["engine", "workload", "output tok/s", "roofline tok/s", "of roofline"]))
     if quant:
         print(table(quant, list(quant[0])))
-    if out := os.environ.get("OUT"):
-        Path(out, "gpu_bench.json").write_text(json.dumps({"checks": checks, "rates": rows, "quantized_matmul": quant}, indent=1))
+    out = args.json or (Path(os.environ["OUT"], f"gpu_bench-{args.model_shape}.json") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).write_text(json.dumps({"device": name, "torch": torch.__version__, "model_shape": args.model_shape, "quick": quick,
+                                         "copy_bandwidth_bytes_per_s": bandwidth, "checks": checks, "rates": rows, "quantized_matmul": quant},
+                                        indent=1))
     if not all(c["pass"] for c in checks):
         raise SystemExit("a correctness check failed (table above)")
 
@@ -499,6 +635,9 @@ def main() -> None:
     r.add_argument("--only", action="append", choices=PARTS, help="run only these parts (repeatable; default all): to split the "
                    "work over several device commands of ten minutes each")
     r.add_argument("--deadline", type=float, default=75.0, help="seconds a kvpilot workload may run before it is stopped and rated")
+    r.add_argument("--model-shape", default="smollm2-135m", choices=list(WORKLOADS),
+                   help="smollm2-135m: the bundled model's shapes in a random-weight GGUF; llama3-8b: Llama-3-8B's, dummy weights")
+    r.add_argument("--json", help="write every figure here (default: $OUT/gpu_bench-<shape>.json where $OUT is set)")
     args = ap.parse_args()
     if args.command == "bundle":
         bundle()
