@@ -306,6 +306,7 @@ def correctness(subject: Subject, device: str, steps: int, runs: dict[str, tuple
                 past, last = out.past_key_values, out.logits[0, -1].float()
             refs.append(OracleResult(ids, tokens, topk, prompt_logprobs=[]))
     del model
+    _release()
     rows = []
     for name, (kernels, settings) in runs.items():
         llm = _kvpilot(subject, device, "float32", kernels, **settings)
@@ -317,7 +318,21 @@ def correctness(subject: Subject, device: str, steps: int, runs: dict[str, tuple
         rows.append({"check": f"fp32 greedy vs HF, kvpilot {name}", "result": f"{verdict['exact']}/{verdict['total']} exact, "
                      f"violations {verdict['violations']}", "pass": ok})
         llm.engine.close()
+        del llm
+        _release()
     return rows
+
+
+def _release() -> None:
+    """Hand a closed engine's or a dropped model's device memory back (an 8B-shaped one is 16-32 GB: the next one's
+    KV cache is sized from what is free)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def bf16_kernels(device: str) -> list[dict]:
@@ -403,6 +418,8 @@ def kvpilot_rates(subject: Subject, device: str, kernels: str, engine_settings: 
         dt, stopped = time.perf_counter() - t, engine.has_unfinished_requests()
         rates[name] = (f"{sum(made.values()) / dt:.0f}" + (f" (stopped at {deadline:.0f} s)" if stopped else ""), decode_weight_bytes(llm))
         engine.close()
+        del llm, engine
+        _release()
     return rates
 
 
@@ -414,6 +431,8 @@ def hf_rates(subject: Subject, device: str, workloads: dict, batch: dict[str, in
     with torch.inference_mode():
         for name, (prompts, outputs, _) in workloads.items():
             rates[name] = sum(outputs) / _timed(partial(_hf_static_batches, model, prompts, outputs, batch[name], device))
+    del model
+    _release()
     return rates
 
 
@@ -488,8 +507,8 @@ def graph_step_rates(c, device: str, batches: list[int], context: int, steps: in
     import torch
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    g = torch.Generator(device="cpu").manual_seed(1)
-    mat = lambda *shape: (torch.randn(*shape, generator=g) * 0.02).to(device, dtype)  # noqa: E731
+    g = torch.Generator(device=device).manual_seed(1)  # (made on the device: an 8B-shaped step's 16 GB never on the host)
+    mat = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype).mul_(0.02)  # noqa: E731
     d, h, kvh = c.head_dim, c.num_heads, c.num_kv_heads
     layers = [(mat((h + 2 * kvh) * d, c.hidden_size), mat(c.hidden_size, h * d), mat(2 * c.intermediate_size, c.hidden_size),
                mat(c.hidden_size, c.intermediate_size)) for _ in range(c.num_layers)]
