@@ -59,10 +59,16 @@ SKELETON = BUNDLE / "skeleton.gguf"
 TOKENIZER = BUNDLE / "tokenizer"
 WHEELS = BUNDLE / "wheels"
 TENSORS_KEY = "kvpilot.bench.tensors"  # JSON {name: numpy shape} of the bundled model's tensors
-# What the GPU machine's image lacks for the offline engine (the device README's package list).
-CARRIED = ["gguf", "pydantic", "pydantic-core", "annotated-types", "typing-inspection"]
+# What the GPU machine's image lacks for the offline engine (the device README's package list): the GGUF reader, the
+# engine config's pydantic, the step outputs' msgspec, structured outputs' llguidance (the engine builds its compiler).
+CARRIED = ["gguf", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "msgspec", "llguidance"]
+# The engine's and the tests' other dependencies that image lacks and this script must not need (tests/test_gpu_bench.py
+# runs it with them unimportable): the HTTP server's, prefill/decode transfer's, the operator's, the tests' clients.
+NOT_THERE = ["fastapi", "uvicorn", "starlette", "zmq", "nixl", "kopf", "kubernetes", "openai", "jsonschema", "schemathesis",
+             "compressed_tensors"]
 PARTS = ["checks", "kvpilot", "hf", "graph", "quant"]  # what `run` does, in order
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+PLATFORMS = ["manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+ABIS = ["cp312", "abi3", "none"]  # (llguidance ships one abi3 wheel)
 
 
 def _copy_metadata(reader, writer) -> None:
@@ -120,7 +126,7 @@ def bundle() -> None:
             pins[name.strip().lower().replace("_", "-")] = version.strip()
     WHEELS.mkdir(exist_ok=True)
     for name in CARRIED:
-        platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+        platforms = [arg for p in PLATFORMS for arg in ("--platform", p)] + [arg for abi in ABIS for arg in ("--abi", abi)]
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
                         "--implementation", "cp", *platforms, "-d", str(WHEELS), f"{name}=={pins[name]}"], check=True)
     size = sum(f.stat().st_size for f in BUNDLE.rglob("*") if f.is_file())

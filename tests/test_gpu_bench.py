@@ -2,8 +2,9 @@
 few minutes run has run here first): the Llama-3-8B shape (dummy weights; at --quick its structure at 1/16 width)
 through every part — HF's model of the same dummy weights as the checks' oracle, every kvpilot run's rates with the
 roofline beside the single stream, HF, the plain graph step, the quantized-matmul rows —, and the bundled model's shape
-through its checks (the random-weight GGUF, gguf blocks equal to HF's dequantized ones). Figures are not asserted (a CPU
-at --quick sizes measures nothing); their presence and the checks' verdicts are."""
+through its checks (the random-weight GGUF, gguf blocks equal to HF's dequantized ones) — each with the packages the GPU
+machine's image lacks unimportable (beyond the wheels `bundle` carries). Figures are not asserted (a CPU at --quick sizes
+measures nothing); their presence and the checks' verdicts are."""
 
 from __future__ import annotations
 
@@ -17,9 +18,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# bench/gpu.py run as on the GPU machine: the packages its image lacks (gpu.NOT_THERE) unimportable
+AS_THERE = """
+import importlib.abc, runpy, sys
+sys.path.insert(0, {bench!r})
+from gpu import NOT_THERE
+class NotThere(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in NOT_THERE:
+            raise ImportError(f"{{name}}: not on the GPU machine (bench/gpu.py's NOT_THERE)")
+sys.meta_path.insert(0, NotThere())
+sys.argv = ["gpu.py", *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
 def gpu_bench(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "gpu_bench.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "run", "--quick", "--device", "cpu", "--json", str(out), *args],
+    wrapper = AS_THERE.format(bench=str(ROOT / "bench"), script=str(ROOT / "bench" / "gpu.py"))
+    done = subprocess.run([sys.executable, "-c", wrapper, "run", "--quick", "--device", "cpu", "--json", str(out), *args],
                           capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(out.read_text())
