@@ -28,11 +28,12 @@ vocabulary 128,256, RoPE base 500,000) with no file: a config.json and the engin
 random weights made on the device; HF's model of the config gets the same tensors for the checks), bf16 and int4 (an
 FP8 rate needs an FP8 checkpoint's packed weights, which dummy weights are not); its workloads are the issue's: single
 stream (32 + 256) and 256 requests (prompts 512, outputs 256); int4 replaces gguf in its runs. Every single-stream rate
-is printed beside the HBM roofline: the weight bytes a decode step reads (the engine's weights but the embedding
-table) over the device's measured copy bandwidth.
+is printed beside the HBM roofline in tokens per second: the device's measured copy bandwidth over the weight bytes a
+decode step reads (the engine's weights but the embedding table).
 
 `run --quick --device cpu` shrinks every workload, and the 8B shape to its structure at 1/16 width and two layers (a
-smoke test of the script itself, no figures; tests/test_gpu_bench.py runs it for both shapes).
+smoke test of the script itself, no figures; tests/test_gpu_bench.py runs every part of it on the 8B shape and the checks
+on the bundled one).
 A device command has ten minutes; split a run with `--only` (e.g. the 8B shape: `--only checks`, then `--only kvpilot`,
 then `--only hf --only graph --only quant`; a kvpilot workload is stopped after `--deadline` seconds and rated on what
 it made). Every figure goes to $OUT/gpu_bench-<shape>.json (or --json), the tables to the screen.
@@ -341,6 +342,120 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
+def _verdict(check: str, tokens: list[list[int]], topks: list[list[list[int]]], refs) -> dict:
+    """A check's row by the project's greedy rule (all but one token exact, the first divergence inside the other's top 5)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from oracle import compare_greedy
+
+    verdict = compare_greedy(tokens, topks, refs)
+    return {"check": check, "result": f"{verdict['exact']}/{verdict['total']} exact, violations {verdict['violations']}",
+            "pass": verdict["exact"] >= verdict["total"] - 1 and not verdict["violations"]}
+
+
+def _greedy_run(llm, prompts, steps: int, **request):
+    """(the OracleResults of a greedy run, as the rule compares them, and its tokens and top-5s)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from kvpilot.server import SamplingParams
+    from oracle import TOPK, OracleResult
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=TOPK), **request)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    topks = [[sorted(e, key=e.get, reverse=True)[:TOPK] for e in o.outputs[0].logprobs] for o in outs]
+    return [OracleResult(o.prompt_token_ids, t, k, []) for o, t, k in zip(outs, tokens, topks)], tokens, topks
+
+
+def feature_checks(subject: Subject, device: str, steps: int) -> list[dict]:
+    """The features the defaults switch on beside plain decoding, on the device in float32: EAGLE-3 with a random head
+    (greedy equal to plain decoding: speculation changes no token; on CUDA its pass runs in the decode graphs), the FP8 KV
+    cache (mean KL of its next-token distributions from the float32 cache's ≤ 1e-2), a LoRA adapter (the default
+    kernels' tokens — Triton's on CUDA — equal the torch reference kernels', and differ from the base model's), structured
+    outputs (a JSON schema's output parses and matches it), the host KV tier (a prompt evicted from the device's cache comes
+    back from host memory — the pinned side stream on CUDA — with the same tokens)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from eagle_factory import write_eagle3_head
+    from kvpilot.server import SamplingParams
+    from kvpilot.server.adapters import LoRARequest
+    from kvpilot.server.engine.sampling_params import StructuredOutput
+    from lora_factory import save_adapter
+    from oracle import ORACLE_PROMPTS
+
+    work, rows = Path(tempfile.mkdtemp()), []
+    prompts = ORACLE_PROMPTS[:4]
+    plain = _kvpilot(subject, device, "float32", "default")
+    refs, _, _ = _greedy_run(plain, prompts, steps)
+    text = plain.engine.tokenizer.encode(" ".join(ORACLE_PROMPTS))
+    float_logits = plain.engine.worker.score(text).float()
+    plain.engine.close()
+    del plain
+    _release()
+
+    head = write_eagle3_head(work / "eagle3", subject.config, seed=1)
+    eagle = _kvpilot(subject, device, "float32", "default", speculative_method="eagle3", speculative_model=str(head), num_speculative_tokens=3)
+    _, tokens, topks = _greedy_run(eagle, prompts, steps)
+    rows.append(_verdict("EAGLE-3 (random head, 3 tokens) greedy vs plain", tokens, topks, refs))
+    eagle.engine.close()
+    del eagle
+    _release()
+
+    fp8 = _kvpilot(subject, device, "float32", "default", kv_cache_dtype="fp8")
+    fp8_logits = fp8.engine.worker.score(text).float()
+    kl = torch.nn.functional.kl_div(fp8_logits.log_softmax(-1), float_logits.log_softmax(-1), log_target=True, reduction="batchmean").item()
+    rows.append({"check": "FP8 KV cache vs float32 cache", "result": f"mean KL {kl:.2e} over {len(text)} positions (bound 1e-2)",
+                 "pass": kl <= 1e-2})
+    fp8.engine.close()
+    del fp8
+    _release()
+
+    base = subject.hf_model(torch.float32, "cpu")  # (peft adapts a copy on the host; the engine reads the saved files)
+    _, adapter = save_adapter(base, "all7-r8", work / "lora")
+    del base
+    request = {"lora_request": LoRARequest("all7-r8", 1, str(adapter))}
+    by_kernels = {}
+    for kernels in ("default", "reference"):
+        llm = _kvpilot(subject, device, "float32", kernels, enable_lora=True, max_loras=1, max_lora_rank=8)
+        by_kernels[kernels] = _greedy_run(llm, prompts, steps, **request)
+        llm.engine.close()
+        del llm
+        _release()
+    row = _verdict("LoRA (rank 8, 7 targets): default kernels vs reference kernels", *by_kernels["default"][1:], by_kernels["reference"][0])
+    moved = sum(a != r.tokens for a, r in zip(by_kernels["default"][1], refs))
+    rows.append({**row, "result": f"{row['result']}; {moved} of {len(prompts)} prompts differ from the base model's",
+                 "pass": row["pass"] and moved > 0})
+
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+              "required": ["answer", "sure"], "additionalProperties": False}
+    llm = _kvpilot(subject, device, "float32", "default")
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, structured=StructuredOutput("json", schema)))
+    valid = 0
+    for o in outs:
+        try:
+            value = json.loads(o.outputs[0].text)
+            valid += set(value) == {"answer", "sure"} and value["answer"] in ("yes", "no") and isinstance(value["sure"], bool)
+        except ValueError:
+            pass
+    rows.append({"check": "structured outputs (a JSON schema)", "result": f"{valid}/{len(outs)} outputs parse and match it",
+                 "pass": valid == len(outs)})
+    llm.engine.close()
+    del llm
+    _release()
+
+    # 6 MiB of float32 K/V: 8 blocks of 16 tokens, a prompt and its output, so that the later prompts evict the first
+    tiered = _kvpilot(subject, device, "float32", "default", kv_cache_memory="6MiB", kv_host_offload_size="64MiB")
+    long_prompts = [" ".join(ORACLE_PROMPTS[i:i + 3]) for i in range(0, 9, 3)]  # (several full blocks each)
+    first = [_greedy_run(tiered, [p], steps)[1][0] for p in long_prompts]  # (one at a time: the later ones evict the first)
+    tiered.engine.kv_connector.drain()
+    again = _greedy_run(tiered, long_prompts[:1], steps)[1][0]
+    hits = tiered.engine.kv_connector.host.stats.hit_blocks
+    rows.append({"check": "host KV tier: an evicted prompt back from host memory", "result": f"{hits} blocks hit, tokens "
+                 f"{'equal' if again == first[0] else 'differ'}", "pass": hits > 0 and again == first[0]})
+    tiered.engine.close()
+    del tiered
+    _release()
+    return rows
+
+
 def bf16_kernels(device: str) -> list[dict]:
     """Each Triton kernel in bfloat16 against its float32 torch reference."""
     import torch
@@ -611,6 +726,8 @@ def run(args: argparse.Namespace) -> None:
     if "checks" in parts:
         checked = {name: model.runs[name] for name in model.checked} | {"reference kernels": ("reference", {})}
         checks = correctness(model, device, 64 if not quick else 4, checked)
+        if not model.dummy:  # (the features on the bundled shapes: an 8B-shaped copy of each would not add to what they check)
+            checks += feature_checks(model, device, 32 if not quick else 4)
         if device == "cuda":  # bfloat16 in Triton's interpreter is broken: these need the GPU
             checks += bf16_kernels(device)
         print(table(checks, ["check", "result", "pass"]), flush=True)

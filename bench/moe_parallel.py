@@ -6,17 +6,19 @@ into rows of their own, their outputs added back to their tokens: what an all-to
 ranks' [tokens, hidden] with one all-reduce, as an engine whose attention is replicated or split by heads does.
 
 Routings: "uniform" (random router logits: every expert about as likely) and "skewed" (each expert's logits offset by a
-fixed N(0, 1) draw: hot and cold experts, as trained routers have). Besides the times, the weight bytes each rank reads
+fixed N(0, 1) draw: hot and cold experts, as trained routers have), each figure over --draws router outputs that the steps
+cycle through (one draw is one split of a token's experts: 4:4 or 7:1). Besides the times, the weight bytes each rank reads
 in a step (the hit experts' matrices: TP half of every hit expert, EP the whole of its own hit experts), whose max over
 the ranks bounds a memory-bound step on any hardware; the two ranks here share one memory bus, so a rank that finishes
 early leaves its bandwidth to the other, which softens EP's imbalance against GPUs with a memory each.
 
-  .venv/bin/python bench/moe_parallel.py [--tokens 1,16,256] [--formats bf16,q4] [--repeats 2] [--json bench/results/moe-parallel.json]
+  .venv/bin/python bench/moe_parallel.py [--tokens 1,16,256] [--formats bf16,q4] [--repeats 2] [--draws 16] [--json bench/results/moe-parallel.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -110,8 +112,15 @@ def ep_step(ext, x, experts, weights, ids, token, slot, first_expert):
     return out.to(x.dtype)
 
 
+def cycling(steps: list):
+    """One step per call, each in turn: every draw of the routing measured alike (every rank calls them in the same order)."""
+    turn = itertools.cycle(steps)
+    return lambda: next(turn)()
+
+
 def measure(ext, rank: int, fmt: str, args) -> list[dict]:
-    """This format's rows: each routing and token count, TP and EP interleaved args.repeats times (pooled medians)."""
+    """This format's rows: each routing and token count over args.draws draws of the router's output (the steps cycle
+    through them), TP and EP interleaved args.repeats times (pooled medians)."""
     import torch
     import torch.distributed as dist
 
@@ -121,33 +130,38 @@ def measure(ext, rank: int, fmt: str, args) -> list[dict]:
         for tokens in map(int, args.tokens.split(",")):
             gen = torch.Generator().manual_seed(tokens)
             x = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
-            weights, ids = routing(kind, tokens, gen)
-            mine = (ids // per_rank == rank).nonzero()
-            steps = {"TP": partial(tp_step, ext, x, tp_experts, weights, ids),
-                     "EP": partial(ep_step, ext, x, ep_experts, weights, ids, mine[:, 0], mine[:, 1], rank * per_rank)}
-            sums = {}
-            for split, step in steps.items():
-                sums[split] = step().float()
-                dist.all_reduce(sums[split])
-            error = ((sums["TP"] - sums["EP"]).abs().max() / sums["TP"].abs().max()).item()
-            if error > 2e-2:
-                sys.exit(f"{fmt} {kind} at {tokens} tokens: TP and EP sum to different outputs (max relative {error:.2e})")
+            draws = [routing(kind, tokens, gen) for _ in range(args.draws)]
+            tp, ep, read = [], [], {"TP": [], "EP": []}
+            for weights, ids in draws:
+                mine = (ids // per_rank == rank).nonzero()
+                tp.append(partial(tp_step, ext, x, tp_experts, weights, ids))
+                ep.append(partial(ep_step, ext, x, ep_experts, weights, ids, mine[:, 0], mine[:, 1], rank * per_rank))
+                hit = torch.unique(ids)
+                read["TP"].append(len(hit) * expert_bytes // RANKS)  # half of every hit expert
+                read["EP"].append(len(hit[hit // per_rank == rank]) * expert_bytes)  # its own hit experts whole
+            for tp_draw, ep_draw in list(zip(tp, ep))[:2]:
+                sums = [step().float() for step in (tp_draw, ep_draw)]
+                for out in sums:
+                    dist.all_reduce(out)
+                error = ((sums[0] - sums[1]).abs().max() / sums[0].abs().max()).item()
+                if error > 2e-2:
+                    sys.exit(f"{fmt} {kind} at {tokens} tokens: TP and EP sum to different outputs (max relative {error:.2e})")
+            steps = {"TP": cycling(tp), "EP": cycling(ep)}
             times = {split: ([], []) for split in steps}
             for _ in range(args.repeats):
                 for split, step in steps.items():
                     for pooled, got in zip(times[split], timed_steps(step, args.seconds)):
                         pooled.extend(got)
-            hit = torch.unique(ids)
             for split, (step_s, compute_s) in times.items():
-                own = hit if split == "TP" else hit[hit // per_rank == rank]
-                read = len(own) * expert_bytes // (RANKS if split == "TP" else 1)  # TP: half of every hit expert
                 gathered = [None] * RANKS
-                dist.all_gather_object(gathered, (statistics.median(compute_s), read))
+                dist.all_gather_object(gathered, (statistics.median(compute_s), read[split]))
+                per_draw = list(zip(*(r for _, r in gathered)))  # each draw's bytes on each rank
+                busiest = [max(d) / (sum(d) / RANKS) for d in per_draw]
                 rows.append({"weights": fmt, "routing": kind, "tokens": tokens, "split": split,
                              "step ms": round(statistics.median(step_s) * 1e3, 2),
                              "compute ms per rank": " / ".join(f"{c * 1e3:.2f}" for c, _ in gathered),
-                             "MB read per rank": " / ".join(f"{r / 1e6:.0f}" for _, r in gathered),
-                             "max / mean MB": round(max(r for _, r in gathered) / (sum(r for _, r in gathered) / RANKS), 2)})
+                             "MB read per rank (mean)": " / ".join(f"{statistics.mean(r) / 1e6:.0f}" for _, r in gathered),
+                             "busiest / mean bytes": f"{statistics.mean(busiest):.2f} ({min(busiest):.2f}-{max(busiest):.2f})"})
             if rank == 0:
                 print(table(rows[-2:], list(rows[-1])), flush=True)
     return rows
@@ -176,6 +190,7 @@ def main() -> None:
     ap.add_argument("--routings", default="uniform,skewed")
     ap.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
     ap.add_argument("--repeats", type=int, default=2, help="TP and EP measured in turn this many times (pooled medians)")
+    ap.add_argument("--draws", type=int, default=16, help="router outputs per figure, the steps cycling through them")
     ap.add_argument("--force", action="store_true", help="run on a busy machine")
     ap.add_argument("--json", help="write the figures here (bench/results/moe-parallel.json)")
     args = ap.parse_args()
@@ -194,7 +209,7 @@ def main() -> None:
     print(table(rows, list(rows[0])))
     if args.json:
         save_results(args.json, shapes={"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "inner": INNER}, ranks=RANKS,
-                     threads_per_rank=1, repeats=args.repeats, rows=rows)
+                     threads_per_rank=1, repeats=args.repeats, draws=args.draws, rows=rows)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ token; a loop over experts with a mask, once per expert but over every token).
 
 Weights, per layer (Experts): w13 [experts, 2 * inner, hidden] (each expert's gate rows, then its up rows: one matmul
 for both) and w2 [experts, hidden, inner]; or, quantized, each projection's per-expert panels of GGUF-style blocks
-(ExpertPanels: the C++ kernel runs them with gguf_linear_panel's instruction sets). Under tensor parallelism each rank holds every expert with a slice of its
+(ExpertPanels: the C++ kernel runs them with gguf_linear_panel's instruction sets), or stacked in GGUFWeight's row layout
+(ExpertBlocks: the Triton kernel's, gate and up rows fused per expert). Under tensor parallelism each rank holds every expert with a slice of its
 inner dimension (as vLLM shards by default), and the outputs are summed over the ranks.
 """
 

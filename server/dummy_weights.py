@@ -4,8 +4,9 @@ engine from a 1 KB config.
 
 Each weight is made when the model reads it, on the device and in the dtype the model computes in (no host copy of a
 model that may not fit there), from a generator seeded by the engine's seed and the weight's name: every rank of a
-split model makes the same full tensor and keeps its own slice, and two engines with the same seed hold the same model
-(what a test's oracle loads too). A matrix is N(0, 1 / its input width) (activations keep their scale through every
+split model makes the same full tensor and keeps its own slice, and two engines with the same seed on the same kind of
+device in the same dtype hold the same model (what a test's oracle loads too; a CPU's and a GPU's generators draw
+differently). A matrix is N(0, 1 / its input width) (activations keep their scale through every
 projection, at any width: 0.016 for a 4096-wide layer, near transformers' 0.02 initializer_range), a bias N(0, 0.02²),
 a norm's scale 1 (0 for Gemma's, which scale by 1 + w). The names and shapes are transformers' for the model's family, so a checkpoint
 directory's real weights and its dummy ones are read by the same code.
@@ -13,7 +14,7 @@ directory's real weights and its dummy ones are read by the same code.
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -72,7 +73,8 @@ def _experts(c: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class DummyWeights:
-    """A WeightSource (models/decoder.py) over a checkpoint directory's config.json whose weights are made, not read."""
+    """A WeightSource (models/decoder.py) over a checkpoint directory's config.json whose weights are made, not read (a
+    quantization_config there is not: the weights are float, the engine says so)."""
 
     path: Path
     config: ModelConfig
@@ -100,6 +102,8 @@ class DummyWeights:
         shape = self.shapes[name]
         if len(shape) == 1 and name.endswith("norm.weight"):
             return (torch.zeros if self.config.family.gemma else torch.ones)(shape, device=self.device, dtype=self.dtype)
-        generator = torch.Generator(device=self.device).manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))  # (32 bits: what a CPU generator keeps)
+        # 64 bits of the seed and the name (a CUDA generator keeps them all; a CPU one the low 32, where a collision between
+        # two same-shaped weights of a model of thousands of them is a few in a million)
+        generator = torch.Generator(device=self.device).manual_seed(int.from_bytes(hashlib.blake2b(f"{self.seed}:{name}".encode(), digest_size=8).digest()) >> 1)
         std = BIAS_STD if len(shape) == 1 else shape[-1] ** -0.5
         return torch.randn(shape, generator=generator, device=self.device, dtype=self.dtype).mul_(std)

@@ -3,10 +3,13 @@ Used by the engine and by every tensor-parallel rank."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from kvpilot.server.config import EngineConfig
 from kvpilot.server.model_files import resolve_model_path
+
+log = logging.getLogger(__name__)
 
 
 def open_model(path: Path, load_format: str = "auto", seed: int = 0):
@@ -19,7 +22,11 @@ def open_model(path: Path, load_format: str = "auto", seed: int = 0):
     if load_format == "dummy":
         from kvpilot.server.dummy_weights import DummyWeights
 
-        return DummyWeights.of(path, seed), Tokenizer.from_checkpoint(path, read_json(path / CONFIG).get("eos_token_id"))
+        hf = read_json(path / CONFIG)
+        if hf.get("quantization_config"):
+            log.warning("%s: load_format=dummy makes float weights; its config's quantization_config (%s) is not applied", path,
+                        hf["quantization_config"].get("quant_method", "?"))
+        return DummyWeights.of(path, seed), Tokenizer.from_checkpoint(path, hf.get("eos_token_id"))
     if is_checkpoint_dir(path):
         checkpoint = Checkpoint(path)
         return checkpoint, Tokenizer.from_checkpoint(path, checkpoint.hf_config.get("eos_token_id"))

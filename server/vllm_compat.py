@@ -14,6 +14,8 @@ PAGE = ROOT / "docs" / "coming-from-vllm.md"
 # What a flag of kvpilot's own means differently from vLLM's, or why a flag of vLLM's has no equivalent.
 NOTES: dict[str, str] = {
     "--config": "the same YAML mapping of flag names (dashes or underscores) to values; command-line flags override it",
+    "--load-format": "auto and dummy (a checkpoint directory's config.json with seeded random weights, as vLLM's); vLLM's other "
+                     "formats (pt, safetensors, npcache, tensorizer, bitsandbytes…) are not: the format is the model file's own",
     "--dtype": "half = float16, float = float32, as in vLLM; auto = float32 on CPU, bfloat16 on CUDA",
     "--async-scheduling": "bare = on, as in vLLM; kvpilot also takes `--async-scheduling` auto, on or off and its default is auto "
                           "(on for CUDA or with pipeline stages, unless n-gram lookups run)",

@@ -263,8 +263,8 @@ class LLMEngine:
                 "quantization": self.worker.quantization, "tensor_parallel_size": config.tensor_parallel_size, "speculative": speculative,
                 # (a tier's blocks are per-rank shards: another split's are other files; absent at 1, the keys as before stages)
                 **({"pipeline_parallel_size": config.pipeline_parallel_size} if config.pipeline_parallel_size > 1 else {}),
-                # (made weights: the seed is the model; a directory's real weights beside its config are another)
-                **({"load_format": "dummy", "seed": config.seed} if config.load_format == "dummy" else {})}
+                # (made weights: the seed and the device's generator are the model; a directory's real weights are another)
+                **({"load_format": "dummy", "seed": config.seed, "device": self.worker.device.type} if config.load_format == "dummy" else {})}
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,

@@ -282,18 +282,19 @@ def _sparse_moe(w: _WeightReader, c: ModelConfig, layer: int, ops: Ops, tp: Tens
     down = [read(names[2], e, cols=(lo, hi)) for e in experts]
     quantized = all(isinstance(t, GGUFWeight) for t in (*gate, *up, *down))
     blocks = None
-    if quantized and ops.name == "triton":
+    if quantized and ops.name == "triton" and len({t.kind for t in (*gate, *up)}) == 1:  # (gate and up rows fuse in one kind)
         w13 = [cat_rows([g, u]) for g, u in zip(gate, up)]
         both = (ExpertBlocks.of(w13) if all(isinstance(t, GGUFWeight) for t in w13) else None, ExpertBlocks.of(down))
         blocks = both if None not in both else None
-        if blocks is None:
-            log.warning("layer %d: its experts' blocks (%s) cannot be stacked for the Triton kernel; they are kept dense in %s", layer,
-                        ", ".join(sorted({t.kind for t in (*gate, *up, *down)})), str(w.dtype).removeprefix("torch."))
     if quantized and ops.name == "cpu-c++":
         weights = Experts(hi - lo, panels=(ExpertPanels.of(gate), ExpertPanels.of(up), ExpertPanels.of(down)))
     elif blocks is not None:
         weights = Experts(hi - lo, blocks=blocks)
     else:
+        if quantized:
+            log.warning("layer %d: its experts' blocks (%s) are kept dense in %s on the %s kernels (panels are the C++ kernels', stacked blocks "
+                        "of one kind for gate and up the Triton kernel's)", layer, ", ".join(sorted({t.kind for t in (*gate, *up, *down)})),
+                        str(w.dtype).removeprefix("torch."), ops.name)
         dense = lambda ts: torch.stack([t.dequantize().to(w.dtype) if isinstance(t, GGUFWeight) else t for t in ts])  # noqa: E731
         weights = Experts(hi - lo, torch.cat([dense(gate), dense(up)], dim=1).contiguous(), dense(down).contiguous())
     router = p + "mlp.gate.weight" if p + "mlp.gate.weight" in w.available else p + "block_sparse_moe.gate.weight"
