@@ -22,11 +22,12 @@ def open_model(path: Path, load_format: str = "auto", seed: int = 0):
     if load_format == "dummy":
         from kvpilot.server.dummy_weights import DummyWeights
 
+        dummy = DummyWeights.of(path, seed)  # (refuses a path without a config.json)
         hf = read_json(path / CONFIG)
         if hf.get("quantization_config"):
             log.warning("%s: load_format=dummy makes float weights; its config's quantization_config (%s) is not applied", path,
                         hf["quantization_config"].get("quant_method", "?"))
-        return DummyWeights.of(path, seed), Tokenizer.from_checkpoint(path, hf.get("eos_token_id"))
+        return dummy, Tokenizer.from_checkpoint(path, hf.get("eos_token_id"))
     if is_checkpoint_dir(path):
         checkpoint = Checkpoint(path)
         return checkpoint, Tokenizer.from_checkpoint(path, checkpoint.hf_config.get("eos_token_id"))

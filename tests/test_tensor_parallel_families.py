@@ -7,13 +7,13 @@ import pytest
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", "mixtral"])
 def test_two_ranks_and_two_stages_of_two_on_each_family_equal_one(family_checkpoints, family):
     """Checkpoints of the other families over 2 ranks: Qwen2's q/k/v biases split with their heads,
     Llama 3's and Qwen3's single KV head replicated on both ranks (Qwen3 with its q/k norms); then
     over 2 pipeline stages of those 2 ranks each (pipeline_parallel_size=2: each stage its half of the
-    layers). Greedy ids equal one rank's, prompt logprobs within 1e-4. Qwen3-MoE and Qwen2-MoE: every expert's inner
-    dimension split over the 2 ranks, Qwen2-MoE's shared expert's too (Mixtral's experts are split by the same code). (Gemma 3's sliding-window layers: their pool's tables
+    layers). Greedy ids equal one rank's, prompt logprobs within 1e-4. Qwen3-MoE, Qwen2-MoE and Mixtral: every expert's
+    inner dimension split over the 2 ranks, Qwen2-MoE's shared expert's too. (Gemma 3's sliding-window layers: their pool's tables
     reach the other rank in the step's message.)"""
     from kvpilot.server import LLM, SamplingParams
 
@@ -22,7 +22,7 @@ def test_two_ranks_and_two_stages_of_two_on_each_family_equal_one(family_checkpo
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)
     results = []
     # (the mixtures of experts over 2 ranks only: their layers split across stages as any other's)
-    for tp, pp in ((1, 1), (2, 1)) if family in ("qwen3moe", "qwen2moe") else ((1, 1), (2, 1), (2, 2)):
+    for tp, pp in ((1, 1), (2, 1)) if family in ("qwen3moe", "qwen2moe", "mixtral") else ((1, 1), (2, 1), (2, 2)):
         llm = LLM(model=str(directory), num_threads=1, show_progress=False, kv_cache_memory="16MiB", tensor_parallel_size=tp,
                   pipeline_parallel_size=pp)
         results.append(llm.generate(prompts, greedy))
