@@ -14,7 +14,8 @@ the GGUF reader); `run` writes a GGUF of those shapes with seeded random weights
    the first divergence inside each other's top 5), for kvpilot's default (Triton on CUDA, decode
    steps in CUDA graphs, async scheduling), --enforce-eager, --async-scheduling off, --quantization gguf (the file's Q4_1/Q8_0 blocks kept, as
    HF dequantizes them) and the torch reference kernels;
-2. each Triton kernel in bfloat16 against its float32 torch reference (stated tolerances);
+2. each Triton kernel in bfloat16 against its float32 torch reference (stated tolerances; float16 in the CPU smoke test);
+   on the bundled shapes also EAGLE-3 with a random head, the FP8 KV cache, LoRA, structured outputs, the host KV tier;
 3. throughput (output tok/s, one table): single stream (32 + 256 tokens), 64 requests (bench/offline.py's
    workload), 256 requests (nano-vllm's protocol, max_num_seqs 256) — kvpilot (default, with
    --enforce-eager: the CUDA graphs' share, with --async-scheduling off: the host/device overlap's
@@ -456,8 +457,9 @@ def feature_checks(subject: Subject, device: str, steps: int) -> list[dict]:
     return rows
 
 
-def bf16_kernels(device: str) -> list[dict]:
-    """Each Triton kernel in bfloat16 against its float32 torch reference."""
+def half_kernels(device: str) -> list[dict]:
+    """Each Triton kernel in bfloat16 (float16 in Triton's interpreter on a CPU, whose bfloat16 is broken: the smoke test)
+    against its float32 torch reference."""
     import torch
 
     from kvpilot.kernels import ops, triton_attention, triton_layers
@@ -466,20 +468,22 @@ def bf16_kernels(device: str) -> list[dict]:
     g = torch.Generator(device="cpu").manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
     rows = []
+    half = torch.bfloat16 if device == "cuda" else torch.float16
+    label = "bf16" if half == torch.bfloat16 else "fp16"
 
     def check(name: str, got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
         err = (got.float() - want.float()).abs().max().item()
-        rows.append({"check": f"bf16 {name} vs fp32 reference", "result": f"max |error| {err:.2e} (tolerance {atol:g})", "pass": err <= atol})
+        rows.append({"check": f"{label} {name} vs fp32 reference", "result": f"max |error| {err:.2e} (tolerance {atol:g})", "pass": err <= atol})
 
     x, w = rnd(64, 576), rnd(576)
-    check("rms_norm", triton_layers.rms_norm(x.bfloat16(), w.bfloat16(), 1e-5), ops.rms_norm_ref(x, w, 1e-5), 0.1)
+    check("rms_norm", triton_layers.rms_norm(x.to(half), w.to(half), 1e-5), ops.rms_norm_ref(x, w, 1e-5), 0.1)
     heads, kv_heads, d, bs, blocks = 9, 3, 64, 16, 64
     q, k, v = rnd(8, heads, d), rnd(blocks, bs, kv_heads, d), rnd(blocks, bs, kv_heads, d)
     tables = torch.randperm(blocks, generator=g)[:8 * 8].reshape(8, 8).to(device)
     lens = torch.tensor([1, 5, 16, 17, 63, 100, 127, 128], device=device)
     want = decode_attention_ref(q, k, v, tables, lens, d ** -0.5)
-    check("paged decode attention", triton_attention.paged_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), tables, lens, d ** -0.5), want, 0.05)
-    check("paged decode attention (split-K)", triton_attention.paged_decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), tables, lens,
+    check("paged decode attention", triton_attention.paged_decode_attention(q.to(half), k.to(half), v.to(half), tables, lens, d ** -0.5), want, 0.05)
+    check("paged decode attention (split-K)", triton_attention.paged_decode_attention(q.to(half), k.to(half), v.to(half), tables, lens,
                                                                                      d ** -0.5, split_tokens=32), want, 0.05)
     # Prefill: the 8 sequences' last n tokens as queries (n up to the context: plain and after a prefix).
     new = torch.tensor([1, 5, 16, 3, 63, 100, 20, 128], device=device)
@@ -487,7 +491,7 @@ def bf16_kernels(device: str) -> list[dict]:
     qp = rnd(int(new.sum()), heads, d)
     want = torch.cat([decode_attention_ref(qp[s:s + n], k, v, tables[i:i + 1].expand(n, -1), torch.arange(ctx - n + 1, ctx + 1, device=device),
                                            d ** -0.5) for i, (s, n, ctx) in enumerate(zip(starts.tolist(), new.tolist(), lens.tolist()))])
-    check("paged prefill attention", triton_attention.paged_prefill_attention(qp.bfloat16(), k.bfloat16(), v.bfloat16(), tables, starts, new,
+    check("paged prefill attention", triton_attention.paged_prefill_attention(qp.to(half), k.to(half), v.to(half), tables, starts, new,
                                                                               lens, d ** -0.5, int(new.max())), want, 0.05)
     qkv = rnd(8, (heads + 2 * kv_heads) * d)
     positions = torch.arange(8, device=device) * 37
@@ -495,10 +499,46 @@ def bf16_kernels(device: str) -> list[dict]:
     rope = ops.Rope(positions, angles.cos(), angles.sin(), torch.float32)
     ref = qkv.clone()
     ops.rotary_qkv_ref_(ref, rope, heads, kv_heads, d)
-    got = qkv.bfloat16()
-    triton_layers.rotary_qkv_(got, ops.Rope(positions, angles.cos(), angles.sin(), torch.bfloat16), heads, kv_heads, d)
+    got = qkv.to(half)
+    triton_layers.rotary_qkv_(got, ops.Rope(positions, angles.cos(), angles.sin(), half), heads, kv_heads, d)
     check("rotary_qkv_", got, ref, 0.05)
+    _newer_kernels(device, half, rnd, check)
     return rows
+
+
+def _newer_kernels(device: str, half, rnd, check) -> None:
+    """The kernels written after the last GPU run: the GGUF-block matmul (Q4_1) and FP8 W8A8 (on FP8 tensor cores where the
+    GPU has them), the LoRA shrink/expand, the fused experts on dense and on Q4_1-block experts."""
+    import torch
+
+    from kvpilot.kernels.fused_moe import ExpertBlocks, Experts, fused_experts_reference, route
+    from kvpilot.kernels.lora import LoRABatch, lora_add_ref_
+    from kvpilot.kernels.quantized import FP8Activations, GGUFWeight, cat_rows, quantize_int4
+    from kvpilot.kernels.triton_gguf import fp8_activations, gguf_linear
+    from kvpilot.kernels.triton_lora import lora_add_
+    from kvpilot.kernels.triton_moe import fused_experts
+
+    x, w = rnd(16, 256), rnd(96, 256) * 0.05
+    q4 = quantize_int4(w, 32)
+    check("gguf_linear Q4_1", gguf_linear(x.to(half), q4), x @ q4.dequantize().T, 0.05)
+    codes = torch.randint(0, 256, (96, 256), dtype=torch.uint8, generator=torch.Generator().manual_seed(2)).to(device)
+    f8 = GGUFWeight("F8", codes & 0x77, torch.rand(96, 8, device=device) * 1e-2, act=FP8Activations())  # (& 0x77: no NaN bytes)
+    check("gguf_linear F8 W8A8", gguf_linear(x.to(half), f8), fp8_activations(x.to(half).float(), f8.act) @ f8.dequantize().T, 0.05)
+    slots = torch.tensor([0, 1, -1, 1] * 4, device=device)
+    a, b = rnd(2, 256, 8) * 0.1, rnd(2, 8, 96) * 0.1
+    want = torch.zeros(16, 96, device=device)
+    lora_add_ref_(want, x, a, b, LoRABatch(slots, None))
+    got = torch.zeros(16, 96, device=device, dtype=half)
+    lora_add_(got, x.to(half), a.to(half).contiguous(), b.to(half).contiguous(), LoRABatch(slots, None))
+    check("lora_add_ (2 slots, rank 8)", got, want, 0.02)
+    experts, inner, hidden = 8, 64, 256
+    w13, w2 = rnd(experts, 2 * inner, hidden) * hidden ** -0.5, rnd(experts, hidden, inner) * inner ** -0.5
+    weights, ids = route(rnd(16, experts), 2, renormalize=True)
+    want = fused_experts_reference(x, Experts(inner, w13, w2), weights, ids)
+    check("fused_experts (dense)", fused_experts(x.to(half), Experts(inner, w13.to(half), w2.to(half)), weights, ids), want, 0.05)
+    gate, up, down = ([quantize_int4(m, 32) for m in ws] for ws in (w13[:, :inner], w13[:, inner:], w2))
+    blocks = Experts(inner, blocks=(ExpertBlocks.of([cat_rows([g, u]) for g, u in zip(gate, up)]), ExpertBlocks.of(down)))
+    check("fused_experts (Q4_1 blocks)", fused_experts(x.to(half), blocks, weights, ids), fused_experts_reference(x, blocks, weights, ids), 0.05)
 
 
 def _timed(fn) -> float:
@@ -728,8 +768,7 @@ def run(args: argparse.Namespace) -> None:
         checks = correctness(model, device, 64 if not quick else 4, checked)
         if not model.dummy:  # (the features on the bundled shapes: an 8B-shaped copy of each would not add to what they check)
             checks += feature_checks(model, device, 32 if not quick else 4)
-        if device == "cuda":  # bfloat16 in Triton's interpreter is broken: these need the GPU
-            checks += bf16_kernels(device)
+        checks += half_kernels(device)
         print(table(checks, ["check", "result", "pass"]), flush=True)
     if "kvpilot" in parts:
         for run_name, (kernels, settings) in model.runs.items():
