@@ -15,7 +15,8 @@ the GGUF reader); `run` writes a GGUF of those shapes with seeded random weights
    steps in CUDA graphs, async scheduling), --enforce-eager, --async-scheduling off, --quantization gguf (the file's Q4_1/Q8_0 blocks kept, as
    HF dequantizes them) and the torch reference kernels;
 2. each Triton kernel in bfloat16 against its float32 torch reference (stated tolerances; float16 in the CPU smoke test);
-   on the bundled shapes also EAGLE-3 with a random head, the FP8 KV cache, LoRA, structured outputs, the host KV tier;
+   on the bundled shapes also EAGLE-3 with a random head, the FP8 KV cache, LoRA, structured outputs, the host KV tier,
+   and the tests' tiny Qwen3-MoE against HF (its fused experts in Triton);
 3. throughput (output tok/s, one table): single stream (32 + 256 tokens), 64 requests (bench/offline.py's
    workload), 256 requests (nano-vllm's protocol, max_num_seqs 256) — kvpilot (default, with
    --enforce-eager: the CUDA graphs' share, with --async-scheduling off: the host/device overlap's
@@ -290,45 +291,72 @@ def copy_bandwidth(device: str) -> float:
     return max(2 * n * 10 / _timed(partial(_repeat, partial(b.copy_, a), 10)) for _ in range(5))
 
 
+def _hf_greedy(model, ids: list[int], steps: int, device: str):
+    """HF's greedy continuation of one prompt with its KV cache, and the top 5 at each step (an OracleResult)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from oracle import TOPK, OracleResult
+
+    out = model(torch.tensor([ids], device=device), use_cache=True)
+    past, last = out.past_key_values, out.logits[0, -1].float()
+    tokens, topk = [], []
+    for _ in range(steps):
+        topk.append(torch.topk(last, TOPK).indices.tolist())
+        tokens.append(int(last.argmax()))
+        out = model(torch.tensor([[tokens[-1]]], device=device), past_key_values=past, use_cache=True)
+        past, last = out.past_key_values, out.logits[0, -1].float()
+    return OracleResult(ids, tokens, topk, prompt_logprobs=[])
+
+
 def correctness(subject: Subject, device: str, steps: int, runs: dict[str, tuple[str, dict]]) -> list[dict]:
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from kvpilot.server import SamplingParams
-    from oracle import ORACLE_PROMPTS, TOPK, OracleResult, compare_greedy
+    from oracle import ORACLE_PROMPTS
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     tokenizer, model = subject.hf_tokenizer(), subject.hf_model(torch.float32, device)
-    refs = []
     with torch.inference_mode():
-        for prompt in ORACLE_PROMPTS:
-            ids = tokenizer(prompt).input_ids
-            out = model(torch.tensor([ids], device=device), use_cache=True)
-            past, last = out.past_key_values, out.logits[0, -1].float()
-            tokens, topk = [], []
-            for _ in range(steps):
-                topk.append(torch.topk(last, TOPK).indices.tolist())
-                tokens.append(int(last.argmax()))
-                out = model(torch.tensor([[tokens[-1]]], device=device), past_key_values=past, use_cache=True)
-                past, last = out.past_key_values, out.logits[0, -1].float()
-            refs.append(OracleResult(ids, tokens, topk, prompt_logprobs=[]))
+        refs = [_hf_greedy(model, tokenizer(prompt).input_ids, steps, device) for prompt in ORACLE_PROMPTS]
     del model
     _release()
     rows = []
     for name, (kernels, settings) in runs.items():
         llm = _kvpilot(subject, device, "float32", kernels, **settings)
-        outs = llm.generate(ORACLE_PROMPTS, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=TOPK))
-        tokens = [o.outputs[0].token_ids for o in outs]
-        topks = [[sorted(e, key=e.get, reverse=True)[:TOPK] for e in o.outputs[0].logprobs] for o in outs]
-        verdict = compare_greedy(tokens, topks, refs)
-        ok = verdict["exact"] >= verdict["total"] - 1 and not verdict["violations"]
-        rows.append({"check": f"fp32 greedy vs HF, kvpilot {name}", "result": f"{verdict['exact']}/{verdict['total']} exact, "
-                     f"violations {verdict['violations']}", "pass": ok})
+        _, tokens, topks = _greedy_run(llm, ORACLE_PROMPTS, steps)
+        rows.append(_verdict(f"fp32 greedy vs HF, kvpilot {name}", tokens, topks, refs))
         llm.engine.close()
         del llm
         _release()
     return rows
+
+
+def _moe_check(device: str, work: Path, steps: int) -> dict:
+    """The tests' tiny Qwen3-MoE (8 experts, two a token, a dense second layer; tests/checkpoint_factory.py, with the bundled
+    tokenizer): kvpilot's fp32 greedy tokens — the fused experts in Triton on CUDA — against HF's on the device."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from checkpoint_factory import CASES, build_checkpoint
+    from oracle import ORACLE_PROMPTS
+
+    directory = build_checkpoint(CASES["qwen3moe"], work / "qwen3moe", TOKENIZER if TOKENIZER.is_dir() else write_tokenizer(work / "tokenizer"))
+    llm = _kvpilot(Subject("qwen3moe", directory, {}, None, {}, ()), device, "float32", "default")
+    _, tokens, topks = _greedy_run(llm, ORACLE_PROMPTS[:4], steps)
+    llm.engine.close()
+    del llm
+    _release()
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    with torch.inference_mode():
+        refs = [_hf_greedy(model, tokenizer(prompt).input_ids, steps, device) for prompt in ORACLE_PROMPTS[:4]]
+    del model
+    _release()
+    return _verdict("Qwen3-MoE (tiny, 8 experts) fp32 greedy vs HF", tokens, topks, refs)
 
 
 def _release() -> None:
@@ -370,8 +398,9 @@ def feature_checks(subject: Subject, device: str, steps: int) -> list[dict]:
     (greedy equal to plain decoding: speculation changes no token; on CUDA its pass runs in the decode graphs), the FP8 KV
     cache (mean KL of its next-token distributions from the float32 cache's ≤ 1e-2), a LoRA adapter (the default
     kernels' tokens — Triton's on CUDA — equal the torch reference kernels', and differ from the base model's), structured
-    outputs (a JSON schema's output parses and matches it), the host KV tier (a prompt evicted from the device's cache comes
-    back from host memory — the pinned side stream on CUDA — with the same tokens)."""
+    outputs (a JSON schema's output parses and matches it), a mixture of experts (the tests' tiny Qwen3-MoE against HF), the
+    host KV tier (a prompt evicted from the device's cache comes back from host memory — the pinned side stream on CUDA —
+    with the same tokens)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -443,6 +472,8 @@ def feature_checks(subject: Subject, device: str, steps: int) -> list[dict]:
     _release()
 
     # 6 MiB of float32 K/V: 8 blocks of 16 tokens, a prompt and its output, so that the later prompts evict the first
+    rows.append(_moe_check(device, work, steps))
+
     tiered = _kvpilot(subject, device, "float32", "default", kv_cache_memory="6MiB", kv_host_offload_size="64MiB")
     long_prompts = [" ".join(ORACLE_PROMPTS[i:i + 3]) for i in range(0, 9, 3)]  # (several full blocks each)
     first = [_greedy_run(tiered, [p], steps)[1][0] for p in long_prompts]  # (one at a time: the later ones evict the first)

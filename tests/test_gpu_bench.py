@@ -3,7 +3,7 @@ few minutes run has run here first): the Llama-3-8B shape (dummy weights; at --q
 through every part — HF's model of the same dummy weights as the checks' oracle, every kvpilot run's rates with the
 roofline beside the single stream, HF, the plain graph step, the quantized-matmul rows —, and the bundled model's shape
 through its checks (the random-weight GGUF, gguf blocks equal to HF's dequantized ones; EAGLE-3, the FP8 KV cache, LoRA,
-structured outputs, the host KV tier) — each with the packages the GPU
+structured outputs, a tiny Qwen3-MoE against HF, the host KV tier) — each with the packages the GPU
 machine's image lacks unimportable (beyond the wheels `bundle` carries). Figures are not asserted (a CPU at --quick sizes
 measures nothing); their presence and the checks' verdicts are."""
 
@@ -79,5 +79,5 @@ def test_the_bundled_shape_checks_its_gguf_blocks_against_hf(tmp_path):
         ["default", "enforce_eager", "async_scheduling off", "gguf", "reference kernels",
          "EAGLE-3 (random head, 3 tokens) greedy vs plain", "FP8 KV cache vs float32 cache",
          "LoRA (rank 8, 7 targets): default kernels vs reference kernels", "structured outputs (a JSON schema)",
-         "host KV tier: an evicted prompt back from host memory"]
+         "Qwen3-MoE (tiny, 8 experts) fp32 greedy vs HF", "host KV tier: an evicted prompt back from host memory"]
     assert all(c["pass"] for c in result["checks"]), result["checks"]
