@@ -322,15 +322,15 @@ def correctness(subject: Subject, device: str, steps: int, runs: dict[str, tuple
         refs = [_hf_greedy(model, tokenizer(prompt).input_ids, steps, device) for prompt in ORACLE_PROMPTS]
     del model
     _release()
-    rows = []
-    for name, (kernels, settings) in runs.items():
+
+    def run(kernels: str, settings: dict, check: str) -> dict:
         llm = _kvpilot(subject, device, "float32", kernels, **settings)
         _, tokens, topks = _greedy_run(llm, ORACLE_PROMPTS, steps)
-        rows.append(_verdict(f"fp32 greedy vs HF, kvpilot {name}", tokens, topks, refs))
         llm.engine.close()
-        del llm
-        _release()
-    return rows
+        return _verdict(check, tokens, topks, refs)
+
+    return [_guarded(f"fp32 greedy vs HF, kvpilot {name}", partial(run, kernels, settings, f"fp32 greedy vs HF, kvpilot {name}"))
+            for name, (kernels, settings) in runs.items()]
 
 
 def _moe_check(device: str, work: Path, steps: int) -> dict:
@@ -411,8 +411,7 @@ def feature_checks(subject: Subject, device: str, steps: int) -> list[dict]:
     from lora_factory import save_adapter
     from oracle import ORACLE_PROMPTS
 
-    work, rows = Path(tempfile.mkdtemp()), []
-    prompts = ORACLE_PROMPTS[:4]
+    work, prompts = Path(tempfile.mkdtemp()), ORACLE_PROMPTS[:4]
     plain = _kvpilot(subject, device, "float32", "default")
     refs, _, _ = _greedy_run(plain, prompts, steps)
     text = plain.engine.tokenizer.encode(" ".join(ORACLE_PROMPTS))
@@ -421,71 +420,84 @@ def feature_checks(subject: Subject, device: str, steps: int) -> list[dict]:
     del plain
     _release()
 
-    head = write_eagle3_head(work / "eagle3", subject.config, seed=1)
-    eagle = _kvpilot(subject, device, "float32", "default", speculative_method="eagle3", speculative_model=str(head), num_speculative_tokens=3)
-    _, tokens, topks = _greedy_run(eagle, prompts, steps)
-    rows.append(_verdict("EAGLE-3 (random head, 3 tokens) greedy vs plain", tokens, topks, refs))
-    eagle.engine.close()
-    del eagle
-    _release()
-
-    fp8 = _kvpilot(subject, device, "float32", "default", kv_cache_dtype="fp8")
-    fp8_logits = fp8.engine.worker.score(text).float()
-    kl = torch.nn.functional.kl_div(fp8_logits.log_softmax(-1), float_logits.log_softmax(-1), log_target=True, reduction="batchmean").item()
-    rows.append({"check": "FP8 KV cache vs float32 cache", "result": f"mean KL {kl:.2e} over {len(text)} positions (bound 1e-2)",
-                 "pass": kl <= 1e-2})
-    fp8.engine.close()
-    del fp8
-    _release()
-
-    base = subject.hf_model(torch.float32, "cpu")  # (peft adapts a copy on the host; the engine reads the saved files)
-    _, adapter = save_adapter(base, "all7-r8", work / "lora")
-    del base
-    request = {"lora_request": LoRARequest("all7-r8", 1, str(adapter))}
-    by_kernels = {}
-    for kernels in ("default", "reference"):
-        llm = _kvpilot(subject, device, "float32", kernels, enable_lora=True, max_loras=1, max_lora_rank=8)
-        by_kernels[kernels] = _greedy_run(llm, prompts, steps, **request)
+    def closed(llm, result):
         llm.engine.close()
-        del llm
+        return result
+
+    def eagle3() -> dict:
+        head = write_eagle3_head(work / "eagle3", subject.config, seed=1)
+        llm = _kvpilot(subject, device, "float32", "default", speculative_method="eagle3", speculative_model=str(head), num_speculative_tokens=3)
+        _, tokens, topks = _greedy_run(llm, prompts, steps)
+        return closed(llm, _verdict("EAGLE-3 (random head, 3 tokens) greedy vs plain", tokens, topks, refs))
+
+    def fp8_kv() -> dict:
+        llm = _kvpilot(subject, device, "float32", "default", kv_cache_dtype="fp8")
+        logits = llm.engine.worker.score(text).float()
+        kl = torch.nn.functional.kl_div(logits.log_softmax(-1), float_logits.log_softmax(-1), log_target=True, reduction="batchmean").item()
+        return closed(llm, {"check": "FP8 KV cache vs float32 cache", "result": f"mean KL {kl:.2e} over {len(text)} positions (bound 1e-2)",
+                            "pass": kl <= 1e-2})
+
+    def lora() -> dict:
+        base = subject.hf_model(torch.float32, "cpu")  # (peft adapts a copy on the host; the engine reads the saved files)
+        _, adapter = save_adapter(base, "all7-r8", work / "lora")
+        request = {"lora_request": LoRARequest("all7-r8", 1, str(adapter))}
+        by_kernels = {}
+        for kernels in ("default", "reference"):
+            llm = _kvpilot(subject, device, "float32", kernels, enable_lora=True, max_loras=1, max_lora_rank=8)
+            by_kernels[kernels] = closed(llm, _greedy_run(llm, prompts, steps, **request))
+            del llm
+            _release()
+        row = _verdict("LoRA (rank 8, 7 targets): default kernels vs reference kernels", *by_kernels["default"][1:], by_kernels["reference"][0])
+        moved = sum(a != r.tokens for a, r in zip(by_kernels["default"][1], refs))
+        return {**row, "result": f"{row['result']}; {moved} of {len(prompts)} prompts differ from the base model's", "pass": row["pass"] and moved > 0}
+
+    def structured() -> dict:
+        schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+                  "required": ["answer", "sure"], "additionalProperties": False}
+        llm = _kvpilot(subject, device, "float32", "default")
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, structured=StructuredOutput("json", schema)))
+        valid = 0
+        for o in outs:
+            try:
+                value = json.loads(o.outputs[0].text)
+                valid += set(value) == {"answer", "sure"} and value["answer"] in ("yes", "no") and isinstance(value["sure"], bool)
+            except ValueError:
+                pass
+        return closed(llm, {"check": "structured outputs (a JSON schema)", "result": f"{valid}/{len(outs)} outputs parse and match it",
+                            "pass": valid == len(outs)})
+
+    def host_tier() -> dict:
+        # 6 MiB of float32 K/V: 8 blocks of 16 tokens, a prompt and its output, so that the later prompts evict the first
+        llm = _kvpilot(subject, device, "float32", "default", kv_cache_memory="6MiB", kv_host_offload_size="64MiB")
+        long_prompts = [" ".join(ORACLE_PROMPTS[i:i + 3]) for i in range(0, 9, 3)]  # (several full blocks each)
+        first = [_greedy_run(llm, [p], steps)[1][0] for p in long_prompts]  # (one at a time: the later ones evict the first)
+        llm.engine.kv_connector.drain()
+        again = _greedy_run(llm, long_prompts[:1], steps)[1][0]
+        hits = llm.engine.kv_connector.host.stats.hit_blocks
+        return closed(llm, {"check": "host KV tier: an evicted prompt back from host memory", "result": f"{hits} blocks hit, tokens "
+                            f"{'equal' if again == first[0] else 'differ'}", "pass": hits > 0 and again == first[0]})
+
+    checks = {"EAGLE-3 (random head, 3 tokens) greedy vs plain": eagle3, "FP8 KV cache vs float32 cache": fp8_kv,
+              "LoRA (rank 8, 7 targets): default kernels vs reference kernels": lora, "structured outputs (a JSON schema)": structured,
+              "Qwen3-MoE (tiny, 8 experts) fp32 greedy vs HF": partial(_moe_check, device, work, steps),
+              "host KV tier: an evicted prompt back from host memory": host_tier}
+    return [_guarded(name, check) for name, check in checks.items()]
+
+
+def _guarded_rows(name: str, checks) -> list[dict]:
+    """A part's rows, or one failing row naming what it raised."""
+    rows = _guarded(name, checks)
+    return rows if isinstance(rows, list) else [rows]
+
+
+def _guarded(name: str, check) -> dict:
+    """A check's row, or a failing one naming what it raised: a device run goes on to the next check (its minutes are few)."""
+    try:
+        return check()
+    except Exception as e:  # (any failure is this check's result)
+        return {"check": name, "result": f"raised {type(e).__name__}: {str(e)[:300]}", "pass": False}
+    finally:
         _release()
-    row = _verdict("LoRA (rank 8, 7 targets): default kernels vs reference kernels", *by_kernels["default"][1:], by_kernels["reference"][0])
-    moved = sum(a != r.tokens for a, r in zip(by_kernels["default"][1], refs))
-    rows.append({**row, "result": f"{row['result']}; {moved} of {len(prompts)} prompts differ from the base model's",
-                 "pass": row["pass"] and moved > 0})
-
-    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
-              "required": ["answer", "sure"], "additionalProperties": False}
-    llm = _kvpilot(subject, device, "float32", "default")
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, structured=StructuredOutput("json", schema)))
-    valid = 0
-    for o in outs:
-        try:
-            value = json.loads(o.outputs[0].text)
-            valid += set(value) == {"answer", "sure"} and value["answer"] in ("yes", "no") and isinstance(value["sure"], bool)
-        except ValueError:
-            pass
-    rows.append({"check": "structured outputs (a JSON schema)", "result": f"{valid}/{len(outs)} outputs parse and match it",
-                 "pass": valid == len(outs)})
-    llm.engine.close()
-    del llm
-    _release()
-
-    # 6 MiB of float32 K/V: 8 blocks of 16 tokens, a prompt and its output, so that the later prompts evict the first
-    rows.append(_moe_check(device, work, steps))
-
-    tiered = _kvpilot(subject, device, "float32", "default", kv_cache_memory="6MiB", kv_host_offload_size="64MiB")
-    long_prompts = [" ".join(ORACLE_PROMPTS[i:i + 3]) for i in range(0, 9, 3)]  # (several full blocks each)
-    first = [_greedy_run(tiered, [p], steps)[1][0] for p in long_prompts]  # (one at a time: the later ones evict the first)
-    tiered.engine.kv_connector.drain()
-    again = _greedy_run(tiered, long_prompts[:1], steps)[1][0]
-    hits = tiered.engine.kv_connector.host.stats.hit_blocks
-    rows.append({"check": "host KV tier: an evicted prompt back from host memory", "result": f"{hits} blocks hit, tokens "
-                 f"{'equal' if again == first[0] else 'differ'}", "pass": hits > 0 and again == first[0]})
-    tiered.engine.close()
-    del tiered
-    _release()
-    return rows
 
 
 def half_kernels(device: str) -> list[dict]:
@@ -533,8 +545,8 @@ def half_kernels(device: str) -> list[dict]:
     got = qkv.to(half)
     triton_layers.rotary_qkv_(got, ops.Rope(positions, angles.cos(), angles.sin(), half), heads, kv_heads, d)
     check("rotary_qkv_", got, ref, 0.05)
-    _newer_kernels(device, half, rnd, check)
-    return rows
+    failed = _guarded(f"{label} kernels written since the last GPU run", partial(_newer_kernels, device, half, rnd, check))
+    return rows + ([failed] if failed else [])
 
 
 def _newer_kernels(device: str, half, rnd, check) -> None:
@@ -798,8 +810,8 @@ def run(args: argparse.Namespace) -> None:
         checked = {name: model.runs[name] for name in model.checked} | {"reference kernels": ("reference", {})}
         checks = correctness(model, device, 64 if not quick else 4, checked)
         if not model.dummy:  # (the features on the bundled shapes: an 8B-shaped copy of each would not add to what they check)
-            checks += feature_checks(model, device, 32 if not quick else 4)
-        checks += half_kernels(device)
+            checks += _guarded_rows("feature checks", partial(feature_checks, model, device, 32 if not quick else 4))
+        checks += _guarded_rows("half-precision kernels", partial(half_kernels, device))
         print(table(checks, ["check", "result", "pass"]), flush=True)
     if "kvpilot" in parts:
         for run_name, (kernels, settings) in model.runs.items():
