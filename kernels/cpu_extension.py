@@ -29,7 +29,7 @@ from pathlib import Path
 
 log = logging.getLogger("kvpilot.kernels")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "gguf_linear_cpu.cpp", "moe_cpu.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "layers_cpu.cpp", "gguf_linear_cpu.cpp", "moe_cpu.cpp", "bf16_linear_cpu.cpp")]
 HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # part of the build key, not compiled alone
 # -fopenmp: ATen's parallel_for is inline OpenMP (it binds to torch's libgomp at load)
 CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]

@@ -1,10 +1,12 @@
-"""Dense projections (y = x @ W.T): oneDNN with weights packed once on CPU, plain torch elsewhere.
+"""Dense projections (y = x @ W.T): on CPU from weights laid out once at load, plain torch elsewhere.
 
 Why not just `x @ W.T` on CPU: torch's CPU matmul goes to MKL, which on non-Intel x86 (our AMD EPYC)
 takes its AVX2 path; oneDNN dispatches on the CPU's ISA and, fed a weight reordered into its blocked
 layout once at load, reaches 2–4× MKL's fp32 FLOP rate at this model's shapes, and more on the
 memory-bound single-token steps (bench/history/ has the micro-benchmark). Same fp32 arithmetic, only
-the summation order differs. The fused forms fold the SiLU, the gating product and the residual add
+the summation order differs. bfloat16 weights on a CPU with AVX512-BF16 go to kvpilot's own kernel
+instead (kernels/csrc/bf16_linear_cpu.cpp: 1.1–1.35× oneDNN at a decode step's 16 rows, level with it
+from ~128; bench/bf16_linear.py). The fused forms fold the SiLU, the gating product and the residual add
 into the matmul's output pass instead of another trip over the activations.
 """
 
@@ -52,33 +54,66 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and ({"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags)
 
 
+BF16_PANEL_COLS = 32  # output columns of one panel of kernels/csrc/bf16_linear_cpu.cpp
+
+
+def bf16_panels_available() -> bool:
+    """Whether this CPU runs kvpilot's bfloat16 kernel (AVX512-BF16, and the C++ kernels built)."""
+    ext = cpu_extension.load()
+    return ext is not None and ext.bf16_linear_supported()
+
+
+def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] bfloat16 (K even) as the kernel reads it: [ceil(N / 32), K / 2, 32, 2], each panel of 32
+    output rows holding K in pairs (zeros past N)."""
+    n, k = weight.shape
+    panels = -(-n // BF16_PANEL_COLS)
+    padded = torch.zeros(panels * BF16_PANEL_COLS, k, dtype=weight.dtype, device=weight.device)
+    padded[:n] = weight
+    return padded.view(panels, BF16_PANEL_COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+LAYOUTS = ("dense", "onednn", "bf16-panels")
+
+
 @direct_call
 class Linear(nn.Module):
     """y = x @ W.T (+ b), with the fused forms the layers use. The weight is a registered buffer (seen
-    by .to() and state_dict()): dense [out, in], or oneDNN's packed layout on CPU (then `packed`)."""
+    by .to() and state_dict()) in one of LAYOUTS: dense [out, in]; oneDNN's packed layout (CPU); or
+    bf16_panels' (CPU with AVX512-BF16; its bias kept in float32, the kernel's epilogue adds it)."""
 
-    def __init__(self, weight: torch.Tensor, packed: bool, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, layout: str, bias: torch.Tensor | None = None, out_features: int | None = None):
         super().__init__()
-        self.packed = packed
+        self.layout = layout
+        self.out_features = out_features if out_features is not None else weight.shape[0]
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
+        self._ext = cpu_extension.load() if layout == "bf16-panels" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._pointwise(x, "none") if self.packed else F.linear(x, self.weight, self.bias)
+        if self.layout == "bf16-panels":
+            return self._panels(x, 0)
+        return self._pointwise(x, "none") if self.layout == "onednn" else F.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ W.T + b)"""
-        return self._pointwise(x, "swish") if self.packed else F.silu(F.linear(x, self.weight, self.bias))
+        if self.layout == "bf16-panels":
+            return self._panels(x, 1)
+        return self._pointwise(x, "swish") if self.layout == "onednn" else F.silu(F.linear(x, self.weight, self.bias))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """(x @ W.T + b) * other"""
-        if self.packed:
+        if self.layout == "bf16-panels":
+            return self._panels(x, 2, other)
+        if self.layout == "onednn":
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "mul")
         return F.linear(x, self.weight, self.bias) * other
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """(x @ W.T + b) + residual"""
-        if self.packed:
+        if self.layout == "bf16-panels":
+            return self._panels(x, 3, residual)
+        if self.layout == "onednn":
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
         if self.bias is None:  # the add in the GEMM's epilogue (beta = 1): no second pass over the output
             return torch.addmm(residual, x, self.weight.t())
@@ -86,6 +121,18 @@ class Linear(nn.Module):
 
     def _pointwise(self, x: torch.Tensor, attr: str) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, attr, [], "")
+
+    def _panels(self, x: torch.Tensor, epilogue: int, other: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        if other is not None:
+            other = other.reshape(-1, self.out_features)
+            if other.stride(-1) != 1:
+                other = other.contiguous()
+        y = self._ext.bf16_linear(rows, self.weight, self.out_features, self.bias, epilogue, other)
+        return y.reshape(*lead, self.out_features)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,22 +169,39 @@ def _all_reduce(t: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def make_linear(weight: torch.Tensor | GGUFWeight, bias: torch.Tensor | None = None, shard: RowParallel | None = None,
-                use_onednn: bool | None = None, adapt: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+                layout: str | None = None, adapt: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
     """The one factory the model loader calls for every projection: (weight [out, in] — this rank's
     rows or columns under tensor parallelism, or a GGUF-block weight —, bias, shard) -> a Linear.
     Column-parallel projections need nothing here (a rank's rows are a smaller projection); `shard`
     marks a row-parallel one. adapt: wraps this rank's projection (LoRA slots: kernels/lora.py) —
-    inside a row-parallel one's all-reduce, which then sums the ranks' deltas too."""
+    inside a row-parallel one's all-reduce, which then sums the ranks' deltas too. layout: one of
+    LAYOUTS, None for the device's and dtype's best (default_layout)."""
     if shard is not None:
-        return RowParallelLinear(make_linear(weight, bias if shard.rank == 0 else None, use_onednn=use_onednn, adapt=adapt), shard.rank, shard.group)
+        return RowParallelLinear(make_linear(weight, bias if shard.rank == 0 else None, layout=layout, adapt=adapt), shard.rank, shard.group)
     if adapt is not None:
-        return adapt(make_linear(weight, bias, use_onednn=use_onednn))
+        return adapt(make_linear(weight, bias, layout=layout))
     if isinstance(weight, GGUFWeight):
         return gguf_linear_class(weight.qs.device)(weight, bias)
-    if use_onednn is None:
-        use_onednn = weight.device.type == "cpu" and onednn_packs(weight.dtype)
-    elif use_onednn and not onednn_packs(weight.dtype):
+    layout = layout or default_layout(weight)
+    if layout == "onednn" and not onednn_packs(weight.dtype):
         raise ValueError(f"oneDNN cannot pack {weight.dtype} weights on this CPU (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
-    # The packed copy is all the CPU path reads; keeping the dense one too would double the memory.
-    w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if use_onednn else weight.contiguous()
-    return Linear(w, packed=use_onednn, bias=bias)
+    if layout == "bf16-panels" and not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_panels_available()):
+        raise ValueError("the bf16-panels layout needs bfloat16 weights with an even number of input columns and a CPU with AVX512-BF16")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    # The laid-out copy is all the CPU path reads; keeping the dense one too would double the memory.
+    if layout == "onednn":
+        return Linear(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), "onednn", bias=bias)
+    if layout == "bf16-panels":
+        return Linear(bf16_panels(weight), "bf16-panels", bias=None if bias is None else bias.float(), out_features=weight.shape[0])
+    return Linear(weight.contiguous(), "dense", bias=bias)
+
+
+def default_layout(weight: torch.Tensor) -> str:
+    """bf16-panels for bfloat16 on a CPU with AVX512-BF16, oneDNN's packing where it packs the dtype on
+    CPU, dense elsewhere."""
+    if weight.device.type != "cpu":
+        return "dense"
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_panels_available():
+        return "bf16-panels"
+    return "onednn" if onednn_packs(weight.dtype) else "dense"

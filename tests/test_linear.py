@@ -1,10 +1,10 @@
-"""Projections: the oneDNN packed path and the dense path against plain torch, fused forms included."""
+"""Projections: every layout (oneDNN packed, kvpilot's bfloat16 panels, dense) against plain torch, fused forms included."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels.linear import make_linear, onednn_available, onednn_packs
+from kvpilot.kernels.linear import LAYOUTS, bf16_panels_available, make_linear, onednn_available, onednn_packs
 
 
 def test_onednn_is_available_here():
@@ -12,23 +12,31 @@ def test_onednn_is_available_here():
     assert onednn_available()
 
 
-@pytest.mark.parametrize("use_onednn", [True, False])
+def _available(layout: str, dtype: torch.dtype) -> bool:
+    if layout == "onednn":
+        return onednn_packs(dtype)
+    if layout == "bf16-panels":
+        return dtype == torch.bfloat16 and bf16_panels_available()
+    return True
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("rows", [0, 1, 7, 64])
+@pytest.mark.parametrize("rows", [0, 1, 7, 17, 64])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
-def test_projections_match_torch(use_onednn, dtype, tol, rows, with_bias):
+def test_projections_match_torch(layout, dtype, tol, rows, with_bias):
     gen = torch.Generator().manual_seed(rows)
-    w = (torch.randn(48, 40, generator=gen) * 0.1).to(dtype)
+    w = (torch.randn(48, 40, generator=gen) * 0.1).to(dtype)  # 48 outputs: a whole panel of 32 and a partial one
     x = torch.randn(rows, 40, generator=gen).to(dtype)
     other = torch.randn(rows, 48, generator=gen).to(dtype)
     bias = torch.randn(48, generator=gen).to(dtype) if with_bias else None
-    if use_onednn and not onednn_packs(dtype):  # bfloat16 on a CPU without AVX-512: refused by name, not a crash in oneDNN
-        with pytest.raises(ValueError, match="oneDNN cannot pack torch.bfloat16"):
-            make_linear(w, bias=bias, use_onednn=True)
-        assert not make_linear(w, bias=bias).packed  # the default takes the dense path there
+    if not _available(layout, dtype):  # refused by name, not a crash in the kernel
+        with pytest.raises(ValueError, match="oneDNN cannot pack torch.bfloat16|bf16-panels layout needs"):
+            make_linear(w, bias=bias, layout=layout)
+        assert make_linear(w, bias=bias).layout != layout  # the default takes another path there
         return
-    lw = make_linear(w, bias=bias, use_onednn=use_onednn)
-    assert lw.packed == use_onednn and [n for n, _ in lw.named_buffers()] == ["weight", "bias"][:1 + with_bias]
+    lw = make_linear(w, bias=bias, layout=layout)
+    assert lw.layout == layout and [n for n, _ in lw.named_buffers()] == ["weight", "bias"][:1 + with_bias]
     ref = (x.float() @ w.float().T) + (bias.float() if with_bias else 0)
 
     def close(got, want):
@@ -42,8 +50,33 @@ def test_projections_match_torch(use_onednn, dtype, tol, rows, with_bias):
 
 
 def test_default_choice_follows_device_and_dtype():
-    assert make_linear(torch.randn(4, 4)).packed
-    assert not make_linear(torch.randn(4, 4, dtype=torch.float64)).packed  # oneDNN: fp32/bf16 only
+    assert make_linear(torch.randn(4, 4)).layout == "onednn"
+    assert make_linear(torch.randn(4, 4, dtype=torch.float64)).layout == "dense"  # oneDNN: fp32/bf16 only
+    bf16 = make_linear(torch.randn(4, 4, dtype=torch.bfloat16)).layout
+    assert bf16 == ("bf16-panels" if bf16_panels_available() else "onednn" if onednn_packs(torch.bfloat16) else "dense")
+    assert make_linear(torch.randn(4, 3, dtype=torch.bfloat16)).layout != "bf16-panels"  # K in pairs: an odd K cannot
+
+
+def test_this_ci_machine_has_the_bf16_kernel():
+    """The bf16 serving figures (bench/RESULTS.md) depend on it; a CI machine without AVX512-BF16 must
+    say so loudly rather than pass the tests above on their refusal branch."""
+    assert bf16_panels_available()
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16, 33])
+def test_bf16_panels_equal_float32_sums_rounded_once(rows):
+    """The kernel's products are exact and summed in float32: against a float64 reference, its output
+    differs by bfloat16's last-place rounding (and float32's summation order) only, at model-like shapes
+    — a 3-D input and an input that is a strided view included."""
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(200, 576, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(2, rows, 600, generator=gen).bfloat16()[..., :576]  # rows with a stride of 600
+    lw = make_linear(w, layout="bf16-panels")
+    got = lw(x)
+    want = (x.double() @ w.double().T)
+    assert got.shape == (2, rows, 200) and got.dtype == torch.bfloat16
+    # one bf16 ulp, and float32's summation error where the sum cancels to near zero
+    torch.testing.assert_close(got.double(), want.bfloat16().double(), atol=1e-5, rtol=2 ** -7)
 
 
 def test_weights_are_buffers():
@@ -63,8 +96,8 @@ def test_row_parallel_projection_counts_bias_and_residual_on_rank_0_only(tmp_pat
     x, residual = torch.randn(3, 4, generator=gen), torch.randn(3, 6, generator=gen)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        for use_onednn in (True, False):
-            first, other = (make_linear(w, bias=b, shard=RowParallel(rank), use_onednn=use_onednn) for rank in (0, 1))
+        for layout in ("onednn", "dense"):
+            first, other = (make_linear(w, bias=b, shard=RowParallel(rank), layout=layout) for rank in (0, 1))
             assert isinstance(first, RowParallelLinear) and first.local.bias is not None and other.local.bias is None
             torch.testing.assert_close(first.add(x, residual), x @ w.T + b + residual)
             torch.testing.assert_close(other.add(x, residual), x @ w.T)

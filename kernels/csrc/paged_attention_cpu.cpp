@@ -22,9 +22,11 @@
 #include "work_queue.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -194,20 +196,28 @@ inline float softmax_partial(float* s, int64_t len, int64_t lo, int64_t visible,
   return sum;
 }
 
-// Visit the rows of one KV head of a sequence, block by block: fn(t, pointer to its D values). At each
-// block the same head's rows of the next block are prefetched, so they stream in while this one is used.
+// Visit the rows of one KV head of a sequence, block by block: fn(t, pointer to its D values). The same
+// head's rows kAheadBlocks blocks on are prefetched at each block, and the first kAheadBlocks at the start,
+// so they stream in while earlier ones are used.
 // From token `from` on (a multiple of block_size), up to ctx.
+constexpr int64_t kAheadBlocks = 4;  // one block ahead (the walk's first form) left it waiting on memory
+
+template <typename T>
+inline void prefetch_block_rows(const T* cache, const int64_t* table, int64_t blk, int64_t block_size, int64_t row, int64_t head_off, int64_t bytes) {
+  const char* at = reinterpret_cast<const char*>(cache + table[blk] * block_size * row + head_off);
+  for (int64_t r = 0; r < block_size; ++r)
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(at + r * row * static_cast<int64_t>(sizeof(T)) + c);
+}
+
 template <typename T, typename Fn>
 inline void for_each_row(const T* cache, const int64_t* table, int64_t ctx, int64_t block_size, int64_t row, int64_t head_off,
                          int64_t D, Fn fn, int64_t from = 0) {
   const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
-  for (int64_t t0 = from, blk = from / block_size; t0 < ctx; t0 += block_size, ++blk) {
+  const int64_t first = from / block_size, blocks = (ctx + block_size - 1) / block_size;
+  for (int64_t b = first + 1; b < std::min(blocks, first + kAheadBlocks); ++b) prefetch_block_rows(cache, table, b, block_size, row, head_off, bytes);
+  for (int64_t t0 = from, blk = first; t0 < ctx; t0 += block_size, ++blk) {
     const T* base = cache + table[blk] * block_size * row + head_off;
-    if (t0 + block_size < ctx) {
-      const char* next = reinterpret_cast<const char*>(cache + table[blk + 1] * block_size * row + head_off);
-      for (int64_t r = 0; r < block_size; ++r)
-        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(next + r * row * static_cast<int64_t>(sizeof(T)) + c);
-    }
+    if (blk + kAheadBlocks < blocks) prefetch_block_rows(cache, table, blk + kAheadBlocks, block_size, row, head_off, bytes);
     const int64_t n = std::min(block_size, ctx - t0);
     for (int64_t r = 0; r < n; ++r) fn(t0 + r, base + r * row);
   }
@@ -319,40 +329,87 @@ void attend_rows(const float* qf, const int64_t* first, const int64_t* limit, in
   }
 }
 
+// A query row's output from the softmax partials of the ranges it was walked in (m, l and acc of `parts`
+// ranges, `stride` rows apart from `at`): each range's sums rescaled to the largest max, then divided
+// by their total. One range is written as it is (acc / l): the same bits as an unsplit walk.
+template <typename QT>
+void merge_ranges(const float* pm, const float* pl, const float* pacc, int64_t at, int64_t parts, int64_t stride, int64_t D, float v_scale,
+                  float* o, QT* dst) {
+  if (parts == 1) {
+    const float inv = v_scale / pl[at];
+    for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<QT>(pacc[at * D + i] * inv);
+    return;
+  }
+  float mx = -INFINITY;
+  for (int64_t c = 0; c < parts; ++c) mx = std::max(mx, pm[at + c * stride]);
+  std::fill(o, o + D, 0.f);
+  float sum = 0.f;
+  for (int64_t c = 0; c < parts; ++c) {
+    const int64_t k = at + c * stride;
+    if (pl[k] == 0.f) continue;  // a range the row sees none of
+    const float w = exp_nonpositive(pm[k] - mx);
+    sum += w * pl[k];
+    for (int64_t i = 0; i < D; ++i) o[i] += w * pacc[k * D + i];
+  }
+  const float inv = v_scale / sum;
+  for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<QT>(o[i] * inv);
+}
+
+// A decode work item is one (sequence, KV head) with the query heads that share it (each K/V row
+// fetched serves the whole group) over one range of at most kDecodeRangeKeys keys of its context; an
+// item's ranges are merged by the thread that finishes its last. Whole contexts as items left threads
+// idle with few sequences (one sequence's three KV heads on two threads: one walks two), and one walk
+// streams a single context at a time, waiting on memory between blocks. Ranges follow the sequence's
+// own length only, so its output does not depend on what else is in the batch.
+constexpr int64_t kDecodeRangeKeys = 128;
+
 template <typename T, typename QT>
 void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* ctx_lens,
                  QT* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t W, float scale, float v_scale,
                  int64_t window) {
   const int64_t group = H / KVH;
   const int64_t row = KVH * D;  // elements of one token (all KV heads) in a block
-  // A work item is one (sequence, KV head) with the query heads that share it: each K/V row fetched
-  // serves the whole group, and one head's rows of a block are a few contiguous cache lines per token.
+  const int64_t span = std::max<int64_t>(1, kDecodeRangeKeys / block_size) * block_size;
+  // the first key each sequence's query sees (a window's) and the block start its walk begins at
+  std::vector<int64_t> lo(B), start(B);
+  int64_t ranges = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    lo[b] = window > 0 ? std::max<int64_t>(0, ctx_lens[b] - window) : 0;
+    start[b] = lo[b] / block_size * block_size;
+    ranges = std::max(ranges, (ctx_lens[b] - start[b] + span - 1) / span);
+  }
   // Items differ in cost by context length, so they are claimed longest first: each thread takes the
-  // next one when it is done with its last (a static split left one thread with the long contexts, and
+  // next range when it is done with its last (a static split left one thread with the long contexts, and
   // waits whole shares when a thread is preempted; see work_queue.h).
   const int64_t items = B * KVH;
   std::vector<int64_t> order(items);
   for (int64_t i = 0; i < items; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ctx_lens[a / KVH] > ctx_lens[b / KVH]; });
-  kvpilot::WorkQueue work(items, 1);
-  kvpilot::on_threads(items, [&] {
-    std::vector<float> qf(group * D), acc(group * D), scores, m(group), l(group);
+  std::vector<float> pm(items * ranges * group), pl(items * ranges * group), pacc(items * ranges * group * D);
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[items]);
+  for (int64_t i = 0; i < items; ++i) left[i].store(ranges, std::memory_order_relaxed);
+  kvpilot::WorkQueue work(items * ranges, 1);
+  kvpilot::on_threads(items * ranges, [&] {
+    std::vector<float> qf(group * D), scores(group * span), o(D);
     std::vector<int64_t> first(group), limit(group);
     for (int64_t n, end; work.claim(n, end);) {
-      const int64_t item = order[n];
+      const int64_t item = order[n / ranges], r = n % ranges;
       const int64_t b = item / KVH, g = item % KVH, ctx = ctx_lens[b], h0 = g * group;
-      const int64_t* table = tables + b * W;
+      const int64_t from = start[b] + r * span, to = std::min(ctx, from + span), at = (item * ranges + r) * group;
+      if (from < to) {
+        for (int64_t j = 0; j < group; ++j)
+          for (int64_t i = 0; i < D; ++i) qf[j * D + i] = static_cast<float>(q[(b * H + h0 + j) * D + i]) * scale;
+        std::fill(first.begin(), first.end(), lo[b]);
+        std::fill(limit.begin(), limit.end(), ctx);
+        attend_rows(qf.data(), first.data(), limit.data(), group, k_cache, v_cache, tables + b * W, from, to, block_size, row, g * D, D,
+                    scores.data(), pm.data() + at, pl.data() + at, pacc.data() + at * D);
+      } else {
+        std::fill(pl.begin() + at, pl.begin() + at + group, 0.f);  // past a shorter context's end
+      }
+      if (left[item].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
+      const int64_t parts = std::max<int64_t>(1, (ctx - start[b] + span - 1) / span);
       for (int64_t j = 0; j < group; ++j)
-        for (int64_t i = 0; i < D; ++i) qf[j * D + i] = static_cast<float>(q[(b * H + h0 + j) * D + i]) * scale;
-      // the whole context (a window's: from the block of its first key), one range
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0, from = lo / block_size * block_size;
-      scores.resize(group * (ctx - from));  // every entry is written below
-      std::fill(first.begin(), first.end(), lo);
-      std::fill(limit.begin(), limit.end(), ctx);
-      attend_rows(qf.data(), first.data(), limit.data(), group, k_cache, v_cache, table, from, ctx, block_size, row, g * D, D, scores.data(), m.data(),
-                  l.data(), acc.data());
-      for (int64_t j = 0; j < group; ++j)
-        for (int64_t i = 0; i < D; ++i) out[(b * H + h0 + j) * D + i] = static_cast<QT>(acc[j * D + i] * (v_scale / l[j]));
+        merge_ranges(pm.data(), pl.data(), pacc.data(), item * ranges * group + j, parts, group, D, v_scale, o.data(), out + (b * H + h0 + j) * D);
     }
   });
 }
@@ -386,22 +443,11 @@ void prefill_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t
     }
   });
   at::parallel_for(0, KVH * rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
     for (int64_t gr = begin; gr < end; ++gr) {
       const int64_t g = gr / rows, r = gr % rows;
-      float mx = -INFINITY;
-      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, pm[(g * chunks + c) * rows + r]);
-      std::vector<float> o(D, 0.f);
-      float sum = 0.f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t at = (g * chunks + c) * rows + r;
-        if (pl[at] == 0.f) continue;  // a range the row sees none of
-        const float w = exp_nonpositive(pm[at] - mx);
-        sum += w * pl[at];
-        for (int64_t i = 0; i < D; ++i) o[i] += w * pacc[at * D + i];
-      }
-      const float inv = v_scale / sum;
-      QT* dst = out + ((r / group) * H + g * group + r % group) * D;
-      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<QT>(o[i] * inv);
+      merge_ranges(pm.data(), pl.data(), pacc.data(), g * chunks * rows + r, chunks, rows, D, v_scale, o.data(),
+                   out + ((r / group) * H + g * group + r % group) * D);
     }
   });
 }
@@ -484,6 +530,10 @@ int64_t gguf_amx_min_rows();
 torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor d, c10::optional<torch::Tensor> m, int64_t kind, int64_t n,
                                 c10::optional<torch::Tensor> bias, int64_t epilogue, c10::optional<torch::Tensor> other, std::string isa,
                                 c10::optional<torch::Tensor> perm);
+// kernels/csrc/bf16_linear_cpu.cpp
+bool bf16_linear_supported();
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::optional<torch::Tensor> bias, int64_t epilogue,
+                          c10::optional<torch::Tensor> other);
 // kernels/csrc/moe_cpu.cpp
 torch::Tensor fused_experts_dense(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor weights, torch::Tensor ids, bool gelu);
 torch::Tensor fused_experts_panel(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor gate_qs, torch::Tensor gate_d,
@@ -519,5 +569,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_experts_dense", &fused_experts_dense, "a mixture of experts' routed experts over a step's tokens, grouped by expert (CPU)",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("ids"), py::arg("gelu"), no_gil);
   m.def("fused_experts_panel", &fused_experts_panel, "fused_experts_dense with each expert's projections in GGUF-block panels (CPU)", no_gil);
+  m.def("bf16_linear", &bf16_linear, "x @ W.T for bfloat16 rows with W in panels of 32 output columns (CPU, AVX512-BF16)", no_gil);
+  m.def("bf16_linear_supported", &bf16_linear_supported, "whether this CPU has the AVX512-BF16 bf16_linear needs");
   m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear_panel uses here (amx, avx512-vnni, avx512, avx2 or scalar)");
 }
