@@ -60,6 +60,7 @@ def servers(model: str, checkpoint: Path, vllm: Path, llama: bool) -> dict[str, 
         "kvpilot gguf": ([*kvpilot, "--model", model, "--quantization", "gguf"], 18280, "/ready", plain),
         "kvpilot bf16": ([*kvpilot, "--model", str(checkpoint), "--dtype", "bfloat16"], 18281, "/ready", plain),
         "kvpilot gguf, core process": ([*kvpilot, "--model", model, "--quantization", "gguf", "--engine-core-process"], 18284, "/ready", plain),
+        "kvpilot bf16, core process": ([*kvpilot, "--model", str(checkpoint), "--dtype", "bfloat16", "--engine-core-process"], 18286, "/ready", plain),
         "kvpilot gguf, bf16 KV": ([*kvpilot, "--model", model, "--quantization", "gguf", "--kv-cache-dtype", "bfloat16"], 18285, "/ready", plain),
         f"vLLM {VLLM_VERSION} CPU bf16": ([str(vllm), "-m", "vllm.entrypoints.cli.main", "serve", str(checkpoint), "--served-model-name", model,
                                           "--dtype", "bfloat16", "--max-num-seqs", str(MAX_SEQS), "--max-model-len", "2048",
@@ -99,13 +100,14 @@ def main() -> None:
     ap.add_argument("--levels", default="1,16")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repetitions of each level per server")
     ap.add_argument("--servers", help="comma-separated, of: kvpilot-gguf, kvpilot-bf16, vllm, llama (the default: these four), "
-                                      "kvpilot-gguf-core (--engine-core-process), kvpilot-gguf-bf16kv (--kv-cache-dtype bfloat16)")
+                                      "kvpilot-gguf-core, kvpilot-bf16-core (--engine-core-process), kvpilot-gguf-bf16kv (--kv-cache-dtype bfloat16)")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
     keys = {"kvpilot-gguf": "kvpilot gguf", "kvpilot-bf16": "kvpilot bf16", "vllm": f"vLLM {VLLM_VERSION} CPU bf16",
-            "llama": f"llama-server {FILE_TYPES[args.model]}", "kvpilot-gguf-core": "kvpilot gguf, core process", "kvpilot-gguf-bf16kv": "kvpilot gguf, bf16 KV"}
+            "llama": f"llama-server {FILE_TYPES[args.model]}", "kvpilot-gguf-core": "kvpilot gguf, core process",
+            "kvpilot-bf16-core": "kvpilot bf16, core process", "kvpilot-gguf-bf16kv": "kvpilot gguf, bf16 KV"}
     wanted = args.servers.split(",") if args.servers else ["kvpilot-gguf", "kvpilot-bf16", "vllm", "llama"]
     if unknown := [w for w in wanted if w not in keys]:
         raise SystemExit(f"unknown server(s) {', '.join(unknown)}: choose from {', '.join(keys)}")

@@ -18,17 +18,20 @@ from oracle import ORACLE_PROMPTS, HFOracle, compare_greedy
 PROMPTS = ORACLE_PROMPTS[:5]
 STEPS = 16
 LOGPROB_BOUND = 2e-4  # fp32 both sides; only the summation order differs
+# bfloat16 both sides: each side rounds its activations to 8 significant bits at different points (kvpilot
+# after each fused projection, transformers after every op), ~0.4 % per rounding
+BF16_LOGPROB_BOUND = 0.15
 
 
 class CheckpointOracle(HFOracle):
     """HF transformers on a checkpoint directory (not cached: a tiny model runs in a second)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, dtype: str = "float32"):
         super().__init__(directory)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        self._model = AutoModelForCausalLM.from_pretrained(str(directory), dtype="float32").eval()
+        self._model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype).eval()
 
     def run(self, prompts=PROMPTS, steps=STEPS):
         return [self._greedy(p, steps) for p in prompts]
@@ -82,6 +85,33 @@ def test_checkpoint_matches_transformers(family_checkpoints, family):
     worst = max(abs(a - b) for mine, r in zip(ours, oracle) for a, b in zip(mine, r.prompt_logprobs))
     print(f"{family}: max |prompt logprob - HF| = {worst:.2e}")
     assert worst < LOGPROB_BOUND
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "mistral"])
+def test_bfloat16_compute_matches_transformers_in_bfloat16(family_checkpoints, family):
+    """--dtype bfloat16 on CPU (the projections on kvpilot's AVX512-BF16 kernel here, q/k/v biases and a
+    sliding window included) against transformers computing in bfloat16 on the same checkpoint: vLLM's
+    greedy rule, and prompt logprobs within bfloat16's rounding. (Gemma 3 in bfloat16 diverges from
+    transformers earlier than this rule allows, with oneDNN's projections as with these: open, docs/models.md.)"""
+    import torch
+
+    from kvpilot.kernels.linear import Linear, default_layout
+
+    directory, _ = family_checkpoints[family]
+    oracle = CheckpointOracle(directory, dtype="bfloat16").run()
+    engine = llm(directory, dtype="bfloat16")
+    layouts = {m.layout for m in engine.engine.worker.model.modules() if isinstance(m, Linear)}
+    assert layouts == {default_layout(torch.zeros(1, 2, dtype=torch.bfloat16))}
+    for batched in (False, True):
+        _, tokens, topk = greedy(engine, batched)
+        result = compare_greedy(tokens, topk, oracle)
+        print(f"{family} bfloat16 ({'batched' if batched else 'one at a time'}): {result}")
+        assert result["exact"] >= result["total"] - 1 and not result["violations"], result
+    ours = prompt_logprobs(engine, [r.prompt_ids for r in oracle])
+    worst = max(abs(a - b) for mine, r in zip(ours, oracle) for a, b in zip(mine, r.prompt_logprobs))
+    print(f"{family} bfloat16: max |prompt logprob - HF| = {worst:.2e}")
+    assert worst < BF16_LOGPROB_BOUND
 
 
 @pytest.mark.timeout(300)
