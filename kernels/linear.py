@@ -5,9 +5,10 @@ takes its AVX2 path; oneDNN dispatches on the CPU's ISA and, fed a weight reorde
 layout once at load, reaches 2–4× MKL's fp32 FLOP rate at this model's shapes, and more on the
 memory-bound single-token steps (bench/history/ has the micro-benchmark). Same fp32 arithmetic, only
 the summation order differs. bfloat16 weights on a CPU with AVX512-BF16 go to kvpilot's own kernel
-instead (kernels/csrc/bf16_linear_cpu.cpp: 1.1–1.35× oneDNN at a decode step's 16 rows, level with it
-from ~128; bench/bf16_linear.py). The fused forms fold the SiLU, the gating product and the residual add
-into the matmul's output pass instead of another trip over the activations.
+instead (kernels/csrc/bf16_linear_cpu.cpp: 1.29× oneDNN at a decode step's 16 rows with the weights
+coming from memory, 1.42–1.61× at 1–8, level at 256; bench/bf16_linear.py). The fused forms fold the
+SiLU, the gating product and the residual add into the matmul's output pass instead of another trip
+over the activations.
 """
 
 from __future__ import annotations
@@ -84,11 +85,12 @@ class Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, layout: str, bias: torch.Tensor | None = None, out_features: int | None = None):
         super().__init__()
+        if layout == "bf16-panels" and out_features is None:
+            raise ValueError("a bf16-panels weight holds whole panels: out_features says how many of its rows are the projection's")
         self.layout = layout
         self.out_features = out_features if out_features is not None else weight.shape[0]
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
-        self._ext = cpu_extension.load() if layout == "bf16-panels" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "bf16-panels":
@@ -131,7 +133,7 @@ class Linear(nn.Module):
             other = other.reshape(-1, self.out_features)
             if other.stride(-1) != 1:
                 other = other.contiguous()
-        y = self._ext.bf16_linear(rows, self.weight, self.out_features, self.bias, epilogue, other)
+        y = cpu_extension.load().bf16_linear(rows, self.weight, self.out_features, self.bias, epilogue, other)
         return y.reshape(*lead, self.out_features)
 
 

@@ -55,9 +55,9 @@ SHAPES = [(4, 1, 256, 16), (8, 2, 64, 16), (6, 3, 128, 32), (4, 2, 80, 5)]  # (T
 
 @pytest.mark.parametrize("impl,heads,kv_heads,head_dim,block_size",
                          [(impl, *shape) for impl in DECODERS for shape in SHAPES if impl != "triton" or shape[2] != 80])
-def test_decode_sees_only_its_window(impl, heads, kv_heads, head_dim, block_size):
-    window = 40
-    lens = [300, 7, 41, 40, 39, 1, 95]  # far past, inside, at and one past the window
+@pytest.mark.parametrize("window", [40, 200])  # 200: wider than the C++ kernel's 128-key ranges, its first key inside one
+def test_decode_sees_only_its_window(impl, heads, kv_heads, head_dim, block_size, window):
+    lens = [300, 7, 41, 40, 39, 1, 95, 450, 201]  # far past, inside, at and one past the window
     ks, vs, kc, vc, _, bt, q = case(lens, heads, kv_heads, head_dim, block_size, window, [1] * len(lens), seed=heads + block_size)
     kwargs = {"split_tokens": 4 * block_size} if impl == "triton" else {}  # triton: the split-K form, some splits wholly before the window
     out = DECODERS[impl](q, kc, vc, bt, torch.tensor(lens), head_dim ** -0.5, window=window, **kwargs)

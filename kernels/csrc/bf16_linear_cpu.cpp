@@ -45,12 +45,12 @@ struct Args {
   int64_t y_stride;
 };
 
-__attribute__((target("avx512f,avx512bw"))) inline __m512 widen_bf16(const uint16_t* p, __mmask16 mask) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 widen_bf16(const uint16_t* p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
 
 // 16 accumulated columns of one row: bias, the epilogue, rounded to bfloat16 (to nearest even) and stored.
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void store16(const Args& a, int64_t row, int64_t col, __m512 v) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store16(const Args& a, int64_t row, int64_t col, __m512 v) {
   const int64_t left = a.n - col;
   if (left <= 0) return;
   const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
@@ -67,7 +67,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void store16(const
 
 // Rows [row0, row0 + R) of panel p over all of K.
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void panel_rows(const Args& a, int64_t p, int64_t row0) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void panel_rows(const Args& a, int64_t p, int64_t row0) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const uint16_t* w = a.w + p * a.K * kCols;
@@ -106,14 +106,18 @@ void panel(const Args& a, int64_t p, int64_t row0, int64_t rows) {
 
 }  // namespace
 
-bool bf16_linear_supported() { return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"); }
+bool bf16_linear_supported() {
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
 
-// x [M, K] bfloat16 (rows contiguous) times W laid out as [P, K/2, 32, 2] bfloat16 (bf16_pack in
+// x [M, K] bfloat16 (rows contiguous) times W laid out as [P, K/2, 32, 2] bfloat16 (bf16_panels in
 // kernels/linear.py) -> [M, n] bfloat16; bias float32 [n]; epilogue 0 none, 1 silu, 2 × other, 3 + other
 // (other: bfloat16 [M, n]).
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::optional<torch::Tensor> bias, int64_t epilogue,
                           c10::optional<torch::Tensor> other) {
-  TORCH_CHECK(bf16_linear_supported(), "bf16_linear needs AVX512-BF16");
+  TORCH_CHECK(bf16_linear_supported(), "bf16_linear needs AVX512-BF16 (with BW and VL)");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && (!bias || bias->device().is_cpu()) && (!other || other->device().is_cpu()),
+              "bf16_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "x: bfloat16 rows [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(w.dim() == 4 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous() && w.size(1) * 2 == K && w.size(2) == kCols && w.size(3) == 2,

@@ -228,7 +228,7 @@ inline void for_each_row(const T* cache, const int64_t* table, int64_t ctx, int6
 // item is one KV head and a range of at most kChunkKeys keys (held in L2 while used), and every query row
 // of that head — each new token's heads of the group — goes over the range in register tiles. Each item
 // leaves a softmax partial per row (its max, sum and unnormalized output), merged per row at the end (the
-// ranges split a long context over the threads). A decode item is one range: the whole context.
+// ranges split a long context over the threads). Decode walks its own ranges (decode_impl).
 constexpr int64_t kChunkKeys = 512;
 
 #if defined(__AVX512F__)
@@ -341,7 +341,8 @@ void merge_ranges(const float* pm, const float* pl, const float* pacc, int64_t a
     return;
   }
   float mx = -INFINITY;
-  for (int64_t c = 0; c < parts; ++c) mx = std::max(mx, pm[at + c * stride]);
+  for (int64_t c = 0; c < parts; ++c)
+    if (pl[at + c * stride] != 0.f) mx = std::max(mx, pm[at + c * stride]);  // (a range the row sees none of has no max)
   std::fill(o, o + D, 0.f);
   float sum = 0.f;
   for (int64_t c = 0; c < parts; ++c) {
@@ -356,11 +357,11 @@ void merge_ranges(const float* pm, const float* pl, const float* pacc, int64_t a
 }
 
 // A decode work item is one (sequence, KV head) with the query heads that share it (each K/V row
-// fetched serves the whole group) over one range of at most kDecodeRangeKeys keys of its context; an
-// item's ranges are merged by the thread that finishes its last. Whole contexts as items left threads
-// idle with few sequences (one sequence's three KV heads on two threads: one walks two), and one walk
-// streams a single context at a time, waiting on memory between blocks. Ranges follow the sequence's
-// own length only, so its output does not depend on what else is in the batch.
+// fetched serves the whole group) over one range of kDecodeRangeKeys keys of its context (one block when
+// blocks are larger); an item's ranges are merged by the thread that finishes its last. Whole contexts
+// as items left threads idle with few sequences (one sequence's three KV heads on two threads: one walks
+// two), and one walk streams a single context at a time, waiting on memory between blocks. Ranges follow
+// the sequence's own length only, so its output does not depend on what else is in the batch.
 constexpr int64_t kDecodeRangeKeys = 128;
 
 template <typename T, typename QT>
@@ -370,13 +371,12 @@ void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t*
   const int64_t group = H / KVH;
   const int64_t row = KVH * D;  // elements of one token (all KV heads) in a block
   const int64_t span = std::max<int64_t>(1, kDecodeRangeKeys / block_size) * block_size;
-  // the first key each sequence's query sees (a window's) and the block start its walk begins at
-  std::vector<int64_t> lo(B), start(B);
-  int64_t ranges = 1;
+  // the first key each sequence's query sees (a window's), the block start its walk begins at, its ranges
+  std::vector<int64_t> lo(B), start(B), parts(B);
   for (int64_t b = 0; b < B; ++b) {
     lo[b] = window > 0 ? std::max<int64_t>(0, ctx_lens[b] - window) : 0;
     start[b] = lo[b] / block_size * block_size;
-    ranges = std::max(ranges, (ctx_lens[b] - start[b] + span - 1) / span);
+    parts[b] = std::max<int64_t>(1, (ctx_lens[b] - start[b] + span - 1) / span);
   }
   // Items differ in cost by context length, so they are claimed longest first: each thread takes the
   // next range when it is done with its last (a static split left one thread with the long contexts, and
@@ -385,31 +385,41 @@ void decode_impl(const QT* q, const T* k_cache, const T* v_cache, const int64_t*
   std::vector<int64_t> order(items);
   for (int64_t i = 0; i < items; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ctx_lens[a / KVH] > ctx_lens[b / KVH]; });
-  std::vector<float> pm(items * ranges * group), pl(items * ranges * group), pacc(items * ranges * group * D);
+  // (item, range) units in that order; an item's partials from rows[item] on, `group` rows per range
+  std::vector<int64_t> rows(items + 1, 0), unit_item, unit_range;
+  for (int64_t i = 0; i < items; ++i) rows[i + 1] = rows[i] + parts[i / KVH] * group;
+  for (const int64_t item : order)
+    for (int64_t r = 0; r < parts[item / KVH]; ++r) {
+      unit_item.push_back(item);
+      unit_range.push_back(r);
+    }
+  const int64_t units = static_cast<int64_t>(unit_item.size());
+  std::unique_ptr<float[]> pm(new float[rows[items]]), pl(new float[rows[items]]), pacc(new float[rows[items] * D]);  // each written before read
   std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[items]);
-  for (int64_t i = 0; i < items; ++i) left[i].store(ranges, std::memory_order_relaxed);
-  kvpilot::WorkQueue work(items * ranges, 1);
-  kvpilot::on_threads(items * ranges, [&] {
+  for (int64_t i = 0; i < items; ++i) left[i].store(parts[i / KVH], std::memory_order_relaxed);
+  kvpilot::WorkQueue work(units, 1);
+  kvpilot::on_threads(units, [&] {
     std::vector<float> qf(group * D), scores(group * span), o(D);
     std::vector<int64_t> first(group), limit(group);
     for (int64_t n, end; work.claim(n, end);) {
-      const int64_t item = order[n / ranges], r = n % ranges;
+      const int64_t item = unit_item[n], r = unit_range[n];
       const int64_t b = item / KVH, g = item % KVH, ctx = ctx_lens[b], h0 = g * group;
-      const int64_t from = start[b] + r * span, to = std::min(ctx, from + span), at = (item * ranges + r) * group;
+      const int64_t from = start[b] + r * span, to = std::min(ctx, from + span), at = rows[item] + r * group;
       if (from < to) {
         for (int64_t j = 0; j < group; ++j)
           for (int64_t i = 0; i < D; ++i) qf[j * D + i] = static_cast<float>(q[(b * H + h0 + j) * D + i]) * scale;
         std::fill(first.begin(), first.end(), lo[b]);
         std::fill(limit.begin(), limit.end(), ctx);
         attend_rows(qf.data(), first.data(), limit.data(), group, k_cache, v_cache, tables + b * W, from, to, block_size, row, g * D, D,
-                    scores.data(), pm.data() + at, pl.data() + at, pacc.data() + at * D);
-      } else {
-        std::fill(pl.begin() + at, pl.begin() + at + group, 0.f);  // past a shorter context's end
+                    scores.data(), pm.get() + at, pl.get() + at, pacc.get() + at * D);
+      } else {  // an empty context (its output is NaN, as softmax over no key is)
+        std::fill(pm.get() + at, pm.get() + at + group, -INFINITY);
+        std::fill(pl.get() + at, pl.get() + at + group, 0.f);
+        std::fill(pacc.get() + at * D, pacc.get() + (at + group) * D, 0.f);
       }
-      if (left[item].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;
-      const int64_t parts = std::max<int64_t>(1, (ctx - start[b] + span - 1) / span);
+      if (left[item].fetch_sub(1, std::memory_order_acq_rel) != 1) continue;  // the last range's thread merges the item
       for (int64_t j = 0; j < group; ++j)
-        merge_ranges(pm.data(), pl.data(), pacc.data(), item * ranges * group + j, parts, group, D, v_scale, o.data(), out + (b * H + h0 + j) * D);
+        merge_ranges(pm.get(), pl.get(), pacc.get(), rows[item] + j, parts[b], group, D, v_scale, o.data(), out + (b * H + h0 + j) * D);
     }
   });
 }
