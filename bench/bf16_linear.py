@@ -60,13 +60,13 @@ def main() -> None:
         flop = 2 * m * sum(n * k for _, n, k in SHAPES)
         timed = {}
         for layout in LAYOUTS:  # the whole stack: weights from memory
-            def stack(layers=model[layout]):
+            def stack(layers=model[layout], xs=xs):
                 for layer in layers:
                     for lin, (_, _, k) in zip(layer, SHAPES):
                         lin(xs[k])
             timed[layout, "memory"] = best_of(stack, 5) / LAYERS
         for layout in LAYOUTS:  # one layer's projections, each 20 times over: weights in the caches
-            def hot(layer=model[layout][0]):
+            def hot(layer=model[layout][0], xs=xs):
                 for lin, (_, _, k) in zip(layer, SHAPES):
                     for _ in range(20):
                         lin(xs[k])
