@@ -75,16 +75,21 @@ def test_checkpoint_matches_transformers(family_checkpoints, family):
 
         with safe_open(str(next(directory.glob("*.safetensors"))), framework="pt") as f:
             assert str(f.get_tensor(next(iter(f.keys()))).dtype) == f"torch.{CASES[family].dtype}"
+    holds_to_oracle(engine, oracle, family, LOGPROB_BOUND)
+
+
+def holds_to_oracle(engine, oracle, label: str, logprob_bound: float) -> None:
+    """vLLM's greedy rule one prompt at a time and batched, and every prompt logprob within the bound."""
     for batched in (False, True):
         outs, tokens, topk = greedy(engine, batched)
         assert [o.prompt_token_ids for o in outs] == [r.prompt_ids for r in oracle]
         result = compare_greedy(tokens, topk, oracle)
-        print(f"{family} ({'batched' if batched else 'one at a time'}): {result}")
+        print(f"{label} ({'batched' if batched else 'one at a time'}): {result}")
         assert result["exact"] >= result["total"] - 1 and not result["violations"], result
     ours = prompt_logprobs(engine, [r.prompt_ids for r in oracle])
     worst = max(abs(a - b) for mine, r in zip(ours, oracle) for a, b in zip(mine, r.prompt_logprobs))
-    print(f"{family}: max |prompt logprob - HF| = {worst:.2e}")
-    assert worst < LOGPROB_BOUND
+    print(f"{label}: max |prompt logprob - HF| = {worst:.2e}")
+    assert worst < logprob_bound
 
 
 @pytest.mark.timeout(300)
@@ -103,15 +108,7 @@ def test_bfloat16_compute_matches_transformers_in_bfloat16(family_checkpoints, f
     engine = llm(directory, dtype="bfloat16")
     layouts = {m.layout for m in engine.engine.worker.model.modules() if isinstance(m, Linear)}
     assert layouts == {default_layout(torch.zeros(1, 2, dtype=torch.bfloat16))}
-    for batched in (False, True):
-        _, tokens, topk = greedy(engine, batched)
-        result = compare_greedy(tokens, topk, oracle)
-        print(f"{family} bfloat16 ({'batched' if batched else 'one at a time'}): {result}")
-        assert result["exact"] >= result["total"] - 1 and not result["violations"], result
-    ours = prompt_logprobs(engine, [r.prompt_ids for r in oracle])
-    worst = max(abs(a - b) for mine, r in zip(ours, oracle) for a, b in zip(mine, r.prompt_logprobs))
-    print(f"{family} bfloat16: max |prompt logprob - HF| = {worst:.2e}")
-    assert worst < BF16_LOGPROB_BOUND
+    holds_to_oracle(engine, oracle, f"{family} bfloat16", BF16_LOGPROB_BOUND)
 
 
 @pytest.mark.timeout(300)
