@@ -187,8 +187,8 @@ def make_linear(weight: torch.Tensor | GGUFWeight, bias: torch.Tensor | None = N
     layout = layout or default_layout(weight)
     if layout == "onednn" and not onednn_packs(weight.dtype):
         raise ValueError(f"oneDNN cannot pack {weight.dtype} weights on this CPU (bfloat16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
-    if layout == "bf16-panels" and not (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_panels_available()):
-        raise ValueError("the bf16-panels layout needs bfloat16 weights with an even number of input columns and a CPU with AVX512-BF16")
+    if layout == "bf16-panels" and not _panels_fit(weight):
+        raise ValueError("the bf16-panels layout needs bfloat16 CPU weights with an even number of input columns and a CPU with AVX512-BF16")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     # The laid-out copy is all the CPU path reads; keeping the dense one too would double the memory.
@@ -204,6 +204,11 @@ def default_layout(weight: torch.Tensor) -> str:
     CPU, dense elsewhere."""
     if weight.device.type != "cpu":
         return "dense"
-    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_panels_available():
+    if _panels_fit(weight):
         return "bf16-panels"
     return "onednn" if onednn_packs(weight.dtype) else "dense"
+
+
+def _panels_fit(weight: torch.Tensor) -> bool:
+    """Whether kvpilot's bfloat16 kernel can take this weight: bfloat16 on CPU, K in whole pairs, the CPU's AVX512-BF16."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and bf16_panels_available()
