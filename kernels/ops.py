@@ -31,12 +31,16 @@ from kvpilot.kernels.rope import Rope, apply_rope
 # --- torch references -----------------------------------------------------------------------------
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight, computed in float32 (as transformers does) and cast back."""
+    """x / rms(x) * weight, normalised in float32 as transformers does: a weight in x's dtype multiplies the
+    normalised row rounded to x's dtype (Llama's RMSNorm); a float32 weight with a half x multiplies before the
+    one rounding (Gemma's, whose weight 1 + w stays float32)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)  # bit-identical to the formula below
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (xf * weight).to(dtype)
     return weight * xf.to(dtype)
 
 
@@ -54,7 +58,7 @@ def rotary_qkv_ref_(qkv: torch.Tensor, rope: Rope, num_heads: int, num_kv_heads:
 
 def _cpu_ops(ext) -> Ops:
     def rms_norm(x, weight, eps):
-        if x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == x.dtype:  # one C++ pass instead of ~8 small ops
+        if x.dtype in (torch.float32, torch.bfloat16) and weight.dtype in (x.dtype, torch.float32):  # one C++ pass instead of ~8 small ops
             return ext.rms_norm(x, weight, eps)
         return rms_norm_ref(x, weight, eps)
 

@@ -23,8 +23,10 @@ def _rms_norm(x_ptr, w_ptr, y_ptr, N, stride_x, stride_y, eps, BLOCK: tl.constex
     ok = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    # As transformers: the normalised row is cast to the input's dtype before the weight multiplies it.
-    normed = normed.to(y_ptr.dtype.element_ty).to(tl.float32)
+    # As transformers: the normalised row is cast to the input's dtype before a weight in that dtype multiplies it
+    # (Llama's RMSNorm); a float32 weight (Gemma's 1 + w) multiplies before the one rounding.
+    if w_ptr.dtype.element_ty == y_ptr.dtype.element_ty:
+        normed = normed.to(y_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, (w * normed).to(y_ptr.dtype.element_ty), mask=ok)
 

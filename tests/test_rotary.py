@@ -102,6 +102,28 @@ def test_cpp_rms_norm_of_bfloat16_rows_rounds_as_transformers_does(rows, width):
         assert (got == want).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("rows,width", [(1, 640), (16, 640), (5, 37)])
+def test_cpp_rms_norm_with_a_float32_weight_rounds_once_as_gemma_does(rows, width):
+    """bfloat16 rows with a float32 weight (Gemma's 1 + w): transformers' Gemma3RMSNorm multiplies the float32
+    normalised row by the float32 weight and rounds the product once — no rounding of the row first, which
+    would put a weight of 1 + a small w on the row rounded twice."""
+    from kvpilot.kernels.ops import rms_norm_ref
+    from kvpilot.server.layers.rmsnorm import RMSNorm
+
+    ext = cpu_extension.require()
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, width, generator=gen) * 3).bfloat16()
+    w = 1.0 + (torch.randn(width, generator=gen) * 1e-3).bfloat16().float()  # 1 + w: not a bfloat16 value
+    xf = x.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w).bfloat16()  # transformers' Gemma3RMSNorm
+    twice = rms_norm_ref(x, w.bfloat16(), 1e-6)  # the weight rounded to bfloat16 and the row rounded first
+    assert (twice != want).float().mean() > 0.1  # (so the check below can tell the two apart)
+    for got in (rms_norm_ref(x, w, 1e-6), ext.rms_norm(x, w, 1e-6), RMSNorm(w, 1e-6, CPU)(x)):
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
+        assert (got == want).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("tokens", [1, 37])
 def test_cpp_rotary_of_bfloat16_rows_equals_the_bfloat16_formula(tokens):
     """bfloat16 rows (a bfloat16 model): every product and sum rounded to bfloat16 as the torch formula's

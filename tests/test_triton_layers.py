@@ -23,6 +23,20 @@ def test_rms_norm_matches_the_reference(dtype, shape):
     torch.testing.assert_close(got, REFERENCE.rms_norm(x, w, 1e-5), atol=tol, rtol=tol)
 
 
+def test_rms_norm_with_a_float32_weight_rounds_once():
+    """float16 rows with a float32 weight (Gemma's 1 + w): the product rounded once, as the reference (and
+    transformers' Gemma3RMSNorm) does, not the row first. (Not bfloat16 here: the interpreter's float32 ->
+    bfloat16 conversion truncates where a GPU's rounds to nearest, so no bfloat16 output equals the reference.)"""
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(6, 640, generator=gen) * 3).to(dtype)
+    w = 1.0 + torch.randn(640, generator=gen) * 1e-3
+    got, want = rms_norm(x, w, 1e-6), REFERENCE.rms_norm(x, w, 1e-6)
+    assert got.dtype == dtype and (got == want).float().mean() > 0.99
+    torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
+    assert (REFERENCE.rms_norm(x, w.to(dtype), 1e-6) != want).float().mean() > 0.1  # rounding first differs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,d,tokens", [(9, 3, 64, 1), (9, 3, 64, 21), (8, 2, 128, 4)])
 @pytest.mark.parametrize("store", [False, True])

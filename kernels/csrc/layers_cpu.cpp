@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -156,8 +157,10 @@ void rotary_store_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor c
 // normalized row is rounded to bfloat16 before the weight multiplies it, as transformers' `weight *
 // hidden.to(dtype)` does — the torch reference's ~8 small ops per call were a tenth of a bfloat16 decode
 // step at 16 sequences (#65). The sum of squares goes into 16 independent partial sums so it vectorizes.
-template <typename T>
-void rms_norm_rows(const T* src, const T* w, T* dst, int64_t rows, int64_t n, float eps) {
+// A weight in the rows' dtype multiplies the normalised row rounded to that dtype (transformers' Llama RMSNorm); a
+// float32 weight beside bfloat16 rows multiplies before the one rounding (its Gemma RMSNorm: 1 + w in float32).
+template <typename T, typename W>
+void rms_norm_rows(const T* src, const W* w, T* dst, int64_t rows, int64_t n, float eps) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = src + r * n;
@@ -170,14 +173,18 @@ void rms_norm_rows(const T* src, const T* w, T* dst, int64_t rows, int64_t n, fl
       for (int64_t j = 0; j < 16; ++j) ss += part[j];
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
       T* yr = dst + r * n;
-      for (int64_t i = 0; i < n; ++i) yr[i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv)));
+      for (int64_t i = 0; i < n; ++i) {
+        const float normed = static_cast<float>(xr[i]) * inv;
+        yr[i] = static_cast<T>(static_cast<float>(w[i]) * (std::is_same_v<W, T> ? static_cast<float>(static_cast<T>(normed)) : normed));
+      }
     }
   });
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) && weight.scalar_type() == dtype, "float32 or bfloat16 rows and weight");
+  TORCH_CHECK((dtype == torch::kFloat || dtype == torch::kBFloat16) && (weight.scalar_type() == dtype || weight.scalar_type() == torch::kFloat),
+              "float32 or bfloat16 rows, the weight in their dtype or float32");
   TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "weight must match the last dim");
   x = x.contiguous();
   weight = weight.contiguous();
@@ -185,6 +192,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const int64_t n = weight.size(0), rows = x.numel() / n;
   if (dtype == torch::kFloat)
     rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, n, static_cast<float>(eps));
+  else if (weight.scalar_type() == torch::kFloat)
+    rms_norm_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), rows, n, static_cast<float>(eps));
   else
     rms_norm_rows(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), rows, n, static_cast<float>(eps));
   return out;

@@ -67,7 +67,7 @@ def calibrate(model, token_ids: list[int], block_size: int) -> list[tuple[float,
     blocks = -(-n // block_size)
     device = model.norm.weight.device
     shape = (blocks, block_size, model.num_kv_heads, c.head_dim)
-    caches = [(torch.zeros(shape, dtype=model.norm.weight.dtype, device=device), torch.zeros(shape, dtype=model.norm.weight.dtype, device=device))
+    caches = [(torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device))
               for _ in range(c.num_layers)]
     meta = AttentionMetadata.one_prefill(n, block_size, device)
     model(torch.tensor(token_ids[:n], device=device), torch.arange(n, device=device), caches, meta)

@@ -74,11 +74,12 @@ class DecoderModel(nn.Module):
     embedding on the first stage, the final norm and the LM head on the last (a tied head's matrix
     there too); forward() takes the hidden states a stage before it handed on and gives its own."""
 
-    def __init__(self, config: ModelConfig, embed: torch.Tensor | None, layers: list[DecoderLayer], norm: RMSNorm | None,
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, embed: torch.Tensor | None, layers: list[DecoderLayer], norm: RMSNorm | None,
                  lm_head: torch.Tensor | None, rotary: RotaryEmbedding, num_kv_heads: int, tp: TensorParallel | None = None,
                  lora: LoRAModules | None = None, stage: PipelineStage | None = None, rotary_local: RotaryEmbedding | None = None):
-        """embed / norm and lm_head: None on the stages that do not hold them; lm_head `embed` itself: a tied head.
-        rotary_local: the sliding layers' RoPE where it differs (Gemma 3)."""
+        """dtype: the compute dtype (of the activations and the KV cache). embed / norm and lm_head: None on the stages
+        that do not hold them; lm_head `embed` itself: a tied head. rotary_local: the sliding layers' RoPE where it
+        differs (Gemma 3)."""
         super().__init__()
         self.config = config
         self.lora = lora
@@ -91,7 +92,7 @@ class DecoderModel(nn.Module):
         # layers read the step's window tables (meta.window).
         self.window_pool = False
         self.layers = nn.ModuleList(layers)
-        self.dtype = layers[0].attn_norm.weight.dtype
+        self.dtype = dtype
         self.norm = norm
         self.rotary, self.rotary_local = rotary, rotary_local
         # Gemma: embeddings times √hidden, in the compute dtype (as transformers scales them)
@@ -203,9 +204,10 @@ class DecoderModel(nn.Module):
                 return module
             return wrap
 
-        # Gemma's norms scale by 1 + w (added in float32, as transformers does; exact for float32 compute, rounded once
-        # to a half compute dtype, where transformers multiplies by the float32 sum)
-        norm = lambda name: RMSNorm((1.0 + w(name, dtype=torch.float32)).to(dtype) if c.family.gemma else w(name), c.rms_norm_eps, ops)
+        # Gemma's norms scale by 1 + w in float32: transformers holds w in the compute dtype, adds 1 and multiplies in
+        # float32 and rounds the product once (ops.rms_norm does so for a float32 weight); rounding 1 + w to bfloat16
+        # instead would drop every w under 2^-8 and put each layer's rows off transformers' (docs/models.md)
+        norm = lambda name: RMSNorm(1.0 + w(name).float() if c.family.gemma else w(name), c.rms_norm_eps, ops)
         heads = tp.split(c.num_heads) if tp else (0, c.num_heads)
         kv_heads = tp.kv_heads(c.num_kv_heads) if tp else (0, c.num_kv_heads)
         ffn = tp.split(c.intermediate_size) if tp else (0, c.intermediate_size)
@@ -251,7 +253,7 @@ class DecoderModel(nn.Module):
             head = embed if c.tie_word_embeddings else w.weight("lm_head.weight", rows=vocab, pad_rows=True, table=True)
         rotary = RotaryEmbedding(c.head_dim, c.max_position, c.rope_theta, c.rope_scaling).to(device)
         rotary_local = RotaryEmbedding(c.head_dim, c.max_position, c.rope_local_theta).to(device) if c.rope_local_theta is not None else None
-        model = cls(c, embed if holds_embed else None, layers, norm("model.norm.weight") if holds_head else None, head, rotary,
+        model = cls(c, dtype, embed if holds_embed else None, layers, norm("model.norm.weight") if holds_head else None, head, rotary,
                     kv_heads[1] - kv_heads[0], tp, adapted, stage, rotary_local)
         ignored = {"lm_head.weight"} if c.tie_word_embeddings else set()
         if stage is not None:  # the other stages' weights
