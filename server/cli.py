@@ -46,7 +46,7 @@ def _hub_model(ns: argparse.Namespace) -> None:
 
     if ns.model and is_hub_model(ns.model):
         ns.served_model_name = ns.served_model_name or default_served_name(ns.model)
-        ns.model = str(resolve_model_path(ns.model))
+        ns.model = str(resolve_model_path(ns.model, weights=getattr(ns, "load_format", None) != "dummy"))
 
 
 def _generate(ns: argparse.Namespace) -> int:

@@ -45,6 +45,9 @@ CHUNK = 1 << 20
 # never PyTorch pickles (.bin, .pt: code execution on load), training state or alternative formats.
 CHECKPOINT_PATTERNS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                        "chat_template.jinja", "model.safetensors.index.json", "*.safetensors")
+WEIGHT_PATTERNS = ("model.safetensors.index.json", "*.safetensors")
+# What load_format=dummy reads of a checkpoint: its config and tokenizer, no weights.
+CONFIG_PATTERNS = tuple(p for p in CHECKPOINT_PATTERNS if p not in WEIGHT_PATTERNS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,12 +347,15 @@ def _log_bar():
     return LogBar
 
 
-def _serve_files(hub: HubModel, names: list[str]) -> list[str]:
-    """What the engine reads of a repository: a safetensors checkpoint's files (CHECKPOINT_PATTERNS, top level),
-    else its one GGUF."""
+def _serve_files(hub: HubModel, names: list[str], weights: bool) -> list[str]:
+    """What the engine reads of a repository: a safetensors checkpoint's files (CHECKPOINT_PATTERNS, top level;
+    without `weights` its config and tokenizer only), else its one GGUF."""
     top = [n for n in names if "/" not in n]
-    if "config.json" in top and any(n.endswith(".safetensors") for n in top):
-        return sorted(n for n in top if any(fnmatch.fnmatchcase(n, p) for p in CHECKPOINT_PATTERNS))
+    if "config.json" in top and (not weights or any(n.endswith(".safetensors") for n in top)):
+        return sorted(n for n in top if any(fnmatch.fnmatchcase(n, p) for p in CHECKPOINT_PATTERNS if weights or p not in WEIGHT_PATTERNS))
+    if not weights:
+        raise FileNotFoundError(f"MODEL {hub.raw!r}: load_format=dummy makes a model from a checkpoint's config.json, and {hub.repo} has none "
+                                "at the top level")
     ggufs = sorted(n for n in top if n.endswith(".gguf"))
     if len(ggufs) == 1:
         return ggufs
@@ -360,8 +366,8 @@ def _serve_files(hub: HubModel, names: list[str]) -> list[str]:
                             "the top level) nor a GGUF repository")
 
 
-def _model_in(snapshot: Path, hub: HubModel) -> Path:
-    if (snapshot / "config.json").is_file() and any(snapshot.glob("*.safetensors")):
+def _model_in(snapshot: Path, hub: HubModel, weights: bool) -> Path:
+    if (snapshot / "config.json").is_file() and (not weights or any(snapshot.glob("*.safetensors"))):
         return snapshot
     ggufs = sorted(snapshot.glob("*.gguf"))
     if len(ggufs) == 1:
@@ -369,9 +375,10 @@ def _model_in(snapshot: Path, hub: HubModel) -> Path:
     raise FileNotFoundError(f"MODEL {hub.raw!r}: the cached snapshot {snapshot} holds no safetensors checkpoint and not one GGUF")
 
 
-def hub_model(model: str, log=sys.stderr) -> Path:
+def hub_model(model: str, log=sys.stderr, weights: bool = True) -> Path:
     """The checkpoint directory (in the Hugging Face cache) or GGUF file of a hub repository id, downloaded
-    by huggingface_hub unless cached: only the files the engine reads, from one commit. Raises
+    by huggingface_hub unless cached: only the files the engine reads, from one commit; without `weights`
+    (load_format=dummy), a checkpoint's config and tokenizer files alone. Raises
     FileNotFoundError (exit 2) for a repository, revision or file the hub does not have, or one not cached
     when HF_HUB_OFFLINE is set; FetchError (exit 1) when the download itself fails."""
     hub = parse_hub_model(model)
@@ -397,12 +404,12 @@ def hub_model(model: str, log=sys.stderr) -> Path:
             return Path(hf.hf_hub_download(hub.repo, hub.file, revision=revision, endpoint=endpoint, tqdm_class=bar))
         if offline:  # what the cache holds: a checkpoint's files, else a GGUF repository's snapshot
             return _model_in(Path(hf.snapshot_download(hub.repo, revision=revision, endpoint=endpoint,
-                                                       allow_patterns=list(CHECKPOINT_PATTERNS))), hub)
+                                                       allow_patterns=list(CHECKPOINT_PATTERNS if weights else CONFIG_PATTERNS))), hub, weights)
         info = hf.HfApi(endpoint=endpoint).model_info(hub.repo, revision=revision)
-        files = _serve_files(hub, [s.rfilename for s in info.siblings or []])
+        files = _serve_files(hub, [s.rfilename for s in info.siblings or []], weights)
         print(f"kvpilot: downloading {where} ({', '.join(files)}) into the Hugging Face cache {constants.HF_HUB_CACHE}", file=log, flush=True)
         # snapshot_download resolves the revision to one commit and takes every file from it
-        return _model_in(Path(hf.snapshot_download(hub.repo, revision=revision, endpoint=endpoint, allow_patterns=files, tqdm_class=bar)), hub)
+        return _model_in(Path(hf.snapshot_download(hub.repo, revision=revision, endpoint=endpoint, allow_patterns=files, tqdm_class=bar)), hub, weights)
     except errors.GatedRepoError:
         raise FileNotFoundError(f"MODEL {model!r}: {hub.repo} is gated on {endpoint}: accept its terms there and set HF_TOKEN") from None
     except errors.RepositoryNotFoundError:

@@ -64,10 +64,11 @@ def is_hub_model(model: str) -> bool:
     return parse_hub_model(model) is not None
 
 
-def resolve_model_path(model: str) -> Path:
+def resolve_model_path(model: str, weights: bool = True) -> Path:
     """The GGUF file or checkpoint directory (config.json, *.safetensors, tokenizer.json) for `model`:
     a bundled name, a path, or a hub repository id (downloaded into the Hugging Face cache unless there:
-    server/fetch.py hub_model). Raises ModelNotFoundError with the fix."""
+    server/fetch.py hub_model; without `weights`, for load_format=dummy, its config and tokenizer only).
+    Raises ModelNotFoundError with the fix."""
     if model in BUNDLED:
         return _bundled_path(model)
     path = Path(model).expanduser()
@@ -77,13 +78,19 @@ def resolve_model_path(model: str) -> Path:
         from kvpilot.server.fetch import hub_model
 
         try:
-            return hub_model(model)
+            return hub_model(model, weights=weights)
         except FileNotFoundError as e:
             raise ModelNotFoundError(str(e)) from None
     known = ", ".join(sorted(BUNDLED))
     hint = f" ({path} is a directory without config.json)" if path.is_dir() else ""
     raise ModelNotFoundError(f"model {model!r} is neither a bundled model ({known}) nor an existing GGUF file or checkpoint directory{hint}, "
                              "nor a Hugging Face Hub repository id (ORG/REPO, ORG/REPO@REVISION, hf://ORG/REPO[/FILE.gguf])")
+
+
+def engine_model_path(config) -> Path:
+    """resolve_model_path for an EngineConfig's model: load_format=dummy reads no weights, so a hub repository
+    gives its config and tokenizer files only."""
+    return resolve_model_path(config.model, weights=config.load_format != "dummy")
 
 
 @cache

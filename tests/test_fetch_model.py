@@ -535,6 +535,35 @@ def test_serve_a_hub_repo_id_positionally_resumed_with_a_progress_bar(tmp_path, 
     assert len(hub.seen) == before
 
 
+@pytest.mark.timeout(180)
+def test_a_dummy_model_of_a_hub_repo_downloads_its_config_and_tokenizer_only(tmp_path, tiny_checkpoint):
+    """`--load-format dummy` with a hub id (a capacity test of a model not downloaded): the config and
+    tokenizer files, never the weights; the Python API the same; a repository without a config.json is
+    exit 2 before any file is fetched."""
+    hub = HfHub({"org/tiny": tiny_checkpoint, "org/ggufs": {"model.Q4_0.gguf": b"GGUF" * 1000}})
+    env = {**hub.env, "HF_HOME": str(tmp_path / "hf")}
+    try:
+        r = kvpilot("generate", "org/tiny", "Hi", "--load-format", "dummy", "--max-tokens", "3", "--num-threads", "1",
+                    "--kv-cache-memory", "16MiB", env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "[finish_reason=length]" in r.stderr
+        fetched = {path.rsplit("/", 1)[-1] for method, path, _, _ in hub.seen if "/resolve/" in path}
+        assert fetched == {"config.json", "tokenizer.json", "tokenizer_config.json"}, fetched
+        api = subprocess.run([sys.executable, "-c", "import sys; from kvpilot.server import LLM, SamplingParams; "
+                              "llm = LLM(model='org/tiny', load_format='dummy', seed=5, num_threads=1, kv_cache_memory='16MiB', show_progress=False); "
+                              "print(len(llm.generate('Hi', SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids))"],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+        assert api.returncode == 0 and api.stdout.split()[-1] == "2", api.stderr[-3000:]
+        assert not any(path.endswith(".safetensors") for _, path, _, _ in hub.seen)
+        seen = len(hub.seen)
+        gguf = kvpilot("generate", "org/ggufs", "Hi", "--load-format", "dummy", env=env)
+        assert gguf.returncode == 2, gguf.stderr[-3000:]
+        assert "load_format=dummy makes a model from a checkpoint's config.json, and org/ggufs has none" in gguf.stderr
+        assert not any("/resolve/" in path for _, path, _, _ in hub.seen[seen:])  # not the GGUF either
+    finally:
+        hub.close()
+
+
 def test_hub_repo_errors_are_exit_2_naming_the_argument(tmp_path):
     hub = HfHub({"org/tiny": {"config.json": b"{}", "a.gguf": b"GGUF", "b.gguf": b"GGUF"}})
     env = {**hub.env, "HF_HOME": str(tmp_path / "hf")}

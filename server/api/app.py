@@ -327,10 +327,10 @@ def create_state(engine_config: EngineConfig, server_config: ServerConfig, show_
     chat_template = load_chat_template(server_config.chat_template) if server_config.chat_template is not None else None
     defaults = {}
     if server_config.generation_config != "vllm":  # --generation-config: request defaults from a generation_config.json
-        from kvpilot.server.model_files import resolve_model_path
+        from kvpilot.server.model_files import engine_model_path
 
         try:
-            model_path = str(resolve_model_path(engine_config.model))
+            model_path = str(engine_model_path(engine_config))
         except FileNotFoundError:  # no model there: the engine's load says so, in its own terms (the core's included)
             model_path = None
         defaults = generation_defaults(server_config.generation_config, model_path)

@@ -71,7 +71,7 @@ class EngineCoreClient(AsyncEngine):
         from kvpilot.server.engine.kv_trust import transfer_secret
         from kvpilot.server.engine.structured import GrammarCompiler
         from kvpilot.server.loading import open_model
-        from kvpilot.server.model_files import resolve_model_path
+        from kvpilot.server.model_files import engine_model_path
 
         self = cls(max_waiting_requests=max_waiting_requests)
         self._dir = tempfile.TemporaryDirectory(prefix="kvpilot-core-")
@@ -92,7 +92,7 @@ class EngineCoreClient(AsyncEngine):
         self._process.start()
         ready = self._await_ready()
         startup.adopt(ready.startup_marks)
-        _weights, self.tokenizer = open_model(resolve_model_path(config.model), config.load_format, config.seed)
+        _weights, self.tokenizer = open_model(engine_model_path(config), config.load_format, config.seed)
         grammars = GrammarCompiler(self.tokenizer.backend_json(), ready.vocab_size, self.tokenizer.eos_token_ids)
         self.limits = RequestLimits(ready.max_model_len, ready.vocab_size, grammars, config.kv_role, kv_secret, config.scheduling_policy)
         self.served_model_name = ready.served_model_name

@@ -24,7 +24,7 @@ from kvpilot.server.engine.scheduler import ScheduledBatch
 from kvpilot.server.engine.sequence import Sequence
 from kvpilot.server.engine.step_message import StepMessenger
 from kvpilot.server.loading import draft_model, draft_split, open_model
-from kvpilot.server.model_files import default_served_name, model_fingerprint, resolve_model_path
+from kvpilot.server.model_files import default_served_name, engine_model_path, model_fingerprint, resolve_model_path
 from kvpilot.server.threads import configure_threads
 
 if TYPE_CHECKING:  # torch-side: imported in LLMEngine.__init__, after the thread settings
@@ -86,7 +86,7 @@ class LLMEngine:
 
         startup.mark("engine_init")
         self.config = config
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = engine_model_path(config)
         self.served_model_name = config.served_model_name or default_served_name(config.model)
         weights, self.tokenizer = open_model(self.model_path, config.load_format, config.seed)
         self.model_config = weights.config

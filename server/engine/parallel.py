@@ -368,12 +368,12 @@ def serve_group_pod(config: EngineConfig, host: str, port: int) -> int:
     import torch.distributed as dist
 
     from kvpilot.server.engine.worker import resolve_device
-    from kvpilot.server.model_files import resolve_model_path
+    from kvpilot.server.model_files import engine_model_path
 
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     per_pod = world // config.group_size
     first = config.group_rank * per_pod
-    model_path = resolve_model_path(config.model)
+    model_path = engine_model_path(config)
     device_type = resolve_device(config).type
     rendezvous = (config.group_leader, config.group_port)
     ctx = mp.get_context("spawn")
