@@ -21,7 +21,7 @@ import httpx
 from kubernetes.client.rest import ApiException
 
 from kvpilot.operator.builders.engines import PORT, adapter_load_path
-from kvpilot.operator.builders.manifests import selector_labels, serving_pods
+from kvpilot.operator.builders.manifests import is_ready, selector_labels, serving_pods
 from kvpilot.operator.cache import CACHE, ISVC, POD
 from kvpilot.operator.crd_types import ADAPTERS_ANNOTATION, AdapterStatus, InferenceServiceSpec
 from kvpilot.operator.kube import Kube
@@ -42,9 +42,7 @@ def plan(held: dict[str, str], desired: dict[str, str]) -> tuple[list[str], list
 
 
 def _ready(pod: dict) -> bool:
-    status = pod.get("status") or {}
-    return (not pod["metadata"].get("deletionTimestamp") and bool(status.get("podIP"))
-            and any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []))
+    return not pod["metadata"].get("deletionTimestamp") and bool((pod.get("status") or {}).get("podIP")) and is_ready(pod)
 
 
 def _error_message(r: httpx.Response) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from kvpilot.operator.builders.manifests import is_ready
 from kvpilot.operator.crd_types import Condition, GroupStatus, InferenceServiceStatus, MetricsSnapshot, ScaleDownWindow, ScalingEvent
 
 # LeaderWorkerSet's labels of every pod of a group: the group's index, and the pod's in it (the leader's is 0)
@@ -51,10 +52,6 @@ def pod_problems(pods: list[dict]) -> list[tuple[str, str]]:
     return problems
 
 
-def _is_ready(pod: dict) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or [])
-
-
 def group_statuses(pods: list[dict], size: int) -> list[GroupStatus]:
     """Each LeaderWorkerSet group among `pods` (by its index label; pods being deleted left out): its pods, how many are
     Ready, and the names of those that are not."""
@@ -66,12 +63,12 @@ def group_statuses(pods: list[dict], size: int) -> list[GroupStatus]:
     out = []
     for index in sorted(groups):
         members = sorted(groups[index], key=lambda p: p["metadata"]["name"])
-        ready = [p for p in members if _is_ready(p)]
+        ready = [p for p in members if is_ready(p)]
         # The leader is <lws>-<index>, each worker <lws>-<index>-<worker index>: named by a worker while the leader is gone
         leader = next((p["metadata"]["name"] for p in members if p["metadata"]["labels"].get(WORKER_INDEX_LABEL) == "0"),
                       members[0]["metadata"]["name"].rsplit("-", 1)[0])
         out.append(GroupStatus(name=leader, pods=len(members), ready_pods=len(ready), ready=len(ready) == size == len(members),
-                               not_ready=[p["metadata"]["name"] for p in members if not _is_ready(p)]))
+                               not_ready=[p["metadata"]["name"] for p in members if not is_ready(p)]))
     return out
 
 

@@ -12,7 +12,7 @@ from kvpilot.operator import metrics
 from kvpilot.operator.autoscaler.decision import Decision, IdleTracker, Policy, Recommendation, decide, history_from_levels, observe_idle, window_levels
 from kvpilot.operator.autoscaler.promql import MetricsUnavailable, PrometheusSource
 from kvpilot.operator.builders.engines import served_name
-from kvpilot.operator.builders.manifests import desired_prefill_replicas, is_prefill_pod, selector_labels, serving_pods
+from kvpilot.operator.builders.manifests import desired_prefill_replicas, is_prefill_pod, is_ready, selector_labels, serving_pods
 from kvpilot.operator.cache import CACHE, POD
 from kvpilot.operator.crd_types import (
     WAKE_ANNOTATION,
@@ -44,10 +44,6 @@ class AutoscalerState:
     # A disaggregated service's prefill pool: its own recommendations (not kept in status: a new leader's
     # prefill window starts again, which only delays a scale-down).
     prefill_history: list[Recommendation] = field(default_factory=list)
-
-
-def _is_ready(pod: dict) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("status", {}).get("conditions", []) or [])
 
 
 def live_pods(pods: list[dict]) -> list[dict]:
@@ -105,7 +101,7 @@ def evaluate(kube: Kube, source: PrometheusSource, body: dict, state: Autoscaler
     if spec.disaggregation is not None:
         _evaluate_prefill(kube, source, body, spec, [p for p in every_pod if is_prefill_pod(p)], state, now)
     pods = serving_pods(every_pod)
-    ready = [p["metadata"]["name"] for p in pods if _is_ready(p)]
+    ready = [p["metadata"]["name"] for p in pods if is_ready(p)]
     starting = len(pods) - len(ready)
     error, samples = None, []
     try:
@@ -128,7 +124,7 @@ def _evaluate_prefill(kube: Kube, source: PrometheusSource, body: dict, spec: In
     meta = body["metadata"]
     name, namespace = meta["name"], meta["namespace"]
     current = desired_prefill_replicas(spec)
-    ready = [p["metadata"]["name"] for p in pods if _is_ready(p)]
+    ready = [p["metadata"]["name"] for p in pods if is_ready(p)]
     error, samples = None, []
     try:
         samples = source.pod_samples(spec.engine, namespace, name, prefill=True)

@@ -50,6 +50,11 @@ def is_group_worker(pod: dict) -> bool:
     return ((pod.get("metadata") or {}).get("labels") or {}).get(GROUP_POD_LABEL) == "worker"
 
 
+def is_ready(pod: dict) -> bool:
+    """Whether the pod's Ready condition is True (its readiness probe passes: the engine serves)."""
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or [])
+
+
 def serving_pods(pods: list[dict]) -> list[dict]:
     """The pods the service's own status, scale subresource and autoscaler count: all but a prefill pool's and a group's
     workers (a group is its leader: the pod that serves, and exports the metrics)."""
