@@ -102,3 +102,31 @@ def test_row_parallel_projection_counts_bias_and_residual_on_rank_0_only(tmp_pat
             torch.testing.assert_close(first(x), x @ w.T + b)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("avx512", [False, True])
+def test_a_half_dtype_on_a_cpu_without_avx512_is_warned_of(monkeypatch, caplog, avx512):
+    """bfloat16 / float16 compute on a CPU without AVX-512 (an AVX2-only EPYC): no fast kernel takes the projections,
+    so the engine says so at load and names the faster choice; on an AVX-512 CPU, in float32 and on a GPU it says
+    nothing."""
+    import logging
+
+    from kvpilot.kernels import cpu_extension, linear
+    from kvpilot.server import LLM
+    from kvpilot.server.engine.worker import slow_half_projections
+
+    flags = {"avx2", "fma", "f16c"} | ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} if avx512 else set())
+    monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(linear, "bf16_panels_available", lambda: avx512)
+    cpu = torch.device("cpu")
+    for dtype in (torch.bfloat16, torch.float16):
+        why = slow_half_projections(cpu, dtype)
+        assert (why is not None) != avx512
+        assert avx512 or why.startswith(f"dtype={str(dtype)[6:]} on a CPU without AVX-512") and "--dtype float32" in why
+    assert slow_half_projections(cpu, torch.float32) is None and slow_half_projections(torch.device("cuda"), torch.bfloat16) is None
+    if avx512:
+        return
+    with caplog.at_level(logging.WARNING, logger="kvpilot"):  # the engine logs it once, at load
+        LLM(model="smollm2-135m", dtype="bfloat16", num_threads=1, show_progress=False, kv_cache_memory="8MiB", max_model_len=64)
+    warned = [r.getMessage() for r in caplog.records if "on a CPU without AVX-512" in r.getMessage()]
+    assert len(warned) == 1, warned

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpilot.kernels import cpu_extension
+from kvpilot.kernels.linear import default_layout
 from kvpilot.kernels.ops import triton_kernels
 from kvpilot.kernels.paged_attention import FP8_KV, AttentionMetadata, kv_cache_zeros
 from kvpilot.server.config import FP8_KV_NAMES, EngineConfig
@@ -125,6 +127,18 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[config.dtype]
 
 
+def slow_half_projections(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why a half compute dtype runs its projections slowly on this CPU, or None: one without AVX-512, where neither
+    kvpilot's bfloat16 kernel nor oneDNN's packing takes it and torch's generic half matmul runs about 5x below its
+    float32 rate (an AMD EPYC VM with AVX2 only, a 576 x 1536 projection at 16 rows on one thread: bfloat16 9 and
+    float16 10 GFLOP/s against float32's 52)."""
+    if device.type != "cpu" or dtype == torch.float32 or "avx512f" in cpu_extension.cpu_flags() or default_layout(torch.empty(0, 2, dtype=dtype)) != "dense":
+        return None
+    return (f"dtype={str(dtype).removeprefix('torch.')} on a CPU without AVX-512: neither kvpilot's bfloat16 kernel nor oneDNN's packed "
+            "matmul takes it, so the projections run on torch's generic half path, about 5x slower than float32 here; "
+            "--dtype float32 (the CPU default) is faster, and --kv-cache-dtype bfloat16 still halves the KV cache")
+
+
 def resolve_kv_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type: the compute dtype, a narrower bfloat16 cache under float32, or FP8
     (float8_e4m3fn with per-layer scales: kv_scales.py) under any compute dtype; the kernels widen a
@@ -211,6 +225,8 @@ class Worker:
         if self.quantization != "none" and self.dtype != torch.float32 and not triton_kernels(self.device):
             raise ValueError(f"quantization={self.quantization} on {self.device} computes in float32 (the C++ kernels take float32 "
                              f"activations), not {self.dtype}")
+        if self.rank == 0 and (why := slow_half_projections(self.device, self.dtype)):
+            log.warning("%s", why)
         self.show_progress = show_progress
         self.model = self.load(weights, self.quantization, config.quantization_group_size,
                                lora=(config.max_loras, config.max_lora_rank) if config.enable_lora else None)
