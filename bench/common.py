@@ -88,9 +88,9 @@ def machine() -> str:
 def isa() -> str:
     """The CPU's vector instruction sets that decide kvpilot's and its peers' kernels, from /proc/cpuinfo's
     flags: e.g. "AVX-512 (VNNI, BF16, FP16), no AMX"."""
-    from kvpilot.kernels.cpu_extension import cpu_flags  # (the flags the kernels' build level is chosen by)
+    from kvpilot.kernels.cpu_extension import _cpu_flags  # (the flags the kernels' build level is chosen by)
 
-    flags = cpu_flags()
+    flags = _cpu_flags()
     if not flags:
         return "ISA unknown"
     if "avx512f" not in flags:

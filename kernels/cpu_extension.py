@@ -46,7 +46,7 @@ PREBUILT_ENV = "KVPILOT_KERNELS_DIR"
 LEVEL_ENV = "KVPILOT_CPU_ISA"
 
 
-def cpu_flags() -> set[str]:
+def _cpu_flags() -> set[str]:
     try:
         return set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
     except (OSError, StopIteration, IndexError):
@@ -57,7 +57,7 @@ def supported_levels() -> list[str]:
     """The levels this machine can run, lowest first."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return [GENERIC]
-    flags, have, out = cpu_flags(), set(), []
+    flags, have, out = _cpu_flags(), set(), []
     for level, needs in _LEVEL_FLAGS.items():
         have |= needs
         if not have <= flags:

@@ -51,7 +51,7 @@ def onednn_packs(dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.float32:
         return True
-    flags = cpu_extension.cpu_flags()
+    flags = cpu_extension._cpu_flags()
     return dtype == torch.bfloat16 and ({"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags)
 
 

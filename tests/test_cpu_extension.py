@@ -17,7 +17,7 @@ V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 ])
 def test_levels_follow_the_cpu_flags(monkeypatch, flags, levels):
     monkeypatch.setattr(cpu_extension.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_extension, "_cpu_flags", lambda: flags)
     assert cpu_extension.supported_levels() == levels
     monkeypatch.delenv(cpu_extension.LEVEL_ENV, raising=False)
     assert cpu_extension.level() == levels[-1]
@@ -31,7 +31,7 @@ def test_other_architectures_build_for_the_compilers_default(monkeypatch):
 
 def test_a_lower_level_can_be_forced_but_not_a_higher_one(monkeypatch):
     monkeypatch.setattr(cpu_extension.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: V3)
+    monkeypatch.setattr(cpu_extension, "_cpu_flags", lambda: V3)
     monkeypatch.setenv(cpu_extension.LEVEL_ENV, "x86-64-v2")
     assert cpu_extension.level() == "x86-64-v2"
     monkeypatch.setenv(cpu_extension.LEVEL_ENV, "x86-64-v4")
@@ -43,7 +43,7 @@ def test_build_key_names_the_level_and_not_the_host(monkeypatch):
     keys = {cpu_extension.build_key(lvl) for lvl in cpu_extension.X86_LEVELS}
     assert len(keys) == 3 and all(k.startswith(f"cpu-{lvl}-") for k, lvl in zip(sorted(keys), cpu_extension.X86_LEVELS))
     before = cpu_extension.build_key("x86-64-v3")
-    monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: {"sse2"})
+    monkeypatch.setattr(cpu_extension, "_cpu_flags", lambda: {"sse2"})
     assert cpu_extension.build_key("x86-64-v3") == before
 
 

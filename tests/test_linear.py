@@ -116,7 +116,7 @@ def test_a_half_dtype_on_a_cpu_without_avx512_is_warned_of(monkeypatch, caplog, 
     from kvpilot.server.engine.worker import slow_half_projections
 
     flags = {"avx2", "fma", "f16c"} | ({"avx512f", "avx512bw", "avx512vl", "avx512dq"} if avx512 else set())
-    monkeypatch.setattr(cpu_extension, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_extension, "_cpu_flags", lambda: flags)
     monkeypatch.setattr(linear, "bf16_panels_available", lambda: avx512)
     cpu = torch.device("cpu")
     for dtype in (torch.bfloat16, torch.float16):

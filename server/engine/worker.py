@@ -132,7 +132,7 @@ def slow_half_projections(device: torch.device, dtype: torch.dtype) -> str | Non
     kvpilot's bfloat16 kernel nor oneDNN's packing takes it and torch's generic half matmul runs about 5x below its
     float32 rate (an AMD EPYC VM with AVX2 only, a 576 x 1536 projection at 16 rows on one thread: bfloat16 9 and
     float16 10 GFLOP/s against float32's 52)."""
-    if device.type != "cpu" or dtype == torch.float32 or "avx512f" in cpu_extension.cpu_flags() or default_layout(torch.empty(0, 2, dtype=dtype)) != "dense":
+    if device.type != "cpu" or dtype == torch.float32 or "avx512f" in cpu_extension._cpu_flags() or default_layout(torch.empty(0, 2, dtype=dtype)) != "dense":
         return None
     return (f"dtype={str(dtype).removeprefix('torch.')} on a CPU without AVX-512: neither kvpilot's bfloat16 kernel nor oneDNN's packed "
             "matmul takes it, so the projections run on torch's generic half path, about 5x slower than float32 here; "
