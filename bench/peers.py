@@ -9,6 +9,8 @@ completions; 8 prompts at one client, 4 per client above (64 at 16). The servers
 --model (SmolLM2-135M, Q4_1; or Gemma 3 270M, Q4_K_M: Q5_0, Q4_K, Q6_K and Q8_0):
 - kvpilot gguf: the bundled GGUF, its blocks as stored (`--quantization gguf`);
 - kvpilot bf16: the same weights as a Hugging Face checkpoint (bfloat16 safetensors), `--dtype bfloat16`;
+- kvpilot fp32 (not in the default set): that checkpoint computed in float32, the CPU default (for a CPU without
+  AVX-512, where no fast kernel takes bfloat16);
 - vLLM 0.32's CPU build on that checkpoint, bfloat16 (its venv and the checkpoint are made on first use
   by bench/vllm_peer.py);
 - llama-server on the GGUF as stored (built on first use by bench/serve.py), 2048 tokens of context per
@@ -59,6 +61,7 @@ def servers(model: str, checkpoint: Path, vllm: Path, llama: bool) -> dict[str, 
     return {
         "kvpilot gguf": ([*kvpilot, "--model", model, "--quantization", "gguf"], 18280, "/ready", plain),
         "kvpilot bf16": ([*kvpilot, "--model", str(checkpoint), "--dtype", "bfloat16"], 18281, "/ready", plain),
+        "kvpilot fp32": ([*kvpilot, "--model", str(checkpoint)], 18287, "/ready", plain),
         "kvpilot gguf, core process": ([*kvpilot, "--model", model, "--quantization", "gguf", "--engine-core-process"], 18284, "/ready", plain),
         "kvpilot bf16, core process": ([*kvpilot, "--model", str(checkpoint), "--dtype", "bfloat16", "--engine-core-process"], 18286, "/ready", plain),
         "kvpilot gguf, bf16 KV": ([*kvpilot, "--model", model, "--quantization", "gguf", "--kv-cache-dtype", "bfloat16"], 18285, "/ready", plain),
@@ -100,14 +103,16 @@ def main() -> None:
     ap.add_argument("--levels", default="1,16")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repetitions of each level per server")
     ap.add_argument("--servers", help="comma-separated, of: kvpilot-gguf, kvpilot-bf16, vllm, llama (the default: these four), "
-                                      "kvpilot-gguf-core, kvpilot-bf16-core (--engine-core-process), kvpilot-gguf-bf16kv (--kv-cache-dtype bfloat16)")
+                                      "kvpilot-gguf-core, kvpilot-bf16-core (--engine-core-process), kvpilot-gguf-bf16kv (--kv-cache-dtype bfloat16), "
+                                      "kvpilot-fp32 (the bf16 checkpoint computed in float32: the CPU default, for CPUs without AVX512-BF16)")
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args()
     refuse_if_busy(force=args.force)
     keys = {"kvpilot-gguf": "kvpilot gguf", "kvpilot-bf16": "kvpilot bf16", "vllm": f"vLLM {VLLM_VERSION} CPU bf16",
             "llama": f"llama-server {FILE_TYPES[args.model]}", "kvpilot-gguf-core": "kvpilot gguf, core process",
-            "kvpilot-bf16-core": "kvpilot bf16, core process", "kvpilot-gguf-bf16kv": "kvpilot gguf, bf16 KV"}
+            "kvpilot-bf16-core": "kvpilot bf16, core process", "kvpilot-gguf-bf16kv": "kvpilot gguf, bf16 KV",
+            "kvpilot-fp32": "kvpilot fp32"}
     wanted = args.servers.split(",") if args.servers else ["kvpilot-gguf", "kvpilot-bf16", "vllm", "llama"]
     if unknown := [w for w in wanted if w not in keys]:
         raise SystemExit(f"unknown server(s) {', '.join(unknown)}: choose from {', '.join(keys)}")
