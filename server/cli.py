@@ -101,9 +101,13 @@ def _fetch_model(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvpilot.server.engine.termination import write_termination_message
-    from kvpilot.server.fetch import fetch
+    from kvpilot.server.fetch import CHECKPOINT, CHECKPOINT_CONFIG, FetchError, fetch
+    from kvpilot.server.model_source import parse_model_source
 
-    fetched = fetch(ns.source, Path(ns.dest), timeout=ns.timeout, max_bytes=parse_size(ns.max_size))
+    if ns.config_only and ((src := parse_model_source(ns.source)).kind != "hf" or src.path):
+        raise FetchError(f"{ns.source}: --config-only takes a whole checkpoint (hf://org/repo), not one file")
+    fetched = fetch(ns.source, Path(ns.dest), timeout=ns.timeout, max_bytes=parse_size(ns.max_size),
+                    wanted=CHECKPOINT_CONFIG if ns.config_only else CHECKPOINT)
     # A model cache's loader Job: the operator reads what was fetched from the pod's termination message.
     write_termination_message(fetched.summary())
     return 0
@@ -178,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("dest", help="the file to write, or for hf://org/repo the directory (files are written as NAME.part, then renamed)")
     fetch.add_argument("--timeout", type=float, default=1800, help="seconds for the whole download (default: 1800)")
     fetch.add_argument("--max-size", default="256GiB", help="refuse sources larger than this (default: 256GiB)")
+    fetch.add_argument("--config-only", action="store_true", help="of a whole checkpoint (hf://org/repo), its config and tokenizer "
+                                                                   "files only: what --load-format dummy reads")
     fetch.set_defaults(func=_fetch_model)
     draft = sub.add_parser("make-draft", help="write a draft model for speculative decoding: the first LAYERS blocks of a GGUF")
     draft.add_argument("model", help="bundled model name or GGUF path")

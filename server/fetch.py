@@ -61,6 +61,8 @@ class RepoFiles:
 
 CHECKPOINT = RepoFiles(CHECKPOINT_PATTERNS, ("config.json", "*.safetensors"),
                        "a safetensors checkpoint (needs config.json and *.safetensors at the top level; for a GGUF give hf://{repo}/FILE.gguf)")
+# What an engine with load_format=dummy reads of a checkpoint (fetch-model --config-only).
+CHECKPOINT_CONFIG = RepoFiles(CONFIG_PATTERNS, ("config.json",), "a checkpoint (needs config.json at the top level)")
 # A PEFT LoRA adapter (server/adapters.py): never its pickled adapter_model.bin.
 ADAPTER = RepoFiles(("adapter_config.json", "adapter_model.safetensors"), ("adapter_config.json", "adapter_model.safetensors"),
                     "a PEFT adapter (needs adapter_config.json and adapter_model.safetensors at the top level)")

@@ -193,6 +193,28 @@ def test_size_limit_and_non_checkpoint_repos(tmp_path):
         hub.close()
 
 
+@pytest.mark.timeout(120)
+def test_config_only_fetches_what_a_dummy_model_reads(tmp_path):
+    """--config-only (the operator's download for --load-format dummy): the config and tokenizer files, never a weight."""
+    hub = FakeHub(CHECKPOINT)
+    try:
+        dest = tmp_path / "repo"
+        r = fetch("hf://org/repo", str(dest), "--config-only", env=hub.env)
+        assert r.returncode == 0, r.stderr
+        assert {p.name for p in dest.iterdir()} == {"config.json", "tokenizer.json", "tokenizer_config.json"}
+        assert not any(path.endswith((".safetensors", ".safetensors.index.json")) for path, _, _ in hub.seen)
+        one_file = fetch("hf://org/repo/model.Q4_0.gguf", str(tmp_path / "x"), "--config-only", env=hub.env)
+        assert one_file.returncode == 1 and "--config-only takes a whole checkpoint" in one_file.stderr and not (tmp_path / "x").exists()
+    finally:
+        hub.close()
+    hub = FakeHub({"tokenizer.json": b"{}"})
+    try:
+        r = fetch("hf://org/repo", str(tmp_path / "c"), "--config-only", env=hub.env)
+        assert r.returncode == 1 and "not a checkpoint (needs config.json" in r.stderr
+    finally:
+        hub.close()
+
+
 # --- who sees HF_TOKEN (issue #34): redirects between two loopback "hosts", https with a test CA ---
 
 class RecordingHost:

@@ -65,6 +65,25 @@ def test_per_pod_and_sources_without_a_download_keep_their_volumes():
     assert "/models/cache/repo" in c["args"] and [f.source for f in mc.cached_files(vllm)] == ["hf://org/repo"]
 
 
+def test_a_model_whose_weights_the_engine_makes_downloads_its_config_per_pod_and_fills_no_entry():
+    """--load-format dummy (a capacity test): the engine reads the checkpoint's config and tokenizer only, so each pod
+    fetches those (--config-only) and no cache entry is filled with weights nobody reads; a draft model is still loaded."""
+    draft = {"speculative": {"method": "draft", "draftModel": "hf://org/draft"}}
+    for dummy in (["--load-format", "dummy"], ["--load-format=dummy"], ["--load-form", "dummy"]):  # (as `kvpilot serve` reads them)
+        s = spec("hf://org/repo", cache={"mode": "Shared"}, extraArgs=dummy, engineSettings=draft)
+        inits = {i["name"]: i for i in pod_spec(s)["initContainers"]}
+        assert inits["download-model"]["args"][:2] == ["hf://org/repo", "/models/download/repo"], dummy
+        assert "--config-only" in inits["download-model"]["args"], dummy
+        assert [f.source for f in mc.cached_files(s)] == ["hf://org/draft"] and "download-draft-model" not in inits
+        c = pod_spec(s)["containers"][0]
+        assert c["args"][c["args"].index("--model") + 1] == "/models/download/repo" and "dummy" in " ".join(c["args"])
+    for s in (spec("hf://org/repo", extraArgs=["--load-format", "auto"]), spec("hf://org/repo/model.Q4_0.gguf", extraArgs=["--load-format", "dummy"])):
+        (init,) = pod_spec(s)["initContainers"]  # real weights, or one file: the whole download
+        assert "--config-only" not in init["args"]
+    vllm = spec("hf://org/repo", cache={"mode": "Shared"}, engine="vllm", resources={"cpuOnly": False}, extraArgs=["--load-format", "dummy"])
+    assert [f.source for f in mc.cached_files(vllm)] == ["hf://org/repo"]  # vLLM's own flag: the operator reads kvpilot's alone
+
+
 def test_entry_names_are_per_source():
     assert mc.claim_name(HF) == mc.claim_name(HF) != mc.claim_name(HF + "x")
     assert len(mc.claim_name(HF)) <= 63

@@ -106,12 +106,14 @@ class ModelFiles:
     volume: str
     directory: str
     shared_cache: bool = False  # spec.model.cache.mode Shared
+    config_only: bool = False  # a whole hf:// checkpoint whose weights the kvpilot engine makes (--load-format dummy)
 
     @property
     def cached(self) -> bool:
         """Held by a model cache entry (a claim filled once, mounted read-only): a downloadable source
-        (https://, hf://) with the shared cache on — for every engine, hub repos included."""
-        return self.shared_cache and parse_model_source(self.source).kind in ("https", "hf")
+        (https://, hf://) with the shared cache on — for every engine, hub repos included. Never a
+        config-only download: its few files are fetched by each pod, and an entry holds a whole model."""
+        return self.shared_cache and not self.config_only and parse_model_source(self.source).kind in ("https", "hf")
 
     @property
     def file_name(self) -> str:
@@ -147,12 +149,23 @@ def shared_cache(spec: InferenceServiceSpec) -> bool:
 def model_files(spec: InferenceServiceSpec) -> list[ModelFiles]:
     """The served model, then (speculative method draft, any engine) the draft model, which is
     fetched and mounted the same way."""
-    shared = shared_cache(spec)
-    files = [ModelFiles(spec.model.source, "model", MODEL_DIR, shared)]
+    shared, src = shared_cache(spec), parse_model_source(spec.model.source)
+    files = [ModelFiles(spec.model.source, "model", MODEL_DIR, shared, config_only=src.kind == "hf" and not src.path and makes_weights(spec))]
     spec_settings = spec.engine_settings.speculative
     if spec_settings and spec_settings.method in ("draft", "eagle3") and spec_settings.draft_model:
         files.append(ModelFiles(spec_settings.draft_model, "draft-model", f"{MODEL_DIR}/draft", shared))
     return files
+
+
+def makes_weights(spec: InferenceServiceSpec) -> bool:
+    """extraArgs give the kvpilot engine --load-format dummy: it makes the served model's weights from its config and a
+    seed (capacity and load tests), so a checkpoint's config and tokenizer are all it reads. (A draft model is loaded.)"""
+    if spec.engine != "kvpilot":
+        return False
+    try:  # (as the engine's `kvpilot serve` reads its flags: abbreviations too)
+        return _engine_parser(allow_abbrev=True).parse_known_args(list(spec.extra_args))[0].load_format == "dummy"
+    except (SystemExit, argparse.ArgumentError):  # a value the engine refuses: its own error, at start, says it
+        return False
 
 
 def model_argument(spec: InferenceServiceSpec) -> str:

@@ -125,7 +125,8 @@ def _model_volumes(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], 
             # The kvpilot engine image downloads it: arguments as a list (no shell), as the same non-root user.
             inits.append({"name": f"download-{files.volume}", "image": kvpilot_image(spec),
                           "command": ["kvpilot", "fetch-model"],
-                          "args": [src.raw, files.argument(spec.engine), "--timeout", str(DOWNLOAD_TIMEOUT_SECONDS)],
+                          "args": [src.raw, files.argument(spec.engine), "--timeout", str(DOWNLOAD_TIMEOUT_SECONDS),
+                                   *(["--config-only"] if files.config_only else [])],
                           "env": [*CACHE_ENV, *hf_token_env(spec)],
                           "securityContext": CONTAINER_SECURITY_CONTEXT,
                           "volumeMounts": [mount, {"name": "cache", "mountPath": CACHE_DIR}]})
