@@ -254,6 +254,7 @@ def ci_time(data: dict, plt):
 
 PLOTS: dict[str, tuple[str, Callable]] = {
     "peers-xeon-no-amx.png": ("peers-xeon-no-amx.json", peers),
+    "peers-xeon-amx.png": ("peers-xeon-amx.json", peers),
     "demo-timeline.png": ("demo-timeline.json", demo_timeline),
     "kv-tiers-ttft.png": ("kv-tiers-ttft.json", kv_tiers_ttft),
     "pipeline-xeon-no-amx.png": ("pipeline-xeon-no-amx.json", pipeline),
