@@ -65,7 +65,7 @@ def test_per_pod_and_sources_without_a_download_keep_their_volumes():
     assert "/models/cache/repo" in c["args"] and [f.source for f in mc.cached_files(vllm)] == ["hf://org/repo"]
 
 
-def test_a_model_whose_weights_the_engine_makes_downloads_its_config_per_pod_and_fills_no_entry():
+def test_a_model_whose_weights_the_engine_makes_downloads_its_config_per_pod_and_fills_no_entry(capsys):
     """--load-format dummy (a capacity test): the engine reads the checkpoint's config and tokenizer only, so each pod
     fetches those (--config-only) and no cache entry is filled with weights nobody reads; a draft model is still loaded."""
     draft = {"speculative": {"method": "draft", "draftModel": "hf://org/draft"}}
@@ -80,6 +80,9 @@ def test_a_model_whose_weights_the_engine_makes_downloads_its_config_per_pod_and
     for s in (spec("hf://org/repo", extraArgs=["--load-format", "auto"]), spec("hf://org/repo/model.Q4_0.gguf", extraArgs=["--load-format", "dummy"])):
         (init,) = pod_spec(s)["initContainers"]  # real weights, or one file: the whole download
         assert "--config-only" not in init["args"]
+    # a value the engine refuses (its own error, at start, says it): the whole download, and no usage in the operator's log
+    assert [f.source for f in mc.cached_files(spec("hf://org/repo", cache={"mode": "Shared"}, extraArgs=["--load-format", "bogus"]))] == ["hf://org/repo"]
+    assert capsys.readouterr().err == ""
     vllm = spec("hf://org/repo", cache={"mode": "Shared"}, engine="vllm", resources={"cpuOnly": False}, extraArgs=["--load-format", "dummy"])
     assert [f.source for f in mc.cached_files(vllm)] == ["hf://org/repo"]  # vLLM's own flag: the operator reads kvpilot's alone
 

@@ -191,11 +191,11 @@ def test_triton_fused_experts_on_gguf_blocks_equal_the_reference(kind, routing):
 
 
 @pytest.mark.timeout(300)
-def test_experts_in_a_ggufs_blocks_stay_in_them_and_give_the_dequantized_models_tokens(family_checkpoints, model_path, tmp_path, monkeypatch):
+def test_experts_in_a_ggufs_blocks_stay_in_them_and_give_the_dequantized_models_tokens(family_checkpoints, model_path, tmp_path, monkeypatch, caplog):
     """A Qwen3-MoE GGUF whose experts are Q8_0 blocks: quantization=gguf keeps them in panels (the C++ op's) and greedy
     tokens equal those of the same file dequantized at load (quantization=none: the same weights, dense matmuls); on the
     Triton kernels (KVPILOT_KERNELS=triton, the CUDA path in the interpreter) it keeps them in stacked blocks, with the
-    same tokens."""
+    same tokens; on the reference ones, dense, with one warning for the model."""
     from test_model_families import PROMPTS, greedy, llm
 
     from checkpoint_factory import write_family_gguf
@@ -218,6 +218,13 @@ def test_experts_in_a_ggufs_blocks_stay_in_them_and_give_the_dequantized_models_
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     run = lambda engine: [o.outputs[0].token_ids for o in engine.generate(PROMPTS[:2], params)]  # noqa: E731
     assert run(on_triton) == run(dense)
+    monkeypatch.setenv("KVPILOT_KERNELS", "reference")  # no kernel of its own for the blocks: dense, said once for the model
+    caplog.clear()
+    on_reference = llm(path, quantization="gguf")
+    moe = on_reference.engine.worker.model.layers[0].mlp
+    assert moe.experts.panels is None and moe.experts.blocks is None
+    [said] = [r.getMessage() for r in caplog.records if "kept dense" in r.getMessage()]
+    assert "(Q8_0)" in said and f"in 1 of {len(on_reference.engine.worker.model.layers)} layers" in said
 
 
 @pytest.mark.timeout(300)

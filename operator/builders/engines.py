@@ -164,7 +164,7 @@ def makes_weights(spec: InferenceServiceSpec) -> bool:
         return False
     try:  # (as the engine's `kvpilot serve` reads its flags: abbreviations too)
         return _engine_parser(allow_abbrev=True).parse_known_args(list(spec.extra_args))[0].load_format == "dummy"
-    except (SystemExit, argparse.ArgumentError):  # a value the engine refuses: its own error, at start, says it
+    except argparse.ArgumentError:
         return False
 
 
@@ -450,8 +450,16 @@ def _has_tls_flag(args: list[str]) -> bool:
     return any(a == TLS_FLAG or a.startswith(TLS_FLAG + "=") for a in args)
 
 
+class _EngineArgsParser(argparse.ArgumentParser):
+    """The engine's flags as the operator reads extraArgs: a value the engine refuses raises (its own error, at start,
+    says it); argparse's own would print a usage to the operator's log and exit."""
+
+    def error(self, message: str):
+        raise argparse.ArgumentError(None, message)
+
+
 def _engine_parser(allow_abbrev: bool = False) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=allow_abbrev)
+    parser = _EngineArgsParser(add_help=False, allow_abbrev=allow_abbrev)
     add_model_args(parser, EngineConfig)
     parser.add_argument("--config")  # (a file in the image: its engine settings reach every pod of a group alike)
     return parser
@@ -488,7 +496,7 @@ def group_flag_problems(spec: InferenceServiceSpec, name: str) -> list[str]:
         args = [a for i, a in enumerate(args) if "$(" not in a and "$(" not in (args[i + 1:i + 2] or [""])[0]]
         try:
             return vars(_engine_parser(allow_abbrev).parse_known_args(args)[0])
-        except (SystemExit, argparse.ArgumentError):  # a value the engine refuses: its own error, at start, says it
+        except argparse.ArgumentError:
             return {}
 
     # (the leader's `kvpilot serve` takes abbreviated flags, as argparse does by default)

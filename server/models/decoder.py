@@ -213,7 +213,7 @@ class DecoderModel(nn.Module):
         ffn = tp.split(c.intermediate_size) if tp else (0, c.intermediate_size)
         q_rows, kv_rows = [h * c.head_dim for h in heads], [h * c.head_dim for h in kv_heads]
         row_parallel = RowParallel(tp.rank, tp.group) if tp else None
-        layers = []
+        layers, kept_dense = [], {}
         first, end = stage.layers if stage else (0, c.num_layers)
         for i in range(first, end):
             p = f"model.layers.{i}."
@@ -232,7 +232,7 @@ class DecoderModel(nn.Module):
                 qk_norms=(norm(a + "q_norm.weight"), norm(a + "k_norm.weight")) if c.family.qk_norm else None, window=c.window(i),
                 scale=c.query_scale)
             bias = lambda name, rows=None: w(name, rows=rows) if c.mlp_bias else None
-            mlp = _sparse_moe(w, c, i, ops, tp) if c.is_moe(i) else SwiGLU(make_linear(w.weight(m + "gate_proj.weight", rows=ffn), bias=bias(m + "gate_proj.bias", ffn),
+            mlp = _sparse_moe(w, c, i, ops, tp, kept_dense) if c.is_moe(i) else SwiGLU(make_linear(w.weight(m + "gate_proj.weight", rows=ffn), bias=bias(m + "gate_proj.bias", ffn),
                                      adapt=adapt(i, ("gate_proj",), hidden, ffn)),
                          make_linear(w.weight(m + "up_proj.weight", rows=ffn), bias=bias(m + "up_proj.bias", ffn), adapt=adapt(i, ("up_proj",), hidden, ffn)),
                          make_linear(w.weight(m + "down_proj.weight", cols=ffn), bias=bias(m + "down_proj.bias"), shard=row_parallel,
@@ -244,6 +244,10 @@ class DecoderModel(nn.Module):
             else:
                 layers.append(DecoderLayer(attn, mlp, norm(p + "input_layernorm.weight"), norm(p + "post_attention_layernorm.weight"),
                                            local_rope=local_rope))
+        if kept_dense:  # (once for the model, not once a layer)
+            log.warning("the experts' blocks (%s) are kept dense in %s on the %s kernels, in %d of %d layers (panels are the C++ kernels', "
+                        "stacked blocks of one kind for gate and up the Triton kernel's)", ", ".join(sorted(set().union(*kept_dense.values()))),
+                        str(w.dtype).removeprefix("torch."), ops.name, len(kept_dense), end - first)
         vocab = tp.split(tp.padded_vocab(c.vocab_size)) if tp else None
         holds_embed, holds_head = stage is None or stage.first, stage is None or stage.last
         embed = w.weight("model.embed_tokens.weight", rows=vocab, pad_rows=True, table=True) \
@@ -264,7 +268,8 @@ class DecoderModel(nn.Module):
         return model
 
 
-def _sparse_moe(w: _WeightReader, c: ModelConfig, layer: int, ops: Ops, tp: TensorParallel | None) -> SparseMoE:
+def _sparse_moe(w: _WeightReader, c: ModelConfig, layer: int, ops: Ops, tp: TensorParallel | None,
+                kept_dense: dict[int, set[str]]) -> SparseMoE:
     """A layer's mixture of experts: its router, and its experts (this rank's slice of every expert's inner dimension)
     read from per-expert matrices (Qwen3-MoE's mlp.experts.{e}.gate_proj…, Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2)
     or a GGUF's stacked ones; Qwen2-MoE's shared expert and its gate. Quantized (a GGUF's blocks with quantization=gguf,
@@ -293,10 +298,8 @@ def _sparse_moe(w: _WeightReader, c: ModelConfig, layer: int, ops: Ops, tp: Tens
     elif blocks is not None:
         weights = Experts(hi - lo, blocks=blocks)
     else:
-        if quantized:
-            log.warning("layer %d: its experts' blocks (%s) are kept dense in %s on the %s kernels (panels are the C++ kernels', stacked blocks "
-                        "of one kind for gate and up the Triton kernel's)", layer, ", ".join(sorted({t.kind for t in (*gate, *up, *down)})),
-                        str(w.dtype).removeprefix("torch."), ops.name)
+        if quantized:  # (the caller warns once for the model)
+            kept_dense[layer] = {t.kind for t in (*gate, *up, *down)}
         dense = lambda ts: torch.stack([t.dequantize().to(w.dtype) if isinstance(t, GGUFWeight) else t for t in ts])  # noqa: E731
         weights = Experts(hi - lo, torch.cat([dense(gate), dense(up)], dim=1).contiguous(), dense(down).contiguous())
     router = p + "mlp.gate.weight" if p + "mlp.gate.weight" in w.available else p + "block_sparse_moe.gate.weight"
