@@ -21,7 +21,7 @@ import httpx
 from kubernetes.client.rest import ApiException
 
 from kvpilot.operator.builders.engines import PORT, adapter_load_path
-from kvpilot.operator.builders.manifests import is_ready, selector_labels, serving_pods
+from kvpilot.operator.builders.manifests import is_reachable_and_ready, selector_labels, serving_pods
 from kvpilot.operator.cache import CACHE, ISVC, POD
 from kvpilot.operator.crd_types import ADAPTERS_ANNOTATION, AdapterStatus, InferenceServiceSpec
 from kvpilot.operator.kube import Kube
@@ -39,10 +39,6 @@ def plan(held: dict[str, str], desired: dict[str, str]) -> tuple[list[str], list
     unload = sorted(n for n, path in held.items() if desired.get(n) != path)
     load = sorted(n for n, path in desired.items() if held.get(n) != path)
     return unload, load
-
-
-def _ready(pod: dict) -> bool:
-    return not pod["metadata"].get("deletionTimestamp") and bool((pod.get("status") or {}).get("podIP")) and is_ready(pod)
 
 
 def _error_message(r: httpx.Response) -> str:
@@ -162,7 +158,7 @@ class AdapterSync:
             return
         now = time.monotonic()
         results: dict[str, PodSync] = {}
-        ready_pods = [p for p in serving_pods(CACHE.with_labels(POD, namespace, selector_labels(name))) if _ready(p)]  # (not a prefill pool's)
+        ready_pods = [p for p in serving_pods(CACHE.with_labels(POD, namespace, selector_labels(name))) if is_reachable_and_ready(p)]  # (not a prefill pool's)
         for pod in ready_pods:
             uid, pod_name = pod["metadata"]["uid"], pod["metadata"]["name"]
             skip = {n for n, path in desired.items() if self._retry_at.get((uid, n, path), 0) > now}

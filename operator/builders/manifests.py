@@ -55,6 +55,12 @@ def is_ready(pod: dict) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or [])
 
 
+def is_reachable_and_ready(pod: dict) -> bool:
+    """Whether requests may go to the pod now: Ready, with an IP, and not terminating (a pod being deleted stays Ready
+    until its engine drains)."""
+    return not (pod.get("metadata") or {}).get("deletionTimestamp") and bool((pod.get("status") or {}).get("podIP")) and is_ready(pod)
+
+
 def serving_pods(pods: list[dict]) -> list[dict]:
     """The pods the service's own status, scale subresource and autoscaler count: all but a prefill pool's and a group's
     workers (a group is its leader: the pod that serves, and exports the metrics)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kvpilot.operator.builders.engines import PORT
-from kvpilot.operator.builders.manifests import is_group_worker, is_ready
+from kvpilot.operator.builders.manifests import is_group_worker, is_reachable_and_ready
 from kvpilot.operator.crd_types import ADAPTERS_ANNOTATION, GROUP, ISVC_LABEL, PLURAL, ROLE_LABEL, VERSION, WAKE_ANNOTATION
 
 log = logging.getLogger("kvpilot.gateway")
@@ -42,7 +42,7 @@ def endpoint_table(isvcs: list[dict], pods: list[dict]) -> dict[str, ModelRoute]
     for pod in pods:
         m, status = pod.get("metadata", {}), pod.get("status", {})
         owner = (m.get("labels") or {}).get(ISVC_LABEL)
-        if owner and is_ready(pod) and status.get("podIP") and not m.get("deletionTimestamp") and not is_group_worker(pod):  # (no API there)
+        if owner and is_reachable_and_ready(pod) and not is_group_worker(pod):  # (no API there)
             endpoint = f"{status['podIP']}:{PORT}"
             if (m.get("labels") or {}).get(ROLE_LABEL) == "prefill":
                 prefill.setdefault((m.get("namespace", ""), owner), []).append(endpoint)
