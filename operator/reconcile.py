@@ -45,7 +45,7 @@ from kvpilot.operator.builders.manifests import (
 )
 from kvpilot.operator.builders.pod_template import patch_problems, pod_problems
 from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC, LOADER, LWS, POD
-from kvpilot.operator.crd_types import AdapterStatus, ColdStart, InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus, PoolStatus
+from kvpilot.operator.crd_types import MANAGED_BY, AdapterStatus, ColdStart, InferenceServiceSpec, InferenceServiceStatus, ModelCacheEntryStatus, PoolStatus
 from kvpilot.operator.kube import Kube
 from kvpilot.operator.status import AutoscalerReport, compute_status, group_statuses, now_rfc3339, set_condition, unchanged
 from kvpilot.server.model_files import BUNDLED
@@ -375,10 +375,14 @@ def _apply_model_cache(kube: Kube, body: dict, spec: InferenceServiceSpec) -> bo
     manager = model_cache.user_field_manager(meta["uid"])
     files = model_cache.cached_files(spec)
     used = {model_cache.claim_name(f.source) for f in files}
-    previous = ((body.get("status") or {}).get("modelCache") or [])
-    for entry in previous:
-        if entry.get("claim") not in used and (existing := CACHE.get(CLAIM, namespace, entry["claim"])) is not None:
-            _let_go(kube, model_cache.entry_claim(entry["source"], namespace, spec, None, existing), manager)
+    # What it owns, read off the claims: not off status.modelCache, which a status write from the new spec (the
+    # autoscaler's, a pod's event) may have rewritten before this reconcile ran; a let-go that failed is retried here.
+    for existing in CACHE.with_labels(CLAIM, namespace, {MANAGED_BY[0]: MANAGED_BY[1]}):
+        m = existing["metadata"]
+        source = (m.get("annotations") or {}).get(model_cache.SOURCE_ANNOTATION)
+        if (source and model_cache.ENTRY_LABEL in (m.get("labels") or {}) and m["name"] not in used
+                and any(o.get("uid") == meta["uid"] for o in m.get("ownerReferences") or [])):
+            _let_go(kube, model_cache.entry_claim(source, namespace, spec, None, existing), manager)
     compile_claim = CACHE.get(CLAIM, namespace, model_cache.COMPILE_CACHE_CLAIM)
     if shared_cache(spec):
         CACHE.put(CLAIM, kube.apply(model_cache.compile_cache_claim(namespace, spec, cache_defaults(), user, compile_claim), field_manager=manager))

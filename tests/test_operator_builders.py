@@ -1278,3 +1278,52 @@ def test_the_dashboards_engine_panels_read_every_engines_metrics():
     assert dashboard.expand("@rate:ttft:_bucket@").count("rate(") == 3  # one per engine, each on a range selector
     with pytest.raises(ValueError):
         dashboard.expand("@no_such_signal@")
+
+
+def test_an_entry_no_longer_used_is_let_go_of_by_its_claims_owners_not_by_the_status():
+    """A service whose source changed lets go of the old entry (and, its last user, deletes the claim) even when its
+    status already lists only the new entry (a status write from the new spec, the autoscaler's, ran before the
+    reconcile: e2e saw the old claim left); a let-go the API server refused is done on the next reconcile; another
+    service's entry is left alone."""
+    from kubernetes.client.rest import ApiException
+
+    from kvpilot.operator import reconcile
+    from kvpilot.operator.builders import model_cache as mc
+    from kvpilot.operator.cache import CACHE, CLAIM, DEPLOYMENT, ISVC
+
+    old, new, others = "hf://org/old/m.gguf", "hf://org/new/m.gguf", "hf://org/others/m.gguf"
+
+    def body(source: str) -> dict:
+        return {"apiVersion": "serving.kvpilot.dev/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": "cached", "namespace": "ns", "uid": "uid-c", "generation": 2, "resourceVersion": "2"},
+                "spec": {"model": {"source": source, "cache": {"mode": "Shared"}}, "resources": {"cpuOnly": True}},
+                "status": {"modelCache": [{"claim": mc.claim_name(source), "source": source, "state": "Filling"}]}}
+
+    class Refusing(RecordingKube):
+        refuse = True
+
+        def apply(self, obj: dict, field_manager: str = "") -> dict:
+            if self.refuse and obj["metadata"]["name"] == mc.claim_name(old):
+                raise ApiException(status=409, reason="Conflict")
+            applied = super().apply(obj, field_manager)
+            return {**applied, "metadata": {**applied["metadata"], "uid": f"uid-of-{obj['metadata']['name']}"}}
+
+    spec = reconcile.parse_spec(body(new))[0]
+    owned = {**mc.entry_claim(old, "ns", spec, ("cached", "uid-c"), None), "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}}
+    foreign = {**mc.entry_claim(others, "ns", spec, ("another", "uid-a"), None), "spec": owned["spec"]}
+    try:
+        CACHE.put(CLAIM, owned)
+        CACHE.put(CLAIM, foreign)
+        kube = Refusing()
+        reconcile.reconcile(kube, body(new))  # its status lists the new entry only
+        assert ("delete", "PersistentVolumeClaim", mc.claim_name(old)) not in kube.calls  # refused: still owned
+        kube.refuse = False
+        reconcile.reconcile(kube, body(new))
+        assert ("apply", "PersistentVolumeClaim", mc.claim_name(old)) in kube.calls
+        assert ("delete", "PersistentVolumeClaim", mc.claim_name(old)) in kube.calls and CACHE.get(CLAIM, "ns", mc.claim_name(old)) is None
+        assert not [c for c in kube.calls if c[2] == mc.claim_name(others)] and CACHE.get(CLAIM, "ns", mc.claim_name(others)) is not None
+    finally:
+        for kind, name in ((ISVC, "cached"), (DEPLOYMENT, "cached"), (CLAIM, mc.claim_name(old)), (CLAIM, mc.claim_name(new)),
+                           (CLAIM, mc.claim_name(others)), (CLAIM, mc.COMPILE_CACHE_CLAIM)):
+            CACHE.delete(kind, "ns", name)
+        reconcile.forget("ns", "cached")
