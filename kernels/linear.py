@@ -6,13 +6,15 @@ layout once at load, reaches 2–4× MKL's fp32 FLOP rate at this model's shapes
 memory-bound single-token steps (bench/history/ has the micro-benchmark). Same fp32 arithmetic, only
 the summation order differs. bfloat16 weights on a CPU with AVX512-BF16 go to kvpilot's own kernel
 instead (kernels/csrc/bf16_linear_cpu.cpp: 1.29× oneDNN at a decode step's 16 rows with the weights
-coming from memory, 1.42–1.61× at 1–8, level at 256; bench/bf16_linear.py). The fused forms fold the
+coming from memory, 1.42–1.61× at 1–8, level at 256; bench/bf16_linear.py), on AMX tiles for a
+prefill's rows where the CPU has them. The fused forms fold the
 SiLU, the gating product and the residual add into the matmul's output pass instead of another trip
 over the activations.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +58,17 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 BF16_PANEL_COLS = 32  # output columns of one panel of kernels/csrc/bf16_linear_cpu.cpp
+# The bfloat16 kernel's path: "auto", AMX tiles for every whole tile of 16 rows where the CPU has them (and K is whole tiles
+# of 32), AVX512-BF16 for the rest. Naming one pins it: "avx512-bf16" (what a CPU without AMX runs: benchmarks), "amx".
+BF16_ISA_ENV = "KVPILOT_BF16_ISA"
+BF16_ISAS = ("auto", "amx", "avx512-bf16")
+
+
+def bf16_isa() -> str:
+    isa = os.environ.get(BF16_ISA_ENV, "auto")
+    if isa not in BF16_ISAS:
+        raise ValueError(f"{BF16_ISA_ENV}={isa!r}: expected one of {', '.join(BF16_ISAS)}")
+    return isa
 
 
 def bf16_panels_available() -> bool:
@@ -88,6 +101,9 @@ class Linear(nn.Module):
         if layout == "bf16-panels" and out_features is None:
             raise ValueError("a bf16-panels weight holds whole panels: out_features says how many of its rows are the projection's")
         self.layout = layout
+        self.isa = bf16_isa() if layout == "bf16-panels" else None
+        if self.isa == "amx" and (cpu_extension.load().bf16_linear_isa() != "amx" or weight.shape[1] * 2 % 32):  # (refused at load, not in a step)
+            raise ValueError(f"{BF16_ISA_ENV}=amx: this CPU has no AMX-BF16 tiles, or the projection's K ({weight.shape[1] * 2}) is not whole tiles of 32")
         self.out_features = out_features if out_features is not None else weight.shape[0]
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
@@ -133,7 +149,7 @@ class Linear(nn.Module):
             other = other.reshape(-1, self.out_features)
             if other.stride(-1) != 1:
                 other = other.contiguous()
-        y = cpu_extension.load().bf16_linear(rows, self.weight, self.out_features, self.bias, epilogue, other)
+        y = cpu_extension.load().bf16_linear(rows, self.weight, self.out_features, self.bias, epilogue, other, self.isa)
         return y.reshape(*lead, self.out_features)
 
 

@@ -77,6 +77,77 @@ def test_bf16_panels_equal_float32_sums_rounded_once(rows):
     torch.testing.assert_close(got.double(), want.bfloat16().double(), atol=1e-5, rtol=2 ** -7)
 
 
+def bf16_paths() -> list[str]:
+    """The bfloat16 kernel's paths this CPU runs, best first (AMX tiles, AVX512-BF16): each is tested where it runs."""
+    from kvpilot.kernels import cpu_extension
+
+    here, every = cpu_extension.require().bf16_linear_isa(), ["amx", "avx512-bf16"]
+    return every[every.index(here):] if here in every else []
+
+
+@pytest.mark.parametrize("rows", [16, 33, 64, 70])
+def test_each_path_of_the_bf16_kernel_gives_float32_sums_rounded_once_with_every_epilogue(rows):
+    """Each path of the bfloat16 kernel this CPU has (AMX: whole tiles of 16 rows, the rest on AVX512-BF16; AVX512-BF16
+    alone), with a bias and each epilogue (none, SiLU, x other, + other): within bfloat16's last place of a float64
+    reference. The tiles take K in 32s: another K is refused on them by name (auto takes the AVX512-BF16 path)."""
+    from kvpilot.kernels import cpu_extension
+    from kvpilot.kernels.linear import bf16_panels
+
+    ext = cpu_extension.require()
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(200, 576, generator=gen) * 0.05).bfloat16()  # 200 outputs: six whole panels and a part of the seventh
+    x = torch.randn(rows, 600, generator=gen).bfloat16()[:, :576]  # rows with a stride of 600
+    bias, other = torch.randn(200, generator=gen), torch.randn(rows, 200, generator=gen).bfloat16()
+    panels = bf16_panels(w)
+    if not bf16_paths():  # a CPU without AVX512-BF16: the kernel refuses by name
+        with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
+            ext.bf16_linear(x, panels, 200, bias, 0, None, "auto")
+        return
+    y = x.double() @ w.double().T + bias.double()
+    wants = [y, F.silu(y), y * other.double(), y + other.double()]
+    for isa in [*bf16_paths(), "auto"]:
+        for epilogue, want in enumerate(wants):
+            got = ext.bf16_linear(x, panels, 200, bias, epilogue, other if epilogue >= 2 else None, isa)
+            assert got.shape == (rows, 200) and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.double(), want.bfloat16().double(), atol=1e-4, rtol=2 ** -7, msg=f"{isa}, epilogue {epilogue}")
+    odd_k = (torch.randn(40, 560, generator=gen) * 0.05).bfloat16()
+    if "amx" in bf16_paths():
+        with pytest.raises(RuntimeError, match="K is not a multiple of 32"):
+            ext.bf16_linear(x[:, :560], bf16_panels(odd_k), 40, None, 0, None, "amx")
+    got = ext.bf16_linear(x[:, :560].contiguous(), bf16_panels(odd_k), 40, None, 0, None, "auto")
+    torch.testing.assert_close(got.double(), (x[:, :560].double() @ odd_k.double().T).bfloat16().double(), atol=1e-4, rtol=2 ** -7)
+    with pytest.raises(RuntimeError, match="isa must be auto, amx or avx512-bf16"):
+        ext.bf16_linear(x, panels, 200, None, 0, None, "avx2")
+
+
+def test_the_bf16_path_named_in_the_environment_is_taken_or_refused_at_load(monkeypatch):
+    """KVPILOT_BF16_ISA pins the bfloat16 kernel's path: a name it does not know, or AMX where the tiles cannot take the
+    projection (no AMX here, or K not whole tiles of 32), is refused when the projection is made, never in a step."""
+    from kvpilot.kernels.linear import BF16_ISA_ENV, bf16_isa
+
+    gen = torch.Generator().manual_seed(0)
+    w, odd_k = (torch.randn(64, 576, generator=gen) * 0.05).bfloat16(), (torch.randn(64, 40, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(20, 576, generator=gen).bfloat16()
+    monkeypatch.setenv(BF16_ISA_ENV, "avx2")
+    with pytest.raises(ValueError, match="KVPILOT_BF16_ISA='avx2': expected one of auto, amx, avx512-bf16"):
+        bf16_isa()
+    if not bf16_paths():
+        return  # (no AVX512-BF16: the layout itself is refused, test_bf16_panels_equal_float32_sums_rounded_once)
+    monkeypatch.setenv(BF16_ISA_ENV, "amx")
+    with pytest.raises(ValueError, match="KVPILOT_BF16_ISA=amx: this CPU has no AMX-BF16 tiles, or the projection's K \\(40\\)"):
+        make_linear(odd_k, layout="bf16-panels")
+    want = (x.double() @ w.double().T).bfloat16().double()
+    for isa in bf16_paths():
+        monkeypatch.setenv(BF16_ISA_ENV, isa)
+        lin = make_linear(w, layout="bf16-panels")
+        assert lin.isa == isa
+        torch.testing.assert_close(lin(x).double(), want, atol=1e-4, rtol=2 ** -7)
+    if "amx" not in bf16_paths():
+        monkeypatch.setenv(BF16_ISA_ENV, "amx")
+        with pytest.raises(ValueError, match="no AMX-BF16 tiles"):
+            make_linear(w, layout="bf16-panels")
+
+
 def test_weights_are_buffers():
     lin = make_linear(torch.randn(8, 4, dtype=torch.float64))
     assert torch.equal(lin.state_dict()["weight"], lin.weight) and lin.to(torch.float32).weight.dtype == torch.float32

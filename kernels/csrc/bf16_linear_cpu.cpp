@@ -9,9 +9,17 @@
 // registers over all of K. The products are exact in float32 (8-bit significands) and summed in float32,
 // as oneDNN's are — only the order of the sum differs. The epilogue (bias, SiLU, × other, + other) is
 // applied to the float32 sums, rounded to bfloat16 once, as oneDNN's fused post-ops do.
+//
+// On a CPU with AMX (Sapphire Rapids and later) a prefill's rows go to the tile unit instead: TDPBF16PS
+// multiplies 16 rows x 32 of K of activations by 32 of K x 16 columns of weights into 16 x 16 float32
+// sums, the same exact products summed in float32 (another order again). A panel's 16 pairs of K are two
+// weight tiles as they lie in memory (16 columns' pairs each, rows 128 bytes apart): nothing is made
+// per call, so the tiles pay from one tile of 16 rows on (a 16-row decode step with the weights from memory:
+// 2.2x the AVX512-BF16 path; bench/bf16_linear.py); the rows past the last whole tile run on AVX512-BF16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx.h"
 #include "vec_math.h"
 #include "work_queue.h"
 
@@ -104,18 +112,69 @@ void panel(const Args& a, int64_t p, int64_t row0, int64_t rows) {
   }
 }
 
+constexpr int64_t kAmxK = 32;  // K per activation tile (32 bfloat16s a row) and per pair of weight tiles (16 pairs)
+
+// Rows [row0, row0 + 16 * RT) of panel p over all of K on the tile unit, the sums stored to c [16 * RT][32].
+// Tiles: 0, 1 the activations of the two row tiles; 2, 3 the panel's columns 0-15 and 16-31; 4, 5 and 6, 7 the C
+// of each row tile and column tile.
+template <int RT>
+__attribute__((target("amx-tile,amx-bf16"))) void panel_amx(const Args& a, int64_t p, int64_t row0, float* c) {
+  const uint16_t* w = a.w + p * a.K * kCols;
+  const uint16_t* x = a.x + row0 * a.x_stride;
+  const int64_t x_bytes = a.x_stride * 2, w_bytes = kCols * 2 * 2;
+  _tile_zero(4);
+  _tile_zero(5);
+  if constexpr (RT == 2) {
+    _tile_zero(6);
+    _tile_zero(7);
+  }
+  for (int64_t k = 0; k < a.K; k += kAmxK) {
+    const uint16_t* wk = w + k * kCols;  // pair k / 2 of the panel
+    _tile_loadd(2, wk, w_bytes);
+    _tile_loadd(3, wk + 32, w_bytes);
+    _tile_loadd(0, x + k, x_bytes);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    if constexpr (RT == 2) {
+      _tile_loadd(1, x + kvpilot::AMX_TILE_ROWS * a.x_stride + k, x_bytes);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  const int64_t c_bytes = kCols * 4;
+  _tile_stored(4, c, c_bytes);
+  _tile_stored(5, c + 16, c_bytes);
+  if constexpr (RT == 2) {
+    _tile_stored(6, c + kvpilot::AMX_TILE_ROWS * kCols, c_bytes);
+    _tile_stored(7, c + kvpilot::AMX_TILE_ROWS * kCols + 16, c_bytes);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void amx_store(const Args& a, int64_t p, int64_t row0, int64_t rows, const float* c) {
+  for (int64_t r = 0; r < rows; ++r) {
+    store16(a, row0 + r, p * kCols, _mm512_load_ps(c + r * kCols));
+    store16(a, row0 + r, p * kCols + 16, _mm512_load_ps(c + r * kCols + 16));
+  }
+}
+
+bool amx_fits(int64_t K) { return K % kAmxK == 0 && __builtin_cpu_supports("avx512bf16") && kvpilot::amx_usable(); }
+
 }  // namespace
 
 bool bf16_linear_supported() {
   return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 
+std::string bf16_linear_isa() { return amx_fits(kAmxK) ? "amx" : bf16_linear_supported() ? "avx512-bf16" : "none"; }
+
 // x [M, K] bfloat16 (rows contiguous) times W laid out as [P, K/2, 32, 2] bfloat16 (bf16_panels in
 // kernels/linear.py) -> [M, n] bfloat16; bias float32 [n]; epilogue 0 none, 1 silu, 2 × other, 3 + other
-// (other: bfloat16 [M, n]).
+// (other: bfloat16 [M, n]). isa: "auto" (AMX tiles where the CPU has them and K is whole tiles of 32), "amx"
+// (the tiles, refused where they cannot run) or "avx512-bf16".
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::optional<torch::Tensor> bias, int64_t epilogue,
-                          c10::optional<torch::Tensor> other) {
+                          c10::optional<torch::Tensor> other, const std::string& isa) {
   TORCH_CHECK(bf16_linear_supported(), "bf16_linear needs AVX512-BF16 (with BW and VL)");
+  TORCH_CHECK(isa == "auto" || isa == "amx" || isa == "avx512-bf16", "isa must be auto, amx or avx512-bf16, got ", isa);
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && (!bias || bias->device().is_cpu()) && (!other || other->device().is_cpu()),
               "bf16_linear: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1, "x: bfloat16 rows [M, K]");
@@ -137,11 +196,31 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::opti
   const Args a{reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), reinterpret_cast<const uint16_t*>(w.data_ptr()), K, n,
                bias ? bias->data_ptr<float>() : nullptr, epilogue, binary ? reinterpret_cast<const uint16_t*>(other->data_ptr()) : nullptr,
                binary ? other->stride(0) : 0, reinterpret_cast<uint16_t*>(y.data_ptr()), y.stride(0)};
+  TORCH_CHECK(isa != "amx" || amx_fits(K), "isa amx: this CPU (or its kernel) gives no AMX-BF16 tiles, or K is not a multiple of ", kAmxK);
+  const bool tiles = isa == "amx" || (isa == "auto" && amx_fits(K));
+  const int64_t tiled = tiles ? M / kvpilot::AMX_TILE_ROWS * kvpilot::AMX_TILE_ROWS : 0;  // the rest on AVX512-BF16
   kvpilot::WorkQueue work(P, kvpilot::chunk_for(P));
   kvpilot::on_threads(P, [&] {
+    if (tiled) kvpilot::amx_configure();  // tile state is per thread
+    // Each block's sums are read back one block later: vector loads right after the tile store that wrote
+    // their lines wait for it (as in the GGUF kernel's AMX path).
+    alignas(64) float c[2][2 * kvpilot::AMX_TILE_ROWS * kCols];
+    int64_t held_p = -1, held_row = 0, held_rows = 0, i = 0;
+    auto tile_rows = [&](int64_t p, int64_t r0, int64_t rows) {
+      float* mine = c[i++ % 2];
+      rows == kvpilot::AMX_TILE_ROWS ? panel_amx<1>(a, p, r0, mine) : panel_amx<2>(a, p, r0, mine);
+      if (held_p >= 0) amx_store(a, held_p, held_row, held_rows, c[i % 2]);
+      held_p = p, held_row = r0, held_rows = rows;
+    };
     for (int64_t p0, p1; work.claim(p0, p1);)
-      for (int64_t p = p0; p < p1; ++p)
-        for (int64_t r0 = 0; r0 < M; r0 += kRowTile) panel(a, p, r0, std::min(kRowTile, M - r0));
+      for (int64_t p = p0; p < p1; ++p) {
+        int64_t r0 = 0;
+        for (; r0 + 2 * kvpilot::AMX_TILE_ROWS <= tiled; r0 += 2 * kvpilot::AMX_TILE_ROWS) tile_rows(p, r0, 2 * kvpilot::AMX_TILE_ROWS);
+        if (r0 < tiled) tile_rows(p, r0, kvpilot::AMX_TILE_ROWS), r0 += kvpilot::AMX_TILE_ROWS;
+        for (; r0 < M; r0 += kRowTile) panel(a, p, r0, std::min(kRowTile, M - r0));
+      }
+    if (held_p >= 0) amx_store(a, held_p, held_row, held_rows, c[(i - 1) % 2]);
+    if (tiled) kvpilot::amx_release();
   });
   return y;
 }

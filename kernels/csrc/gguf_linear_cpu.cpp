@@ -15,12 +15,9 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include "amx.h"
 #include "vec_math.h"
 #include "work_queue.h"
-
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -47,18 +44,6 @@ constexpr int64_t QK = 32;      // weights per block
 constexpr int64_t QK8 = 16;     // weights per K8 block
 constexpr int64_t ROW_TILE = 8; // activation rows per pass of the scalar path
 
-// The kernel's permission to use the tile registers (Linux: ARCH_REQ_XCOMP_PERM, once per process),
-// and whether the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22).
-bool amx_usable() {
-  static const bool ok = [] {
-    unsigned eax, ebx, ecx, edx;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 22))) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return ok;
-}
-
 // The instruction sets, best last. AVX512_VNNI (AVX-512 with VNNI and VBMI: Ice Lake, Zen 4 and later) adds
 // 16-bit integer products for the 32-column kinds (Q4_0, Q4_1, Q8_0, K4) at any row count; K8 runs as
 // under AVX512 there. AMX (its tiles and AMX-BF16, Sapphire Rapids and later) takes the 32-column
@@ -68,7 +53,7 @@ enum class Isa { SCALAR, AVX2, AVX512, AVX512_VNNI, AMX };
 Isa pick(const std::string& isa) {
   static const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c");
   static const bool hasvnni = has512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
-  static const bool hasamx = hasvnni && __builtin_cpu_supports("avx512bf16") && amx_usable();  // AMX's activations split by AVX512-BF16
+  static const bool hasamx = hasvnni && __builtin_cpu_supports("avx512bf16") && kvpilot::amx_usable();  // AMX's activations split by AVX512-BF16
   static const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (isa == "auto") return hasamx ? Isa::AMX : hasvnni ? Isa::AVX512_VNNI : has512 ? Isa::AVX512 : has2 ? Isa::AVX2 : Isa::SCALAR;
   if (isa == "amx") { TORCH_CHECK(hasamx, "this CPU (or its kernel) gives no AMX-BF16 tiles"); return Isa::AMX; }
@@ -600,24 +585,14 @@ void panel_vnni(const PanelArgs& a, int64_t row0, int64_t rows, int64_t p) {
 // loads of tile-stored lines were the bottleneck.
 // Weights are dequantized into tiles once per (call, panel pair, pass of rows); the tiles of a pass's
 // rows (x_hi, x_lo) stay in L2 while every panel pair is multiplied by them.
-constexpr int64_t AMX_TILE_ROWS = 16;
 constexpr int64_t AMX_MIN_ROWS = 64;  // below, making the weight tiles (per call) costs what the tiles save (measured against the 8-row VNNI path: 32 rows 0.8-0.9x, 64 rows 0.9-1.2x, 128 rows 1.0-1.4x; bench/gguf_paths.py)
 constexpr int64_t BTILE = 16 * 32;   // bfloat16s in one block's weight tile (16 column pairs x 16 lanes x 2)
 
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Tiles: 0, 1 x_hi and x_lo (16 rows x 32 bfloat16); 2, 3 and 4, 5 two panels' w_hi and w_lo (32 x 16,
-// column pairs side by side); 6, 7 their C (16 x 16 float32). A constant in memory: GCC drops stores
-// into a local that only LDTILECFG reads (seen: palette set, every tile 0 x 0, and the first tile
-// instruction raised SIGILL).
-constexpr TileConfig kTiles{1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
-
-__attribute__((target("amx-tile"))) void amx_configure() { _tile_loadconfig(&kTiles); }
-__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+// Tiles (kvpilot::kTiles: each 16 rows of 64 bytes): 0, 1 x_hi and x_lo (16 rows x 32 bfloat16); 2, 3 and 4, 5 two
+// panels' w_hi and w_lo (32 x 16, column pairs side by side); 6, 7 their C (16 x 16 float32).
+using kvpilot::AMX_TILE_ROWS;
+using kvpilot::amx_configure;
+using kvpilot::amx_release;
 
 // Columns j and j + 16 of a block (16 lanes each, codes as int32) -> w = d·q + m, as one row of the
 // w_hi and one of the w_lo tile: per lane the pair (j, j + 16) side by side (the activations are split

@@ -543,7 +543,8 @@ torch::Tensor gguf_linear_panel(torch::Tensor x, torch::Tensor qs, torch::Tensor
 // kernels/csrc/bf16_linear_cpu.cpp
 bool bf16_linear_supported();
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::optional<torch::Tensor> bias, int64_t epilogue,
-                          c10::optional<torch::Tensor> other);
+                          c10::optional<torch::Tensor> other, const std::string& isa);
+std::string bf16_linear_isa();
 // kernels/csrc/moe_cpu.cpp
 torch::Tensor fused_experts_dense(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor weights, torch::Tensor ids, bool gelu);
 torch::Tensor fused_experts_panel(torch::Tensor x, torch::Tensor weights, torch::Tensor ids, torch::Tensor gate_qs, torch::Tensor gate_d,
@@ -579,7 +580,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_experts_dense", &fused_experts_dense, "a mixture of experts' routed experts over a step's tokens, grouped by expert (CPU)",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("ids"), py::arg("gelu"), no_gil);
   m.def("fused_experts_panel", &fused_experts_panel, "fused_experts_dense with each expert's projections in GGUF-block panels (CPU)", no_gil);
-  m.def("bf16_linear", &bf16_linear, "x @ W.T for bfloat16 rows with W in panels of 32 output columns (CPU, AVX512-BF16)", no_gil);
+  m.def("bf16_linear", &bf16_linear, "x @ W.T for bfloat16 rows with W in panels of 32 output columns (CPU, AVX512-BF16; AMX tiles)",
+        py::arg("x"), py::arg("w"), py::arg("n"), py::arg("bias"), py::arg("epilogue"), py::arg("other"), py::arg("isa") = "auto", no_gil);
+  m.def("bf16_linear_isa", &bf16_linear_isa, "the best path bf16_linear has here (amx, avx512-bf16 or none)");
   m.def("bf16_linear_supported", &bf16_linear_supported, "whether this CPU has the AVX512-BF16 bf16_linear needs");
   m.def("gguf_linear_isa", &gguf_linear_isa, "the instruction set gguf_linear_panel uses here (amx, avx512-vnni, avx512, avx2 or scalar)");
 }
