@@ -14,7 +14,6 @@ over the activations.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,7 @@ from torch import nn
 from kvpilot.kernels import cpu_extension
 from kvpilot.kernels.direct_call import direct_call
 from kvpilot.kernels.ops import triton_kernels
-from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight
+from kvpilot.kernels.quantized import GGUFLinear, GGUFWeight, env_choice
 
 
 def gguf_linear_class(device: torch.device) -> type[nn.Module]:
@@ -65,10 +64,7 @@ BF16_ISAS = ("auto", "amx", "avx512-bf16")
 
 
 def bf16_isa() -> str:
-    isa = os.environ.get(BF16_ISA_ENV, "auto")
-    if isa not in BF16_ISAS:
-        raise ValueError(f"{BF16_ISA_ENV}={isa!r}: expected one of {', '.join(BF16_ISAS)}")
-    return isa
+    return env_choice(BF16_ISA_ENV, BF16_ISAS)
 
 
 def bf16_panels_available() -> bool:

@@ -238,11 +238,16 @@ GGUF_ISA_ENV = "KVPILOT_GGUF_ISA"
 GGUF_ISAS = ("auto", "amx", "avx512-vnni", "avx512", "avx2", "scalar")
 
 
+def env_choice(env: str, choices: tuple[str, ...]) -> str:
+    """A kernel's path named in the environment: one of `choices`, the first when unset."""
+    value = os.environ.get(env, choices[0])
+    if value not in choices:
+        raise ValueError(f"{env}={value!r}: expected one of {', '.join(choices)}")
+    return value
+
+
 def gguf_isa() -> str:
-    isa = os.environ.get(GGUF_ISA_ENV, "auto")
-    if isa not in GGUF_ISAS:
-        raise ValueError(f"{GGUF_ISA_ENV}={isa!r}: expected one of {', '.join(GGUF_ISAS)}")
-    return isa
+    return env_choice(GGUF_ISA_ENV, GGUF_ISAS)
 
 
 def to_panels(w: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
