@@ -380,9 +380,13 @@ def _apply_model_cache(kube: Kube, body: dict, spec: InferenceServiceSpec) -> bo
     for existing in CACHE.with_labels(CLAIM, namespace, {MANAGED_BY[0]: MANAGED_BY[1]}):
         m = existing["metadata"]
         source = (m.get("annotations") or {}).get(model_cache.SOURCE_ANNOTATION)
-        if (source and model_cache.ENTRY_LABEL in (m.get("labels") or {}) and m["name"] not in used
+        if (source and model_cache.claim_name(source) == m["name"] and m["name"] not in used and not m.get("deletionTimestamp")
                 and any(o.get("uid") == meta["uid"] for o in m.get("ownerReferences") or [])):
-            _let_go(kube, model_cache.entry_claim(source, namespace, spec, None, existing), manager)
+            try:  # (one the API server refuses does not hold up the entries in use: tried again next time)
+                _let_go(kube, model_cache.entry_claim(source, namespace, spec, None, existing), manager)
+            except (ApiException, DynamicApiError) as e:
+                log.warning("%s/%s: letting go of the cache entry %s failed (%s); tried again at the next reconcile",
+                            namespace, meta["name"], m["name"], getattr(e, "reason", None) or e)
     compile_claim = CACHE.get(CLAIM, namespace, model_cache.COMPILE_CACHE_CLAIM)
     if shared_cache(spec):
         CACHE.put(CLAIM, kube.apply(model_cache.compile_cache_claim(namespace, spec, cache_defaults(), user, compile_claim), field_manager=manager))

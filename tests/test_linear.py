@@ -85,7 +85,7 @@ def bf16_paths() -> list[str]:
     return every[every.index(here):] if here in every else []
 
 
-@pytest.mark.parametrize("rows", [16, 33, 64, 70])
+@pytest.mark.parametrize("rows", [16, 33, 50, 64, 70])  # (50: a pass of 32 rows, one of 16, two rows on AVX512-BF16)
 def test_each_path_of_the_bf16_kernel_gives_float32_sums_rounded_once_with_every_epilogue(rows):
     """Each path of the bfloat16 kernel this CPU has (AMX: whole tiles of 16 rows, the rest on AVX512-BF16; AVX512-BF16
     alone), with a bias and each epilogue (none, SiLU, x other, + other): within bfloat16's last place of a float64

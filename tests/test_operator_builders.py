@@ -1317,11 +1317,13 @@ def test_an_entry_no_longer_used_is_let_go_of_by_its_claims_owners_not_by_the_st
         kube = Refusing()
         reconcile.reconcile(kube, body(new))  # its status lists the new entry only
         assert ("delete", "PersistentVolumeClaim", mc.claim_name(old)) not in kube.calls  # refused: still owned
+        assert ("apply", "PersistentVolumeClaim", mc.claim_name(new)) in kube.calls  # the entry in use goes on regardless
         kube.refuse = False
         reconcile.reconcile(kube, body(new))
         assert ("apply", "PersistentVolumeClaim", mc.claim_name(old)) in kube.calls
         assert ("delete", "PersistentVolumeClaim", mc.claim_name(old)) in kube.calls and CACHE.get(CLAIM, "ns", mc.claim_name(old)) is None
         assert not [c for c in kube.calls if c[2] == mc.claim_name(others)] and CACHE.get(CLAIM, "ns", mc.claim_name(others)) is not None
+        assert ("delete", "PersistentVolumeClaim", mc.COMPILE_CACHE_CLAIM) not in kube.calls
     finally:
         for kind, name in ((ISVC, "cached"), (DEPLOYMENT, "cached"), (CLAIM, mc.claim_name(old)), (CLAIM, mc.claim_name(new)),
                            (CLAIM, mc.claim_name(others)), (CLAIM, mc.COMPILE_CACHE_CLAIM)):

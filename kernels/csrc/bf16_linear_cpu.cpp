@@ -165,7 +165,7 @@ bool bf16_linear_supported() {
   return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 }
 
-std::string bf16_linear_isa() { return amx_fits(kAmxK) ? "amx" : bf16_linear_supported() ? "avx512-bf16" : "none"; }
+std::string bf16_linear_isa() { return !bf16_linear_supported() ? "none" : amx_fits(kAmxK) ? "amx" : "avx512-bf16"; }
 
 // x [M, K] bfloat16 (rows contiguous) times W laid out as [P, K/2, 32, 2] bfloat16 (bf16_panels in
 // kernels/linear.py) -> [M, n] bfloat16; bias float32 [n]; epilogue 0 none, 1 silu, 2 × other, 3 + other
@@ -192,11 +192,11 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, int64_t n, c10::opti
     TORCH_CHECK(epilogue == NONE || epilogue == SILU, "epilogue: 0 none, 1 silu, 2 mul, 3 add");
   }
   auto y = torch::empty({M, n}, x.options());
+  TORCH_CHECK(isa != "amx" || amx_fits(K), "isa amx: this CPU (or its kernel) gives no AMX-BF16 tiles, or K is not a multiple of ", kAmxK);
   if (M == 0) return y;
   const Args a{reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), reinterpret_cast<const uint16_t*>(w.data_ptr()), K, n,
                bias ? bias->data_ptr<float>() : nullptr, epilogue, binary ? reinterpret_cast<const uint16_t*>(other->data_ptr()) : nullptr,
                binary ? other->stride(0) : 0, reinterpret_cast<uint16_t*>(y.data_ptr()), y.stride(0)};
-  TORCH_CHECK(isa != "amx" || amx_fits(K), "isa amx: this CPU (or its kernel) gives no AMX-BF16 tiles, or K is not a multiple of ", kAmxK);
   const bool tiles = isa == "amx" || (isa == "auto" && amx_fits(K));
   const int64_t tiled = tiles ? M / kvpilot::AMX_TILE_ROWS * kvpilot::AMX_TILE_ROWS : 0;  // the rest on AVX512-BF16
   kvpilot::WorkQueue work(P, kvpilot::chunk_for(P));
